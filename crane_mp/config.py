@@ -1,0 +1,71 @@
+"""Frozen engine configuration and the parsing of user-facing values (memory limits, dtypes).
+
+No torch here: the scheduler and frontend import this module.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLimit:
+    """Either an absolute byte count or a fraction of the device's memory."""
+
+    num_bytes: int | None = None
+    fraction: float | None = None
+
+    def resolve(self, total_bytes: int) -> int:
+        if self.num_bytes is not None:
+            return self.num_bytes
+        return int(self.fraction * total_bytes)
+
+
+def parse_memory_limit(text: str) -> MemoryLimit:
+    """'8G', '5120M', '512MiB', '1.5GB' -> bytes; '0.75' -> 75% of device memory."""
+    value = text.strip().upper()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B)?", value)
+    if not match:
+        raise ValueError(f"invalid memory limit {text!r}: use e.g. 8G, 5120M or a fraction like 0.75")
+    number, unit, suffix = float(match.group(1)), match.group(2), match.group(3)
+    if not unit and not suffix:
+        if 0 < number <= 1:
+            return MemoryLimit(fraction=number)
+        raise ValueError(f"invalid memory limit {text!r}: a bare number must be a fraction in (0, 1]; add a unit")
+    if number <= 0:
+        raise ValueError(f"invalid memory limit {text!r}: must be positive")
+    return MemoryLimit(num_bytes=int(number * _UNITS[unit]))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What the worker and scheduler need to start; built once from CLI flags (or by library callers)."""
+
+    model_path: str
+    model_type: str = "auto"
+    dtype: str = "auto"
+    force_cpu: bool = False
+    block_size: int = 16
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0  # 0: the model's own limit
+    memory_limit: MemoryLimit | None = None
+    max_total_tokens: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.max_model_len < 0:
+            raise ValueError("max_model_len must be >= 0")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.block_size:
+            raise ValueError("max_total_tokens must be at least one block")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")

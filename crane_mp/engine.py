@@ -1,0 +1,65 @@
+"""LLMEngine: the scheduler and the model runner in one process, driven step by step.
+
+For library use, tests and benchmarks; the server runs the same two pieces in separate processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from crane_mp.config import EngineConfig
+from crane_mp.protocol import SamplingParams
+from crane_mp.scheduler.request import Request
+from crane_mp.scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from crane_mp.worker.bootstrap import LoadedWorker, load_worker
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = False) -> None:
+        self.config = config
+        self.worker: LoadedWorker = load_worker(config, progress)
+        plan = self.worker.kv_plan
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=plan.num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.worker.max_model_len,
+                eos_token_ids=self.worker.model_config.eos_token_ids,
+            )
+        )
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
+        req_id = next(self._ids)
+        self.scheduler.add_request(Request(req_id, list(prompt_ids), sampling, arrival_time=time.monotonic()))
+        return req_id
+
+    def abort_request(self, req_id: int) -> None:
+        self.scheduler.abort_request(req_id)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step and forward pass; returns what each advanced request gained."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        result = self.worker.runner.execute(plan)
+        return self.scheduler.update(result)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run `prompts` to completion together; returns each one's output token ids."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ids = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        outputs: dict[int, list[int]] = {i: [] for i in ids}
+        while self.has_work:
+            for out in self.step():
+                outputs[out.req_id].extend(out.new_token_ids)
+        return [outputs[i] for i in ids]

@@ -1,0 +1,55 @@
+"""A request as the scheduler sees it: token ids, progress, blocks, and finish rules by token id."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from crane_mp.protocol import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS or a stop token id
+    LENGTH = 1  # max_tokens or the context window
+    ABORT = 2  # client abort, stop string matched by the frontend, shutdown
+    ERROR = 3  # a failure that belongs to this request only
+
+
+@dataclass(slots=True)
+class Request:
+    req_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None  # the id that ended the request, reported as stop_reason
+    known_to_worker: bool = False
+    blocks_reset: bool = False  # block table must be resent whole (after preemption)
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]

@@ -1,0 +1,72 @@
+"""Worker start-up: load the model, measure memory, size and allocate the KV cache."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from crane_mp.config import EngineConfig, MemoryLimit
+from crane_mp.worker.device import select_device, select_dtype
+from crane_mp.worker.loader import load_model
+from crane_mp.worker.memory import KVPlan, device_total_memory, measure_activation_bytes, plan_kv_blocks
+from crane_mp.worker.model_config import ModelConfig, load_model_config
+from crane_mp.worker.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+# Without --gpu-memory-limit a GPU host may give the engine most of the device.
+_DEFAULT_CUDA_LIMIT = MemoryLimit(fraction=0.9)
+
+
+@dataclass(slots=True)
+class LoadedWorker:
+    runner: ModelRunner
+    model_config: ModelConfig
+    kv_plan: KVPlan
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def _activation_estimate_per_token(cfg: ModelConfig) -> int:
+    # Live float32 tensors of one layer at its widest point (MLP gate/up + output, attention q/k/v/out).
+    widths = cfg.hidden_size * 4 + cfg.intermediate_size * 3 + (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * 2
+    return widths * 4
+
+
+def load_worker(config: EngineConfig, progress: bool = True) -> LoadedWorker:
+    torch.manual_seed(config.seed)
+    model_config = load_model_config(config.model_path, config.model_type)
+    device = select_device(config.force_cpu)
+    dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
+    model = load_model(model_config, config.model_path, dtype, device, progress)
+
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if config.max_total_tokens is not None:
+        capacity = config.max_total_tokens // config.block_size * config.block_size
+        if capacity < max_model_len:
+            log.info("max_model_len lowered from %d to --max-total-tokens %d", max_model_len, capacity)
+            max_model_len = capacity
+    runner = ModelRunner(model, config.block_size, max_model_len, device)
+
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    profile_tokens = min(config.max_num_batched_tokens, max_model_len)
+    activation_bytes = measure_activation_bytes(
+        runner.profile_forward, profile_tokens, device, _activation_estimate_per_token(model_config)
+    )
+    limit = config.memory_limit or (_DEFAULT_CUDA_LIMIT if device.type == "cuda" else None)
+    kv_plan = plan_kv_blocks(
+        limit=limit,
+        total_bytes=device_total_memory(device),
+        weights_bytes=weights_bytes,
+        activation_bytes=activation_bytes,
+        kv_bytes_per_token=runner.kv_bytes_per_token(),
+        block_size=config.block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_total_tokens=config.max_total_tokens,
+    )
+    runner.allocate_kv_cache(kv_plan.num_blocks)
+    return LoadedWorker(runner, model_config, kv_plan, device, dtype, max_model_len)

@@ -1,0 +1,62 @@
+"""Load a checkpoint into our model classes: safetensors, single file or sharded, memory-mapped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+
+from crane_mp.worker.model_config import ModelConfig
+from crane_mp.worker.models import build_model
+from crane_mp.worker.models.layers import CausalLM
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+    return files
+
+
+def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    total = 0
+    handles = []
+    for path in files:
+        handle = safe_open(str(path), framework="pt", device="cpu")  # mmap: tensors are paged in on access
+        handles.append(handle)
+        total += len(handle.keys())
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for handle in handles:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+                bar.update(1)
+
+
+def load_model(
+    config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device, progress: bool = True
+) -> CausalLM:
+    """Build the model without initialising it (meta device), then fill every parameter from the checkpoint."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = build_model(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    loaded = model.load_weights(iter_safetensors(safetensors_files(Path(model_dir)), progress))
+    missing = model.expected_weights() - loaded
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    return model.eval()

@@ -1,0 +1,146 @@
+"""ModelConfig: the architecture facts our model code needs, read once from a Hugging Face config.
+
+transformers is used here only to parse config.json (and rope parameters); model code never sees an HF object.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# --model-type spellings (crane-oai's included) -> our architecture names.
+MODEL_TYPE_ALIASES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen25": "qwen2",
+    "qwen3": "qwen3",
+    "hunyuan": "hunyuan",
+    "hunyuan_v1_dense": "hunyuan",
+}
+
+_ARCHITECTURE_CLASSES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "HunYuanDenseV1ForCausalLM": "hunyuan",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is not one of the architectures crane-mp implements."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    hidden_act: str
+    rope_theta: float
+    rope_parameters: dict[str, Any] = field(default_factory=dict)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    hf_config: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+def detect_arch(hf_config: Any, model_type: str = "auto") -> str:
+    if model_type != "auto":
+        if model_type not in MODEL_TYPE_ALIASES:
+            raise UnsupportedModelError(f"unknown --model-type {model_type!r}")
+        return MODEL_TYPE_ALIASES[model_type]
+    for name in getattr(hf_config, "architectures", None) or []:
+        if name in _ARCHITECTURE_CLASSES:
+            return _ARCHITECTURE_CLASSES[name]
+    arch = MODEL_TYPE_ALIASES.get(getattr(hf_config, "model_type", ""))
+    if arch is None:
+        supported = ", ".join(sorted(set(_ARCHITECTURE_CLASSES.values())))
+        raise UnsupportedModelError(
+            f"model_type {getattr(hf_config, 'model_type', None)!r} is not supported (supported: {supported})"
+        )
+    return arch
+
+
+def _eos_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    if model_dir is not None and (model_dir / "generation_config.json").exists():
+        sources.append(json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id"))
+    for src in sources:
+        for tok in src if isinstance(src, list) else [src]:
+            if isinstance(tok, int) and tok not in ids:
+                ids.append(tok)
+    return tuple(ids)
+
+
+def _rope(hf_config: Any) -> tuple[float, dict[str, Any]]:
+    # transformers >= 5 folds rope_theta into rope_parameters; 4.x keeps rope_theta + rope_scaling.
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params["type"]
+    params.setdefault("rope_type", "default")
+    return theta, params
+
+
+def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Path | None = None) -> ModelConfig:
+    """Build our config from a loaded transformers config object."""
+    arch = detect_arch(hf_config, model_type)
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    theta, rope_params = _rope(hf_config)
+    sliding_window = getattr(hf_config, "sliding_window", None)
+    if arch in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+        sliding_window = None
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return ModelConfig(
+        arch=arch,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_hidden_layers=hf_config.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+        hidden_act=getattr(hf_config, "hidden_act", "silu"),
+        rope_theta=theta,
+        rope_parameters=rope_params,
+        sliding_window=sliding_window,
+        bos_token_id=getattr(hf_config, "bos_token_id", None),
+        eos_token_ids=_eos_ids(hf_config, model_dir),
+        torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+        hf_config=hf_config,
+    )
+
+
+def load_model_config(model_path: str | Path, model_type: str = "auto") -> ModelConfig:
+    """Read config.json from a model directory."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_path)
+    if not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    return model_config_from_hf(hf_config, model_type, model_dir)

@@ -1,0 +1,22 @@
+"""Hunyuan dense (transformers' hunyuan_v1_dense): Llama layout with per-head query/key RMSNorm after rope."""
+
+from __future__ import annotations
+
+import torch
+
+from crane_mp.worker.model_config import ModelConfig
+from crane_mp.worker.models.layers import CausalLM, PagedSelfAttention, RMSNorm
+
+
+class HunYuanDenseAttention(PagedSelfAttention):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.query_layernorm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.key_layernorm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def qk_transform_after_rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.query_layernorm(q), self.key_layernorm(k)
+
+
+class HunYuanDenseForCausalLM(CausalLM):
+    attention_class = HunYuanDenseAttention

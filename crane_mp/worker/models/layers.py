@@ -1,0 +1,196 @@
+"""Building blocks shared by the Llama-family models: RMSNorm, gated MLP, paged self-attention, packed loading.
+
+Numerics follow transformers' reference (norm in float32, rope tables rounded to the model dtype) so that
+float32 runs match it closely.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from crane_mp.worker.attention import paged_attention
+from crane_mp.worker.forward_context import get_forward_context
+from crane_mp.worker.model_config import ModelConfig
+from crane_mp.worker.rope import apply_rope
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Round the normalised value to the model dtype before scaling, as the reference does.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class PagedSelfAttention(nn.Module):
+    """Fused QKV projection, rope, paged attention, output projection.
+
+    Subclasses hook `qk_transform_before_rope` / `qk_transform_after_rope` for per-head norms.
+    """
+
+    def __init__(self, config: ModelConfig, qkv_bias: bool | None = None, o_bias: bool | None = None) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
+        o_bias = config.attention_bias if o_bias is None else o_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.k_cache: torch.Tensor | None = None  # bound by the runner: [num_blocks, block_size, kv_heads, head_dim]
+        self.v_cache: torch.Tensor | None = None
+
+    def qk_transform_before_rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def qk_transform_after_rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KH, D]
+        q, k = self.qk_transform_before_rope(q, k)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        q, k = self.qk_transform_after_rope(q, k)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.attn, self.scale)  # [T, H * D]
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: PagedSelfAttention) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, make_attention) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, make_attention(config)) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+# HF checkpoint names that we store packed into one fused parameter: name -> (fused name, shard index).
+PACKED_WEIGHTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class CausalLM(nn.Module):
+    """Model + LM head. Subclasses pick the attention class; checkpoint names are Hugging Face's."""
+
+    attention_class: type[PagedSelfAttention] = PagedSelfAttention
+    # Checkpoint-name fragments renamed to ours before loading (e.g. Hunyuan's query_layernorm).
+    renamed_weights: dict[str, str] = {}
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.attention_class)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T]; returns final hidden states [T, hidden]."""
+        return self.model(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[PagedSelfAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def _shard_offsets(self, fused_name: str) -> list[int]:
+        cfg = self.config
+        if fused_name == "qkv_proj":
+            sizes = [cfg.num_attention_heads * cfg.head_dim, cfg.kv_size, cfg.kv_size]
+        else:
+            sizes = [cfg.intermediate_size, cfg.intermediate_size]
+        return [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into our (possibly packed) parameters; returns the parameter names filled."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            for old, new in self.renamed_weights.items():
+                name = name.replace(old, new)
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            packed = PACKED_WEIGHTS.get(parts[-2]) if len(parts) >= 2 else None
+            if packed is not None:
+                fused, shard = packed
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+                offsets = self._shard_offsets(fused)
+                params[target].data[offsets[shard] : offsets[shard + 1]].copy_(tensor)
+                loaded.add(f"{target}#{shard}")
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        """The names `load_weights` must fill for the model to be complete."""
+        expected = set()
+        for name, param in self.named_parameters():
+            fused = name.split(".")[-2]
+            if fused in ("qkv_proj", "gate_up_proj"):
+                shards = 3 if fused == "qkv_proj" else 2
+                expected.update(f"{name}#{i}" for i in range(shards))
+            else:
+                expected.add(name)
+        return expected

@@ -1,0 +1,15 @@
+"""Qwen2 / Qwen2.5: Llama layout with biases on the Q, K and V projections (none on the output projection)."""
+
+from __future__ import annotations
+
+from crane_mp.worker.model_config import ModelConfig
+from crane_mp.worker.models.layers import CausalLM, PagedSelfAttention
+
+
+class Qwen2Attention(PagedSelfAttention):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, qkv_bias=True, o_bias=False)
+
+
+class Qwen2ForCausalLM(CausalLM):
+    attention_class = Qwen2Attention

@@ -1,0 +1,22 @@
+"""Qwen3: Llama layout with a per-head RMSNorm on queries and keys, applied before rope."""
+
+from __future__ import annotations
+
+import torch
+
+from crane_mp.worker.model_config import ModelConfig
+from crane_mp.worker.models.layers import CausalLM, PagedSelfAttention, RMSNorm
+
+
+class Qwen3Attention(PagedSelfAttention):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def qk_transform_before_rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
+
+
+class Qwen3ForCausalLM(CausalLM):
+    attention_class = Qwen3Attention

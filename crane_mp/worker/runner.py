@@ -1,0 +1,127 @@
+"""ModelRunner: executes a StepPlan on the model and the paged KV cache, returns the sampled tokens.
+
+Keeps the worker's mirror of every live request (its token ids, block table, sampling state); the
+scheduler sends full request data once and only diffs afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from crane_mp.protocol import StepPlan, StepResult
+from crane_mp.worker.attention import SeqSpan, build_metadata
+from crane_mp.worker.forward_context import ForwardContext, forward_context
+from crane_mp.worker.models.layers import CausalLM
+from crane_mp.worker.rope import rope_tables
+from crane_mp.worker.sampler import Sampler, SamplingState, new_sampling_state, record_token
+
+
+@dataclass(slots=True)
+class RequestMirror:
+    token_ids: list[int]  # prompt + every token sampled so far
+    block_table: list[int]
+    sampling: SamplingState
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, block_size: int, max_positions: int, device: torch.device) -> None:
+        self.model = model
+        self.config = model.config
+        self.block_size = block_size
+        self.device = device
+        self.dtype = model.lm_head.weight.dtype
+        self.cos, self.sin = rope_tables(self.config, max_positions, self.dtype, device)
+        self.sampler = Sampler(self.config.vocab_size, device)
+        self.requests: dict[int, RequestMirror] = {}
+        self.num_blocks = 0
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.config
+        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        for attn in self.model.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.num_blocks = num_blocks
+
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.config
+        return 2 * cfg.num_hidden_layers * cfg.kv_size * self.dtype.itemsize
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def _apply_plan(self, plan: StepPlan) -> None:
+        for req_id in plan.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in plan.preempted_req_ids:
+            self.requests[req_id].block_table = []
+        eos = self.config.eos_token_ids
+        for new in plan.new_requests:
+            state = new_sampling_state(new.sampling, new.prompt_ids, self.config.vocab_size, eos, self.device)
+            self.requests[new.req_id] = RequestMirror(list(new.prompt_ids), [], state)
+        for sched in plan.scheduled:
+            mirror = self.requests[sched.req_id]
+            if sched.reset_blocks:
+                mirror.block_table = list(sched.new_block_ids)
+            else:
+                mirror.block_table.extend(sched.new_block_ids)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._apply_plan(plan)
+        if not plan.scheduled:
+            return StepResult(plan.step_id, [], [])
+        # Decode-first token layout (see attention.py); remember each request's last row for sampling.
+        order = sorted(plan.scheduled, key=lambda s: s.num_new_tokens > 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        decodes: list[SeqSpan] = []
+        prefills: list[SeqSpan] = []
+        sample_rows: dict[int, int] = {}
+        for sched in order:
+            mirror = self.requests[sched.req_id]
+            start, end = sched.num_computed_tokens, sched.num_computed_tokens + sched.num_new_tokens
+            input_ids.extend(mirror.token_ids[start:end])
+            positions.extend(range(start, end))
+            span = SeqSpan(start, sched.num_new_tokens, mirror.block_table)
+            (decodes if sched.num_new_tokens == 1 else prefills).append(span)
+            if end == len(mirror.token_ids):
+                sample_rows[sched.req_id] = len(input_ids) - 1
+
+        meta = build_metadata(decodes, prefills, self.block_size, self.device, self.config.sliding_window)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1))
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        with forward_context(ctx):
+            hidden = self.model(ids)  # [T, hidden]
+
+        sampled_ids = [s.req_id for s in plan.scheduled if s.req_id in sample_rows]
+        if not sampled_ids:
+            return StepResult(plan.step_id, [], [])
+        rows = torch.tensor([sample_rows[r] for r in sampled_ids], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, vocab]
+        states = [self.requests[r].sampling for r in sampled_ids]
+        tokens, logprobs = self.sampler.sample(logits, states)
+        for req_id, token in zip(sampled_ids, tokens):
+            mirror = self.requests[req_id]
+            mirror.token_ids.append(token)
+            record_token(mirror.sampling, token)
+        return StepResult(plan.step_id, sampled_ids, tokens, logprobs)
+
+    @torch.inference_mode()
+    def profile_forward(self, num_tokens: int) -> None:
+        """One forward over `num_tokens` fresh prompt tokens (a scratch KV cache), to measure peak memory."""
+        saved = [(a.k_cache, a.v_cache) for a in self.model.attention_layers()]
+        num_blocks = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(num_blocks)
+        span = SeqSpan(0, num_tokens, list(range(num_blocks)))
+        meta = build_metadata([], [span], self.block_size, self.device, self.config.sliding_window)
+        pos = torch.arange(num_tokens, device=self.device)
+        ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1))
+        with forward_context(ctx):
+            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device))
+        self.model.compute_logits(hidden[-min(num_tokens, 256):]).float().softmax(-1)
+        for attn, (k, v) in zip(self.model.attention_layers(), saved):
+            attn.k_cache, attn.v_cache = k, v
+        self.num_blocks = 0 if saved[0][0] is None else saved[0][0].shape[0]
