@@ -102,7 +102,6 @@ class Scheduler:
         new_requests: list[NewRequest] = []
         scheduled: list[ScheduledRequest] = []
         preempted: list[int] = []
-        planned: set[int] = set()
 
         def plan(req: Request, num_tokens: int) -> None:
             new_blocks = self._grow_blocks(req, req.num_computed_tokens + num_tokens)
@@ -114,16 +113,8 @@ class Scheduler:
             )
             req.blocks_reset = False
             req.num_computed_tokens += num_tokens
-            planned.add(req.req_id)
 
-        # Decodes first so running streams never stall, then continuing prefills, then admissions.
-        running = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        for req in running:
-            if req.status != RequestStatus.RUNNING or budget == 0:
-                continue
-            num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._make_room(req, num_tokens, planned, preempted):
-                continue
+        for req, num_tokens in self._fit_running(budget, preempted):
             plan(req, num_tokens)
             budget -= num_tokens
 
@@ -131,9 +122,8 @@ class Scheduler:
             req = self.waiting[0]
             num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
             needed = _blocks_for(req.num_computed_tokens + num_tokens, self.config.block_size) - len(req.block_ids)
-            if not self.allocator.can_allocate(needed + self.watermark_blocks) and self.running:
-                break
-            if not self.allocator.can_allocate(needed):
+            reserve = self.watermark_blocks if self.running else 0
+            if not self.allocator.can_allocate(needed + reserve):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -154,16 +144,26 @@ class Scheduler:
         req.block_ids.extend(new_blocks)
         return list(req.block_ids) if req.blocks_reset else new_blocks
 
-    def _make_room(self, req: Request, num_tokens: int, planned: set[int], preempted: list[int]) -> bool:
-        """Preempt other running requests until `req` can grow by `num_tokens`; False if req itself went."""
-        needed = _blocks_for(req.num_computed_tokens + num_tokens, self.config.block_size) - len(req.block_ids)
-        while not self.allocator.can_allocate(needed):
-            candidates = [r for r in self.running if r is not req and r.req_id not in planned]
-            victim = max(candidates, key=lambda r: (len(r.output_ids), r.arrival_time), default=req)
+    def _running_demand(self, budget: int) -> list[tuple[Request, int, int]]:
+        """(request, tokens, new blocks) for each running request this step; decodes first, then prefills."""
+        demand = []
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_tokens == 0:
+                continue
+            total = _blocks_for(req.num_computed_tokens + num_tokens, self.config.block_size)
+            demand.append((req, num_tokens, total - len(req.block_ids)))
+            budget -= num_tokens
+        return demand
+
+    def _fit_running(self, budget: int, preempted: list[int]) -> list[tuple[Request, int]]:
+        """Preempt the longest-output running requests until the rest fit in the free blocks."""
+        while True:
+            demand = self._running_demand(budget)
+            if sum(blocks for _, _, blocks in demand) <= self.allocator.num_free_blocks:
+                return [(req, num_tokens) for req, num_tokens, _ in demand]
+            victim = max(self.running, key=lambda r: (len(r.output_ids), r.arrival_time))
             self._preempt(victim, preempted)
-            if victim is req:
-                return False
-        return True
 
     def _preempt(self, req: Request, preempted: list[int]) -> None:
         self.running.remove(req)
@@ -222,7 +222,8 @@ class Scheduler:
         del self.requests[req.req_id]
         if req.known_to_worker:
             self._finished_for_worker.append(req.req_id)
-        self.max_running = min(self.config.max_num_seqs, self.max_running + 1)
+        idle = not self.running and not self.waiting
+        self.max_running = self.config.max_num_seqs if idle else min(self.config.max_num_seqs, self.max_running + 1)
 
     # ---- introspection --------------------------------------------------------------------------
 

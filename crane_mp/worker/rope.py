@@ -11,7 +11,7 @@ def _inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     params = config.rope_parameters
     rope_type = params.get("rope_type", "default")
     dim = config.head_dim
-    if rope_type == "dynamic" and params.get("alpha"):
+    if rope_type in ("dynamic", "ntk_alpha") and params.get("alpha"):
         # Hunyuan's fixed NTK-alpha: stretches the base once, independent of sequence length.
         base = config.rope_theta * params["alpha"] ** (dim / (dim - 2))
         rope_type = "default"

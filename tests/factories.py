@@ -1,0 +1,97 @@
+"""Shared test factories: one way to build schedulers and requests, and a fake worker that samples by rule."""
+
+from __future__ import annotations
+
+import itertools
+
+from crane_mp.protocol import SamplingParams, StepPlan, StepResult
+from crane_mp.scheduler.request import Request
+from crane_mp.scheduler.scheduler import Scheduler, SchedulerConfig
+
+_ids = itertools.count(1000)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 64,
+    eos_token_ids: tuple[int, ...] = (2,),
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            eos_token_ids=eos_token_ids,
+        )
+    )
+
+
+def make_requests(
+    n: int, prompt_len: int | list[int] = 8, max_tokens: int = 8, **sampling: object
+) -> list[Request]:
+    lengths = prompt_len if isinstance(prompt_len, list) else [prompt_len] * n
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling)
+    return [
+        Request(next(_ids), [10 + (i + j) % 50 for j in range(length)], params, arrival_time=float(i))
+        for i, length in enumerate(lengths)
+    ]
+
+
+class FakeWorker:
+    """Mirrors what a real worker would know and 'samples' a deterministic function of the sequence so far.
+
+    The next token depends only on the request's full token history, so outputs are identical whatever
+    the batching, chunking or preemption, exactly the property a real greedy model has.
+    """
+
+    def __init__(self, eos_after: dict[int, int] | None = None) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.blocks: dict[int, list[int]] = {}
+        self.eos_after = eos_after or {}
+        self.plans: list[StepPlan] = []
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        for req_id in plan.finished_req_ids:
+            self.tokens.pop(req_id)
+            self.blocks.pop(req_id)
+        for req_id in plan.preempted_req_ids:
+            self.blocks[req_id] = []
+        for new in plan.new_requests:
+            self.tokens[new.req_id] = list(new.prompt_ids)
+            self.blocks[new.req_id] = []
+        req_ids, token_ids = [], []
+        for sched in plan.scheduled:
+            table = self.blocks[sched.req_id]
+            self.blocks[sched.req_id] = list(sched.new_block_ids) if sched.reset_blocks else table + sched.new_block_ids
+            tokens = self.tokens[sched.req_id]
+            if sched.num_computed_tokens + sched.num_new_tokens == len(tokens):
+                token = self._next_token(sched.req_id, tokens)
+                tokens.append(token)
+                req_ids.append(sched.req_id)
+                token_ids.append(token)
+        return StepResult(plan.step_id, req_ids, token_ids)
+
+    def _next_token(self, req_id: int, tokens: list[int]) -> int:
+        if req_id in self.eos_after and len(tokens) >= self.eos_after[req_id]:
+            return 2
+        return 3 + (sum(tokens) * 31 + len(tokens)) % 97
+
+
+def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> dict[int, list[int]]:
+    """Drive scheduler + fake worker until idle, checking invariants every step; returns outputs by req id."""
+    outputs: dict[int, list[int]] = {}
+    for _ in range(max_steps):
+        plan = scheduler.schedule()
+        if plan is None:
+            break
+        for out in scheduler.update(worker.execute(plan)):
+            outputs.setdefault(out.req_id, []).extend(out.new_token_ids)
+        scheduler.check_invariants()
+    assert not scheduler.has_work, "scheduler did not drain"
+    return outputs
