@@ -35,11 +35,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot each new token's K/V is written to
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_keys] True = attend
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_keys] additive
     prefill_token_index: torch.Tensor | None  # [num_prefills * max_q] index into the prefill tokens
     prefill_valid_index: torch.Tensor | None  # [num_prefill_tokens] rows of the padded output to keep
     prefill_block_tables: torch.Tensor | None  # [num_prefills, max_blocks]
-    prefill_mask: torch.Tensor | None  # [num_prefills, 1, max_q, max_keys]
+    prefill_mask: torch.Tensor | None  # [num_prefills, 1, max_q, max_keys] additive
     num_prefills: int
     max_prefill_q: int
     prefill_is_fresh_single: bool  # one prefill with no cached context: plain causal attention
@@ -51,12 +51,19 @@ def _padded_tables(spans: list[SeqSpan], num_blocks_needed: list[int], device) -
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def _key_mask(q_pos: torch.Tensor, ctx_len: torch.Tensor, num_keys: int, sliding_window: int | None):
-    """q_pos: [B, Q] absolute query positions; ctx_len: [B]. Returns [B, 1, Q, num_keys] bool."""
+def _key_mask(
+    q_pos: torch.Tensor, ctx_len: torch.Tensor, num_keys: int, sliding_window: int | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """q_pos: [B, Q] absolute query positions; ctx_len: [B]. Returns an additive mask [B, 1, Q, num_keys].
+
+    Additive (0 / -inf) in the model dtype, built once per step: a boolean mask would be converted by
+    every layer's attention call.
+    """
     keys = torch.arange(num_keys, device=q_pos.device)
-    mask = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < ctx_len[:, None, None])
+    allowed = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < ctx_len[:, None, None])
     if sliding_window is not None:
-        mask &= keys[None, None, :] > q_pos[:, :, None] - sliding_window
+        allowed &= keys[None, None, :] > q_pos[:, :, None] - sliding_window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
     return mask[:, None]
 
 
@@ -65,6 +72,7 @@ def build_metadata(
     prefills: list[SeqSpan],
     block_size: int,
     device: torch.device,
+    dtype: torch.dtype,
     sliding_window: int | None = None,
 ) -> AttentionMetadata:
     """Called by the runner once per step; `decodes` each have q_len == 1 and come first."""
@@ -81,7 +89,7 @@ def build_metadata(
         needed = [-(-c // block_size) for c in ctx]
         decode_tables = _padded_tables(decodes, needed, device)
         ctx_len = torch.tensor(ctx, device=device)
-        decode_mask = _key_mask((ctx_len - 1)[:, None], ctx_len, max(needed) * block_size, sliding_window)
+        decode_mask = _key_mask((ctx_len - 1)[:, None], ctx_len, max(needed) * block_size, sliding_window, dtype)
 
     token_index = valid_index = prefill_tables = prefill_mask = None
     max_q = max((s.q_len for s in prefills), default=0)
@@ -100,7 +108,7 @@ def build_metadata(
         ctx_before = torch.tensor([s.ctx_before for s in prefills], device=device)
         q_pos = ctx_before[:, None] + torch.arange(max_q, device=device)[None, :]  # [num_prefills, max_q]
         ctx_len = torch.tensor(ctx, device=device)
-        prefill_mask = _key_mask(q_pos, ctx_len, max(needed) * block_size, sliding_window)
+        prefill_mask = _key_mask(q_pos, ctx_len, max(needed) * block_size, sliding_window, dtype)
 
     return AttentionMetadata(
         slot_mapping=slot_mapping,

@@ -32,18 +32,27 @@ def _inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 def rope_tables(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
-    """Return (cos, sin), each [max_positions, head_dim], rounded to `dtype` as transformers does."""
+    """Return (cos, signed_sin), each [max_positions, head_dim], rounded to `dtype` as transformers does.
+
+    signed_sin carries rotate-half's minus sign on its first half, so applying rope needs no negation.
+    """
     inv_freq, scaling = _inv_freq(config)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
     cos = (emb.cos() * scaling).to(dtype=dtype, device=device)
     sin = (emb.sin() * scaling).to(dtype=dtype, device=device)
-    return cos, sin
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return cos, signed_sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; cos/signed_sin: [num_tokens, 1, head_dim].
+
+    Equals x * cos + rotate_half(x) * sin bit for bit: swapping the halves and folding the sign into
+    the table only moves an exact negation.
+    """
+    num_tokens, num_heads, head_dim = x.shape
+    swapped = x.reshape(num_tokens, num_heads, 2, head_dim // 2).flip(2).view(num_tokens, num_heads, head_dim)
+    return x * cos + swapped * signed_sin

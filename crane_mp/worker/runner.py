@@ -89,7 +89,9 @@ class ModelRunner:
             if end == len(mirror.token_ids):
                 sample_rows[sched.req_id] = len(input_ids) - 1
 
-        meta = build_metadata(decodes, prefills, self.block_size, self.device, self.config.sliding_window)
+        meta = build_metadata(
+            decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window
+        )
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1))
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
@@ -116,7 +118,7 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         self.allocate_kv_cache(num_blocks)
         span = SeqSpan(0, num_tokens, list(range(num_blocks)))
-        meta = build_metadata([], [span], self.block_size, self.device, self.config.sliding_window)
+        meta = build_metadata([], [span], self.block_size, self.device, self.dtype, self.config.sliding_window)
         pos = torch.arange(num_tokens, device=self.device)
         ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1))
         with forward_context(ctx):

@@ -65,7 +65,8 @@ def engine_prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     """Logits at every prompt position from one paged prefill over scratch blocks."""
     runner = engine.worker.runner
     num_blocks = -(-len(prompt) // runner.block_size)
-    meta = build_metadata([], [SeqSpan(0, len(prompt), list(range(num_blocks)))], runner.block_size, runner.device)
+    span = SeqSpan(0, len(prompt), list(range(num_blocks)))
+    meta = build_metadata([], [span], runner.block_size, runner.device, runner.dtype)
     pos = torch.arange(len(prompt))
     with torch.inference_mode(), forward_context(ForwardContext(meta, runner.cos[pos, None], runner.sin[pos, None])):
         return runner.model.compute_logits(runner.model(torch.tensor(prompt)))

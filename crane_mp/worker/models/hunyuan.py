@@ -9,13 +9,15 @@ from crane_mp.worker.models.layers import CausalLM, PagedSelfAttention, RMSNorm
 
 
 class HunYuanDenseAttention(PagedSelfAttention):
+    qk_norm_position = "after_rope"
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.query_layernorm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.key_layernorm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def qk_transform_after_rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.query_layernorm(q), self.key_layernorm(k)
+    def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.query_layernorm.weight, self.key_layernorm.weight
 
 
 class HunYuanDenseForCausalLM(CausalLM):

@@ -1,7 +1,7 @@
 """Building blocks shared by the Llama-family models: RMSNorm, gated MLP, paged self-attention, packed loading.
 
-Numerics follow transformers' reference (norm in float32, rope tables rounded to the model dtype) so that
-float32 runs match it closely.
+Float32 numerics follow transformers' reference op for op; in 16-bit we prefer fused ops over
+reproducing its intermediate roundings.
 """
 
 from __future__ import annotations
@@ -27,10 +27,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Round the normalised value to the model dtype before scaling, as the reference does.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        # One fused op; it accumulates in float32 and matches the reference exactly in float32.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -47,10 +45,12 @@ class GatedMLP(nn.Module):
 
 
 class PagedSelfAttention(nn.Module):
-    """Fused QKV projection, rope, paged attention, output projection.
+    """Fused QKV projection, rope on queries and keys together, paged attention, output projection.
 
-    Subclasses hook `qk_transform_before_rope` / `qk_transform_after_rope` for per-head norms.
+    Subclasses with per-head query/key norms set `qk_norm_position` and provide `qk_norm_weights()`.
     """
+
+    qk_norm_position: str | None = None  # "before_rope" (Qwen3) or "after_rope" (Hunyuan)
 
     def __init__(self, config: ModelConfig, qkv_bias: bool | None = None, o_bias: bool | None = None) -> None:
         super().__init__()
@@ -60,29 +60,41 @@ class PagedSelfAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        self.eps = config.rms_norm_eps
         qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
         o_bias = config.attention_bias if o_bias is None else o_bias
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.k_cache: torch.Tensor | None = None  # bound by the runner: [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
+        self.qk_norm_weight: torch.Tensor | None = None  # [heads + kv_heads, head_dim], see finalize_weights
 
-    def qk_transform_before_rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
+    def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
 
-    def qk_transform_after_rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
+    def finalize_weights(self) -> None:
+        """After loading: stack the query and key norm weights so one op normalises both."""
+        if self.qk_norm_position is not None:
+            q_weight, k_weight = self.qk_norm_weights()
+            self.qk_norm_weight = torch.cat(
+                [q_weight.expand(self.num_heads, -1), k_weight.expand(self.num_kv_heads, -1)]
+            )
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KH, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KH, D]
-        q, k = self.qk_transform_before_rope(q, k)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        q, k = self.qk_transform_after_rope(q, k)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * KH) * D]
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KH, D]
+        if self.qk_norm_position == "before_rope":
+            qk = self._qk_norm(qk)
+        qk = apply_rope(qk, ctx.cos, ctx.sin)  # [T, H + KH, D]
+        if self.qk_norm_position == "after_rope":
+            qk = self._qk_norm(qk)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.attn, self.scale)  # [T, H * D]
         return self.o_proj(out)
 
@@ -108,10 +120,12 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Returns the last layer's output before the final norm, which compute_logits applies to the
+        few rows that need logits."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
             x = layer(x)
-        return self.norm(x)
+        return x
 
 
 # HF checkpoint names that we store packed into one fused parameter: name -> (fused name, shard index).
@@ -140,11 +154,12 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [T]; returns final hidden states [T, hidden]."""
+        """input_ids: [T]; returns hidden states [T, hidden] (final norm not yet applied)."""
         return self.model(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """hidden: [N, hidden] rows of forward()'s output -> logits [N, vocab]."""
+        return self.lm_head(self.model.norm(hidden))
 
     def attention_layers(self) -> list[PagedSelfAttention]:
         return [layer.self_attn for layer in self.model.layers]
@@ -181,6 +196,8 @@ class CausalLM(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
             params[name].data.copy_(tensor)
             loaded.add(name)
+        for attn in self.attention_layers():
+            attn.finalize_weights()
         return loaded
 
     def expected_weights(self) -> set[str]:

@@ -9,13 +9,15 @@ from crane_mp.worker.models.layers import CausalLM, PagedSelfAttention, RMSNorm
 
 
 class Qwen3Attention(PagedSelfAttention):
+    qk_norm_position = "before_rope"
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def qk_transform_before_rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
+    def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm.weight, self.k_norm.weight
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -1,0 +1,80 @@
+"""Config parsing and KV sizing rules (pure functions, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from crane_mp.config import EngineConfig, MemoryLimit, parse_memory_limit
+from crane_mp.worker.memory import MemoryBudgetError, plan_kv_blocks
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("8G", MemoryLimit(num_bytes=8 * GIB)),
+        ("5120M", MemoryLimit(num_bytes=5120 << 20)),
+        ("512MiB", MemoryLimit(num_bytes=512 << 20)),
+        ("1.5GB", MemoryLimit(num_bytes=int(1.5 * GIB))),
+        ("0.75", MemoryLimit(fraction=0.75)),
+        ("1", MemoryLimit(fraction=1.0)),
+        (" 2g ", MemoryLimit(num_bytes=2 * GIB)),
+    ],
+)
+def test_parse_memory_limit(text, expected):
+    assert parse_memory_limit(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-1G", "8X", "1.5", "0", "G8"])
+def test_parse_memory_limit_rejects_nonsense(text):
+    with pytest.raises(ValueError):
+        parse_memory_limit(text)
+
+
+def test_fraction_resolves_against_device_total():
+    assert MemoryLimit(fraction=0.5).resolve(10 * GIB) == 5 * GIB
+    assert MemoryLimit(num_bytes=123).resolve(10 * GIB) == 123
+
+
+def test_engine_config_validates():
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(model_path="m", dtype="int3")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(model_path="m", max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ValueError):
+        EngineConfig(model_path="m", block_size=0)
+
+
+def plan(**overrides):
+    args = dict(
+        limit=MemoryLimit(num_bytes=2 * GIB),
+        total_bytes=16 * GIB,
+        weights_bytes=GIB,
+        activation_bytes=GIB // 4,
+        kv_bytes_per_token=64 * 1024,
+        block_size=16,
+        max_model_len=4096,
+        max_num_seqs=1000,
+        max_total_tokens=None,
+    )
+    args.update(overrides)
+    return plan_kv_blocks(**args)
+
+
+def test_blocks_fill_what_is_left_after_weights_and_activations():
+    result = plan()
+    budget = 2 * GIB - GIB - GIB // 4
+    assert result.num_blocks == budget // (64 * 1024 * 16)
+    assert result.kv_budget_bytes <= budget
+    assert result.limit_bytes == 2 * GIB
+
+
+def test_blocks_capped_by_what_sequences_could_use_and_by_max_total_tokens():
+    assert plan(max_num_seqs=2).num_blocks == 2 * 256 + 1
+    assert plan(max_total_tokens=8192).num_blocks == 512
+
+
+def test_limit_too_small_for_one_sequence_fails_clearly():
+    with pytest.raises(MemoryBudgetError, match="one 4096-token sequence"):
+        plan(limit=MemoryLimit(num_bytes=GIB + GIB // 4 + 1000))
