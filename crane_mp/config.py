@@ -55,12 +55,13 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's own limit
     memory_limit: MemoryLimit | None = None
     max_total_tokens: int | None = None
+    decode_tokens_per_seq: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "decode_tokens_per_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_model_len < 0:
@@ -69,3 +70,16 @@ class EngineConfig:
             raise ValueError("max_total_tokens must be at least one block")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything `crane-launch` was told; frozen, handed to every process at spawn."""
+
+    engine: EngineConfig
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    log_level: str = "info"
+    shutdown_grace: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
+    num_frontends: int = 1

@@ -28,6 +28,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.worker.max_model_len,
                 eos_token_ids=self.worker.model_config.eos_token_ids,
+                decode_tokens_per_seq=config.decode_tokens_per_seq,
             )
         )
         self._ids = itertools.count()

@@ -6,7 +6,16 @@ The in-process engine passes the same objects without encoding them.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS or a stop token id
+    LENGTH = 1  # max_tokens or the context window
+    ABORT = 2  # client abort, stop string matched by the frontend, shutdown
+    ERROR = 3  # a failure that belongs to this request only
 
 
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
@@ -64,12 +73,29 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     reset_blocks: bool = False
 
 
-class StepPlan(msgspec.Struct, array_like=True):
+class StepPlan(msgspec.Struct, array_like=True, tag=True):
+    """One step. With num_decode_steps k > 1 every scheduled request is a decode and the worker runs
+    k decode rounds back to back (blocks for all k tokens are already in the tables)."""
+
     step_id: int
     new_requests: list[NewRequest]
     scheduled: list[ScheduledRequest]
     preempted_req_ids: list[int]  # KV freed; the worker keeps tokens and sampling state
     finished_req_ids: list[int]  # drop every trace of these
+    num_decode_steps: int = 1
+
+
+class ShutdownWorker(msgspec.Struct, array_like=True, tag=True):
+    """Orderly stop: the worker exits its loop."""
+
+
+class ProbeWorker(msgspec.Struct, array_like=True, tag=True):
+    """Liveness probe through the worker's loop (deep health check); answered with WorkerPong."""
+
+    probe_id: int
+
+
+WorkerInbox = StepPlan | ShutdownWorker | ProbeWorker
 
 
 # ---- worker -> scheduler ------------------------------------------------------------------------
@@ -81,10 +107,118 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
-class StepResult(msgspec.Struct, array_like=True):
-    """One sampled token for each scheduled request whose span reached its end, in plan order."""
+class StepResult(msgspec.Struct, array_like=True, tag=True):
+    """Sampled tokens for the scheduled requests whose span reached its end, in plan order.
+
+    token_ids holds num_decode_steps rounds of len(req_ids) tokens each (round-major); logprobs is
+    parallel to token_ids and empty unless some request asked for logprobs.
+    """
 
     step_id: int
     req_ids: list[int]
     token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] = []  # empty unless some request asked for logprobs
+    logprobs: list[TokenLogprobs | None] = []
+    num_decode_steps: int = 1
+
+
+class WorkerPong(msgspec.Struct, array_like=True, tag=True):
+    probe_id: int
+
+
+class WorkerFailed(msgspec.Struct, array_like=True, tag=True):
+    """A step failed for reasons that belong to some requests (e.g. NaN logits); the worker lives on."""
+
+    step_id: int
+    req_ids: list[int]
+    message: str
+
+
+# ---- frontend -> scheduler ----------------------------------------------------------------------
+
+
+class GenerateRequest(msgspec.Struct, array_like=True, tag=True):
+    rid: int
+    input_ids: list[int]
+    sampling: SamplingParams
+    frontend_id: int = 0
+    arrival_time: float = 0.0
+
+
+class AbortRequest(msgspec.Struct, array_like=True, tag=True):
+    rid: int
+
+
+class ControlRequest(msgspec.Struct, array_like=True, tag=True):
+    """kind: "stats" (answered with EngineStats), "health" (a probe through the worker, answered with
+    HealthReply), "flush_cache"."""
+
+    kind: str
+    token: int
+    frontend_id: int = 0
+
+
+SchedulerInbox = GenerateRequest | AbortRequest | ControlRequest | StepResult | WorkerPong | WorkerFailed
+
+
+# ---- scheduler -> frontend ----------------------------------------------------------------------
+
+
+class TokenOutput(msgspec.Struct, array_like=True):
+    """What one request gained in one scheduler step. finish_reason is a FinishReason value or None."""
+
+    rid: int
+    new_token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: int | None = None
+    stop_token_id: int | None = None
+    logprobs: list[TokenLogprobs | None] = []
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class TokenBatch(msgspec.Struct, array_like=True, tag=True):
+    """Every request of one frontend that advanced in one scheduler step: never one message per token."""
+
+    outputs: list[TokenOutput]
+
+
+class EngineStats(msgspec.Struct, array_like=True, tag=True):
+    token: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    total_requests: int
+    completed_requests: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    avg_decode_tokens_per_sec: float
+
+
+class HealthReply(msgspec.Struct, array_like=True, tag=True):
+    token: int
+    ok: bool
+
+
+FrontendInbox = TokenBatch | EngineStats | HealthReply
+
+
+# ---- worker -> launcher (once, over the start-up pipe) -------------------------------------------
+
+
+class WorkerReady(msgspec.Struct):
+    """Facts the worker learned at start-up; the launcher hands them to the scheduler and frontend."""
+
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    kv_budget_bytes: int
+    weights_bytes: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    arch: str
+    device: str  # crane-oai's label: "Cuda(0)" or "Cpu"
+    dtype: str

@@ -18,6 +18,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 64,
     eos_token_ids: tuple[int, ...] = (2,),
+    decode_tokens_per_seq: int = 1,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -27,6 +28,7 @@ def make_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             eos_token_ids=eos_token_ids,
+            decode_tokens_per_seq=decode_tokens_per_seq,
         )
     )
 
@@ -75,7 +77,12 @@ class FakeWorker:
                 tokens.append(token)
                 req_ids.append(sched.req_id)
                 token_ids.append(token)
-        return StepResult(plan.step_id, req_ids, token_ids)
+        for _ in range(plan.num_decode_steps - 1):
+            for req_id in req_ids:
+                token = self._next_token(req_id, self.tokens[req_id])
+                self.tokens[req_id].append(token)
+                token_ids.append(token)
+        return StepResult(plan.step_id, req_ids, token_ids, num_decode_steps=plan.num_decode_steps)
 
     def _next_token(self, req_id: int, tokens: list[int]) -> int:
         if req_id in self.eos_after and len(tokens) >= self.eos_after[req_id]:

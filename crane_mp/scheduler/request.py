@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from crane_mp.protocol import SamplingParams
+from crane_mp.protocol import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -13,13 +13,6 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
-
-
-class FinishReason(enum.IntEnum):
-    STOP = 0  # EOS or a stop token id
-    LENGTH = 1  # max_tokens or the context window
-    ABORT = 2  # client abort, stop string matched by the frontend, shutdown
-    ERROR = 3  # a failure that belongs to this request only
 
 
 @dataclass(slots=True)

@@ -26,6 +26,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     eos_token_ids: tuple[int, ...] = ()
+    # Decode rounds per plan when every running request is decoding and nobody waits: fewer
+    # scheduler<->worker round trips per token; the tokens produced are the same.
+    decode_tokens_per_seq: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -103,8 +106,9 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[int] = []
 
-        def plan(req: Request, num_tokens: int) -> None:
-            new_blocks = self._grow_blocks(req, req.num_computed_tokens + num_tokens)
+        def plan(req: Request, num_tokens: int, rounds: int = 1) -> None:
+            # `rounds` decode rounds feed one token each; blocks are reserved for all of them now.
+            new_blocks = self._grow_blocks(req, req.num_computed_tokens + num_tokens + rounds - 1)
             if not req.known_to_worker:
                 new_requests.append(NewRequest(req.req_id, req.prompt_ids, req.sampling))
                 req.known_to_worker = True
@@ -112,10 +116,12 @@ class Scheduler:
                 ScheduledRequest(req.req_id, req.num_computed_tokens, num_tokens, new_blocks, req.blocks_reset)
             )
             req.blocks_reset = False
-            req.num_computed_tokens += num_tokens
+            req.num_computed_tokens += num_tokens + rounds - 1
 
-        for req, num_tokens in self._fit_running(budget, preempted):
-            plan(req, num_tokens)
+        running_plan = self._fit_running(budget, preempted)
+        rounds = 1 if self.waiting else self._decode_rounds(running_plan)
+        for req, num_tokens in running_plan:
+            plan(req, num_tokens, rounds)
             budget -= num_tokens
 
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
@@ -136,13 +142,33 @@ class Scheduler:
         if not scheduled and not finished and not preempted:
             return None
         self._step_id += 1
-        return StepPlan(self._step_id, new_requests, scheduled, preempted, finished)
+        return StepPlan(self._step_id, new_requests, scheduled, preempted, finished, rounds)
 
     def _grow_blocks(self, req: Request, num_tokens: int) -> list[int]:
         needed = _blocks_for(num_tokens, self.config.block_size) - len(req.block_ids)
         new_blocks = self.allocator.allocate(needed) if needed > 0 else []
         req.block_ids.extend(new_blocks)
         return list(req.block_ids) if req.blocks_reset else new_blocks
+
+    def _decode_rounds(self, running_plan: list[tuple[Request, int]]) -> int:
+        """How many decode rounds this plan may run: 1 unless all planned requests are pure decodes."""
+        rounds = self.config.decode_tokens_per_seq
+        if rounds == 1 or not running_plan:
+            return 1
+        for req, num_tokens in running_plan:
+            if num_tokens != 1 or req.num_computed_tokens != req.num_tokens - 1:
+                return 1
+            left = min(req.sampling.max_tokens - len(req.output_ids), self.config.max_model_len - req.num_tokens)
+            rounds = min(rounds, left)
+        size = self.config.block_size
+        while rounds > 1:
+            extra = sum(
+                _blocks_for(req.num_computed_tokens + rounds, size) - len(req.block_ids) for req, _ in running_plan
+            )
+            if self.allocator.can_allocate(extra):
+                break
+            rounds -= 1
+        return max(rounds, 1)
 
     def _running_demand(self, budget: int) -> list[tuple[Request, int, int]]:
         """(request, tokens, new blocks) for each running request this step; decodes first, then prefills."""
@@ -181,24 +207,27 @@ class Scheduler:
     # ---- results --------------------------------------------------------------------------------
 
     def update(self, result: StepResult) -> list[RequestOutput]:
-        """Apply the worker's sampled tokens; finish requests by token id and length."""
-        outputs = []
-        logprobs = result.logprobs or [None] * len(result.req_ids)
-        for req_id, token_id, token_logprobs in zip(result.req_ids, result.token_ids, logprobs):
-            req = self.requests.get(req_id)
-            if req is None:  # aborted while the step ran
+        """Apply the worker's sampled tokens (all rounds); finish requests by token id and length."""
+        outputs: dict[int, RequestOutput] = {}
+        width = len(result.req_ids)
+        logprobs = result.logprobs or [None] * len(result.token_ids)
+        for index, token_id in enumerate(result.token_ids):
+            req = self.requests.get(result.req_ids[index % width])
+            if req is None:  # aborted while the step ran, or finished in an earlier round
                 continue
             req.output_ids.append(token_id)
+            out = outputs.get(req.req_id)
+            if out is None:
+                out = outputs[req.req_id] = RequestOutput(req.req_id, [], req.num_prompt_tokens, 0)
+            out.new_token_ids.append(token_id)
+            out.logprobs.append(logprobs[index])
+            out.num_output_tokens = len(req.output_ids)
             reason = self._check_finish(req, token_id)
-            out = RequestOutput(
-                req_id, [token_id], req.num_prompt_tokens, len(req.output_ids), logprobs=[token_logprobs]
-            )
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
                 out.finish_reason, out.stop_token_id = reason, req.stop_token_id
-            outputs.append(out)
-        return outputs
+        return list(outputs.values())
 
     def _check_finish(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.sampling

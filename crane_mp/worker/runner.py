@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from crane_mp.protocol import StepPlan, StepResult
+from crane_mp.protocol import ScheduledRequest, StepPlan, StepResult, TokenLogprobs
 from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.forward_context import ForwardContext, forward_context
 from crane_mp.worker.models.layers import CausalLM
@@ -72,8 +72,20 @@ class ModelRunner:
         self._apply_plan(plan)
         if not plan.scheduled:
             return StepResult(plan.step_id, [], [])
+        req_ids, tokens, logprobs = self._forward_and_sample(plan.scheduled)
+        for _ in range(plan.num_decode_steps - 1):
+            decodes = [ScheduledRequest(r, len(self.requests[r].token_ids) - 1, 1, []) for r in req_ids]
+            _, more_tokens, more_logprobs = self._forward_and_sample(decodes)
+            tokens += more_tokens
+            logprobs += more_logprobs
+        return StepResult(plan.step_id, req_ids, tokens, logprobs, plan.num_decode_steps)
+
+    def _forward_and_sample(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[list[int], list[int], list[TokenLogprobs | None]]:
+        """One forward over the scheduled spans; samples the requests whose span reached their end."""
         # Decode-first token layout (see attention.py); remember each request's last row for sampling.
-        order = sorted(plan.scheduled, key=lambda s: s.num_new_tokens > 1)
+        order = sorted(scheduled, key=lambda s: s.num_new_tokens > 1)
         input_ids: list[int] = []
         positions: list[int] = []
         decodes: list[SeqSpan] = []
@@ -98,9 +110,9 @@ class ModelRunner:
         with forward_context(ctx):
             hidden = self.model(ids)  # [T, hidden]
 
-        sampled_ids = [s.req_id for s in plan.scheduled if s.req_id in sample_rows]
+        sampled_ids = [s.req_id for s in scheduled if s.req_id in sample_rows]
         if not sampled_ids:
-            return StepResult(plan.step_id, [], [])
+            return [], [], []
         rows = torch.tensor([sample_rows[r] for r in sampled_ids], dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, vocab]
         states = [self.requests[r].sampling for r in sampled_ids]
@@ -109,7 +121,7 @@ class ModelRunner:
             mirror = self.requests[req_id]
             mirror.token_ids.append(token)
             record_token(mirror.sampling, token)
-        return StepResult(plan.step_id, sampled_ids, tokens, logprobs)
+        return sampled_ids, tokens, logprobs
 
     @torch.inference_mode()
     def profile_forward(self, num_tokens: int) -> None:

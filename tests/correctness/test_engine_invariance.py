@@ -94,3 +94,14 @@ def test_logprobs_come_back_for_the_sampled_token(model_dir):
     assert len(seen) == 4
     for lp in seen:
         assert lp.logprob <= 0 and lp.top_logprobs[0] >= lp.logprob - 1e-6 and len(lp.top_token_ids) == 3
+
+
+def test_multi_round_decode_equals_single_round(model_dir):
+    batch = prompts(6, seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + i, ignore_eos=True) for i in range(6)]
+    params.append(SamplingParams(temperature=0.8, seed=5, max_tokens=17, ignore_eos=True))
+    batch.append(batch[0])
+    single = engine(model_dir).generate(batch, params)
+    multi_engine = engine(model_dir, decode_tokens_per_seq=8)
+    assert multi_engine.generate(batch, params) == single
+    assert multi_engine.scheduler.num_free_blocks == multi_engine.worker.kv_plan.num_blocks

@@ -192,3 +192,23 @@ def test_worker_gets_full_data_once_then_diffs():
     # 15 tokens in 4-token blocks: 2 blocks at prefill, then one new block id exactly every 4 decode steps.
     assert sum(len(b) for b in decode_blocks) == 2
     assert all(len(b) <= 1 for b in decode_blocks)
+
+
+def test_multi_round_decode_gives_the_same_tokens_with_fewer_plans():
+    lengths = [3, 9, 17, 1, 6]
+    results = {}
+    for rounds in (1, 8):
+        sched = make_scheduler(max_model_len=64, decode_tokens_per_seq=rounds)
+        reqs = make_requests(5, prompt_len=lengths, max_tokens=30)
+        for i, req in enumerate(reqs):
+            req.req_id = i  # same ids in both runs so the fake worker's EOS rule matches
+            sched.add_request(req)
+        worker = FakeWorker(eos_after={1: 20})
+        results[rounds] = (run_to_completion(sched, worker), worker.plans, sched)
+    single, single_plans, _ = results[1]
+    multi, multi_plans, multi_sched = results[8]
+    assert multi == single
+    assert len(multi[1]) < 30  # EOS inside a multi-round plan still ends the request there
+    assert any(p.num_decode_steps > 1 for p in multi_plans)
+    assert len(multi_plans) < len(single_plans)
+    assert multi_sched.num_free_blocks == multi_sched.config.num_blocks

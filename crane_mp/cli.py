@@ -1,0 +1,124 @@
+"""crane-launch's flags (crane-oai's names), parsed and validated into a frozen ServerConfig.
+
+A bad value fails at once with one line naming the flag (argparse's `error: argument --flag: ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from crane_mp.config import DTYPES, EngineConfig, ServerConfig, parse_memory_limit
+from crane_mp.worker.model_config import MODEL_TYPE_ALIASES
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {value}")
+    return value
+
+
+def _memory_limit(text: str):
+    try:
+        return parse_memory_limit(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="crane-launch", description="Serve a Llama-family model over OpenAI/SGLang APIs.")
+    p.add_argument("--model-path", help="model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--demo", action="store_true", help="serve the built-in random-weight demo model")
+    p.add_argument("--model-type", default="auto", choices=["auto", *sorted(MODEL_TYPE_ALIASES)])
+    p.add_argument("--model-name", help="name shown in API responses (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8080)
+    p.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is available")
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--max-concurrent", type=_positive_int, default=16, help="hard cap on running sequences")
+    p.add_argument("--decode-tokens-per-seq", type=_positive_int, default=16,
+                   help="decode rounds per scheduling step when nothing waits (never changes the tokens)")
+    p.add_argument("--max-seq-len", type=_non_negative_int, default=0, help="prompt + output limit; 0 = the model's")
+    p.add_argument("--gpu-memory-limit", type=_memory_limit,
+                   help="memory cap for weights + activations + KV cache: 8G, 5120M or a fraction like 0.75 "
+                        "(on CPU it bounds host RAM)")
+    p.add_argument("--max-total-tokens", type=_positive_int, help="cap on KV-cache tokens below what memory allows")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+                   help="per-step token budget; longer prompts are prefilled in chunks")
+    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    p.add_argument("--shutdown-grace", type=_seconds, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.demo == bool(args.model_path):
+        parser.error("give exactly one of --model-path DIR or --demo")
+    if args.demo:
+        from crane_mp.testing.demo import demo_model_path
+
+        args.model_path = str(demo_model_path())
+    path = Path(args.model_path)
+    if not (path / "config.json").is_file():
+        parser.error(f"argument --model-path: {path} is not a model directory (no config.json)")
+    if args.max_num_batched_tokens < args.max_concurrent:
+        parser.error("argument --max-num-batched-tokens: must be at least --max-concurrent")
+    if args.max_total_tokens is not None and args.max_total_tokens < args.block_size:
+        parser.error("argument --max-total-tokens: must hold at least one KV block")
+    engine = EngineConfig(
+        model_path=str(path.resolve()),
+        model_type=args.model_type,
+        dtype=args.dtype,
+        force_cpu=args.cpu,
+        block_size=args.block_size,
+        max_num_seqs=args.max_concurrent,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_seq_len,
+        memory_limit=args.gpu_memory_limit,
+        max_total_tokens=args.max_total_tokens,
+        decode_tokens_per_seq=args.decode_tokens_per_seq,
+        seed=args.seed,
+    )
+    return ServerConfig(
+        engine=engine,
+        model_name=args.model_name or path.resolve().name,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        shutdown_grace=args.shutdown_grace,
+    )

@@ -1,0 +1,1 @@
+"""Frontend process: HTTP (aiohttp), chat templates, tokenization, detokenization, stop strings, SSE. No torch."""

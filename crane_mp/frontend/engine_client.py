@@ -1,0 +1,155 @@
+"""The frontend's side of the pipeline: submit and abort requests, receive TokenBatches, ask for stats.
+
+One listener task reads the scheduler's output socket and appends tokens to each request's stream;
+handlers wait on their stream. A consumer that falls behind finds several tokens waiting and takes
+them at once (coalesced), so no per-token queue grows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from crane_mp.ipc import Addresses, encode, frontend_decoder, make_socket
+from crane_mp.protocol import (
+    AbortRequest,
+    ControlRequest,
+    EngineStats,
+    FinishReason,
+    GenerateRequest,
+    HealthReply,
+    SamplingParams,
+    TokenBatch,
+    TokenLogprobs,
+    TokenOutput,
+)
+
+log = logging.getLogger("crane_mp.frontend")
+
+
+class EngineDeadError(RuntimeError):
+    """The scheduler or worker is gone; nothing more will arrive."""
+
+
+@dataclass(slots=True)
+class RequestStream:
+    rid: int
+    num_prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_consumed: int = 0
+    finish_reason: int | None = None
+    stop_token_id: int | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def push(self, out: TokenOutput) -> None:
+        if out.new_token_ids and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.logprobs or [None] * len(out.new_token_ids))
+        if out.finish_reason is not None:
+            self.finish_reason, self.stop_token_id, self.error = out.finish_reason, out.stop_token_id, out.error
+        self.changed.set()
+
+    async def next_tokens(self) -> list[int]:
+        """Every token that arrived since the last call (at least one, or none once finished)."""
+        while self.num_consumed == len(self.token_ids) and not self.finished:
+            await self.changed.wait()
+            self.changed.clear()
+        new = self.token_ids[self.num_consumed :]
+        self.num_consumed = len(self.token_ids)
+        return new
+
+
+class EngineClient:
+    def __init__(self, addresses: Addresses, frontend_id: int) -> None:
+        self.frontend_id = frontend_id
+        self.ctx = zmq.asyncio.Context()
+        self.to_scheduler = make_socket(self.ctx, zmq.PUSH, addresses.scheduler_inbox, bind=False)
+        self.from_scheduler = make_socket(self.ctx, zmq.PULL, addresses.frontend_inbox(frontend_id), bind=False)
+        self.streams: dict[int, RequestStream] = {}
+        self.replies: dict[int, asyncio.Future] = {}
+        # Request ids are unique across frontends: the frontend id sits in the high bits.
+        self._rids = itertools.count((frontend_id << 40) + 1)
+        self._tokens = itertools.count(1)
+        self.dead: str | None = None
+        self._listener: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._listener = asyncio.get_running_loop().create_task(self._listen())
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+        self.ctx.destroy(linger=0)
+
+    def new_rid(self) -> int:
+        return next(self._rids)
+
+    async def submit(self, rid: int, input_ids: list[int], sampling: SamplingParams) -> RequestStream:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        stream = RequestStream(rid, len(input_ids))
+        self.streams[rid] = stream
+        message = GenerateRequest(rid, input_ids, sampling, self.frontend_id, time.time())
+        await self.to_scheduler.send(encode(message))
+        return stream
+
+    async def abort(self, rid: int) -> None:
+        """Stop a request (client gone, stop string matched); its KV blocks come back within a step."""
+        self.streams.pop(rid, None)
+        if not self.dead:
+            await self.to_scheduler.send(encode(AbortRequest(rid)))
+
+    def release(self, rid: int) -> None:
+        self.streams.pop(rid, None)
+
+    async def control(self, kind: str, timeout: float) -> EngineStats | HealthReply:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        token = next(self._tokens)
+        future = asyncio.get_running_loop().create_future()
+        self.replies[token] = future
+        try:
+            await self.to_scheduler.send(encode(ControlRequest(kind, token, self.frontend_id)))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self.replies.pop(token, None)
+
+    def fail_all(self, reason: str) -> None:
+        """The engine died: end every open stream with an error so no client hangs."""
+        self.dead = reason
+        for stream in list(self.streams.values()):
+            stream.error = reason
+            stream.finish_reason = FinishReason.ERROR
+            stream.changed.set()
+        for future in self.replies.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+
+    async def _listen(self) -> None:
+        while True:
+            message = frontend_decoder.decode(await self.from_scheduler.recv())
+            if isinstance(message, TokenBatch):
+                for out in message.outputs:
+                    stream = self.streams.get(out.rid)
+                    if stream is not None:
+                        stream.push(out)
+                        if out.finish_reason is not None:
+                            del self.streams[out.rid]
+            else:
+                future = self.replies.get(message.token)
+                if future is not None and not future.done():
+                    future.set_result(message)

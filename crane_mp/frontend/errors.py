@@ -1,0 +1,52 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the matching HTTP status."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+log = logging.getLogger("crane_mp.frontend")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param), status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err.status, err.message, err.param)
+    except web.HTTPException as err:
+        if err.status < 400:
+            raise
+        message = err.reason if err.status != 404 else f"route {request.method} {request.path} not found"
+        return error_response(err.status, message)
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "internal server error")

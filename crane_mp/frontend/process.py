@@ -1,0 +1,68 @@
+"""Frontend process: bind HTTP early (503 until the engine is ready), then serve; drain on SIGTERM.
+
+Start-up handshake with the launcher over its pipe: we send b"listening", receive the worker's
+WorkerReady once the scheduler is up, connect, and send b"ready". SIGUSR1 from the launcher means
+the engine died: every open request is ended with an error at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from multiprocessing.connection import Connection
+
+import msgspec
+from aiohttp import web
+
+from crane_mp.config import ServerConfig
+from crane_mp.frontend.app import create_app
+from crane_mp.frontend.engine_client import EngineClient
+from crane_mp.frontend.state import FrontendState
+from crane_mp.frontend.tokenizer import TokenizerService
+from crane_mp.ipc import Addresses
+from crane_mp.protocol import WorkerReady
+
+log = logging.getLogger("crane_mp.frontend")
+
+
+async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, conn: Connection) -> None:
+    loop = asyncio.get_running_loop()
+    state = FrontendState(config, TokenizerService(config.engine.model_path))
+    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port, reuse_address=True).start()
+    conn.send_bytes(b"listening")
+
+    info = msgspec.msgpack.decode(await loop.run_in_executor(None, conn.recv_bytes), type=WorkerReady)
+    state.client = EngineClient(addresses, frontend_id)
+    state.client.start()
+    state.engine_info = info
+    conn.send_bytes(b"ready")
+
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: state.client.fail_all("an engine process died"))
+    await stop.wait()
+
+    # Drain: new requests get 503, in-flight ones may finish within the grace period.
+    state.draining = True
+    deadline = loop.time() + config.shutdown_grace
+    while state.client.streams and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    state.client.fail_all("the server is shutting down")
+    await asyncio.sleep(0.05)  # let handlers write their last bytes
+    await runner.cleanup()
+    await state.client.close()
+    state.tokenizer.close()
+
+
+def run_frontend(config: ServerConfig, addresses: Addresses, frontend_id: int, conn: Connection) -> None:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how Ctrl-C ends the server
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_serve(config, addresses, frontend_id, conn))
+    else:
+        uvloop.run(_serve(config, addresses, frontend_id, conn))

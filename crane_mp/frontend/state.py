@@ -1,0 +1,43 @@
+"""The frontend's shared state, reached by handlers through one typed AppKey."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from crane_mp.config import ServerConfig
+from crane_mp.frontend.engine_client import EngineClient
+from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.tokenizer import TokenizerService
+from crane_mp.protocol import WorkerReady
+
+
+@dataclass(slots=True)
+class FrontendState:
+    config: ServerConfig
+    tokenizer: TokenizerService
+    client: EngineClient | None = None
+    engine_info: WorkerReady | None = None  # set once the engine behind us is ready
+    draining: bool = False
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def ready(self) -> bool:
+        return self.engine_info is not None and not self.draining and not (self.client and self.client.dead)
+
+    def require_ready(self) -> None:
+        if self.client is not None and self.client.dead:
+            raise ApiError(503, f"the engine stopped: {self.client.dead}")
+        if self.draining:
+            raise ApiError(503, "the server is shutting down")
+        if self.engine_info is None:
+            raise ApiError(503, "the server is starting; the model is not loaded yet")
+
+
+STATE = web.AppKey("state", FrontendState)

@@ -1,0 +1,49 @@
+"""Running totals the scheduler reports to frontends (for /server_info, /v1/stats and /metrics)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from crane_mp.protocol import EngineStats
+from crane_mp.scheduler.scheduler import RequestOutput, Scheduler
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    total_requests: int = 0
+    completed_requests: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    decode_tokens_per_sec: float = 0.0  # exponential moving average over busy steps
+    _last_step: float = field(default_factory=time.monotonic)
+
+    def on_request(self, num_prompt_tokens: int) -> None:
+        self.total_requests += 1
+        self.prompt_tokens_total += num_prompt_tokens
+
+    def on_step(self, outputs: list[RequestOutput], step_started: float) -> None:
+        generated = sum(len(o.new_token_ids) for o in outputs)
+        self.generation_tokens_total += generated
+        self.completed_requests += sum(o.finish_reason is not None for o in outputs)
+        elapsed = time.monotonic() - step_started
+        if generated and elapsed > 0:
+            rate = generated / elapsed
+            self.decode_tokens_per_sec = rate if not self.decode_tokens_per_sec else (
+                0.9 * self.decode_tokens_per_sec + 0.1 * rate
+            )
+
+    def snapshot(self, scheduler: Scheduler, token: int) -> EngineStats:
+        return EngineStats(
+            token=token,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_free_blocks=scheduler.num_free_blocks,
+            num_total_blocks=scheduler.config.num_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            total_requests=self.total_requests,
+            completed_requests=self.completed_requests,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            avg_decode_tokens_per_sec=round(self.decode_tokens_per_sec, 2),
+        )

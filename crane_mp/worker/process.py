@@ -1,0 +1,59 @@
+"""Worker process: loads the model, reports WorkerReady, then executes StepPlans until told to stop.
+
+Sockets live only here; the runner does the work. Any exception is an engine fault: the process
+exits non-zero and the launcher stops the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from multiprocessing.connection import Connection
+
+import zmq
+
+from crane_mp.config import EngineConfig
+from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
+from crane_mp.protocol import ProbeWorker, ShutdownWorker, StepPlan, WorkerPong, WorkerReady
+from crane_mp.worker.bootstrap import LoadedWorker, load_worker
+from crane_mp.worker.device import device_label
+
+log = logging.getLogger("crane_mp.worker")
+
+
+def worker_ready(loaded: LoadedWorker) -> WorkerReady:
+    plan = loaded.kv_plan
+    return WorkerReady(
+        num_blocks=plan.num_blocks,
+        block_size=loaded.runner.block_size,
+        kv_bytes_per_token=plan.kv_bytes_per_token,
+        kv_budget_bytes=plan.kv_budget_bytes,
+        weights_bytes=plan.weights_bytes,
+        max_model_len=loaded.max_model_len,
+        vocab_size=loaded.model_config.vocab_size,
+        eos_token_ids=list(loaded.model_config.eos_token_ids),
+        arch=loaded.model_config.arch,
+        device=device_label(loaded.device),
+        dtype=str(loaded.dtype).removeprefix("torch."),
+    )
+
+
+def run_worker(config: EngineConfig, addresses: Addresses, log_level: str, ready: Connection) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how Ctrl-C ends the server
+    loaded = load_worker(config, progress=True)
+    ctx = zmq.Context()
+    plans = make_socket(ctx, zmq.PULL, addresses.worker_inbox, bind=False)
+    results = make_socket(ctx, zmq.PUSH, addresses.scheduler_inbox, bind=False)
+    ready.send_bytes(encode(worker_ready(loaded)))
+    ready.close()
+    runner = loaded.runner
+    while True:
+        message = worker_decoder.decode(plans.recv())
+        if isinstance(message, StepPlan):
+            results.send(encode(runner.execute(message)))
+        elif isinstance(message, ProbeWorker):
+            results.send(encode(WorkerPong(message.probe_id)))
+        elif isinstance(message, ShutdownWorker):
+            break
+    ctx.destroy(linger=0)

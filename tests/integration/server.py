@@ -1,0 +1,81 @@
+"""Start the real server (crane-launch, three processes, real sockets) on loopback for a test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_path: str | Path, *args: str, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "crane_mp", "--model-path", str(model_path), "--port", str(self.port),
+               "--dtype", "float32", *args]
+        self.log = open(log_path, "wb")
+        # Own session: teardown can kill every process the server started, whatever happened.
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pids = self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 120) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(f"server not ready in {timeout}s:\n{self.log_path.read_text()}")
+        pids = {}
+        for line in self.log_path.read_text().splitlines():
+            if "started" in line and "pid=" in line:
+                name = line.split("started ")[1].split(" ")[0]
+                pids[name] = int(line.rsplit("pid=", 1)[1])
+        return pids
+
+    def process_tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stats(self) -> dict:
+        return requests.get(self.url + "/v1/stats", timeout=10).json()
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill_all()
+        self.log.close()
+        return self.proc.returncode
+
+    def kill_all(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
