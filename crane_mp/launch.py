@@ -125,11 +125,14 @@ class Launcher:
         proc = self.procs.get(name)
         if proc is None or not proc.is_alive():
             return
+        started = time.monotonic()
         signal_process(proc, signal.SIGTERM)
         proc.join(timeout if grace else min(timeout, 1.0))
         if proc.is_alive():
+            log.warning("the %s process did not stop in time; killing it", name)
             proc.kill()
             proc.join(2)
+        log.info("stopped %s process in %.1f s", name, time.monotonic() - started)
 
     def cleanup(self) -> None:
         for name in list(self.procs):

@@ -20,6 +20,8 @@ class Detokenizer:
         self.num_sent = 0  # characters already returned to the caller
         self.matched_stop: str | None = None
         self.num_tokens = 0  # tokens consumed (they stop counting at a matched stop string)
+        self.token_ids: list[int] = []
+        self.skip_special_tokens = skip_special_tokens
 
     def add(self, token_ids: list[int]) -> str:
         """Decode new tokens; returns the text safe to send now.
@@ -33,6 +35,7 @@ class Detokenizer:
             start = len(self.text)
             piece = self.stream.step(self.backend, token_id)
             self.num_tokens += 1
+            self.token_ids.append(token_id)
             if piece:
                 self.text += piece
                 if self.stop and self._find_stop(start):
@@ -43,6 +46,15 @@ class Detokenizer:
         chunk = self.text[self.num_sent : safe]
         self.num_sent = safe
         return chunk
+
+    def finish(self) -> str:
+        """At the end of a request: the rest of the text, including bytes of a character the output
+        never completed, which a full decode renders as U+FFFD (DecodeStream keeps waiting for them)."""
+        if self.matched_stop is None:
+            full = self.backend.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+            if full.startswith(self.text):
+                self.text = full
+        return self.flush()
 
     def flush(self) -> str:
         chunk = self.text[self.num_sent :]

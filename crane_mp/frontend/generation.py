@@ -67,7 +67,7 @@ class Generation:
                 if self.stream.finished:
                     self.done = True
                     reason = FinishReason(self.stream.finish_reason)
-                    yield Delta(text + self.detokenizer.flush(), new_ids, FINISH_NAMES[reason], self.stream.stop_token_id)
+                    yield Delta(text + self.detokenizer.finish(), new_ids, FINISH_NAMES[reason], self.stream.stop_token_id)
                     return
                 if text or new_ids:
                     yield Delta(text, new_ids)
