@@ -119,15 +119,15 @@ class Launcher:
             signal_process(frontend, signal.SIGUSR1)
             frontend.join(0.5)
         for name in ("frontend", "scheduler", "worker"):
-            self._stop(name, 1.0, grace=False)
+            self._stop(name, 1.0)
 
-    def _stop(self, name: str, timeout: float, grace: bool = True) -> None:
+    def _stop(self, name: str, timeout: float) -> None:
         proc = self.procs.get(name)
         if proc is None or not proc.is_alive():
             return
         started = time.monotonic()
         signal_process(proc, signal.SIGTERM)
-        proc.join(timeout if grace else min(timeout, 1.0))
+        proc.join(timeout)
         if proc.is_alive():
             log.warning("the %s process did not stop in time; killing it", name)
             proc.kill()
@@ -136,7 +136,7 @@ class Launcher:
 
     def cleanup(self) -> None:
         for name in list(self.procs):
-            self._stop(name, 1.0, grace=False)
+            self._stop(name, 1.0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 

@@ -37,6 +37,13 @@ def _usage(gen: Generation) -> dict[str, int]:
     }
 
 
+def _usage_chunk(req, base: dict[str, Any], gen: Generation):
+    """stream_options.include_usage: a last chunk with empty choices and the usage."""
+    if req.stream_options is None or not req.stream_options.include_usage:
+        return None
+    return lambda: {**base, "choices": [], "usage": _usage(gen)}
+
+
 def _check_model(state: FrontendState, model: str | None) -> str:
     if model is not None and model not in (state.model_name, state.config.engine.model_path):
         raise ApiError(404, f"the model `{model}` does not exist; this server serves `{state.model_name}`", "model")
@@ -131,9 +138,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                                       **({"stop_reason": delta.stop_reason} if delta.finish_reason else {})}]})
             return payloads
 
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        usage_chunk = (lambda: {**base, "choices": [], "usage": _usage(gen)}) if include_usage else None
-        return await _stream(request, gen, chunk, usage_chunk)
+        return await _stream(request, gen, chunk, _usage_chunk(req, base, gen))
 
     text, finish, stop_reason = await _collect(gen)
     choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -175,9 +180,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                           "finish_reason": delta.finish_reason,
                                           **({"stop_reason": delta.stop_reason} if delta.finish_reason else {})}]}]
 
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        usage_chunk = (lambda: {**base, "choices": [], "usage": _usage(gen)}) if include_usage else None
-        return await _stream(request, gen, chunk, usage_chunk)
+        return await _stream(request, gen, chunk, _usage_chunk(req, base, gen))
 
     text, finish, stop_reason = await _collect(gen)
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
