@@ -89,13 +89,7 @@ class ShutdownWorker(msgspec.Struct, array_like=True, tag=True):
     """Orderly stop: the worker exits its loop."""
 
 
-class ProbeWorker(msgspec.Struct, array_like=True, tag=True):
-    """Liveness probe through the worker's loop (deep health check); answered with WorkerPong."""
-
-    probe_id: int
-
-
-WorkerInbox = StepPlan | ShutdownWorker | ProbeWorker
+WorkerInbox = StepPlan | ShutdownWorker
 
 
 # ---- worker -> scheduler ------------------------------------------------------------------------
@@ -121,18 +115,6 @@ class StepResult(msgspec.Struct, array_like=True, tag=True):
     num_decode_steps: int = 1
 
 
-class WorkerPong(msgspec.Struct, array_like=True, tag=True):
-    probe_id: int
-
-
-class WorkerFailed(msgspec.Struct, array_like=True, tag=True):
-    """A step failed for reasons that belong to some requests (e.g. NaN logits); the worker lives on."""
-
-    step_id: int
-    req_ids: list[int]
-    message: str
-
-
 # ---- frontend -> scheduler ----------------------------------------------------------------------
 
 
@@ -149,15 +131,14 @@ class AbortRequest(msgspec.Struct, array_like=True, tag=True):
 
 
 class ControlRequest(msgspec.Struct, array_like=True, tag=True):
-    """kind: "stats" (answered with EngineStats), "health" (a probe through the worker, answered with
-    HealthReply), "flush_cache"."""
+    """kind: "stats", answered with EngineStats carrying the same token."""
 
     kind: str
     token: int
     frontend_id: int = 0
 
 
-SchedulerInbox = GenerateRequest | AbortRequest | ControlRequest | StepResult | WorkerPong | WorkerFailed
+SchedulerInbox = GenerateRequest | AbortRequest | ControlRequest | StepResult
 
 
 # ---- scheduler -> frontend ----------------------------------------------------------------------
@@ -197,12 +178,7 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True):
     avg_decode_tokens_per_sec: float
 
 
-class HealthReply(msgspec.Struct, array_like=True, tag=True):
-    token: int
-    ok: bool
-
-
-FrontendInbox = TokenBatch | EngineStats | HealthReply
+FrontendInbox = TokenBatch | EngineStats
 
 
 # ---- worker -> launcher (once, over the start-up pipe) -------------------------------------------

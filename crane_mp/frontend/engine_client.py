@@ -23,7 +23,6 @@ from crane_mp.protocol import (
     EngineStats,
     FinishReason,
     GenerateRequest,
-    HealthReply,
     SamplingParams,
     TokenBatch,
     TokenLogprobs,
@@ -116,7 +115,7 @@ class EngineClient:
     def release(self, rid: int) -> None:
         self.streams.pop(rid, None)
 
-    async def control(self, kind: str, timeout: float) -> EngineStats | HealthReply:
+    async def control(self, kind: str, timeout: float) -> EngineStats:
         if self.dead:
             raise EngineDeadError(self.dead)
         token = next(self._tokens)

@@ -18,13 +18,10 @@ from crane_mp.protocol import (
     AbortRequest,
     ControlRequest,
     GenerateRequest,
-    HealthReply,
-    ProbeWorker,
     ShutdownWorker,
     StepResult,
     TokenBatch,
     TokenOutput,
-    WorkerPong,
 )
 from crane_mp.scheduler.request import FinishReason, Request
 from crane_mp.scheduler.scheduler import RequestOutput, RequestRejected, Scheduler, SchedulerConfig
@@ -44,10 +41,8 @@ class SchedulerLoop:
         ]
         self.counters = EngineCounters()
         self.frontend_of: dict[int, int] = {}  # rid -> frontend id
-        self.pending_probes: dict[int, tuple[int, int]] = {}  # probe id -> (frontend id, token)
         self.step_in_flight = False
         self.step_started = 0.0
-        self._probe_ids = 0
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -87,9 +82,6 @@ class SchedulerLoop:
                 self.emit([RequestOutput(req.req_id, [], req.num_prompt_tokens, len(req.output_ids), req.finish_reason)])
         elif isinstance(message, ControlRequest):
             self.control(message)
-        elif isinstance(message, WorkerPong):
-            frontend_id, token = self.pending_probes.pop(message.probe_id)
-            self.to_frontends[frontend_id].send(encode(HealthReply(token, True)))
 
     def admit(self, message: GenerateRequest) -> None:
         req = Request(message.rid, message.input_ids, message.sampling, arrival_time=message.arrival_time)
@@ -103,15 +95,9 @@ class SchedulerLoop:
         self.counters.on_request(len(message.input_ids))
 
     def control(self, message: ControlRequest) -> None:
-        sock = self.to_frontends[message.frontend_id]
         if message.kind == "stats":
-            sock.send(encode(self.counters.snapshot(self.scheduler, message.token)))
-        elif message.kind == "health":
-            self._probe_ids += 1
-            self.pending_probes[self._probe_ids] = (message.frontend_id, message.token)
-            self.to_worker.send(encode(ProbeWorker(self._probe_ids)))
-        elif message.kind == "flush_cache":
-            sock.send(encode(HealthReply(message.token, True)))  # no prefix cache yet: nothing to drop
+            snapshot = self.counters.snapshot(self.scheduler, message.token)
+            self.to_frontends[message.frontend_id].send(encode(snapshot))
 
     def emit(self, outputs: list[RequestOutput]) -> None:
         batches: dict[int, list[TokenOutput]] = {}

@@ -14,7 +14,7 @@ import zmq
 
 from crane_mp.config import EngineConfig
 from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
-from crane_mp.protocol import ProbeWorker, ShutdownWorker, StepPlan, WorkerPong, WorkerReady
+from crane_mp.protocol import ShutdownWorker, StepPlan, WorkerReady
 from crane_mp.worker.bootstrap import LoadedWorker, load_worker
 from crane_mp.worker.device import device_label
 
@@ -52,8 +52,6 @@ def run_worker(config: EngineConfig, addresses: Addresses, log_level: str, ready
         message = worker_decoder.decode(plans.recv())
         if isinstance(message, StepPlan):
             results.send(encode(runner.execute(message)))
-        elif isinstance(message, ProbeWorker):
-            results.send(encode(WorkerPong(message.probe_id)))
         elif isinstance(message, ShutdownWorker):
             break
     ctx.destroy(linger=0)
