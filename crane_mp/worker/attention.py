@@ -35,7 +35,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot each new token's K/V is written to
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_keys] additive
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_keys] additive (torch path only)
+    decode_ctx_lens: torch.Tensor | None  # [num_decodes] int64 keys per decode (native kernel only)
+    sliding_window: int | None
     prefill_token_index: torch.Tensor | None  # [num_prefills * max_q] index into the prefill tokens
     prefill_valid_index: torch.Tensor | None  # [num_prefill_tokens] rows of the padded output to keep
     prefill_block_tables: torch.Tensor | None  # [num_prefills, max_blocks]
@@ -74,8 +76,12 @@ def build_metadata(
     device: torch.device,
     dtype: torch.dtype,
     sliding_window: int | None = None,
+    native_decode: bool = False,
 ) -> AttentionMetadata:
-    """Called by the runner once per step; `decodes` each have q_len == 1 and come first."""
+    """Called by the runner once per step; `decodes` each have q_len == 1 and come first.
+
+    With `native_decode` the decodes are attended by the C++ kernel, which reads block tables and
+    context lengths directly instead of a gathered copy and a mask."""
     slots: list[int] = []
     for span in decodes + prefills:
         table = span.block_table
@@ -83,13 +89,16 @@ def build_metadata(
             slots.append(table[pos // block_size] * block_size + pos % block_size)
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
 
-    decode_tables = decode_mask = None
+    decode_tables = decode_mask = decode_ctx_lens = None
     if decodes:
         ctx = [s.ctx_before + 1 for s in decodes]
         needed = [-(-c // block_size) for c in ctx]
         decode_tables = _padded_tables(decodes, needed, device)
-        ctx_len = torch.tensor(ctx, device=device)
-        decode_mask = _key_mask((ctx_len - 1)[:, None], ctx_len, max(needed) * block_size, sliding_window, dtype)
+        ctx_len = torch.tensor(ctx, dtype=torch.long, device=device)
+        if native_decode:
+            decode_ctx_lens = ctx_len
+        else:
+            decode_mask = _key_mask((ctx_len - 1)[:, None], ctx_len, max(needed) * block_size, sliding_window, dtype)
 
     token_index = valid_index = prefill_tables = prefill_mask = None
     max_q = max((s.q_len for s in prefills), default=0)
@@ -115,6 +124,8 @@ def build_metadata(
         num_decode_tokens=len(decodes),
         decode_block_tables=decode_tables,
         decode_mask=decode_mask,
+        decode_ctx_lens=decode_ctx_lens,
+        sliding_window=sliding_window,
         prefill_token_index=token_index,
         prefill_valid_index=valid_index,
         prefill_block_tables=prefill_tables,
@@ -150,7 +161,13 @@ def paged_attention(
     outputs = []
 
     num_decodes = meta.num_decode_tokens
-    if num_decodes:
+    if num_decodes and meta.decode_ctx_lens is not None:
+        out = torch.ops.crane_mp.paged_decode_attention(
+            q[:num_decodes].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens,
+            scale, meta.sliding_window or 0,
+        )  # [num_decodes, H, D]
+        outputs.append(out.view(num_decodes, num_heads * head_dim))
+    elif num_decodes:
         # Each KV head serves its group of query heads as a small batch of queries: no K/V repeat.
         qd = q[:num_decodes].view(num_decodes, kv_heads, num_heads // kv_heads, head_dim)
         kd = _gather(k_cache, meta.decode_block_tables)

@@ -13,6 +13,7 @@ import torch
 from crane_mp.protocol import ScheduledRequest, StepPlan, StepResult, TokenLogprobs
 from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.forward_context import ForwardContext, forward_context
+from crane_mp.worker.kernels.loader import cpu_kernels_available
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.rope import rope_tables
 from crane_mp.worker.sampler import Sampler, SamplingState, new_sampling_state, record_token
@@ -26,7 +27,9 @@ class RequestMirror:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_size: int, max_positions: int, device: torch.device) -> None:
+    def __init__(
+        self, model: CausalLM, block_size: int, max_positions: int, device: torch.device, native_decode: bool = True
+    ) -> None:
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -36,6 +39,7 @@ class ModelRunner:
         self.sampler = Sampler(self.config.vocab_size, device)
         self.requests: dict[int, RequestMirror] = {}
         self.num_blocks = 0
+        self.native_decode = device.type == "cpu" and native_decode and cpu_kernels_available()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.config
@@ -102,7 +106,7 @@ class ModelRunner:
                 sample_rows[sched.req_id] = len(input_ids) - 1
 
         meta = build_metadata(
-            decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window
+            decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window, self.native_decode
         )
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1))

@@ -1,0 +1,1 @@
+"""Native kernels, compiled on first use; every one has a portable torch fallback."""

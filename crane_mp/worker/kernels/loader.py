@@ -1,0 +1,41 @@
+"""Compile and load the native CPU kernels once per machine (cached by torch in ~/.cache/torch_extensions).
+
+Compiling needs a C++ compiler and ninja; without them, or if the build fails, callers fall back to
+the portable torch path and say so once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name("paged_decode_attention.cpp")]
+
+
+@lru_cache(maxsize=1)
+def cpu_kernels_available() -> bool:
+    """True once torch.ops.crane_mp.paged_decode_attention is registered."""
+    if os.environ.get("CRANE_MP_NO_NATIVE_KERNELS"):
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name="crane_mp_cpu_kernels",
+            sources=[str(p) for p in _SOURCES],
+            # -fopenmp makes at::parallel_for parallel; the loader reuses the libgomp torch already loaded.
+            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as err:  # no compiler, no ninja, unsupported platform: the torch path still works
+        log.warning("native CPU kernels unavailable (%s); using the portable torch attention", err)
+        return False
+    return hasattr(torch.ops.crane_mp, "paged_decode_attention")
