@@ -21,7 +21,8 @@ class FinishReason(enum.IntEnum):
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """Per-request generation settings. The worker samples with them; the scheduler stops by token id.
 
-    top_k <= 0 disables top-k; logprobs None returns no logprobs, N >= 0 the sampled token's plus top N.
+    top_k <= 0 disables top-k; logprobs None returns no logprobs, N >= 0 the sampled token's plus top N;
+    prompt_logprobs likewise for every prompt token after the first (echo, scoring).
     """
 
     temperature: float = 1.0
@@ -34,6 +35,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
     stop_token_ids: list[int] = []
@@ -101,6 +103,16 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of prompt tokens [start, start + len(logprobs)) given the tokens before each."""
+
+    req_id: int
+    start: int
+    logprobs: list[float]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 class StepResult(msgspec.Struct, array_like=True, tag=True):
     """Sampled tokens for the scheduled requests whose span reached its end, in plan order.
 
@@ -113,6 +125,7 @@ class StepResult(msgspec.Struct, array_like=True, tag=True):
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = []
     num_decode_steps: int = 1
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 # ---- frontend -> scheduler ----------------------------------------------------------------------
@@ -156,6 +169,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprobs | None] = []
     cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class TokenBatch(msgspec.Struct, array_like=True, tag=True):

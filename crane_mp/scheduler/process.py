@@ -110,6 +110,7 @@ class SchedulerLoop:
                 TokenOutput(
                     out.req_id, out.new_token_ids, out.num_prompt_tokens, out.num_output_tokens, finish,
                     out.stop_token_id, out.logprobs if any(lp is not None for lp in out.logprobs) else [],
+                    prompt_logprobs=out.prompt_logprobs,
                 )
             )
             if finish is not None:

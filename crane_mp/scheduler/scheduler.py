@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from crane_mp.protocol import NewRequest, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
+from crane_mp.protocol import NewRequest, PromptLogprobs, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
 from crane_mp.scheduler.block_allocator import BlockAllocator
 from crane_mp.scheduler.request import FinishReason, Request, RequestStatus
 
@@ -48,6 +48,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -209,6 +210,11 @@ class Scheduler:
     def update(self, result: StepResult) -> list[RequestOutput]:
         """Apply the worker's sampled tokens (all rounds); finish requests by token id and length."""
         outputs: dict[int, RequestOutput] = {}
+        for scored in result.prompt_logprobs:
+            req = self.requests.get(scored.req_id)
+            if req is not None:
+                out = outputs.setdefault(req.req_id, RequestOutput(req.req_id, [], req.num_prompt_tokens, 0))
+                out.prompt_logprobs.append(scored)
         width = len(result.req_ids)
         logprobs = result.logprobs or [None] * len(result.token_ids)
         for index, token_id in enumerate(result.token_ids):
@@ -216,9 +222,7 @@ class Scheduler:
             if req is None:  # aborted while the step ran, or finished in an earlier round
                 continue
             req.output_ids.append(token_id)
-            out = outputs.get(req.req_id)
-            if out is None:
-                out = outputs[req.req_id] = RequestOutput(req.req_id, [], req.num_prompt_tokens, 0)
+            out = outputs.setdefault(req.req_id, RequestOutput(req.req_id, [], req.num_prompt_tokens, 0))
             out.new_token_ids.append(token_id)
             out.logprobs.append(logprobs[index])
             out.num_output_tokens = len(req.output_ids)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from crane_mp.protocol import ScheduledRequest, StepPlan, StepResult, TokenLogprobs
+from crane_mp.protocol import PromptLogprobs, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
 from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.forward_context import ForwardContext, forward_context
 from crane_mp.worker.kernels.loader import cpu_kernels_available
@@ -22,8 +22,10 @@ from crane_mp.worker.sampler import Sampler, SamplingState, new_sampling_state, 
 @dataclass(slots=True)
 class RequestMirror:
     token_ids: list[int]  # prompt + every token sampled so far
+    num_prompt_tokens: int
     block_table: list[int]
     sampling: SamplingState
+    num_prompt_scored: int = 1  # prompt logprobs are reported for tokens [1, num_prompt_scored) so far
 
 
 class ModelRunner:
@@ -63,7 +65,7 @@ class ModelRunner:
         eos = self.config.eos_token_ids
         for new in plan.new_requests:
             state = new_sampling_state(new.sampling, new.prompt_ids, self.config.vocab_size, eos, self.device)
-            self.requests[new.req_id] = RequestMirror(list(new.prompt_ids), [], state)
+            self.requests[new.req_id] = RequestMirror(list(new.prompt_ids), len(new.prompt_ids), [], state)
         for sched in plan.scheduled:
             mirror = self.requests[sched.req_id]
             if sched.reset_blocks:
@@ -76,16 +78,17 @@ class ModelRunner:
         self._apply_plan(plan)
         if not plan.scheduled:
             return StepResult(plan.step_id, [], [])
-        req_ids, tokens, logprobs = self._forward_and_sample(plan.scheduled)
+        prompt_logprobs: list[PromptLogprobs] = []
+        req_ids, tokens, logprobs = self._forward_and_sample(plan.scheduled, prompt_logprobs)
         for _ in range(plan.num_decode_steps - 1):
             decodes = [ScheduledRequest(r, len(self.requests[r].token_ids) - 1, 1, []) for r in req_ids]
-            _, more_tokens, more_logprobs = self._forward_and_sample(decodes)
+            _, more_tokens, more_logprobs = self._forward_and_sample(decodes, prompt_logprobs)
             tokens += more_tokens
             logprobs += more_logprobs
-        return StepResult(plan.step_id, req_ids, tokens, logprobs, plan.num_decode_steps)
+        return StepResult(plan.step_id, req_ids, tokens, logprobs, plan.num_decode_steps, prompt_logprobs)
 
     def _forward_and_sample(
-        self, scheduled: list[ScheduledRequest]
+        self, scheduled: list[ScheduledRequest], prompt_logprobs: list[PromptLogprobs]
     ) -> tuple[list[int], list[int], list[TokenLogprobs | None]]:
         """One forward over the scheduled spans; samples the requests whose span reached their end."""
         # Decode-first token layout (see attention.py); remember each request's last row for sampling.
@@ -95,6 +98,7 @@ class ModelRunner:
         decodes: list[SeqSpan] = []
         prefills: list[SeqSpan] = []
         sample_rows: dict[int, int] = {}
+        score_rows: list[tuple[int, int, int]] = []  # (req_id, first row, first prompt token scored)
         for sched in order:
             mirror = self.requests[sched.req_id]
             start, end = sched.num_computed_tokens, sched.num_computed_tokens + sched.num_new_tokens
@@ -104,6 +108,12 @@ class ModelRunner:
             (decodes if sched.num_new_tokens == 1 else prefills).append(span)
             if end == len(mirror.token_ids):
                 sample_rows[sched.req_id] = len(input_ids) - 1
+            if mirror.sampling.params.prompt_logprobs is not None and mirror.num_prompt_scored < mirror.num_prompt_tokens:
+                # Row of position p predicts prompt token p + 1; score the ones not reported yet.
+                first = max(start, mirror.num_prompt_scored - 1)
+                last = min(end, mirror.num_prompt_tokens - 1)
+                if first < last:
+                    score_rows.append((sched.req_id, len(input_ids) - (end - first), last - first))
 
         meta = build_metadata(
             decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window, self.native_decode
@@ -113,6 +123,8 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         with forward_context(ctx):
             hidden = self.model(ids)  # [T, hidden]
+        for req_id, row, count in score_rows:
+            prompt_logprobs.append(self._score_prompt(req_id, hidden[row : row + count]))
 
         sampled_ids = [s.req_id for s in scheduled if s.req_id in sample_rows]
         if not sampled_ids:
@@ -126,6 +138,27 @@ class ModelRunner:
             mirror.token_ids.append(token)
             record_token(mirror.sampling, token)
         return sampled_ids, tokens, logprobs
+
+    def _score_prompt(self, req_id: int, hidden: torch.Tensor) -> PromptLogprobs:
+        """Logprobs of the prompt tokens that follow `hidden`'s rows (raw model distribution)."""
+        mirror = self.requests[req_id]
+        top_n = mirror.sampling.params.prompt_logprobs
+        start = mirror.num_prompt_scored
+        count = hidden.shape[0]
+        targets = torch.tensor(mirror.token_ids[start : start + count], dtype=torch.long, device=self.device)
+        chosen, top_ids, top_values = [], [], []
+        for lo in range(0, count, 256):  # bounded [rows, vocab] buffers for long prompts
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[lo : lo + 256]).float(), dim=-1)
+            chosen += logprobs.gather(1, targets[lo : lo + 256, None]).squeeze(1).tolist()
+            if top_n:
+                values, ids = logprobs.topk(top_n, dim=-1)
+                top_ids += ids.tolist()
+                top_values += values.tolist()
+            else:
+                top_ids += [[] for _ in range(logprobs.shape[0])]
+                top_values += [[] for _ in range(logprobs.shape[0])]
+        mirror.num_prompt_scored = start + count
+        return PromptLogprobs(req_id, start, chosen, top_ids, top_values)
 
     @torch.inference_mode()
     def profile_forward(self, num_tokens: int) -> None:

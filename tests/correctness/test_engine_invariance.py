@@ -105,3 +105,26 @@ def test_multi_round_decode_equals_single_round(model_dir):
     multi_engine = engine(model_dir, decode_tokens_per_seq=8)
     assert multi_engine.generate(batch, params) == single
     assert multi_engine.scheduler.num_free_blocks == multi_engine.worker.kv_plan.num_blocks
+
+
+def test_prompt_logprobs_match_a_full_forward_and_survive_chunking(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    prompt = prompts(1, seed=7)[0] + prompts(1, seed=8)[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    for budget in (2048, 5):  # whole prompt in one step, and in 5-token chunks
+        eng = engine(model_dir, max_num_seqs=4, max_num_batched_tokens=budget)
+        req = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))
+        scored = []
+        while eng.has_work:
+            for out in eng.step():
+                assert out.req_id == req
+                scored += out.prompt_logprobs
+        assert [s.start for s in scored] == sorted(s.start for s in scored) and scored[0].start == 1
+        values = [v for s in scored for v in s.logprobs]
+        torch.testing.assert_close(torch.tensor(values), expected, atol=1e-4, rtol=1e-4)
+        tops = [t for s in scored for t in s.top_token_ids]
+        assert len(tops) == len(prompt) - 1 and all(len(t) == 2 for t in tops)
