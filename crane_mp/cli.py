@@ -6,6 +6,7 @@ A bad value fails at once with one line naming the flag (argparse's `error: argu
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from crane_mp.config import DTYPES, EngineConfig, ServerConfig, parse_memory_limit
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
     p.add_argument("--shutdown-grace", type=_seconds, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--api-key", default=os.environ.get("CRANE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every route but /health (default: $CRANE_API_KEY)")
+    p.add_argument("--max-request-bytes", type=_positive_int, default=32 << 20,
+                   help="largest request body accepted; bigger ones get 413")
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -118,4 +123,6 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         port=args.port,
         log_level=args.log_level,
         shutdown_grace=args.shutdown_grace,
+        api_key=args.api_key or None,
+        max_request_bytes=args.max_request_bytes,
     )

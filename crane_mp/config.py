@@ -83,3 +83,5 @@ class ServerConfig:
     log_level: str = "info"
     shutdown_grace: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
     num_frontends: int = 1
+    api_key: str | None = None
+    max_request_bytes: int = 32 << 20

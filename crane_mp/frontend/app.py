@@ -5,12 +5,15 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from crane_mp.frontend import openai_routes
+import hmac
+
+from crane_mp.frontend import openai_routes, openapi, tokenize_routes
 from crane_mp.frontend.engine_client import EngineDeadError
 from crane_mp.frontend.errors import ApiError, error_middleware
 from crane_mp.frontend.state import STATE, FrontendState
 
-MAX_BODY_BYTES = 32 << 20
+# Open without a key: liveness probes and load balancers must not need the secret.
+_OPEN_PATHS = frozenset({"/health"})
 
 routes = web.RouteTableDef()
 
@@ -39,9 +42,25 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+@web.middleware
+async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """--api-key: every route but /health needs `Authorization: Bearer <key>` (constant-time compare)."""
+    key = request.app[STATE].config.api_key
+    if key and request.path not in _OPEN_PATHS:
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or invalid API key: send `Authorization: Bearer <key>`")
+    return await handler(request)
+
+
 def create_app(state: FrontendState) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(
+        middlewares=[error_middleware, api_key_middleware], client_max_size=state.config.max_request_bytes
+    )
     app[STATE] = state
     app.add_routes(routes)
     app.add_routes(openai_routes.routes)
+    app.add_routes(tokenize_routes.routes)
+    app.add_routes(openapi.routes)
     return app

@@ -23,6 +23,7 @@ from crane_mp.protocol import (
     EngineStats,
     FinishReason,
     GenerateRequest,
+    PromptLogprobs,
     SamplingParams,
     TokenBatch,
     TokenLogprobs,
@@ -42,6 +43,7 @@ class RequestStream:
     num_prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     num_consumed: int = 0
     finish_reason: int | None = None
     stop_token_id: int | None = None
@@ -58,6 +60,7 @@ class RequestStream:
             self.first_token_time = time.monotonic()
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs or [None] * len(out.new_token_ids))
+        self.prompt_logprobs.extend(out.prompt_logprobs)
         if out.finish_reason is not None:
             self.finish_reason, self.stop_token_id, self.error = out.finish_reason, out.stop_token_id, out.error
         self.changed.set()

@@ -45,7 +45,12 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as err:
         if err.status < 400:
             raise
-        message = err.reason if err.status != 404 else f"route {request.method} {request.path} not found"
+        if err.status == 404:
+            message = f"route {request.method} {request.path} not found"
+        elif err.status == 413:
+            message = "request body too large (the limit is set by --max-request-bytes)"
+        else:
+            message = err.reason
         return error_response(err.status, message)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)

@@ -1,18 +1,18 @@
 """Drive one request through the engine and turn its tokens into text: the part every API shares.
 
-`generate_deltas` yields text deltas as tokens arrive (coalesced when the consumer is slow) and ends
-with the finish; a matched stop string aborts the engine request at once. The caller's `finally`
-aborts the request if iteration stops early (client gone).
+`Generation.deltas()` yields text deltas as tokens arrive (coalesced when the consumer is slow) and
+ends with the finish; a matched stop string aborts the engine request at once. If iteration stops
+early (client gone, cancelled), the request is aborted so its KV blocks come back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from crane_mp.frontend.detokenizer import Detokenizer
 from crane_mp.frontend.engine_client import EngineClient, RequestStream
-from crane_mp.protocol import FinishReason, SamplingParams
+from crane_mp.protocol import FinishReason, PromptLogprobs, SamplingParams, TokenLogprobs
 
 FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
@@ -25,17 +25,20 @@ class GenerationError(RuntimeError):
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
     stop_reason: int | str | None = None  # matched stop token id or stop string (vLLM's stop_reason)
 
 
 @dataclass(slots=True)
 class Generation:
-    """A request in flight; iterate `deltas()` once."""
+    """A request in flight; iterate `deltas()` once. `discard_output` serves echo-only scoring
+    (max_tokens=0): the engine must produce a token, the client never sees it."""
 
     client: EngineClient
     stream: RequestStream
     detokenizer: Detokenizer
+    discard_output: bool = False
     done: bool = False
 
     @property
@@ -48,9 +51,15 @@ class Generation:
 
     @property
     def completion_tokens(self) -> int:
+        if self.discard_output:
+            return 0
         if self.detokenizer.matched_stop is not None:
             return self.detokenizer.num_tokens
         return len(self.stream.token_ids)
+
+    @property
+    def prompt_logprobs(self) -> list[PromptLogprobs]:
+        return self.stream.prompt_logprobs
 
     async def deltas(self) -> AsyncIterator[Delta]:
         try:
@@ -58,23 +67,33 @@ class Generation:
                 new_ids = await self.stream.next_tokens()
                 if self.stream.error is not None:
                     raise GenerationError(self.stream.error)
+                first = self.stream.num_consumed - len(new_ids)
+                if self.discard_output:
+                    new_ids = []
                 text = self.detokenizer.add(new_ids)
                 if self.detokenizer.matched_stop is not None:
+                    # Tokens after the one that completed the stop string are not part of the output.
+                    kept = self.detokenizer.num_tokens - first
                     await self.client.abort(self.rid)
                     self.done = True
-                    yield Delta(text, new_ids, "stop", self.detokenizer.matched_stop)
+                    yield Delta(text, new_ids[:kept], self._logprobs(first, kept), "stop", self.detokenizer.matched_stop)
                     return
+                logprobs = self._logprobs(first, len(new_ids))
                 if self.stream.finished:
                     self.done = True
-                    reason = FinishReason(self.stream.finish_reason)
-                    yield Delta(text + self.detokenizer.finish(), new_ids, FINISH_NAMES[reason], self.stream.stop_token_id)
+                    reason = FINISH_NAMES[FinishReason(self.stream.finish_reason)]
+                    text += self.detokenizer.finish()
+                    yield Delta(text, new_ids, logprobs, reason, self.stream.stop_token_id)
                     return
                 if text or new_ids:
-                    yield Delta(text, new_ids)
+                    yield Delta(text, new_ids, logprobs)
         finally:
             if not self.done:
                 await self.client.abort(self.rid)
             self.client.release(self.rid)
+
+    def _logprobs(self, first: int, count: int) -> list[TokenLogprobs | None]:
+        return self.stream.logprobs[first : first + count] if self.stream.logprobs else []
 
 
 async def start_generation(
@@ -84,7 +103,8 @@ async def start_generation(
     sampling: SamplingParams,
     stop: list[str],
     skip_special_tokens: bool = True,
+    discard_output: bool = False,
 ) -> Generation:
     rid = client.new_rid()
     stream = await client.submit(rid, input_ids, sampling)
-    return Generation(client, stream, Detokenizer(backend, input_ids, stop, skip_special_tokens))
+    return Generation(client, stream, Detokenizer(backend, input_ids, stop, skip_special_tokens), discard_output)

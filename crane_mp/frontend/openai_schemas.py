@@ -15,6 +15,7 @@ from crane_mp.protocol import SamplingParams
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
 
 class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -36,6 +37,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: int = 1
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids of prompt and completion in the response
 
@@ -49,6 +51,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -57,6 +61,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 class CompletionRequest(_SamplingFields, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]: msgspec unions take one array type, see prompt_inputs.
     prompt: str | list[str | int | list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -84,7 +92,10 @@ def stop_strings(req: _SamplingFields) -> list[str]:
     return [s for s in stops if s]
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int) -> SamplingParams:
+def sampling_params(
+    req: _SamplingFields, max_tokens: int, vocab_size: int, logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     """Validate ranges the way OpenAI and vLLM do and build the engine's SamplingParams."""
     temperature = 1.0 if req.temperature is None else req.temperature
     _check(0.0 <= temperature <= 2.0, "temperature", "must be between 0 and 2")
@@ -107,6 +118,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int) -> S
         _check(key.lstrip("-").isdigit() and 0 <= int(key) < vocab_size, "logit_bias", f"has an invalid token id {key!r}")
         _check(-100.0 <= value <= 100.0, "logit_bias", "values must be between -100 and 100")
         bias[int(key)] = value
+    _check(1 <= req.n <= 16, "n", "must be between 1 and 16")
     stop_ids = req.stop_token_ids or []
     _check(all(0 <= t < vocab_size for t in stop_ids), "stop_token_ids", "must be valid token ids")
     return SamplingParams(
@@ -123,6 +135,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int, vocab_size: int) -> S
         min_tokens=req.min_tokens,
         stop_token_ids=list(stop_ids),
         ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

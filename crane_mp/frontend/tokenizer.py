@@ -13,6 +13,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.logprobs_format import TokenText
 
 # Below this many characters encoding is faster than a thread hand-off.
 _INLINE_CHARS = 2048
@@ -22,6 +23,7 @@ class TokenizerService:
     def __init__(self, model_path: str) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.backend = self.tokenizer._tokenizer  # the `tokenizers` object DecodeStream needs
+        self.token_text = TokenText(self.tokenizer)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     @property

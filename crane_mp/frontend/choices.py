@@ -1,0 +1,122 @@
+"""Several generations behind one response: every prompt times `n`, in OpenAI's choice order.
+
+Choice index = prompt index * n + sample index. Non-streaming collects them concurrently;
+streaming merges their deltas as they come. Leaving early (client gone) aborts every one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import msgspec
+
+from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.generation import Delta, Generation, GenerationError, start_generation
+from crane_mp.frontend.state import FrontendState
+from crane_mp.protocol import SamplingParams, TokenLogprobs
+
+
+@dataclass(slots=True)
+class Collected:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def check_context(state: FrontendState, num_prompt: int, requested: int | None, param: str) -> int:
+    """max_tokens for this prompt: the request's, checked against the window, or all that is left."""
+    limit = state.engine_info.max_model_len
+    if num_prompt >= limit:
+        raise ApiError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
+                            f"{num_prompt} tokens", param)
+    if requested is None:
+        return limit - num_prompt
+    if requested < 0:
+        raise ApiError(400, "max_tokens must be at least 0", "max_tokens")
+    if num_prompt + requested > limit:
+        raise ApiError(400, f"this model's maximum context length is {limit} tokens, but {num_prompt} prompt "
+                            f"tokens + {requested} max_tokens were requested", "max_tokens")
+    return requested
+
+
+async def start_choices(
+    state: FrontendState,
+    prompts: list[list[int]],
+    n: int,
+    base: SamplingParams,
+    stop: list[str],
+    skip_special_tokens: bool,
+    discard_output: bool = False,
+) -> list[Generation]:
+    """Submit every prompt n times; a seeded request gives sample i the seed + i."""
+    gens: list[Generation] = []
+    try:
+        for prompt_ids in prompts:
+            for i in range(n):
+                seed = None if base.seed is None else base.seed + i
+                params = msgspec.structs.replace(base, seed=seed)
+                gens.append(await start_generation(
+                    state.client, state.tokenizer.backend, prompt_ids, params, stop, skip_special_tokens,
+                    discard_output,
+                ))
+    except BaseException:
+        for gen in gens:
+            await state.client.abort(gen.rid)
+        raise
+    return gens
+
+
+async def collect(gens: list[Generation]) -> list[Collected]:
+    async def one(gen: Generation) -> Collected:
+        out = Collected()
+        async for delta in gen.deltas():
+            out.text += delta.text
+            out.token_ids += delta.token_ids
+            out.logprobs += delta.logprobs
+            out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+        return out
+
+    tasks = [asyncio.ensure_future(one(gen)) for gen in gens]
+    try:
+        return await asyncio.gather(*tasks)
+    except GenerationError as err:
+        raise ApiError(503, str(err)) from err
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def merged_deltas(gens: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every generation as they arrive; raises GenerationError if one fails."""
+    if len(gens) == 1:
+        async for delta in gens[0].deltas():
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, gen: Generation) -> None:
+        try:
+            async for delta in gen.deltas():
+                await queue.put((index, delta, None))
+        except GenerationError as err:
+            await queue.put((index, None, err))
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        remaining = len(gens)
+        while remaining:
+            index, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                remaining -= 1
+                continue
+            yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,69 @@
+"""/tokenize and /detokenize in vLLM's shapes (also under /v1/, and accepting crane-oai's `text`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.openai_routes import check_model, json_response
+from crane_mp.frontend.openai_schemas import ChatMessage, decode_body
+from crane_mp.frontend.state import STATE
+
+routes = web.RouteTableDef()
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    text: str | None = None  # crane-oai's name for prompt
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+@routes.post("/tokenize")
+@routes.post("/v1/tokenize")
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = decode_body(await request.read(), TokenizeRequest)
+    check_model(state, req.model)
+    sources = [x is not None for x in (req.prompt, req.text, req.messages)]
+    if sum(sources) != 1:
+        raise ApiError(400, "give exactly one of prompt, text or messages", "prompt")
+    if req.messages is not None:
+        messages = [{k: v for k, v in msgspec.structs.asdict(m).items() if v is not None or k == "content"}
+                    for m in req.messages]
+        text = state.tokenizer.render_chat(
+            messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}),
+        )
+        # The template already wrote the special tokens it wants.
+        tokens = await state.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+    else:
+        text = req.prompt if req.prompt is not None else req.text
+        tokens = await state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens is not False)
+    max_len = state.engine_info.max_model_len if state.engine_info else None
+    return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": max_len})
+
+
+@routes.post("/detokenize")
+@routes.post("/v1/detokenize")
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = decode_body(await request.read(), DetokenizeRequest)
+    check_model(state, req.model)
+    vocab = len(state.tokenizer.tokenizer)
+    if any(not 0 <= t < vocab for t in req.tokens):
+        raise ApiError(400, f"token ids must be in [0, {vocab})", "tokens")
+    text = state.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return json_response({"prompt": text, "text": text})
