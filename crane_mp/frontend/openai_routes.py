@@ -16,6 +16,7 @@ from crane_mp.frontend.logprobs_format import chat_logprobs, completion_logprobs
 from crane_mp.frontend.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    chat_messages,
     decode_body,
     prompt_inputs,
     sampling_params,
@@ -92,8 +93,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_logprobs(req.top_logprobs, "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    messages = [{k: v for k, v in msgspec.structs.asdict(m).items() if v is not None or k == "content"}
-                for m in req.messages]
+    messages = chat_messages(req.messages)
     prompt = state.tokenizer.render_chat(
         messages,
         add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,

@@ -151,3 +151,23 @@ def prompt_inputs(prompt: str | list) -> list[str | list[int]]:
     if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
         return list(prompt)
     raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of those", "prompt")
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: list-of-parts content flattened to one string
+    (text parts joined by newlines, as vLLM does); other part types are refused."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        item = {"role": message.role, "content": content}
+        if message.name is not None:
+            item["name"] = message.name
+        out.append(item)
+    return out

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.openai_routes import check_model, json_response
-from crane_mp.frontend.openai_schemas import ChatMessage, decode_body
+from crane_mp.frontend.openai_schemas import ChatMessage, chat_messages, decode_body
 from crane_mp.frontend.state import STATE
 
 routes = web.RouteTableDef()
@@ -41,8 +41,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if sum(sources) != 1:
         raise ApiError(400, "give exactly one of prompt, text or messages", "prompt")
     if req.messages is not None:
-        messages = [{k: v for k, v in msgspec.structs.asdict(m).items() if v is not None or k == "content"}
-                    for m in req.messages]
+        messages = chat_messages(req.messages)
         text = state.tokenizer.render_chat(
             messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}),

@@ -191,3 +191,16 @@ def test_random_bodies_never_get_a_5xx(server, route, body):
     if r.status_code >= 400 and r.headers.get("Content-Type", "").startswith("application/json"):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert requests.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def test_text_parts_content_equals_string_content(server, client, model):
+    as_string = [{"role": "user", "content": "one\ntwo"}]
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]
+    tokens = [requests.post(server.url + "/tokenize", json={"messages": m}, headers=auth()).json()["tokens"]
+              for m in (as_string, as_parts)]
+    assert tokens[0] == tokens[1]
+    r = client.chat.completions.create(model=model, messages=as_parts, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens == len(tokens[0])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
