@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on every route but /health (default: $CRANE_API_KEY)")
     p.add_argument("--max-request-bytes", type=_positive_int, default=32 << 20,
                    help="largest request body accepted; bigger ones get 413")
+    p.add_argument("--health-generate-timeout", type=_seconds, default=30.0,
+                   help="seconds /health_generate waits for its one-token generation before answering 503")
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -125,4 +127,5 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         shutdown_grace=args.shutdown_grace,
         api_key=args.api_key or None,
         max_request_bytes=args.max_request_bytes,
+        health_generate_timeout=args.health_generate_timeout,
     )

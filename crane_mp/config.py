@@ -85,3 +85,4 @@ class ServerConfig:
     num_frontends: int = 1
     api_key: str | None = None
     max_request_bytes: int = 32 << 20
+    health_generate_timeout: float = 30.0

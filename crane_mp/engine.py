@@ -35,7 +35,7 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
         req_id = next(self._ids)
-        self.scheduler.add_request(Request(req_id, list(prompt_ids), sampling, arrival_time=time.monotonic()))
+        self.scheduler.add_request(Request(req_id, list(prompt_ids), sampling, arrival_time=time.time()))
         return req_id
 
     def abort_request(self, req_id: int) -> None:

@@ -170,6 +170,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[PromptLogprobs] = []
+    queue_time: float | None = None  # on the finishing output: seconds waiting before first scheduled
 
 
 class TokenBatch(msgspec.Struct, array_like=True, tag=True):

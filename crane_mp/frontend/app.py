@@ -7,7 +7,7 @@ from aiohttp import web
 
 import hmac
 
-from crane_mp.frontend import openai_routes, openapi, tokenize_routes
+from crane_mp.frontend import openai_routes, openapi, sglang_routes, tokenize_routes
 from crane_mp.frontend.engine_client import EngineDeadError
 from crane_mp.frontend.errors import ApiError, error_middleware
 from crane_mp.frontend.state import STATE, FrontendState
@@ -63,4 +63,5 @@ def create_app(state: FrontendState) -> web.Application:
     app.add_routes(openai_routes.routes)
     app.add_routes(tokenize_routes.routes)
     app.add_routes(openapi.routes)
+    app.add_routes(sglang_routes.routes)
     return app

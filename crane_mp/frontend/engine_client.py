@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from crane_mp.frontend.metrics import Metrics
 from crane_mp.ipc import Addresses, encode, frontend_decoder, make_socket
 from crane_mp.protocol import (
     AbortRequest,
@@ -49,6 +50,9 @@ class RequestStream:
     stop_token_id: int | None = None
     error: str | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    queue_time: float | None = None
+    submitted: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -56,13 +60,17 @@ class RequestStream:
         return self.finish_reason is not None
 
     def push(self, out: TokenOutput) -> None:
-        if out.new_token_ids and self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+        now = time.monotonic()
+        if out.new_token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            self.last_token_time = now
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs or [None] * len(out.new_token_ids))
         self.prompt_logprobs.extend(out.prompt_logprobs)
         if out.finish_reason is not None:
             self.finish_reason, self.stop_token_id, self.error = out.finish_reason, out.stop_token_id, out.error
+            self.queue_time = out.queue_time
         self.changed.set()
 
     async def next_tokens(self) -> list[int]:
@@ -87,6 +95,7 @@ class EngineClient:
         self._rids = itertools.count((frontend_id << 40) + 1)
         self._tokens = itertools.count(1)
         self.dead: str | None = None
+        self.metrics: Metrics | None = None  # set by the frontend; finished requests report to it
         self._listener: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -109,9 +118,11 @@ class EngineClient:
         await self.to_scheduler.send(encode(message))
         return stream
 
-    async def abort(self, rid: int) -> None:
-        """Stop a request (client gone, stop string matched); its KV blocks come back within a step."""
-        self.streams.pop(rid, None)
+    async def abort(self, rid: int, keep_stream: bool = False) -> None:
+        """Stop a request; its KV blocks come back within a step. With keep_stream (an abort asked for
+        by another client) the request's own handler still sees it finish, with reason ABORT."""
+        if not keep_stream:
+            self.streams.pop(rid, None)
         if not self.dead:
             await self.to_scheduler.send(encode(AbortRequest(rid)))
 

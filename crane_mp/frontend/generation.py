@@ -7,6 +7,7 @@ early (client gone, cancelled), the request is aborted so its KV blocks come bac
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -40,6 +41,8 @@ class Generation:
     detokenizer: Detokenizer
     discard_output: bool = False
     done: bool = False
+    finish_name: str = "abort"  # what the metrics record if the request ends without a finish
+    last_token_time: float | None = None
 
     @property
     def rid(self) -> int:
@@ -66,7 +69,9 @@ class Generation:
             while True:
                 new_ids = await self.stream.next_tokens()
                 if self.stream.error is not None:
+                    self.finish_name = "error"
                     raise GenerationError(self.stream.error)
+                self._observe_tokens(len(new_ids))
                 first = self.stream.num_consumed - len(new_ids)
                 if self.discard_output:
                     new_ids = []
@@ -75,13 +80,13 @@ class Generation:
                     # Tokens after the one that completed the stop string are not part of the output.
                     kept = self.detokenizer.num_tokens - first
                     await self.client.abort(self.rid)
-                    self.done = True
+                    self.done, self.finish_name = True, "stop"
                     yield Delta(text, new_ids[:kept], self._logprobs(first, kept), "stop", self.detokenizer.matched_stop)
                     return
                 logprobs = self._logprobs(first, len(new_ids))
                 if self.stream.finished:
-                    self.done = True
                     reason = FINISH_NAMES[FinishReason(self.stream.finish_reason)]
+                    self.done, self.finish_name = True, reason
                     text += self.detokenizer.finish()
                     yield Delta(text, new_ids, logprobs, reason, self.stream.stop_token_id)
                     return
@@ -91,6 +96,23 @@ class Generation:
             if not self.done:
                 await self.client.abort(self.rid)
             self.client.release(self.rid)
+            self._record_finish()
+
+    def _observe_tokens(self, count: int) -> None:
+        now = time.monotonic()
+        if count and self.client.metrics is not None and self.last_token_time is not None:
+            self.client.metrics.observe_tokens(now - self.last_token_time, count)
+        if count:
+            self.last_token_time = now
+
+    def _record_finish(self) -> None:
+        metrics = self.client.metrics
+        if metrics is None:
+            return
+        stream = self.stream
+        ttft = None if stream.first_token_time is None else stream.first_token_time - stream.submitted
+        metrics.request_finished(self.finish_name, self.prompt_tokens, self.completion_tokens, ttft,
+                                 time.monotonic() - stream.submitted, stream.queue_time)
 
     def _logprobs(self, first: int, count: int) -> list[TokenLogprobs | None]:
         return self.stream.logprobs[first : first + count] if self.stream.logprobs else []

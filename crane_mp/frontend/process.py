@@ -36,6 +36,7 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, c
 
     info = msgspec.msgpack.decode(await loop.run_in_executor(None, conn.recv_bytes), type=WorkerReady)
     state.client = EngineClient(addresses, frontend_id)
+    state.client.metrics = state.metrics
     state.client.start()
     state.engine_info = info
     conn.send_bytes(b"ready")

@@ -10,6 +10,7 @@ from aiohttp import web
 from crane_mp.config import ServerConfig
 from crane_mp.frontend.engine_client import EngineClient
 from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.metrics import Metrics
 from crane_mp.frontend.tokenizer import TokenizerService
 from crane_mp.protocol import WorkerReady
 
@@ -22,6 +23,11 @@ class FrontendState:
     engine_info: WorkerReady | None = None  # set once the engine behind us is ready
     draining: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
+    metrics: Metrics = field(init=False)
+    sglang_rids: dict[str, list[int]] = field(default_factory=dict)  # client-chosen rid -> engine rids
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.config.model_name)
 
     @property
     def model_name(self) -> str:

@@ -79,7 +79,9 @@ class SchedulerLoop:
         elif isinstance(message, AbortRequest):
             req = self.scheduler.abort_request(message.rid)
             if req is not None:
-                self.emit([RequestOutput(req.req_id, [], req.num_prompt_tokens, len(req.output_ids), req.finish_reason)])
+                out = RequestOutput(req.req_id, [], req.num_prompt_tokens, len(req.output_ids), req.finish_reason)
+                out.queue_time = req.queue_time
+                self.emit([out])
         elif isinstance(message, ControlRequest):
             self.control(message)
 
@@ -110,7 +112,7 @@ class SchedulerLoop:
                 TokenOutput(
                     out.req_id, out.new_token_ids, out.num_prompt_tokens, out.num_output_tokens, finish,
                     out.stop_token_id, out.logprobs if any(lp is not None for lp in out.logprobs) else [],
-                    prompt_logprobs=out.prompt_logprobs,
+                    prompt_logprobs=out.prompt_logprobs, queue_time=out.queue_time,
                 )
             )
             if finish is not None:

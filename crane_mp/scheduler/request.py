@@ -20,7 +20,8 @@ class Request:
     req_id: int
     prompt_ids: list[int]
     sampling: SamplingParams
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # wall clock (time.time()) when the frontend received it
+    queue_time: float | None = None  # seconds from arrival to first being scheduled
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)

@@ -6,6 +6,7 @@ as messages arrive, `schedule()` once per step, `update()` with the worker's `St
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ class RequestOutput:
     stop_token_id: int | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    queue_time: float | None = None  # set on the output that finishes the request
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -113,6 +115,7 @@ class Scheduler:
             if not req.known_to_worker:
                 new_requests.append(NewRequest(req.req_id, req.prompt_ids, req.sampling))
                 req.known_to_worker = True
+                req.queue_time = max(0.0, time.time() - req.arrival_time) if req.arrival_time else 0.0
             scheduled.append(
                 ScheduledRequest(req.req_id, req.num_computed_tokens, num_tokens, new_blocks, req.blocks_reset)
             )
@@ -230,7 +233,7 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
-                out.finish_reason, out.stop_token_id = reason, req.stop_token_id
+                out.finish_reason, out.stop_token_id, out.queue_time = reason, req.stop_token_id, req.queue_time
         return list(outputs.values())
 
     def _check_finish(self, req: Request, token_id: int) -> FinishReason | None:
