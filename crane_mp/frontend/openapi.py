@@ -8,6 +8,7 @@ from aiohttp import web
 from crane_mp import __version__
 from crane_mp.frontend.openai_routes import json_response
 from crane_mp.frontend.openai_schemas import ChatCompletionRequest, CompletionRequest
+from crane_mp.frontend.sglang_routes import AbortBody, GenerateRequest
 from crane_mp.frontend.tokenize_routes import DetokenizeRequest, TokenizeRequest
 
 routes = web.RouteTableDef()
@@ -22,6 +23,13 @@ OPERATIONS = [
     ("post", "/v1/detokenize", DetokenizeRequest, "Token ids to text"),
     ("get", "/v1/stats", None, "Engine counters"),
     ("get", "/health", None, "Liveness and readiness"),
+    ("post", "/generate", GenerateRequest, "SGLang native generation (SSE when stream=true)"),
+    ("post", "/abort_request", AbortBody, "Abort a /generate request by its rid"),
+    ("get", "/model_info", None, "Model metadata"),
+    ("get", "/server_info", None, "Server arguments and live engine stats"),
+    ("get", "/health_generate", None, "Deep health check: one generated token"),
+    ("post", "/flush_cache", None, "Drop cached prefixes"),
+    ("get", "/metrics", None, "Prometheus metrics"),
 ]
 
 _ERROR = {"description": "Error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
