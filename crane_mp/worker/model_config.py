@@ -48,6 +48,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    mlp_bias: bool
     hidden_act: str
     rope_theta: float
     rope_parameters: dict[str, Any] = field(default_factory=dict)
@@ -124,6 +125,7 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
         hidden_act=getattr(hf_config, "hidden_act", "silu"),
         rope_theta=theta,
         rope_parameters=rope_params,

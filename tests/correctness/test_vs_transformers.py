@@ -35,6 +35,7 @@ VARIANTS = {
     "qwen2-3layers-gqa4": ("qwen2", {"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
                                      "head_dim": 8, "intermediate_size": 96}),
     "hunyuan-untied": ("hunyuan", {"tie_word_embeddings": False, "num_key_value_heads": 4}),
+    "llama-all-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "hunyuan-ntk-alpha": ("hunyuan", {"rope_scaling": {"type": "dynamic", "alpha": 1000.0, "factor": 1.0}}),
 }
 
