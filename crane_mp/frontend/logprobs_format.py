@@ -21,6 +21,15 @@ class TokenText:
         return text
 
 
+def scored_prompt_positions(chunks: list[PromptLogprobs]) -> dict[int, tuple[float, list[int], list[float]]]:
+    """Prompt position -> (logprob, top ids, top logprobs), from the engine's chunked reports."""
+    scored = {}
+    for chunk in chunks:
+        for i, value in enumerate(chunk.logprobs):
+            scored[chunk.start + i] = (value, chunk.top_token_ids[i], chunk.top_logprobs[i])
+    return scored
+
+
 def completion_logprobs(
     token_text: TokenText,
     token_ids: list[int],
@@ -44,10 +53,7 @@ def completion_logprobs(
         offset += len(text)
 
     if prompt_ids is not None:
-        scored = {}
-        for chunk in prompt_logprobs or []:
-            for i, value in enumerate(chunk.logprobs):
-                scored[chunk.start + i] = (value, chunk.top_token_ids[i], chunk.top_logprobs[i])
+        scored = scored_prompt_positions(prompt_logprobs or [])
         for pos, token_id in enumerate(prompt_ids):
             if pos == 0 or pos not in scored:
                 add(token_id, None, None)

@@ -15,6 +15,7 @@ from crane_mp.frontend.choices import check_context, collect, merged_deltas, sta
 from crane_mp.frontend.engine_client import EngineDeadError
 from crane_mp.frontend.errors import ApiError, error_body
 from crane_mp.frontend.generation import Generation, GenerationError, start_generation
+from crane_mp.frontend.logprobs_format import scored_prompt_positions
 from crane_mp.frontend.openai_routes import json_response
 from crane_mp.frontend.openai_schemas import decode_body, sampling_params
 from crane_mp.frontend.state import STATE, FrontendState
@@ -108,10 +109,7 @@ def _logprob_info(state: FrontendState, req: GenerateRequest, gen: Generation, p
                   output_ids: list[int], output_logprobs) -> dict[str, Any]:
     token_text, with_text = state.tokenizer.token_text, req.return_text_in_logprobs
     start = max(0, req.logprob_start_len) if req.logprob_start_len >= 0 else len(prompt)
-    scored = {}
-    for chunk in gen.prompt_logprobs:
-        for k, value in enumerate(chunk.logprobs):
-            scored[chunk.start + k] = (value, chunk.top_token_ids[k], chunk.top_logprobs[k])
+    scored = scored_prompt_positions(gen.prompt_logprobs)
     input_lp, input_top = [], []
     for pos in range(start, len(prompt)):
         value, top_ids, top_values = scored.get(pos, (None, [], []))
