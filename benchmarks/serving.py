@@ -16,12 +16,10 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 
