@@ -167,7 +167,6 @@ class TokenOutput(msgspec.Struct, array_like=True):
     finish_reason: int | None = None
     stop_token_id: int | None = None
     logprobs: list[TokenLogprobs | None] = []
-    cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[PromptLogprobs] = []
     queue_time: float | None = None  # on the finishing output: seconds waiting before first scheduled

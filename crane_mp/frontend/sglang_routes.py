@@ -156,6 +156,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
     def result(index: int, text: str, ids: list[int], logprobs_list, finish) -> dict[str, Any]:
         gen = gens[index]
+        # cached_tokens stays 0 until prefix caching exists.
         meta = {"id": names[index], "prompt_tokens": gen.prompt_tokens, "completion_tokens": len(ids),
                 "cached_tokens": 0, "finish_reason": finish, "e2e_latency": round(time.monotonic() - started, 6)}
         if req.return_logprob:

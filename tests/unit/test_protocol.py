@@ -33,7 +33,7 @@ CASES = [
     (scheduler_decoder, StepResult(4, [1, 2], [7, 8, 9, 10], [None, TokenLogprobs(-0.1, [7], [-0.1])] * 2, 2)),
     (worker_decoder, StepPlan(3, [NewRequest(1, [4, 5], PARAMS)], [ScheduledRequest(1, 0, 2, [0], False)], [2], [3], 4)),
     (worker_decoder, ShutdownWorker()),
-    (frontend_decoder, TokenBatch([TokenOutput(1, [5], 3, 1, 0, 5, [], 0, None)])),
+    (frontend_decoder, TokenBatch([TokenOutput(1, [5], 3, 1, 0, 5, [], None)])),
     (frontend_decoder, EngineStats(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11.5)),
 ]
 
