@@ -30,6 +30,13 @@ def device_total_memory(device: torch.device) -> int:
     return psutil.virtual_memory().total
 
 
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes} B"
+
+
 def plan_kv_blocks(
     *,
     limit: MemoryLimit | None,
@@ -57,11 +64,10 @@ def plan_kv_blocks(
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = max(0, budget // block_bytes)
     if num_blocks < blocks_per_seq:
-        gib = 1 << 30
         raise MemoryBudgetError(
-            f"memory limit {limit_bytes / gib:.2f} GiB cannot hold the weights ({weights_bytes / gib:.2f} GiB), "
-            f"activations ({activation_bytes / gib:.2f} GiB) and the KV cache of one {max_model_len}-token sequence "
-            f"({blocks_per_seq * block_bytes / gib:.2f} GiB); raise --gpu-memory-limit or lower --max-seq-len"
+            f"memory limit {_size(limit_bytes)} cannot hold the weights ({_size(weights_bytes)}), activations "
+            f"({_size(activation_bytes)}) and the KV cache of one {max_model_len}-token sequence "
+            f"({_size(blocks_per_seq * block_bytes)}); raise --gpu-memory-limit or lower --max-seq-len"
         )
     num_blocks = min(num_blocks, max_num_seqs * blocks_per_seq + 1)
     if max_total_tokens is not None:

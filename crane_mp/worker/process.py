@@ -17,6 +17,8 @@ from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.protocol import ShutdownWorker, StepPlan, WorkerReady
 from crane_mp.worker.bootstrap import LoadedWorker, load_worker
 from crane_mp.worker.device import device_label
+from crane_mp.worker.memory import MemoryBudgetError
+from crane_mp.worker.model_config import UnsupportedModelError
 
 log = logging.getLogger("crane_mp.worker")
 
@@ -41,7 +43,12 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
 def run_worker(config: EngineConfig, addresses: Addresses, log_level: str, ready: Connection) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how Ctrl-C ends the server
-    loaded = load_worker(config, progress=True)
+    try:
+        loaded = load_worker(config, progress=True)
+    except (MemoryBudgetError, UnsupportedModelError, FileNotFoundError, ValueError) as err:
+        # A configuration the operator must change: one clear line, no traceback.
+        log.error("cannot start the model: %s", err)
+        raise SystemExit(1) from None
     ctx = zmq.Context()
     plans = make_socket(ctx, zmq.PULL, addresses.worker_inbox, bind=False)
     results = make_socket(ctx, zmq.PUSH, addresses.scheduler_inbox, bind=False)
