@@ -1,12 +1,14 @@
 """Several generations behind one response: every prompt times `n`, in OpenAI's choice order.
 
 Choice index = prompt index * n + sample index. Non-streaming collects them concurrently;
-streaming merges their deltas as they come. Leaving early (client gone) aborts every one.
+streaming merges their deltas as they come. Leaving early (client gone) aborts every one: every
+delta iterator is closed explicitly (aclosing), not whenever the garbage collector gets to it.
 """
 
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -73,11 +75,12 @@ async def start_choices(
 async def collect(gens: list[Generation]) -> list[Collected]:
     async def one(gen: Generation) -> Collected:
         out = Collected()
-        async for delta in gen.deltas():
-            out.text += delta.text
-            out.token_ids += delta.token_ids
-            out.logprobs += delta.logprobs
-            out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+        async with aclosing(gen.deltas()) as deltas:
+            async for delta in deltas:
+                out.text += delta.text
+                out.token_ids += delta.token_ids
+                out.logprobs += delta.logprobs
+                out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
         return out
 
     tasks = [asyncio.ensure_future(one(gen)) for gen in gens]
@@ -93,15 +96,17 @@ async def collect(gens: list[Generation]) -> list[Collected]:
 async def merged_deltas(gens: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
     """(choice index, delta) from every generation as they arrive; raises GenerationError if one fails."""
     if len(gens) == 1:
-        async for delta in gens[0].deltas():
-            yield 0, delta
+        async with aclosing(gens[0].deltas()) as deltas:
+            async for delta in deltas:
+                yield 0, delta
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, gen: Generation) -> None:
         try:
-            async for delta in gen.deltas():
-                await queue.put((index, delta, None))
+            async with aclosing(gen.deltas()) as deltas:
+                async for delta in deltas:
+                    await queue.put((index, delta, None))
         except GenerationError as err:
             await queue.put((index, None, err))
         await queue.put((index, None, None))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import aclosing
 from typing import Any, Callable
 
 import msgspec
@@ -63,11 +64,12 @@ async def stream_response(
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     try:
-        async for index, delta in merged_deltas(gens):
-            for payload in chunk(index, delta):
-                if continuous:
-                    payload["usage"] = _usage(gens, n)
-                await response.write(_sse(payload))
+        async with aclosing(merged_deltas(gens)) as deltas:
+            async for index, delta in deltas:
+                for payload in chunk(index, delta):
+                    if continuous:
+                        payload["usage"] = _usage(gens, n)
+                    await response.write(_sse(payload))
         if include_usage:
             await response.write(_sse({**base, "choices": [], "usage": _usage(gens, n)}))
     except GenerationError as err:

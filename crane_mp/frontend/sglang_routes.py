@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from contextlib import aclosing
 from typing import Any
 
 import msgspec
@@ -187,13 +188,14 @@ async def _stream(request: web.Request, gens: list[Generation], result, max_new_
     ids: list[list[int]] = [[] for _ in gens]
     logprobs: list[list] = [[] for _ in gens]
     try:
-        async for index, delta in merged_deltas(gens):
-            texts[index] += delta.text
-            ids[index] += delta.token_ids
-            logprobs[index] += delta.logprobs
-            finish = _finish_reason(delta.finish_reason, delta.stop_reason, max_new_tokens)
-            payload = result(index, texts[index], ids[index], logprobs[index], finish)
-            await response.write(b"data: " + _json.encode(payload) + b"\n\n")
+        async with aclosing(merged_deltas(gens)) as deltas:
+            async for index, delta in deltas:
+                texts[index] += delta.text
+                ids[index] += delta.token_ids
+                logprobs[index] += delta.logprobs
+                finish = _finish_reason(delta.finish_reason, delta.stop_reason, max_new_tokens)
+                payload = result(index, texts[index], ids[index], logprobs[index], finish)
+                await response.write(b"data: " + _json.encode(payload) + b"\n\n")
     except GenerationError as err:
         await response.write(b"data: " + _json.encode(error_body(503, str(err))) + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
