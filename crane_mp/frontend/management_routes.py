@@ -1,0 +1,144 @@
+"""Operations routes: /health, /health_generate, model and server info, /v1/stats, /flush_cache, /metrics.
+
+Info routes answer in SGLang's and crane-oai's shapes; /metrics in Prometheus text format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from crane_mp import __version__
+from crane_mp.frontend.choices import collect
+from crane_mp.frontend.engine_client import EngineDeadError
+from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.generation import start_generation
+from crane_mp.frontend.openai_routes import json_response
+from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.protocol import EngineStats, SamplingParams
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    """Liveness and readiness: 200 once the whole pipeline is ready, 503 while starting or draining."""
+    state = request.app[STATE]
+    if state.ready:
+        return json_response({"status": "ok"})
+    status = "draining" if state.draining else ("engine_dead" if state.client and state.client.dead else "starting")
+    return json_response({"status": status}, status=503)
+
+
+async def _stats(state: FrontendState) -> EngineStats:
+    try:
+        return await state.client.control("stats", timeout=5.0)
+    except (TimeoutError, EngineDeadError) as err:
+        raise ApiError(503, f"the engine did not answer: {err or 'timeout'}") from err
+
+
+@routes.get("/v1/stats")
+async def stats(request: web.Request) -> web.Response:
+    """Engine counters from the scheduler: running/waiting sequences, KV blocks, totals, decode rate."""
+    state = request.app[STATE]
+    state.require_ready()
+    snapshot = await _stats(state)
+    return json_response({f: getattr(snapshot, f) for f in snapshot.__struct_fields__ if f != "token"})
+
+
+@routes.post("/flush_cache")
+async def flush_cache(request: web.Request) -> web.Response:
+    # No prefix cache exists yet, so there is nothing to drop; succeed as SGLang clients expect.
+    return json_response({"success": True, "message": "Cache flushed."})
+
+
+def _model_info(state: FrontendState) -> dict[str, Any]:
+    info = state.engine_info
+    return {
+        "model_path": state.config.engine.model_path,
+        "tokenizer_path": state.config.engine.model_path,
+        "model_name": state.model_name,
+        "model_type": info.arch if info else None,
+        "is_generation": True,
+        "device": info.device if info else None,
+        "dtype": info.dtype if info else None,
+        "max_context_length": info.max_model_len if info else None,
+        "vocab_size": info.vocab_size if info else None,
+    }
+
+
+@routes.get("/model_info")
+@routes.get("/get_model_info")
+async def model_info(request: web.Request) -> web.Response:
+    return json_response(_model_info(request.app[STATE]))
+
+
+def _server_args(state: FrontendState) -> dict[str, Any]:
+    cfg, engine = state.config, state.config.engine
+    limit = engine.memory_limit
+    return {
+        "model_path": engine.model_path, "model_name": cfg.model_name, "model_type": engine.model_type,
+        "host": cfg.host, "port": cfg.port, "cpu": engine.force_cpu, "dtype": engine.dtype,
+        "max_concurrent": engine.max_num_seqs, "decode_tokens_per_seq": engine.decode_tokens_per_seq,
+        "max_seq_len": engine.max_model_len, "max_total_tokens": engine.max_total_tokens,
+        "max_num_batched_tokens": engine.max_num_batched_tokens, "block_size": engine.block_size,
+        "gpu_memory_limit": None if limit is None else (limit.num_bytes or limit.fraction),
+        "shutdown_grace": cfg.shutdown_grace, "api_key_set": bool(cfg.api_key),
+    }
+
+
+@routes.get("/server_info")
+@routes.get("/get_server_info")
+async def server_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_ready()
+    stats = await _stats(state)
+    info = state.engine_info
+    return json_response({
+        "version": __version__,
+        **_server_args(state),
+        "kv_bytes_per_token": info.kv_bytes_per_token,
+        "kv_budget_bytes": info.kv_budget_bytes,
+        "stats": {
+            "total_requests": stats.total_requests,
+            "completed_requests": stats.completed_requests,
+            "avg_decode_tokens_per_sec": stats.avg_decode_tokens_per_sec,
+            "active_sequences": stats.num_running,
+            "waiting_sequences": stats.num_waiting,
+            "kv_blocks_used": stats.num_total_blocks - stats.num_free_blocks,
+            "kv_blocks_total": stats.num_total_blocks,
+            "num_preemptions": stats.num_preemptions,
+            "prompt_tokens_total": stats.prompt_tokens_total,
+            "generation_tokens_total": stats.generation_tokens_total,
+        },
+    })
+
+
+@routes.get("/health_generate")
+async def health_generate(request: web.Request) -> web.Response:
+    """Deep check: one generated token through frontend, scheduler and worker within
+    --health-generate-timeout seconds (30), else 503."""
+    state = request.app[STATE]
+    state.require_ready()
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    gen = await start_generation(state.client, state.tokenizer.backend, [0], params, [])
+    try:
+        outs = await asyncio.wait_for(collect([gen]), state.config.health_generate_timeout)
+    except (TimeoutError, ApiError) as err:
+        raise ApiError(503, f"health check generation failed: {err or 'no token within the timeout'}") from err
+    return json_response({"status": "ok", "tokens": len(outs[0].token_ids)})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    stats = None
+    if state.ready:
+        try:
+            stats = await state.client.control("stats", timeout=5.0)
+        except (TimeoutError, EngineDeadError):
+            stats = None  # request-level series still render; the gauges keep their last values
+    body = state.metrics.render(stats)
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
