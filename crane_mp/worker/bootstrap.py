@@ -9,7 +9,7 @@ import torch
 
 from crane_mp.config import EngineConfig, MemoryLimit
 from crane_mp.worker.device import select_device, select_dtype
-from crane_mp.worker.loader import load_model
+from crane_mp.worker.loader import load_model, weight_bytes
 from crane_mp.worker.memory import KVPlan, device_total_memory, measure_activation_bytes, plan_kv_blocks
 from crane_mp.worker.model_config import ModelConfig, load_model_config
 from crane_mp.worker.runner import ModelRunner
@@ -51,7 +51,7 @@ def load_worker(config: EngineConfig, progress: bool = True) -> LoadedWorker:
             max_model_len = capacity
     runner = ModelRunner(model, config.block_size, max_model_len, device)
 
-    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights_bytes = weight_bytes(model)
     profile_tokens = min(config.max_num_batched_tokens, max_model_len)
     activation_bytes = measure_activation_bytes(
         runner.profile_forward, profile_tokens, device, _activation_estimate_per_token(model_config)

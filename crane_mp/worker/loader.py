@@ -9,6 +9,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
+from crane_mp.worker.cpu_packing import can_pack, pack_linear_weights
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models import build_model
 from crane_mp.worker.models.layers import CausalLM
@@ -59,4 +60,12 @@ def load_model(
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    if can_pack(dtype, device):
+        pack_linear_weights(model)
     return model.eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters and (packed-weight) buffers, each tensor counted once."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
