@@ -15,12 +15,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("paged_decode_attention.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "fused_elementwise.cpp")]
 
 
 @lru_cache(maxsize=1)
 def cpu_kernels_available() -> bool:
-    """True once torch.ops.crane_mp.paged_decode_attention is registered."""
+    """True once torch.ops.crane_mp's kernels (paged_decode_attention, rms_norm, add_rms_norm_,
+    silu_and_mul) are registered."""
     if os.environ.get("CRANE_MP_NO_NATIVE_KERNELS"):
         return False
     try:

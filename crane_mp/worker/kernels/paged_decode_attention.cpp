@@ -128,7 +128,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 }  // namespace
 
-TORCH_LIBRARY(crane_mp, m) {
+TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor ctx_lens, "
         "float scale, int window) -> Tensor", &paged_decode_attention);
 }

@@ -1,7 +1,7 @@
 """Building blocks shared by the Llama-family models: RMSNorm, gated MLP, paged self-attention, packed loading.
 
-Float32 numerics follow transformers' reference op for op; in 16-bit we prefer fused ops over
-reproducing its intermediate roundings.
+Float32 numerics follow transformers' reference closely; in 16-bit we prefer fused ops over
+reproducing its intermediate roundings. On CPU, norms and SiLU*mul run as fused C++ kernels.
 """
 
 from __future__ import annotations
@@ -14,10 +14,16 @@ from torch import nn
 
 from crane_mp.worker.attention import paged_attention
 from crane_mp.worker.forward_context import get_forward_context
+from crane_mp.worker.kernels.loader import cpu_kernels_available
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.rope import apply_rope
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def native_ops(x: torch.Tensor) -> bool:
+    """Use the fused C++ kernels (crane_mp/worker/kernels/) for this tensor? CPU only, when built."""
+    return x.device.type == "cpu" and cpu_kernels_available()
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +33,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op; it accumulates in float32 and matches the reference exactly in float32.
+        if native_ops(x):
+            return torch.ops.crane_mp.rms_norm(x.contiguous(), self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -40,7 +47,10 @@ class GatedMLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.act is F.silu and native_ops(gate_up):
+            return self.down_proj(torch.ops.crane_mp.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -81,6 +91,8 @@ class PagedSelfAttention(nn.Module):
             )
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        if native_ops(qk):
+            return torch.ops.crane_mp.rms_norm(qk.contiguous(), self.qk_norm_weight, self.eps)
         return F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
