@@ -95,12 +95,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_logprobs(req.top_logprobs, "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    messages = chat_messages(req.messages)
     prompt = state.tokenizer.render_chat(
-        messages,
-        add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-        continue_final_message=req.continue_final_message,
-        **(req.chat_template_kwargs or {}),
+        chat_messages(req.messages), req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
     )
     input_ids = await state.tokenizer.encode(prompt, add_special_tokens=False)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -41,10 +41,9 @@ async def tokenize(request: web.Request) -> web.Response:
     if sum(sources) != 1:
         raise ApiError(400, "give exactly one of prompt, text or messages", "prompt")
     if req.messages is not None:
-        messages = chat_messages(req.messages)
         text = state.tokenizer.render_chat(
-            messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}),
+            chat_messages(req.messages), req.add_generation_prompt, req.continue_final_message,
+            req.chat_template_kwargs,
         )
         # The template already wrote the special tokens it wants.
         tokens = await state.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))

@@ -36,13 +36,21 @@ class TokenizerService:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.pool, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any) -> str:
-        """Render the model's own Jinja chat template (as transformers does)."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> str:
+        """Render the model's own Jinja chat template (as transformers does). Continuing the final
+        message means no new generation prompt is opened after it."""
         if not self.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(template_kwargs or {}),
             )
         except Exception as err:  # a template's own raise_exception() or a malformed message
             raise ApiError(400, f"chat template failed: {err}", "messages") from err
