@@ -146,18 +146,20 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KH, D]. Writes k/v into the cache, returns [T, H * D]."""
+    """q: [T, H, D]; k, v: [T, KH, D], written into the cache here, or None when the caller already
+    wrote them (the fused CPU kernel). Returns [T, H * D]."""
     num_tokens, num_heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    kv_heads = k_cache.shape[2]
+    if k is not None:
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     outputs = []
 
     num_decodes = meta.num_decode_tokens
@@ -178,11 +180,15 @@ def paged_attention(
     if meta.num_prefills:
         qp = q[num_decodes:]
         if meta.prefill_is_fresh_single:
-            qs = qp.transpose(0, 1)  # [H, T, D]
+            if k is None:  # already in the cache: read this prefill's rows back
+                slots = meta.slot_mapping[num_decodes:]
+                kp = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
+                vp = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
+            else:
+                kp, vp = k[num_decodes:], v[num_decodes:]
             out = F.scaled_dot_product_attention(
-                qs, k[num_decodes:].transpose(0, 1), v[num_decodes:].transpose(0, 1),
-                is_causal=True, scale=scale, enable_gqa=True,
-            )
+                qp.transpose(0, 1), kp.transpose(0, 1), vp.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+            )  # [H, T, D]
             outputs.append(out.transpose(0, 1).reshape(-1, num_heads * head_dim))
         else:
             batch, max_q = meta.num_prefills, meta.max_prefill_q

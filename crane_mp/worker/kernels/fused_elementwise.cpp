@@ -10,40 +10,44 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
-// weight_rows > 1: row r uses weight row (r % weight_rows) (per-head norms over [T, N, D]).
-template <typename scalar_t>
-void norm_rows(const scalar_t* in, scalar_t* out, const scalar_t* weight, int64_t rows, int64_t dim,
-               int64_t weight_rows, double eps, scalar_t* residual_out, const scalar_t* add) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = in + r * dim;
-      float sumsq = 0.f;
-      if (add != nullptr) {
-        // residual (xr) += add, rounded to the storage type first, as the unfused ops would.
-        scalar_t* rr = residual_out + r * dim;
-        const scalar_t* ar = add + r * dim;
-        for (int64_t d = 0; d < dim; ++d) {
-          const scalar_t v = static_cast<scalar_t>(static_cast<float>(rr[d]) + static_cast<float>(ar[d]));
-          rr[d] = v;
-          const float f = static_cast<float>(v);
-          sumsq += f * f;
-        }
-        xr = rr;
-      } else {
+using crane_mp::narrow;
+using crane_mp::widen;
+
+// Normalises row `x` (float, in place) and scales it by `weight` (float).
+inline void norm_row(float* x, const float* weight, int64_t dim, float eps) {
+  float sumsq = 0.f;
 #pragma omp simd reduction(+ : sumsq)
-        for (int64_t d = 0; d < dim; ++d) {
-          const float f = static_cast<float>(xr[d]);
-          sumsq += f * f;
-        }
-      }
-      const float scale = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + static_cast<float>(eps));
-      const scalar_t* wr = weight + (weight_rows > 1 ? (r % weight_rows) * dim : 0);
-      scalar_t* orow = out + r * dim;
+  for (int64_t d = 0; d < dim; ++d) sumsq += x[d] * x[d];
+  const float scale = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d)
-        orow[d] = static_cast<scalar_t>(static_cast<float>(xr[d]) * scale * static_cast<float>(wr[d]));
+  for (int64_t d = 0; d < dim; ++d) x[d] = x[d] * scale * weight[d];
+}
+
+// weight_rows > 1: row r uses weight row (r % weight_rows) (per-head norms over [T, N, D]).
+// With `add`, the row is residual (= `in`) + add, rounded to the storage type and written back to
+// the residual before it is normalised, as the unfused ops would.
+template <typename scalar_t>
+void norm_rows(scalar_t* in, scalar_t* out, const scalar_t* weight, int64_t rows, int64_t dim, int64_t weight_rows,
+               double eps, const scalar_t* add) {
+  std::vector<float> w(weight_rows * dim);
+  widen(weight, w.data(), weight_rows * dim);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(dim), other(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      widen(in + r * dim, row.data(), dim);
+      if (add != nullptr) {
+        widen(add + r * dim, other.data(), dim);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) row[d] += other[d];
+        narrow(row.data(), in + r * dim, dim);
+        widen(in + r * dim, row.data(), dim);
+      }
+      norm_row(row.data(), w.data() + (r % weight_rows) * dim, dim, static_cast<float>(eps));
+      narrow(row.data(), out + r * dim, dim);
     }
   });
 }
@@ -55,35 +59,38 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
   at::Tensor out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    norm_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), rows, dim,
-                        weight_rows_of(weight), eps, nullptr, nullptr);
+    norm_rows<scalar_t>(const_cast<scalar_t*>(x.data_ptr<scalar_t>()), out.data_ptr<scalar_t>(),
+                        weight.data_ptr<scalar_t>(), rows, dim, weight_rows_of(weight), eps, nullptr);
   });
   return out;
 }
 
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes());
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type());
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_", [&] {
     norm_rows<scalar_t>(residual.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), rows,
-                        dim, weight_rows_of(weight), eps, residual.data_ptr<scalar_t>(), x.data_ptr<scalar_t>());
+                        dim, weight_rows_of(weight), eps, x.data_ptr<scalar_t>());
   });
 }
 
 template <typename scalar_t>
 void silu_rows(const scalar_t* in, scalar_t* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> g(inter), u(inter);
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* gr = in + r * 2 * inter;
-      const scalar_t* ur = gr + inter;
-      // Widen first, then run the exp over plain float arrays so it vectorises (libmvec).
-      for (int64_t i = 0; i < inter; ++i) g[i] = static_cast<float>(gr[i]);
-      for (int64_t i = 0; i < inter; ++i) u[i] = static_cast<float>(ur[i]);
+  // Rows are split into column chunks too, so a handful of decode rows still uses every thread.
+  constexpr int64_t kChunk = 512;
+  const int64_t chunks = (inter + kChunk - 1) / kChunk;
+  at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+    float g[kChunk], u[kChunk];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / chunks, lo = (task % chunks) * kChunk;
+      const int64_t n = std::min(kChunk, inter - lo);
+      widen(in + r * 2 * inter + lo, g, n);
+      widen(in + r * 2 * inter + inter + lo, u, n);
+      // Plain float arrays, so the exp vectorises (libmvec).
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-      scalar_t* orow = out + r * inter;
-      for (int64_t i = 0; i < inter; ++i) orow[i] = static_cast<scalar_t>(g[i]);
+      for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      narrow(g, out + r * inter + lo, n);
     }
   });
 }

@@ -32,10 +32,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`: adds x to it first and returns (norm(residual + x), residual + x).
+
+        The fused CPU kernel updates both tensors in place, so callers pass tensors they own."""
+        if residual is None:
+            if native_ops(x):
+                return torch.ops.crane_mp.rms_norm(x.contiguous(), self.weight, self.eps)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         if native_ops(x):
-            return torch.ops.crane_mp.rms_norm(x.contiguous(), self.weight, self.eps)
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            torch.ops.crane_mp.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return F.rms_norm(residual, (x.shape[-1],), self.weight, self.eps), residual
 
 
 class GatedMLP(nn.Module):
@@ -52,6 +63,9 @@ class GatedMLP(nn.Module):
             return self.down_proj(torch.ops.crane_mp.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+_QK_NORM_CODES = {None: 0, "before_rope": 1, "after_rope": 2}  # qkv_rope_cache's qk_norm_position
 
 
 class PagedSelfAttention(nn.Module):
@@ -91,14 +105,24 @@ class PagedSelfAttention(nn.Module):
             )
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
-        if native_ops(qk):
-            return torch.ops.crane_mp.rms_norm(qk.contiguous(), self.qk_norm_weight, self.eps)
         return F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
-        num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 * KH) * D]
+        if native_ops(qkv):
+            # q/k norm, rope and the KV-cache write in one pass over qkv.
+            q = torch.ops.crane_mp.qkv_rope_cache(
+                qkv, ctx.cos, ctx.sin, self.qk_norm_weight, _QK_NORM_CODES[self.qk_norm_position], self.eps,
+                ctx.attn.slot_mapping, self.k_cache, self.v_cache, self.num_heads,
+            )
+            out = paged_attention(q, None, None, self.k_cache, self.v_cache, ctx.attn, self.scale)
+        else:
+            out = self._attend_unfused(qkv, ctx)
+        return self.o_proj(out)
+
+    def _attend_unfused(self, qkv: torch.Tensor, ctx) -> torch.Tensor:
+        num_tokens = qkv.shape[0]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KH, D]
         if self.qk_norm_position == "before_rope":
@@ -107,8 +131,7 @@ class PagedSelfAttention(nn.Module):
         if self.qk_norm_position == "after_rope":
             qk = self._qk_norm(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.attn, self.scale)  # [T, H * D]
-        return self.o_proj(out)
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.attn, self.scale)  # [T, H * D]
 
 
 class DecoderLayer(nn.Module):
@@ -119,9 +142,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's
+        output. Passing them apart lets the next layer fuse the residual add into its first norm."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -135,9 +165,10 @@ class DecoderModel(nn.Module):
         """Returns the last layer's output before the final norm, which compute_logits applies to the
         few rows that need logits."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
         for layer in self.layers:
-            x = layer(x)
-        return x
+            x, residual = layer(x, residual)
+        return x + residual
 
 
 # HF checkpoint names that we store packed into one fused parameter: name -> (fused name, shard index).

@@ -1,0 +1,93 @@
+"""The fused native CPU kernels against the torch ops they replace."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from crane_mp.worker.kernels.loader import cpu_kernels_available
+from crane_mp.worker.rope import apply_rope
+
+pytestmark = pytest.mark.skipif(
+    bool(os.environ.get("CRANE_MP_NO_NATIVE_KERNELS")) or not cpu_kernels_available(),
+    reason="native kernels disabled or not built",
+)
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 50, 8192 + 7])
+def test_argmax_rows_matches_torch_including_ties(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen)
+    x[1] = 0.5  # all tied: the first index wins
+    x[2, vocab // 2 :] = 100.0  # tie between two lanes / the tail
+    x[3] = float("-inf")
+    assert torch.ops.crane_mp.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm_position", [0, 1, 2])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (4, 4, 32), (6, 1, 128)])
+def test_qkv_rope_cache_equals_the_unfused_ops(dtype, norm_position, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(heads + norm_position)
+    tokens, num_blocks, block_size, eps = 5, 4, 4, 1e-6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    angles = torch.rand(tokens, 1, head_dim, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    weight = (torch.rand(heads + kv_heads, head_dim, generator=gen) + 0.5).to(dtype)
+    slots = torch.tensor([9, 0, 15, 4, 3])
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+
+    q = torch.ops.crane_mp.qkv_rope_cache(
+        qkv, cos, sin, weight if norm_position else None, norm_position, eps, slots, k_cache, v_cache, heads
+    )
+
+    qk = qkv[:, : (heads + kv_heads) * head_dim].float().view(tokens, heads + kv_heads, head_dim)
+
+    def norm(x):
+        return F.rms_norm(x, (head_dim,), None, eps) * weight.float()
+
+    if norm_position == 1:
+        qk = norm(qk)
+    qk = apply_rope(qk, cos.float(), sin.float())
+    if norm_position == 2:
+        qk = norm(qk)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    torch.testing.assert_close(q.float(), qk[:, :heads], **tolerance(dtype))
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    torch.testing.assert_close(flat_k[slots].float(), qk[:, heads:], **tolerance(dtype))
+    assert torch.equal(flat_v[slots], v)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, dim", [(1, 64), (37, 512), (3, 100)])
+def test_add_rms_norm_updates_both_in_place(dtype, rows, dim):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, dim, generator=gen).to(dtype)
+    residual = torch.randn(rows, dim, generator=gen).to(dtype)
+    weight = torch.rand(dim, generator=gen).to(dtype)
+    expected_residual = residual + x
+    expected = F.rms_norm(expected_residual.float(), (dim,), weight.float(), 1e-5)
+    torch.ops.crane_mp.add_rms_norm_(x, residual, weight, 1e-5)
+    assert torch.equal(residual, expected_residual)
+    torch.testing.assert_close(x.float(), expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (33, 700)])
+def test_silu_and_mul(dtype, rows, inter):
+    gate_up = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(dtype)
+    gate, up = gate_up.float().split(inter, dim=-1)
+    torch.testing.assert_close(
+        torch.ops.crane_mp.silu_and_mul(gate_up).float(), F.silu(gate) * up, **tolerance(dtype)
+    )
