@@ -1,26 +1,64 @@
-"""Pre-packed bf16 linear weights for oneDNN on CPU.
+"""Pre-packed bf16 linear weights for the CPU's matrix units.
 
-A plain bf16 weight is reordered into oneDNN's blocked (AMX) layout on every call; packing it once
-at load time makes the model's GEMMs ~20% faster at 32 rows and ~30% at one row, with identical
-results. The packed tensor replaces the plain weight (no second copy), except for an LM head tied to
-the embedding, which the embedding lookup still needs in plain layout.
+A plain bf16 weight is reordered into a blocked layout on every call; packing it once at load time
+is faster with identical math. Two backends:
+
+- our AMX kernel (worker/kernels/amx_linear.cpp) when the CPU has AMX and the native kernels are
+  built: ~2x oneDNN on decode-sized GEMMs; results equal up to float summation order;
+- oneDNN's packed linear otherwise: ~20% faster than a plain weight at 32 rows, identical results.
+
+The packed tensor replaces the plain weight (no second copy). An LM head tied to the embedding is
+packed only for AMX, whose layout the embedding lookup can read rows back from; with oneDNN the
+lookup needs the plain layout, so a tied head stays plain.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import nn
+
+from crane_mp.worker.kernels.loader import cpu_kernels_available
+
+
+@lru_cache(maxsize=1)
+def amx_available() -> bool:
+    return cpu_kernels_available() and bool(torch.ops.crane_mp.amx_available())
+
+
+def _amx_shape_ok(linear: nn.Linear) -> bool:
+    return linear.in_features % 32 == 0 and linear.out_features % 32 == 0
 
 
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None))
+        self.amx = amx_available() and _amx_shape_ok(linear)
+        weight = linear.weight.detach()
+        packed = (
+            torch.ops.crane_mp.amx_pack_weight(weight) if self.amx
+            else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        )
+        self.register_buffer("packed_weight", packed)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx:
+            return torch.ops.crane_mp.amx_linear(x, self.packed_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+class PackedEmbedding(nn.Module):
+    """Embedding lookup from an AMX-packed weight shared with the tied LM head."""
+
+    def __init__(self, packed_weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("packed_weight", packed_weight)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.crane_mp.amx_embedding(input_ids, self.packed_weight)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -28,15 +66,26 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Swap every nn.Linear (but a tied LM head) for a PackedLinear; returns how many were packed."""
-    tied = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name.endswith("embed_tokens.weight")}
-    targets = [
-        (name, module) for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and id(module.weight) not in tied
-    ]
-    for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module))
-    return len(targets)
+    """Swap every nn.Linear for a PackedLinear (a tied LM head only with AMX, see above); returns how
+    many were packed."""
+    embeddings = {
+        id(module.weight): name for name, module in model.named_modules() if isinstance(module, nn.Embedding)
+    }
+    count = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        tied_embedding = embeddings.get(id(module.weight))
+        if tied_embedding is not None and not (amx_available() and _amx_shape_ok(module)):
+            continue
+        packed = PackedLinear(module)
+        _replace(model, name, packed)
+        if tied_embedding is not None:
+            _replace(model, tied_embedding, PackedEmbedding(packed.packed_weight))
+        count += 1
+    return count
 
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)

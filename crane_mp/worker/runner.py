@@ -36,7 +36,7 @@ class ModelRunner:
         self.config = model.config
         self.block_size = block_size
         self.device = device
-        self.dtype = model.model.embed_tokens.weight.dtype
+        self.dtype = model.model.norm.weight.dtype
         self.cos, self.sin = rope_tables(self.config, max_positions, self.dtype, device)
         self.sampler = Sampler(self.config.vocab_size, device)
         self.requests: dict[int, RequestMirror] = {}

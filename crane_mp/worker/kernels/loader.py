@@ -18,7 +18,9 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("paged_decode_attention.cpp", "fused_elementwise.cpp", "qkv_rope_cache.cpp", "argmax.cpp")
+    for name in (
+        "paged_decode_attention.cpp", "fused_elementwise.cpp", "qkv_rope_cache.cpp", "argmax.cpp", "amx_linear.cpp"
+    )
 ]
 _HEADERS = [Path(__file__).with_name("cpu_vec.h")]
 
@@ -35,7 +37,7 @@ def _sources_digest() -> str:
 @lru_cache(maxsize=1)
 def cpu_kernels_available() -> bool:
     """True once torch.ops.crane_mp's kernels (paged_decode_attention, qkv_rope_cache, rms_norm,
-    add_rms_norm_, silu_and_mul, argmax_rows) are registered."""
+    add_rms_norm_, silu_and_mul, argmax_rows, amx_*) are registered."""
     if os.environ.get("CRANE_MP_NO_NATIVE_KERNELS"):
         return False
     try:
