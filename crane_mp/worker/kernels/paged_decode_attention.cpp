@@ -168,11 +168,21 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       // Walk the keys block by block: one table lookup per block, then rows at a fixed stride (a
       // division per key would cost more than the key's arithmetic).
       const int64_t stride = KH * D;
+      // Blocks are scattered over the cache, out of the hardware prefetcher's sight: fetch the next
+      // block's rows while this one is processed.
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
       auto for_each_block = [&](const scalar_t* base, auto&& body) {
         for (int64_t pos = first, j = 0; pos < len;) {
           const int64_t off = pos % BS, count = std::min(BS - off, len - pos);
+          const int64_t next = pos + count;
+          if (next < len) {
+            const char* ahead = reinterpret_cast<const char*>(base + (bt[b * MAXB + next / BS] * BS * KH + kh) * D);
+            const int64_t ahead_rows = std::min(BS, len - next);
+            for (int64_t i = 0; i < ahead_rows; ++i)
+              for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(ahead + i * stride * sizeof(scalar_t) + byte);
+          }
           body(j, count, base + ((bt[b * MAXB + pos / BS] * BS + off) * KH + kh) * D);
-          pos += count;
+          pos = next;
           j += count;
         }
       };
