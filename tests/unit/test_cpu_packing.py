@@ -83,3 +83,26 @@ def test_amx_linear_matches_float_reference(rows, bias):
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)  # one bf16 rounding
     ids = torch.tensor([0, 159, 16, 31, 77])
     assert torch.equal(torch.ops.crane_mp.amx_embedding(ids, packed.packed_weight), linear.weight[ids])
+
+
+def test_shapes_amx_cannot_tile_fall_back_and_still_match(tmp_path):
+    # vocab 500 and intermediate 120 are not multiples of 32: those layers (and the tied head with its
+    # embedding) keep oneDNN or the plain layout, the rest may use AMX; greedy tokens are unchanged.
+    path = make_model("qwen3", "tiny", tmp_path / "odd", dtype="bfloat16",
+                      overrides={"vocab_size": 500, "intermediate_size": 120})
+    config = load_model_config(path)
+    model = load_model(config, path, torch.bfloat16, CPU, progress=False)
+    assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
+    assert not isinstance(model.lm_head, PackedLinear)
+    mlp = model.model.layers[0].mlp
+    assert not (mlp.gate_up_proj.amx or mlp.down_proj.amx)
+    from crane_mp.config import EngineConfig
+    from crane_mp.engine import LLMEngine
+    from crane_mp.protocol import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_path=str(path), dtype="bfloat16", force_cpu=True, max_model_len=64))
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    together = engine.generate(prompts, params)
+    assert [engine.generate([p], params)[0] for p in prompts] == together
+    assert all(0 <= t < 500 for out in together for t in out)
