@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -69,4 +70,8 @@ def load_worker(config: EngineConfig, progress: bool = True) -> LoadedWorker:
         max_total_tokens=config.max_total_tokens,
     )
     runner.allocate_kv_cache(kv_plan.num_blocks)
+    # Everything allocated so far (torch, transformers, the model) lives for the whole run: keep the
+    # cyclic GC from rescanning it in the middle of decode steps.
+    gc.collect()
+    gc.freeze()
     return LoadedWorker(runner, model_config, kv_plan, device, dtype, max_model_len)

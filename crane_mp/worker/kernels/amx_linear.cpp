@@ -22,6 +22,8 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_vec.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define CRANE_MP_HAVE_AMX 1
 #include <immintrin.h>
@@ -213,7 +215,7 @@ at::Tensor amx_embedding(const at::Tensor& ids, const at::Tensor& packed) {
   // A row's values sit in pairs (32 bits), one pair per tile row, 64 bytes apart.
   const uint32_t* src = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr());
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, crane_mp::parallel_grain(K), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t nb = idp[t] / 16, j = idp[t] % 16;
       for (int64_t kb = 0; kb < KB; ++kb) {

@@ -18,6 +18,13 @@
 
 namespace crane_mp {
 
+// Work items per parallel chunk so that a chunk holds at least ~32K elements: below that a second
+// thread costs more (fork/join, and on a shared VM waiting for a descheduled core) than it saves.
+inline int64_t parallel_grain(int64_t elements_per_item) {
+  constexpr int64_t kMinElementsPerChunk = 32768;
+  return elements_per_item >= kMinElementsPerChunk ? 1 : kMinElementsPerChunk / elements_per_item;
+}
+
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);

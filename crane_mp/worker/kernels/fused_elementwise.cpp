@@ -35,7 +35,7 @@ void norm_rows(scalar_t* in, scalar_t* out, const scalar_t* weight, int64_t rows
                double eps, const scalar_t* add) {
   std::vector<float> w(weight_rows * dim);
   widen(weight, w.data(), weight_rows * dim);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, crane_mp::parallel_grain(dim), [&](int64_t begin, int64_t end) {
     std::vector<float> row(dim), other(dim);
     for (int64_t r = begin; r < end; ++r) {
       widen(in + r * dim, row.data(), dim);

@@ -48,7 +48,7 @@ void qkv_rope_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at:
   scalar_t* vc = v_cache.data_ptr<scalar_t>();
   scalar_t* qo = q_out.data_ptr<scalar_t>();
 
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, crane_mp::parallel_grain(row_width), [&](int64_t begin, int64_t end) {
     std::vector<float> c(D), s(D), x(D), y(D);
     for (int64_t t = begin; t < end; ++t) {
       widen(cp + t * D, c.data(), D);
