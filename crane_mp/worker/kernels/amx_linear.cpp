@@ -8,6 +8,8 @@
 //   amx_pack_weight(w [N, K]) -> packed     [N/16, K/32, 16, 32]: tile (nb, kb) row r holds, for
 //                                           each column j of the block, the pair w[nb*16+j][kb*32+2r+{0,1}]
 //   amx_linear(x [M, K], packed, bias?) -> [M, N] = x @ w.T + bias   (float accumulation, one rounding)
+//   amx_linear_silu_mul(x, packed, bias?) -> [M, N/2] = silu(gate) * up, for a gate/up weight packed
+//                                           with its halves interleaved in 16-row blocks (no [M, N] temporary)
 //   amx_embedding(ids [T], packed) -> [T, K] = w[ids]   rows read back out of the packed layout, so an
 //                                           LM head tied to the embedding needs no second copy
 //
@@ -17,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -126,8 +129,12 @@ inline void block_product(const char* a, int64_t lda, const char* b0, const char
   _tile_stored(3, &c[3][0][0], 64);
 }
 
+// kSiluMul: the weight's column pairs are (gate block, up block) of the same 16 intermediate
+// columns (see amx_linear_silu_mul), and the output is silu(gate) * up, N / 2 columns wide.
+template <bool kSiluMul>
 void amx_gemm(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* packed, int64_t N,
               const float* bias, c10::BFloat16* out) {
+  const int64_t out_width = kSiluMul ? N / 2 : N;
   const int64_t KB = K / 32, pairs = N / 32;
   const int64_t full_rows = M / kRowBlock * kRowBlock;
   // The last partial row block is read from a zero-padded copy: tiles always load 16 full rows.
@@ -159,12 +166,24 @@ void amx_gemm(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16*
             block_product<false>(a, K * 2, b0, b1, KB, c);
           for (int64_t m = 0; m < rows; ++m) {
             const int64_t blk = (m / 16) * 2;
-            for (int64_t cb = 0; cb < 2; ++cb) {
-              __m512 v = _mm512_load_ps(&c[blk + cb][m % 16][0]);
-              if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + p * 32 + cb * 16));
-              const __m256bh packed16 = _mm512_cvtneps_pbh(v);
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (row + m) * N + p * 32 + cb * 16),
-                                  reinterpret_cast<const __m256i&>(packed16));
+            c10::BFloat16* out_row = out + (row + m) * out_width;
+            if constexpr (kSiluMul) {
+              alignas(64) float gate[16], up[16];
+              for (int j = 0; j < 16; ++j) {
+                gate[j] = c[blk][m % 16][j] + (bias != nullptr ? bias[p * 32 + j] : 0.f);
+                up[j] = c[blk + 1][m % 16][j] + (bias != nullptr ? bias[p * 32 + 16 + j] : 0.f);
+              }
+#pragma omp simd
+              for (int j = 0; j < 16; ++j) gate[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
+              crane_mp::narrow(gate, out_row + p * 16, 16);
+            } else {
+              for (int64_t cb = 0; cb < 2; ++cb) {
+                __m512 v = _mm512_load_ps(&c[blk + cb][m % 16][0]);
+                if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + p * 32 + cb * 16));
+                const __m256bh packed16 = _mm512_cvtneps_pbh(v);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_row + p * 32 + cb * 16),
+                                    reinterpret_cast<const __m256i&>(packed16));
+              }
             }
           }
         }
@@ -175,7 +194,8 @@ void amx_gemm(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16*
 }
 #endif
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+template <bool kSiluMul>
+at::Tensor amx_linear_impl(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_available(), "AMX is not available on this CPU or build");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "amx_linear is bf16 only");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 32, "weight not packed by amx_pack_weight");
@@ -184,20 +204,30 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
+  out_shape.back() = kSiluMul ? N / 2 : N;
   at::Tensor out = at::empty(out_shape, x.options());
   if (M == 0) return out;
   std::vector<float> bias_f;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "bias size");
-    const at::Tensor b = bias->to(at::kFloat).contiguous();
-    bias_f.assign(b.data_ptr<float>(), b.data_ptr<float>() + N);
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(), "bias");
+    bias_f.resize(N);
+    crane_mp::widen(bias->data_ptr<c10::BFloat16>(), bias_f.data(), N);
   }
 #if defined(CRANE_MP_HAVE_AMX)
-  amx_gemm(x2.data_ptr<c10::BFloat16>(), M, K, packed.data_ptr<c10::BFloat16>(), N,
-           bias_f.empty() ? nullptr : bias_f.data(), out.data_ptr<c10::BFloat16>());
+  amx_gemm<kSiluMul>(x2.data_ptr<c10::BFloat16>(), M, K, packed.data_ptr<c10::BFloat16>(), N,
+                     bias_f.empty() ? nullptr : bias_f.data(), out.data_ptr<c10::BFloat16>());
 #endif
   return out;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  return amx_linear_impl<false>(x, packed, bias);
+}
+
+// The weight (and bias) must have been packed with gate and up rows interleaved in blocks of 16:
+// [gate 0-15, up 0-15, gate 16-31, up 16-31, ...] (cpu_packing.py does this).
+at::Tensor amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  return amx_linear_impl<true>(x, packed, bias);
 }
 
 at::Tensor amx_embedding(const at::Tensor& ids, const at::Tensor& packed) {
@@ -233,5 +263,6 @@ TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
   m.def("amx_available() -> bool", &amx_available);
   m.def("amx_pack_weight(Tensor weight) -> Tensor", &amx_pack_weight);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &amx_linear);
+  m.def("amx_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &amx_linear_silu_mul);
   m.def("amx_embedding(Tensor ids, Tensor packed) -> Tensor", &amx_embedding);
 }

@@ -58,6 +58,8 @@ class GatedMLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "silu_mul", False):  # packed with SiLU*mul in its epilogue (cpu_packing.py)
+            return self.down_proj(self.gate_up_proj(x))
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.act is F.silu and native_ops(gate_up):
             return self.down_proj(torch.ops.crane_mp.silu_and_mul(gate_up))
