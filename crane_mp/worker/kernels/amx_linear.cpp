@@ -168,14 +168,16 @@ void amx_gemm(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16*
             const int64_t blk = (m / 16) * 2;
             c10::BFloat16* out_row = out + (row + m) * out_width;
             if constexpr (kSiluMul) {
-              alignas(64) float gate[16], up[16];
-              for (int j = 0; j < 16; ++j) {
-                gate[j] = c[blk][m % 16][j] + (bias != nullptr ? bias[p * 32 + j] : 0.f);
-                up[j] = c[blk + 1][m % 16][j] + (bias != nullptr ? bias[p * 32 + 16 + j] : 0.f);
+              float* gate = &c[blk][m % 16][0];
+              float* up = &c[blk + 1][m % 16][0];
+              if (bias != nullptr) {
+                _mm512_store_ps(gate, _mm512_add_ps(_mm512_load_ps(gate), _mm512_loadu_ps(bias + p * 32)));
+                _mm512_store_ps(up, _mm512_add_ps(_mm512_load_ps(up), _mm512_loadu_ps(bias + p * 32 + 16)));
               }
-#pragma omp simd
+#pragma omp simd aligned(gate, up : 64)
               for (int j = 0; j < 16; ++j) gate[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
-              crane_mp::narrow(gate, out_row + p * 16, 16);
+              const __m256bh packed16 = _mm512_cvtneps_pbh(_mm512_load_ps(gate));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_row + p * 16), reinterpret_cast<const __m256i&>(packed16));
             } else {
               for (int64_t cb = 0; cb < 2; ++cb) {
                 __m512 v = _mm512_load_ps(&c[blk + cb][m % 16][0]);
