@@ -86,25 +86,30 @@ constexpr int64_t kRowBlock = 32;                 // rows per pass: two 16-row A
 constexpr int64_t kWeightGroupBytes = 512 * 1024;  // weight tiles kept in L2 while the row blocks sweep them
 constexpr int64_t kPrefetch = 4;                  // weight tiles fetched ahead of use
 
-// Tiles: C 0-3 (2 row blocks x 2 column blocks), A 4-5, B 6-7; all 16 rows x 64 bytes.
-void configure_tiles() {
+// Tiles: C 0-3 (2 row blocks x 2 column blocks), A 4-5, B 6-7. A row block of x has up to 32 rows:
+// `rows0` in the first A tile, `rows1` (0 = unused) in the second; tiles read only those rows, so a
+// partial block needs no padded copy and a single row costs half the tile products.
+void configure_tiles(int rows0, int rows1) {
   TileConfig cfg{};
   cfg.palette_id = 1;
+  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
   for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
+    cfg.colsb[t] = rows[t] > 0 ? 64 : 0;
   }
   _tile_loadconfig(&cfg);
 }
 
-// One 32-row x 32-column output block: rows `a` (stride lda bytes) times two 16-column weight blocks.
+// One row block (16 rows per A tile, `kTwoTiles` for up to 32) times two 16-column weight blocks.
 // `prefetch` on the first pass over the weight blocks; later passes find them in cache.
-template <bool prefetch>
+template <bool prefetch, bool kTwoTiles>
 inline void block_product(const char* a, int64_t lda, const char* b0, const char* b1, int64_t KB, float (*c)[16][16]) {
   _tile_zero(0);
   _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if constexpr (kTwoTiles) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t kb = 0; kb < KB; ++kb) {
     if constexpr (prefetch) {
       const char* ahead0 = b0 + (kb + kPrefetch) * 1024;
@@ -115,79 +120,99 @@ inline void block_product(const char* a, int64_t lda, const char* b0, const char
       }
     }
     _tile_loadd(4, a + kb * 64, lda);
-    _tile_loadd(5, a + 16 * lda + kb * 64, lda);
     _tile_loadd(6, b0 + kb * 1024, 64);
     _tile_loadd(7, b1 + kb * 1024, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (kTwoTiles) {
+      _tile_loadd(5, a + 16 * lda + kb * 64, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   _tile_stored(0, &c[0][0][0], 64);
   _tile_stored(1, &c[1][0][0], 64);
-  _tile_stored(2, &c[2][0][0], 64);
-  _tile_stored(3, &c[3][0][0], 64);
+  if constexpr (kTwoTiles) {
+    _tile_stored(2, &c[2][0][0], 64);
+    _tile_stored(3, &c[3][0][0], 64);
+  }
 }
 
+// Writes rows [0, rows) of a row block's output for column pair p from the C tiles in `c`.
 // kSiluMul: the weight's column pairs are (gate block, up block) of the same 16 intermediate
 // columns (see amx_linear_silu_mul), and the output is silu(gate) * up, N / 2 columns wide.
+template <bool kSiluMul>
+inline void write_block(float (*c)[16][16], int64_t rows, int64_t p, const float* bias, c10::BFloat16* out,
+                        int64_t out_width) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t blk = (m / 16) * 2;
+    c10::BFloat16* out_row = out + m * out_width;
+    if constexpr (kSiluMul) {
+      float* gate = &c[blk][m % 16][0];
+      float* up = &c[blk + 1][m % 16][0];
+      if (bias != nullptr) {
+        _mm512_store_ps(gate, _mm512_add_ps(_mm512_load_ps(gate), _mm512_loadu_ps(bias + p * 32)));
+        _mm512_store_ps(up, _mm512_add_ps(_mm512_load_ps(up), _mm512_loadu_ps(bias + p * 32 + 16)));
+      }
+#pragma omp simd aligned(gate, up : 64)
+      for (int j = 0; j < 16; ++j) gate[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
+      const __m256bh packed16 = _mm512_cvtneps_pbh(_mm512_load_ps(gate));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_row + p * 16), reinterpret_cast<const __m256i&>(packed16));
+    } else {
+      for (int64_t cb = 0; cb < 2; ++cb) {
+        __m512 v = _mm512_load_ps(&c[blk + cb][m % 16][0]);
+        if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + p * 32 + cb * 16));
+        const __m256bh packed16 = _mm512_cvtneps_pbh(v);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_row + p * 32 + cb * 16),
+                            reinterpret_cast<const __m256i&>(packed16));
+      }
+    }
+  }
+}
+
 template <bool kSiluMul>
 void amx_gemm(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* packed, int64_t N,
               const float* bias, c10::BFloat16* out) {
   const int64_t out_width = kSiluMul ? N / 2 : N;
-  const int64_t KB = K / 32, pairs = N / 32;
-  const int64_t full_rows = M / kRowBlock * kRowBlock;
-  // The last partial row block is read from a zero-padded copy: tiles always load 16 full rows.
-  std::vector<c10::BFloat16> tail;
-  if (full_rows < M) {
-    tail.assign(kRowBlock * K, c10::BFloat16(0.f));
-    std::memcpy(tail.data(), x + full_rows * K, (M - full_rows) * K * sizeof(c10::BFloat16));
-  }
+  const int64_t KB = K / 32, pairs = N / 32, lda = K * 2;
+  const int64_t full_rows = M / kRowBlock * kRowBlock, tail_rows = M - full_rows;
   const char* bp = reinterpret_cast<const char*>(packed);
   // Each thread owns a range of column pairs and walks it in groups whose weight tiles stay in L2,
-  // sweeping every row block over a group: the 32-row block of x stays in L1, and the weight
-  // streams from memory once per group (the only pass when M <= 32, i.e. decode).
+  // sweeping every row block over a group: the row block of x stays in L1, and the weight streams
+  // from memory once per group (the only pass when M <= 32, i.e. decode). Full 32-row blocks first,
+  // then the partial block under its own tile shapes.
   const int64_t group = std::max<int64_t>(1, kWeightGroupBytes / (KB * 2048));
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
-    alignas(64) float c[4][16][16];  // [row block * 2 + column block][row][column]
+    alignas(64) float c[4][16][16];  // [row tile * 2 + column block][row][column]
     for (int64_t g0 = begin; g0 < end; g0 += group) {
       const int64_t g1 = std::min(end, g0 + group);
-      for (int64_t row = 0; row < M; row += kRowBlock) {
-        const char* a = row >= full_rows ? reinterpret_cast<const char*>(tail.data())
-                                         : reinterpret_cast<const char*>(x + row * K);
-        const int64_t rows = std::min(kRowBlock, M - row);
+      if (full_rows > 0) configure_tiles(16, 16);
+      for (int64_t row = 0; row < full_rows; row += kRowBlock) {
+        const char* a = reinterpret_cast<const char*>(x + row * K);
+        for (int64_t p = g0; p < g1; ++p) {
+          const char* b0 = bp + 2 * p * KB * 1024;
+          if (row == 0)
+            block_product<true, true>(a, lda, b0, b0 + KB * 1024, KB, c);
+          else
+            block_product<false, true>(a, lda, b0, b0 + KB * 1024, KB, c);
+          write_block<kSiluMul>(c, kRowBlock, p, bias, out + row * out_width, out_width);
+        }
+      }
+      if (tail_rows > 0) {
+        configure_tiles(std::min<int>(16, tail_rows), std::max<int>(0, tail_rows - 16));
+        const char* a = reinterpret_cast<const char*>(x + full_rows * K);
         for (int64_t p = g0; p < g1; ++p) {
           const char* b0 = bp + 2 * p * KB * 1024;
           const char* b1 = b0 + KB * 1024;
-          if (row == 0)
-            block_product<true>(a, K * 2, b0, b1, KB, c);
+          if (full_rows == 0 && tail_rows <= 16)
+            block_product<true, false>(a, lda, b0, b1, KB, c);
+          else if (full_rows == 0)
+            block_product<true, true>(a, lda, b0, b1, KB, c);
+          else if (tail_rows <= 16)
+            block_product<false, false>(a, lda, b0, b1, KB, c);
           else
-            block_product<false>(a, K * 2, b0, b1, KB, c);
-          for (int64_t m = 0; m < rows; ++m) {
-            const int64_t blk = (m / 16) * 2;
-            c10::BFloat16* out_row = out + (row + m) * out_width;
-            if constexpr (kSiluMul) {
-              float* gate = &c[blk][m % 16][0];
-              float* up = &c[blk + 1][m % 16][0];
-              if (bias != nullptr) {
-                _mm512_store_ps(gate, _mm512_add_ps(_mm512_load_ps(gate), _mm512_loadu_ps(bias + p * 32)));
-                _mm512_store_ps(up, _mm512_add_ps(_mm512_load_ps(up), _mm512_loadu_ps(bias + p * 32 + 16)));
-              }
-#pragma omp simd aligned(gate, up : 64)
-              for (int j = 0; j < 16; ++j) gate[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
-              const __m256bh packed16 = _mm512_cvtneps_pbh(_mm512_load_ps(gate));
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_row + p * 16), reinterpret_cast<const __m256i&>(packed16));
-            } else {
-              for (int64_t cb = 0; cb < 2; ++cb) {
-                __m512 v = _mm512_load_ps(&c[blk + cb][m % 16][0]);
-                if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + p * 32 + cb * 16));
-                const __m256bh packed16 = _mm512_cvtneps_pbh(v);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_row + p * 32 + cb * 16),
-                                    reinterpret_cast<const __m256i&>(packed16));
-              }
-            }
-          }
+            block_product<false, true>(a, lda, b0, b1, KB, c);
+          write_block<kSiluMul>(c, tail_rows, p, bias, out + full_rows * out_width, out_width);
         }
       }
     }
