@@ -91,3 +91,11 @@ def test_silu_and_mul(dtype, rows, inter):
     torch.testing.assert_close(
         torch.ops.crane_mp.silu_and_mul(gate_up).float(), F.silu(gate) * up, **tolerance(dtype)
     )
+
+
+def test_qkv_rope_cache_rejects_a_slot_outside_the_cache():
+    cache = torch.zeros(2, 4, 1, 8)
+    qkv = torch.zeros(1, 3 * 8)
+    rope = torch.ones(1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.crane_mp.qkv_rope_cache(qkv, rope, rope, None, 0, 1e-6, torch.tensor([8]), cache, cache.clone(), 1)

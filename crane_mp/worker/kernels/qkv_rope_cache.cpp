@@ -82,6 +82,11 @@ at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (num_heads + 2 * KH) * D, "qkv width does not match the heads");
   TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && slot_mapping.numel() == T, "one rope row per token");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && k_cache.scalar_type() == qkv.scalar_type());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type());
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "KV slot ", slots[t], " is outside the cache");
   std::vector<float> norm_w;
   if (qk_norm_position != 0) {
     TORCH_CHECK(qk_norm_weight.has_value() && qk_norm_weight->numel() == (num_heads + KH) * D,
