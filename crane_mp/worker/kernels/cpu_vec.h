@@ -1,4 +1,5 @@
-// Widening and narrowing between a tensor's storage type and float, vectorised for bfloat16.
+// Helpers shared by the CPU kernels: widening and narrowing between a tensor's storage type and
+// float (vectorised for bfloat16), RMS-normalising a float row, and parallel grain sizes.
 //
 // The kernels do their arithmetic on float buffers (plain loops the compiler vectorises) and touch
 // the storage type only here: a loop over c10::BFloat16 values does not vectorise, and was the
@@ -9,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -67,6 +69,16 @@ inline void narrow<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t 
   }
 #endif
   for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
+}
+
+// x = x / rms(x) * weight, in place, all float.
+inline void rms_norm_row(float* x, const float* weight, int64_t dim, float eps) {
+  float sumsq = 0.f;
+#pragma omp simd reduction(+ : sumsq)
+  for (int64_t d = 0; d < dim; ++d) sumsq += x[d] * x[d];
+  const float scale = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) x[d] = x[d] * scale * weight[d];
 }
 
 }  // namespace crane_mp

@@ -1,6 +1,6 @@
 // Fused elementwise ops for the CPU forward pass: each reads and writes its tensors once, in float.
 //
-//   rms_norm(x [rows, D] or [T, N, D], weight [D] or [N, D], eps) -> out
+//   rms_norm(x [..., D], weight [D], eps) -> out
 //   add_rms_norm_(x, residual, weight, eps): residual += x; x = rms_norm(residual) * weight  (in place)
 //   silu_and_mul(gate_up [T, 2I]) -> out [T, I] = silu(gate) * up (one rounding, at the end)
 #include <ATen/ATen.h>
@@ -17,50 +17,39 @@ namespace {
 using crane_mp::narrow;
 using crane_mp::widen;
 
-// Normalises row `x` (float, in place) and scales it by `weight` (float).
-inline void norm_row(float* x, const float* weight, int64_t dim, float eps) {
-  float sumsq = 0.f;
-#pragma omp simd reduction(+ : sumsq)
-  for (int64_t d = 0; d < dim; ++d) sumsq += x[d] * x[d];
-  const float scale = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
-#pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) x[d] = x[d] * scale * weight[d];
-}
-
-// weight_rows > 1: row r uses weight row (r % weight_rows) (per-head norms over [T, N, D]).
-// With `add`, the row is residual (= `in`) + add, rounded to the storage type and written back to
-// the residual before it is normalised, as the unfused ops would.
+// out = rms_norm(in) * weight, row by row. With `residual`: the row is residual + in, rounded to the
+// storage type and written back to the residual before it is normalised, as the unfused ops would.
+// `out` may alias `in` (each row is read before it is written).
 template <typename scalar_t>
-void norm_rows(scalar_t* in, scalar_t* out, const scalar_t* weight, int64_t rows, int64_t dim, int64_t weight_rows,
-               double eps, const scalar_t* add) {
-  std::vector<float> w(weight_rows * dim);
-  widen(weight, w.data(), weight_rows * dim);
+void norm_rows(const scalar_t* in, scalar_t* out, const scalar_t* weight, int64_t rows, int64_t dim, double eps,
+               scalar_t* residual) {
+  std::vector<float> w(dim);
+  widen(weight, w.data(), dim);
   at::parallel_for(0, rows, crane_mp::parallel_grain(dim), [&](int64_t begin, int64_t end) {
     std::vector<float> row(dim), other(dim);
     for (int64_t r = begin; r < end; ++r) {
       widen(in + r * dim, row.data(), dim);
-      if (add != nullptr) {
-        widen(add + r * dim, other.data(), dim);
+      if (residual != nullptr) {
+        widen(residual + r * dim, other.data(), dim);
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) row[d] += other[d];
-        narrow(row.data(), in + r * dim, dim);
-        widen(in + r * dim, row.data(), dim);
+        narrow(row.data(), residual + r * dim, dim);
+        widen(residual + r * dim, row.data(), dim);
       }
-      norm_row(row.data(), w.data() + (r % weight_rows) * dim, dim, static_cast<float>(eps));
+      crane_mp::rms_norm_row(row.data(), w.data(), dim, static_cast<float>(eps));
       narrow(row.data(), out + r * dim, dim);
     }
   });
 }
 
-int64_t weight_rows_of(const at::Tensor& weight) { return weight.dim() == 2 ? weight.size(0) : 1; }
-
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type());
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  TORCH_CHECK(weight.numel() == dim, "norm weight size");
   at::Tensor out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    norm_rows<scalar_t>(const_cast<scalar_t*>(x.data_ptr<scalar_t>()), out.data_ptr<scalar_t>(),
-                        weight.data_ptr<scalar_t>(), rows, dim, weight_rows_of(weight), eps, nullptr);
+    norm_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), rows, dim, eps,
+                        nullptr);
   });
   return out;
 }
@@ -69,9 +58,10 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes());
   TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type());
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  TORCH_CHECK(weight.numel() == dim, "norm weight size");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_", [&] {
-    norm_rows<scalar_t>(residual.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), rows,
-                        dim, weight_rows_of(weight), eps, x.data_ptr<scalar_t>());
+    norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), rows, dim, eps,
+                        residual.data_ptr<scalar_t>());
   });
 }
 

@@ -23,16 +23,8 @@
 namespace {
 
 using crane_mp::narrow;
+using crane_mp::rms_norm_row;
 using crane_mp::widen;
-
-inline void norm_head(float* x, const float* weight, int64_t dim, float eps) {
-  float sumsq = 0.f;
-#pragma omp simd reduction(+ : sumsq)
-  for (int64_t d = 0; d < dim; ++d) sumsq += x[d] * x[d];
-  const float scale = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
-#pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) x[d] = x[d] * scale * weight[d];
-}
 
 template <typename scalar_t>
 void qkv_rope_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const float* norm_w,
@@ -57,12 +49,12 @@ void qkv_rope_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at:
       const int64_t slot = slots[t];
       for (int64_t h = 0; h < H + KH; ++h) {
         widen(row + h * D, x.data(), D);
-        if (norm_position == 1) norm_head(x.data(), norm_w + h * D, D, eps);
+        if (norm_position == 1) rms_norm_row(x.data(), norm_w + h * D, D, eps);
 #pragma omp simd
         for (int64_t d = 0; d < half; ++d) y[d] = x[d] * c[d] + x[d + half] * s[d];
 #pragma omp simd
         for (int64_t d = half; d < D; ++d) y[d] = x[d] * c[d] + x[d - half] * s[d];
-        if (norm_position == 2) norm_head(y.data(), norm_w + h * D, D, eps);
+        if (norm_position == 2) rms_norm_row(y.data(), norm_w + h * D, D, eps);
         scalar_t* dst = h < H ? qo + (t * H + h) * D : kc + (slot * KH + (h - H)) * D;
         narrow(y.data(), dst, D);
       }
