@@ -40,10 +40,3 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1
-
-    def token_at(self, pos: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
