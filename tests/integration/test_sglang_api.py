@@ -77,16 +77,18 @@ def test_abort_request_ends_a_running_stream_and_frees_blocks(server):
     body = {"text": "long", "rid": "my-request-1", "stream": True,
             "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
     last = {}
+    first_chunk = threading.Event()
 
     def consume():
         with gen(server, body, stream=True) as r:
             for line in r.iter_lines():
                 if line.startswith(b"data: {"):
                     last.update(json.loads(line[6:]))
+                    first_chunk.set()
 
     reader = threading.Thread(target=consume)
     reader.start()
-    time.sleep(1.0)
+    assert first_chunk.wait(60)
     assert requests.post(server.url + "/abort_request", json={"rid": "my-request-1"}).json()["success"]
     reader.join(10)
     assert not reader.is_alive()
