@@ -9,7 +9,7 @@ import argparse
 import os
 from pathlib import Path
 
-from crane_mp.config import DTYPES, EngineConfig, ServerConfig, parse_memory_limit
+from crane_mp.config import DTYPES, EngineConfig, ServerConfig, cpu_isa_cap, parse_memory_limit
 from crane_mp.worker.model_config import MODEL_TYPE_ALIASES
 
 
@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--api-key", default=os.environ.get("CRANE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every route but /health (default: $CRANE_API_KEY)")
-    p.add_argument("--max-request-bytes", type=_positive_int, default=32 << 20,
-                   help="largest request body accepted; bigger ones get 413")
+    p.add_argument("--max-request-bytes", type=_positive_int,
+                   help="largest request body accepted, bigger ones get 413 (default: 64 bytes per token of the "
+                        "context window, at least 1 MiB)")
     p.add_argument("--health-generate-timeout", type=_seconds, default=30.0,
                    help="seconds /health_generate waits for its one-token generation before answering 503")
     p.add_argument("--seed", type=_non_negative_int, default=0)
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        cpu_isa_cap()
+    except ValueError as err:
+        parser.error(str(err))
     if args.demo == bool(args.model_path):
         parser.error("give exactly one of --model-path DIR or --demo")
     if args.demo:

@@ -1,14 +1,19 @@
-"""Frozen engine configuration and the parsing of user-facing values (memory limits, dtypes).
+"""Frozen engine configuration, the parsing of user-facing values (memory limits, dtypes), and the
+environment variables crane-mp reads.
 
 No torch here: the scheduler and frontend import this module.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# CPU instruction-set tiers, lowest first; each includes the ones before it (worker/kernels/cpu_isa.py).
+CPU_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -84,5 +89,29 @@ class ServerConfig:
     shutdown_grace: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
     num_frontends: int = 1
     api_key: str | None = None
-    max_request_bytes: int = 32 << 20
+    max_request_bytes: int | None = None  # None: sized to the context window (FrontendState)
     health_generate_timeout: float = 30.0
+
+
+# ---- environment ----------------------------------------------------------------------------------
+
+
+def cpu_isa_cap() -> str | None:
+    """CRANE_MP_ISA: the highest CPU tier crane-mp's own code may use (None: whatever the CPU has)."""
+    value = os.environ.get("CRANE_MP_ISA", "").strip().lower()
+    if not value:
+        return None
+    if value not in CPU_ISAS:
+        raise ValueError(f"CRANE_MP_ISA={value!r} is not a CPU tier; use one of {', '.join(CPU_ISAS)}")
+    return value
+
+
+def native_kernels_disabled() -> bool:
+    """CRANE_MP_NO_NATIVE_KERNELS=1: never build or use the C++ kernels (portable torch ops only)."""
+    return os.environ.get("CRANE_MP_NO_NATIVE_KERNELS", "").strip() not in ("", "0")
+
+
+def cache_root() -> Path:
+    """CRANE_MP_CACHE, else ~/.cache/crane-mp: the demo model and the compiled kernels live here."""
+    root = os.environ.get("CRANE_MP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "crane-mp")
+    return Path(root)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from crane_mp.config import EngineConfig
+from crane_mp.config import DTYPES, EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
 
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
         from crane_mp.testing.demo import demo_model_path
 
         args.model_path = str(demo_model_path())
-    engine = LLMEngine(EngineConfig(model_path=args.model_path, force_cpu=args.cpu), progress=True)
+    engine = LLMEngine(EngineConfig(model_path=args.model_path, force_cpu=args.cpu, dtype=args.dtype), progress=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     start = time.perf_counter()

@@ -162,9 +162,9 @@ def main(argv: list[str] | None = None) -> None:
         info = launcher.start()
         gib = 1 << 30
         log.info(
-            "ready: model=%s arch=%s device=%s dtype=%s kv_bytes=%d/token kv_budget=%.2f GiB blocks=%d "
-            "(%d tokens) max_concurrent=%d max_model_len=%d listening on http://%s:%d",
-            config.model_name, info.arch, info.device, info.dtype, info.kv_bytes_per_token,
+            "ready: model=%s arch=%s device=%s dtype=%s isa=%s kernels=%s kv_bytes=%d/token kv_budget=%.2f GiB "
+            "blocks=%d (%d tokens) max_concurrent=%d max_model_len=%d listening on http://%s:%d",
+            config.model_name, info.arch, info.device, info.dtype, info.isa, info.kernel_isa, info.kv_bytes_per_token,
             info.kv_budget_bytes / gib, info.num_blocks, info.num_blocks * info.block_size,
             config.engine.max_num_seqs, info.max_model_len, config.host, config.port,
         )

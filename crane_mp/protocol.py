@@ -212,3 +212,5 @@ class WorkerReady(msgspec.Struct):
     arch: str
     device: str  # crane-oai's label: "Cuda(0)" or "Cpu"
     dtype: str
+    isa: str  # the CPU tier in use (worker/kernels/cpu_isa.py), e.g. "avx2"
+    kernel_isa: str  # the tier our native CPU kernels run at, or "portable" (torch ops)

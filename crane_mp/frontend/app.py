@@ -1,4 +1,4 @@
-"""create_app: the aiohttp application with every route, the error and API-key middlewares, the body-size limit."""
+"""create_app: the aiohttp application with every route, the error, API-key and body-size middlewares."""
 
 from __future__ import annotations
 
@@ -26,10 +26,18 @@ async def api_key_middleware(request: web.Request, handler) -> web.StreamRespons
     return await handler(request)
 
 
+@web.middleware
+async def body_limit_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Bodies over the limit get 413 before they are read (by their Content-Length) or while they are."""
+    limit = request.app[STATE].max_request_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, f"request body of {request.content_length} bytes is over the {limit}-byte limit "
+                            "(--max-request-bytes)")
+    return await handler(request.clone(client_max_size=limit))
+
+
 def create_app(state: FrontendState) -> web.Application:
-    app = web.Application(
-        middlewares=[error_middleware, api_key_middleware], client_max_size=state.config.max_request_bytes
-    )
+    app = web.Application(middlewares=[error_middleware, api_key_middleware, body_limit_middleware])
     app[STATE] = state
     app.add_routes(management_routes.routes)
     app.add_routes(openai_routes.routes)

@@ -8,12 +8,13 @@ delta iterator is closed explicitly (aclosing), not whenever the garbage collect
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import msgspec
 
+from crane_mp.frontend.engine_client import EngineDeadError
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.generation import Delta, Generation, GenerationError, start_generation
 from crane_mp.frontend.state import FrontendState
@@ -29,47 +30,51 @@ class Collected:
     stop_reason: int | str | None = None
 
 
-def check_context(state: FrontendState, num_prompt: int, requested: int | None, param: str) -> int:
-    """max_tokens for this prompt: the request's, checked against the window, or all that is left."""
+def resolve_max_tokens(state: FrontendState, num_prompt_tokens: int, requested: int | None, param: str) -> int:
+    """The one max_tokens rule: the request's budget clamped to what the context window leaves after
+    the prompt (as SGLang and llama.cpp do), or all of it when none was asked for. A prompt that
+    fills the window is a 400 that gives the counts."""
     limit = state.engine_info.max_model_len
-    if num_prompt >= limit:
+    if num_prompt_tokens >= limit:
         raise ApiError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
-                            f"{num_prompt} tokens", param)
-    if requested is None:
-        return limit - num_prompt
-    if requested < 0:
-        raise ApiError(400, "max_tokens must be at least 0", "max_tokens")
-    if num_prompt + requested > limit:
-        raise ApiError(400, f"this model's maximum context length is {limit} tokens, but {num_prompt} prompt "
-                            f"tokens + {requested} max_tokens were requested", "max_tokens")
-    return requested
+                            f"{num_prompt_tokens} tokens", param)
+    room = limit - num_prompt_tokens
+    return room if requested is None else min(requested, room)
 
 
-async def start_choices(
+@asynccontextmanager
+async def open_choices(
     state: FrontendState,
     prompts: list[list[int]],
     n: int,
     base: SamplingParams,
+    max_tokens: list[int],
     stop: list[str],
     skip_special_tokens: bool,
     discard_output: bool = False,
-) -> list[Generation]:
-    """Submit every prompt n times; a seeded request gives sample i the seed + i."""
+) -> AsyncIterator[list[Generation]]:
+    """Submit every prompt n times (prompt i with max_tokens[i]; a seeded request gives sample j the
+    seed + j) and yield the generations. However the body ends (finished, error, client gone), every
+    generation still registered is aborted and unregistered on the way out."""
     gens: list[Generation] = []
     try:
-        for prompt_ids in prompts:
+        for prompt_ids, budget in zip(prompts, max_tokens):
             for i in range(n):
                 seed = None if base.seed is None else base.seed + i
-                params = msgspec.structs.replace(base, seed=seed)
-                gens.append(await start_generation(
-                    state.client, state.tokenizer.backend, prompt_ids, params, stop, skip_special_tokens,
-                    discard_output,
-                ))
-    except BaseException:
+                params = msgspec.structs.replace(
+                    base, seed=seed, max_tokens=budget, min_tokens=min(base.min_tokens, budget)
+                )
+                try:
+                    gens.append(await start_generation(
+                        state.client, state.tokenizer.backend, prompt_ids, params, stop, skip_special_tokens,
+                        discard_output,
+                    ))
+                except EngineDeadError as err:
+                    raise ApiError(503, f"the engine stopped: {err}") from err
+        yield gens
+    finally:
         for gen in gens:
-            await state.client.abort(gen.rid)
-        raise
-    return gens
+            await gen.close()
 
 
 async def collect(gens: list[Generation]) -> list[Collected]:
@@ -87,7 +92,7 @@ async def collect(gens: list[Generation]) -> list[Collected]:
     try:
         return await asyncio.gather(*tasks)
     except GenerationError as err:
-        raise ApiError(503, str(err)) from err
+        raise ApiError(err.status, str(err)) from err
     finally:
         for task in tasks:
             task.cancel()

@@ -112,10 +112,15 @@ class EngineClient:
     async def submit(self, rid: int, input_ids: list[int], sampling: SamplingParams) -> RequestStream:
         if self.dead:
             raise EngineDeadError(self.dead)
+        # Encoded before the stream is registered: a value msgpack cannot carry leaves nothing behind.
+        message = encode(GenerateRequest(rid, input_ids, sampling, self.frontend_id, time.time()))
         stream = RequestStream(rid, len(input_ids))
         self.streams[rid] = stream
-        message = GenerateRequest(rid, input_ids, sampling, self.frontend_id, time.time())
-        await self.to_scheduler.send(encode(message))
+        try:
+            await self.to_scheduler.send(message)
+        except BaseException:
+            del self.streams[rid]
+            raise
         return stream
 
     async def abort(self, rid: int, keep_stream: bool = False) -> None:

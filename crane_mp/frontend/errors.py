@@ -51,7 +51,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
             message = "request body too large (the limit is set by --max-request-bytes)"
         else:
             message = err.reason
-        return error_response(err.status, message)
+        response = error_response(err.status, message)
+        if "Allow" in err.headers:  # 405: the methods the route does take (RFC 9110)
+            response.headers["Allow"] = err.headers["Allow"]
+        return response
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(500, "internal server error")

@@ -19,7 +19,12 @@ FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", Finish
 
 
 class GenerationError(RuntimeError):
-    """The engine ended the request with an error (rejected at admission, or the engine died)."""
+    """The engine ended the request with an error: `status` 400 when the scheduler refused it (the
+    request's own fault), 503 when the engine died or the server is shutting down."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(slots=True)
@@ -40,7 +45,8 @@ class Generation:
     stream: RequestStream
     detokenizer: Detokenizer
     discard_output: bool = False
-    done: bool = False
+    done: bool = False  # the engine finished the request (or was told to abort it)
+    closed: bool = False  # unregistered from the client, finish recorded
     finish_name: str = "abort"  # what the metrics record if the request ends without a finish
     last_token_time: float | None = None
 
@@ -70,7 +76,7 @@ class Generation:
                 new_ids = await self.stream.next_tokens()
                 if self.stream.error is not None:
                     self.finish_name = "error"
-                    raise GenerationError(self.stream.error)
+                    raise GenerationError(self.stream.error, 503 if self.client.dead else 400)
                 self._observe_tokens(len(new_ids))
                 first = self.stream.num_consumed - len(new_ids)
                 if self.discard_output:
@@ -93,10 +99,19 @@ class Generation:
                 if text or new_ids:
                     yield Delta(text, new_ids, logprobs)
         finally:
-            if not self.done:
-                await self.client.abort(self.rid)
-            self.client.release(self.rid)
-            self._record_finish()
+            await self.close()
+
+    async def close(self) -> None:
+        """Unregister the request (aborting it in the engine if it is still running) and record how it
+        ended. Idempotent: every way out of a handler ends here (choices.open_choices)."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.done:
+            self.done = True
+            await self.client.abort(self.rid)
+        self.client.release(self.rid)
+        self._record_finish()
 
     def _observe_tokens(self, count: int) -> None:
         now = time.monotonic()

@@ -11,10 +11,9 @@ from typing import Any
 from aiohttp import web
 
 from crane_mp import __version__
-from crane_mp.frontend.choices import collect
+from crane_mp.frontend.choices import collect, open_choices
 from crane_mp.frontend.engine_client import EngineDeadError
 from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.generation import start_generation
 from crane_mp.frontend.openai_routes import json_response
 from crane_mp.frontend.state import STATE, FrontendState
 from crane_mp.protocol import EngineStats, SamplingParams
@@ -99,6 +98,8 @@ async def server_info(request: web.Request) -> web.Response:
     return json_response({
         "version": __version__,
         **_server_args(state),
+        "isa": info.isa,
+        "kernel_isa": info.kernel_isa,
         "kv_bytes_per_token": info.kv_bytes_per_token,
         "kv_budget_bytes": info.kv_budget_bytes,
         "stats": {
@@ -122,12 +123,12 @@ async def health_generate(request: web.Request) -> web.Response:
     --health-generate-timeout seconds (30), else 503."""
     state = request.app[STATE]
     state.require_ready()
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    gen = await start_generation(state.client, state.tokenizer.backend, [0], params, [])
-    try:
-        outs = await asyncio.wait_for(collect([gen]), state.config.health_generate_timeout)
-    except (TimeoutError, ApiError) as err:
-        raise ApiError(503, f"health check generation failed: {err or 'no token within the timeout'}") from err
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    async with open_choices(state, [[0]], 1, params, [1], [], True) as gens:
+        try:
+            outs = await asyncio.wait_for(collect(gens), state.config.health_generate_timeout)
+        except (TimeoutError, ApiError) as err:
+            raise ApiError(503, f"health check generation failed: {err or 'no token within the timeout'}") from err
     return json_response({"status": "ok", "tokens": len(outs[0].token_ids)})
 
 

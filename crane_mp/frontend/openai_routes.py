@@ -10,7 +10,7 @@ from typing import Any, Callable
 import msgspec
 from aiohttp import web
 
-from crane_mp.frontend.choices import check_context, collect, merged_deltas, start_choices
+from crane_mp.frontend.choices import collect, merged_deltas, open_choices, resolve_max_tokens
 from crane_mp.frontend.errors import ApiError, error_body
 from crane_mp.frontend.generation import Delta, Generation, GenerationError
 from crane_mp.frontend.logprobs_format import chat_logprobs, completion_logprobs
@@ -27,7 +27,6 @@ from crane_mp.frontend.state import STATE, FrontendState
 
 routes = web.RouteTableDef()
 _json = msgspec.json.Encoder()
-MAX_LOGPROBS = 20
 
 
 def json_response(body: Any, status: int = 200) -> web.Response:
@@ -73,15 +72,10 @@ async def stream_response(
         if include_usage:
             await response.write(_sse({**base, "choices": [], "usage": _usage(gens, n)}))
     except GenerationError as err:
-        await response.write(_sse(error_body(503, str(err))))
+        await response.write(_sse(error_body(err.status, str(err))))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
-
-
-def _check_logprobs(value: int | None, param: str) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise ApiError(400, f"{param} must be between 0 and {MAX_LOGPROBS}", param)
 
 
 @routes.post("/v1/chat/completions")
@@ -90,25 +84,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.require_ready()
     req = decode_body(await request.read(), ChatCompletionRequest)
     model = check_model(state, req.model)
-    if not req.messages:
-        raise ApiError(400, "messages must not be empty", "messages")
-    _check_logprobs(req.top_logprobs, "top_logprobs")
-    if req.top_logprobs and not req.logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     prompt = state.tokenizer.render_chat(
         chat_messages(req.messages), req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
     )
-    input_ids = await state.tokenizer.encode(prompt, add_special_tokens=False)
+    limit = state.engine_info.max_model_len
+    input_ids = await state.tokenizer.encode(prompt, limit - 1, "messages", add_special_tokens=False)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if requested is not None and requested < 1:
-        raise ApiError(400, "max_tokens must be at least 1", "max_tokens")
-    max_tokens = check_context(state, len(input_ids), requested, "messages")
+    max_tokens = resolve_max_tokens(state, len(input_ids), requested, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, state.engine_info.vocab_size, logprobs=logprobs)
-    gens = await start_choices(state, [input_ids], req.n, params, stop_strings(req), req.skip_special_tokens)
-    chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    token_text = state.tokenizer.token_text
+    params = sampling_params(req, state.engine_info.vocab_size, logprobs=logprobs)
+    async with open_choices(state, [input_ids], req.n, params, [max_tokens], stop_strings(req.stop),
+                            req.skip_special_tokens) as gens:
+        return await _chat_response(request, req, model, input_ids, gens)
 
+
+async def _chat_response(request, req: ChatCompletionRequest, model: str, input_ids: list[int],
+                         gens: list[Generation]) -> web.StreamResponse:
+    chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    token_text = request.app[STATE].tokenizer.token_text
     if req.stream:
         base = {"id": chat_id, "object": "chat.completion.chunk", "created": created, "model": model}
         started: set[int] = set()
@@ -147,17 +140,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _completion_prompts(state: FrontendState, req: CompletionRequest) -> list[list[int]]:
-    vocab = state.engine_info.vocab_size
+    limit = state.engine_info.max_model_len
     prompts = []
-    for prompt in prompt_inputs(req.prompt):
-        if isinstance(prompt, str):
-            prompts.append(await state.tokenizer.encode(prompt))
-            continue
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        prompts.append(prompt)  # token ids are used as given: no BOS is added
-    if any(not p for p in prompts):
-        raise ApiError(400, "a prompt is empty", "prompt")
+    for prompt in prompt_inputs(req.prompt, state.engine_info.vocab_size):
+        # Token ids are used as given: no BOS is added.
+        prompts.append(await state.tokenizer.encode(prompt, limit - 1, "prompt") if isinstance(prompt, str) else prompt)
     return prompts
 
 
@@ -167,22 +154,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.require_ready()
     req = decode_body(await request.read(), CompletionRequest)
     model = check_model(state, req.model)
-    if req.suffix:
-        raise ApiError(400, "suffix is not supported (no fill-in-the-middle for these models)", "suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise ApiError(400, "best_of other than n is not supported", "best_of")
-    _check_logprobs(req.logprobs, "logprobs")
     prompts = await _completion_prompts(state, req)
     requested = 16 if req.max_tokens is None else req.max_tokens
-    if requested == 0 and not req.echo:
-        raise ApiError(400, "max_tokens may be 0 only with echo=true", "max_tokens")
-    # max_tokens=0 with echo scores the prompt: generate one token internally and show none.
-    limits = [check_context(state, len(p), max(requested, 1), "prompt") for p in prompts]
+    # max_tokens=0 shows no output (with echo: the prompt, scored); the engine still makes one token.
+    max_tokens = [resolve_max_tokens(state, len(p), max(requested, 1), "prompt") for p in prompts]
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = sampling_params(req, min(limits), state.engine_info.vocab_size, req.logprobs, prompt_logprobs)
-    gens = await start_choices(
-        state, prompts, req.n, params, stop_strings(req), req.skip_special_tokens, discard_output=requested == 0
-    )
+    params = sampling_params(req, state.engine_info.vocab_size, req.logprobs, prompt_logprobs)
+    async with open_choices(state, prompts, req.n, params, max_tokens, stop_strings(req.stop),
+                            req.skip_special_tokens, discard_output=requested == 0) as gens:
+        return await _completion_response(request, req, model, prompts, gens)
+
+
+async def _completion_response(request, req: CompletionRequest, model: str, prompts: list[list[int]],
+                               gens: list[Generation]) -> web.StreamResponse:
+    state = request.app[STATE]
     cmpl_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": cmpl_id, "object": "text_completion", "created": created, "model": model}
     token_text = state.tokenizer.token_text

@@ -1,16 +1,43 @@
 """OpenAI request bodies as msgspec Structs: decoding validates types, unknown fields and ranges.
 
-Anything a client gets wrong becomes a 400 with the offending field named, never a 500.
+Anything a client gets wrong becomes a 400 with the offending field named, never a 500. The Structs
+(with fields.py's constrained types) are also the OpenAPI schema, so a body the document allows is a
+body the server accepts: cross-field rules are lenient where a schema cannot express them
+(min_tokens above max_tokens is clamped, top_logprobs without logprobs is ignored).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.fields import (
+    MODEL_LIMIT,
+    Count,
+    Int64,
+    LogitBias,
+    MinP,
+    NonEmptyText,
+    NumChoices,
+    Penalty,
+    PositiveCount,
+    PromptIds,
+    RepetitionPenalty,
+    StopStrings,
+    Temperature,
+    TokenId,
+    TopK,
+    TopLogprobs,
+    TopP,
+)
 from crane_mp.protocol import SamplingParams
+
+# JSON nesting a free-form value (chat_template_kwargs) may have; the template engine recurses into it.
+MAX_NESTING = 16
+# Prompts in one /v1/completions or /generate batch (each runs n times).
+MAX_BATCH = 64
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -20,153 +47,179 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
+    seed: Int64 | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Count = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: NumChoices = 1
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids of prompt and completion in the response
 
 
+class TextPart(msgspec.Struct, forbid_unknown_fields=False):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_tokens: PositiveCount | None = None
+    max_completion_tokens: PositiveCount | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    # str | list[str] | list[int] | list[list[int]]: msgspec unions take one array type, see prompt_inputs.
+    # One of PROMPT_SCHEMA's four forms; msgspec unions take one array type, so prompt_inputs checks.
     prompt: str | list[str | int | list[int]]
-    logprobs: int | None = None
+    max_tokens: Count | None = None  # 16, as OpenAI's
+    logprobs: TopLogprobs | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: Annotated[str, msgspec.Meta(max_length=0, description="not supported: empty or null")] | None = None
+    best_of: Annotated[int, msgspec.Meta(ge=1, le=1, description="only 1 is supported")] | None = None
+
+
+# The shapes prompt_inputs and /generate's input_ids accept, for the OpenAPI document (openapi.py).
+PROMPT_IDS_SCHEMA = {"type": "array", "minItems": 1, MODEL_LIMIT: "context",
+                     "items": {"type": "integer", "minimum": 0, MODEL_LIMIT: "vocab"}}
+PROMPT_IDS_BATCH_SCHEMA = {"type": "array", "minItems": 1, "maxItems": MAX_BATCH, "items": PROMPT_IDS_SCHEMA}
+TEXTS_SCHEMA = {"type": "array", "minItems": 1, "maxItems": MAX_BATCH, "items": {"type": "string", "minLength": 1}}
+PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, TEXTS_SCHEMA, PROMPT_IDS_SCHEMA, PROMPT_IDS_BATCH_SCHEMA]}
 
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """The body as a `kind` Struct, or a 400 naming what is wrong. As in JSON Schema (and JSON
+    itself), a number with no fractional part is an integer: 5.0 is accepted where 5 is."""
     if not body:
         raise ApiError(400, "request body is empty; expected a JSON object")
     try:
-        return msgspec.json.decode(body, type=kind)
+        try:
+            return msgspec.json.decode(body, type=kind)
+        except msgspec.ValidationError as err:
+            if "got `float`" not in str(err):  # an int field (or int | None) given 5.0
+                raise
+            return msgspec.convert(_whole_floats_as_ints(msgspec.json.decode(body)), type=kind)
     except msgspec.ValidationError as err:
         param = str(err).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(err) else None
         raise ApiError(400, f"invalid request: {err}", param) from err
     except msgspec.DecodeError as err:
         raise ApiError(400, f"malformed JSON: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte {err.start})") from err
+    except RecursionError:
+        raise ApiError(400, "the request body's JSON is nested too deeply") from None
 
 
-def _check(condition: bool, param: str, message: str) -> None:
-    if not condition:
-        raise ApiError(400, f"{param} {message}", param)
+def _whole_floats_as_ints(value: Any) -> Any:
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        return [_whole_floats_as_ints(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _whole_floats_as_ints(v) for k, v in value.items()}
+    return value
 
 
-def stop_strings(req: _SamplingFields) -> list[str]:
-    if req.stop is None:
+def check_nesting(value: Any, param: str, depth: int = 0) -> None:
+    """Refuse free-form JSON nested deeper than MAX_NESTING before anything recurses into it."""
+    if depth > MAX_NESTING:
+        raise ApiError(400, f"{param} is nested more than {MAX_NESTING} levels deep", param)
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for child in children:
+        check_nesting(child, param, depth + 1)
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
         return []
-    stops = [req.stop] if isinstance(req.stop, str) else req.stop
-    _check(len(stops) <= 16, "stop", "may hold at most 16 strings")
-    return [s for s in stops if s]
+    return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+
+
+def _check_token_ids(ids, vocab_size: int, param: str) -> None:
+    if any(t >= vocab_size for t in ids):
+        raise ApiError(400, f"{param} must be token ids below the vocabulary size {vocab_size}", param)
 
 
 def sampling_params(
-    req: _SamplingFields, max_tokens: int, vocab_size: int, logprobs: int | None = None,
-    prompt_logprobs: int | None = None,
+    req, vocab_size: int, logprobs: int | None = None, prompt_logprobs: int | None = None
 ) -> SamplingParams:
-    """Validate ranges the way OpenAI and vLLM do and build the engine's SamplingParams."""
-    temperature = 1.0 if req.temperature is None else req.temperature
-    _check(0.0 <= temperature <= 2.0, "temperature", "must be between 0 and 2")
-    top_p = 1.0 if req.top_p is None else req.top_p
-    _check(0.0 < top_p <= 1.0, "top_p", "must be in (0, 1]")
-    top_k = 0 if req.top_k is None else req.top_k
-    _check(top_k >= -1, "top_k", "must be -1 (disabled) or a positive integer")
-    min_p = 0.0 if req.min_p is None else req.min_p
-    _check(0.0 <= min_p <= 1.0, "min_p", "must be between 0 and 1")
-    presence = req.presence_penalty or 0.0
-    frequency = req.frequency_penalty or 0.0
-    _check(-2.0 <= presence <= 2.0, "presence_penalty", "must be between -2 and 2")
-    _check(-2.0 <= frequency <= 2.0, "frequency_penalty", "must be between -2 and 2")
-    repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty
-    _check(0.0 < repetition <= 10.0, "repetition_penalty", "must be in (0, 10]")
-    _check(max_tokens >= 1, "max_tokens", "must be at least 1")
-    _check(0 <= req.min_tokens <= max_tokens, "min_tokens", "must be between 0 and max_tokens")
-    bias: dict[int, float] = {}
-    for key, value in (req.logit_bias or {}).items():
-        _check(key.lstrip("-").isdigit() and 0 <= int(key) < vocab_size, "logit_bias", f"has an invalid token id {key!r}")
-        _check(-100.0 <= value <= 100.0, "logit_bias", "values must be between -100 and 100")
-        bias[int(key)] = value
-    _check(1 <= req.n <= 16, "n", "must be between 1 and 16")
-    stop_ids = req.stop_token_ids or []
-    _check(all(0 <= t < vocab_size for t in stop_ids), "stop_token_ids", "must be valid token ids")
+    """The engine's SamplingParams from a decoded request (ranges were checked while decoding; here the
+    limits of the served model). max_tokens is set per prompt by start_choices."""
+    bias = {int(key): value for key, value in (req.logit_bias or {}).items()}
+    _check_token_ids(bias, vocab_size, "logit_bias")
+    stop_ids = list(req.stop_token_ids or [])
+    _check_token_ids(stop_ids, vocab_size, "stop_token_ids")
     return SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=repetition,
-        presence_penalty=presence,
-        frequency_penalty=frequency,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=bias or None,
         seed=req.seed,
-        max_tokens=max_tokens,
         min_tokens=req.min_tokens,
-        stop_token_ids=list(stop_ids),
+        stop_token_ids=stop_ids,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
 
 
-def prompt_inputs(prompt: str | list) -> list[str | list[int]]:
-    """OpenAI's four prompt forms -> a list of prompts, each a string or a list of token ids."""
+def prompt_inputs(prompt: str | list, vocab_size: int) -> list[str | list[int]]:
+    """PROMPT_SCHEMA's four forms -> a list of prompts, each a non-empty string or list of token ids."""
     if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise ApiError(400, "prompt must not be empty", "prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
-        return list(prompt)
-    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of those", "prompt")
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    elif prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        prompts = prompt
+    else:
+        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of those",
+                       "prompt")
+    if len(prompts) > MAX_BATCH:
+        raise ApiError(400, f"prompt may hold at most {MAX_BATCH} prompts", "prompt")
+    if any(not p for p in prompts):
+        raise ApiError(400, "a prompt is empty", "prompt")
+    for p in prompts:
+        if isinstance(p, list):
+            if any(t < 0 for t in p):
+                raise ApiError(400, "prompt token ids must not be negative", "prompt")
+            _check_token_ids(p, vocab_size, "prompt")
+    return prompts
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: list-of-parts content flattened to one string
-    (text parts joined by newlines, as vLLM does); other part types are refused."""
+    """Messages as the chat template expects them: text parts joined by newlines (as vLLM does), and
+    no content as an empty string (templates concatenate it)."""
     out = []
-    for i, message in enumerate(messages):
+    for message in messages:
         content = message.content
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        item = {"role": message.role, "content": content}
+            content = "\n".join(part.text for part in content)
+        item = {"role": message.role, "content": content or ""}
         if message.name is not None:
             item["name"] = message.name
         out.append(item)

@@ -5,17 +5,40 @@ from __future__ import annotations
 import time
 import uuid
 from contextlib import aclosing
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
 
-from crane_mp.frontend.choices import check_context, collect, merged_deltas, start_choices
+from crane_mp.frontend.choices import collect, merged_deltas, open_choices, resolve_max_tokens
 from crane_mp.frontend.errors import ApiError, error_body
 from crane_mp.frontend.generation import Generation, GenerationError
 from crane_mp.frontend.logprobs_format import scored_prompt_positions
 from crane_mp.frontend.openai_routes import json_response
-from crane_mp.frontend.openai_schemas import decode_body, sampling_params
+from crane_mp.frontend.fields import (
+    INT64_MAX,
+    Count,
+    Int64,
+    MinP,
+    NonEmptyText,
+    NumChoices,
+    Penalty,
+    RepetitionPenalty,
+    StopStrings,
+    Temperature,
+    TokenId,
+    TopK,
+    TopLogprobs,
+    TopP,
+)
+from crane_mp.frontend.openai_schemas import (
+    MAX_BATCH,
+    PROMPT_IDS_BATCH_SCHEMA,
+    PROMPT_IDS_SCHEMA,
+    decode_body,
+    sampling_params,
+    stop_strings,
+)
 from crane_mp.frontend.state import STATE, FrontendState
 from crane_mp.protocol import SamplingParams
 
@@ -24,28 +47,24 @@ _json = msgspec.json.Encoder()
 
 
 class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    max_new_tokens: Count = 128  # clamped to the context window; 0 scores the input only
+    min_new_tokens: Count = 0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    stop: StopStrings | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    seed: int | None = None
-    sampling_seed: int | None = None  # SGLang's own name for seed
-    n: int = 1
+    seed: Int64 | None = None
+    sampling_seed: Int64 | None = None  # SGLang's own name for seed
+    n: NumChoices = 1
 
     # The OpenAI-side validator reads these names.
-    @property
-    def max_tokens(self) -> int:
-        return self.max_new_tokens
-
     @property
     def min_tokens(self) -> int:
         return self.min_new_tokens
@@ -56,16 +75,22 @@ class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    text: str | list[str] | None = None
-    input_ids: list[int | list[int]] | None = None  # one prompt's ids, or a batch of them
+    """Exactly one of text or input_ids (openapi.py states it with fields.exactly_one_of)."""
+
+    text: NonEmptyText | Annotated[list[NonEmptyText], msgspec.Meta(min_length=1, max_length=MAX_BATCH)] | None = None
+    input_ids: list[int | list[int]] | None = None  # INPUT_IDS_SCHEMA: one prompt's ids, or a batch of them
     sampling_params: SGLangSamplingParams | None = None
+    # One name for the whole request, or one per prompt (prompts past the list get generated names).
     rid: str | list[str] | None = None
     stream: bool = False
     return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
+    logprob_start_len: Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)] = -1
+    top_logprobs_num: TopLogprobs = 0
     return_text_in_logprobs: bool = False
     model: str | None = None
+
+
+INPUT_IDS_SCHEMA = {"anyOf": [PROMPT_IDS_SCHEMA, PROMPT_IDS_BATCH_SCHEMA]}
 
 
 class AbortBody(msgspec.Struct, kw_only=True):
@@ -76,13 +101,16 @@ async def _prompts(state: FrontendState, req: GenerateRequest) -> tuple[list[lis
     """Token ids per prompt, and whether the request was a batch (answered with a list)."""
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids", "text")
+    limit = state.engine_info.max_model_len
     if req.text is not None:
         texts = [req.text] if isinstance(req.text, str) else req.text
-        return [await state.tokenizer.encode(t) for t in texts], isinstance(req.text, list)
+        return [await state.tokenizer.encode(t, limit - 1, "text") for t in texts], isinstance(req.text, list)
     batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
     prompts = req.input_ids if batch else [req.input_ids]
     if any(not isinstance(p, list) or any(not isinstance(t, int) for t in p) for p in prompts):
         raise ApiError(400, "input_ids must be a list of ids or a list of such lists", "input_ids")
+    if len(prompts) > MAX_BATCH:
+        raise ApiError(400, f"input_ids may hold at most {MAX_BATCH} prompts", "input_ids")
     vocab = state.engine_info.vocab_size
     if any(not p or any(not 0 <= t < vocab for t in p) for p in prompts):
         raise ApiError(400, f"input_ids must be non-empty lists of ids in [0, {vocab})", "input_ids")
@@ -129,27 +157,37 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state.require_ready()
     req = decode_body(await request.read(), GenerateRequest)
     sp = req.sampling_params or SGLangSamplingParams()
-    if req.top_logprobs_num < 0 or req.top_logprobs_num > 20:
-        raise ApiError(400, "top_logprobs_num must be between 0 and 20", "top_logprobs_num")
     prompts, batch = await _prompts(state, req)
-    for prompt in prompts:
-        check_context(state, len(prompt), sp.max_new_tokens, "input_ids")
-    if sp.max_new_tokens < 1:
-        raise ApiError(400, "max_new_tokens must be at least 1", "sampling_params")
+    # max_new_tokens=0 scores the input (with return_logprob): the engine still makes one token.
+    max_tokens = [resolve_max_tokens(state, len(p), max(sp.max_new_tokens, 1), "input_ids") for p in prompts]
     logprobs = req.top_logprobs_num if req.return_logprob else None
     wants_input = req.return_logprob and req.logprob_start_len >= 0
-    stop = [sp.stop] if isinstance(sp.stop, str) else [s for s in (sp.stop or []) if s]
     seeded = msgspec.structs.replace(sp, seed=sp.seed if sp.seed is not None else sp.sampling_seed)
     params: SamplingParams = sampling_params(
-        seeded, sp.max_new_tokens, state.engine_info.vocab_size, logprobs, req.top_logprobs_num if wants_input else None
+        seeded, state.engine_info.vocab_size, logprobs, req.top_logprobs_num if wants_input else None
     )
-    rids = [req.rid] if isinstance(req.rid, str) else (req.rid or [])
-    if rids and len(rids) != len(prompts):
-        raise ApiError(400, "rid must be one id per prompt", "rid")
-    gens = await start_choices(state, prompts, sp.n, params, stop, sp.skip_special_tokens)
-    names = [rids[i // sp.n] if rids else uuid.uuid4().hex for i in range(len(gens))]
-    for name, gen in zip(names, gens):
-        state.sglang_rids.setdefault(name, []).append(gen.rid)
+    async with open_choices(state, prompts, sp.n, params, max_tokens, stop_strings(sp.stop), sp.skip_special_tokens,
+                            discard_output=sp.max_new_tokens == 0) as gens:
+        names = _request_names(req.rid, len(prompts), sp.n)
+        for name, gen in zip(names, gens):
+            state.sglang_rids.setdefault(name, []).append(gen.rid)
+        try:
+            return await _generate_response(request, req, sp, prompts, batch, names, gens)
+        finally:
+            for name in set(names):
+                state.sglang_rids.pop(name, None)
+
+
+def _request_names(rid: str | list[str] | None, num_prompts: int, n: int) -> list[str]:
+    """The client's name of each generation (prompt i's samples share rid[i]); generated where none."""
+    per_prompt = [rid] * num_prompts if isinstance(rid, str) else list(rid or [])[:num_prompts]
+    per_prompt += [uuid.uuid4().hex for _ in range(num_prompts - len(per_prompt))]
+    return [name for name in per_prompt for _ in range(n)]
+
+
+async def _generate_response(request, req: GenerateRequest, sp: SGLangSamplingParams, prompts, batch: bool,
+                             names: list[str], gens: list[Generation]) -> web.StreamResponse:
+    state = request.app[STATE]
     started = time.monotonic()
 
     def result(index: int, text: str, ids: list[int], logprobs_list, finish) -> dict[str, Any]:
@@ -164,17 +202,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
             body["index"] = index
         return body
 
-    try:
-        if req.stream:
-            return await _stream(request, gens, result, sp.max_new_tokens)
-        outs = await collect(gens)
-        bodies = [result(i, o.text, o.token_ids, o.logprobs,
-                         _finish_reason(o.finish_reason, o.stop_reason, sp.max_new_tokens))
-                  for i, o in enumerate(outs)]
-        return json_response(bodies if batch or sp.n > 1 else bodies[0])
-    finally:
-        for name in set(names):
-            state.sglang_rids.pop(name, None)
+    if req.stream:
+        return await _stream(request, gens, result, sp.max_new_tokens)
+    outs = await collect(gens)
+    bodies = [result(i, o.text, o.token_ids, o.logprobs,
+                     _finish_reason(o.finish_reason, o.stop_reason, sp.max_new_tokens))
+              for i, o in enumerate(outs)]
+    return json_response(bodies if batch or sp.n > 1 else bodies[0])
 
 
 async def _stream(request: web.Request, gens: list[Generation], result, max_new_tokens: int) -> web.StreamResponse:
@@ -194,7 +228,7 @@ async def _stream(request: web.Request, gens: list[Generation], result, max_new_
                 payload = result(index, texts[index], ids[index], logprobs[index], finish)
                 await response.write(b"data: " + _json.encode(payload) + b"\n\n")
     except GenerationError as err:
-        await response.write(b"data: " + _json.encode(error_body(503, str(err))) + b"\n\n")
+        await response.write(b"data: " + _json.encode(error_body(err.status, str(err))) + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

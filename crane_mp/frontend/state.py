@@ -11,6 +11,7 @@ from crane_mp.config import ServerConfig
 from crane_mp.frontend.engine_client import EngineClient
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.metrics import Metrics
+from crane_mp.frontend.openai_schemas import MAX_BATCH
 from crane_mp.frontend.tokenizer import TokenizerService
 from crane_mp.protocol import WorkerReady
 
@@ -32,6 +33,15 @@ class FrontendState:
     @property
     def model_name(self) -> str:
         return self.config.model_name
+
+    @property
+    def max_request_bytes(self) -> int:
+        """--max-request-bytes, else sized to the longest request the model accepts: a full batch of
+        prompts that each fill the context window, as token ids of up to 8 JSON bytes (at least 1 MiB)."""
+        if self.config.max_request_bytes is not None:
+            return self.config.max_request_bytes
+        max_model_len = self.engine_info.max_model_len if self.engine_info else 0
+        return max(1 << 20, MAX_BATCH * 8 * max_model_len)
 
     @property
     def ready(self) -> bool:

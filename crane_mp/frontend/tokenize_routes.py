@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
 
 from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.fields import TokenId
 from crane_mp.frontend.openai_routes import check_model, json_response
 from crane_mp.frontend.openai_schemas import ChatMessage, chat_messages, decode_body
 from crane_mp.frontend.state import STATE
@@ -16,10 +17,12 @@ routes = web.RouteTableDef()
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Exactly one of prompt, text or messages (openapi.py states it with fields.exactly_one_of)."""
+
     model: str | None = None
     prompt: str | None = None
     text: str | None = None  # crane-oai's name for prompt
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -28,30 +31,31 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 @routes.post("/tokenize")
 @routes.post("/v1/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    state.require_ready()  # the context window bounds how much text is tokenized
     req = decode_body(await request.read(), TokenizeRequest)
     check_model(state, req.model)
     sources = [x is not None for x in (req.prompt, req.text, req.messages)]
     if sum(sources) != 1:
         raise ApiError(400, "give exactly one of prompt, text or messages", "prompt")
+    limit = state.engine_info.max_model_len
     if req.messages is not None:
         text = state.tokenizer.render_chat(
             chat_messages(req.messages), req.add_generation_prompt, req.continue_final_message,
             req.chat_template_kwargs,
         )
         # The template already wrote the special tokens it wants.
-        tokens = await state.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        tokens = await state.tokenizer.encode(text, limit, "messages", add_special_tokens=bool(req.add_special_tokens))
     else:
         text = req.prompt if req.prompt is not None else req.text
-        tokens = await state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens is not False)
-    max_len = state.engine_info.max_model_len if state.engine_info else None
-    return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": max_len})
+        tokens = await state.tokenizer.encode(text, limit, "prompt", add_special_tokens=req.add_special_tokens is not False)
+    return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": limit})
 
 
 @routes.post("/detokenize")
@@ -61,7 +65,7 @@ async def detokenize(request: web.Request) -> web.Response:
     req = decode_body(await request.read(), DetokenizeRequest)
     check_model(state, req.model)
     vocab = len(state.tokenizer.tokenizer)
-    if any(not 0 <= t < vocab for t in req.tokens):
+    if any(t >= vocab for t in req.tokens):
         raise ApiError(400, f"token ids must be in [0, {vocab})", "tokens")
     text = state.tokenizer.decode(req.tokens, skip_special_tokens=False)
     return json_response({"prompt": text, "text": text})

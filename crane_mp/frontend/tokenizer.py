@@ -1,7 +1,9 @@
 """Tokenizer and chat template of the served model (frontend only).
 
 Long prompts are encoded in a worker thread: the fast tokenizers release the GIL, so the event loop
-keeps serving while they run.
+keeps serving while they run. A text that cannot fit the context window is refused before its
+whole tokenization is paid for: at once when its length alone proves it (no token spans more
+characters than the longest in the vocabulary), else by counting it in chunks.
 """
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from jinja2 import Environment, TemplateSyntaxError, meta
 from transformers import AutoTokenizer
 
 from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.openai_schemas import check_nesting
 from crane_mp.frontend.logprobs_format import TokenText
 
 # Below this many characters encoding is faster than a thread hand-off.
 _INLINE_CHARS = 2048
+# Longer texts are counted chunk by chunk before a full encode, stopping once they cannot fit.
+_COUNT_CHUNK_CHARS = 1 << 16
 
 
 class TokenizerService:
@@ -25,16 +31,40 @@ class TokenizerService:
         self.backend = self.tokenizer._tokenizer  # the `tokenizers` object DecodeStream needs
         self.token_text = TokenText(self.tokenizer)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        # Byte-level and sentencepiece vocabularies spell a token with at least as many characters as
+        # the text it covers.
+        self.max_token_chars = max(len(token) for token in self.tokenizer.get_vocab())
+        # The renderer sets these itself (special tokens included): a kwarg must not replace them.
+        self.reserved_variables = _RENDERER_VARIABLES | set(self.tokenizer.special_tokens_map)
+        self.template_variables = _template_variables(getattr(self.tokenizer, "chat_template", None))
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, max_tokens: int, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, or a 400 naming `param` when it has more than `max_tokens`."""
         if len(text) <= _INLINE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        else:
+            if len(text) // self.max_token_chars > max_tokens:
+                _refuse(len(text) // self.max_token_chars, max_tokens, param)
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self.pool, self._encode_bounded, text, max_tokens, param,
+                                             add_special_tokens)
+        if len(ids) > max_tokens:
+            _refuse(len(ids), max_tokens, param)
+        return ids
+
+    def _encode_bounded(self, text: str, max_tokens: int, param: str, add_special_tokens: bool) -> list[int]:
+        counted = 0
+        for chunk, start in enumerate(range(0, len(text), _COUNT_CHUNK_CHARS)):
+            piece = text[start : start + _COUNT_CHUNK_CHARS]
+            counted += len(self.tokenizer.encode(piece, add_special_tokens=False))
+            # A cut through a word can split one token into two: allow one extra token per cut.
+            if counted - chunk > max_tokens:
+                _refuse(counted - chunk, max_tokens, param)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(
         self,
@@ -44,13 +74,19 @@ class TokenizerService:
         template_kwargs: dict[str, Any] | None,
     ) -> str:
         """Render the model's own Jinja chat template (as transformers does). Continuing the final
-        message means no new generation prompt is opened after it."""
+        message means no new generation prompt is opened after it. Of `template_kwargs`, only the
+        template's own variables reach it (as vLLM does): others could not change the text, and
+        names the renderer sets itself (messages, bos_token, ...) are not replaced."""
         if not self.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
+        check_nesting(template_kwargs, "chat_template_kwargs")
+        known = self.template_variables
+        kwargs = {k: v for k, v in (template_kwargs or {}).items()
+                  if k not in self.reserved_variables and (known is None or k in known)}
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, **(template_kwargs or {}),
+                continue_final_message=continue_final_message, **kwargs,
             )
         except Exception as err:  # a template's own raise_exception() or a malformed message
             raise ApiError(400, f"chat template failed: {err}", "messages") from err
@@ -60,3 +96,25 @@ class TokenizerService:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
+
+
+def _refuse(at_least: int, max_tokens: int, param: str) -> None:
+    raise ApiError(400, f"the {param} has at least {at_least} tokens, more than the {max_tokens} this model's "
+                        "context window can take", param)
+
+
+_RENDERER_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "raise_exception"})
+
+
+def _template_variables(template: str | dict[str, str] | None) -> frozenset[str] | None:
+    """Names a chat template (or each of a tokenizer's named templates) reads from its context; None
+    when jinja2 alone cannot parse it (a template using transformers' own tags)."""
+    sources = template.values() if isinstance(template, dict) else [template] if template else []
+    env = Environment(extensions=["jinja2.ext.loopcontrols"])
+    names = set()
+    try:
+        for source in sources:
+            names |= meta.find_undeclared_variables(env.parse(source))
+    except TemplateSyntaxError:
+        return None
+    return frozenset(names)

@@ -9,19 +9,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from crane_mp.config import cache_root
+
 DEMO_ARCH = "qwen3"
 DEMO_SIZE = "small"
 DEMO_DTYPE = "bfloat16"
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("CRANE_MP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "crane-mp")
-    return Path(root)
-
-
 def demo_model_path() -> Path:
     """Return the demo checkpoint directory, generating it on first use (a few seconds)."""
-    path = cache_dir() / f"demo-{DEMO_ARCH}-{DEMO_SIZE}"
+    path = cache_root() / f"demo-{DEMO_ARCH}-{DEMO_SIZE}"
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return path
     from crane_mp.testing.make_model import make_model

@@ -14,18 +14,11 @@ lookup needs the plain layout, so a tied head stays plain.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crane_mp.worker.kernels.loader import cpu_kernels_available
-
-
-@lru_cache(maxsize=1)
-def amx_available() -> bool:
-    return cpu_kernels_available() and bool(torch.ops.crane_mp.amx_available())
+from crane_mp.worker.kernels.cpu_isa import amx_gemm
 
 
 def _amx_shape_ok(linear: nn.Linear) -> bool:
@@ -45,7 +38,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, gate_up_silu: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.amx = amx_available() and _amx_shape_ok(linear)
+        self.amx = amx_gemm() and _amx_shape_ok(linear)
         self.silu_mul = self.amx and gate_up_silu
         weight = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach()
@@ -78,10 +71,6 @@ class PackedEmbedding(nn.Module):
         return torch.ops.crane_mp.amx_embedding(input_ids, self.packed_weight)
 
 
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-
-
 def pack_linear_weights(model: nn.Module) -> int:
     """Swap every nn.Linear for a PackedLinear (a tied LM head only with AMX, see above); returns how
     many were packed."""
@@ -93,7 +82,7 @@ def pack_linear_weights(model: nn.Module) -> int:
         if not isinstance(module, nn.Linear):
             continue
         tied_embedding = embeddings.get(id(module.weight))
-        if tied_embedding is not None and not (amx_available() and _amx_shape_ok(module)):
+        if tied_embedding is not None and not (amx_gemm() and _amx_shape_ok(module)):
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

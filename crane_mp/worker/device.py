@@ -1,17 +1,16 @@
 """Device and dtype choice.
 
-CPU default dtype, from measurement on a 2-core Sapphire Rapids host (benchmarks/RESULTS.md): bf16 GEMMs
-on AMX run ~5x faster than fp32 at 32 rows and about the same per token at 1 row, so checkpoints stay in
-bf16 where the CPU has native bf16 (AMX or AVX512-BF16) and are upcast to float32 elsewhere, where bf16
-is emulated and slow. On CUDA, 16-bit weights are kept and float32 checkpoints run in bf16.
+On CUDA, 16-bit weights are kept and float32 checkpoints run in bf16. On CPU the choice follows the
+instruction-set tier (kernels/cpu_isa.py): from measurement on a 2-core Sapphire Rapids host
+(benchmarks/RESULTS.md), bf16 GEMMs on AMX run ~5x faster than float32 at 32 rows and about the same
+per token at 1 row, while emulated bf16 is several times slower than float32.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-from pathlib import Path
-
 import torch
+
+from crane_mp.worker.kernels.cpu_isa import cpu_dtype
 
 _NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,26 +21,16 @@ def select_device(force_cpu: bool) -> torch.device:
     return torch.device("cpu")
 
 
-@lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def select_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    if requested != "auto":
-        return _NAMES[requested]
     ckpt = _NAMES.get(checkpoint_dtype or "", torch.float32)
-    if device.type == "cuda":
-        if ckpt == torch.float32:
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return ckpt
-    if ckpt == torch.float32 or not cpu_has_native_bf16():
-        return torch.float32
-    return torch.bfloat16
+    wanted = None if requested == "auto" else _NAMES[requested]
+    if device.type == "cpu":
+        return cpu_dtype(wanted, ckpt)
+    if wanted is not None:
+        return wanted
+    if ckpt == torch.float32:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return ckpt
 
 
 def device_label(device: torch.device) -> str:

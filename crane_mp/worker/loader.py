@@ -9,7 +9,8 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from crane_mp.worker.cpu_packing import can_pack, pack_linear_weights
+from crane_mp.worker.cpu_packing import pack_linear_weights
+from crane_mp.worker.kernels.cpu_isa import pack_bf16_weights
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models import build_model
 from crane_mp.worker.models.layers import CausalLM
@@ -60,7 +61,7 @@ def load_model(
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-    if can_pack(dtype, device):
+    if pack_bf16_weights(dtype, device):
         pack_linear_weights(model)
     return model.eval()
 

@@ -17,6 +17,7 @@ from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.protocol import ShutdownWorker, StepPlan, WorkerReady
 from crane_mp.worker.bootstrap import LoadedWorker, load_worker
 from crane_mp.worker.device import device_label
+from crane_mp.worker.kernels.cpu_isa import describe as describe_isa
 from crane_mp.worker.memory import MemoryBudgetError
 from crane_mp.worker.model_config import UnsupportedModelError
 
@@ -25,6 +26,7 @@ log = logging.getLogger("crane_mp.worker")
 
 def worker_ready(loaded: LoadedWorker) -> WorkerReady:
     plan = loaded.kv_plan
+    isa, kernel_isa = describe_isa()
     return WorkerReady(
         num_blocks=plan.num_blocks,
         block_size=loaded.runner.block_size,
@@ -37,6 +39,8 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
         arch=loaded.model_config.arch,
         device=device_label(loaded.device),
         dtype=str(loaded.dtype).removeprefix("torch."),
+        isa=isa,
+        kernel_isa=kernel_isa,
     )
 
 

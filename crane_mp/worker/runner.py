@@ -13,7 +13,7 @@ import torch
 from crane_mp.protocol import PromptLogprobs, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
 from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.forward_context import ForwardContext, forward_context
-from crane_mp.worker.kernels.loader import cpu_kernels_available
+from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.rope import rope_tables
 from crane_mp.worker.sampler import Sampler, SamplingState, new_sampling_state, record_token
@@ -41,7 +41,7 @@ class ModelRunner:
         self.sampler = Sampler(self.config.vocab_size, device)
         self.requests: dict[int, RequestMirror] = {}
         self.num_blocks = 0
-        self.native_decode = device.type == "cpu" and native_decode and cpu_kernels_available()
+        self.native_decode = native_decode and native_ops(device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.config

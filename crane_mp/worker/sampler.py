@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from crane_mp.protocol import SamplingParams, TokenLogprobs
-from crane_mp.worker.kernels.loader import cpu_kernels_available
+from crane_mp.worker.kernels.cpu_isa import native_ops
 
 
 @dataclass(slots=True)
@@ -153,6 +153,6 @@ class Sampler:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax of a [N, V] float32 tensor; the native CPU kernel is ~15x faster than torch's."""
-    if x.device.type == "cpu" and cpu_kernels_available():
+    if native_ops(x.device):
         return torch.ops.crane_mp.argmax_rows(x.contiguous())
     return x.argmax(dim=-1)

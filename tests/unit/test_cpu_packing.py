@@ -10,14 +10,15 @@ import torch
 
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.attention import SeqSpan, build_metadata
-from crane_mp.worker.cpu_packing import PackedEmbedding, PackedLinear, amx_available, can_pack, pack_linear_weights
+from crane_mp.worker.cpu_packing import PackedEmbedding, PackedLinear, pack_linear_weights
+from crane_mp.worker.kernels.cpu_isa import amx_gemm, pack_bf16_weights
 from crane_mp.worker.forward_context import ForwardContext, forward_context
 from crane_mp.worker.loader import load_model, weight_bytes
 from crane_mp.worker.model_config import load_model_config
 from crane_mp.worker.runner import ModelRunner
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, CPU), reason="oneDNN unavailable")
+pytestmark = pytest.mark.skipif(not pack_bf16_weights(torch.bfloat16, CPU), reason="this CPU tier packs no bf16 weights")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])  # tied head (stays plain) and untied head with biases
@@ -25,13 +26,13 @@ def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
     path = make_model(arch, "tiny", tmp_path / arch, dtype="bfloat16")
     config = load_model_config(path)
     packed = load_model(config, path, torch.bfloat16, CPU, progress=False)
-    monkeypatch.setattr("crane_mp.worker.loader.can_pack", lambda dtype, device: False)
+    monkeypatch.setattr("crane_mp.worker.loader.pack_bf16_weights", lambda dtype, device: False)
     plain = load_model(config, path, torch.bfloat16, CPU, progress=False)
     assert any(isinstance(m, PackedLinear) for m in packed.modules())
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
-    head_packed = amx_available() or not config.tie_word_embeddings
+    head_packed = amx_gemm() or not config.tie_word_embeddings
     assert isinstance(packed.lm_head, PackedLinear) == head_packed
-    assert isinstance(packed.model.embed_tokens, PackedEmbedding) == (amx_available() and config.tie_word_embeddings)
+    assert isinstance(packed.model.embed_tokens, PackedEmbedding) == (amx_gemm() and config.tie_word_embeddings)
     assert weight_bytes(packed) == weight_bytes(plain)
 
     prompt = list(range(3, 40))
@@ -43,7 +44,7 @@ def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
         pos = torch.arange(len(prompt))
         with torch.inference_mode(), forward_context(ForwardContext(meta, runner.cos[pos, None], runner.sin[pos, None])):
             outputs.append(model.compute_logits(model(torch.tensor(prompt))).float())
-    if amx_available():
+    if amx_gemm():
         torch.testing.assert_close(outputs[0], outputs[1], atol=0.3, rtol=0.05)
         packed_top, plain_logits = outputs[0].argmax(-1), outputs[1]
         margin = plain_logits.max(-1).values - plain_logits.gather(1, packed_top[:, None]).squeeze(1)
@@ -62,7 +63,7 @@ def test_pack_linear_weights_counts_modules(tmp_path):
     assert pack_linear_weights(model) == 4 * layers + 1  # qkv, o, gate_up, down per layer + untied head
 
 
-@pytest.mark.skipif(not amx_available(), reason="no AMX")
+@pytest.mark.skipif(not amx_gemm(), reason="no AMX")
 @pytest.mark.parametrize("rows", [1, 17, 32, 45, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_amx_linear_matches_float_reference(rows, bias):
@@ -110,7 +111,7 @@ def test_shapes_amx_cannot_tile_fall_back_and_still_match(tmp_path):
     assert all(0 <= t < 500 for out in together for t in out)
 
 
-@pytest.mark.skipif(not amx_available(), reason="no AMX")
+@pytest.mark.skipif(not amx_gemm(), reason="no AMX")
 @pytest.mark.parametrize("rows", [1, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gate_up_packed_with_silu_returns_the_activation(rows, bias):

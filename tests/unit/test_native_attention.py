@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from crane_mp.config import native_kernels_disabled
 from crane_mp.worker.attention import SeqSpan, build_metadata, paged_attention
-from crane_mp.worker.kernels.loader import cpu_kernels_available
+from crane_mp.worker.kernels.cpu_isa import cpu_isa, kernel_isa
 
 pytestmark = pytest.mark.skipif(
-    bool(os.environ.get("CRANE_MP_NO_NATIVE_KERNELS")), reason="native kernels disabled by the environment"
+    native_kernels_disabled() or cpu_isa() is None, reason="native kernels disabled, or a CPU below AVX2"
 )
 CPU = torch.device("cpu")
 
 
-def test_kernel_builds_here():
-    assert cpu_kernels_available(), "the native CPU kernels failed to build (see the log warning)"
+def test_kernels_build_for_the_cpu_tier_in_use():
+    assert kernel_isa() == cpu_isa(), "the native CPU kernels failed to build for this tier (see the log warning)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from crane_mp.worker.kernels.loader import cpu_kernels_available
+from crane_mp.worker.kernels.cpu_isa import kernel_isa
 from crane_mp.worker.rope import apply_rope
 
-pytestmark = pytest.mark.skipif(
-    bool(os.environ.get("CRANE_MP_NO_NATIVE_KERNELS")) or not cpu_kernels_available(),
-    reason="native kernels disabled or not built",
-)
+pytestmark = pytest.mark.skipif(kernel_isa() is None, reason="native kernels disabled or not built")
 
 
 def tolerance(dtype: torch.dtype) -> dict:
@@ -99,3 +94,15 @@ def test_qkv_rope_cache_rejects_a_slot_outside_the_cache():
     rope = torch.ones(1, 8)
     with pytest.raises(RuntimeError, match="outside the cache"):
         torch.ops.crane_mp.qkv_rope_cache(qkv, rope, rope, None, 0, 1e-6, torch.tensor([8]), cache, cache.clone(), 1)
+
+
+def test_bf16_rounding_matches_torch_on_ties_and_specials():
+    # residual + x lands exactly halfway between two bf16 values (ties go to even), or is special.
+    halfway = [2.0**-8, 3 * 2.0**-8, -(2.0**-8), 5 * 2.0**-8, 1e30, float("inf"), float("-inf"), float("nan")]
+    x = torch.tensor(halfway * 8, dtype=torch.float32).to(torch.bfloat16)  # 64 values: vector body and tail
+    residual = torch.ones(1, 64, dtype=torch.bfloat16)
+    expected = (residual.float() + x.float()).to(torch.bfloat16)
+    torch.ops.crane_mp.add_rms_norm_(x.view(1, 64).clone(), residual, torch.ones(64, dtype=torch.bfloat16), 1e-5)
+    nan = expected.isnan()
+    assert torch.equal(residual.isnan(), nan)
+    assert torch.equal(residual[~nan].view(torch.int16), expected[~nan].view(torch.int16))

@@ -1,6 +1,10 @@
 // Helpers shared by the CPU kernels: widening and narrowing between a tensor's storage type and
 // float (vectorised for bfloat16), RMS-normalising a float row, and parallel grain sizes.
 //
+// Every kernel is compiled once per instruction-set tier with explicit flags (loader.py): the
+// __AVX512F__ / __AVX512BF16__ / __AVX2__ branches below are chosen at compile time, never by
+// probing at run time, so a library only ever runs on a CPU of its tier or above.
+//
 // The kernels do their arithmetic on float buffers (plain loops the compiler vectorises) and touch
 // the storage type only here: a loop over c10::BFloat16 values does not vectorise, and was the
 // largest cost of the first versions of these kernels. Narrowing rounds to nearest even, as c10's
@@ -14,7 +18,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -45,6 +49,11 @@ inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
     _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
   }
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+  }
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -66,6 +75,19 @@ inline void narrow<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t 
   for (; i + 16 <= n; i += 16) {
     const __m256bh packed = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<const __m256i&>(packed));
+  }
+#elif defined(__AVX2__)
+  // c10's rounding, 8 at a time: add 0x7fff plus the lowest kept bit, keep the high half; NaN -> 0x7fc0.
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), nan = _mm256_set1_epi32(0x7fc0);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(bias, lsb)), 16);
+    rounded = _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    // packus works within 128-bit lanes: [r0-3, r0-3 | r4-7, r4-7] -> r0-7 in the low half.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
   }
 #endif
   for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);

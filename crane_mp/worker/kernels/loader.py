@@ -1,7 +1,12 @@
-"""Compile and load the native CPU kernels once per machine (cached by torch in ~/.cache/torch_extensions).
+"""Compile and load the native CPU kernels for one instruction-set tier (see cpu_isa.py, which decides).
 
-Compiling needs a C++ compiler and ninja; without them, or if the build fails, callers fall back to
-the portable torch path and say so once in the log.
+Each tier is compiled with explicit flags (never -march=native) under its own name, which also holds
+the compiler's identity and a digest of the sources, compiler and torch version. So one cache
+directory can be shared by every machine and user of a host image: an AVX2 CPU never loads code
+built for AMX, and a new compiler or torch rebuilds instead of loading a stale library.
+
+Compiling needs a C++ compiler and ninja; without them, or if the build fails, build_kernels
+returns False and says why once in the log.
 """
 
 from __future__ import annotations
@@ -9,10 +14,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
+import subprocess
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from crane_mp.config import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -24,38 +34,80 @@ _SOURCES = [
 ]
 _HEADERS = [Path(__file__).with_name("cpu_vec.h")]
 
-
-def _sources_digest() -> str:
-    """Changes whenever a source or header does: torch rebuilds when the build flags change, and does
-    not look at headers on its own."""
-    digest = hashlib.sha256()
-    for path in _SOURCES + _HEADERS:
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
+_AVX512_BF16 = [*_AVX512, "-mavx512bf16"]
+TIER_FLAGS = {
+    "avx2": _AVX2,
+    "avx512": _AVX512,
+    "avx512_bf16": _AVX512_BF16,
+    "amx": [*_AVX512_BF16, "-mamx-tile", "-mamx-bf16"],
+}
+# -fopenmp makes at::parallel_for parallel; the loader reuses the libgomp torch already loaded.
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 
 
 @lru_cache(maxsize=1)
-def cpu_kernels_available() -> bool:
-    """True once torch.ops.crane_mp's kernels (paged_decode_attention, qkv_rope_cache, rms_norm,
-    add_rms_norm_, silu_and_mul, argmax_rows, amx_*) are registered."""
-    if os.environ.get("CRANE_MP_NO_NATIVE_KERNELS"):
+def compiler_identity() -> tuple[str, str] | None:
+    """(short tag for file names, full version line) of the compiler torch will call, or None."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    line = version.stdout.splitlines()[0] if version.stdout else compiler
+    family = "clang" if "clang" in line else ("gcc" if "Free Software Foundation" in version.stdout else "cxx")
+    number = re.search(r"\d+(\.\d+)+", line)
+    return f"{family}{number.group(0).replace('.', '_') if number else ''}", line
+
+
+def build_name(tier: str, compiler_tag: str, compiler_line: str) -> str:
+    digest = hashlib.sha256()
+    for path in _SOURCES + _HEADERS:
+        digest.update(path.read_bytes())
+    digest.update(" ".join([*TIER_FLAGS[tier], *_COMMON_FLAGS, compiler_line, torch.__version__]).encode())
+    return f"crane_mp_cpu_{tier}_{compiler_tag}_{digest.hexdigest()[:12]}"
+
+
+def kernel_cache_dir() -> Path:
+    """<CRANE_MP_CACHE>/kernels, or a private temporary directory when that is not writable (a
+    service user without a home, a read-only image)."""
+    preferred = cache_root() / "kernels"
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        if os.access(preferred, os.W_OK | os.X_OK):
+            return preferred
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"crane-mp-kernels-{os.getuid()}"
+    fallback.mkdir(mode=0o700, exist_ok=True)
+    return fallback
+
+
+def build_kernels(tier: str) -> bool:
+    """Build (or find in the cache) the kernels for `tier` and register them as torch.ops.crane_mp.*.
+
+    Call at most once per process with success: two tiers cannot both register the same ops."""
+    compiler = compiler_identity()
+    if compiler is None:
+        log.warning("no C++ compiler found (set CXX); using the portable torch ops")
         return False
+    name = build_name(tier, *compiler)
+    build_dir = kernel_cache_dir() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
     try:
         from torch.utils.cpp_extension import load
 
         load(
-            name="crane_mp_cpu_kernels",
+            name=name,
             sources=[str(p) for p in _SOURCES],
-            # -fopenmp makes at::parallel_for parallel; the loader reuses the libgomp torch already loaded.
-            extra_cflags=[
-                "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math",
-                f"-DCRANE_MP_SOURCES_DIGEST={_sources_digest()}",
-            ],
+            extra_cflags=[*_COMMON_FLAGS, *TIER_FLAGS[tier]],
             extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
         )
-    except Exception as err:  # no compiler, no ninja, unsupported platform: the torch path still works
-        log.warning("native CPU kernels unavailable (%s); using the portable torch attention", err)
+    except Exception as err:  # no ninja, a compiler without these flags, unsupported platform
+        log.warning("native CPU kernels for %s did not build (%s)", tier, str(err).strip().splitlines()[-1:])
         return False
     return hasattr(torch.ops.crane_mp, "paged_decode_attention")

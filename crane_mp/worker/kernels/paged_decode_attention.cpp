@@ -46,6 +46,17 @@ inline __m512 sum_lanes16(const __m512* a) {
 }
 #endif
 
+// A cache row as float: float rows are read in place, others widened into `buffer`.
+template <typename scalar_t>
+inline const float* as_float_row(const scalar_t* row, float* buffer, int64_t D) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return row;
+  } else {
+    widen(row, buffer, D);
+    return buffer;
+  }
+}
+
 // scores[j] = scale * q . k_j for `count` key rows `stride` apart. The generic version widens the
 // rows to float first; bfloat16 rows with AVX512-BF16 go straight into dot-product instructions
 // (exact products, float accumulation), 16 keys at a time.
@@ -75,10 +86,10 @@ inline void key_scores(const scalar_t* q, const float* q_float, const scalar_t* 
   }
 #endif
   for (int64_t i = 0; i < count; ++i) {
-    widen(rows + i * stride, tile, D);
+    const float* k = as_float_row(rows + i * stride, tile, D);
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t d = 0; d < D; ++d) s += q_float[d] * tile[d];
+    for (int64_t d = 0; d < D; ++d) s += q_float[d] * k[d];
     scores[i] = s * scale;
   }
 }
@@ -124,12 +135,20 @@ inline void value_rows(const scalar_t* rows, int64_t stride, int64_t count, cons
     return;
   }
 #endif
-  for (int64_t i = 0; i < count; ++i) widen(rows + i * stride, tile + i * D, D);
+  // Float rows are read in place (stride apart); others are widened once into the tile (D apart).
+  const float* first = tile;
+  int64_t row_step = D;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    first = rows;
+    row_step = stride;
+  } else {
+    for (int64_t i = 0; i < count; ++i) widen(rows + i * stride, tile + i * D, D);
+  }
   for (int64_t g = 0; g < G; ++g) {
     float* ag = acc + g * D;
     for (int64_t i = 0; i < count; ++i) {
       const float pi = p[g * p_stride + i];
-      const float* vrow = tile + i * D;
+      const float* vrow = first + i * row_step;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) ag[d] += pi * vrow[d];
     }

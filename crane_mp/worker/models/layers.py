@@ -14,7 +14,7 @@ from torch import nn
 
 from crane_mp.worker.attention import paged_attention
 from crane_mp.worker.forward_context import get_forward_context
-from crane_mp.worker.kernels.loader import cpu_kernels_available
+from crane_mp.worker.kernels import cpu_isa
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.rope import apply_rope
 
@@ -22,8 +22,7 @@ _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F
 
 
 def native_ops(x: torch.Tensor) -> bool:
-    """Use the fused C++ kernels (crane_mp/worker/kernels/) for this tensor? CPU only, when built."""
-    return x.device.type == "cpu" and cpu_kernels_available()
+    return cpu_isa.native_ops(x.device)
 
 
 class RMSNorm(nn.Module):

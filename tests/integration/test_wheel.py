@@ -1,0 +1,51 @@
+"""A wheel of crane-mp, installed into a fresh virtual environment outside the repository, builds and
+loads its native kernels (every source and header ships), one cache entry per CPU tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from crane_mp.config import CPU_ISAS
+from crane_mp.worker.kernels.cpu_isa import host_isa
+from crane_mp.worker.kernels.loader import compiler_identity
+
+REPO = Path(__file__).resolve().parents[2]
+
+PROBE = """
+import json, torch, crane_mp
+from crane_mp.worker.kernels import cpu_isa
+tiers = cpu_isa.describe()  # builds the kernels
+argmax = torch.ops.crane_mp.argmax_rows(torch.tensor([[1.0, 3.0, 2.0]])).tolist()
+print(json.dumps({"file": crane_mp.__file__, "tiers": tiers, "argmax": argmax}))
+"""
+
+
+@pytest.mark.skipif(host_isa() is None or compiler_identity() is None, reason="no native kernels on this host")
+def test_installed_wheel_builds_its_kernels_per_tier(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "dist"), str(REPO)], check=True, cwd=tmp_path)
+    [wheel] = (tmp_path / "dist").glob("crane_mp-*.whl")
+    venv = tmp_path / "venv"
+    # System site-packages provide torch and the other dependencies; crane_mp itself comes from the wheel.
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
+
+    tiers = [t for t in ("avx2", "avx512") if CPU_ISAS.index(t) <= CPU_ISAS.index(host_isa())]
+    for tier in tiers:
+        env = {**os.environ, "CRANE_MP_ISA": tier, "CRANE_MP_CACHE": str(tmp_path / "cache")}
+        env.pop("CRANE_MP_NO_NATIVE_KERNELS", None)
+        out = subprocess.run([str(python), "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        assert Path(report["file"]).is_relative_to(venv), report["file"]
+        assert report["tiers"] == [tier, tier], out.stderr
+        assert report["argmax"] == [1]
+    built = sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir())
+    assert [name.split("_")[3] for name in built] == tiers  # crane_mp_cpu_<tier>_...: one entry per tier

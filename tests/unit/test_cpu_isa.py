@@ -1,0 +1,99 @@
+"""The CPU tier probe, the CRANE_MP_ISA cap, and what follows from them: dtype, packing, kernel builds."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import pytest
+import torch
+
+from crane_mp.config import CPU_ISAS, EngineConfig, cpu_isa_cap
+from crane_mp.engine import LLMEngine
+from crane_mp.protocol import SamplingParams
+from crane_mp.testing.make_model import make_model
+from crane_mp.worker.cpu_packing import PackedLinear
+from crane_mp.worker.kernels import cpu_isa
+from crane_mp.worker.kernels.loader import build_name, kernel_cache_dir
+
+CPU = torch.device("cpu")
+
+
+def rank(tier: str) -> int:
+    return CPU_ISAS.index(tier)
+
+
+def test_cap_is_parsed_and_a_bad_one_names_the_variable(monkeypatch):
+    monkeypatch.setenv("CRANE_MP_ISA", " AVX512_bf16")
+    assert cpu_isa_cap() == "avx512_bf16"
+    monkeypatch.setenv("CRANE_MP_ISA", "sse4")
+    with pytest.raises(ValueError, match="CRANE_MP_ISA='sse4'.*avx2, avx512, avx512_bf16, amx"):
+        cpu_isa_cap()
+    monkeypatch.delenv("CRANE_MP_ISA")
+    assert cpu_isa_cap() is None
+
+
+def test_tier_in_use_never_exceeds_the_host_or_the_cap():
+    host, isa, cap, kernels = cpu_isa.host_isa(), cpu_isa.cpu_isa(), cpu_isa_cap(), cpu_isa.kernel_isa()
+    if host is None:
+        assert isa is None and kernels is None
+        return
+    assert rank(isa) == (rank(host) if cap is None else min(rank(host), rank(cap)))
+    assert kernels is None or rank(kernels) <= rank(isa)
+    assert cpu_isa.describe() == (isa, kernels or "portable")
+
+
+@pytest.mark.parametrize("tier", CPU_ISAS)
+def test_dtype_and_packing_follow_the_tier(monkeypatch, tier):
+    monkeypatch.setattr(cpu_isa, "cpu_isa", lambda: tier)
+    native_bf16 = rank(tier) >= rank("avx512_bf16")
+    assert cpu_isa.cpu_dtype(None, torch.bfloat16) == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert cpu_isa.cpu_dtype(None, torch.float16) == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert cpu_isa.cpu_dtype(None, torch.float32) == torch.float32
+    assert cpu_isa.cpu_dtype(torch.bfloat16, torch.float32) == torch.bfloat16  # explicit is honoured
+    # oneDNN's bf16 reorder raises below AVX-512 BW/VL/DQ: never asked for there.
+    assert cpu_isa.pack_bf16_weights(torch.bfloat16, CPU) == (tier != "avx2" and torch.backends.mkldnn.is_available())
+    assert not cpu_isa.pack_bf16_weights(torch.float32, CPU)
+
+
+def test_explicit_bf16_without_native_bf16_says_so_in_one_line(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_isa, "cpu_isa", lambda: "avx2")
+    with caplog.at_level(logging.WARNING, logger=cpu_isa.__name__):
+        assert cpu_isa.cpu_dtype(torch.bfloat16, torch.bfloat16) == torch.bfloat16
+    [record] = caplog.records
+    assert "--dtype bfloat16" in record.getMessage() and "isa=avx2" in record.getMessage()
+    assert "\n" not in record.getMessage()
+
+
+def test_each_tier_and_compiler_builds_under_its_own_name():
+    names = {tier: build_name(tier, "gcc12_2_0", "c++ 12.2.0") for tier in CPU_ISAS}
+    assert len(set(names.values())) == len(CPU_ISAS)
+    assert all(name.startswith(f"crane_mp_cpu_{tier}_gcc12_2_0_") for tier, name in names.items())
+    assert build_name("avx2", "gcc13_1_0", "c++ 13.1.0") != names["avx2"]
+
+
+def test_kernel_cache_falls_back_to_a_private_temporary_directory(monkeypatch, tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("CRANE_MP_CACHE", str(blocker / "cache"))
+    fallback = kernel_cache_dir()
+    assert fallback.is_dir() and os.access(fallback, os.W_OK)
+    assert fallback.parent == type(fallback)(tempfile.gettempdir())
+    monkeypatch.setenv("CRANE_MP_CACHE", str(tmp_path / "cache"))
+    assert kernel_cache_dir() == tmp_path / "cache" / "kernels"
+
+
+def test_explicit_bf16_serves_on_this_tier(tmp_path):
+    # Whatever the tier: packed only where allowed, and the same tokens alone as in a batch.
+    path = make_model("qwen3", "tiny", tmp_path / "q", dtype="float32")
+    engine = LLMEngine(EngineConfig(model_path=str(path), dtype="bfloat16", force_cpu=True, max_model_len=64))
+    model = engine.worker.runner.model
+    assert engine.worker.dtype == torch.bfloat16
+    packed = any(isinstance(m, PackedLinear) for m in model.modules())
+    assert packed == cpu_isa.pack_bf16_weights(torch.bfloat16, CPU)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [3]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    together = engine.generate(prompts, params)
+    assert [engine.generate([p], params)[0] for p in prompts] == together
+    assert all(len(out) == 8 for out in together)
