@@ -161,6 +161,11 @@ def test_error_statuses(server, client, model):
     long_prompt = [5] * 2097
     r = requests.post(server.url + "/v1/completions", json={"prompt": long_prompt, "max_tokens": 5}, headers=auth())
     assert r.status_code == 400 and "2048" in r.json()["error"]["message"] and "2097" in r.json()["error"]["message"]
+    # max_tokens is an upper bound: past the window it is clamped to what is left (SGLang, llama.cpp).
+    r = requests.post(server.url + "/v1/completions", json={"prompt": [5] * 2040, "max_tokens": 10**9,
+                                                            "ignore_eos": True}, headers=auth())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    assert r.json()["choices"][0]["finish_reason"] == "length"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="x", suffix="y")
     spec = requests.get(server.url + "/openapi.json", headers=auth()).json()
@@ -175,11 +180,13 @@ _json_values = st.recursive(
 )
 _fields = st.sampled_from(["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stop",
                            "logprobs", "top_logprobs", "logit_bias", "seed", "stream", "echo", "min_p",
-                           "presence_penalty", "stop_token_ids", "min_tokens", "stream_options", "bogus"])
+                           "presence_penalty", "stop_token_ids", "min_tokens", "stream_options", "bogus", "text",
+                           "input_ids", "sampling_params", "rid", "tokens", "chat_template_kwargs"])
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/generate",
+                              "/abort_request"]),
        body=st.dictionaries(_fields, _json_values, max_size=6))
 def test_random_bodies_never_get_a_5xx(server, route, body):
     if "max_tokens" in body and isinstance(body["max_tokens"], int):

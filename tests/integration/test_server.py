@@ -179,7 +179,9 @@ def test_chat_completion_shape(server):
 
 @pytest.mark.parametrize("body, status", [
     ({"prompt": "x", "max_tokens": "many"}, 400),
-    ({"prompt": "x", "max_tokens": 10_000}, 400),
+    ({"prompt": [5] * 2048, "max_tokens": 1}, 400),  # the prompt fills the 2048-token window
+    ({"prompt": "x", "max_tokens": -5}, 400),
+    ({"prompt": "x", "seed": 2**64}, 400),
     ({"prompt": "x", "temperature": -1}, 400),
     ({"prompt": "x", "bogus_field": 1}, 400),
     ({"prompt": "x", "model": "not-this-one"}, 404),
@@ -192,6 +194,20 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, body, s
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert requests.post(server.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 1}, timeout=10).ok
+
+
+def test_a_20_mb_prompt_is_refused_at_once_and_the_frontend_keeps_its_memory(server):
+    frontend = psutil.Process(server.pids["frontend"])
+    baseline = frontend.memory_info().rss
+    huge = json.dumps({"prompt": "lorem ipsum " * 1_750_000}).encode()  # 21 MB
+    assert requests.post(server.url + "/v1/completions", data=huge, timeout=30).status_code == 413
+    # Without a Content-Length the limit still holds while the body is read.
+    chunks = (huge[i : i + 65536] for i in range(0, len(huge), 65536))
+    assert requests.post(server.url + "/v1/completions", data=chunks, timeout=30).status_code == 413
+    # Under the byte limit but far over the context window: refused before it is tokenized.
+    r = requests.post(server.url + "/v1/completions", json={"prompt": "lorem ipsum " * 80_000}, timeout=30)
+    assert r.status_code == 400 and "context window" in r.json()["error"]["message"]
+    assert frontend.memory_info().rss - baseline < 200 << 20
 
 
 def _start_streams(url: str, n: int, started: asyncio.Semaphore):
@@ -269,6 +285,24 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(model_dir, tmp_path):
         assert srv.proc.wait(300) == 0
         time.sleep(0.2)
         assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        srv.kill_all()
+
+
+def test_sigterm_after_a_burst_of_refused_requests_finds_nothing_in_flight(model_dir, tmp_path):
+    # Every refused request must be unregistered: a leaked one would hold the drain for the whole grace.
+    srv = Server(model_dir, "--shutdown-grace", "300", log_path=tmp_path / "log")
+    try:
+        bad = [b'{"prompt": "x", "seed": 18446744073709551616}', b'{"prompt": "hi\xff"}',
+               rb'{"prompt": "x", "logit_bias": {"\u00b2": 1}}', b'{"prompt": "x", "n": 2, "top_k": 9223372036854775808}',
+               b'{"messages": [{"role": "user", "content": "x", "y": ' + b"[" * 5000 + b"]" * 5000 + b"}]}",
+               b'{"prompt": [5, 99999999]}', b'{"prompt": "' + b"ab " * 300_000 + b'"}']
+        for raw in bad * 5:
+            for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+                r = requests.post(srv.url + path, data=raw, headers={"Content-Type": "application/json"}, timeout=30)
+                assert 400 <= r.status_code < 500, (path, raw[:80], r.text)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0
     finally:
         srv.kill_all()
 

@@ -1,0 +1,90 @@
+"""The real frontend app (routes, validation, tokenizer, streams) in-process, over a fake scheduler.
+
+The fake answers every GenerateRequest at once with `tokens_per_request` tokens and a finish, records
+every message it is sent, and answers stats requests; nothing runs a model. Tests see exactly what
+the frontend would send the scheduler and which requests it still has registered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from crane_mp.config import EngineConfig, ServerConfig
+from crane_mp.frontend.app import create_app
+from crane_mp.frontend.engine_client import EngineClient
+from crane_mp.frontend.state import FrontendState
+from crane_mp.frontend.tokenizer import TokenizerService
+from crane_mp.ipc import Addresses, scheduler_decoder
+from crane_mp.protocol import (
+    AbortRequest,
+    ControlRequest,
+    EngineStats,
+    FinishReason,
+    GenerateRequest,
+    TokenOutput,
+    WorkerReady,
+)
+
+
+class FakeScheduler:
+    """Stands in for the frontend's socket to the scheduler."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+        self.requests: list[GenerateRequest] = []
+        self.aborts: list[int] = []
+        self.tokens_per_request = 2
+        self.answer = True  # False: requests stay in flight until the test pushes to them
+        self.reject_with: str | None = None  # finish every request with this error (a scheduler refusal)
+
+    async def send(self, frame: bytes) -> None:
+        message = scheduler_decoder.decode(frame)
+        if isinstance(message, GenerateRequest):
+            self.requests.append(message)
+            if self.answer:
+                asyncio.get_running_loop().call_soon(self._finish, message)
+        elif isinstance(message, AbortRequest):
+            self.aborts.append(message.rid)
+        elif isinstance(message, ControlRequest):
+            future = self.client.replies.get(message.token)
+            if future is not None:
+                future.set_result(EngineStats(message.token, 0, 0, 10, 10, 0, 0, 0, 0, 0, 0.0))
+
+    def _finish(self, req: GenerateRequest) -> None:
+        stream = self.client.streams.get(req.rid)
+        if stream is None:
+            return
+        if self.reject_with is not None:
+            stream.push(TokenOutput(req.rid, [], len(req.input_ids), 0, FinishReason.ERROR, error=self.reject_with))
+            return
+        count = min(self.tokens_per_request, req.sampling.max_tokens)
+        stream.push(TokenOutput(req.rid, [5] * count, len(req.input_ids), count, FinishReason.LENGTH))
+
+
+def engine_facts(vocab_size: int, max_model_len: int) -> WorkerReady:
+    return WorkerReady(num_blocks=64, block_size=16, kv_bytes_per_token=64, kv_budget_bytes=1 << 20,
+                       weights_bytes=1 << 20, max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=[2],
+                       arch="qwen3", device="Cpu", dtype="float32", isa="avx2", kernel_isa="avx2")
+
+
+async def start_frontend(model_dir: Path, run_dir: Path, max_model_len: int = 256,
+                         **server_args) -> tuple[TestClient, FrontendState, FakeScheduler]:
+    config = ServerConfig(engine=EngineConfig(model_path=str(model_dir)), model_name="tiny", **server_args)
+    state = FrontendState(config, TokenizerService(str(model_dir)))
+    state.client = EngineClient(Addresses(str(run_dir)), 0)
+    fake = FakeScheduler(state.client)
+    state.client.to_scheduler = fake
+    state.engine_info = engine_facts(len(state.tokenizer.tokenizer), max_model_len)
+    # As the frontend process runs it: a client that goes away cancels its handler.
+    client = TestClient(TestServer(create_app(state), handler_cancellation=True))
+    await client.start_server()
+    return client, state, fake
+
+
+async def stop_frontend(client: TestClient, state: FrontendState) -> None:
+    await client.close()
+    await state.client.close()
+    state.tokenizer.close()

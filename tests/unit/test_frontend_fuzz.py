@@ -1,0 +1,104 @@
+"""Property tests of the frontend in-process (fake scheduler): every body /openapi.json allows is
+accepted, and extreme values in any field of any route get a 4xx, never a 5xx, and leave nothing
+registered. The real server gets the same treatment, fewer times, in tests/integration."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis_jsonschema import from_schema
+
+from crane_mp.frontend.openapi import build_openapi
+from crane_mp.testing.make_model import make_model
+from tests.unit.frontend_harness import start_frontend, stop_frontend
+
+MAX_MODEL_LEN = 64
+# Extreme values for any field: out-of-range integers, floats (inf and nan written as JSON's
+# non-standard literals), huge and odd strings, long and deep lists, wrong types.
+EXTREMES = st.one_of(
+    st.sampled_from([2**64, -(2**64), 2**63, 2**63 - 1, -(2**63), 10**30, 0, -1]),
+    st.integers(),
+    st.sampled_from([float("inf"), float("-inf"), float("nan"), 1e308, -1e308, -0.0, 5e-324, 0.5]),
+    st.sampled_from(["", "x" * 100_000, "\u0000", "\ud7ff\ue000", "²", "-1", "1e5", " 7"]),
+    st.text(max_size=50),
+    st.sampled_from([[], [0] * 20_000, [[[[]]]], [None], {}, {"a": [1, {"b": None}]}, True, None]),
+    st.lists(st.integers(min_value=-(2**70), max_value=2**70), max_size=5),
+)
+
+
+def _post_operations(doc: dict) -> list[tuple[str, dict]]:
+    return [(path, ops["post"]["requestBody"]["content"]["application/json"]["schema"])
+            for path, ops in doc["paths"].items() if "post" in ops and "requestBody" in ops["post"]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model("qwen3", "tiny", tmp_path_factory.mktemp("m") / "qwen3", seed=5)
+
+
+@pytest.fixture(scope="module")
+def running(model_dir, tmp_path_factory):
+    """One frontend for the module, driven from a private event loop (hypothesis tests are sync)."""
+    loop = asyncio.new_event_loop()
+    client, state, fake = loop.run_until_complete(start_frontend(model_dir, tmp_path_factory.mktemp("run"),
+                                                                 MAX_MODEL_LEN))
+    yield loop, client, state, fake
+    loop.run_until_complete(stop_frontend(client, state))
+    loop.close()
+
+
+def _post(running, path: str, raw: bytes) -> tuple[int, str]:
+    loop, client, state, fake = running
+
+    async def send():
+        resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+        return resp.status, await resp.text()
+
+    return loop.run_until_complete(send())
+
+
+def _document(running) -> dict:
+    loop, client, state, fake = running
+    info = state.engine_info
+    doc = build_openapi(info.vocab_size, info.max_model_len)
+    # hypothesis-jsonschema resolves local references against the schema it is given.
+    return {path: {**schema, "components": doc["components"]} for path, schema in _post_operations(doc)}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/tokenize", "/v1/detokenize",
+                                  "/generate", "/abort_request"])
+def test_every_body_the_document_allows_is_accepted(running, path):
+    schema = _document(running)[path]
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(from_schema(schema))
+    def check(body):
+        body.pop("model", None)  # a name other than the served one is a 404, as documented
+        status, text = _post(running, path, json.dumps(body).encode())
+        assert status == 200, (body, text)
+
+    check()
+    assert running[2].client.streams == {}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_extreme_values_in_any_field_are_refused_cleanly(running, data):
+    documents = _document(running)
+    path = data.draw(st.sampled_from(sorted(documents)))
+    component = documents[path]["$ref"].rsplit("/", 1)[-1]
+    fields = sorted(documents[path]["components"]["schemas"][component]["properties"])
+    base = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            "/v1/completions": {"prompt": "hi", "max_tokens": 2}, "/v1/tokenize": {"prompt": "hi"},
+            "/v1/detokenize": {"tokens": [1]}, "/generate": {"text": "hi"}, "/abort_request": {"rid": "x"}}[path]
+    body = dict(base)
+    for field in data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
+        body[field] = data.draw(EXTREMES)
+    status, text = _post(running, path, json.dumps(body).encode())
+    assert status < 500, (path, body, text)
+    assert status in (200, 400, 404, 413), (status, text)
+    assert running[2].client.streams == {}
