@@ -188,7 +188,7 @@ def sampling_params(
     )
 
 
-def prompt_inputs(prompt: str | list, vocab_size: int) -> list[str | list[int]]:
+def prompt_inputs(prompt: str | list, vocab_size: int, param: str = "prompt") -> list[str | list[int]]:
     """PROMPT_SCHEMA's four forms -> a list of prompts, each a non-empty string or list of token ids."""
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -197,17 +197,17 @@ def prompt_inputs(prompt: str | list, vocab_size: int) -> list[str | list[int]]:
     elif prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
         prompts = prompt
     else:
-        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of those",
-                       "prompt")
+        raise ApiError(400, f"{param} must be a string, a list of strings, a list of token ids or a list of those",
+                       param)
     if len(prompts) > MAX_BATCH:
-        raise ApiError(400, f"prompt may hold at most {MAX_BATCH} prompts", "prompt")
+        raise ApiError(400, f"{param} may hold at most {MAX_BATCH} prompts", param)
     if any(not p for p in prompts):
-        raise ApiError(400, "a prompt is empty", "prompt")
+        raise ApiError(400, f"a prompt in {param} is empty", param)
     for p in prompts:
         if isinstance(p, list):
             if any(t < 0 for t in p):
-                raise ApiError(400, "prompt token ids must not be negative", "prompt")
-            _check_token_ids(p, vocab_size, "prompt")
+                raise ApiError(400, f"{param} token ids must not be negative", param)
+            _check_token_ids(p, vocab_size, param)
     return prompts
 
 

@@ -36,6 +36,7 @@ from crane_mp.frontend.openai_schemas import (
     PROMPT_IDS_BATCH_SCHEMA,
     PROMPT_IDS_SCHEMA,
     decode_body,
+    prompt_inputs,
     sampling_params,
     stop_strings,
 )
@@ -106,22 +107,14 @@ async def _prompts(state: FrontendState, req: GenerateRequest) -> tuple[list[lis
         texts = [req.text] if isinstance(req.text, str) else req.text
         return [await state.tokenizer.encode(t, limit - 1, "text") for t in texts], isinstance(req.text, list)
     batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
-    prompts = req.input_ids if batch else [req.input_ids]
-    if any(not isinstance(p, list) or any(not isinstance(t, int) for t in p) for p in prompts):
-        raise ApiError(400, "input_ids must be a list of ids or a list of such lists", "input_ids")
-    if len(prompts) > MAX_BATCH:
-        raise ApiError(400, f"input_ids may hold at most {MAX_BATCH} prompts", "input_ids")
-    vocab = state.engine_info.vocab_size
-    if any(not p or any(not 0 <= t < vocab for t in p) for p in prompts):
-        raise ApiError(400, f"input_ids must be non-empty lists of ids in [0, {vocab})", "input_ids")
-    return [list(p) for p in prompts], batch
+    return prompt_inputs(req.input_ids, state.engine_info.vocab_size, "input_ids"), batch
 
 
-def _finish_reason(delta_reason: str | None, stop_reason, max_new_tokens: int) -> dict[str, Any] | None:
+def _finish_reason(delta_reason: str | None, stop_reason, num_tokens: int) -> dict[str, Any] | None:
     if delta_reason is None:
         return None
-    if delta_reason == "length":
-        return {"type": "length", "length": max_new_tokens}
+    if delta_reason == "length":  # the budget ran out: max_new_tokens, or what the context window left
+        return {"type": "length", "length": num_tokens}
     if delta_reason == "stop":
         return {"type": "stop", "matched": stop_reason}
     return {"type": "abort", "message": "aborted"}
@@ -203,15 +196,14 @@ async def _generate_response(request, req: GenerateRequest, sp: SGLangSamplingPa
         return body
 
     if req.stream:
-        return await _stream(request, gens, result, sp.max_new_tokens)
+        return await _stream(request, gens, result)
     outs = await collect(gens)
-    bodies = [result(i, o.text, o.token_ids, o.logprobs,
-                     _finish_reason(o.finish_reason, o.stop_reason, sp.max_new_tokens))
+    bodies = [result(i, o.text, o.token_ids, o.logprobs, _finish_reason(o.finish_reason, o.stop_reason, len(o.token_ids)))
               for i, o in enumerate(outs)]
     return json_response(bodies if batch or sp.n > 1 else bodies[0])
 
 
-async def _stream(request: web.Request, gens: list[Generation], result, max_new_tokens: int) -> web.StreamResponse:
+async def _stream(request: web.Request, gens: list[Generation], result) -> web.StreamResponse:
     """SGLang's framing: every chunk carries the output so far (text and ids), then [DONE]."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -224,7 +216,7 @@ async def _stream(request: web.Request, gens: list[Generation], result, max_new_
                 texts[index] += delta.text
                 ids[index] += delta.token_ids
                 logprobs[index] += delta.logprobs
-                finish = _finish_reason(delta.finish_reason, delta.stop_reason, max_new_tokens)
+                finish = _finish_reason(delta.finish_reason, delta.stop_reason, len(ids[index]))
                 payload = result(index, texts[index], ids[index], logprobs[index], finish)
                 await response.write(b"data: " + _json.encode(payload) + b"\n\n")
     except GenerationError as err:
