@@ -2,6 +2,7 @@
 
     python benchmarks/engine.py                       # small qwen3 (bf16), batch 1/8/32, 128 in / 128 out
     python benchmarks/engine.py --batch-sizes 32 --skip-hf --model-path DIR
+    CRANE_MP_ISA=avx2 python benchmarks/engine.py --dtype auto   # what an AVX2-only host runs
 
 Prints a table and one JSON line per batch size. Greedy decoding with EOS ignored, so every request
 produces exactly --output-len tokens.
@@ -22,6 +23,7 @@ from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
+from crane_mp.worker.kernels.cpu_isa import describe as describe_isa
 
 
 def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -61,7 +63,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", help="checkpoint directory (default: generate the small model)")
     parser.add_argument("--arch", default="qwen3")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"],
+                        help="engine dtype; auto: a bf16 checkpoint, run as the engine's --dtype auto picks for this CPU")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -72,7 +75,7 @@ def main() -> None:
     model_dir = args.model_path
     if model_dir is None:
         model_dir = str(Path(tempfile.mkdtemp(prefix="crane-bench-")) / args.arch)
-        make_model(args.arch, "small", model_dir, dtype=args.dtype)
+        make_model(args.arch, "small", model_dir, dtype="bfloat16" if args.dtype == "auto" else args.dtype)
 
     config = EngineConfig(
         model_path=model_dir,
@@ -88,7 +91,7 @@ def main() -> None:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.worker.dtype).eval()
 
     rows = []
     for batch in args.batch_sizes:
@@ -99,7 +102,8 @@ def main() -> None:
             "batch": batch,
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
-            "dtype": args.dtype,
+            "dtype": str(engine.worker.dtype).removeprefix("torch."),
+            "isa": "/".join(describe_isa()),
             "threads": torch.get_num_threads(),
             "crane_tok_s": round(tokens / bench_engine(engine, prompts, args.output_len), 1),
         }

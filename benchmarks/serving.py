@@ -84,6 +84,10 @@ async def run_load(args) -> dict:
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await one_request(session, args.url, prompts[0][:8], 4)  # warm-up
+        async with session.get(args.url + "/server_info") as resp:
+            info = await resp.json() if resp.status == 200 else {}
+        async with session.get(args.url + "/model_info") as resp:
+            info["dtype"] = (await resp.json()).get("dtype") if resp.status == 200 else None
         start = time.perf_counter()
         if args.request_rate:
             tasks = []
@@ -108,6 +112,8 @@ async def run_load(args) -> dict:
     tokens = sum(r.output_tokens for r in ok)
     return {
         "bench": "serving",
+        "isa": f"{info.get('isa')}/{info.get('kernel_isa')}",
+        "dtype": info.get("dtype"),
         "concurrency": args.concurrency if not args.request_rate else None,
         "request_rate": args.request_rate,
         "num_requests": len(records),

@@ -25,6 +25,7 @@ from crane_mp.worker.kernels.loader import build_kernels
 
 log = logging.getLogger(__name__)
 
+
 def _at_least(isa: str | None, tier: str) -> bool:
     return isa is not None and CPU_ISAS.index(isa) >= CPU_ISAS.index(tier)
 
