@@ -69,7 +69,7 @@ def _components() -> tuple[dict, dict]:
     return dict(zip(bodies, refs)), components
 
 
-def build_openapi(vocab_size: int | None = None, max_model_len: int | None = None) -> dict:
+def build_openapi(vocab_size: int | None = None, max_model_len: int | None = None, model_name: str = "") -> dict:
     """The document; with the served model's vocabulary and context window once they are known."""
     ref_of, components = _components()
     if vocab_size is not None and max_model_len is not None:
@@ -82,7 +82,7 @@ def build_openapi(vocab_size: int | None = None, max_model_len: int | None = Non
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref_of[body]}}}
         if "{model_id}" in path:
             operation["parameters"] = [{"name": "model_id", "in": "path", "required": True,
-                                        "schema": {"type": "string"}}]
+                                        "schema": {"type": "string"}, "example": model_name}]
         paths.setdefault(path, {})[method] = operation
     return {"openapi": "3.1.0", "info": {"title": "crane-mp", "version": __version__}, "paths": paths,
             "components": {"schemas": components}}
@@ -90,7 +90,8 @@ def build_openapi(vocab_size: int | None = None, max_model_len: int | None = Non
 
 @routes.get("/openapi.json")
 async def openapi(request: web.Request) -> web.Response:
-    info = request.app[STATE].engine_info
+    state = request.app[STATE]
+    info = state.engine_info
     if info is None:
-        return json_response(build_openapi())
-    return json_response(build_openapi(info.vocab_size, info.max_model_len))
+        return json_response(build_openapi(model_name=state.model_name))
+    return json_response(build_openapi(info.vocab_size, info.max_model_len, state.model_name))

@@ -13,6 +13,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from crane_mp.testing.make_model import make_model
+from crane_mp.worker.kernels import cpu_isa
 from tests.integration.server import Server
 
 
@@ -108,6 +109,8 @@ def test_management_routes(server):
         info = requests.get(server.url + path).json()
         assert info["version"] and info["max_concurrent"] == 16 and info["decode_tokens_per_seq"] == 2
         assert info["stats"]["kv_blocks_total"] > 0 and info["stats"]["completed_requests"] >= 0
+        # The worker's CPU tier, as this process computes it (same CPU, same CRANE_MP_ISA).
+        assert (info["isa"], info["kernel_isa"]) == cpu_isa.describe()
     assert requests.get(server.url + "/health").json() == {"status": "ok"}
     assert requests.get(server.url + "/health_generate").status_code == 200
     assert requests.post(server.url + "/flush_cache").status_code == 200
@@ -115,6 +118,9 @@ def test_management_routes(server):
     r = gen(server, {"text": "x", "sampling_params": {"max_new_tokens": "many"}})
     assert r.status_code == 400 and r.json()["error"]["param"]
     assert gen(server, {"sampling_params": {}}).status_code == 400
+    assert gen(server, {"text": "", "sampling_params": {}}).status_code == 400  # an empty prompt is a client error
+    r = gen(server, {"text": "x", "sampling_params": {"stop": ["a"] * 17}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.stop"
 
 
 def metric_values(server) -> dict[tuple, float]:
