@@ -16,8 +16,8 @@ from jinja2 import Environment, TemplateSyntaxError, meta
 from transformers import AutoTokenizer
 
 from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.openai_schemas import check_nesting
 from crane_mp.frontend.logprobs_format import TokenText
+from crane_mp.frontend.openai_schemas import check_nesting
 
 # Below this many characters encoding is faster than a thread hand-off.
 _INLINE_CHARS = 2048
@@ -99,8 +99,8 @@ class TokenizerService:
 
 
 def _refuse(at_least: int, max_tokens: int, param: str) -> None:
-    raise ApiError(400, f"the {param} has at least {at_least} tokens, more than the {max_tokens} this model's "
-                        "context window can take", param)
+    raise ApiError(400, f"{param} is too long: at least {at_least} tokens, more than the {max_tokens} this "
+                        "model's context window can take", param)
 
 
 _RENDERER_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "raise_exception"})
