@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("CRANE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every route but /health (default: $CRANE_API_KEY)")
     p.add_argument("--max-request-bytes", type=_positive_int,
-                   help="largest request body accepted, bigger ones get 413 (default: 64 bytes per token of the "
-                        "context window, at least 1 MiB)")
+                   help="largest request body accepted, bigger ones get 413 (default: 512 bytes per token of "
+                        "the context window, a batch of 64 full-window token-id prompts; at least 1 MiB)")
     p.add_argument("--health-generate-timeout", type=_seconds, default=30.0,
                    help="seconds /health_generate waits for its one-token generation before answering 503")
     p.add_argument("--seed", type=_non_negative_int, default=0)

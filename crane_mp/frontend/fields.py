@@ -14,15 +14,13 @@ from msgspec import Meta
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MODEL_LIMIT = "x-crane-limit"
-_VOCAB = {MODEL_LIMIT: "vocab"}  # a token id: below the vocabulary size
-_CONTEXT = {MODEL_LIMIT: "context"}  # a list of prompt tokens: shorter than the context window
+_VOCAB = {MODEL_LIMIT: "vocab"}  # a token id: below the vocabulary size; "context": a prompt's ids
 
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 PositiveCount = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1, extra_json_schema=_VOCAB)]
 TokenIdKey = Annotated[str, Meta(pattern=r"^(0|[1-9][0-9]{0,9})$", extra_json_schema=_VOCAB)]
-PromptIds = Annotated[list[TokenId], Meta(min_length=1, extra_json_schema=_CONTEXT)]
 NonEmptyText = Annotated[str, Meta(min_length=1)]
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]

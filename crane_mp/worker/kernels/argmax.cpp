@@ -1,8 +1,9 @@
 // Row-wise argmax over float logits (CPU): argmax_rows(x [N, V] float32) -> [N] int64.
 //
 // torch's CPU argmax walks a row one element at a time (~0.4 ms for 32 x 8192 here); this one
-// keeps a vector of running maxima and their indices (16 lanes with AVX-512, 8 with AVX2). Ties go to the lowest index, as torch's do. NaN
-// entries are not chosen (torch would pick the first NaN): NaN logits give some token, not a crash.
+// keeps a vector of running maxima and their indices (16 lanes with AVX-512, 8 with AVX2). Ties go
+// to the lowest index, as torch's do. NaN entries are not chosen (torch would pick the first NaN):
+// NaN logits give some token, not a crash.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

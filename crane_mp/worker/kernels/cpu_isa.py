@@ -101,10 +101,8 @@ def cpu_dtype(requested: torch.dtype | None, checkpoint: torch.dtype) -> torch.d
         return torch.bfloat16 if checkpoint != torch.float32 and native_bf16() else torch.float32
     if requested == torch.bfloat16 and not native_bf16() or requested == torch.float16:
         name = str(requested).removeprefix("torch.")
-        log.warning(
-            "--dtype %s: this CPU (isa=%s) has no native %s math, so it runs through slower emulated ops; "
-            "--dtype float32 is faster here", name, cpu_isa() or "below_avx2", name,
-        )
+        log.warning("--dtype %s on this CPU (isa=%s) runs through slower emulated ops; --dtype float32 is "
+                    "faster here", name, cpu_isa() or "below_avx2")
     return requested
 
 
