@@ -34,7 +34,11 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, c
     await web.TCPSite(runner, config.host, config.port, reuse_address=True).start()
     conn.send_bytes(b"listening")
 
-    info = msgspec.msgpack.decode(await loop.run_in_executor(None, conn.recv_bytes), type=WorkerReady)
+    try:
+        info = msgspec.msgpack.decode(await loop.run_in_executor(None, conn.recv_bytes), type=WorkerReady)
+    except EOFError:  # the launcher stopped during start-up (a signal, or the worker failed): it says why
+        await runner.cleanup()
+        return
     state.client = EngineClient(addresses, frontend_id)
     state.client.metrics = state.metrics
     state.client.start()

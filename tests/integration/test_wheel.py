@@ -1,5 +1,6 @@
 """A wheel of crane-mp, installed into a fresh virtual environment outside the repository, builds and
-loads its native kernels (every source and header ships), one cache entry per CPU tier."""
+loads its native kernels (every source and header ships), one cache entry per CPU tier, also past
+the lock file of a build that was killed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from crane_mp.config import CPU_ISAS
 from crane_mp.worker.kernels.cpu_isa import host_isa
-from crane_mp.worker.kernels.loader import compiler_identity
+from crane_mp.worker.kernels.loader import build_name, compiler_identity
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,10 +39,15 @@ def test_installed_wheel_builds_its_kernels_per_tier(tmp_path):
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
 
     tiers = [t for t in ("avx2", "avx512") if CPU_ISAS.index(t) <= CPU_ISAS.index(host_isa())]
+    # A build killed half-way leaves torch's lock file behind; the next start must not wait on it forever.
+    stale = tmp_path / "cache" / "kernels" / build_name(tiers[0], *compiler_identity()) / "lock"
+    stale.parent.mkdir(parents=True)
+    stale.touch()
     for tier in tiers:
         env = {**os.environ, "CRANE_MP_ISA": tier, "CRANE_MP_CACHE": str(tmp_path / "cache")}
         env.pop("CRANE_MP_NO_NATIVE_KERNELS", None)
-        out = subprocess.run([str(python), "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True)
+        out = subprocess.run([str(python), "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=600)
         assert out.returncode == 0, out.stderr
         report = json.loads(out.stdout.strip().splitlines()[-1])
         assert Path(report["file"]).is_relative_to(venv), report["file"]

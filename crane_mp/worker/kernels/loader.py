@@ -11,6 +11,7 @@ returns False and says why once in the log.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -98,15 +99,21 @@ def build_kernels(tier: str) -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(
-            name=name,
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=[*_COMMON_FLAGS, *TIER_FLAGS[tier]],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        # torch guards a build with a lock *file*, which a build killed half-way leaves behind: every
+        # later start would wait for it forever. Builds take turns on an OS lock instead (released
+        # when its holder dies), so whoever holds it knows a leftover torch lock file is stale.
+        with open(build_dir / "crane-mp.lock", "w") as turn:
+            fcntl.flock(turn, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            load(
+                name=name,
+                sources=[str(p) for p in _SOURCES],
+                extra_cflags=[*_COMMON_FLAGS, *TIER_FLAGS[tier]],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as err:  # no ninja, a compiler without these flags, unsupported platform
         log.warning("native CPU kernels for %s did not build (%s)", tier, str(err).strip().splitlines()[-1:])
         return False
