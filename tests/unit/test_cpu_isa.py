@@ -13,14 +13,12 @@ from crane_mp.config import CPU_ISAS, EngineConfig, cpu_isa_cap
 from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.cpu_packing import PackedLinear
-from crane_mp.worker.forward_context import ForwardContext, forward_context
 from crane_mp.worker.kernels import cpu_isa
 from crane_mp.worker.kernels.loader import build_name, kernel_cache_dir
 from crane_mp.worker.loader import load_model
 from crane_mp.worker.model_config import load_model_config
-from crane_mp.worker.runner import ModelRunner
+from tests.model_helpers import prefill_logits
 
 CPU = torch.device("cpu")
 
@@ -97,16 +95,7 @@ def test_explicit_bf16_serves_on_this_tier(tmp_path):
     models = {dtype: load_model(config, path, dtype, CPU, progress=False) for dtype in (torch.bfloat16, torch.float32)}
     packed = any(isinstance(m, PackedLinear) for m in models[torch.bfloat16].modules())
     assert packed == cpu_isa.pack_bf16_weights(torch.bfloat16, CPU)
-    prompt = list(range(3, 40))
-    logits = {}
-    for dtype, model in models.items():
-        runner = ModelRunner(model, 16, 64, CPU)
-        runner.allocate_kv_cache(4)
-        meta = build_metadata([], [SeqSpan(0, len(prompt), [0, 1, 2])], 16, CPU, dtype)
-        pos = torch.arange(len(prompt))
-        with torch.inference_mode(), forward_context(ForwardContext(meta, runner.cos[pos, None], runner.sin[pos, None])):
-            logits[dtype] = model.compute_logits(model(torch.tensor(prompt))).float()
-    exact, rounded = logits[torch.float32], logits[torch.bfloat16]
+    exact, rounded = (prefill_logits(models[dtype], list(range(3, 40))) for dtype in (torch.float32, torch.bfloat16))
     assert (rounded - exact).norm() / exact.norm() < 0.05  # bf16 weights and activations: ~1.5% here
     margin = exact.max(-1).values - exact.gather(1, rounded.argmax(-1, keepdim=True)).squeeze(1)
     assert (margin == 0).float().mean() >= 0.9 and margin.max() < 0.3  # argmax differs only at near-ties

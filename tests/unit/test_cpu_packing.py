@@ -9,13 +9,11 @@ import pytest
 import torch
 
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.cpu_packing import PackedEmbedding, PackedLinear, pack_linear_weights
 from crane_mp.worker.kernels.cpu_isa import amx_gemm, pack_bf16_weights
-from crane_mp.worker.forward_context import ForwardContext, forward_context
 from crane_mp.worker.loader import load_model, weight_bytes
 from crane_mp.worker.model_config import load_model_config
-from crane_mp.worker.runner import ModelRunner
+from tests.model_helpers import prefill_logits
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not pack_bf16_weights(torch.bfloat16, CPU), reason="this CPU tier packs no bf16 weights")
@@ -35,15 +33,7 @@ def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
     assert isinstance(packed.model.embed_tokens, PackedEmbedding) == (amx_gemm() and config.tie_word_embeddings)
     assert weight_bytes(packed) == weight_bytes(plain)
 
-    prompt = list(range(3, 40))
-    outputs = []
-    for model in (packed, plain):
-        runner = ModelRunner(model, 16, 64, CPU)
-        runner.allocate_kv_cache(4)
-        meta = build_metadata([], [SeqSpan(0, len(prompt), [0, 1, 2])], 16, CPU, torch.bfloat16)
-        pos = torch.arange(len(prompt))
-        with torch.inference_mode(), forward_context(ForwardContext(meta, runner.cos[pos, None], runner.sin[pos, None])):
-            outputs.append(model.compute_logits(model(torch.tensor(prompt))).float())
+    outputs = [prefill_logits(model, list(range(3, 40))) for model in (packed, plain)]
     if amx_gemm():
         torch.testing.assert_close(outputs[0], outputs[1], atol=0.3, rtol=0.05)
         packed_top, plain_logits = outputs[0].argmax(-1), outputs[1]

@@ -1,0 +1,23 @@
+"""Helpers for tests that run a loaded model directly, without an engine."""
+
+from __future__ import annotations
+
+import torch
+
+from crane_mp.worker.attention import SeqSpan, build_metadata
+from crane_mp.worker.forward_context import ForwardContext, forward_context
+from crane_mp.worker.models.layers import CausalLM
+from crane_mp.worker.runner import ModelRunner
+
+CPU = torch.device("cpu")
+
+
+def prefill_logits(model: CausalLM, prompt: list[int], block_size: int = 16) -> torch.Tensor:
+    """Float32 logits [len(prompt), vocab] of one fresh prefill of `prompt` on CPU."""
+    runner = ModelRunner(model, block_size, len(prompt) + block_size, CPU)
+    num_blocks = -(-len(prompt) // block_size)
+    runner.allocate_kv_cache(num_blocks)
+    meta = build_metadata([], [SeqSpan(0, len(prompt), list(range(num_blocks)))], block_size, CPU, runner.dtype)
+    pos = torch.arange(len(prompt))
+    with torch.inference_mode(), forward_context(ForwardContext(meta, runner.cos[pos, None], runner.sin[pos, None])):
+        return model.compute_logits(model(torch.tensor(prompt))).float()
