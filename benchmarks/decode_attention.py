@@ -32,7 +32,7 @@ def main() -> None:
     q = torch.randn(args.batch, heads, head_dim).to(dtype)
     spans = [SeqSpan(args.context - 1, 1, list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)))
              for b in range(args.batch)]
-    print(f"tiers (cpu, kernels): {describe()}, torch capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"tiers (cpu, kernels): {describe(torch.device('cpu'))}, torch capability {torch.backends.cpu.get_cpu_capability()}")
     for native in (False, True):
         meta = build_metadata(spans, [], block, torch.device("cpu"), dtype, None, native_decode=native)
         for _ in range(20):

@@ -103,7 +103,7 @@ def main() -> None:
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
             "dtype": str(engine.worker.dtype).removeprefix("torch."),
-            "isa": "/".join(describe_isa()),
+            "isa": "/".join(describe_isa(engine.worker.device)),
             "threads": torch.get_num_threads(),
             "crane_tok_s": round(tokens / bench_engine(engine, prompts, args.output_len), 1),
         }

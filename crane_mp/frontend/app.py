@@ -8,17 +8,16 @@ from aiohttp import web
 
 from crane_mp.frontend import management_routes, openai_routes, openapi, sglang_routes, tokenize_routes
 from crane_mp.frontend.errors import ApiError, error_middleware
+from crane_mp.frontend.management_routes import OPEN_PATHS
 from crane_mp.frontend.state import STATE, FrontendState
 
-# Open without a key: liveness probes and load balancers must not need the secret.
-_OPEN_PATHS = frozenset({"/health"})
 
 
 @web.middleware
 async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
     """--api-key: every route but /health needs `Authorization: Bearer <key>` (constant-time compare)."""
     key = request.app[STATE].config.api_key
-    if key and request.path not in _OPEN_PATHS:
+    if key and request.path not in OPEN_PATHS:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):

@@ -73,8 +73,11 @@ async def open_choices(
                     raise ApiError(503, f"the engine stopped: {err}") from err
         yield gens
     finally:
-        for gen in gens:
-            await gen.close()
+        # Every generation is unregistered before the first await, and the aborts go out together,
+        # shielded: a cancellation or a failing send here cannot leave one behind.
+        running = [gen.rid for gen in gens if gen.unregister()]
+        if running:
+            await asyncio.shield(asyncio.gather(*(state.client.abort(rid) for rid in running), return_exceptions=True))
 
 
 async def collect(gens: list[Generation]) -> list[Collected]:

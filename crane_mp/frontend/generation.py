@@ -7,6 +7,7 @@ early (client gone, cancelled), the request is aborted so its KV blocks come bac
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -19,8 +20,8 @@ FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", Finish
 
 
 class GenerationError(RuntimeError):
-    """The engine ended the request with an error: `status` 400 when the scheduler refused it (the
-    request's own fault), 503 when the engine died or the server is shutting down."""
+    """The engine ended the request with an error: `status` 503 once the engine is gone (it died, or
+    the drain ended), else 400: the scheduler refused this request itself."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
@@ -101,17 +102,21 @@ class Generation:
         finally:
             await self.close()
 
-    async def close(self) -> None:
-        """Unregister the request (aborting it in the engine if it is still running) and record how it
-        ended. Idempotent: every way out of a handler ends here (choices.open_choices)."""
+    def unregister(self) -> bool:
+        """Forget the request here and record how it ended; True when the engine must still be told to
+        abort it. Idempotent, and synchronous, so no cancellation can stop it half-way."""
         if self.closed:
-            return
+            return False
         self.closed = True
-        if not self.done:
-            self.done = True
-            await self.client.abort(self.rid)
         self.client.release(self.rid)
         self._record_finish()
+        running, self.done = not self.done, True
+        return running
+
+    async def close(self) -> None:
+        """unregister(), then the abort; the abort is sent even if the caller is being cancelled."""
+        if self.unregister():
+            await asyncio.shield(self.client.abort(self.rid))
 
     def _observe_tokens(self, count: int) -> None:
         now = time.monotonic()

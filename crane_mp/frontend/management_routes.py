@@ -19,6 +19,8 @@ from crane_mp.frontend.state import STATE, FrontendState
 from crane_mp.protocol import EngineStats, SamplingParams
 
 routes = web.RouteTableDef()
+# Open without a key: liveness probes and load balancers must not need the secret.
+OPEN_PATHS = frozenset({"/health"})
 
 
 @routes.get("/health")

@@ -164,7 +164,11 @@ def sampling_params(
 ) -> SamplingParams:
     """The engine's SamplingParams from a decoded request (ranges were checked while decoding; here the
     limits of the served model). max_tokens is set per prompt by start_choices."""
-    bias = {int(key): value for key, value in (req.logit_bias or {}).items()}
+    keys = (req.logit_bias or {}).keys()
+    # The schema's pattern ends in `$`, which Python (not JSON Schema) also lets match before a final "\n".
+    if not all(key.isascii() and key.isdigit() for key in keys):
+        raise ApiError(400, "logit_bias keys must be token ids written as decimal digits", "logit_bias")
+    bias = {int(key): value for key, value in req.logit_bias.items()} if keys else {}
     _check_token_ids(bias, vocab_size, "logit_bias")
     stop_ids = list(req.stop_token_ids or [])
     _check_token_ids(stop_ids, vocab_size, "stop_token_ids")

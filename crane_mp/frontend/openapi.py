@@ -14,6 +14,7 @@ from aiohttp import web
 
 from crane_mp import __version__
 from crane_mp.frontend.fields import exactly_one_of, fill_model_limits
+from crane_mp.frontend.management_routes import OPEN_PATHS
 from crane_mp.frontend.openai_routes import json_response
 from crane_mp.frontend.openai_schemas import PROMPT_SCHEMA, ChatCompletionRequest, CompletionRequest
 from crane_mp.frontend.sglang_routes import INPUT_IDS_SCHEMA, AbortBody, GenerateRequest
@@ -23,7 +24,7 @@ from crane_mp.frontend.tokenize_routes import DetokenizeRequest, TokenizeRequest
 routes = web.RouteTableDef()
 
 _GENERATION = ("400", "404", "413", "503")
-# (method, path, request body type or None, summary, error statuses besides 401)
+# (method, path, request body type or None, summary, error statuses besides 401 (--api-key))
 OPERATIONS = [
     ("post", "/v1/chat/completions", ChatCompletionRequest, "Chat completion (SSE when stream=true)", _GENERATION),
     ("post", "/v1/completions", CompletionRequest, "Text completion (SSE when stream=true)", _GENERATION),
@@ -76,7 +77,8 @@ def build_openapi(vocab_size: int | None = None, max_model_len: int | None = Non
         fill_model_limits(components, vocab_size, max_model_len)
     paths: dict = {}
     for method, path, body, summary, errors in OPERATIONS:
-        responses = {"200": {"description": "OK"}, "401": _ERROR, **{status: _ERROR for status in errors}}
+        auth = {} if path in OPEN_PATHS else {"401": _ERROR}
+        responses = {"200": {"description": "OK"}, **auth, **{status: _ERROR for status in errors}}
         operation = {"summary": summary, "responses": responses}
         if body is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref_of[body]}}}

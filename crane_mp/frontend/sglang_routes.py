@@ -14,7 +14,7 @@ from crane_mp.frontend.choices import collect, merged_deltas, open_choices, reso
 from crane_mp.frontend.errors import ApiError, error_body
 from crane_mp.frontend.generation import Generation, GenerationError
 from crane_mp.frontend.logprobs_format import scored_prompt_positions
-from crane_mp.frontend.openai_routes import json_response
+from crane_mp.frontend.openai_routes import check_model, json_response
 from crane_mp.frontend.fields import (
     INT64_MAX,
     Count,
@@ -149,6 +149,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     state.require_ready()
     req = decode_body(await request.read(), GenerateRequest)
+    check_model(state, req.model)
     sp = req.sampling_params or SGLangSamplingParams()
     prompts, batch = await _prompts(state, req)
     # max_new_tokens=0 scores the input (with return_logprob): the engine still makes one token.
@@ -167,8 +168,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
         try:
             return await _generate_response(request, req, sp, prompts, batch, names, gens)
         finally:
-            for name in set(names):
-                state.sglang_rids.pop(name, None)
+            for name, gen in zip(names, gens):  # only this request's: another may share the name
+                mine = state.sglang_rids.get(name, [])
+                if gen.rid in mine:
+                    mine.remove(gen.rid)
+                if not mine:
+                    state.sglang_rids.pop(name, None)
 
 
 def _request_names(rid: str | list[str] | None, num_prompts: int, n: int) -> list[str]:

@@ -64,7 +64,8 @@ async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = decode_body(await request.read(), DetokenizeRequest)
     check_model(state, req.model)
-    vocab = len(state.tokenizer.tokenizer)
+    # The model's vocabulary, as /openapi.json states it (ids past the tokenizer's own decode to nothing).
+    vocab = state.engine_info.vocab_size if state.engine_info else len(state.tokenizer.tokenizer)
     if any(t >= vocab for t in req.tokens):
         raise ApiError(400, f"token ids must be in [0, {vocab})", "tokens")
     text = state.tokenizer.decode(req.tokens, skip_special_tokens=False)

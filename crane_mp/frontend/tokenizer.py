@@ -57,13 +57,15 @@ class TokenizerService:
         return ids
 
     def _encode_bounded(self, text: str, max_tokens: int, param: str, add_special_tokens: bool) -> list[int]:
-        counted = 0
-        for chunk, start in enumerate(range(0, len(text), _COUNT_CHUNK_CHARS)):
-            piece = text[start : start + _COUNT_CHUNK_CHARS]
-            counted += len(self.tokenizer.encode(piece, add_special_tokens=False))
-            # A cut through a word can split one token into two: allow one extra token per cut.
-            if counted - chunk > max_tokens:
-                _refuse(counted - chunk, max_tokens, param)
+        if len(text) > _COUNT_CHUNK_CHARS:
+            counted = 0
+            for cuts, start in enumerate(range(0, len(text), _COUNT_CHUNK_CHARS)):
+                piece = text[start : start + _COUNT_CHUNK_CHARS]
+                counted += len(self.tokenizer.encode(piece, add_special_tokens=False))
+                # A cut can add up to two tokens (a word split in two, and sentencepiece's "▁" on the
+                # new piece): only a count above that proves the text too long.
+                if counted - 2 * cuts > max_tokens:
+                    _refuse(counted - 2 * cuts, max_tokens, param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(

@@ -26,7 +26,7 @@ log = logging.getLogger("crane_mp.worker")
 
 def worker_ready(loaded: LoadedWorker) -> WorkerReady:
     plan = loaded.kv_plan
-    isa, kernel_isa = describe_isa()
+    isa, kernel_isa = describe_isa(loaded.device)
     return WorkerReady(
         num_blocks=plan.num_blocks,
         block_size=loaded.runner.block_size,

@@ -10,6 +10,7 @@ import time
 import psutil
 import pytest
 import requests
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from crane_mp.testing.make_model import make_model
@@ -110,7 +111,7 @@ def test_management_routes(server):
         assert info["version"] and info["max_concurrent"] == 16 and info["decode_tokens_per_seq"] == 2
         assert info["stats"]["kv_blocks_total"] > 0 and info["stats"]["completed_requests"] >= 0
         # The worker's CPU tier, as this process computes it (same CPU, same CRANE_MP_ISA).
-        assert (info["isa"], info["kernel_isa"]) == cpu_isa.describe()
+        assert (info["isa"], info["kernel_isa"]) == cpu_isa.describe(torch.device("cpu"))
     assert requests.get(server.url + "/health").json() == {"status": "ok"}
     assert requests.get(server.url + "/health_generate").status_code == 200
     assert requests.post(server.url + "/flush_cache").status_code == 200

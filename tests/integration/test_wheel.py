@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE = """
 import json, torch, crane_mp
 from crane_mp.worker.kernels import cpu_isa
-tiers = cpu_isa.describe()  # builds the kernels
+tiers = cpu_isa.describe(torch.device("cpu"))  # builds the kernels
 argmax = torch.ops.crane_mp.argmax_rows(torch.tensor([[1.0, 3.0, 2.0]])).tolist()
 print(json.dumps({"file": crane_mp.__file__, "tiers": tiers, "argmax": argmax}))
 """

@@ -44,7 +44,8 @@ def test_tier_in_use_never_exceeds_the_host_or_the_cap():
         return
     assert rank(isa) == (rank(host) if cap is None else min(rank(host), rank(cap)))
     assert kernels is None or rank(kernels) <= rank(isa)
-    assert cpu_isa.describe() == (isa, kernels or "portable")
+    assert cpu_isa.describe(CPU) == (isa, kernels or "portable")
+    assert cpu_isa.describe(torch.device("cuda"))[1] == "n/a"  # a GPU worker builds no CPU kernels
 
 
 @pytest.mark.parametrize("tier", CPU_ISAS)

@@ -11,6 +11,7 @@ import pytest
 
 from crane_mp.frontend import openai_routes
 from crane_mp.frontend.fields import INT64_MAX
+from crane_mp.protocol import FinishReason, TokenOutput
 from crane_mp.testing.make_model import make_model
 from tests.unit.frontend_harness import start_frontend, stop_frontend
 
@@ -49,7 +50,8 @@ async def test_extreme_seeds_with_n_reach_the_engine_intact(frontend):
         assert r.status == 200, await r.text()
         assert [req.sampling.seed for req in fake.requests[-16:]] == [seed + i for i in range(16)]
     for body in ({"seed": INT64_MAX + 1}, {"top_k": 2**63}, {"logit_bias": {"²": 1}}, {"max_tokens": -5},
-                 {"stop": ["x"] * 17}, {"temperature": 1e308}, {"logit_bias": {"600": 1}}):
+                 {"stop": ["x"] * 17}, {"temperature": 1e308}, {"logit_bias": {"600": 1}},
+                 {"logit_bias": {"5\n": 1}}):
         r = await client.post("/v1/completions", json={"prompt": "hi", **body})
         error = (await r.json())["error"]
         assert r.status == 400 and error["param"] in body, (body, error)
@@ -168,3 +170,23 @@ async def test_405_names_the_allowed_methods_and_openapi_declares_the_path_param
     token = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert token["maximum"] == vocab - 1
     assert json.dumps(doc)  # serialisable as is
+
+
+async def test_two_generate_requests_sharing_a_rid_stay_abortable(frontend):
+    client, state, fake = frontend
+    fake.answer = False
+    body = {"text": "hi", "rid": "shared", "sampling_params": {"max_new_tokens": 5}}
+    first = asyncio.ensure_future(client.post("/generate", json=body))
+    second = asyncio.ensure_future(client.post("/generate", json=body))
+    while len(fake.requests) < 2:
+        await asyncio.sleep(0.01)
+    done_rid, other_rid = fake.requests[0].rid, fake.requests[1].rid
+    fake._finish(fake.requests[0])  # the first one ends; the name must still reach the second
+    assert (await first).status == 200
+    r = await client.post("/abort_request", json={"rid": "shared"})
+    assert r.status == 200 and other_rid in fake.aborts and done_rid not in fake.aborts
+    state.client.streams[other_rid].push(TokenOutput(other_rid, [], 1, 0, FinishReason.ABORT))
+    assert (await (await second).json())["meta_info"]["finish_reason"]["type"] == "abort"
+    assert state.sglang_rids == {} and state.client.streams == {}
+    r = await client.post("/generate", json={"text": "hi", "model": "another-model"})
+    assert r.status == 404

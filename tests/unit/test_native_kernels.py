@@ -97,12 +97,15 @@ def test_qkv_rope_cache_rejects_a_slot_outside_the_cache():
 
 
 def test_bf16_rounding_matches_torch_on_ties_and_specials():
-    # residual + x lands exactly halfway between two bf16 values (ties go to even), or is special.
+    # residual + x lands exactly halfway between two bf16 values (ties go to even), or is special; 67
+    # values cover the vector body and the scalar tail. A NaN with a full payload (0x7fff) must stay
+    # NaN: rounding its bits as a number would carry into the sign and give -0.
     halfway = [2.0**-8, 3 * 2.0**-8, -(2.0**-8), 5 * 2.0**-8, 1e30, float("inf"), float("-inf"), float("nan")]
-    x = torch.tensor(halfway * 8, dtype=torch.float32).to(torch.bfloat16)  # 64 values: vector body and tail
-    residual = torch.ones(1, 64, dtype=torch.bfloat16)
+    x = torch.tensor((halfway * 9)[:67], dtype=torch.float32).to(torch.bfloat16)
+    x.view(torch.int16)[[5, 66]] = 0x7FFF
+    residual = torch.ones(1, 67, dtype=torch.bfloat16)
     expected = (residual.float() + x.float()).to(torch.bfloat16)
-    torch.ops.crane_mp.add_rms_norm_(x.view(1, 64).clone(), residual, torch.ones(64, dtype=torch.bfloat16), 1e-5)
+    torch.ops.crane_mp.add_rms_norm_(x.view(1, 67).clone(), residual, torch.ones(67, dtype=torch.bfloat16), 1e-5)
     nan = expected.isnan()
-    assert torch.equal(residual.isnan(), nan)
+    assert nan.sum() == 10 and torch.equal(residual.isnan(), nan)
     assert torch.equal(residual[~nan].view(torch.int16), expected[~nan].view(torch.int16))

@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 
 from crane_mp.config import CPU_ISAS, cpu_isa_cap, native_kernels_disabled
-from crane_mp.worker.kernels.loader import build_kernels
+from crane_mp.worker.kernels.loader import build_kernels, compiler_identity
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,9 @@ def kernel_isa() -> str | None:
     portable torch ops run instead. A tier the compiler cannot build falls back to the next one down."""
     isa = cpu_isa()
     if isa is None or native_kernels_disabled():
+        return None
+    if compiler_identity() is None:
+        log.warning("no C++ compiler found (set CXX); using the portable torch ops")
         return None
     for tier in reversed(CPU_ISAS[: CPU_ISAS.index(isa) + 1]):
         if build_kernels(tier):
@@ -106,6 +109,8 @@ def cpu_dtype(requested: torch.dtype | None, checkpoint: torch.dtype) -> torch.d
     return requested
 
 
-def describe() -> tuple[str, str]:
-    """(CPU tier, kernel tier) as the start-up log and /server_info name them, e.g. ("amx", "amx")."""
-    return cpu_isa() or "below_avx2", kernel_isa() or "portable"
+def describe(device: torch.device) -> tuple[str, str]:
+    """(CPU tier, kernel tier) as the start-up log and /server_info name them, e.g. ("amx", "amx").
+    A CUDA worker never builds the CPU kernels: its kernel tier is "n/a"."""
+    kernels = (kernel_isa() or "portable") if device.type == "cpu" else "n/a"
+    return cpu_isa() or "below_avx2", kernels

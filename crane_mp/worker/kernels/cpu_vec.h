@@ -58,6 +58,16 @@ inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// c10's float -> bfloat16 rounding (to nearest even; NaN -> 0x7fc0), with the NaN test on the bits:
+// the kernels build with -ffast-math, under which the compiler may drop float NaN comparisons (and
+// c10's std::isnan), turning a NaN with a large payload into -0.
+inline uint16_t bfloat16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 template <typename T>
 inline void narrow(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
@@ -77,20 +87,21 @@ inline void narrow<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<const __m256i&>(packed));
   }
 #elif defined(__AVX2__)
-  // c10's rounding, 8 at a time: add 0x7fff plus the lowest kept bit, keep the high half; NaN -> 0x7fc0.
+  // bfloat16_bits, 8 at a time: add 0x7fff plus the lowest kept bit, keep the high half; NaN -> 0x7fc0.
   const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), nan = _mm256_set1_epi32(0x7fc0);
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), infinity = _mm256_set1_epi32(0x7f800000);
   for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(src + i);
-    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
     __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(bias, lsb)), 16);
-    rounded = _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, magnitude), infinity);
+    rounded = _mm256_blendv_epi8(rounded, nan, is_nan);
     // packus works within 128-bit lanes: [r0-3, r0-3 | r4-7, r4-7] -> r0-7 in the low half.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
   }
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
+  for (; i < n; ++i) dst[i] = c10::BFloat16(bfloat16_bits(src[i]), c10::BFloat16::from_bits());
 }
 
 // x = x / rms(x) * weight, in place, all float.

@@ -6,7 +6,7 @@ directory can be shared by every machine and user of a host image: an AVX2 CPU n
 built for AMX, and a new compiler or torch rebuilds instead of loading a stale library.
 
 Compiling needs a C++ compiler and ninja; without them, or if the build fails, build_kernels
-returns False and says why once in the log.
+returns False and says why in the log.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import subprocess
 import tempfile
 from functools import lru_cache
@@ -70,9 +71,9 @@ def build_name(tier: str, compiler_tag: str, compiler_line: str) -> str:
     return f"crane_mp_cpu_{tier}_{compiler_tag}_{digest.hexdigest()[:12]}"
 
 
-def kernel_cache_dir() -> Path:
+def kernel_cache_dir() -> Path | None:
     """<CRANE_MP_CACHE>/kernels, or a private temporary directory when that is not writable (a
-    service user without a home, a read-only image)."""
+    service user without a home, a read-only image); None when neither can be used safely."""
     preferred = cache_root() / "kernels"
     try:
         preferred.mkdir(parents=True, exist_ok=True)
@@ -81,7 +82,15 @@ def kernel_cache_dir() -> Path:
     except OSError:
         pass
     fallback = Path(tempfile.gettempdir()) / f"crane-mp-kernels-{os.getuid()}"
-    fallback.mkdir(mode=0o700, exist_ok=True)
+    try:
+        fallback.mkdir(mode=0o700, exist_ok=True)
+        info = fallback.lstat()
+    except OSError:
+        return None
+    # Libraries are loaded from here: a directory another user made (or can write) is not ours.
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        log.warning("%s is not a private directory of this user; not building kernels there", fallback)
+        return None
     return fallback
 
 
@@ -89,24 +98,23 @@ def build_kernels(tier: str) -> bool:
     """Build (or find in the cache) the kernels for `tier` and register them as torch.ops.crane_mp.*.
 
     Call at most once per process with success: two tiers cannot both register the same ops."""
-    compiler = compiler_identity()
-    if compiler is None:
-        log.warning("no C++ compiler found (set CXX); using the portable torch ops")
+    compiler, cache = compiler_identity(), kernel_cache_dir()
+    if compiler is None or cache is None:
         return False
-    name = build_name(tier, *compiler)
-    build_dir = kernel_cache_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir = cache / build_name(tier, *compiler)
     try:
         from torch.utils.cpp_extension import load
 
+        build_dir.mkdir(parents=True, exist_ok=True)
         # torch guards a build with a lock *file*, which a build killed half-way leaves behind: every
         # later start would wait for it forever. Builds take turns on an OS lock instead (released
         # when its holder dies), so whoever holds it knows a leftover torch lock file is stale.
-        with open(build_dir / "crane-mp.lock", "w") as turn:
+        turn = os.open(build_dir / "crane-mp.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
             fcntl.flock(turn, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
             load(
-                name=name,
+                name=build_dir.name,
                 sources=[str(p) for p in _SOURCES],
                 extra_cflags=[*_COMMON_FLAGS, *TIER_FLAGS[tier]],
                 extra_ldflags=["-fopenmp"],
@@ -114,7 +122,9 @@ def build_kernels(tier: str) -> bool:
                 is_python_module=False,
                 verbose=False,
             )
+        finally:
+            os.close(turn)
     except Exception as err:  # no ninja, a compiler without these flags, unsupported platform
-        log.warning("native CPU kernels for %s did not build (%s)", tier, str(err).strip().splitlines()[-1:])
+        log.warning("native CPU kernels for %s did not build: %s", tier, (str(err).strip().splitlines() or ["?"])[-1])
         return False
     return hasattr(torch.ops.crane_mp, "paged_decode_attention")
