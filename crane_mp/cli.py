@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
+import sys
 
 from crane_mp.config import DTYPES, EngineConfig, ServerConfig, cpu_isa_cap, parse_memory_limit
+from crane_mp.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
 from crane_mp.worker.model_config import MODEL_TYPE_ALIASES
 
 
@@ -56,7 +57,10 @@ def _seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="crane-launch", description="Serve a Llama-family model over OpenAI/SGLang APIs.")
-    p.add_argument("--model-path", help="model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--model-path", help="model directory (config.json, safetensors, tokenizer), or a .gguf file "
+                                        "(or a directory holding one)")
+    p.add_argument("--format", default="auto", choices=FORMATS,
+                   help="weights format; auto: gguf for a .gguf file, else safetensors")
     p.add_argument("--demo", action="store_true", help="serve the built-in random-weight demo model")
     p.add_argument("--model-type", default="auto", choices=["auto", *sorted(MODEL_TYPE_ALIASES)])
     p.add_argument("--model-name", help="name shown in API responses (default: the directory name)")
@@ -89,6 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _model_source(path: str, fmt: str) -> ModelSource:
+    """Resolve --model-path/--format and check a GGUF file before any process starts; a bad path or
+    file ends crane-launch here with one line naming it."""
+    try:
+        source = resolve_model_source(path, fmt)
+        if source.format == "gguf":
+            check_gguf(source.gguf_file)
+    except (FileNotFoundError, GGUFFileError) as err:
+        sys.exit(f"crane-launch: error: {err}")
+    return source
+
+
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -102,16 +118,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         from crane_mp.testing.demo import demo_model_path
 
         args.model_path = str(demo_model_path())
-    path = Path(args.model_path)
-    if not (path / "config.json").is_file():
-        parser.error(f"argument --model-path: {path} is not a model directory (no config.json)")
+    source = _model_source(args.model_path, args.format)
     if args.max_num_batched_tokens < args.max_concurrent:
         parser.error("argument --max-num-batched-tokens: must be at least --max-concurrent")
     if args.max_total_tokens is not None and args.max_total_tokens < args.block_size:
         parser.error("argument --max-total-tokens: must hold at least one KV block")
     engine = EngineConfig(
-        model_path=str(path.resolve()),
+        model_path=str(source.path),
         model_type=args.model_type,
+        model_format=source.format,
         dtype=args.dtype,
         force_cpu=args.cpu,
         block_size=args.block_size,
@@ -125,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     )
     return ServerConfig(
         engine=engine,
-        model_name=args.model_name or path.resolve().name,
+        model_name=args.model_name or (source.gguf_file.stem if source.gguf_file else source.model_dir.name),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

@@ -52,6 +52,7 @@ class EngineConfig:
 
     model_path: str
     model_type: str = "auto"
+    model_format: str = "auto"  # auto | safetensors | gguf (gguf_file.resolve_model_source)
     dtype: str = "auto"
     force_cpu: bool = False
     block_size: int = 16

@@ -162,6 +162,11 @@ def main(argv: list[str] | None = None) -> None:
         info = launcher.start()
         gib = 1 << 30
         log.info(
+            "weights: format=%s %.3f GiB in memory (%.3f GiB in the file)%s",
+            info.model_format, info.weights_bytes / gib, info.weights_file_bytes / gib,
+            f" types: {info.weight_types}" if info.weight_types else "",
+        )
+        log.info(
             "ready: model=%s arch=%s device=%s dtype=%s isa=%s kernels=%s kv_bytes=%d/token kv_budget=%.2f GiB "
             "blocks=%d (%d tokens) max_concurrent=%d max_model_len=%d listening on http://%s:%d",
             config.model_name, info.arch, info.device, info.dtype, info.isa, info.kernel_isa, info.kv_bytes_per_token,

@@ -214,3 +214,6 @@ class WorkerReady(msgspec.Struct):
     dtype: str
     isa: str  # the CPU tier in use (worker/kernels/cpu_isa.py), e.g. "avx2"
     kernel_isa: str  # the tier our native CPU kernels run at, or "portable" (torch ops)
+    model_format: str = "safetensors"  # or "gguf"
+    weight_types: str = ""  # a GGUF file's tensor types, e.g. "Q4_K x 169, Q6_K x 29, F32 x 57"
+    weights_file_bytes: int = 0  # bytes of tensor data in the model file(s)

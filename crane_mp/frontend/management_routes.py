@@ -102,6 +102,10 @@ async def server_info(request: web.Request) -> web.Response:
         **_server_args(state),
         "isa": info.isa,
         "kernel_isa": info.kernel_isa,
+        "model_format": info.model_format,
+        "weight_types": info.weight_types,
+        "weights_bytes": info.weights_bytes,
+        "weights_file_bytes": info.weights_file_bytes,
         "kv_bytes_per_token": info.kv_bytes_per_token,
         "kv_budget_bytes": info.kv_budget_bytes,
         "stats": {

@@ -28,7 +28,7 @@ log = logging.getLogger("crane_mp.frontend")
 
 async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, conn: Connection) -> None:
     loop = asyncio.get_running_loop()
-    state = FrontendState(config, TokenizerService(config.engine.model_path))
+    state = FrontendState(config, TokenizerService(config.engine.model_path, config.engine.model_format))
     runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port, reuse_address=True).start()

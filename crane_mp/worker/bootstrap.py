@@ -10,9 +10,10 @@ import torch
 
 from crane_mp.config import EngineConfig, MemoryLimit
 from crane_mp.worker.device import select_device, select_dtype
-from crane_mp.worker.loader import load_model, weight_bytes
+from crane_mp.gguf_file import describe_types, resolve_model_source
+from crane_mp.worker.loader import file_tensor_bytes, load_model, weight_bytes
 from crane_mp.worker.memory import KVPlan, device_total_memory, measure_activation_bytes, plan_kv_blocks
-from crane_mp.worker.model_config import ModelConfig, load_model_config
+from crane_mp.worker.model_config import ModelConfig, load_gguf_config, load_model_config
 from crane_mp.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,9 @@ class LoadedWorker:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
+    model_format: str
+    weight_types: str
+    weights_file_bytes: int
 
 
 def _activation_estimate_per_token(cfg: ModelConfig) -> int:
@@ -39,10 +43,14 @@ def _activation_estimate_per_token(cfg: ModelConfig) -> int:
 
 def load_worker(config: EngineConfig, progress: bool = True) -> LoadedWorker:
     torch.manual_seed(config.seed)
-    model_config = load_model_config(config.model_path, config.model_type)
+    source = resolve_model_source(config.model_path, config.model_format)
+    if source.format == "gguf":
+        model_config = load_gguf_config(source.gguf_file, config.model_type)
+    else:
+        model_config = load_model_config(source.model_dir, config.model_type)
     device = select_device(config.force_cpu)
     dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
-    model = load_model(model_config, config.model_path, dtype, device, progress)
+    model, weight_types = load_model(model_config, source, dtype, device, progress)
 
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if config.max_total_tokens is not None:
@@ -74,4 +82,7 @@ def load_worker(config: EngineConfig, progress: bool = True) -> LoadedWorker:
     # cyclic GC from rescanning it in the middle of decode steps.
     gc.collect()
     gc.freeze()
-    return LoadedWorker(runner, model_config, kv_plan, device, dtype, max_model_len)
+    return LoadedWorker(
+        runner, model_config, kv_plan, device, dtype, max_model_len, source.format, describe_types(weight_types),
+        file_tensor_bytes(source),
+    )

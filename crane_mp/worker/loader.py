@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from tqdm import tqdm
 
+from crane_mp.gguf_file import ModelSource
 from crane_mp.worker.cpu_packing import pack_linear_weights
 from crane_mp.worker.kernels.cpu_isa import pack_bf16_weights
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models import build_model
 from crane_mp.worker.models.layers import CausalLM
+from crane_mp.worker.quantized.gguf_loader import load_gguf_model
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -44,6 +47,19 @@ def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, t
 
 
 def load_model(
+    config: ModelConfig, source: ModelSource, dtype: torch.dtype, device: torch.device, progress: bool = True
+) -> tuple[CausalLM, Counter]:
+    """The model with its weights, and the file's tensor types (GGUF only; empty for safetensors)."""
+    if source.format == "gguf":
+        model, types = load_gguf_model(config, source.gguf_file, dtype, device, progress)
+    else:
+        model, types = load_safetensors_model(config, source.model_dir, dtype, device, progress), Counter()
+    if pack_bf16_weights(dtype, device):
+        pack_linear_weights(model)
+    return model.eval(), types
+
+
+def load_safetensors_model(
     config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device, progress: bool = True
 ) -> CausalLM:
     """Build the model without initialising it (meta device), then fill every parameter from the checkpoint."""
@@ -61,9 +77,16 @@ def load_model(
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-    if pack_bf16_weights(dtype, device):
-        pack_linear_weights(model)
-    return model.eval()
+    return model
+
+
+def file_tensor_bytes(source: ModelSource) -> int:
+    """Bytes of tensor data in the model's files (what a quantized model should occupy in memory)."""
+    if source.format == "gguf":
+        from crane_mp.gguf_file import open_gguf
+
+        return sum(int(t.n_bytes) for t in open_gguf(source.gguf_file).tensors)
+    return sum(path.stat().st_size for path in safetensors_files(source.model_dir))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

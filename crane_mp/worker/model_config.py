@@ -5,6 +5,7 @@ transformers is used here only to parse config.json (and rope parameters); model
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ MODEL_TYPE_ALIASES = {
     "qwen3": "qwen3",
     "hunyuan": "hunyuan",
     "hunyuan_v1_dense": "hunyuan",
+    "hunyuan-dense": "hunyuan",
 }
 
 _ARCHITECTURE_CLASSES = {
@@ -146,3 +148,42 @@ def load_model_config(model_path: str | Path, model_type: str = "auto") -> Model
         raise FileNotFoundError(f"{model_dir} has no config.json")
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     return model_config_from_hf(hf_config, model_type, model_dir)
+
+
+def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:
+    """Our config from a GGUF file's metadata: the hyper-parameters become a transformers config (so
+    rope variants resolve as for any checkpoint), tying follows the absence of output.weight, and
+    Llama 3's rope scaling comes from its rope_freqs tensor."""
+    from transformers import AutoConfig
+
+    from crane_mp.gguf_file import GGUF_ARCHITECTURES, SERVED_TYPES, metadata, open_gguf, read_shape
+
+    reader = open_gguf(path)
+    shape = read_shape(reader, path)
+    meta = metadata(reader)
+    names = {t.name: int(t.tensor_type) for t in reader.tensors}
+    arch, hf_type = GGUF_ARCHITECTURES[shape.gguf_arch]
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                             "tokenizer.ggml.eom_token_id") if k in meta]
+    # A 16-bit float file runs like a 16-bit checkpoint; a quantized one computes in float32 (auto dtype).
+    matrix_types = {SERVED_TYPES[t.tensor_type] for t in reader.tensors if len(t.shape) == 2}
+    float_kind = matrix_types & {"F16", "BF16"} if matrix_types <= {"F16", "BF16", "F32"} else set()
+    rope_parameters = {"rope_theta": shape.rope_base, "rope_type": "default", **shape.rope_scaling}
+    hf_config = AutoConfig.for_model(
+        hf_type,
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, rms_norm_eps=shape.rms_eps, max_position_embeddings=shape.context,
+        rope_parameters=rope_parameters, tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names, mlp_bias="blk.0.ffn_up.bias" in names, hidden_act="silu",
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=eos[0] if eos else None,
+        use_sliding_window=False, sliding_window=None,
+    )
+    config = model_config_from_hf(hf_config, arch if model_type == "auto" else model_type)
+    dtype = ("bfloat16" if "BF16" in float_kind else "float16") if float_kind else "float32"
+    replace = {"eos_token_ids": tuple(dict.fromkeys(int(i) for i in eos)), "torch_dtype": dtype}
+    if "rope_freqs.weight" in names:
+        from crane_mp.worker.quantized.gguf_loader import rope_freq_factors
+
+        replace["rope_parameters"] = {**config.rope_parameters, "freq_factors": rope_freq_factors(path)}
+    return dataclasses.replace(config, **replace)

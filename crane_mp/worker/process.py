@@ -41,6 +41,9 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
         dtype=str(loaded.dtype).removeprefix("torch."),
         isa=isa,
         kernel_isa=kernel_isa,
+        model_format=loaded.model_format,
+        weight_types=loaded.weight_types,
+        weights_file_bytes=loaded.weights_file_bytes,
     )
 
 

@@ -19,7 +19,10 @@ def _inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         base = config.rope_theta
     if rope_type == "default":
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-        return 1.0 / (base**exponents), 1.0
+        inv_freq = 1.0 / (base**exponents)
+        if params.get("freq_factors") is not None:  # GGUF's rope_freqs tensor (Llama 3 scaling, pre-computed)
+            inv_freq = inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float32)
+        return inv_freq, 1.0
     if rope_type == "dynamic":
         raise ValueError("dynamic NTK rope scaling depends on the running sequence length and is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).with_name(name)
     for name in (
-        "paged_decode_attention.cpp", "fused_elementwise.cpp", "qkv_rope_cache.cpp", "argmax.cpp", "amx_linear.cpp"
+        "paged_decode_attention.cpp", "fused_elementwise.cpp", "qkv_rope_cache.cpp", "argmax.cpp", "amx_linear.cpp",
+        "gguf_matmul.cpp",
     )
 ]
 _HEADERS = [Path(__file__).with_name("cpu_vec.h")]

@@ -1,0 +1,226 @@
+"""GGUF model files: find them, open them (memory-mapped, through the gguf package), check them, read
+their hyper-parameters.
+
+Every problem with a file becomes one GGUFFileError whose message names the file and what is wrong:
+crane-launch checks a file before it starts any process (a bad file exits at once with that line),
+and the worker and frontend raise the same messages. No torch here: the launcher imports this module.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# general.architecture -> (our architecture, transformers' model_type).
+GGUF_ARCHITECTURES = {
+    "llama": ("llama", "llama"),
+    "mistral": ("mistral", "mistral"),
+    "qwen2": ("qwen2", "qwen2"),
+    "qwen3": ("qwen3", "qwen3"),
+    "hunyuan-dense": ("hunyuan", "hunyuan_v1_dense"),
+}
+# Architectures whose q/k rows llama.cpp's converter permutes for its interleaved rope.
+PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
+# Types served (worker/quantized/formats.py and kernels/gguf_matmul.cpp); ggml's ids.
+SERVED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+                12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+FORMATS = ("auto", "safetensors", "gguf")
+
+
+class GGUFFileError(ValueError):
+    """The GGUF file cannot be served; the message names the file and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where the model lives: a safetensors directory, or one GGUF file (model_dir: the folder holding it)."""
+
+    format: str
+    model_dir: Path
+    gguf_file: Path | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.gguf_file or self.model_dir
+
+
+def resolve_model_source(path: str | Path, fmt: str = "auto") -> ModelSource:
+    """--model-path and --format -> a ModelSource; raises GGUFFileError/FileNotFoundError with one line."""
+    path = Path(path).resolve()
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {', '.join(FORMATS)}")
+    if path.is_file():
+        if fmt == "safetensors" or (fmt == "auto" and path.suffix.lower() != ".gguf"):
+            raise FileNotFoundError(f"{path} is a file: give a model directory, or a .gguf file (--format gguf)")
+        return ModelSource("gguf", path.parent, path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist")
+    ggufs = sorted(path.glob("*.gguf"))
+    has_safetensors = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    if fmt == "safetensors" or (fmt == "auto" and has_safetensors):
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+        return ModelSource("safetensors", path)
+    if len(ggufs) == 1:
+        return ModelSource("gguf", path, ggufs[0])
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs[:4])
+        raise FileNotFoundError(f"{path} holds several .gguf files ({names}): give one file as --model-path")
+    if fmt == "gguf":
+        raise FileNotFoundError(f"{path} holds no .gguf file")
+    raise FileNotFoundError(f"{path} is not a model directory (no config.json with safetensors, no .gguf file)")
+
+
+def open_gguf(path: Path):
+    """A memory-mapped gguf.GGUFReader; any parse failure (magic, version, truncation) -> GGUFFileError."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, EOFError, OSError) as err:
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise GGUFFileError(f"{path}: not a readable GGUF file (truncated or corrupt?): {detail}") from None
+
+
+def metadata(reader) -> dict[str, Any]:
+    """Scalar and string metadata as Python values (the big tokenizer arrays are left out)."""
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in ("tokens", "token_type", "merges", "scores"):
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def _arch(meta: dict[str, Any], path: Path) -> str:
+    name = meta.get("general.architecture")
+    if name not in GGUF_ARCHITECTURES:
+        supported = ", ".join(sorted(GGUF_ARCHITECTURES))
+        raise GGUFFileError(f"{path}: architecture {name!r} is not supported (supported: {supported})")
+    return name
+
+
+def _required(meta: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in meta:
+        raise GGUFFileError(f"{path}: metadata key {key} is missing")
+    return meta[key]
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFShape:
+    """The hyper-parameters a GGUF file's metadata declares, in the file's own terms."""
+
+    gguf_arch: str
+    hidden: int
+    layers: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    context: int
+    rms_eps: float
+    rope_base: float
+    rope_scaling: dict[str, Any]
+
+
+def read_shape(reader, path: Path) -> GGUFShape:
+    meta = metadata(reader)
+    arch = _arch(meta, path)
+
+    def key(name: str, default: Any = None) -> Any:
+        full = f"{arch}.{name}"
+        return meta.get(full, default) if default is not None else _required(meta, full, path)
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = meta.get(f"{arch}.vocab_size") or (int(embd.shape[1]) if embd is not None else None)
+    if vocab is None:
+        raise GGUFFileError(f"{path}: no vocab_size and no token_embd.weight tensor")
+    scaling: dict[str, Any] = {}
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", "") and meta.get(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
+        scaling = {"rope_type": scaling_type, "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+        if f"{arch}.rope.scaling.original_context_length" in meta:
+            scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
+    return GGUFShape(
+        gguf_arch=arch,
+        hidden=hidden,
+        layers=int(key("block_count")),
+        ffn=int(key("feed_forward_length")),
+        heads=heads,
+        kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        vocab=int(vocab),
+        context=int(key("context_length", 2048)),
+        rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_base=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+    )
+
+
+def expected_shapes(shape: GGUFShape) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> numpy shape ([rows, cols]) the metadata implies; optional tensors included."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (shape.vocab, shape.hidden),
+        "output_norm.weight": (shape.hidden,),
+        "output.weight": (shape.vocab, shape.hidden),
+        "rope_freqs.weight": (shape.head_dim // 2,),
+    }
+    per_layer = {
+        "attn_norm.weight": (shape.hidden,), "ffn_norm.weight": (shape.hidden,),
+        "attn_q.weight": (q, shape.hidden), "attn_k.weight": (kv, shape.hidden), "attn_v.weight": (kv, shape.hidden),
+        "attn_output.weight": (shape.hidden, q), "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+        "attn_output.bias": (shape.hidden,), "attn_q_norm.weight": (shape.head_dim,),
+        "attn_k_norm.weight": (shape.head_dim,), "ffn_gate.weight": (shape.ffn, shape.hidden),
+        "ffn_up.weight": (shape.ffn, shape.hidden), "ffn_down.weight": (shape.hidden, shape.ffn),
+        "ffn_gate.bias": (shape.ffn,), "ffn_up.bias": (shape.ffn,), "ffn_down.bias": (shape.hidden,),
+    }
+    for layer in range(shape.layers):
+        shapes.update({f"blk.{layer}.{name}": dims for name, dims in per_layer.items()})
+    return shapes
+
+
+_REQUIRED_PER_LAYER = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                       "ffn_down")
+
+
+def check_gguf(path: Path) -> tuple[GGUFShape, Counter]:
+    """Open and validate a GGUF file without reading its tensor data; returns its shape and a
+    Counter of tensor type names. Raises GGUFFileError (one line) on anything we cannot serve."""
+    reader = open_gguf(path)
+    shape = read_shape(reader, path)
+    expected = expected_shapes(shape)
+    types: Counter = Counter()
+    names = set()
+    for tensor in reader.tensors:
+        dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists the fastest dimension first
+        want = expected.get(tensor.name)
+        if want is None:
+            raise GGUFFileError(f"{path}: unexpected tensor {tensor.name} for architecture {shape.gguf_arch}")
+        if dims != want:
+            raise GGUFFileError(f"{path}: tensor {tensor.name} has shape {list(dims)}, the metadata implies {list(want)}")
+        qtype = int(tensor.tensor_type)
+        if qtype not in SERVED_TYPES:
+            supported = ", ".join(sorted(set(SERVED_TYPES.values())))
+            raise GGUFFileError(
+                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which crane-mp cannot serve "
+                f"(supported: {supported})"
+            )
+        types[SERVED_TYPES[qtype]] += 1
+        names.add(tensor.name)
+    required = ["token_embd.weight", "output_norm.weight"] + [
+        f"blk.{i}.{name}.weight" for i in range(shape.layers) for name in _REQUIRED_PER_LAYER
+    ]
+    missing = [name for name in required if name not in names]
+    if missing:
+        raise GGUFFileError(f"{path}: {len(missing)} required tensors are missing, e.g. {missing[0]}")
+    return shape, types
+
+
+def describe_types(types: Counter) -> str:
+    """'Q4_K x 169, Q6_K x 29, F32 x 57', most common first."""
+    return ", ".join(f"{name} x {count}" for name, count in types.most_common())

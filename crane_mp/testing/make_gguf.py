@@ -1,0 +1,174 @@
+"""Write a GGUF file from one of make_model's checkpoints, laid out as llama.cpp's converter lays it out.
+
+Run: python -m crane_mp.testing.make_gguf --model DIR --out FILE.gguf --type Q4_K_M
+
+Metadata (architecture, hyper-parameters, the full tokenizer, chat template) and tensor names follow
+convert_hf_to_gguf.py, Llama's permuted q/k rows included, so a loader that reads these files reads
+llama.cpp's. Types: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, and the mixes Q4_K_M / Q5_K_M
+(attn_v, ffn_down and the output head one step up, as llama-quantize does). Norms and biases stay
+F32; a matrix whose rows are not a whole number of blocks falls back to Q8_0, then F16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from safetensors.numpy import load_file
+
+from crane_mp.testing import kquants
+
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "hunyuan_v1_dense": "hunyuan-dense"}
+PERMUTED_QK = {"llama", "mistral"}  # convert_hf_to_gguf permutes these for llama.cpp's interleaved rope
+
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.query_layernorm": "attn_q_norm",
+    "self_attn.key_layernorm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+MIXES = {"Q4_K_M": (T.Q4_K, T.Q6_K), "Q5_K_M": (T.Q5_K, T.Q6_K)}
+_QUANTIZERS = {T.Q4_K: kquants.quantize_q4_k, T.Q5_K: kquants.quantize_q5_k, T.Q6_K: kquants.quantize_q6_k}
+_BLOCK = {T.Q8_0: 32, T.Q4_0: 32, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256, T.F32: 1, T.F16: 1, T.BF16: 1}
+_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 15, "Q4_K_M": 15, "Q5_K": 17, "Q5_K_M": 17,
+               "Q6_K": 18, "BF16": 32}
+
+
+def gguf_name(hf_name: str) -> str:
+    stem, _, kind = hf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    parts = stem.split(".")
+    if parts[:2] == ["model", "layers"]:
+        return f"blk.{parts[2]}.{_LAYER_NAMES['.'.join(parts[3:])]}.{kind}"
+    raise ValueError(f"no GGUF name for {hf_name}")
+
+
+def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF's rotate-half row order -> llama.cpp's interleaved pairs, per head."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def pick_type(name: str, cols: int, wanted: str) -> int:
+    """The type llama-quantize would give this matrix under `wanted`, with its fallbacks."""
+    if wanted in MIXES:
+        base, high = MIXES[wanted]
+        qtype = high if any(part in name for part in ("attn_v", "ffn_down", "output.")) else base
+    else:
+        qtype = T[wanted]
+    for candidate in (qtype, T.Q8_0, T.F16):
+        if cols % _BLOCK[candidate] == 0:
+            return candidate
+    return T.F32
+
+
+def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
+    if qtype == T.F32:
+        return w.astype(np.float32)
+    if qtype == T.F16:
+        return w.astype(np.float16)
+    if qtype in _QUANTIZERS:
+        return _QUANTIZERS[qtype](w)
+    return gguf.quants.quantize(w.astype(np.float32), qtype)
+
+
+def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: dict) -> None:
+    data = json.loads((model_dir / "tokenizer.json").read_text())
+    tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    vocab = dict(data["model"]["vocab"])
+    specials = {}
+    for added in data["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+        specials[added["id"]] = gguf.TokenType.CONTROL if added["special"] else gguf.TokenType.USER_DEFINED
+    tokens = [None] * config["vocab_size"]
+    for text, idx in vocab.items():
+        tokens[idx] = text
+    for idx, text in enumerate(tokens):
+        if text is None:
+            tokens[idx] = f"[PAD{idx}]"
+            specials[idx] = gguf.TokenType.UNUSED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")  # our tokenizers split with Qwen2's regex (see testing/tokenizer.py)
+    writer.add_token_list(tokens)
+    writer.add_token_types([specials.get(i, gguf.TokenType.NORMAL) for i in range(len(tokens))])
+    writer.add_token_merges(merges)
+    ids = {text: vocab[text] for text in vocab}
+    for field, adder in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                         ("pad_token", writer.add_pad_token_id), ("unk_token", writer.add_unk_token_id)):
+        if tok_config.get(field) is not None:
+            adder(ids[tok_config[field]])
+    writer.add_add_bos_token(bool(tok_config.get("add_bos_token")))
+    writer.add_chat_template(tok_config["chat_template"])
+
+
+def _write_hparams(writer: gguf.GGUFWriter, config: dict, file_type: str) -> None:
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(config.get("rope_theta") or 10000.0))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(_FILE_TYPES[file_type])
+
+
+def make_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", name: str | None = None) -> Path:
+    """Convert a make_model checkpoint (single safetensors file) to a GGUF file of type `qtype`.
+
+    `name` is general.name (default: the directory's name). transformers reads a "llama" file whose
+    name contains "mistral" as a Mistral model its GGUF loader then refuses: tests pick neutral names."""
+    model_dir, out = Path(model_dir), Path(out)
+    if qtype not in _FILE_TYPES:
+        raise ValueError(f"unknown type {qtype}; choose from {', '.join(_FILE_TYPES)}")
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = GGUF_ARCH[config["model_type"]]
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(name or model_dir.name)
+    _write_hparams(writer, config, qtype)
+    _write_tokenizer(writer, model_dir, config)
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    state = load_file(str(model_dir / "model.safetensors"))
+    for hf_name in sorted(state):
+        w = state[hf_name].astype(np.float32)
+        name = gguf_name(hf_name)
+        if config["model_type"] in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
+            w = permute_rows(w, heads if ".attn_q." in name else kv_heads)
+        if w.ndim == 1:
+            writer.add_tensor(name, w)
+            continue
+        chosen = pick_type(name, w.shape[1], qtype)
+        data = quantize(w, chosen)
+        writer.add_tensor(name, data, raw_dtype=None if chosen in (T.F32, T.F16) else chosen)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, type=Path, help="a make_model checkpoint directory")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--type", default="Q8_0", choices=sorted(_FILE_TYPES))
+    args = parser.parse_args(argv)
+    print(make_gguf(args.model, args.out, args.type))
+
+
+if __name__ == "__main__":
+    main()

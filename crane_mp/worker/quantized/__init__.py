@@ -1,0 +1,1 @@
+"""Quantized (GGUF) weights: block formats, layers that compute on them, and the GGUF loader."""

@@ -1,0 +1,152 @@
+"""Load a GGUF file into our model classes, quantized matrices kept quantized.
+
+The model is built on the meta device; every projection with a quantized part becomes a GGUFLinear
+(and a quantized token table a GGUFEmbedding) holding the file's blocks; only what is left (norms,
+biases, float matrices) is then allocated and filled through the model's own `load_weights`, under
+Hugging Face names. Tensors are copied out of the memory-mapped file one at a time, so loading never
+holds a second copy of the model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from crane_mp.gguf_file import PERMUTED_QK_ARCHS, check_gguf, open_gguf
+from crane_mp.worker.model_config import ModelConfig
+from crane_mp.worker.models import build_model
+from crane_mp.worker.models.layers import CausalLM
+from crane_mp.worker.quantized.formats import FLOAT_TYPES, LAYOUTS, dequantize
+from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_QK_NORMS = {"qwen3": ("self_attn.q_norm", "self_attn.k_norm"),
+             "hunyuan": ("self_attn.query_layernorm", "self_attn.key_layernorm")}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Our fused projections and the GGUF tensors that fill them, in row order.
+_FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
+          "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+
+
+def hf_name(gguf_name: str, arch: str) -> str:
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    _, layer, short = stem.split(".")
+    if short in ("attn_q_norm", "attn_k_norm"):
+        module = _QK_NORMS[arch][0 if short == "attn_q_norm" else 1]
+    else:
+        module = _LAYER_NAMES[short]
+    return f"model.layers.{layer}.{module}.{kind}"
+
+
+def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's interleaved rope rows -> Hugging Face's rotate-half order, per head (any row payload)."""
+    tail = rows.shape[1:]
+    return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *tail).transpose(1, 2).reshape(rows.shape).contiguous()
+
+
+class _Tensors:
+    """The file's tensors as owned torch row-byte tensors, copied out of the mmap on demand."""
+
+    def __init__(self, reader, permute_heads: dict[str, int]) -> None:
+        self.by_name = {t.name: t for t in reader.tensors}
+        self.permute_heads = permute_heads
+
+    def qtype(self, name: str) -> int:
+        return int(self.by_name[name].tensor_type)
+
+    def rows(self, name: str) -> torch.Tensor:
+        """[rows, row_bytes] uint8 (a 1-D tensor is one row)."""
+        tensor = self.by_name[name]
+        dims = [int(d) for d in reversed(tensor.shape.tolist())]
+        raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(dims[0] if len(dims) > 1 else 1, -1)
+        out = torch.from_numpy(raw.copy())
+        heads = self.permute_heads.get(name.split(".")[-2]) if name.startswith("blk.") else None
+        if heads is not None:
+            out = _unpermute(out if len(dims) > 1 else out.view(-1, LAYOUTS[self.qtype(name)].bytes), heads)
+            out = out.reshape(dims[0] if len(dims) > 1 else 1, -1)
+        return out
+
+    def floats(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        dims = [int(d) for d in reversed(self.by_name[name].shape.tolist())]
+        return dequantize(self.rows(name), self.qtype(name), dims[-1]).reshape(dims).to(dtype)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def load_gguf_model(
+    config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device, progress: bool = True
+) -> tuple[CausalLM, Counter]:
+    """Returns the model and the file's tensor types (a Counter of type names) for the start-up log."""
+    shape, types = check_gguf(path)
+    reader = open_gguf(path)
+    permute = shape.gguf_arch in PERMUTED_QK_ARCHS
+    tensors = _Tensors(reader, {"attn_q": shape.heads, "attn_k": shape.kv_heads} if permute else {})
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = build_model(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+    consumed: set[str] = set()
+    with tqdm(total=len(tensors.by_name), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
+        groups = {f"model.layers.{i}.{ours}": [f"blk.{i}.{part}.weight" for part in parts]
+                  for i in range(config.num_hidden_layers) for ours, parts in _FUSED.items()}
+        groups["lm_head"] = ["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
+        for ours, names in groups.items():
+            if all(tensors.qtype(n) in FLOAT_TYPES for n in names):
+                continue
+            linear = model.get_submodule(ours)
+            parts = [(tensors.qtype(n), tensors.rows(n).to(device)) for n in names]
+            _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias))
+            consumed.update(names)
+            bar.update(len(names))
+        embed_type = tensors.qtype("token_embd.weight")
+        if embed_type not in FLOAT_TYPES:
+            head = model.lm_head
+            table = head.qweight_0 if config.tie_word_embeddings else tensors.rows("token_embd.weight").to(device)
+            _replace(model, "model.embed_tokens", GGUFEmbedding(embed_type, table, config.hidden_size, dtype))
+            consumed.add("token_embd.weight")
+            bar.update(1)
+
+        model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+        if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
+            model.lm_head.weight = model.model.embed_tokens.weight
+
+        def float_weights():
+            for name in tensors.by_name:
+                if name in consumed or name == "rope_freqs.weight":
+                    continue
+                yield hf_name(name, config.arch), tensors.floats(name, torch.float32)
+                bar.update(1)
+
+        loaded = model.load_weights(float_weights())
+    missing = model.expected_weights() - loaded
+    if missing:
+        raise ValueError(f"{path}: no tensor for {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+    del reader
+    return model, types
+
+
+def rope_freq_factors(path: Path) -> list[float] | None:
+    """Llama 3's rope scaling, which llama.cpp stores as a per-frequency divisor tensor."""
+    reader = open_gguf(path)
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            return [float(v) for v in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
+    return None

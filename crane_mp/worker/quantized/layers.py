@@ -1,0 +1,82 @@
+"""Linear and embedding layers over GGUF-quantized weights, kept in their file's block layout.
+
+A fused projection (q/k/v, gate/up) may mix types (a Q4_K_M file stores some attn_v rows in Q6_K):
+each part keeps its own type and the outputs are concatenated. On CPU with native kernels the matmul
+dequantizes inside the kernel (kernels/gguf_matmul.cpp); elsewhere (CUDA, CPU without a compiler)
+a slab of rows is dequantized at a time with torch ops and multiplied, never a whole layer at once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from crane_mp.worker.kernels.cpu_isa import native_ops
+from crane_mp.worker.quantized.formats import dequantize
+
+# Rows dequantized per slab on the portable path: bounds the temporary to a few MB on any model.
+_SLAB_ELEMENTS = 1 << 22
+
+
+def _native(x: torch.Tensor) -> bool:
+    return native_ops(x.device) and x.dtype in (torch.float32, torch.bfloat16)
+
+
+def quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight).T -> [M, N] in x's dtype, float32 accumulation."""
+    if _native(x):
+        return torch.ops.crane_mp.gguf_linear(x, weight, qtype, in_features)
+    rows = weight.shape[0]
+    slab = max(1, _SLAB_ELEMENTS // in_features)
+    parts = [
+        x @ dequantize(weight[start : start + slab], qtype, in_features).to(x.dtype).T
+        for start in range(0, rows, slab)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def dequantize_rows(weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    if native_ops(weight.device):
+        return torch.ops.crane_mp.gguf_dequantize(weight, qtype, in_features)
+    return dequantize(weight, qtype, in_features)
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W.T (+ bias), W given as row groups [(ggml type, uint8 [rows, row_bytes]), ...]."""
+
+    def __init__(self, in_features: int, parts: list[tuple[int, torch.Tensor]], bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.qtypes = [qtype for qtype, _ in parts]
+        self.out_features = 0
+        for index, (_, weight) in enumerate(parts):
+            self.register_buffer(f"qweight_{index}", weight)
+            self.out_features += weight.shape[0]
+        self.bias = bias
+
+    def weights(self) -> list[tuple[int, torch.Tensor]]:
+        return [(qtype, getattr(self, f"qweight_{i}")) for i, qtype in enumerate(self.qtypes)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        outs = [quantized_matmul(flat, weight, qtype, self.in_features) for qtype, weight in self.weights()]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, types={self.qtypes}"
+
+
+class GGUFEmbedding(nn.Module):
+    """Embedding lookup that dequantizes only the looked-up rows (the table may be shared with a tied head)."""
+
+    def __init__(self, qtype: int, weight: torch.Tensor, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qtype, self.dim, self.dtype = qtype, dim, dtype
+        self.register_buffer("qweight", weight)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight.index_select(0, input_ids.reshape(-1))
+        return dequantize_rows(rows, self.qtype, self.dim).to(self.dtype).reshape(*input_ids.shape, self.dim)

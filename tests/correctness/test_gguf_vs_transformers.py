@@ -1,0 +1,127 @@
+"""GGUF files served by our engine against transformers reading the same file (it dequantizes to
+float): greedy tokens in float32 over a fixed prompt set, for every architecture and the types of
+llama.cpp's common files; and the tokenizer built from GGUF metadata against the original one."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from crane_mp.config import EngineConfig
+from crane_mp.engine import LLMEngine
+from crane_mp.frontend.tokenizer import load_tokenizer
+from crane_mp.protocol import SamplingParams
+from crane_mp.testing.make_gguf import gguf_name, make_gguf, permute_rows
+from crane_mp.testing.make_model import make_model
+
+# Row lengths that are whole K-quant super-blocks (256), so no tensor falls back to another type.
+SIZES = {
+    "llama": {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64},
+    "mistral": {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64},
+    "qwen2": {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64},
+    "qwen3": {"hidden_size": 256, "intermediate_size": 512, "head_dim": 128},  # transformers' GGUF path assumes 128
+    "hunyuan": {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64},
+}
+TYPES = ["F16", "Q8_0", "Q4_K_M", "Q6_K"]
+PROMPTS = [[5, 17, 33, 9, 1], [3], list(range(40, 71)), [100, 7, 7, 7, 250, 12, 60, 2]]
+MAX_TOKENS = 10
+CORPUS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "   leading spaces, trailing spaces   ",
+    "tabs\tand\nnewlines\r\n\n\nand    runs     of spaces",
+    "héllo wörld — ünïcödé «quotes» 日本語のテキスト 中文 한국어 🤖🚀 emoji",
+    "numbers 1234567890 3.14159 -42 1e-5",
+    "code: def f(x):\n    return x ** 2  # square",
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-models")
+    return {arch: make_model(arch, "tiny", root / arch, overrides=SIZES[arch], seed=3) for arch in SIZES}
+
+
+@pytest.fixture(scope="module")
+def gguf_files(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-files")
+    files = {}
+    for arch, model_dir in checkpoints.items():
+        for qtype in TYPES:
+            (root / f"{arch}-{qtype}").mkdir()
+            files[arch, qtype] = make_gguf(model_dir, root / f"{arch}-{qtype}" / f"{arch}-{qtype}.gguf", qtype,
+                                           name="fixture")
+    return files
+
+
+def ours(path) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model_path=str(path), dtype="float32", max_model_len=128, seed=0))
+    return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+
+
+def reference_model(arch, path, model_dir):
+    """transformers reading the GGUF file; Hunyuan, which its GGUF loader lacks, gets the same
+    dequantized tensors put into the original checkpoint's model."""
+    if arch != "hunyuan":
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    state = model.state_dict()
+    for name in state:
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        tensor = tensors[gguf_name(name)]
+        dims = [int(d) for d in reversed(tensor.shape.tolist())]
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(dims)
+        state[name] = torch.from_numpy(values)
+    model.load_state_dict(state)
+    return model
+
+
+def greedy(model) -> list[list[int]]:
+    out = []
+    for prompt in PROMPTS:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                             do_sample=False, pad_token_id=0)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("arch", list(SIZES))
+def test_greedy_tokens_equal_transformers(arch, qtype, gguf_files, checkpoints):
+    path = gguf_files[arch, qtype]
+    with torch.inference_mode():
+        want = greedy(reference_model(arch, path, checkpoints[arch]).eval())
+    assert ours(path) == want
+
+
+def test_llama_rows_are_unpermuted(checkpoints, tmp_path):
+    """The file holds llama.cpp's permuted q/k rows; served, it must give the safetensors checkpoint's tokens."""
+    path = make_gguf(checkpoints["llama"], tmp_path / "llama-F32.gguf", "F32")
+    tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.attn_q.weight")
+    from safetensors.numpy import load_file
+
+    original = load_file(str(checkpoints["llama"] / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
+    stored = np.asarray(tensor.data, dtype=np.float32)
+    assert not np.allclose(stored, original, atol=1e-2)
+    np.testing.assert_array_equal(stored, permute_rows(original, 4))
+    direct = LLMEngine(EngineConfig(model_path=str(checkpoints["llama"]), dtype="float32", max_model_len=128))
+    assert ours(path) == direct.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                 ignore_eos=True))
+
+
+@pytest.mark.parametrize("arch", list(SIZES))
+def test_tokenizer_from_metadata_equals_the_original(arch, checkpoints, gguf_files):
+    path = gguf_files[arch, "Q8_0"]
+    original = AutoTokenizer.from_pretrained(str(checkpoints[arch]))
+    from_gguf = load_tokenizer(str(path))
+    assert from_gguf.chat_template == original.chat_template
+    specials = [t for t in original.all_special_tokens if t]
+    for text in CORPUS + [f"{specials[0]}hi{specials[-1]} there" if specials else "x"]:
+        assert from_gguf.encode(text) == original.encode(text), text
+        ids = original.encode(text, add_special_tokens=False)
+        assert from_gguf.decode(ids) == original.decode(ids)
+    assert from_gguf.eos_token == original.eos_token
