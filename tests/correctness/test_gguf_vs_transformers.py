@@ -81,11 +81,13 @@ def reference_model(arch, path, model_dir):
 
 
 def greedy(model) -> list[list[int]]:
+    """Plain argmax decoding (generate() would mask EOS ids until its min_new_tokens)."""
     out = []
     for prompt in PROMPTS:
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                             do_sample=False, pad_token_id=0)
-        out.append(ids[0, len(prompt):].tolist())
+        ids = list(prompt)
+        for _ in range(MAX_TOKENS):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        out.append(ids[len(prompt):])
     return out
 
 

@@ -37,7 +37,6 @@ LAYOUTS: dict[int, BlockLayout] = {
     T.Q5_K: BlockLayout("Q5_K", 256, 176),
     T.Q6_K: BlockLayout("Q6_K", 256, 210),
 }
-FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
 
 
 def type_name(qtype: int) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 from tqdm import tqdm
 
@@ -21,7 +22,7 @@ from crane_mp.gguf_file import PERMUTED_QK_ARCHS, check_gguf, open_gguf
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models import build_model
 from crane_mp.worker.models.layers import CausalLM
-from crane_mp.worker.quantized.formats import FLOAT_TYPES, LAYOUTS, dequantize
+from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
 from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
 
 _LAYER_NAMES = {
@@ -32,6 +33,10 @@ _LAYER_NAMES = {
 _QK_NORMS = {"qwen3": ("self_attn.q_norm", "self_attn.k_norm"),
              "hunyuan": ("self_attn.query_layernorm", "self_attn.key_layernorm")}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Float matrices in the compute dtype load as plain weights; any other type (F16 under float32
+# compute, say) stays in the file's bytes, as quantized types do, so memory never exceeds the file.
+_FLOAT_DTYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+                 GGMLQuantizationType.BF16: torch.bfloat16}
 # Our fused projections and the GGUF tensors that fill them, in row order.
 _FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
           "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
@@ -109,15 +114,15 @@ def load_gguf_model(
                   for i in range(config.num_hidden_layers) for ours, parts in _FUSED.items()}
         groups["lm_head"] = ["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
         for ours, names in groups.items():
-            if all(tensors.qtype(n) in FLOAT_TYPES for n in names):
-                continue
+            if all(_FLOAT_DTYPES.get(tensors.qtype(n)) == dtype for n in names):
+                continue  # already in the compute dtype: a plain (packable) nn.Linear, same bytes
             linear = model.get_submodule(ours)
             parts = [(tensors.qtype(n), tensors.rows(n).to(device)) for n in names]
             _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias))
             consumed.update(names)
             bar.update(len(names))
         embed_type = tensors.qtype("token_embd.weight")
-        if embed_type not in FLOAT_TYPES:
+        if _FLOAT_DTYPES.get(embed_type) != dtype:
             head = model.lm_head
             table = head.qweight_0 if config.tie_word_embeddings else tensors.rows("token_embd.weight").to(device)
             _replace(model, "model.embed_tokens", GGUFEmbedding(embed_type, table, config.hidden_size, dtype))

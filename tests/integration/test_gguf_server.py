@@ -1,0 +1,71 @@
+"""crane-launch serving a Q4_K_M GGUF file on its own (tokenizer and template from its metadata):
+greedy tokens equal transformers reading the same file, weights stay at the file's size, and the
+start-up log names the file's types."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from crane_mp.testing.make_gguf import make_gguf
+from crane_mp.testing.make_model import make_model
+from tests.integration.server import Server
+
+NUM_TOKENS = 16
+PROMPTS = ["Hello there", "The quick brown fox", "Ünïcödé 日本語 test", "a"]
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    hf_dir = make_model("qwen3", "tiny", tmp_path_factory.mktemp("hf") / "qwen3", seed=4,
+                        overrides={"hidden_size": 256, "intermediate_size": 512, "head_dim": 128})
+    alone = tmp_path_factory.mktemp("gguf")  # no tokenizer files beside it
+    return make_gguf(hf_dir, alone / "tiny-qwen3-Q4_K_M.gguf", "Q4_K_M", name="fixture")
+
+
+@pytest.fixture(scope="module")
+def server(gguf_path, tmp_path_factory):
+    srv = Server(gguf_path, log_path=tmp_path_factory.mktemp("log") / "server.log")
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_greedy_completions_equal_transformers_on_the_same_file(server, gguf_path):
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NUM_TOKENS,
+                                  min_new_tokens=NUM_TOKENS, pad_token_id=0)[0, len(ids):].tolist()
+        body = {"prompt": prompt, "max_tokens": NUM_TOKENS, "min_tokens": NUM_TOKENS, "temperature": 0,
+                "return_token_ids": True}
+        result = requests.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        assert result["prompt_token_ids"] == ids
+        assert result["choices"][0]["token_ids"] == want
+
+
+def test_weights_stay_quantized_and_are_reported(server, gguf_path):
+    info = requests.get(server.url + "/server_info", timeout=10).json()
+    assert info["model_format"] == "gguf"
+    assert "Q4_K x" in info["weight_types"] and "Q6_K x" in info["weight_types"]
+    assert 0 < info["weights_bytes"] <= 1.15 * info["weights_file_bytes"]
+    assert info["weights_file_bytes"] <= gguf_path.stat().st_size
+    assert requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"] == "tiny-qwen3-Q4_K_M"
+    log = server.log_path.read_text()
+    assert "weights: format=gguf" in log and "types: Q4_K x" in log
+
+
+def test_chat_uses_the_template_from_the_file(server, gguf_path):
+    messages = [{"role": "user", "content": "hi"}]
+    resp = requests.post(server.url + "/v1/chat/completions",
+                         json={"messages": messages, "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert isinstance(resp.json()["choices"][0]["message"]["content"], str)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    rendered = requests.post(server.url + "/tokenize", json={"messages": messages}, timeout=10).json()
+    assert "<|im_start|>user" in want
+    assert rendered["tokens"] == tokenizer.encode(want, add_special_tokens=False)
