@@ -38,6 +38,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     record = RequestRecord()
+    counted_usage, chunk_tokens = False, 0
     start = last = time.perf_counter()
     try:
         async with session.post(url + "/v1/completions", json=body) as resp:
@@ -54,7 +55,10 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
                     return record
                 if chunk.get("usage"):
                     record.output_tokens = chunk["usage"]["completion_tokens"]
+                    counted_usage = True
                 if chunk["choices"] and chunk["choices"][0]["text"]:
+                    if not counted_usage:  # servers without stream usage (llama-server) send one token per chunk
+                        chunk_tokens += 1
                     now = time.perf_counter()
                     if record.ttft == 0.0:
                         record.ttft = now - start
@@ -62,6 +66,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
                         record.itl.append(now - last)
                     last = now
         record.latency = time.perf_counter() - start
+        if not counted_usage:
+            record.output_tokens = chunk_tokens
         record.ok = record.output_tokens == output_len
         if not record.ok:
             record.error = f"got {record.output_tokens} tokens"
@@ -80,7 +86,8 @@ def percentile(values: list[float], q: float) -> float:
 async def run_load(args) -> dict:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
-    connector = aiohttp.TCPConnector(limit=0)
+    # llama-server closes keep-alive connections that aiohttp would reuse: --new-connection avoids them.
+    connector = aiohttp.TCPConnector(limit=0, force_close=args.new_connection)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await one_request(session, args.url, prompts[0][:8], 4)  # warm-up
@@ -189,6 +196,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--decode-tokens-per-seq", type=int, default=16)
     parser.add_argument("--compare-engine", action="store_true", help="also run the in-process engine (same workload)")
+    parser.add_argument("--new-connection", action="store_true", help="one connection per request (for llama-server)")
     args = parser.parse_args()
 
     proc = None

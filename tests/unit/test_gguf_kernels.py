@@ -116,3 +116,14 @@ def test_embedding_dequantizes_only_looked_up_rows():
 def test_bad_weight_shape_is_an_error_not_a_crash():
     with pytest.raises(RuntimeError, match="do not hold"):
         torch.ops.crane_mp.gguf_linear(torch.randn(1, 256), torch.zeros(4, 100, dtype=torch.uint8), T.Q4_K, 256)
+
+
+@native
+def test_many_slabs_under_inference_mode():
+    """Enough rows for several slabs per thread, called as the worker calls it (inference tensors)."""
+    data = quantized(T.Q4_K, 2048, 1024, seed=5)
+    with torch.inference_mode():
+        x = torch.randn(33, 1024)
+        got = torch.ops.crane_mp.gguf_linear(x, torch.from_numpy(data.copy()), T.Q4_K, 1024)
+    want = x @ reference(data, T.Q4_K, 1024).T
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

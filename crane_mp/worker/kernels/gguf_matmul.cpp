@@ -496,7 +496,10 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
       for (int64_t s = begin; s < end; ++s) {
         const int64_t n0 = s * slab_rows, rows = std::min(slab_rows, N - n0);
         for (int64_t r = 0; r < rows; ++r) dequantize_row(qtype, src + (n0 + r) * row_bytes, dst + r * K, K);
-        out.narrow(1, n0, rows).copy_(at::mm(x, slab.narrow(0, 0, rows).t()));
+        // Raw copy: worker threads do not inherit InferenceMode, so no in-place tensor op on `out` here.
+        const at::Tensor part = at::mm(x, slab.narrow(0, 0, rows).t()).contiguous();
+        const float* p = part.data_ptr<float>();
+        for (int64_t m = 0; m < M; ++m) std::memcpy(ys + m * N + n0, p + m * rows, rows * sizeof(float));
       }
     });
   }

@@ -126,8 +126,9 @@ def load_gguf_model(
             head = model.lm_head
             table = head.qweight_0 if config.tie_word_embeddings else tensors.rows("token_embd.weight").to(device)
             _replace(model, "model.embed_tokens", GGUFEmbedding(embed_type, table, config.hidden_size, dtype))
-            consumed.add("token_embd.weight")
-            bar.update(1)
+            if "token_embd.weight" not in consumed:
+                consumed.add("token_embd.weight")
+                bar.update(1)
 
         model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
         if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
