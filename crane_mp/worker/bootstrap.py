@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from crane_mp.config import EngineConfig, MemoryLimit
-from crane_mp.worker.device import select_device, select_dtype
 from crane_mp.gguf_file import describe_types, resolve_model_source
+from crane_mp.worker.device import select_device, select_dtype
 from crane_mp.worker.loader import file_tensor_bytes, load_model, weight_bytes
 from crane_mp.worker.memory import KVPlan, device_total_memory, measure_activation_bytes, plan_kv_blocks
 from crane_mp.worker.model_config import ModelConfig, load_gguf_config, load_model_config

@@ -100,17 +100,21 @@ def test_greedy_tokens_equal_transformers(arch, qtype, gguf_files, checkpoints):
     assert ours(path) == want
 
 
-def test_llama_rows_are_unpermuted(checkpoints, tmp_path):
-    """The file holds llama.cpp's permuted q/k rows; served, it must give the safetensors checkpoint's tokens."""
-    path = make_gguf(checkpoints["llama"], tmp_path / "llama-F32.gguf", "F32")
-    tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.attn_q.weight")
+def test_llama_rows_and_biases_are_unpermuted(tmp_path):
+    """A Llama file holds llama.cpp's permuted q/k rows (and q/k biases); served, it must give the
+    safetensors checkpoint's tokens (transformers' GGUF reader drops Llama biases, so it cannot judge)."""
     from safetensors.numpy import load_file
 
-    original = load_file(str(checkpoints["llama"] / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
-    stored = np.asarray(tensor.data, dtype=np.float32)
-    assert not np.allclose(stored, original, atol=1e-2)
-    np.testing.assert_array_equal(stored, permute_rows(original, 4))
-    direct = LLMEngine(EngineConfig(model_path=str(checkpoints["llama"]), dtype="float32", max_model_len=128))
+    model_dir = make_model("llama", "tiny", tmp_path / "llama-bias", seed=7,
+                           overrides={**SIZES["llama"], "attention_bias": True, "mlp_bias": True})
+    path = make_gguf(model_dir, tmp_path / "llama-bias-F32.gguf", "F32")
+    stored = {t.name: np.asarray(t.data, dtype=np.float32) for t in gguf.GGUFReader(str(path)).tensors}
+    original = load_file(str(model_dir / "model.safetensors"))
+    for gguf_key, hf_key, heads in [("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 4),
+                                    ("blk.0.attn_k.bias", "model.layers.0.self_attn.k_proj.bias", 2)]:
+        assert not np.allclose(stored[gguf_key], original[hf_key], atol=1e-3)
+        np.testing.assert_array_equal(stored[gguf_key], permute_rows(original[hf_key], heads))
+    direct = LLMEngine(EngineConfig(model_path=str(model_dir), dtype="float32", max_model_len=128))
     assert ours(path) == direct.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                                  ignore_eos=True))
 

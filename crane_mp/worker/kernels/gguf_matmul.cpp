@@ -4,11 +4,12 @@
 //   gguf_dequantize(w [N, row_bytes] uint8, qtype, K) -> [N, K] float32   (embedding rows, tests)
 //
 // `w` holds each output row's GGUF blocks unchanged (llama.cpp's block layouts, ggml-common.h).
-// Small batches (decode) dequantize one weight row at a time into an L1 buffer and dot it with every
-// activation row: the weights stream from memory once per step, which is what bounds decode. Larger
-// batches dequantize a slab of rows (a few hundred KB, cache-resident) and hand it to the float GEMM,
-// whose register blocking then amortises the dequantization over the batch. Neither path ever holds
-// a dequantized copy of a whole layer. Arithmetic is float32 throughout.
+// Small batches (decode) decode each weight row once, in vector registers, and FMA it into every
+// activation row's accumulator: the weights stream from memory once per step, which is what bounds
+// decode. Larger batches dequantize a slab of rows (about 1 MB, cache-resident) per thread and hand
+// it to a single-threaded float GEMM, whose register blocking amortises the dequantization over the
+// batch. Neither path holds a dequantized copy of a whole layer. Arithmetic is float32 throughout.
+// Every tier has AVX2; AVX-512 tiers use 16 lanes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,9 +18,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
+#if !defined(__AVX2__)
+#error "gguf_matmul.cpp is built per tier, every tier has AVX2 (loader.py)"
 #endif
+#include <immintrin.h>
 
 #include "cpu_vec.h"
 
@@ -68,129 +70,15 @@ inline void k_scale_min(const uint8_t* s, int j, float& scale, float& min) {
   }
 }
 
-// Each dequantizer writes one block's elements to y. The inner loops are plain uint8 -> float
-// arithmetic over 16 or 32 lanes, which the compiler vectorises for the tier it builds.
-inline void dq_q4_0(const uint8_t* b, float* y) {
-  const float d = half_to_float(b);
-  const uint8_t* q = b + 2;
-  for (int l = 0; l < 16; ++l) {
-    y[l] = d * (static_cast<int>(q[l] & 0xF) - 8);
-    y[l + 16] = d * (static_cast<int>(q[l] >> 4) - 8);
-  }
-}
-
-inline void dq_q4_1(const uint8_t* b, float* y) {
-  const float d = half_to_float(b), m = half_to_float(b + 2);
-  const uint8_t* q = b + 4;
-  for (int l = 0; l < 16; ++l) {
-    y[l] = d * (q[l] & 0xF) + m;
-    y[l + 16] = d * (q[l] >> 4) + m;
-  }
-}
-
-inline void dq_q5(const uint8_t* qh_bytes, const uint8_t* q, float d, float offset, float* y) {
-  uint32_t qh;
-  std::memcpy(&qh, qh_bytes, 4);
-  for (int l = 0; l < 16; ++l) {
-    const int lo = (q[l] & 0xF) | (((qh >> l) & 1) << 4);
-    const int hi = (q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
-    y[l] = d * lo + offset;
-    y[l + 16] = d * hi + offset;
-  }
-}
-
-inline void dq_q5_0(const uint8_t* b, float* y) {
-  const float d = half_to_float(b);
-  dq_q5(b + 2, b + 6, d, -16.0f * d, y);
-}
-
-inline void dq_q5_1(const uint8_t* b, float* y) {
-  dq_q5(b + 4, b + 8, half_to_float(b), half_to_float(b + 2), y);
-}
-
-inline void dq_q8_0(const uint8_t* b, float* y) {
-  const float d = half_to_float(b);
-  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-  for (int l = 0; l < 32; ++l) y[l] = d * q[l];
-}
-
-inline void dq_q4_k(const uint8_t* b, float* y) {
-  const float d = half_to_float(b), dmin = half_to_float(b + 2);
-  const uint8_t* scales = b + 4;
-  const uint8_t* q = b + 16;
-  for (int c = 0; c < 4; ++c, q += 32, y += 64) {
-    float s0, m0, s1, m1;
-    k_scale_min(scales, 2 * c, s0, m0);
-    k_scale_min(scales, 2 * c + 1, s1, m1);
-    const float d0 = d * s0, o0 = dmin * m0, d1 = d * s1, o1 = dmin * m1;
-    for (int l = 0; l < 32; ++l) {
-      y[l] = d0 * (q[l] & 0xF) - o0;
-      y[l + 32] = d1 * (q[l] >> 4) - o1;
-    }
-  }
-}
-
-inline void dq_q5_k(const uint8_t* b, float* y) {
-  const float d = half_to_float(b), dmin = half_to_float(b + 2);
-  const uint8_t* scales = b + 4;
-  const uint8_t* qh = b + 16;
-  const uint8_t* q = b + 48;
-  for (int c = 0; c < 4; ++c, q += 32, y += 64) {
-    float s0, m0, s1, m1;
-    k_scale_min(scales, 2 * c, s0, m0);
-    k_scale_min(scales, 2 * c + 1, s1, m1);
-    const float d0 = d * s0, o0 = dmin * m0, d1 = d * s1, o1 = dmin * m1;
-    for (int l = 0; l < 32; ++l) {
-      const int lo = (q[l] & 0xF) | (((qh[l] >> (2 * c)) & 1) << 4);
-      const int hi = (q[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
-      y[l] = d0 * lo - o0;
-      y[l + 32] = d1 * hi - o1;
-    }
-  }
-}
-
-inline void dq_q6_k(const uint8_t* b, float* y) {
-  const uint8_t* ql = b;
-  const uint8_t* qh = b + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = half_to_float(b + 208);
-  for (int h = 0; h < 2; ++h, ql += 64, qh += 32, sc += 8, y += 128) {
-    for (int s = 0; s < 4; ++s) {
-      const uint8_t* low = ql + 32 * (s & 1);
-      const int shift = 4 * (s >> 1);
-      const float d0 = d * sc[2 * s], d1 = d * sc[2 * s + 1];
-      for (int l = 0; l < 16; ++l) {
-        const int q0 = (((low[l] >> shift) & 0xF) | (((qh[l] >> (2 * s)) & 3) << 4)) - 32;
-        const int q1 = (((low[l + 16] >> shift) & 0xF) | (((qh[l + 16] >> (2 * s)) & 3) << 4)) - 32;
-        y[32 * s + l] = d0 * q0;
-        y[32 * s + l + 16] = d1 * q1;
-      }
-    }
-  }
-}
-
-template <void (*Block)(const uint8_t*, float*), int64_t kElems, int64_t kBytes>
-void dq_blocks(const uint8_t* row, float* y, int64_t K) {
-  for (int64_t i = 0; i < K / kElems; ++i) Block(row + i * kBytes, y + i * kElems);
-}
-
-bool dequantize_row_vec(int64_t qtype, const uint8_t* row, float* y, int64_t K);
+void dequantize_row_vec(int64_t qtype, const uint8_t* row, float* y, int64_t K);
 
 void dequantize_row(int64_t qtype, const uint8_t* row, float* y, int64_t K) {
-  if (dequantize_row_vec(qtype, row, y, K)) return;
   switch (qtype) {
     case F32: std::memcpy(y, row, K * sizeof(float)); return;
     case F16: crane_mp::widen(reinterpret_cast<const c10::Half*>(row), y, K); return;
     case BF16: crane_mp::widen(reinterpret_cast<const c10::BFloat16*>(row), y, K); return;
-    case Q4_0: return dq_blocks<dq_q4_0, 32, 18>(row, y, K);
-    case Q4_1: return dq_blocks<dq_q4_1, 32, 20>(row, y, K);
-    case Q5_0: return dq_blocks<dq_q5_0, 32, 22>(row, y, K);
-    case Q5_1: return dq_blocks<dq_q5_1, 32, 24>(row, y, K);
-    case Q8_0: return dq_blocks<dq_q8_0, 32, 34>(row, y, K);
-    case Q4_K: return dq_blocks<dq_q4_k, 256, 144>(row, y, K);
-    case Q5_K: return dq_blocks<dq_q5_k, 256, 176>(row, y, K);
-    case Q6_K: return dq_blocks<dq_q6_k, 256, 210>(row, y, K);
   }
+  dequantize_row_vec(qtype, row, y, K);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -216,8 +104,14 @@ inline vf scale(vf a, float s) { return _mm512_mul_ps(a, _mm512_set1_ps(s)); }
 inline vf loadf(const float* p) { return _mm512_loadu_ps(p); }
 inline vf zero() { return _mm512_setzero_ps(); }
 inline vf splat(float v) { return _mm512_set1_ps(v); }
+// Lane i: bit (first + i) of `bits`.
+inline vi lane_bits(uint32_t bits, int first) {
+  const vi shifts = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     _mm512_set1_epi32(first));
+  return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(bits)), shifts), _mm512_set1_epi32(1));
+}
 inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__)
+#else
 constexpr int kLanes = 8;
 using vf = __m256;
 using vi = __m256i;
@@ -233,6 +127,10 @@ inline vf scale(vf a, float s) { return _mm256_mul_ps(a, _mm256_set1_ps(s)); }
 inline vf loadf(const float* p) { return _mm256_loadu_ps(p); }
 inline vf zero() { return _mm256_setzero_ps(); }
 inline vf splat(float v) { return _mm256_set1_ps(v); }
+inline vi lane_bits(uint32_t bits, int first) {
+  const vi shifts = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(first));
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), shifts), _mm256_set1_epi32(1));
+}
 inline float hsum(vf v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -240,7 +138,6 @@ inline float hsum(vf v) {
 }
 #endif
 
-#if defined(__AVX2__)
 // One weight row against MR activation rows (x: MR rows of stride K); out[m] = row . x[m].
 // Scales multiply the converted weights once (shared by every activation row); Q4_K/Q5_K mins
 // are applied afterwards through per-32-element sums of x (xsum: MR rows of K/32).
@@ -253,6 +150,44 @@ void gemv_q8_0(const uint8_t* row, const float* x, const float*, int64_t K, floa
     for (int j = 0; j < 32; j += kLanes) {
       const vf w = scale(to_float(load_i8(row + 2 + j), 0.0f), d);
       for (int m = 0; m < MR; ++m) acc[m] = fmadd(w, loadf(x + m * K + b * 32 + j), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = hsum(acc[m]);
+}
+
+// Q4_0, Q4_1, Q5_0, Q5_1: 32-element blocks, element l in the low nibble of byte l (l < 16) or the
+// high nibble of byte l - 16, Q5's fifth bit l in a little-endian uint32. Weight = d * q + offset.
+template <int64_t kType>
+inline void decode_q32(const uint8_t* block, int j, vf& w_lo, vf& w_hi) {
+  constexpr bool kMin = kType == Q4_1 || kType == Q5_1;
+  constexpr bool kFive = kType == Q5_0 || kType == Q5_1;
+  const float d = half_to_float(block);
+  const float offset = kMin ? half_to_float(block + 2) : (kFive ? -16.0f : -8.0f) * d;
+  const uint8_t* q = block + (kMin ? 4 : 2) + (kFive ? 4 : 0);
+  const vi bytes = load_u8(q + j);
+  vi lo = low_bits(bytes, 0, 0xF), hi = low_bits(bytes, 4, 0xF);
+  if (kFive) {
+    uint32_t qh;
+    std::memcpy(&qh, block + (kMin ? 4 : 2), 4);
+    lo = shift_or(lo, lane_bits(qh, j), 4);
+    hi = shift_or(hi, lane_bits(qh, j + 16), 4);
+  }
+  w_lo = fmadd(to_float(lo, 0.0f), splat(d), splat(offset));
+  w_hi = fmadd(to_float(hi, 0.0f), splat(d), splat(offset));
+}
+
+template <int MR, int64_t kType, int64_t kBytes>
+void gemv_q32(const uint8_t* row, const float* x, const float*, int64_t K, float* out) {
+  vf acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = zero();
+  for (int64_t b = 0; b < K / 32; ++b, row += kBytes) {
+    for (int j = 0; j < 16; j += kLanes) {
+      vf lo, hi;
+      decode_q32<kType>(row, j, lo, hi);
+      for (int m = 0; m < MR; ++m) {
+        acc[m] = fmadd(lo, loadf(x + m * K + b * 32 + j), acc[m]);
+        acc[m] = fmadd(hi, loadf(x + m * K + b * 32 + 16 + j), acc[m]);
+      }
     }
   }
   for (int m = 0; m < MR; ++m) out[m] = hsum(acc[m]);
@@ -379,14 +314,29 @@ void dequant_vec_q6_k(const uint8_t* row, float* y, int64_t K) {
   }
 }
 
-bool dequantize_row_vec(int64_t qtype, const uint8_t* row, float* y, int64_t K) {
-  switch (qtype) {
-    case Q8_0: dequant_vec_q8_0(row, y, K); return true;
-    case Q4_K: dequant_vec_qk<false>(row, y, K); return true;
-    case Q5_K: dequant_vec_qk<true>(row, y, K); return true;
-    case Q6_K: dequant_vec_q6_k(row, y, K); return true;
+template <int64_t kType, int64_t kBytes>
+void dequant_vec_q32(const uint8_t* row, float* y, int64_t K) {
+  for (int64_t b = 0; b < K / 32; ++b, row += kBytes, y += 32) {
+    for (int j = 0; j < 16; j += kLanes) {
+      vf lo, hi;
+      decode_q32<kType>(row, j, lo, hi);
+      storef(y + j, lo);
+      storef(y + 16 + j, hi);
+    }
   }
-  return false;
+}
+
+void dequantize_row_vec(int64_t qtype, const uint8_t* row, float* y, int64_t K) {
+  switch (qtype) {
+    case Q8_0: dequant_vec_q8_0(row, y, K); return;
+    case Q4_0: dequant_vec_q32<Q4_0, 18>(row, y, K); return;
+    case Q4_1: dequant_vec_q32<Q4_1, 20>(row, y, K); return;
+    case Q5_0: dequant_vec_q32<Q5_0, 22>(row, y, K); return;
+    case Q5_1: dequant_vec_q32<Q5_1, 24>(row, y, K); return;
+    case Q4_K: dequant_vec_qk<false>(row, y, K); return;
+    case Q5_K: dequant_vec_qk<true>(row, y, K); return;
+    case Q6_K: dequant_vec_q6_k(row, y, K); return;
+  }
 }
 
 using GemvFn = void (*)(const uint8_t*, const float*, const float*, int64_t, float*);
@@ -395,6 +345,10 @@ template <int MR>
 GemvFn vector_gemv(int64_t qtype) {
   switch (qtype) {
     case Q8_0: return gemv_q8_0<MR>;
+    case Q4_0: return gemv_q32<MR, Q4_0, 18>;
+    case Q4_1: return gemv_q32<MR, Q4_1, 20>;
+    case Q5_0: return gemv_q32<MR, Q5_0, 22>;
+    case Q5_1: return gemv_q32<MR, Q5_1, 24>;
     case Q4_K: return gemv_qk<MR, false>;
     case Q5_K: return gemv_qk<MR, true>;
     case Q6_K: return gemv_q6_k<MR>;
@@ -411,11 +365,6 @@ GemvFn vector_gemv_for(int64_t qtype, int64_t rows) {
   }
   return nullptr;
 }
-#else
-using GemvFn = void (*)(const uint8_t*, const float*, const float*, int64_t, float*);
-GemvFn vector_gemv_for(int64_t, int64_t) { return nullptr; }
-bool dequantize_row_vec(int64_t, const uint8_t*, float*, int64_t) { return false; }
-#endif
 
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
