@@ -2,17 +2,22 @@
 
 A fused projection (q/k/v, gate/up) may mix types (a Q4_K_M file stores some attn_v rows in Q6_K):
 each part keeps its own type and the outputs are concatenated. On CPU with native kernels the matmul
-dequantizes inside the kernel (kernels/gguf_matmul.cpp); elsewhere (CUDA, CPU without a compiler)
-a slab of rows is dequantized at a time with torch ops and multiplied, never a whole layer at once.
+dequantizes inside the kernel (kernels/gguf_matmul.cpp); elsewhere a slab of rows is dequantized at a
+time (on CUDA by one Triton launch, triton_dequant.py; else with torch ops) and multiplied, never a
+whole layer at once.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
 from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.quantized.formats import dequantize
+
+log = logging.getLogger(__name__)
 
 # Rows dequantized per slab on the portable path: bounds the temporary to a few MB on any model.
 _SLAB_ELEMENTS = 1 << 22
@@ -22,14 +27,40 @@ def _native(x: torch.Tensor) -> bool:
     return native_ops(x.device) and x.dtype in (torch.float32, torch.bfloat16)
 
 
+_triton_state: dict[str, bool] = {}
+
+
+def _triton_dequantizer():
+    """The Triton dequantizer for CUDA, or None where Triton is missing or its kernel failed once
+    (it has not yet run on a GPU: a failure falls back to the torch ops with one warning)."""
+    if _triton_state.get("failed"):
+        return None
+    try:
+        from crane_mp.worker.quantized.triton_dequant import TRITON_TYPES, triton_dequantize
+    except ImportError:
+        return None
+    return TRITON_TYPES, triton_dequantize
+
+
+def _dequantize_slab(weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    triton = _triton_dequantizer() if weight.is_cuda else None
+    if triton is not None and qtype in triton[0]:
+        try:
+            return triton[1](weight, qtype, in_features, dtype)
+        except Exception as err:  # a compile or launch error on an untested GPU/Triton pairing
+            _triton_state["failed"] = True
+            log.warning("Triton dequantization failed (%s); using torch ops", str(err).splitlines()[0][:200])
+    return dequantize(weight, qtype, in_features).to(dtype)
+
+
 def quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    """x [M, K] @ dequantize(weight).T -> [M, N] in x's dtype, float32 accumulation."""
+    """x [M, K] @ dequantize(weight).T -> [M, N] in x's dtype, float32 accumulation on CPU."""
     if _native(x):
         return torch.ops.crane_mp.gguf_linear(x, weight, qtype, in_features)
     rows = weight.shape[0]
     slab = max(1, _SLAB_ELEMENTS // in_features)
     parts = [
-        x @ dequantize(weight[start : start + slab], qtype, in_features).to(x.dtype).T
+        x @ _dequantize_slab(weight[start : start + slab], qtype, in_features, x.dtype).T
         for start in range(0, rows, slab)
     ]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
@@ -38,7 +69,7 @@ def quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_featu
 def dequantize_rows(weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
     if native_ops(weight.device):
         return torch.ops.crane_mp.gguf_dequantize(weight, qtype, in_features)
-    return dequantize(weight, qtype, in_features)
+    return _dequantize_slab(weight, qtype, in_features, torch.float32)
 
 
 class GGUFLinear(nn.Module):

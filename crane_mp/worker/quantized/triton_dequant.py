@@ -1,0 +1,101 @@
+"""Triton dequantization of GGUF rows on CUDA: one launch per slab of rows, in the compute dtype.
+
+The CUDA path of GGUFLinear dequantizes a bounded slab of rows with this kernel and multiplies it
+with cuBLAS (the torch-op dequantizer in formats.py would take ~10 launches per slab). Each program
+decodes BLOCK consecutive elements; every element reads the bytes of its own block (scales, its
+quant bits), so the same code serves every layout. Tested on CPU through Triton's interpreter
+(TRITON_INTERPRET=1, tests/unit/test_triton_dequant.py); not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType as T
+
+from crane_mp.worker.quantized.formats import LAYOUTS
+
+TRITON_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+_BLOCK = 1024
+
+
+@triton.jit
+def _u8(ptr, offset, mask):
+    return tl.load(ptr + offset, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16(ptr, offset, mask):
+    bits = (_u8(ptr, offset, mask) | (_u8(ptr, offset + 1, mask) << 8)).to(tl.uint16)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, out_ptr, n_elements, K, row_bytes, QTYPE: tl.constexpr, QK: tl.constexpr,
+                    BLOCK_BYTES: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = e < n_elements
+    row = e // K
+    col = e % K
+    base = row * row_bytes + (col // QK) * BLOCK_BYTES
+    j = col % QK
+    if QTYPE == 8:  # Q8_0: f16 d, 32 int8
+        q = _u8(w_ptr, base + 2 + j, mask)
+        value = _f16(w_ptr, base, mask) * tl.where(q > 127, q - 256, q).to(tl.float32)
+    elif QTYPE == 14:  # Q6_K: ql[128], qh[64], int8 scales[16], f16 d
+        h = j // 128
+        s = (j % 128) // 32
+        l = j % 32
+        low = (_u8(w_ptr, base + 64 * h + 32 * (s % 2) + l, mask) >> (4 * (s // 2))) & 0xF
+        high = (_u8(w_ptr, base + 128 + 32 * h + l, mask) >> (2 * s)) & 3
+        scale = _u8(w_ptr, base + 192 + j // 16, mask)
+        scale = tl.where(scale > 127, scale - 256, scale).to(tl.float32)
+        value = _f16(w_ptr, base + 208, mask) * scale * ((low | (high << 4)) - 32).to(tl.float32)
+    elif QTYPE == 12 or QTYPE == 13:  # Q4_K / Q5_K: f16 d, f16 dmin, 12 scale bytes, (qh[32]), qs[128]
+        sub = j // 32
+        l = j % 32
+        lo_sub = sub < 4
+        # Sub-block j < 4: scale s[j] & 63, min s[j+4] & 63; else the low/high nibbles of s[j+4]
+        # with the top two bits of s[j-4] (scale) and s[j] (min).
+        first = _u8(w_ptr, base + 4 + tl.where(lo_sub, sub, sub + 4), mask)
+        second = _u8(w_ptr, base + 4 + tl.where(lo_sub, sub + 4, sub - 4), mask)
+        own = _u8(w_ptr, base + 4 + sub, mask)
+        scale = tl.where(lo_sub, first & 63, (first & 0xF) | ((second >> 6) << 4))
+        minimum = tl.where(lo_sub, second & 63, (first >> 4) | ((own >> 6) << 4))
+        if QTYPE == 13:
+            q = (_u8(w_ptr, base + 48 + 32 * (sub // 2) + l, mask) >> (4 * (sub % 2))) & 0xF
+            q = q | (((_u8(w_ptr, base + 16 + l, mask) >> sub) & 1) << 4)
+        else:
+            q = (_u8(w_ptr, base + 16 + 32 * (sub // 2) + l, mask) >> (4 * (sub % 2))) & 0xF
+        value = (_f16(w_ptr, base, mask) * scale.to(tl.float32) * q.to(tl.float32)
+                 - _f16(w_ptr, base + 2, mask) * minimum.to(tl.float32))
+    else:  # Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7): 32 elements, nibble j % 16, high half j >= 16
+        d = _f16(w_ptr, base, mask)
+        if QTYPE == 2:
+            value = d * (((_u8(w_ptr, base + 2 + j % 16, mask) >> (4 * (j // 16))) & 0xF) - 8).to(tl.float32)
+        elif QTYPE == 3:
+            q = (_u8(w_ptr, base + 4 + j % 16, mask) >> (4 * (j // 16))) & 0xF
+            value = d * q.to(tl.float32) + _f16(w_ptr, base + 2, mask)
+        elif QTYPE == 6:  # fifth bits: bit j of a little-endian uint32 after d
+            q = (_u8(w_ptr, base + 6 + j % 16, mask) >> (4 * (j // 16))) & 0xF
+            q = q | (((_u8(w_ptr, base + 2 + j // 8, mask) >> (j % 8)) & 1) << 4)
+            value = d * (q - 16).to(tl.float32)
+        else:
+            q = (_u8(w_ptr, base + 8 + j % 16, mask) >> (4 * (j // 16))) & 0xF
+            q = q | (((_u8(w_ptr, base + 4 + j // 8, mask) >> (j % 8)) & 1) << 4)
+            value = d * q.to(tl.float32) + _f16(w_ptr, base + 2, mask)
+    tl.store(out_ptr + e, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def triton_dequantize(weight: torch.Tensor, qtype: int, elements: int, dtype: torch.dtype) -> torch.Tensor:
+    """weight: [N, row_bytes] uint8 GGUF rows -> [N, elements] in `dtype`, on weight's device."""
+    layout = LAYOUTS[qtype]
+    out = torch.empty(weight.shape[0], elements, dtype=dtype, device=weight.device)
+    total = out.numel()
+    if total:
+        _dequant_kernel[(triton.cdiv(total, _BLOCK),)](
+            weight, out, total, elements, weight.shape[1], QTYPE=int(qtype), QK=layout.block,
+            BLOCK_BYTES=layout.bytes, BLOCK=_BLOCK,
+        )
+    return out

@@ -1,0 +1,51 @@
+"""GGUF files on CUDA: quantized weights stay quantized on the device, Triton dequantizes them, and
+greedy tokens equal the CPU engine's in float32. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from crane_mp.config import EngineConfig
+from crane_mp.engine import LLMEngine
+from crane_mp.protocol import SamplingParams
+from crane_mp.testing.make_gguf import make_gguf
+from crane_mp.testing.make_model import make_model
+from crane_mp.worker.quantized import layers
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    model_dir = make_model("qwen3", "tiny", root / "qwen3", seed=2,
+                           overrides={"hidden_size": 256, "intermediate_size": 512, "head_dim": 128})
+    return {qtype: make_gguf(model_dir, root / f"{qtype}.gguf", qtype) for qtype in ("Q8_0", "Q4_K_M", "Q6_K", "Q4_0")}
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M", "Q6_K", "Q4_0"])
+def test_cuda_gguf_greedy_matches_cpu_in_float32(gguf_files, qtype):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 30, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    path = str(gguf_files[qtype])
+    cpu = LLMEngine(EngineConfig(model_path=path, dtype="float32", force_cpu=True, max_model_len=128))
+    cuda = LLMEngine(EngineConfig(model_path=path, dtype="float32", max_model_len=128))
+    assert cuda.worker.device.type == "cuda"
+    assert cuda.generate(prompts, params) == cpu.generate(prompts, params)
+    assert cuda.worker.kv_plan.weights_bytes <= 1.05 * cuda.worker.weights_file_bytes
+    assert not layers._triton_state.get("failed"), "the Triton dequantizer fell back to torch ops"
+
+
+def test_triton_dequantize_on_the_device_equals_the_torch_ops():
+    from crane_mp.worker.quantized.formats import dequantize
+    from crane_mp.worker.quantized.triton_dequant import TRITON_TYPES, triton_dequantize
+    from tests.unit.test_gguf_kernels import cols_for, quantized
+
+    for qtype in sorted(TRITON_TYPES):
+        cols = cols_for(qtype)[1]
+        weight = torch.from_numpy(quantized(qtype, 300, cols)).cuda()
+        torch.testing.assert_close(triton_dequantize(weight, qtype, cols, torch.float32),
+                                   dequantize(weight, qtype, cols), rtol=1e-6, atol=1e-7, msg=T(qtype).name)

@@ -1,0 +1,39 @@
+"""The CUDA path's Triton dequantizer, run on CPU through Triton's interpreter, against the gguf
+package's dequantizer for every quantized type it serves. Skipped where Triton is not installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+# The interpreter is chosen when kernels are decorated, so the check runs in a fresh interpreter.
+_CHECK = """
+import gguf, numpy as np, torch
+from gguf import GGMLQuantizationType as T
+from crane_mp.worker.quantized.triton_dequant import TRITON_TYPES, triton_dequantize
+from tests.unit.test_gguf_kernels import cols_for, quantized, reference
+for qtype in sorted(TRITON_TYPES):
+    for rows, cols in [(3, cols_for(qtype)[0]), (37, cols_for(qtype)[1])]:
+        data = quantized(qtype, rows, cols, seed=rows)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = triton_dequantize(torch.from_numpy(data.copy()), qtype, cols, dtype)
+            want = reference(data, qtype, cols).to(dtype)
+            assert got.dtype == dtype and got.shape == (rows, cols)
+            # The interpreter narrows to bf16 by truncation (GPUs round to nearest): one bf16 step apart.
+            tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-7, msg=T(qtype).name)
+print("checked", len(TRITON_TYPES))
+"""
+
+
+def test_triton_dequantize_equals_gguf_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=900,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "checked 8" in run.stdout
