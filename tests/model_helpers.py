@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from crane_mp.gguf_file import ModelSource
 from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.forward_context import ForwardContext, forward_context
+from crane_mp.worker.loader import load_model
+from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.runner import ModelRunner
 
@@ -21,3 +26,8 @@ def prefill_logits(model: CausalLM, prompt: list[int], block_size: int = 16) -> 
     pos = torch.arange(len(prompt))
     with torch.inference_mode(), forward_context(ForwardContext(meta, runner.cos[pos, None], runner.sin[pos, None])):
         return model.compute_logits(model(torch.tensor(prompt))).float()
+
+
+def load_checkpoint(config: ModelConfig, model_dir: Path, dtype: torch.dtype) -> CausalLM:
+    """A safetensors checkpoint loaded on CPU as the worker loads it (packing included)."""
+    return load_model(config, ModelSource("safetensors", Path(model_dir)), dtype, CPU, progress=False)[0]

@@ -127,6 +127,21 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict, file_type: str) -> Non
     writer.add_file_type(_FILE_TYPES[file_type])
 
 
+def llama3_rope_factors(config: dict) -> np.ndarray | None:
+    """Llama 3's rope scaling as llama.cpp stores it: one divisor per frequency (rope_freqs.weight)."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return None
+    heads = config["num_attention_heads"]
+    dim = config.get("head_dim") or config["hidden_size"] // heads
+    base = float(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
+    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context = rope.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * np.pi * base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    smooth = np.clip((old_context / wavelen - low) / (high - low), 0.0, 1.0)
+    return (1.0 / ((1 - smooth) / factor + smooth)).astype(np.float32)
+
+
 def make_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", name: str | None = None) -> Path:
     """Convert a make_model checkpoint (single safetensors file) to a GGUF file of type `qtype`.
 
@@ -142,6 +157,9 @@ def make_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", name:
     _write_hparams(writer, config, qtype)
     _write_tokenizer(writer, model_dir, config)
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    factors = llama3_rope_factors(config)
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors)
     state = load_file(str(model_dir / "model.safetensors"))
     for hf_name in sorted(state):
         w = state[hf_name].astype(np.float32)

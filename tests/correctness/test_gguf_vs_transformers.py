@@ -119,6 +119,21 @@ def test_llama_rows_and_biases_are_unpermuted(tmp_path):
                                                                  ignore_eos=True))
 
 
+def test_llama3_rope_scaling_comes_from_rope_freqs(tmp_path):
+    """llama.cpp stores Llama 3's rope scaling as a rope_freqs tensor, not as metadata."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    model_dir = make_model("llama", "tiny", tmp_path / "llama3", seed=8, overrides={**SIZES["llama"], "rope_parameters": rope})
+    path = make_gguf(model_dir, tmp_path / "llama3-F32.gguf", "F32")
+    assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    unscaled = make_model("llama", "tiny", tmp_path / "plain", seed=8, overrides=SIZES["llama"])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    direct = LLMEngine(EngineConfig(model_path=str(model_dir), dtype="float32", max_model_len=128)).generate(PROMPTS, params)
+    assert ours(path) == direct
+    plain = LLMEngine(EngineConfig(model_path=str(unscaled), dtype="float32", max_model_len=128)).generate(PROMPTS, params)
+    assert plain != direct  # the scaling changes tokens, so the equality above says it was applied
+
+
 @pytest.mark.parametrize("arch", list(SIZES))
 def test_tokenizer_from_metadata_equals_the_original(arch, checkpoints, gguf_files):
     path = gguf_files[arch, "Q8_0"]

@@ -16,9 +16,8 @@ from crane_mp.testing.make_model import make_model
 from crane_mp.worker.cpu_packing import PackedLinear
 from crane_mp.worker.kernels import cpu_isa
 from crane_mp.worker.kernels.loader import build_name, kernel_cache_dir
-from crane_mp.worker.loader import load_model
 from crane_mp.worker.model_config import load_model_config
-from tests.model_helpers import prefill_logits
+from tests.model_helpers import load_checkpoint, prefill_logits
 
 CPU = torch.device("cpu")
 
@@ -93,7 +92,7 @@ def test_explicit_bf16_serves_on_this_tier(tmp_path):
     # engine that generates.
     path = make_model("qwen3", "tiny", tmp_path / "q", dtype="float32")
     config = load_model_config(path)
-    models = {dtype: load_model(config, path, dtype, CPU, progress=False) for dtype in (torch.bfloat16, torch.float32)}
+    models = {dtype: load_checkpoint(config, path, dtype) for dtype in (torch.bfloat16, torch.float32)}
     packed = any(isinstance(m, PackedLinear) for m in models[torch.bfloat16].modules())
     assert packed == cpu_isa.pack_bf16_weights(torch.bfloat16, CPU)
     exact, rounded = (prefill_logits(models[dtype], list(range(3, 40))) for dtype in (torch.float32, torch.bfloat16))

@@ -11,9 +11,9 @@ import torch
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.cpu_packing import PackedEmbedding, PackedLinear, pack_linear_weights
 from crane_mp.worker.kernels.cpu_isa import amx_gemm, pack_bf16_weights
-from crane_mp.worker.loader import load_model, weight_bytes
+from crane_mp.worker.loader import weight_bytes
 from crane_mp.worker.model_config import load_model_config
-from tests.model_helpers import prefill_logits
+from tests.model_helpers import load_checkpoint, prefill_logits
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not pack_bf16_weights(torch.bfloat16, CPU), reason="this CPU tier packs no bf16 weights")
@@ -23,9 +23,9 @@ pytestmark = pytest.mark.skipif(not pack_bf16_weights(torch.bfloat16, CPU), reas
 def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
     path = make_model(arch, "tiny", tmp_path / arch, dtype="bfloat16")
     config = load_model_config(path)
-    packed = load_model(config, path, torch.bfloat16, CPU, progress=False)
+    packed = load_checkpoint(config, path, torch.bfloat16)
     monkeypatch.setattr("crane_mp.worker.loader.pack_bf16_weights", lambda dtype, device: False)
-    plain = load_model(config, path, torch.bfloat16, CPU, progress=False)
+    plain = load_checkpoint(config, path, torch.bfloat16)
     assert any(isinstance(m, PackedLinear) for m in packed.modules())
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
     head_packed = amx_gemm() or not config.tie_word_embeddings
@@ -84,7 +84,7 @@ def test_shapes_amx_cannot_tile_fall_back_and_still_match(tmp_path):
     path = make_model("qwen3", "tiny", tmp_path / "odd", dtype="bfloat16",
                       overrides={"vocab_size": 500, "intermediate_size": 120})
     config = load_model_config(path)
-    model = load_model(config, path, torch.bfloat16, CPU, progress=False)
+    model = load_checkpoint(config, path, torch.bfloat16)
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
     assert not isinstance(model.lm_head, PackedLinear)
     mlp = model.model.layers[0].mlp

@@ -136,10 +136,10 @@ def load_gguf_model(
 
         def float_weights():
             for name in tensors.by_name:
-                if name in consumed or name == "rope_freqs.weight":
-                    continue
-                yield hf_name(name, config.arch), tensors.floats(name, torch.float32)
-                bar.update(1)
+                if name not in consumed and name != "rope_freqs.weight":  # rope_freqs: read by the config
+                    yield hf_name(name, config.arch), tensors.floats(name, torch.float32)
+                if name not in consumed:
+                    bar.update(1)
 
         loaded = model.load_weights(float_weights())
     missing = model.expected_weights() - loaded
