@@ -8,6 +8,7 @@ and the worker and frontend raise the same messages. No torch here: the launcher
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,12 @@ def open_gguf(path: Path):
         return gguf.GGUFReader(str(path))
     except (ValueError, IndexError, KeyError, TypeError, OverflowError, EOFError, OSError) as err:
         detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", detail)
+        if unknown:
+            raise GGUFFileError(
+                f"{path}: a tensor has type id {unknown.group(1)}, which is no GGML type crane-mp knows "
+                f"(supported: {', '.join(sorted(set(SERVED_TYPES.values())))})"
+            ) from None
         raise GGUFFileError(f"{path}: not a readable GGUF file (truncated or corrupt?): {detail}") from None
 
 

@@ -78,6 +78,7 @@ def test_resolve_model_source(model_dir, good, tmp_path):
         ("arch", "architecture 'qwen9' is not supported"),
         ("shape", "the metadata implies"),
         ("type", "has type Q2_K, which crane-mp cannot serve"),
+        ("unknown-type", "has type id 99, which is no GGML type"),
     ],
 )
 def test_bad_files_are_refused_with_one_line(good, tmp_path, case, message):
@@ -91,9 +92,9 @@ def test_bad_files_are_refused_with_one_line(good, tmp_path, case, message):
     elif case == "shape":  # feed_forward_length 512 -> 640: every ffn tensor disagrees
         path = patched(good, tmp_path, b"qwen3.feed_forward_length", len("qwen3.feed_forward_length") + 4,
                        struct.pack("<I", 640))
-    else:  # blk.0.attn_q.weight's type id (after name, n_dims and two dims) -> Q2_K (10), which is smaller
+    else:  # blk.0.attn_q.weight's type id (after name, n_dims and two dims) -> Q2_K (10, smaller) or 99
         name = b"blk.0.attn_q.weight"
-        path = patched(good, tmp_path, name, len(name) + 4 + 16, struct.pack("<I", 10))
+        path = patched(good, tmp_path, name, len(name) + 4 + 16, struct.pack("<I", 10 if case == "type" else 99))
     with pytest.raises(GGUFFileError, match=message) as err:
         check_gguf(path)
     assert str(path) in str(err.value) and "\n" not in str(err.value)
