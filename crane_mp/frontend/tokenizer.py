@@ -16,9 +16,9 @@ from jinja2 import Environment, TemplateSyntaxError, meta
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from crane_mp.frontend.errors import ApiError
-from crane_mp.gguf_file import resolve_model_source
 from crane_mp.frontend.logprobs_format import TokenText
 from crane_mp.frontend.openai_schemas import check_nesting
+from crane_mp.gguf_file import resolve_model_source
 
 # Below this many characters encoding is faster than a thread hand-off.
 _INLINE_CHARS = 2048
