@@ -48,7 +48,7 @@ def test_metadata_gives_the_same_config_as_config_json(model_dir, good):
 
 
 def test_types_are_counted(good):
-    _, types = check_gguf(good)
+    types = check_gguf(good).types
     assert set(types) == {"Q4_K", "Q6_K", "F32"}
     assert describe_types(types).startswith(f"{types.most_common(1)[0][0]} x ")
 

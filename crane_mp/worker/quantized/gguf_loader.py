@@ -9,6 +9,8 @@ holds a second copy of the model.
 
 from __future__ import annotations
 
+import gc
+import mmap
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 from tqdm import tqdm
 
-from crane_mp.gguf_file import PERMUTED_QK_ARCHS, check_gguf, open_gguf
+from crane_mp.gguf_file import PERMUTED_QK_ARCHS, TensorInfo, check_gguf, open_gguf
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models import build_model
 from crane_mp.worker.models.layers import CausalLM
@@ -61,30 +63,40 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class _Tensors:
-    """The file's tensors as owned torch row-byte tensors, copied out of the mmap on demand."""
+    """The file's tensors as owned torch row-byte tensors, copied out of a read-only mapping of the
+    file on demand. Once a tensor is copied its file pages are dropped from this process
+    (MADV_DONTNEED), so loading holds the model once, not once more as mapped file pages."""
 
-    def __init__(self, reader, permute_heads: dict[str, int]) -> None:
-        self.by_name = {t.name: t for t in reader.tensors}
+    def __init__(self, path: Path, infos: dict[str, TensorInfo], permute_heads: dict[str, int]) -> None:
+        self.infos = infos
         self.permute_heads = permute_heads
+        with open(path, "rb") as file:
+            self.mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
 
     def qtype(self, name: str) -> int:
-        return int(self.by_name[name].tensor_type)
+        return self.infos[name].qtype
 
     def rows(self, name: str) -> torch.Tensor:
         """[rows, row_bytes] uint8 (a 1-D tensor is one row)."""
-        tensor = self.by_name[name]
-        dims = [int(d) for d in reversed(tensor.shape.tolist())]
-        raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(dims[0] if len(dims) > 1 else 1, -1)
-        out = torch.from_numpy(raw.copy())
+        info = self.infos[name]
+        rows = info.dims[0] if len(info.dims) > 1 else 1
+        raw = np.frombuffer(self.mapping, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+        out = torch.from_numpy(raw.reshape(rows, -1).copy())
+        del raw
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        self.mapping.madvise(mmap.MADV_DONTNEED, start, info.offset + info.n_bytes - start)
         heads = self.permute_heads.get(name.split(".")[-2]) if name.startswith("blk.") else None
         if heads is not None:
-            out = _unpermute(out if len(dims) > 1 else out.view(-1, LAYOUTS[self.qtype(name)].bytes), heads)
-            out = out.reshape(dims[0] if len(dims) > 1 else 1, -1)
+            out = _unpermute(out if len(info.dims) > 1 else out.view(-1, LAYOUTS[info.qtype].bytes), heads)
+            out = out.reshape(rows, -1)
         return out
 
     def floats(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        dims = [int(d) for d in reversed(self.by_name[name].shape.tolist())]
+        dims = self.infos[name].dims
         return dequantize(self.rows(name), self.qtype(name), dims[-1]).reshape(dims).to(dtype)
+
+    def close(self) -> None:
+        self.mapping.close()
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -96,10 +108,10 @@ def load_gguf_model(
     config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device, progress: bool = True
 ) -> tuple[CausalLM, Counter]:
     """Returns the model and the file's tensor types (a Counter of type names) for the start-up log."""
-    shape, types = check_gguf(path)
-    reader = open_gguf(path)
+    contents = check_gguf(path)
+    gc.collect()  # the reader's parse of the vocabulary, before the weights arrive
+    shape = contents.shape
     permute = shape.gguf_arch in PERMUTED_QK_ARCHS
-    tensors = _Tensors(reader, {"attn_q": shape.heads, "attn_k": shape.kv_heads} if permute else {})
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -107,46 +119,54 @@ def load_gguf_model(
             model = build_model(config)
     finally:
         torch.set_default_dtype(previous)
-
-    consumed: set[str] = set()
-    with tqdm(total=len(tensors.by_name), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
-        groups = {f"model.layers.{i}.{ours}": [f"blk.{i}.{part}.weight" for part in parts]
-                  for i in range(config.num_hidden_layers) for ours, parts in _FUSED.items()}
-        groups["lm_head"] = ["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
-        for ours, names in groups.items():
-            if all(_FLOAT_DTYPES.get(tensors.qtype(n)) == dtype for n in names):
-                continue  # already in the compute dtype: a plain (packable) nn.Linear, same bytes
-            linear = model.get_submodule(ours)
-            parts = [(tensors.qtype(n), tensors.rows(n).to(device)) for n in names]
-            _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias))
-            consumed.update(names)
-            bar.update(len(names))
-        embed_type = tensors.qtype("token_embd.weight")
-        if _FLOAT_DTYPES.get(embed_type) != dtype:
-            head = model.lm_head
-            table = head.qweight_0 if config.tie_word_embeddings else tensors.rows("token_embd.weight").to(device)
-            _replace(model, "model.embed_tokens", GGUFEmbedding(embed_type, table, config.hidden_size, dtype))
-            if "token_embd.weight" not in consumed:
-                consumed.add("token_embd.weight")
-                bar.update(1)
-
-        model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
-        if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
-            model.lm_head.weight = model.model.embed_tokens.weight
-
-        def float_weights():
-            for name in tensors.by_name:
-                if name not in consumed and name != "rope_freqs.weight":  # rope_freqs: read by the config
-                    yield hf_name(name, config.arch), tensors.floats(name, torch.float32)
-                if name not in consumed:
-                    bar.update(1)
-
-        loaded = model.load_weights(float_weights())
+    tensors = _Tensors(path, contents.tensors, {"attn_q": shape.heads, "attn_k": shape.kv_heads} if permute else {})
+    try:
+        with tqdm(total=len(contents.tensors), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
+            loaded = _fill(model, tensors, config, dtype, device, bar)
+    finally:
+        tensors.close()
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"{path}: no tensor for {len(missing)} weights, e.g. {sorted(missing)[:3]}")
-    del reader
-    return model, types
+    return model, contents.types
+
+
+def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+          bar: tqdm) -> set[str]:
+    """Swap in quantized layers for what stays quantized, allocate the rest, load it; returns the
+    parameter names filled (as CausalLM.load_weights does)."""
+    consumed: set[str] = set()
+    groups = {f"model.layers.{i}.{ours}": [f"blk.{i}.{part}.weight" for part in parts]
+              for i in range(config.num_hidden_layers) for ours, parts in _FUSED.items()}
+    groups["lm_head"] = ["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
+    for ours, names in groups.items():
+        if all(_FLOAT_DTYPES.get(tensors.qtype(n)) == dtype for n in names):
+            continue  # already in the compute dtype: a plain (packable) nn.Linear, same bytes
+        linear = model.get_submodule(ours)
+        parts = [(tensors.qtype(n), tensors.rows(n).to(device)) for n in names]
+        _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias))
+        consumed.update(names)
+        bar.update(len(names))
+    embed_type = tensors.qtype("token_embd.weight")
+    if _FLOAT_DTYPES.get(embed_type) != dtype:
+        table = model.lm_head.qweight_0 if config.tie_word_embeddings else tensors.rows("token_embd.weight").to(device)
+        _replace(model, "model.embed_tokens", GGUFEmbedding(embed_type, table, config.hidden_size, dtype))
+        if "token_embd.weight" not in consumed:
+            consumed.add("token_embd.weight")
+            bar.update(1)
+
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+    def float_weights():
+        for name in tensors.infos:
+            if name not in consumed and name != "rope_freqs.weight":  # rope_freqs: read by the config
+                yield hf_name(name, config.arch), tensors.floats(name, torch.float32)
+            if name not in consumed:
+                bar.update(1)
+
+    return model.load_weights(float_weights())
 
 
 def rope_freq_factors(path: Path) -> list[float] | None:
