@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,9 @@ class ModelSource:
 
 def resolve_model_source(path: str | Path, fmt: str = "auto") -> ModelSource:
     """--model-path and --format -> a ModelSource; raises GGUFFileError/FileNotFoundError with one line."""
-    path = Path(path).resolve()
+    # absolute(), not resolve(): a hub cache's snapshots/<rev>/model.gguf is a link to blobs/<hash>,
+    # and the link's own name and folder (tokenizer files beside it) are the ones that count.
+    path = Path(path).absolute()
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}")
     if path.is_file():
@@ -133,8 +136,7 @@ class GGUFShape:
     rope_scaling: dict[str, Any]
 
 
-def read_shape(reader, path: Path) -> GGUFShape:
-    meta = metadata(reader)
+def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], path: Path) -> GGUFShape:
     arch = _arch(meta, path)
 
     def key(name: str, default: Any = None) -> Any:
@@ -142,8 +144,8 @@ def read_shape(reader, path: Path) -> GGUFShape:
         return meta.get(full, default) if default is not None else _required(meta, full, path)
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    vocab = meta.get(f"{arch}.vocab_size") or (int(embd.shape[1]) if embd is not None else None)
+    embd = tensor_dims.get("token_embd.weight")
+    vocab = meta.get(f"{arch}.vocab_size") or (embd[0] if embd else None)
     if vocab is None:
         raise GGUFFileError(f"{path}: no vocab_size and no token_embd.weight tensor")
     scaling: dict[str, Any] = {}
@@ -152,7 +154,7 @@ def read_shape(reader, path: Path) -> GGUFShape:
         scaling = {"rope_type": scaling_type, "factor": float(meta[f"{arch}.rope.scaling.factor"])}
         if f"{arch}.rope.scaling.original_context_length" in meta:
             scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
-    return GGUFShape(
+    shape = GGUFShape(
         gguf_arch=arch,
         hidden=hidden,
         layers=int(key("block_count")),
@@ -166,6 +168,10 @@ def read_shape(reader, path: Path) -> GGUFShape:
         rope_base=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
     )
+    for name in ("hidden", "layers", "ffn", "heads", "kv_heads", "head_dim", "vocab"):
+        if getattr(shape, name) <= 0:
+            raise GGUFFileError(f"{path}: metadata gives {name} = {getattr(shape, name)}")
+    return shape
 
 
 def expected_shapes(shape: GGUFShape) -> dict[str, tuple[int, ...]]:
@@ -209,21 +215,39 @@ class TensorInfo:
 @dataclass(frozen=True, slots=True)
 class GGUFContents:
     shape: GGUFShape
+    meta: dict[str, Any]  # scalar and string metadata (not the tokenizer arrays)
     types: Counter  # tensor type name -> count
     tensors: dict[str, TensorInfo]  # in file order
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(info.n_bytes for info in self.tensors.values())
 
 
 def check_gguf(path: Path) -> GGUFContents:
     """Open and validate a GGUF file without reading its tensor data. Raises GGUFFileError (one line)
-    on anything we cannot serve. The reader itself is dropped on return: parsing a 150K-token
-    vocabulary costs it ~0.5 GB of small arrays, which must not stay alive while weights load."""
+    on anything we cannot serve. Parsing a 150K-token vocabulary costs the gguf reader seconds and
+    ~0.5 GB of small arrays: the result is kept per file (size, mtime) so a process parses it once,
+    and the reader is dropped on return, before any weights load."""
+    path = Path(path)
+    stat = path.stat() if path.is_file() else None
+    return _check(str(path), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1)
+
+
+@lru_cache(maxsize=4)
+def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
+    path = Path(name)
     reader = open_gguf(path)
-    shape = read_shape(reader, path)
+    if reader.byte_order != "I":
+        raise GGUFFileError(f"{path}: a big-endian GGUF file; crane-mp serves little-endian files only")
+    meta = metadata(reader)
+    dims_of = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}  # ggml: fastest first
+    shape = read_shape(meta, dims_of, path)
     expected = expected_shapes(shape)
     types: Counter = Counter()
     infos: dict[str, TensorInfo] = {}
     for tensor in reader.tensors:
-        dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists the fastest dimension first
+        dims = dims_of[tensor.name]
         want = expected.get(tensor.name)
         if want is None:
             raise GGUFFileError(f"{path}: unexpected tensor {tensor.name} for architecture {shape.gguf_arch}")
@@ -244,7 +268,7 @@ def check_gguf(path: Path) -> GGUFContents:
     missing = [name for name in required if name not in infos]
     if missing:
         raise GGUFFileError(f"{path}: {len(missing)} required tensors are missing, e.g. {missing[0]}")
-    return GGUFContents(shape, types, infos)
+    return GGUFContents(shape, meta, types, infos)
 
 
 def describe_types(types: Counter) -> str:

@@ -10,7 +10,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from crane_mp.gguf_file import ModelSource
+from crane_mp.gguf_file import ModelSource, check_gguf
 from crane_mp.worker.cpu_packing import pack_linear_weights
 from crane_mp.worker.kernels.cpu_isa import pack_bf16_weights
 from crane_mp.worker.model_config import ModelConfig
@@ -83,9 +83,7 @@ def load_safetensors_model(
 def file_tensor_bytes(source: ModelSource) -> int:
     """Bytes of tensor data in the model's files (what a quantized model should occupy in memory)."""
     if source.format == "gguf":
-        from crane_mp.gguf_file import open_gguf
-
-        return sum(int(t.n_bytes) for t in open_gguf(source.gguf_file).tensors)
+        return check_gguf(source.gguf_file).tensor_bytes
     return sum(path.stat().st_size for path in safetensors_files(source.model_dir))
 
 

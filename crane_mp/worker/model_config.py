@@ -156,17 +156,15 @@ def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:
     Llama 3's rope scaling comes from its rope_freqs tensor."""
     from transformers import AutoConfig
 
-    from crane_mp.gguf_file import GGUF_ARCHITECTURES, SERVED_TYPES, metadata, open_gguf, read_shape
+    from crane_mp.gguf_file import GGUF_ARCHITECTURES, SERVED_TYPES, check_gguf
 
-    reader = open_gguf(path)
-    shape = read_shape(reader, path)
-    meta = metadata(reader)
-    names = {t.name: int(t.tensor_type) for t in reader.tensors}
+    contents = check_gguf(path)
+    shape, meta, names = contents.shape, contents.meta, contents.tensors
     arch, hf_type = GGUF_ARCHITECTURES[shape.gguf_arch]
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     # A 16-bit float file runs like a 16-bit checkpoint; a quantized one computes in float32 (auto dtype).
-    matrix_types = {SERVED_TYPES[t.tensor_type] for t in reader.tensors if len(t.shape) == 2}
+    matrix_types = {SERVED_TYPES[info.qtype] for info in names.values() if len(info.dims) == 2}
     float_kind = matrix_types & {"F16", "BF16"} if matrix_types <= {"F16", "BF16", "F32"} else set()
     rope_parameters = {"rope_theta": shape.rope_base, "rope_type": "default", **shape.rope_scaling}
     hf_config = AutoConfig.for_model(
@@ -185,5 +183,5 @@ def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:
     if "rope_freqs.weight" in names:
         from crane_mp.worker.quantized.gguf_loader import rope_freq_factors
 
-        replace["rope_parameters"] = {**config.rope_parameters, "freq_factors": rope_freq_factors(path)}
+        replace["rope_parameters"] = {**config.rope_parameters, "freq_factors": rope_freq_factors(path, names)}
     return dataclasses.replace(config, **replace)

@@ -7,6 +7,8 @@ import struct
 import subprocess
 import sys
 
+import gguf
+import numpy as np
 import pytest
 
 from crane_mp.gguf_file import GGUFFileError, check_gguf, describe_types, resolve_model_source
@@ -103,6 +105,30 @@ def test_bad_files_are_refused_with_one_line(good, tmp_path, case, message):
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0
     assert run.stderr.strip().count("\n") == 0 and message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_linked_file_keeps_its_own_name_and_folder(good, tmp_path):
+    """A hub cache's snapshots/<rev>/model.gguf is a symlink into blobs/<hash>."""
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "snap").mkdir()
+    shutil.copy(good, tmp_path / "blobs" / "0123abcd")
+    (tmp_path / "snap" / "model-Q4_K_M.gguf").symlink_to(tmp_path / "blobs" / "0123abcd")
+    source = resolve_model_source(tmp_path / "snap" / "model-Q4_K_M.gguf")
+    assert (source.format, source.model_dir, source.gguf_file.name) == ("gguf", tmp_path / "snap", "model-Q4_K_M.gguf")
+    assert check_gguf(source.gguf_file).types == check_gguf(good).types
+
+
+def test_big_endian_files_are_refused(tmp_path):
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3", endianess=gguf.GGUFEndian.BIG)
+    writer.add_block_count(1)
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFFileError, match="big-endian"):
+        check_gguf(path)
 
 
 def test_safetensors_flag_on_a_gguf_file_is_refused(good):

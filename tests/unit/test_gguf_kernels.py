@@ -116,6 +116,8 @@ def test_embedding_dequantizes_only_looked_up_rows():
 def test_bad_weight_shape_is_an_error_not_a_crash():
     with pytest.raises(RuntimeError, match="do not hold"):
         torch.ops.crane_mp.gguf_linear(torch.randn(1, 256), torch.zeros(4, 100, dtype=torch.uint8), T.Q4_K, 256)
+    with pytest.raises(RuntimeError, match="at least one column"):
+        torch.ops.crane_mp.gguf_linear(torch.randn(9, 0), torch.zeros(4, 0, dtype=torch.uint8), T.Q8_0, 0)
 
 
 @native

@@ -4,9 +4,9 @@
 //   gguf_dequantize(w [N, row_bytes] uint8, qtype, K) -> [N, K] float32   (embedding rows, tests)
 //
 // `w` holds each output row's GGUF blocks unchanged (llama.cpp's block layouts, ggml-common.h).
-// Small batches (decode) decode each weight row once, in vector registers, and FMA it into every
-// activation row's accumulator: the weights stream from memory once per step, which is what bounds
-// decode. Larger batches dequantize a slab of rows (about 1 MB, cache-resident) per thread and hand
+// Small batches (decode) decode each weight row in vector registers, once per 4 activation rows,
+// and FMA it into their accumulators: the weights stream from memory once per step, which is what
+// bounds decode. Larger batches dequantize a slab of rows (about 1 MB, cache-resident) per thread and hand
 // it to a single-threaded float GEMM, whose register blocking amortises the dequantization over the
 // batch. Neither path holds a dequantized copy of a whole layer. Arithmetic is float32 throughout.
 // Every tier has AVX2; AVX-512 tiers use 16 lanes.
@@ -370,6 +370,7 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "gguf weights must be a contiguous CPU uint8 [N, row_bytes] tensor");
   const Layout lay = layout_of(qtype);
+  TORCH_CHECK(K > 0, "gguf weights need at least one column");
   TORCH_CHECK(K % lay.block == 0 && w.size(1) == K / lay.block * lay.bytes, "gguf weight rows of ", w.size(1),
               " bytes do not hold ", K, " elements of type ", qtype);
 }
@@ -386,8 +387,8 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
   return out;
 }
 
-// Up to this many activation rows, each weight row is decoded once and dotted with all of them;
-// above it, the GEMM's blocking wins (measured in benchmarks/gguf_kernels.py).
+// Up to this many activation rows, each weight row is decoded once per group of 4 rows and FMA'd into
+// their accumulators; above it, the GEMM's blocking wins (measured in benchmarks/gguf_kernels.py).
 constexpr int64_t kGemvMaxRows = 8;
 // Rows per dequantized slab in the GEMM path: ~256 KB, so a slab stays in L2 while the GEMM reads it.
 constexpr int64_t kSlabBytes = 1024 * 1024;
@@ -434,7 +435,9 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
   } else {
     // Each thread dequantizes its own slabs and multiplies them with a single-threaded GEMM (MKL
     // runs sequentially inside a parallel region): no serial phases, slabs stay in that core's cache.
-    const int64_t slab_rows = std::max<int64_t>(16, kSlabBytes / (K * 4) / 16 * 16);
+    // At most ~1 MB per slab, and small enough that every thread gets a slab of a small matrix.
+    const int64_t per_thread = (N + at::get_num_threads() - 1) / at::get_num_threads();
+    const int64_t slab_rows = std::max<int64_t>(16, std::min(kSlabBytes / (K * 4), per_thread + 15) / 16 * 16);
     const int64_t slabs = (N + slab_rows - 1) / slab_rows;
     at::parallel_for(0, slabs, 1, [&](int64_t begin, int64_t end) {
       // Kept per thread across calls: a fresh buffer of this size would be page-faulted in every time.

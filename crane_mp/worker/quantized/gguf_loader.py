@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 from tqdm import tqdm
 
-from crane_mp.gguf_file import PERMUTED_QK_ARCHS, TensorInfo, check_gguf, open_gguf
+from crane_mp.gguf_file import PERMUTED_QK_ARCHS, TensorInfo, check_gguf
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models import build_model
 from crane_mp.worker.models.layers import CausalLM
@@ -169,10 +169,11 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
     return model.load_weights(float_weights())
 
 
-def rope_freq_factors(path: Path) -> list[float] | None:
-    """Llama 3's rope scaling, which llama.cpp stores as a per-frequency divisor tensor."""
-    reader = open_gguf(path)
-    for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            return [float(v) for v in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
-    return None
+def rope_freq_factors(path: Path, infos: dict[str, TensorInfo]) -> list[float]:
+    """Llama 3's rope scaling, which llama.cpp stores as a per-frequency divisor tensor (F32)."""
+    info = infos["rope_freqs.weight"]
+    if info.qtype != GGMLQuantizationType.F32:
+        raise ValueError(f"{path}: rope_freqs.weight must be F32")
+    with open(path, "rb") as file:
+        file.seek(info.offset)
+        return np.frombuffer(file.read(info.n_bytes), dtype="<f4").astype(float).tolist()

@@ -58,7 +58,9 @@ def quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_featu
     if _native(x):
         return torch.ops.crane_mp.gguf_linear(x, weight, qtype, in_features)
     rows = weight.shape[0]
-    slab = max(1, _SLAB_ELEMENTS // in_features)
+    if rows == 0:
+        return x.new_empty(x.shape[0], 0)
+    slab = max(1, _SLAB_ELEMENTS // max(1, in_features))
     parts = [
         x @ _dequantize_slab(weight[start : start + slab], qtype, in_features, x.dtype).T
         for start in range(0, rows, slab)
