@@ -15,16 +15,16 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-# general.architecture -> (our architecture, transformers' model_type).
+# general.architecture -> (our architecture, transformers' model_type). llama.cpp files Mistral
+# (before Mistral 3) as "llama", which our Llama model serves.
 GGUF_ARCHITECTURES = {
     "llama": ("llama", "llama"),
-    "mistral": ("mistral", "mistral"),
     "qwen2": ("qwen2", "qwen2"),
     "qwen3": ("qwen3", "qwen3"),
     "hunyuan-dense": ("hunyuan", "hunyuan_v1_dense"),
 }
 # Architectures whose q/k rows llama.cpp's converter permutes for its interleaved rope.
-PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
+PERMUTED_QK_ARCHS = frozenset({"llama"})
 # Types served (worker/quantized/formats.py and kernels/gguf_matmul.cpp); ggml's ids.
 SERVED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
                 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}

@@ -20,19 +20,17 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from safetensors.numpy import load_file
 
+from crane_mp.gguf_file import GGUF_ARCHITECTURES, PERMUTED_QK_ARCHS
 from crane_mp.testing import kquants
+from crane_mp.worker.quantized.gguf_loader import GLOBAL_NAMES, LAYER_NAMES, QK_NORMS
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "hunyuan_v1_dense": "hunyuan-dense"}
-PERMUTED_QK = {"llama", "mistral"}  # convert_hf_to_gguf permutes these for llama.cpp's interleaved rope
+# Our model types -> general.architecture; llama.cpp writes (pre-v3) Mistral as "llama".
+GGUF_ARCH = {hf_type: arch for arch, (_, hf_type) in GGUF_ARCHITECTURES.items()} | {"mistral": "llama"}
 
-_LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.query_layernorm": "attn_q_norm",
-    "self_attn.key_layernorm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+_LAYER_NAMES = {hf: short for short, hf in LAYER_NAMES.items()} | {
+    hf: short for pair in QK_NORMS.values() for hf, short in zip(pair, ("attn_q_norm", "attn_k_norm"))
 }
-_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GLOBAL_NAMES = {hf: name for name, hf in GLOBAL_NAMES.items()}
 
 MIXES = {"Q4_K_M": (T.Q4_K, T.Q6_K), "Q5_K_M": (T.Q5_K, T.Q6_K)}
 _QUANTIZERS = {T.Q4_K: kquants.quantize_q4_k, T.Q5_K: kquants.quantize_q5_k, T.Q6_K: kquants.quantize_q6_k}
@@ -164,7 +162,7 @@ def make_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", name:
     for hf_name in sorted(state):
         w = state[hf_name].astype(np.float32)
         name = gguf_name(hf_name)
-        if config["model_type"] in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
+        if arch in PERMUTED_QK_ARCHS and (".attn_q." in name or ".attn_k." in name):
             w = permute_rows(w, heads if ".attn_q." in name else kv_heads)
         if w.ndim == 1:
             writer.add_tensor(name, w)

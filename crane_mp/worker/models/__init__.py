@@ -5,9 +5,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from crane_mp.worker.model_config import ModelConfig
+
+
+def build_meta_model(config: ModelConfig, dtype: torch.dtype) -> nn.Module:
+    """The model on the meta device (no memory, no initialisation), its parameters typed `dtype`;
+    loaders then allocate what they fill."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            return build_model(config)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def build_model(config: ModelConfig) -> nn.Module:

@@ -16,37 +16,23 @@ from gguf import GGMLQuantizationType as T
 
 @dataclass(frozen=True, slots=True)
 class BlockLayout:
-    name: str
     block: int  # elements per block
     bytes: int  # bytes per block
 
-    def row_bytes(self, elements: int) -> int:
-        return elements // self.block * self.bytes
-
 
 LAYOUTS: dict[int, BlockLayout] = {
-    T.F32: BlockLayout("F32", 1, 4),
-    T.F16: BlockLayout("F16", 1, 2),
-    T.BF16: BlockLayout("BF16", 1, 2),
-    T.Q4_0: BlockLayout("Q4_0", 32, 18),
-    T.Q4_1: BlockLayout("Q4_1", 32, 20),
-    T.Q5_0: BlockLayout("Q5_0", 32, 22),
-    T.Q5_1: BlockLayout("Q5_1", 32, 24),
-    T.Q8_0: BlockLayout("Q8_0", 32, 34),
-    T.Q4_K: BlockLayout("Q4_K", 256, 144),
-    T.Q5_K: BlockLayout("Q5_K", 256, 176),
-    T.Q6_K: BlockLayout("Q6_K", 256, 210),
+    T.F32: BlockLayout(1, 4),
+    T.F16: BlockLayout(1, 2),
+    T.BF16: BlockLayout(1, 2),
+    T.Q4_0: BlockLayout(32, 18),
+    T.Q4_1: BlockLayout(32, 20),
+    T.Q5_0: BlockLayout(32, 22),
+    T.Q5_1: BlockLayout(32, 24),
+    T.Q8_0: BlockLayout(32, 34),
+    T.Q4_K: BlockLayout(256, 144),
+    T.Q5_K: BlockLayout(256, 176),
+    T.Q6_K: BlockLayout(256, 210),
 }
-
-
-def type_name(qtype: int) -> str:
-    layout = LAYOUTS.get(qtype)
-    if layout is not None:
-        return layout.name
-    try:
-        return T(qtype).name
-    except ValueError:
-        return f"type {qtype}"
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -107,7 +93,7 @@ def _dequantize_blocks(b: torch.Tensor, qtype: int) -> torch.Tensor:
         q = ((low | (high << 4)).float() - 32).reshape(n, 16, 16)
         scales = b[:, 192:208].contiguous().view(torch.int8).float()
         return (_f16(b[:, 208:210]) * scales).unsqueeze(-1).mul(q).reshape(n, 256)
-    raise ValueError(f"no dequantizer for {type_name(qtype)}")
+    raise ValueError(f"no dequantizer for GGML type {qtype}")
 
 
 def dequantize(weight: torch.Tensor, qtype: int, elements: int) -> torch.Tensor:

@@ -22,19 +22,20 @@ from tqdm import tqdm
 
 from crane_mp.gguf_file import PERMUTED_QK_ARCHS, TensorInfo, check_gguf
 from crane_mp.worker.model_config import ModelConfig
-from crane_mp.worker.models import build_model
+from crane_mp.worker.models import build_meta_model
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
 from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
 
-_LAYER_NAMES = {
+# GGUF tensor names -> Hugging Face module names (testing/make_gguf.py writes files by the same tables).
+LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-_QK_NORMS = {"qwen3": ("self_attn.q_norm", "self_attn.k_norm"),
+QK_NORMS = {"qwen3": ("self_attn.q_norm", "self_attn.k_norm"),
              "hunyuan": ("self_attn.query_layernorm", "self_attn.key_layernorm")}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Float matrices in the compute dtype load as plain weights; any other type (F16 under float32
 # compute, say) stays in the file's bytes, as quantized types do, so memory never exceeds the file.
 _FLOAT_DTYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
@@ -46,13 +47,13 @@ _FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_pro
 
 def hf_name(gguf_name: str, arch: str) -> str:
     stem, _, kind = gguf_name.rpartition(".")
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    if stem in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[stem]}.{kind}"
     _, layer, short = stem.split(".")
     if short in ("attn_q_norm", "attn_k_norm"):
-        module = _QK_NORMS[arch][0 if short == "attn_q_norm" else 1]
+        module = QK_NORMS[arch][0 if short == "attn_q_norm" else 1]
     else:
-        module = _LAYER_NAMES[short]
+        module = LAYER_NAMES[short]
     return f"model.layers.{layer}.{module}.{kind}"
 
 
@@ -112,13 +113,7 @@ def load_gguf_model(
     gc.collect()  # the reader's parse of the vocabulary, before the weights arrive
     shape = contents.shape
     permute = shape.gguf_arch in PERMUTED_QK_ARCHS
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = build_model(config)
-    finally:
-        torch.set_default_dtype(previous)
+    model = build_meta_model(config, dtype)
     tensors = _Tensors(path, contents.tensors, {"attn_q": shape.heads, "attn_k": shape.kv_heads} if permute else {})
     try:
         with tqdm(total=len(contents.tensors), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
