@@ -24,6 +24,7 @@ import msgspec
 
 from crane_mp.cli import parse_args
 from crane_mp.config import ServerConfig
+from crane_mp.entrypoints import frontend_main, scheduler_main, worker_main
 from crane_mp.ipc import Addresses
 from crane_mp.protocol import WorkerReady
 from crane_mp.scheduler.scheduler import SchedulerConfig
@@ -72,13 +73,9 @@ class Launcher:
         raise ChildDied(f"timed out while {what}")
 
     def start(self) -> WorkerReady:
-        from crane_mp.frontend.process import run_frontend
-        from crane_mp.scheduler.process import run_scheduler
-        from crane_mp.worker.process import run_worker
-
         cfg = self.config
-        worker_conn = self._spawn("worker", run_worker, cfg.engine, self.addresses, cfg.log_level)
-        frontend_conn = self._spawn("frontend", run_frontend, cfg, self.addresses, 0)
+        worker_conn = self._spawn("worker", worker_main, cfg.engine, self.addresses, cfg.log_level)
+        frontend_conn = self._spawn("frontend", frontend_main, cfg, self.addresses, 0)
         self._await(frontend_conn, "the frontend was binding its port")
         info = msgspec.msgpack.decode(self._await(worker_conn, "the worker was loading the model"), type=WorkerReady)
         sched_cfg = SchedulerConfig(
@@ -90,7 +87,7 @@ class Launcher:
             eos_token_ids=tuple(info.eos_token_ids),
             decode_tokens_per_seq=cfg.engine.decode_tokens_per_seq,
         )
-        sched_conn = self._spawn("scheduler", run_scheduler, sched_cfg, self.addresses, cfg.num_frontends, cfg.log_level)
+        sched_conn = self._spawn("scheduler", scheduler_main, sched_cfg, self.addresses, cfg.num_frontends, cfg.log_level)
         self._await(sched_conn, "the scheduler was starting")
         frontend_conn.send_bytes(msgspec.msgpack.encode(info))
         self._await(frontend_conn, "the frontend was connecting")
@@ -150,6 +147,7 @@ def signal_process(proc: mp.Process, signum: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.monotonic()
     launcher = Launcher(config)
 
     def request_stop(signum, frame) -> None:
@@ -167,9 +165,9 @@ def main(argv: list[str] | None = None) -> None:
             f" types: {info.weight_types}" if info.weight_types else "",
         )
         log.info(
-            "ready: model=%s arch=%s device=%s dtype=%s isa=%s kernels=%s kv_bytes=%d/token kv_budget=%.2f GiB "
+            "ready in %.1f s: model=%s arch=%s device=%s dtype=%s isa=%s kernels=%s kv_bytes=%d/token kv_budget=%.2f GiB "
             "blocks=%d (%d tokens) max_concurrent=%d max_model_len=%d listening on http://%s:%d",
-            config.model_name, info.arch, info.device, info.dtype, info.isa, info.kernel_isa, info.kv_bytes_per_token,
+            time.monotonic() - started, config.model_name, info.arch, info.device, info.dtype, info.isa, info.kernel_isa, info.kv_bytes_per_token,
             info.kv_budget_bytes / gib, info.num_blocks, info.num_blocks * info.block_size,
             config.engine.max_num_seqs, info.max_model_len, config.host, config.port,
         )

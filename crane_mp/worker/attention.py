@@ -186,10 +186,12 @@ def paged_attention(
                 vp = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
             else:
                 kp, vp = k[num_decodes:], v[num_decodes:]
+            # 4-D inputs: with 3-D ones SDPA falls back to its math backend (5-10x slower on CPU).
             out = F.scaled_dot_product_attention(
-                qp.transpose(0, 1), kp.transpose(0, 1), vp.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
-            )  # [H, T, D]
-            outputs.append(out.transpose(0, 1).reshape(-1, num_heads * head_dim))
+                qp.transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], is_causal=True,
+                scale=scale, enable_gqa=True,
+            )  # [1, H, T, D]
+            outputs.append(out[0].transpose(0, 1).reshape(-1, num_heads * head_dim))
         else:
             batch, max_q = meta.num_prefills, meta.max_prefill_q
             qs = qp.index_select(0, meta.prefill_token_index).view(batch, max_q, num_heads, head_dim)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from crane_mp.config import EngineConfig, MemoryLimit
 from crane_mp.gguf_file import describe_types, resolve_model_source
 from crane_mp.worker.device import select_device, select_dtype
+from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.loader import file_tensor_bytes, load_model, weight_bytes
 from crane_mp.worker.memory import KVPlan, device_total_memory, measure_activation_bytes, plan_kv_blocks
 from crane_mp.worker.model_config import ModelConfig, load_gguf_config, load_model_config
@@ -41,7 +43,24 @@ def _activation_estimate_per_token(cfg: ModelConfig) -> int:
     return widths * 4
 
 
-def load_worker(config: EngineConfig, progress: bool = True) -> LoadedWorker:
+class PhaseTimer:
+    """Seconds spent in each start-up phase, for the one log line that says where start-up went."""
+
+    def __init__(self) -> None:
+        self.phases: list[tuple[str, float]] = []
+        self._mark = time.monotonic()
+
+    def done(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases.append((name, now - self._mark))
+        self._mark = now
+
+    def summary(self) -> str:
+        return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases)
+
+
+def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer | None = None) -> LoadedWorker:
+    timer = timer or PhaseTimer()
     torch.manual_seed(config.seed)
     source = resolve_model_source(config.model_path, config.model_format)
     if source.format == "gguf":
@@ -50,7 +69,11 @@ def load_worker(config: EngineConfig, progress: bool = True) -> LoadedWorker:
         model_config = load_model_config(source.model_dir, config.model_type)
     device = select_device(config.force_cpu)
     dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
+    timer.done("config")
+    native_ops(device)  # builds or loads the CPU kernels now, so that their time is reported on its own
+    timer.done("kernels")
     model, weight_types = load_model(model_config, source, dtype, device, progress)
+    timer.done("weights")
 
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if config.max_total_tokens is not None:
@@ -65,6 +88,7 @@ def load_worker(config: EngineConfig, progress: bool = True) -> LoadedWorker:
     activation_bytes = measure_activation_bytes(
         runner.profile_forward, profile_tokens, device, _activation_estimate_per_token(model_config)
     )
+    timer.done("warm-up")
     limit = config.memory_limit or (_DEFAULT_CUDA_LIMIT if device.type == "cuda" else None)
     kv_plan = plan_kv_blocks(
         limit=limit,
@@ -78,6 +102,7 @@ def load_worker(config: EngineConfig, progress: bool = True) -> LoadedWorker:
         max_total_tokens=config.max_total_tokens,
     )
     runner.allocate_kv_cache(kv_plan.num_blocks)
+    timer.done("kv cache")
     # Everything allocated so far (torch, transformers, the model) lives for the whole run: keep the
     # cyclic GC from rescanning it in the middle of decode steps.
     gc.collect()

@@ -14,7 +14,7 @@ from crane_mp.gguf_file import ModelSource, check_gguf
 from crane_mp.worker.cpu_packing import pack_linear_weights
 from crane_mp.worker.kernels.cpu_isa import pack_bf16_weights
 from crane_mp.worker.model_config import ModelConfig
-from crane_mp.worker.models import build_meta_model
+from crane_mp.worker.models import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.quantized.gguf_loader import load_gguf_model
 
@@ -64,7 +64,7 @@ def load_safetensors_model(
 ) -> CausalLM:
     """Build the model without initialising it (meta device), then fill every parameter from the checkpoint."""
     model = build_meta_model(config, dtype)
-    model.to_empty(device=device)
+    materialize(model, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     loaded = model.load_weights(iter_safetensors(safetensors_files(Path(model_dir)), progress))

@@ -10,6 +10,9 @@ import torch
 from crane_mp.config import MemoryLimit
 
 
+_CPU_WARMUP_TOKENS = 128
+
+
 class MemoryBudgetError(RuntimeError):
     """The memory limit cannot hold the weights plus one full-length sequence."""
 
@@ -78,8 +81,8 @@ def plan_kv_blocks(
 def measure_activation_bytes(profile, num_tokens: int, device: torch.device, estimate_per_token: int) -> int:
     """Peak memory of `profile(num_tokens)` above what was allocated before it.
 
-    CUDA reports its allocator's peak; CPU allocations are not tracked, so there we run the forward
-    (to fail early if it cannot) and use the per-token estimate.
+    CUDA reports its allocator's peak; CPU allocations are not tracked, so there we use the per-token
+    estimate and run a short forward only as a warm-up (a full-budget one costs seconds of start-up).
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -88,5 +91,5 @@ def measure_activation_bytes(profile, num_tokens: int, device: torch.device, est
         profile(num_tokens)
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    profile(num_tokens)
+    profile(min(num_tokens, _CPU_WARMUP_TOKENS))
     return num_tokens * estimate_per_token

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from multiprocessing.connection import Connection
 
+import psutil
 import zmq
 
 from crane_mp.config import EngineConfig
 from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.protocol import ShutdownWorker, StepPlan, WorkerReady
-from crane_mp.worker.bootstrap import LoadedWorker, load_worker
+from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
 from crane_mp.worker.device import device_label
 from crane_mp.worker.kernels.cpu_isa import describe as describe_isa
 from crane_mp.worker.memory import MemoryBudgetError
@@ -50,8 +52,10 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
 def run_worker(config: EngineConfig, addresses: Addresses, log_level: str, ready: Connection) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how Ctrl-C ends the server
+    timer = PhaseTimer()
+    timer.phases.append(("imports", time.time() - psutil.Process().create_time()))  # interpreter, torch, ...
     try:
-        loaded = load_worker(config, progress=True)
+        loaded = load_worker(config, progress=True, timer=timer)
     except (MemoryBudgetError, UnsupportedModelError, FileNotFoundError, ValueError) as err:
         # A configuration the operator must change: one clear line, no traceback.
         log.error("cannot start the model: %s", err)
@@ -59,6 +63,7 @@ def run_worker(config: EngineConfig, addresses: Addresses, log_level: str, ready
     ctx = zmq.Context()
     plans = make_socket(ctx, zmq.PULL, addresses.worker_inbox, bind=False)
     results = make_socket(ctx, zmq.PUSH, addresses.scheduler_inbox, bind=False)
+    log.info("worker start-up: %s", timer.summary())
     ready.send_bytes(encode(worker_ready(loaded)))
     ready.close()
     runner = loaded.runner

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from crane_mp.gguf_file import PERMUTED_QK_ARCHS, TensorInfo, check_gguf
 from crane_mp.worker.model_config import ModelConfig
-from crane_mp.worker.models import build_meta_model
+from crane_mp.worker.models import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
 from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
@@ -150,7 +150,7 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
             consumed.add("token_embd.weight")
             bar.update(1)
 
-    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    materialize(model, device)
     if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
         model.lm_head.weight = model.model.embed_tokens.weight
 
