@@ -68,9 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8080)
     p.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is available")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--max-concurrent", type=_positive_int, default=16, help="hard cap on running sequences")
-    p.add_argument("--decode-tokens-per-seq", type=_positive_int, default=16,
-                   help="decode rounds per scheduling step when nothing waits (never changes the tokens)")
+    p.add_argument("--max-concurrent", type=_positive_int, default=256,
+                   help="ceiling on running sequences; the KV-cache budget limits them first")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="never reuse KV blocks across requests that share a prompt prefix")
+    p.add_argument("--no-overlap-schedule", action="store_true",
+                   help="plan each step only after the previous one returned (slower; for debugging)")
     p.add_argument("--max-seq-len", type=_non_negative_int, default=0, help="prompt + output limit; 0 = the model's")
     p.add_argument("--gpu-memory-limit", type=_memory_limit,
                    help="memory cap for weights + activations + KV cache: 8G, 5120M or a fraction like 0.75 "
@@ -135,7 +138,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_model_len=args.max_seq_len,
         memory_limit=args.gpu_memory_limit,
         max_total_tokens=args.max_total_tokens,
-        decode_tokens_per_seq=args.decode_tokens_per_seq,
+        enable_prefix_caching=not args.no_prefix_cache,
+        overlap_schedule=not args.no_overlap_schedule,
         seed=args.seed,
     )
     return ServerConfig(

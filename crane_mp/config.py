@@ -56,18 +56,19 @@ class EngineConfig:
     dtype: str = "auto"
     force_cpu: bool = False
     block_size: int = 16
-    max_num_seqs: int = 16
+    max_num_seqs: int = 256  # a ceiling; the KV budget bounds concurrency first
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # 0: the model's own limit
     memory_limit: MemoryLimit | None = None
     max_total_tokens: int | None = None
-    decode_tokens_per_seq: int = 1
+    enable_prefix_caching: bool = True
+    overlap_schedule: bool = True  # plan step N+1 while the worker runs step N
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "decode_tokens_per_seq"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_model_len < 0:

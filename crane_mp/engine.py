@@ -1,6 +1,8 @@
 """LLMEngine: the scheduler and the model runner in one process, driven step by step.
 
 For library use, tests and benchmarks; the server runs the same two pieces in separate processes.
+With `overlap` each step is planned before the previous step's result is applied, in the order the
+server's scheduler process sees them, so the in-process engine exercises the same bookkeeping.
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ import itertools
 import time
 
 from crane_mp.config import EngineConfig
-from crane_mp.protocol import SamplingParams
+from crane_mp.protocol import SamplingParams, StepResult, TokenOutput
 from crane_mp.scheduler.request import Request
-from crane_mp.scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from crane_mp.scheduler.scheduler import Scheduler, SchedulerConfig
 from crane_mp.worker.bootstrap import LoadedWorker, load_worker
 
 
@@ -28,9 +30,11 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.worker.max_model_len,
                 eos_token_ids=self.worker.model_config.eos_token_ids,
-                decode_tokens_per_seq=config.decode_tokens_per_seq,
+                enable_prefix_caching=config.enable_prefix_caching,
             )
         )
+        self.overlap = config.overlap_schedule
+        self._in_flight: StepResult | None = None  # with overlap: executed, not yet applied
         self._ids = itertools.count()
 
     def add_request(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
@@ -41,17 +45,18 @@ class LLMEngine:
     def abort_request(self, req_id: int) -> None:
         self.scheduler.abort_request(req_id)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenOutput]:
         """Run one scheduler step and forward pass; returns what each advanced request gained."""
         plan = self.scheduler.schedule()
-        if plan is None:
-            return []
-        result = self.worker.runner.execute(plan)
-        return self.scheduler.update(result)
+        if not self.overlap:
+            return self.scheduler.update(self.worker.runner.execute(plan)) if plan is not None else []
+        outputs = self.scheduler.update(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = self.worker.runner.execute(plan) if plan is not None else None
+        return outputs
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
@@ -62,5 +67,5 @@ class LLMEngine:
         outputs: dict[int, list[int]] = {i: [] for i in ids}
         while self.has_work:
             for out in self.step():
-                outputs[out.req_id].extend(out.new_token_ids)
+                outputs[out.rid].extend(out.new_token_ids)
         return [outputs[i] for i in ids]

@@ -85,9 +85,12 @@ class Launcher:
             max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
             max_model_len=info.max_model_len,
             eos_token_ids=tuple(info.eos_token_ids),
-            decode_tokens_per_seq=cfg.engine.decode_tokens_per_seq,
+            enable_prefix_caching=cfg.engine.enable_prefix_caching,
         )
-        sched_conn = self._spawn("scheduler", scheduler_main, sched_cfg, self.addresses, cfg.num_frontends, cfg.log_level)
+        sched_conn = self._spawn(
+            "scheduler", scheduler_main, sched_cfg, self.addresses, cfg.num_frontends, cfg.engine.overlap_schedule,
+            cfg.log_level,
+        )
         self._await(sched_conn, "the scheduler was starting")
         frontend_conn.send_bytes(msgspec.msgpack.encode(info))
         self._await(frontend_conn, "the frontend was connecting")
@@ -137,6 +140,10 @@ class Launcher:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
+def _on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
 def signal_process(proc: mp.Process, signum: int) -> None:
     try:
         os.kill(proc.pid, signum)
@@ -166,10 +173,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         log.info(
             "ready in %.1f s: model=%s arch=%s device=%s dtype=%s isa=%s kernels=%s kv_bytes=%d/token kv_budget=%.2f GiB "
-            "blocks=%d (%d tokens) max_concurrent=%d max_model_len=%d listening on http://%s:%d",
+            "blocks=%d (%d tokens) max_concurrent=%d max_model_len=%d prefix_cache=%s overlap=%s "
+            "listening on http://%s:%d",
             time.monotonic() - started, config.model_name, info.arch, info.device, info.dtype, info.isa, info.kernel_isa, info.kv_bytes_per_token,
             info.kv_budget_bytes / gib, info.num_blocks, info.num_blocks * info.block_size,
-            config.engine.max_num_seqs, info.max_model_len, config.host, config.port,
+            config.engine.max_num_seqs, info.max_model_len, _on_off(config.engine.enable_prefix_caching),
+            _on_off(config.engine.overlap_schedule), config.host, config.port,
         )
         notify("READY=1")
         code = launcher.supervise()

@@ -76,15 +76,14 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
 
 
 class StepPlan(msgspec.Struct, array_like=True, tag=True):
-    """One step. With num_decode_steps k > 1 every scheduled request is a decode and the worker runs
-    k decode rounds back to back (blocks for all k tokens are already in the tables)."""
+    """One step. With overlap the plan may arrive before the previous step's result was seen by the
+    scheduler: a decode's input token is then the one the worker sampled last, which it holds."""
 
     step_id: int
     new_requests: list[NewRequest]
     scheduled: list[ScheduledRequest]
     preempted_req_ids: list[int]  # KV freed; the worker keeps tokens and sampling state
     finished_req_ids: list[int]  # drop every trace of these
-    num_decode_steps: int = 1
 
 
 class ShutdownWorker(msgspec.Struct, array_like=True, tag=True):
@@ -116,15 +115,13 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
 class StepResult(msgspec.Struct, array_like=True, tag=True):
     """Sampled tokens for the scheduled requests whose span reached its end, in plan order.
 
-    token_ids holds num_decode_steps rounds of len(req_ids) tokens each (round-major); logprobs is
-    parallel to token_ids and empty unless some request asked for logprobs.
+    token_ids is parallel to req_ids; logprobs too, and empty unless some request asked for logprobs.
     """
 
     step_id: int
     req_ids: list[int]
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = []
-    num_decode_steps: int = 1
     prompt_logprobs: list[PromptLogprobs] = []
 
 
@@ -144,7 +141,8 @@ class AbortRequest(msgspec.Struct, array_like=True, tag=True):
 
 
 class ControlRequest(msgspec.Struct, array_like=True, tag=True):
-    """kind: "stats", answered with EngineStats carrying the same token."""
+    """kind: "stats", answered with EngineStats; "flush_cache", answered with ControlReply. Replies
+    carry the same token."""
 
     kind: str
     token: int
@@ -158,7 +156,8 @@ SchedulerInbox = GenerateRequest | AbortRequest | ControlRequest | StepResult
 
 
 class TokenOutput(msgspec.Struct, array_like=True):
-    """What one request gained in one scheduler step. finish_reason is a FinishReason value or None."""
+    """What one request gained in one scheduler step. finish_reason is a FinishReason value or None.
+    cached_tokens: prompt tokens whose KV came from the prefix cache (decided when first scheduled)."""
 
     rid: int
     new_token_ids: list[int]
@@ -170,6 +169,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     error: str | None = None
     prompt_logprobs: list[PromptLogprobs] = []
     queue_time: float | None = None  # on the finishing output: seconds waiting before first scheduled
+    cached_tokens: int = 0
 
 
 class TokenBatch(msgspec.Struct, array_like=True, tag=True):
@@ -190,9 +190,18 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True):
     prompt_tokens_total: int
     generation_tokens_total: int
     avg_decode_tokens_per_sec: float
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_cached_blocks: int = 0
 
 
-FrontendInbox = TokenBatch | EngineStats
+class ControlReply(msgspec.Struct, array_like=True, tag=True):
+    token: int
+    ok: bool
+    message: str = ""
+
+
+FrontendInbox = TokenBatch | EngineStats | ControlReply
 
 
 # ---- worker -> launcher (once, over the start-up pipe) -------------------------------------------

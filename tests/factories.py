@@ -18,7 +18,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 64,
     eos_token_ids: tuple[int, ...] = (2,),
-    decode_tokens_per_seq: int = 1,
+    enable_prefix_caching: bool = True,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -28,7 +28,7 @@ def make_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             eos_token_ids=eos_token_ids,
-            decode_tokens_per_seq=decode_tokens_per_seq,
+            enable_prefix_caching=enable_prefix_caching,
         )
     )
 
@@ -48,14 +48,20 @@ class FakeWorker:
     """Mirrors what a real worker would know and 'samples' a deterministic function of the sequence so far.
 
     The next token depends only on the request's full token history, so outputs are identical whatever
-    the batching, chunking or preemption, exactly the property a real greedy model has.
+    the batching, chunking or preemption, exactly the property a real greedy model has. It also keeps a
+    fake KV cache (slot -> token id) through the block tables and checks, before every sample, that each
+    position's slot holds that position's token: a wrong prefix-cache hit or an overwritten shared block
+    fails the test.
     """
 
-    def __init__(self, eos_after: dict[int, int] | None = None) -> None:
+    def __init__(self, eos_after: dict[int, int] | None = None, block_size: int = 4) -> None:
         self.tokens: dict[int, list[int]] = {}
         self.blocks: dict[int, list[int]] = {}
         self.eos_after = eos_after or {}
+        self.block_size = block_size
+        self.kv: dict[int, int] = {}
         self.plans: list[StepPlan] = []
+        self.num_computed = 0  # tokens whose KV was computed, over all steps
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
@@ -72,17 +78,21 @@ class FakeWorker:
             table = self.blocks[sched.req_id]
             self.blocks[sched.req_id] = list(sched.new_block_ids) if sched.reset_blocks else table + sched.new_block_ids
             tokens = self.tokens[sched.req_id]
-            if sched.num_computed_tokens + sched.num_new_tokens == len(tokens):
+            end = sched.num_computed_tokens + sched.num_new_tokens
+            for pos in range(sched.num_computed_tokens, end):
+                self.kv[self._slot(sched.req_id, pos)] = tokens[pos]
+            self.num_computed += sched.num_new_tokens
+            for pos in range(end):
+                assert self.kv.get(self._slot(sched.req_id, pos)) == tokens[pos], f"KV of position {pos} is wrong"
+            if end == len(tokens):
                 token = self._next_token(sched.req_id, tokens)
                 tokens.append(token)
                 req_ids.append(sched.req_id)
                 token_ids.append(token)
-        for _ in range(plan.num_decode_steps - 1):
-            for req_id in req_ids:
-                token = self._next_token(req_id, self.tokens[req_id])
-                self.tokens[req_id].append(token)
-                token_ids.append(token)
-        return StepResult(plan.step_id, req_ids, token_ids, num_decode_steps=plan.num_decode_steps)
+        return StepResult(plan.step_id, req_ids, token_ids)
+
+    def _slot(self, req_id: int, pos: int) -> int:
+        return self.blocks[req_id][pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _next_token(self, req_id: int, tokens: list[int]) -> int:
         if req_id in self.eos_after and len(tokens) >= self.eos_after[req_id]:
@@ -90,15 +100,27 @@ class FakeWorker:
         return 3 + (sum(tokens) * 31 + len(tokens)) % 97
 
 
-def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> dict[int, list[int]]:
-    """Drive scheduler + fake worker until idle, checking invariants every step; returns outputs by req id."""
+def run_to_completion(
+    scheduler: Scheduler, worker: FakeWorker, max_steps: int = 10_000, overlap: bool = False
+) -> dict[int, list[int]]:
+    """Drive scheduler + fake worker until idle, checking invariants every step; returns outputs by req id.
+    With `overlap` each step is planned before the previous result is applied, as the server does."""
     outputs: dict[int, list[int]] = {}
+    in_flight = None
     for _ in range(max_steps):
         plan = scheduler.schedule()
-        if plan is None:
-            break
-        for out in scheduler.update(worker.execute(plan)):
-            outputs.setdefault(out.req_id, []).extend(out.new_token_ids)
+        if not overlap:
+            if plan is None:
+                break
+            results = [worker.execute(plan)]
+        else:
+            if plan is None and in_flight is None:
+                break
+            results = [in_flight] if in_flight is not None else []
+            in_flight = worker.execute(plan) if plan is not None else None
+        for result in results:
+            for out in scheduler.update(result):
+                outputs.setdefault(out.rid, []).extend(out.new_token_ids)
         scheduler.check_invariants()
     assert not scheduler.has_work, "scheduler did not drain"
     return outputs

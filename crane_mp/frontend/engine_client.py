@@ -20,6 +20,7 @@ from crane_mp.frontend.metrics import Metrics
 from crane_mp.ipc import Addresses, encode, frontend_decoder, make_socket
 from crane_mp.protocol import (
     AbortRequest,
+    ControlReply,
     ControlRequest,
     EngineStats,
     FinishReason,
@@ -52,6 +53,7 @@ class RequestStream:
     first_token_time: float | None = None
     last_token_time: float | None = None
     queue_time: float | None = None
+    cached_tokens: int = 0
     submitted: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -68,6 +70,7 @@ class RequestStream:
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs or [None] * len(out.new_token_ids))
         self.prompt_logprobs.extend(out.prompt_logprobs)
+        self.cached_tokens = out.cached_tokens
         if out.finish_reason is not None:
             self.finish_reason, self.stop_token_id, self.error = out.finish_reason, out.stop_token_id, out.error
             self.queue_time = out.queue_time
@@ -134,7 +137,7 @@ class EngineClient:
     def release(self, rid: int) -> None:
         self.streams.pop(rid, None)
 
-    async def control(self, kind: str, timeout: float) -> EngineStats:
+    async def control(self, kind: str, timeout: float) -> EngineStats | ControlReply:
         if self.dead:
             raise EngineDeadError(self.dead)
         token = next(self._tokens)

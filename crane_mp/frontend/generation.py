@@ -68,6 +68,10 @@ class Generation:
         return len(self.stream.token_ids)
 
     @property
+    def cached_tokens(self) -> int:
+        return self.stream.cached_tokens
+
+    @property
     def prompt_logprobs(self) -> list[PromptLogprobs]:
         return self.stream.prompt_logprobs
 

@@ -50,8 +50,17 @@ async def stats(request: web.Request) -> web.Response:
 
 
 @routes.post("/flush_cache")
+@routes.get("/flush_cache")
 async def flush_cache(request: web.Request) -> web.Response:
-    # No prefix cache exists yet, so there is nothing to drop; succeed as SGLang clients expect.
+    """Drop the prefix cache. Refused with 400 while requests are queued or running, as SGLang does."""
+    state = request.app[STATE]
+    state.require_ready()
+    try:
+        reply = await state.client.control("flush_cache", timeout=5.0)
+    except (TimeoutError, EngineDeadError) as err:
+        raise ApiError(503, f"the engine did not answer: {err or 'timeout'}") from err
+    if not reply.ok:
+        return json_response({"success": False, "message": f"Cache not flushed: {reply.message}."}, status=400)
     return json_response({"success": True, "message": "Cache flushed."})
 
 
@@ -82,7 +91,8 @@ def _server_args(state: FrontendState) -> dict[str, Any]:
     return {
         "model_path": engine.model_path, "model_name": cfg.model_name, "model_type": engine.model_type,
         "host": cfg.host, "port": cfg.port, "cpu": engine.force_cpu, "dtype": engine.dtype,
-        "max_concurrent": engine.max_num_seqs, "decode_tokens_per_seq": engine.decode_tokens_per_seq,
+        "max_concurrent": engine.max_num_seqs, "prefix_cache": engine.enable_prefix_caching,
+        "overlap_schedule": engine.overlap_schedule,
         "max_seq_len": engine.max_model_len, "max_total_tokens": engine.max_total_tokens,
         "max_num_batched_tokens": engine.max_num_batched_tokens, "block_size": engine.block_size,
         "gpu_memory_limit": None if limit is None else (limit.num_bytes or limit.fraction),

@@ -46,13 +46,19 @@ class Metrics:
                                     buckets=_TOKEN_BUCKETS, registry=reg)
         self.output_len = Histogram("vllm:request_generation_tokens", "Output length of finished requests.",
                                     labels, buckets=_TOKEN_BUCKETS, registry=reg)
-        self._seen_preemptions = 0
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels, registry=reg)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
+                                   registry=reg)
+        self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
 
     def observe_tokens(self, gap: float, count: int) -> None:
-        """`count` tokens arrived `gap` seconds after the previous ones (several at once when coalesced)."""
-        per_token = gap / count
-        for _ in range(count):
-            self.itl.labels(self.model_name).observe(per_token)
+        """`count` tokens arrived together, `gap` seconds after the previous ones: the gaps a client
+        saw, so a burst shows as one long gap and zeros, not as an even spread."""
+        itl = self.itl.labels(self.model_name)
+        itl.observe(gap)
+        for _ in range(count - 1):
+            itl.observe(0.0)
 
     def request_finished(
         self, reason: str, prompt_tokens: int, completion_tokens: int, ttft: float | None, e2e: float,
@@ -77,7 +83,13 @@ class Metrics:
             self.waiting.labels(name).set(stats.num_waiting)
             used = stats.num_total_blocks - stats.num_free_blocks
             self.kv_usage.labels(name).set(used / stats.num_total_blocks if stats.num_total_blocks else 0.0)
-            if stats.num_preemptions > self._seen_preemptions:
-                self.preemptions.labels(name).inc(stats.num_preemptions - self._seen_preemptions)
-                self._seen_preemptions = stats.num_preemptions
+            self._advance("preemptions", stats.num_preemptions)
+            self._advance("prefix_queries", stats.prefix_cache_queries)
+            self._advance("prefix_hits", stats.prefix_cache_hits)
         return generate_latest(self.registry)
+
+    def _advance(self, name: str, total: int) -> None:
+        """Move counter `name` up to the scheduler's running total."""
+        if total > self._seen[name]:
+            getattr(self, name).labels(self.model_name).inc(total - self._seen[name])
+            self._seen[name] = total

@@ -39,8 +39,10 @@ def _sse(payload: Any) -> bytes:
 
 def _usage(gens: list[Generation], n: int) -> dict[str, int]:
     prompt = sum(g.prompt_tokens for g in gens[::n])  # each prompt counted once, whatever n is
+    cached = sum(g.cached_tokens for g in gens[::n])
     completion = sum(g.completion_tokens for g in gens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def check_model(state: FrontendState, model: str | None) -> str:

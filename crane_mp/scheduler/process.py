@@ -1,7 +1,8 @@
 """Scheduler process: one loop — drain inbox, schedule, send plan, receive result, update, emit tokens.
 
-One step is in flight at a time. Requests are admitted, aborted and answered between steps; a
-request that can never run is answered at once with an error instead of being queued.
+With overlap (the default) two steps may be in flight: step N+1 is planned and sent while the worker
+runs step N, so the worker never waits for the scheduler. Requests are admitted, aborted and
+answered between plans; a request that can never run is answered at once with an error.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import zmq
 from crane_mp.ipc import Addresses, encode, make_socket, scheduler_decoder
 from crane_mp.protocol import (
     AbortRequest,
+    ControlReply,
     ControlRequest,
     GenerateRequest,
     ShutdownWorker,
@@ -24,15 +26,16 @@ from crane_mp.protocol import (
     TokenOutput,
 )
 from crane_mp.scheduler.request import FinishReason, Request
-from crane_mp.scheduler.scheduler import RequestOutput, RequestRejected, Scheduler, SchedulerConfig
+from crane_mp.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from crane_mp.scheduler.stats import EngineCounters
 
 log = logging.getLogger("crane_mp.scheduler")
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, addresses: Addresses, num_frontends: int) -> None:
+    def __init__(self, scheduler: Scheduler, addresses: Addresses, num_frontends: int, overlap: bool = True) -> None:
         self.scheduler = scheduler
+        self.max_in_flight = 2 if overlap else 1
         self.ctx = zmq.Context()
         self.inbox = make_socket(self.ctx, zmq.PULL, addresses.scheduler_inbox, bind=True)
         self.to_worker = make_socket(self.ctx, zmq.PUSH, addresses.worker_inbox, bind=True)
@@ -41,46 +44,52 @@ class SchedulerLoop:
         ]
         self.counters = EngineCounters()
         self.frontend_of: dict[int, int] = {}  # rid -> frontend id
-        self.step_in_flight = False
+        self.steps_in_flight = 0
         self.step_started = 0.0
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
+        stalled = False
         while True:
             # Wait while a step runs or nothing is queued (bounded, so signals are handled promptly);
             # otherwise only drain what has already arrived and plan the next step.
-            can_plan = self.scheduler.has_work and not self.step_in_flight
+            can_plan = self.scheduler.has_work and self.steps_in_flight < self.max_in_flight and not stalled
             timeout = 0 if can_plan else 1000
             if poller.poll(timeout):
+                stalled = False
                 while True:
                     try:
                         frame = self.inbox.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self.handle(scheduler_decoder.decode(frame))
-            if not self.step_in_flight:
+            if self.steps_in_flight < self.max_in_flight and not stalled:
                 plan = self.scheduler.schedule()
+                # Nothing to plan until a message arrives (e.g. every request awaits its last token):
+                # block on the inbox instead of spinning, the worker needs the cores.
+                stalled = plan is None
                 if plan is not None:
-                    self.step_started = time.monotonic()
                     self.to_worker.send(encode(plan))
-                    self.step_in_flight = True
-                elif not self.scheduler.running:
+                    if not self.steps_in_flight:
+                        self.step_started = time.monotonic()
+                    self.steps_in_flight += 1
+                elif not self.scheduler.running and not self.steps_in_flight:
                     self.scheduler.check_invariants()
 
     def handle(self, message) -> None:
         if isinstance(message, StepResult):
-            self.step_in_flight = False
+            self.steps_in_flight -= 1
             outputs = self.scheduler.update(message)
-            self.counters.on_step(outputs, self.step_started)
+            now = time.monotonic()
+            self.counters.on_step(outputs, now - self.step_started)
+            self.step_started = now  # the next step in flight started when this one ended
             self.emit(outputs)
         elif isinstance(message, GenerateRequest):
             self.admit(message)
         elif isinstance(message, AbortRequest):
-            req = self.scheduler.abort_request(message.rid)
-            if req is not None:
-                out = RequestOutput(req.req_id, [], req.num_prompt_tokens, len(req.output_ids), req.finish_reason)
-                out.queue_time = req.queue_time
+            out = self.scheduler.abort_request(message.rid)
+            if out is not None:
                 self.emit([out])
         elif isinstance(message, ControlRequest):
             self.control(message)
@@ -97,26 +106,25 @@ class SchedulerLoop:
         self.counters.on_request(len(message.input_ids))
 
     def control(self, message: ControlRequest) -> None:
+        reply_to = self.to_frontends[message.frontend_id]
         if message.kind == "stats":
-            snapshot = self.counters.snapshot(self.scheduler, message.token)
-            self.to_frontends[message.frontend_id].send(encode(snapshot))
+            reply_to.send(encode(self.counters.snapshot(self.scheduler, message.token)))
+        elif message.kind == "flush_cache":
+            ok = self.scheduler.flush_cache()
+            detail = "" if ok else "requests are queued or running; flush the cache when the server is idle"
+            reply_to.send(encode(ControlReply(message.token, ok, detail)))
+        else:
+            reply_to.send(encode(ControlReply(message.token, False, f"unknown control request {message.kind!r}")))
 
-    def emit(self, outputs: list[RequestOutput]) -> None:
+    def emit(self, outputs: list[TokenOutput]) -> None:
         batches: dict[int, list[TokenOutput]] = {}
         for out in outputs:
-            frontend_id = self.frontend_of.get(out.req_id)
+            frontend_id = self.frontend_of.get(out.rid)
             if frontend_id is None:
                 continue
-            finish = None if out.finish_reason is None else int(out.finish_reason)
-            batches.setdefault(frontend_id, []).append(
-                TokenOutput(
-                    out.req_id, out.new_token_ids, out.num_prompt_tokens, out.num_output_tokens, finish,
-                    out.stop_token_id, out.logprobs if any(lp is not None for lp in out.logprobs) else [],
-                    prompt_logprobs=out.prompt_logprobs, queue_time=out.queue_time,
-                )
-            )
-            if finish is not None:
-                del self.frontend_of[out.req_id]
+            batches.setdefault(frontend_id, []).append(out)
+            if out.finish_reason is not None:
+                del self.frontend_of[out.rid]
         for frontend_id, batch in batches.items():
             self.to_frontends[frontend_id].send(encode(TokenBatch(batch)))
 
@@ -130,12 +138,13 @@ def _exit_on_signal(signum, frame) -> None:
 
 
 def run_scheduler(
-    config: SchedulerConfig, addresses: Addresses, num_frontends: int, log_level: str, ready: Connection
+    config: SchedulerConfig, addresses: Addresses, num_frontends: int, overlap: bool, log_level: str,
+    ready: Connection,
 ) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how Ctrl-C ends the server
     signal.signal(signal.SIGTERM, _exit_on_signal)  # run `finally`: the worker is told to stop
-    loop = SchedulerLoop(Scheduler(config), addresses, num_frontends)
+    loop = SchedulerLoop(Scheduler(config), addresses, num_frontends, overlap)
     ready.send_bytes(b"ready")
     ready.close()
     try:

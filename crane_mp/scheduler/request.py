@@ -23,8 +23,11 @@ class Request:
     arrival_time: float = 0.0  # wall clock (time.time()) when the frontend received it
     queue_time: float | None = None  # seconds from arrival to first being scheduled
     output_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose KV is computed or being computed by a planned step
+    num_pending: int = 0  # tokens a planned step samples that have not come back yet (overlap)
     block_ids: list[int] = field(default_factory=list)
+    block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of the full blocks so far
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None  # the id that ended the request, reported as stop_reason
@@ -34,7 +37,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens the request has, counting the ones a planned step is still sampling."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def known_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     @property
     def num_prompt_tokens(self) -> int:

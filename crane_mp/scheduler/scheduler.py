@@ -1,56 +1,47 @@
-"""Continuous batching under a KV-block budget: admission, chunked prefill, preemption with lossless resume.
+"""Continuous batching under a KV-block budget: admission, prefix caching, chunked prefill, preemption
+with lossless resume, and planning one step ahead of the results (overlap).
 
 Driven by its owner (the scheduler process, or the in-process engine): `add_request` / `abort_request`
-as messages arrive, `schedule()` once per step, `update()` with the worker's `StepResult`.
+as messages arrive, `schedule()` once per step, `update()` with the worker's `StepResult`. With
+overlap the owner plans step N+1 before step N's result arrives: a request whose planned span ends
+its known tokens has a token "pending", the worker feeds that token itself, and a request that turns
+out to have finished in step N wastes one row of step N+1, which is dropped here.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from crane_mp.protocol import NewRequest, PromptLogprobs, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
-from crane_mp.scheduler.block_allocator import BlockAllocator
-from crane_mp.scheduler.request import FinishReason, Request, RequestStatus
+from crane_mp.protocol import FinishReason, NewRequest, ScheduledRequest, StepPlan, StepResult, TokenOutput
+from crane_mp.scheduler.block_pool import BlockPool, chain_keys
+from crane_mp.scheduler.request import Request, RequestStatus
 
 
 class RequestRejected(ValueError):
     """The request can never run (too long for the context window or the KV cache)."""
 
 
+# Root of every request's block-key chain; adapters or models that must never share KV get their own.
+_BASE_MODEL_ROOT = hash(("crane-mp", "base"))
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     num_blocks: int
     block_size: int = 16
-    max_num_seqs: int = 16
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     eos_token_ids: tuple[int, ...] = ()
-    # Decode rounds per plan when every running request is decoding and nobody waits: fewer
-    # scheduler<->worker round trips per token; the tokens produced are the same.
-    decode_tokens_per_seq: int = 1
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs (one decode token each)")
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError("the KV cache must hold at least one max_model_len sequence")
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What a request gained in one step: new tokens, and how it ended if it did."""
-
-    req_id: int
-    new_token_ids: list[int]
-    num_prompt_tokens: int
-    num_output_tokens: int
-    finish_reason: FinishReason | None = None
-    stop_token_id: int | None = None
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
-    queue_time: float | None = None  # set on the output that finishes the request
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -60,7 +51,7 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.allocator = BlockAllocator(config.num_blocks)
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -70,7 +61,10 @@ class Scheduler:
         self.watermark_blocks = max(1, config.num_blocks // 100)
         self._step_id = 0
         self._finished_for_worker: list[int] = []
+        self._num_registered: dict[int, int] = {}  # req id -> leading blocks already in the cache
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of those, tokens found
 
     # ---- intake ---------------------------------------------------------------------------------
 
@@ -88,17 +82,20 @@ class Scheduler:
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
-    def abort_request(self, req_id: int) -> Request | None:
+    def abort_request(self, req_id: int) -> TokenOutput | None:
         """Finish a request with ABORT wherever it is; unknown or finished ids are ignored."""
         req = self.requests.get(req_id)
         if req is None:
             return None
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
         self._finish(req, FinishReason.ABORT)
-        return req
+        return self._output(req, finish_reason=FinishReason.ABORT)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while any request is queued or running."""
+        if self.requests:
+            return False
+        self.pool.flush()
+        return True
 
     # ---- planning -------------------------------------------------------------------------------
 
@@ -109,9 +106,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[int] = []
 
-        def plan(req: Request, num_tokens: int, rounds: int = 1) -> None:
-            # `rounds` decode rounds feed one token each; blocks are reserved for all of them now.
-            new_blocks = self._grow_blocks(req, req.num_computed_tokens + num_tokens + rounds - 1)
+        def plan(req: Request, num_tokens: int) -> None:
+            new_blocks = self._grow_blocks(req, req.num_computed_tokens + num_tokens)
             if not req.known_to_worker:
                 new_requests.append(NewRequest(req.req_id, req.prompt_ids, req.sampling))
                 req.known_to_worker = True
@@ -120,24 +116,30 @@ class Scheduler:
                 ScheduledRequest(req.req_id, req.num_computed_tokens, num_tokens, new_blocks, req.blocks_reset)
             )
             req.blocks_reset = False
-            req.num_computed_tokens += num_tokens + rounds - 1
+            req.num_computed_tokens += num_tokens
+            if req.num_computed_tokens == req.num_tokens:
+                req.num_pending += 1  # the worker samples the next token in this step
 
-        running_plan = self._fit_running(budget, preempted)
-        rounds = 1 if self.waiting else self._decode_rounds(running_plan)
-        for req, num_tokens in running_plan:
-            plan(req, num_tokens, rounds)
+        for req, num_tokens in self._fit_running(budget, preempted):
+            plan(req, num_tokens)
             budget -= num_tokens
 
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
-            num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
-            needed = _blocks_for(req.num_computed_tokens + num_tokens, self.config.block_size) - len(req.block_ids)
+            if not self._may_sample(req):
+                break  # its last token is still coming back; it finishes on that update
+            hits = self._cache_hits(req)
+            num_cached = len(hits) * self.config.block_size
+            num_tokens = min(req.num_tokens - num_cached, budget)
+            needed = (
+                _blocks_for(num_cached + num_tokens, self.config.block_size) - len(hits)
+                + self.pool.num_evictable(hits)
+            )
             reserve = self.watermark_blocks if self.running else 0
-            if not self.allocator.can_allocate(needed + reserve):
+            if not self.pool.can_allocate(needed + reserve):
                 break
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._admit(req, hits)
             plan(req, num_tokens)
             budget -= num_tokens
 
@@ -146,40 +148,57 @@ class Scheduler:
         if not scheduled and not finished and not preempted:
             return None
         self._step_id += 1
-        return StepPlan(self._step_id, new_requests, scheduled, preempted, finished, rounds)
+        return StepPlan(self._step_id, new_requests, scheduled, preempted, finished)
+
+    def _may_sample(self, req: Request) -> bool:
+        """Another token may be sampled: neither max_tokens nor the context window is reached, counting
+        the pending ones."""
+        return (
+            len(req.output_ids) + req.num_pending < req.sampling.max_tokens
+            and req.num_tokens < self.config.max_model_len
+        )
+
+    def _cache_hits(self, req: Request) -> list[int]:
+        """Cached blocks that start this request, leaving at least one token to compute (its logits).
+        Requests that score their prompt compute every position, so they look nothing up."""
+        if not self.pool.enable_caching or req.sampling.prompt_logprobs is not None:
+            return []
+        known = req.known_token_ids
+        limit = min(len(known), req.num_tokens - 1) // self.config.block_size
+        self._extend_keys(req, known, limit)
+        return self.pool.lookup(req.block_keys[:limit])
+
+    def _extend_keys(self, req: Request, known: list[int], num_blocks: int) -> None:
+        have = len(req.block_keys)
+        if num_blocks > have:
+            parent = req.block_keys[-1] if have else _BASE_MODEL_ROOT
+            req.block_keys += chain_keys(known, self.config.block_size, num_blocks, parent, start=have)
+
+    def _admit(self, req: Request, hits: list[int]) -> None:
+        self.pool.take(hits)
+        req.block_ids = list(hits)
+        req.blocks_reset = True  # the worker gets the whole table: cached blocks first
+        req.num_computed_tokens = len(hits) * self.config.block_size
+        self._num_registered[req.req_id] = len(hits)
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = req.num_computed_tokens
+            self.prefix_cache_queries += req.num_prompt_tokens
+            self.prefix_cache_hits += req.num_cached_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _grow_blocks(self, req: Request, num_tokens: int) -> list[int]:
         needed = _blocks_for(num_tokens, self.config.block_size) - len(req.block_ids)
-        new_blocks = self.allocator.allocate(needed) if needed > 0 else []
+        new_blocks = self.pool.allocate(needed) if needed > 0 else []
         req.block_ids.extend(new_blocks)
         return list(req.block_ids) if req.blocks_reset else new_blocks
-
-    def _decode_rounds(self, running_plan: list[tuple[Request, int]]) -> int:
-        """How many decode rounds this plan may run: 1 unless all planned requests are pure decodes."""
-        rounds = self.config.decode_tokens_per_seq
-        if rounds == 1 or not running_plan:
-            return 1
-        for req, num_tokens in running_plan:
-            if num_tokens != 1 or req.num_computed_tokens != req.num_tokens - 1:
-                return 1
-            left = min(req.sampling.max_tokens - len(req.output_ids), self.config.max_model_len - req.num_tokens)
-            rounds = min(rounds, left)
-        size = self.config.block_size
-        while rounds > 1:
-            extra = sum(
-                _blocks_for(req.num_computed_tokens + rounds, size) - len(req.block_ids) for req, _ in running_plan
-            )
-            if self.allocator.can_allocate(extra):
-                break
-            rounds -= 1
-        return max(rounds, 1)
 
     def _running_demand(self, budget: int) -> list[tuple[Request, int, int]]:
         """(request, tokens, new blocks) for each running request this step; decodes first, then prefills."""
         demand = []
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_tokens == 0:
+            if num_tokens == 0 or (req.num_computed_tokens + num_tokens == req.num_tokens and not self._may_sample(req)):
                 continue
             total = _blocks_for(req.num_computed_tokens + num_tokens, self.config.block_size)
             demand.append((req, num_tokens, total - len(req.block_ids)))
@@ -190,15 +209,14 @@ class Scheduler:
         """Preempt the longest-output running requests until the rest fit in the free blocks."""
         while True:
             demand = self._running_demand(budget)
-            if sum(blocks for _, _, blocks in demand) <= self.allocator.num_free_blocks:
+            if sum(blocks for _, _, blocks in demand) <= self.pool.num_free_blocks:
                 return [(req, num_tokens) for req, num_tokens, _ in demand]
             victim = max(self.running, key=lambda r: (len(r.output_ids), r.arrival_time))
             self._preempt(victim, preempted)
 
     def _preempt(self, req: Request, preempted: list[int]) -> None:
         self.running.remove(req)
-        self.allocator.free(req.block_ids)
-        req.block_ids = []
+        self._release_blocks(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.blocks_reset = True
@@ -208,33 +226,64 @@ class Scheduler:
         self.max_running = max(1, len(self.running))
         preempted.append(req.req_id)
 
+    def _release_blocks(self, req: Request) -> None:
+        # Cached blocks stay findable after this: a resumed request usually finds its own prefix again.
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        self._num_registered.pop(req.req_id, None)
+
     # ---- results --------------------------------------------------------------------------------
 
-    def update(self, result: StepResult) -> list[RequestOutput]:
-        """Apply the worker's sampled tokens (all rounds); finish requests by token id and length."""
-        outputs: dict[int, RequestOutput] = {}
+    def update(self, result: StepResult) -> list[TokenOutput]:
+        """Apply the worker's sampled tokens; finish requests by token id and length."""
+        outputs: dict[int, TokenOutput] = {}
         for scored in result.prompt_logprobs:
             req = self.requests.get(scored.req_id)
             if req is not None:
-                out = outputs.setdefault(req.req_id, RequestOutput(req.req_id, [], req.num_prompt_tokens, 0))
+                out = outputs.setdefault(req.req_id, self._output(req))
                 out.prompt_logprobs.append(scored)
-        width = len(result.req_ids)
         logprobs = result.logprobs or [None] * len(result.token_ids)
-        for index, token_id in enumerate(result.token_ids):
-            req = self.requests.get(result.req_ids[index % width])
-            if req is None:  # aborted while the step ran, or finished in an earlier round
+        for req_id, token_id, token_logprobs in zip(result.req_ids, result.token_ids, logprobs):
+            req = self.requests.get(req_id)
+            if req is None:  # finished or aborted while the step ran
                 continue
+            req.num_pending -= 1
             req.output_ids.append(token_id)
-            out = outputs.setdefault(req.req_id, RequestOutput(req.req_id, [], req.num_prompt_tokens, 0))
+            out = outputs.setdefault(req.req_id, self._output(req))
             out.new_token_ids.append(token_id)
-            out.logprobs.append(logprobs[index])
-            out.num_output_tokens = len(req.output_ids)
+            out.logprobs.append(token_logprobs)
+            out.completion_tokens = len(req.output_ids)
             reason = self._check_finish(req, token_id)
             if reason is not None:
-                self.running.remove(req)
                 self._finish(req, reason)
                 out.finish_reason, out.stop_token_id, out.queue_time = reason, req.stop_token_id, req.queue_time
+            elif req.status == RequestStatus.RUNNING:
+                self._register_full_blocks(req)
+        for out in outputs.values():
+            if not any(lp is not None for lp in out.logprobs):
+                out.logprobs = []
         return list(outputs.values())
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Make the request's newly completed blocks findable by later requests. Called between steps,
+        so a request never hits a block another request is computing in the same step."""
+        if not self.pool.enable_caching:
+            return
+        known = req.known_token_ids
+        full = min(req.num_computed_tokens, len(known)) // self.config.block_size
+        done = self._num_registered.get(req.req_id, 0)
+        if full > done:
+            self._extend_keys(req, known, full)
+            for i in range(done, full):
+                self.pool.cache(req.block_ids[i], req.block_keys[i])
+            self._num_registered[req.req_id] = full
+
+    def _output(self, req: Request, finish_reason: FinishReason | None = None) -> TokenOutput:
+        out = TokenOutput(req.req_id, [], req.num_prompt_tokens, len(req.output_ids), finish_reason,
+                          cached_tokens=req.num_cached_tokens or 0)
+        if finish_reason is not None:
+            out.queue_time = req.queue_time
+        return out
 
     def _check_finish(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.sampling
@@ -245,16 +294,21 @@ class Scheduler:
                 return FinishReason.STOP
             if not params.ignore_eos and token_id in self.config.eos_token_ids:
                 return FinishReason.STOP
-        if num_output >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_output >= params.max_tokens or req.num_prompt_tokens + num_output >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if req.block_ids:
-            self.allocator.free(req.block_ids)
-            req.block_ids = []
+            self._register_full_blocks(req)
+            self._release_blocks(req)
+        self._num_registered.pop(req.req_id, None)
         del self.requests[req.req_id]
         if req.known_to_worker:
             self._finished_for_worker.append(req.req_id)
@@ -269,15 +323,17 @@ class Scheduler:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free_blocks
+        return self.pool.num_free_blocks
 
     def check_invariants(self) -> None:
-        self.allocator.check_invariants()
-        used = sum(len(r.block_ids) for r in self.running)
-        assert used == self.config.num_blocks - self.allocator.num_free_blocks, "blocks held outside running"
+        held: dict[int, int] = {}
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
             assert len(req.block_ids) >= _blocks_for(req.num_computed_tokens, self.config.block_size)
+            assert len(set(req.block_ids)) == len(req.block_ids), "a request holds a block twice"
+            for block in req.block_ids:
+                held[block] = held.get(block, 0) + 1
+        self.pool.check_invariants(held)
         for req in self.waiting:
             assert not req.block_ids and req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert len(self.running) + len(self.waiting) == len(self.requests)

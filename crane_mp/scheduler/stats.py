@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from crane_mp.protocol import EngineStats
-from crane_mp.scheduler.scheduler import RequestOutput, Scheduler
+from crane_mp.protocol import EngineStats, TokenOutput
+from crane_mp.scheduler.scheduler import Scheduler
 
 
 @dataclass(slots=True)
@@ -16,17 +15,15 @@ class EngineCounters:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     decode_tokens_per_sec: float = 0.0  # exponential moving average over busy steps
-    _last_step: float = field(default_factory=time.monotonic)
 
     def on_request(self, num_prompt_tokens: int) -> None:
         self.total_requests += 1
         self.prompt_tokens_total += num_prompt_tokens
 
-    def on_step(self, outputs: list[RequestOutput], step_started: float) -> None:
+    def on_step(self, outputs: list[TokenOutput], elapsed: float) -> None:
         generated = sum(len(o.new_token_ids) for o in outputs)
         self.generation_tokens_total += generated
         self.completed_requests += sum(o.finish_reason is not None for o in outputs)
-        elapsed = time.monotonic() - step_started
         if generated and elapsed > 0:
             rate = generated / elapsed
             self.decode_tokens_per_sec = rate if not self.decode_tokens_per_sec else (
@@ -46,4 +43,7 @@ class EngineCounters:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             avg_decode_tokens_per_sec=round(self.decode_tokens_per_sec, 2),
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
+            num_cached_blocks=scheduler.pool.num_cached_blocks,
         )

@@ -6,6 +6,8 @@ scheduler sends full request data once and only diffs afterwards.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,15 @@ from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.rope import rope_tables
 from crane_mp.worker.sampler import Sampler, SamplingState, new_sampling_state, record_token
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On CPU, anonymous memory the kernel hands out zeroed page by page as it
+    is first touched: a large KV cache costs neither start-up time nor RAM until it is used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * dtype.itemsize
+    return torch.frombuffer(mmap.mmap(-1, max(num_bytes, 1)), dtype=torch.uint8)[:num_bytes].view(dtype).view(shape)
 
 
 @dataclass(slots=True)
@@ -47,8 +58,8 @@ class ModelRunner:
         cfg = self.config
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         for attn in self.model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = _zeroed(shape, self.dtype, self.device)
+            attn.v_cache = _zeroed(shape, self.dtype, self.device)
         self.num_blocks = num_blocks
 
     def kv_bytes_per_token(self) -> int:
@@ -80,12 +91,7 @@ class ModelRunner:
             return StepResult(plan.step_id, [], [])
         prompt_logprobs: list[PromptLogprobs] = []
         req_ids, tokens, logprobs = self._forward_and_sample(plan.scheduled, prompt_logprobs)
-        for _ in range(plan.num_decode_steps - 1):
-            decodes = [ScheduledRequest(r, len(self.requests[r].token_ids) - 1, 1, []) for r in req_ids]
-            _, more_tokens, more_logprobs = self._forward_and_sample(decodes, prompt_logprobs)
-            tokens += more_tokens
-            logprobs += more_logprobs
-        return StepResult(plan.step_id, req_ids, tokens, logprobs, plan.num_decode_steps, prompt_logprobs)
+        return StepResult(plan.step_id, req_ids, tokens, logprobs, prompt_logprobs)
 
     def _forward_and_sample(
         self, scheduled: list[ScheduledRequest], prompt_logprobs: list[PromptLogprobs]

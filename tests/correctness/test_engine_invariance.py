@@ -89,22 +89,29 @@ def test_logprobs_come_back_for_the_sampled_token(model_dir):
     seen = []
     while eng.has_work:
         for out in eng.step():
-            assert out.req_id == req
+            assert out.rid == req
             seen += out.logprobs
     assert len(seen) == 4
     for lp in seen:
         assert lp.logprob <= 0 and lp.top_logprobs[0] >= lp.logprob - 1e-6 and len(lp.top_token_ids) == 3
 
 
-def test_multi_round_decode_equals_single_round(model_dir):
-    batch = prompts(6, seed=6)
-    params = [SamplingParams(temperature=0.0, max_tokens=20 + i, ignore_eos=True) for i in range(6)]
-    params.append(SamplingParams(temperature=0.8, seed=5, max_tokens=17, ignore_eos=True))
-    batch.append(batch[0])
-    single = engine(model_dir).generate(batch, params)
-    multi_engine = engine(model_dir, decode_tokens_per_seq=8)
-    assert multi_engine.generate(batch, params) == single
-    assert multi_engine.scheduler.num_free_blocks == multi_engine.worker.kv_plan.num_blocks
+def test_overlap_and_prefix_cache_never_change_greedy_tokens_even_under_preemption(model_dir):
+    shared = [3 + (i * 37) % 500 for i in range(100)]  # a long common prefix, as a chat's system prompt
+    batch = [shared + p for p in prompts(10, seed=9)] + prompts(4, seed=10)
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + i, ignore_eos=True) for i in range(len(batch))]
+    params[-1] = SamplingParams(temperature=0.8, seed=5, max_tokens=17, ignore_eos=True)
+    reference = engine(model_dir, enable_prefix_caching=False, overlap_schedule=False).generate(batch, params)
+    for cache in (False, True):
+        for overlap in (False, True):
+            roomy = engine(model_dir, enable_prefix_caching=cache, overlap_schedule=overlap)
+            assert roomy.generate(batch[:1], params[:1]) == reference[:1]  # warms the cache with the prefix
+            assert roomy.generate(batch, params) == reference, (cache, overlap)
+            tight = engine(model_dir, max_total_tokens=256, enable_prefix_caching=cache, overlap_schedule=overlap)
+            assert tight.generate(batch, params) == reference, (cache, overlap, "preempted")
+            assert tight.scheduler.num_preemptions > 0
+            assert tight.scheduler.num_free_blocks == tight.worker.kv_plan.num_blocks
+    assert roomy.scheduler.prefix_cache_hits >= 10 * (len(shared) // 16 * 16)  # the shared prefix really hit
 
 
 def test_prompt_logprobs_match_a_full_forward_and_survive_chunking(model_dir):
@@ -121,7 +128,7 @@ def test_prompt_logprobs_match_a_full_forward_and_survive_chunking(model_dir):
         scored = []
         while eng.has_work:
             for out in eng.step():
-                assert out.req_id == req
+                assert out.rid == req
                 scored += out.prompt_logprobs
         assert [s.start for s in scored] == sorted(s.start for s in scored) and scored[0].start == 1
         values = [v for s in scored for v in s.logprobs]

@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = Server(model_dir, "--api-key", KEY, "--decode-tokens-per-seq", "3", "--max-request-bytes", "200000",
+    srv = Server(model_dir, "--api-key", KEY, "--max-request-bytes", "200000",
                  log_path=tmp_path_factory.mktemp("log") / "server.log")
     yield srv
     assert srv.stop() == 0

@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = Server(model_dir, "--max-concurrent", "32", "--decode-tokens-per-seq", "4",
+    srv = Server(model_dir, "--max-concurrent", "32",
                  log_path=tmp_path_factory.mktemp("log") / "server.log")
     yield srv
     assert srv.stop() == 0
@@ -74,8 +74,11 @@ def assert_matches_reference(results, reference) -> None:
         prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         assert result["prompt_token_ids"] == prompt_ids
         assert result["choices"][0]["token_ids"] == greedy(prompt_ids)
-        assert result["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": NUM_TOKENS,
-                                   "total_tokens": len(prompt_ids) + NUM_TOKENS}
+        usage = dict(result["usage"])
+        cached = usage.pop("prompt_tokens_details")["cached_tokens"]
+        assert usage == {"prompt_tokens": len(prompt_ids), "completion_tokens": NUM_TOKENS,
+                         "total_tokens": len(prompt_ids) + NUM_TOKENS}
+        assert 0 <= cached < len(prompt_ids) and cached % 16 == 0  # whole blocks, never the last token
         assert result["choices"][0]["finish_reason"] == "length"
 
 
@@ -236,7 +239,7 @@ def _start_streams(url: str, n: int, started: asyncio.Semaphore):
 
 @pytest.mark.parametrize("victim", ["worker", "scheduler"])
 def test_kill_9_of_an_engine_process_fails_every_client_and_stops_the_server(model_dir, tmp_path, victim):
-    srv = Server(model_dir, "--decode-tokens-per-seq", "1", log_path=tmp_path / "log")
+    srv = Server(model_dir, log_path=tmp_path / "log")
     try:
         tree = srv.process_tree()
 
@@ -261,7 +264,7 @@ def test_kill_9_of_an_engine_process_fails_every_client_and_stops_the_server(mod
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero(model_dir, tmp_path):
-    srv = Server(model_dir, "--decode-tokens-per-seq", "1", "--shutdown-grace", "300", log_path=tmp_path / "log")
+    srv = Server(model_dir, "--shutdown-grace", "300", log_path=tmp_path / "log")
     tree = srv.process_tree()
     try:
         async def scenario():

@@ -21,7 +21,7 @@ from tests.integration.server import Server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_model("hunyuan", "tiny", tmp_path_factory.mktemp("m") / "hy", seed=2)
-    srv = Server(model, "--decode-tokens-per-seq", "2", "--health-generate-timeout", "3",
+    srv = Server(model, "--max-concurrent", "16", "--health-generate-timeout", "3",
                  log_path=tmp_path_factory.mktemp("log") / "server.log")
     yield srv
     assert srv.stop() == 0
@@ -108,7 +108,8 @@ def test_management_routes(server):
         assert info["model_type"] == "hunyuan" and info["dtype"] == "float32"
     for path in ("/server_info", "/get_server_info"):
         info = requests.get(server.url + path).json()
-        assert info["version"] and info["max_concurrent"] == 16 and info["decode_tokens_per_seq"] == 2
+        assert info["version"] and info["max_concurrent"] == 16
+        assert info["prefix_cache"] is True and info["overlap_schedule"] is True
         assert info["stats"]["kv_blocks_total"] > 0 and info["stats"]["completed_requests"] >= 0
         # The worker's CPU tier, as this process computes it (same CPU, same CRANE_MP_ISA).
         assert (info["isa"], info["kernel_isa"]) == cpu_isa.describe(torch.device("cpu"))
@@ -164,3 +165,33 @@ def test_health_generate_is_503_while_the_worker_is_stuck(server):
     finally:
         worker.send_signal(signal.SIGCONT)
     assert requests.get(server.url + "/health_generate", timeout=30).status_code == 200
+
+
+def test_prefix_cache_reports_cached_tokens_and_flush_drops_it(server):
+    prompt = [5 + i % 300 for i in range(40)]  # two full 16-token blocks, and 8 more tokens
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+    assert requests.post(server.url + "/flush_cache").status_code == 200
+    first = gen(server, body).json()
+    assert first["meta_info"]["cached_tokens"] == 0
+    again = gen(server, body).json()
+    assert again["meta_info"]["cached_tokens"] == 32 and again["output_ids"] == first["output_ids"]
+    model = requests.get(server.url + "/v1/models").json()["data"][0]["id"]
+    completion = requests.post(server.url + "/v1/completions", json={
+        "model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}).json()
+    assert completion["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    metrics = requests.get(server.url + "/metrics").text
+    hits = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= 64
+    assert "vllm:prefix_cache_queries_total" in metrics
+
+    # Far more tokens than the engine makes while one flush request travels: still running when it lands.
+    streaming = {**body, "stream": True, "sampling_params": {**body["sampling_params"], "max_new_tokens": 1900}}
+    with requests.post(server.url + "/generate", json=streaming, stream=True, timeout=60) as resp:
+        lines = resp.iter_lines(chunk_size=1)  # kept: a closed iterator would close the connection
+        next(line for line in lines if line)  # the request is running now
+        refused = requests.post(server.url + "/flush_cache")
+        assert refused.status_code == 400 and not refused.json()["success"]
+    deadline = time.monotonic() + 30
+    while requests.post(server.url + "/flush_cache").status_code != 200:  # the abort reaches the engine
+        assert time.monotonic() < deadline
+    assert gen(server, body).json()["meta_info"]["cached_tokens"] == 0

@@ -10,6 +10,7 @@ import pytest
 from crane_mp.ipc import encode, frontend_decoder, scheduler_decoder, worker_decoder
 from crane_mp.protocol import (
     AbortRequest,
+    ControlReply,
     ControlRequest,
     EngineStats,
     GenerateRequest,
@@ -30,11 +31,12 @@ CASES = [
     (scheduler_decoder, GenerateRequest(1 << 41, [1, 2, 3], PARAMS, 2, 12.5)),
     (scheduler_decoder, AbortRequest(5)),
     (scheduler_decoder, ControlRequest("stats", 9, 1)),
-    (scheduler_decoder, StepResult(4, [1, 2], [7, 8, 9, 10], [None, TokenLogprobs(-0.1, [7], [-0.1])] * 2, 2)),
-    (worker_decoder, StepPlan(3, [NewRequest(1, [4, 5], PARAMS)], [ScheduledRequest(1, 0, 2, [0], False)], [2], [3], 4)),
+    (scheduler_decoder, StepResult(4, [1, 2], [7, 8], [None, TokenLogprobs(-0.1, [7], [-0.1])])),
+    (worker_decoder, StepPlan(3, [NewRequest(1, [4, 5], PARAMS)], [ScheduledRequest(1, 0, 2, [0], False)], [2], [3])),
     (worker_decoder, ShutdownWorker()),
-    (frontend_decoder, TokenBatch([TokenOutput(1, [5], 3, 1, 0, 5, [], None)])),
-    (frontend_decoder, EngineStats(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11.5)),
+    (frontend_decoder, TokenBatch([TokenOutput(1, [5], 3, 1, 0, 5, [], None, cached_tokens=16)])),
+    (frontend_decoder, EngineStats(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11.5, 12, 13, 14)),
+    (frontend_decoder, ControlReply(3, False, "busy")),
 ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from crane_mp.scheduler.block_allocator import BlockAllocator
+from crane_mp.scheduler.block_pool import BlockPool, chain_keys
 from crane_mp.scheduler.request import FinishReason, RequestStatus
 from crane_mp.scheduler.scheduler import RequestRejected
 from tests.factories import FakeWorker, make_requests, make_scheduler, run_to_completion
@@ -22,19 +22,58 @@ def reference_outputs(requests, **scheduler_kwargs) -> dict[int, list[int]]:
     return outputs
 
 
-def test_allocator_allocates_frees_and_keeps_invariants():
-    alloc = BlockAllocator(8)
-    a = alloc.allocate(3)
-    b = alloc.allocate(5)
-    assert len(set(a) | set(b)) == 8 and alloc.num_free_blocks == 0
-    assert not alloc.can_allocate(1)
+def test_pool_allocates_frees_and_keeps_invariants():
+    pool = BlockPool(8)
+    a = pool.allocate(3)
+    b = pool.allocate(5)
+    assert len(set(a) | set(b)) == 8 and pool.num_free_blocks == 0
+    assert not pool.can_allocate(1)
     with pytest.raises(RuntimeError):
-        alloc.allocate(1)
-    alloc.free(a)
-    alloc.check_invariants()
-    assert alloc.num_free_blocks == 3
+        pool.allocate(1)
+    pool.free(a)
+    pool.check_invariants({block: 1 for block in b})
+    assert pool.num_free_blocks == 3
     with pytest.raises(KeyError):
-        alloc.free(a)  # double free is a bug, not a no-op
+        pool.free(a)  # double free is a bug, not a no-op
+
+
+def test_pool_keeps_freed_cached_blocks_until_memory_is_needed_evicting_least_recent_first():
+    pool = BlockPool(4)
+    first, second = pool.allocate(2), pool.allocate(2)
+    keys = chain_keys(list(range(8)), 4, 2, parent=0)
+    for block, key in zip(first, keys):
+        pool.cache(block, key)
+    pool.free(first)
+    pool.free(second)
+    assert pool.num_free_blocks == 4 and pool.num_cached_blocks == 2
+    assert pool.lookup(keys) == first
+    assert pool.lookup([keys[1]]) == [first[1]] and pool.lookup(chain_keys(list(range(1, 9)), 4, 2, 0)) == []
+    pool.take(first[:1])  # a hit on the first block only: it is held again, no longer evictable
+    assert pool.num_free_blocks == 3
+    assert sorted(pool.allocate(2)) == second  # uncached blocks go first
+    assert pool.allocate(1) == [first[1]]  # then the cached one nobody holds, evicted
+    assert pool.lookup(keys) == first[:1] and pool.num_cached_blocks == 1
+    pool.check_invariants({first[0]: 1, first[1]: 1, second[0]: 1, second[1]: 1})
+
+
+def test_pool_flush_forgets_every_key_but_not_held_blocks():
+    pool = BlockPool(4)
+    held = pool.allocate(2)
+    keys = chain_keys([5] * 8, 4, 2, parent=0)
+    pool.cache(held[0], keys[0])
+    pool.cache(held[1], keys[1])
+    pool.free(held[1:])
+    assert pool.flush() == 2
+    assert pool.lookup(keys) == [] and pool.num_free_blocks == 3
+    pool.check_invariants({held[0]: 1})
+
+
+def test_chain_keys_depend_on_every_earlier_token():
+    a = chain_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, 2, parent=0)
+    b = chain_keys([9, 2, 3, 4, 5, 6, 7, 8], 4, 2, parent=0)
+    assert a[0] != b[0] and a[1] != b[1]  # equal second blocks, different prefixes
+    assert chain_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, 2, parent=a[0], start=1) == a[1:]
+    assert chain_keys([1, 2, 3, 4], 4, 1, parent=1) != a[:1]  # another namespace (adapter, model)
 
 
 def test_batch_runs_to_completion_and_frees_every_block():
@@ -194,21 +233,117 @@ def test_worker_gets_full_data_once_then_diffs():
     assert all(len(b) <= 1 for b in decode_blocks)
 
 
-def test_multi_round_decode_gives_the_same_tokens_with_fewer_plans():
-    lengths = [3, 9, 17, 1, 6]
+def test_overlap_gives_the_same_tokens_and_drops_the_row_after_an_unforeseen_finish():
     results = {}
-    for rounds in (1, 8):
-        sched = make_scheduler(max_model_len=64, decode_tokens_per_seq=rounds)
-        reqs = make_requests(5, prompt_len=lengths, max_tokens=30)
+    for overlap in (False, True):
+        sched = make_scheduler(num_blocks=20, max_model_len=64)
+        reqs = make_requests(5, prompt_len=[3, 9, 17, 1, 6], max_tokens=30)
         for i, req in enumerate(reqs):
             req.req_id = i  # same ids in both runs so the fake worker's EOS rule matches
             sched.add_request(req)
         worker = FakeWorker(eos_after={1: 20})
-        results[rounds] = (run_to_completion(sched, worker), worker.plans, sched)
-    single, single_plans, _ = results[1]
-    multi, multi_plans, multi_sched = results[8]
-    assert multi == single
-    assert len(multi[1]) < 30  # EOS inside a multi-round plan still ends the request there
-    assert any(p.num_decode_steps > 1 for p in multi_plans)
-    assert len(multi_plans) < len(single_plans)
-    assert multi_sched.num_free_blocks == multi_sched.config.num_blocks
+        results[overlap] = (run_to_completion(sched, worker, overlap=overlap), worker, sched)
+    plain, plain_worker, _ = results[False]
+    overlapped, worker, sched = results[True]
+    assert overlapped == plain
+    assert len(plain[1]) < 30 and plain[1][-1] == 2  # EOS ended request 1
+    assert sched.num_preemptions > 0  # 20 blocks of 4 tokens: the resume path ran under overlap too
+    # Request 1's EOS was not known when the next step was planned: one extra row, dropped.
+    assert worker.num_computed > plain_worker.num_computed
+    assert sched.num_free_blocks == sched.config.num_blocks
+
+
+def test_overlap_never_samples_past_max_tokens():
+    sched = make_scheduler()
+    reqs = make_requests(3, prompt_len=[2, 5, 9], max_tokens=4)
+    for req in reqs:
+        sched.add_request(req)
+    worker = FakeWorker()
+    outputs = run_to_completion(sched, worker, overlap=True)
+    assert all(len(outputs[r.req_id]) == 4 for r in reqs)
+    assert all(len(worker.tokens.get(r.req_id, [])) == 0 for r in reqs)  # every mirror dropped
+    assert sum(len(p.scheduled) for p in worker.plans) == sum(1 + 3 for _ in reqs)  # prefill + 3 decodes each
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_shared_prefix_hits_the_cache_and_gives_the_same_tokens(overlap):
+    prefix = [7 + i % 40 for i in range(21)]  # 5 full blocks of 4, and one more token
+    reqs = make_requests(4, prompt_len=3, max_tokens=6)
+    for i, req in enumerate(reqs):
+        req.prompt_ids = prefix + [50 + i, 60 + i, 70 + i]
+    sched = make_scheduler()
+    worker = FakeWorker()
+    sched.add_request(reqs[0])
+    outputs = run_to_completion(sched, worker, overlap=overlap)
+    assert reqs[0].num_cached_tokens == 0
+    for req in reqs[1:]:
+        sched.add_request(req)
+    outputs.update(run_to_completion(sched, worker, overlap=overlap))
+    assert [r.num_cached_tokens for r in reqs[1:]] == [20, 20, 20]
+    assert sched.prefix_cache_queries == 4 * 24 and sched.prefix_cache_hits == 60
+    uncached = make_scheduler(enable_prefix_caching=False)
+    for req in make_requests(4, prompt_len=3, max_tokens=6):
+        req.req_id, req.prompt_ids = reqs[len(uncached.requests)].req_id, list(reqs[len(uncached.requests)].prompt_ids)
+        uncached.add_request(req)
+    reference_worker = FakeWorker()
+    assert run_to_completion(uncached, reference_worker) == outputs
+    assert worker.num_computed < reference_worker.num_computed
+    assert uncached.prefix_cache_hits == 0
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    sched = make_scheduler()
+    [first, again] = make_requests(2, prompt_len=8, max_tokens=3)
+    again.prompt_ids = list(first.prompt_ids)
+    sched.add_request(first)
+    worker = FakeWorker()
+    run_to_completion(sched, worker)
+    sched.add_request(again)
+    plan = sched.schedule()
+    [scheduled] = plan.scheduled
+    assert (scheduled.num_computed_tokens, scheduled.num_new_tokens) == (4, 4)  # the block holding the last token is recomputed
+    assert scheduled.reset_blocks and len(scheduled.new_block_ids) == 2
+    sched.update(worker.execute(plan))
+    run_to_completion(sched, worker)
+    assert again.num_cached_tokens == 4
+
+
+def test_prompt_logprobs_requests_compute_every_position():
+    sched = make_scheduler()
+    [first] = make_requests(1, prompt_len=12, max_tokens=2)
+    [scored] = make_requests(1, prompt_len=12, max_tokens=2, prompt_logprobs=0)
+    scored.prompt_ids = list(first.prompt_ids)
+    sched.add_request(first)
+    worker = FakeWorker()
+    run_to_completion(sched, worker)
+    sched.add_request(scored)
+    plan = sched.schedule()
+    assert plan.scheduled[0].num_computed_tokens == 0 and scored.num_cached_tokens == 0
+
+
+def test_preempted_request_resumes_from_its_own_cached_blocks():
+    reqs = make_requests(4, prompt_len=6, max_tokens=20)
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=4, max_model_len=40)
+    for r in reqs:
+        sched.add_request(r)
+    worker = FakeWorker()
+    outputs = run_to_completion(sched, worker)
+    resumed = [s for p in worker.plans for s in p.scheduled if s.reset_blocks and s.num_computed_tokens > 0]
+    assert sched.num_preemptions > 0 and resumed  # some resume started past its first block
+    assert outputs == reference_outputs(reqs)
+
+
+def test_flush_cache_is_refused_while_requests_run():
+    sched = make_scheduler()
+    reqs = make_requests(2, prompt_len=9, max_tokens=3)
+    sched.add_request(reqs[0])
+    worker = FakeWorker()
+    sched.update(worker.execute(sched.schedule()))
+    assert not sched.flush_cache()
+    run_to_completion(sched, worker)
+    assert sched.pool.num_cached_blocks > 0
+    assert sched.flush_cache() and sched.pool.num_cached_blocks == 0
+    reqs[1].prompt_ids = list(reqs[0].prompt_ids)
+    sched.add_request(reqs[1])
+    run_to_completion(sched, worker)
+    assert reqs[1].num_cached_tokens == 0

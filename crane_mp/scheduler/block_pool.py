@@ -1,0 +1,127 @@
+"""KV blocks: who holds each one, and the prefix cache over them. The only writer of block ids.
+
+A full block of a sequence is identified by a hash chained over every token before it (vLLM's
+scheme): block i's key is (key of block i-1, its own token ids), so equal keys mean equal prefixes.
+Blocks are reference-counted; a block nobody holds stays in the cache, findable by its key, until
+its memory is needed. Eviction order is least recently freed first, and a request's later blocks
+go before its earlier ones (they are the least likely to be shared).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+BlockKey = int
+
+
+def chain_keys(token_ids: list[int], block_size: int, num_blocks: int, parent: BlockKey, start: int = 0) -> list[BlockKey]:
+    """Keys of full blocks [start, num_blocks) of `token_ids`, chained from `parent` (the key of block
+    start - 1, or the root key of the request's namespace)."""
+    keys = []
+    for i in range(start, num_blocks):
+        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        keys.append(parent)
+    return keys
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self._refs = [0] * num_blocks
+        self._key_of: dict[int, BlockKey] = {}  # block id -> key, for cached blocks
+        self._cached: dict[BlockKey, int] = {}  # key -> block id
+        self._free: deque[int] = deque(range(num_blocks))  # unreferenced, uncached: handed out first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached: LRU first
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take, cached ones included (they are evicted on demand)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
+        ids = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                del self._cached[self._key_of.pop(block)]
+            self._refs[block] = 1
+            ids.append(block)
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        """Drop one reference to each block; a request's blocks are given in sequence order."""
+        for block in reversed(ids):
+            if self._refs[block] <= 0:
+                raise KeyError(f"KV block {block} freed twice")
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._key_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+
+    # ---- prefix cache ---------------------------------------------------------------------------
+
+    def lookup(self, keys: list[BlockKey]) -> list[int]:
+        """The cached blocks of the longest prefix of `keys`, not yet referenced by the caller."""
+        hits = []
+        if self.enable_caching:
+            for key in keys:
+                block = self._cached.get(key)
+                if block is None:
+                    break
+                hits.append(block)
+        return hits
+
+    def num_evictable(self, ids: list[int]) -> int:
+        """How many of `ids` nobody holds: taking them uses up free blocks."""
+        return sum(self._refs[b] == 0 for b in ids)
+
+    def take(self, ids: list[int]) -> None:
+        """Add a reference to each of `ids` (cache hits from lookup)."""
+        for block in ids:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+
+    def cache(self, block: int, key: BlockKey) -> None:
+        """Make a held, fully computed block findable by `key`. A key already cached (two requests
+        computed the same prefix at once) keeps its block; this one stays private."""
+        if self.enable_caching and key not in self._cached and block not in self._key_of:
+            self._cached[key] = block
+            self._key_of[block] = key
+
+    def flush(self) -> int:
+        """Forget every cached key; returns how many blocks were dropped. Held blocks stay held."""
+        dropped = len(self._cached)
+        for block in self._evictable:
+            self._free.append(block)
+        self._evictable.clear()
+        self._cached.clear()
+        self._key_of.clear()
+        return dropped
+
+    def check_invariants(self, held: dict[int, int]) -> None:
+        """`held`: block id -> how many requests hold it, as the scheduler counts."""
+        for block in range(self.num_blocks):
+            assert self._refs[block] == held.get(block, 0), f"block {block}: {self._refs[block]} refs, {held.get(block, 0)} holders"
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is free twice"
+        assert not free & evictable, "a block is both free and evictable"
+        assert all(self._refs[b] == 0 for b in free | evictable), "a held block is free"
+        assert evictable <= set(self._key_of), "an evictable block has no key"
+        assert not free & set(self._key_of), "a free block still has a key"
+        assert len(free) + len(evictable) + sum(r > 0 for r in self._refs) == self.num_blocks, "blocks leaked"
+        assert {self._cached[k]: k for k in self._cached} == self._key_of, "key maps disagree"
