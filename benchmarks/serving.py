@@ -1,13 +1,22 @@
-"""Load generator for an OpenAI-compatible server: output tok/s, req/s, TTFT and inter-token latency.
+"""Load generator for any OpenAI-compatible server (crane-mp, vLLM, llama-server): what a streaming
+client sees, measured at the client from SSE arrival times.
 
-    python benchmarks/serving.py --url http://127.0.0.1:8080 --concurrency 32 --num-requests 64
-    python benchmarks/serving.py --launch-demo --concurrency 32 --compare-engine   # server vs in-process
+    python benchmarks/serving.py --url http://127.0.0.1:8080                    # C = 1, 8, 32, 64
+    python benchmarks/serving.py --url http://127.0.0.1:8000 --concurrency 32 --num-requests 64
+    python benchmarks/serving.py --url ... --prefix-len 1000 --prompt-len 64 --concurrency 32  # shared prefix
+    python benchmarks/serving.py --launch-demo --server-args "--no-prefix-cache"  # starts crane-launch --demo
 
-Closed loop at --concurrency, or open loop at --request-rate (Poisson arrivals). Streaming
-/v1/completions with token-id prompts of --prompt-len and EOS ignored, so every request produces
-exactly --output-len tokens. Prints a table and one JSON line. itl is the time per output token after
-the first (TPOT, per request); chunk_gap is the time between SSE chunks, which carry up to
---decode-tokens-per-seq tokens each.
+Closed loop at each --concurrency (or open loop at --request-rate, Poisson arrivals). Streaming
+/v1/completions with token-id prompts, EOS ignored, so every request produces exactly --output-len
+tokens. With --prefix-len P every prompt starts with the same P tokens (a shared system prompt) and
+ends with --prompt-len unique ones; the server's cache is flushed first (/flush_cache, where there is
+one) so the first wave pays for the prefix.
+
+Reported per run: output tok/s; TTFT p50/p99; ITL p50/p99, the gaps between SSE events as the client
+receives them; tokens per event (mean, max), counted from usage on every chunk where the server sends
+it (crane-mp, vLLM), else one per event (llama-server); TPOT p50 (per request, (latency - TTFT) /
+(tokens - 1)); cached prompt tokens (from usage.prompt_tokens_details where reported). One JSON line
+per run, then a table.
 """
 
 from __future__ import annotations
@@ -16,9 +25,11 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -29,45 +40,55 @@ class RequestRecord:
     ok: bool = False
     ttft: float = 0.0
     latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # between consecutive events with text
+    event_tokens: list[int] = field(default_factory=list)
     output_tokens: int = 0
+    cached_tokens: int | None = None
     error: str = ""
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int) -> RequestRecord:
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     record = RequestRecord()
-    counted_usage, chunk_tokens = False, 0
+    reported = 0  # completion tokens according to the last usage seen
     start = last = time.perf_counter()
     try:
         async with session.post(url + "/v1/completions", json=body) as resp:
             if resp.status != 200:
-                record.error = f"HTTP {resp.status}"
+                record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return record
             async for raw in resp.content:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
+                now = time.perf_counter()
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     record.error = chunk["error"]["message"]
                     return record
-                if chunk.get("usage"):
-                    record.output_tokens = chunk["usage"]["completion_tokens"]
-                    counted_usage = True
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    if not counted_usage:  # servers without stream usage (llama-server) send one token per chunk
-                        chunk_tokens += 1
-                    now = time.perf_counter()
-                    if record.ttft == 0.0:
-                        record.ttft = now - start
-                    else:
-                        record.itl.append(now - last)
-                    last = now
+                usage = chunk.get("usage")
+                if usage:
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        record.cached_tokens = details["cached_tokens"]
+                has_text = bool(chunk.get("choices") and chunk["choices"][0].get("text"))
+                if usage and usage.get("completion_tokens") is not None:
+                    count = usage["completion_tokens"] - reported
+                    reported = usage["completion_tokens"]
+                else:
+                    count = 1 if has_text else 0  # servers without usage per chunk send a token per event
+                if not has_text or count <= 0:
+                    continue
+                record.output_tokens += count
+                record.event_tokens.append(count)
+                if record.ttft == 0.0:
+                    record.ttft = now - start
+                else:
+                    record.gaps.append(now - last)
+                last = now
         record.latency = time.perf_counter() - start
-        if not counted_usage:
-            record.output_tokens = chunk_tokens
+        record.output_tokens = max(record.output_tokens, reported)
         record.ok = record.output_tokens == output_len
         if not record.ok:
             record.error = f"got {record.output_tokens} tokens"
@@ -83,18 +104,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run_load(args) -> dict:
+def make_prompts(args) -> list[list[int]]:
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(10, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    prefix = [rng.randrange(10, args.vocab) for _ in range(getattr(args, "prefix_len", 0))]
+    return [prefix + [rng.randrange(10, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+
+
+async def run_load(args) -> dict:
+    prompts = make_prompts(args)
+    rng = random.Random(args.seed + 1)
     # llama-server closes keep-alive connections that aiohttp would reuse: --new-connection avoids them.
     connector = aiohttp.TCPConnector(limit=0, force_close=args.new_connection)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        await one_request(session, args.url, prompts[0][:8], 4)  # warm-up
+        warm = [rng.randrange(10, args.vocab) for _ in range(8)]
+        await one_request(session, args.url, warm, 4)
         async with session.get(args.url + "/server_info") as resp:
             info = await resp.json() if resp.status == 200 else {}
-        async with session.get(args.url + "/model_info") as resp:
-            info["dtype"] = (await resp.json()).get("dtype") if resp.status == 200 else None
+        if getattr(args, "prefix_len", 0):
+            async with session.post(args.url + "/flush_cache") as resp:
+                await resp.read()
         start = time.perf_counter()
         if args.request_rate:
             tasks = []
@@ -103,7 +132,7 @@ async def run_load(args) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
             records = await asyncio.gather(*tasks)
         else:
-            queue = list(prompts)
+            queue = list(reversed(prompts))
             records = []
 
             async def client():
@@ -113,69 +142,42 @@ async def run_load(args) -> dict:
             await asyncio.gather(*(client() for _ in range(args.concurrency)))
         elapsed = time.perf_counter() - start
     ok = [r for r in records if r.ok]
-    chunk_gaps = [x for r in ok for x in r.itl]
-    # Time per output token after the first: what a reader of a stream sees on average.
+    gaps = [g for r in ok for g in r.gaps]
+    events = [n for r in ok for n in r.event_tokens]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    tokens = sum(r.output_tokens for r in ok)
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     return {
         "bench": "serving",
-        "isa": f"{info.get('isa')}/{info.get('kernel_isa')}",
-        "dtype": info.get("dtype"),
+        "isa": f"{info.get('isa')}/{info.get('kernel_isa')}" if info else None,
         "concurrency": args.concurrency if not args.request_rate else None,
         "request_rate": args.request_rate,
         "num_requests": len(records),
+        "prefix_len": getattr(args, "prefix_len", 0),
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "errors": len(records) - len(ok),
         "duration_s": round(elapsed, 2),
-        "output_tok_s": round(tokens / elapsed, 1),
-        "req_s": round(len(ok) / elapsed, 2),
+        "output_tok_s": round(sum(r.output_tokens for r in ok) / elapsed, 1),
         "ttft_p50_ms": round(percentile([r.ttft for r in ok], 0.5) * 1e3, 1),
         "ttft_p99_ms": round(percentile([r.ttft for r in ok], 0.99) * 1e3, 1),
-        "itl_p50_ms": round(percentile(tpot, 0.5) * 1e3, 1),
-        "itl_p99_ms": round(percentile(tpot, 0.99) * 1e3, 1),
-        "chunk_gap_p50_ms": round(percentile(chunk_gaps, 0.5) * 1e3, 1),
-        "chunk_gap_p99_ms": round(percentile(chunk_gaps, 0.99) * 1e3, 1),
+        "itl_p50_ms": round(percentile(gaps, 0.5) * 1e3, 1),
+        "itl_p99_ms": round(percentile(gaps, 0.99) * 1e3, 1),
+        "tpot_p50_ms": round(percentile(tpot, 0.5) * 1e3, 1),
+        "tokens_per_event_mean": round(sum(events) / len(events), 2) if events else None,
+        "tokens_per_event_max": max(events, default=None),
+        "cached_tokens_mean": round(sum(cached) / len(cached), 1) if cached else None,
         "first_error": next((r.error for r in records if not r.ok), None),
     }
 
 
-def engine_throughput(model_path: str, args) -> float:
-    """The in-process engine on the same workload (same checkpoint, same settings), in a child process
-    so that its threads do not compete with the server's."""
-    code = (
-        "import json, random, sys, time\n"
-        "from crane_mp.config import EngineConfig\n"
-        "from crane_mp.engine import LLMEngine\n"
-        "from crane_mp.protocol import SamplingParams\n"
-        f"eng = LLMEngine(EngineConfig(model_path={model_path!r}, max_num_seqs={args.concurrency}, "
-        f"max_num_batched_tokens=2048, decode_tokens_per_seq={args.decode_tokens_per_seq}))\n"
-        f"rng = random.Random({args.seed})\n"
-        f"prompts = [[rng.randrange(10, {args.vocab}) for _ in range({args.prompt_len})] for _ in range({args.num_requests})]\n"
-        f"params = SamplingParams(temperature=0.0, max_tokens={args.output_len}, ignore_eos=True)\n"
-        "eng.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))\n"
-        "start = time.perf_counter()\n"
-        f"for i in range(0, len(prompts), {args.concurrency}):\n"
-        f"    eng.generate(prompts[i:i + {args.concurrency}], params)\n"
-        f"print(json.dumps({args.num_requests} * {args.output_len} / (time.perf_counter() - start)))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
-
-
-def launch_demo(args) -> tuple[subprocess.Popen, str]:
-    from crane_mp.testing.demo import demo_model_path
-
-    path = str(demo_model_path())
-    cmd = [sys.executable, "-m", "crane_mp", "--model-path", path, "--port", str(args.port),
-           "--max-concurrent", str(args.concurrency), "--decode-tokens-per-seq", str(args.decode_tokens_per_seq)]
+def launch_demo(args) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "crane_mp", "--demo", "--port", str(args.port), *shlex.split(args.server_args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import urllib.request
-
-    for _ in range(600):
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
         try:
             if urllib.request.urlopen(args.url + "/health", timeout=1).status == 200:
-                return proc, path
+                return proc
         except OSError:
             time.sleep(0.2)
     proc.kill()
@@ -185,38 +187,45 @@ def launch_demo(args) -> tuple[subprocess.Popen, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8080")
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--request-rate", type=float, help="requests/s, Poisson arrivals (open loop)")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--num-requests", type=int, help="per run (default: 2 per stream, at least 4)")
+    parser.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt shares at its start")
+    parser.add_argument("--prompt-len", type=int, default=128, help="unique prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192, help="prompt token ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--label", default="", help="added to each result (e.g. the server's name)")
     parser.add_argument("--launch-demo", action="store_true", help="start crane-launch --demo on --port first")
+    parser.add_argument("--server-args", default="", help="extra crane-launch flags with --launch-demo")
     parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--decode-tokens-per-seq", type=int, default=16)
-    parser.add_argument("--compare-engine", action="store_true", help="also run the in-process engine (same workload)")
     parser.add_argument("--new-connection", action="store_true", help="one connection per request (for llama-server)")
     args = parser.parse_args()
 
     proc = None
-    model_path = None
     if args.launch_demo:
         args.url = f"http://127.0.0.1:{args.port}"
-        proc, model_path = launch_demo(args)
+        proc = launch_demo(args)
+    rows = []
     try:
-        result = asyncio.run(run_load(args))
+        for concurrency in args.concurrency:
+            run = argparse.Namespace(**vars(args))
+            run.concurrency = concurrency
+            run.num_requests = args.num_requests or max(4, 2 * concurrency)
+            run.seed = args.seed + concurrency  # fresh prompts per run: no cache hits from the run before
+            result = {"label": args.label, **asyncio.run(run_load(run))}
+            print(json.dumps(result), flush=True)
+            rows.append(result)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    if args.compare_engine and model_path:
-        engine = engine_throughput(model_path, args)
-        result["engine_tok_s"] = round(engine, 1)
-        result["server_vs_engine"] = round(result["output_tok_s"] / engine, 3)
-    print(json.dumps(result))
-    for key, value in result.items():
-        print(f"{key:>18}: {value}")
+    print(f"\n{'label':<12} {'C':>3} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+          f"{'tok/event':>9} {'max':>4} {'cached':>7} {'errors':>6}")
+    for r in rows:
+        print(f"{r['label']:<12} {r['concurrency']!s:>3} {r['output_tok_s']:>8} {r['ttft_p50_ms']:>9} "
+              f"{r['ttft_p99_ms']:>9} {r['itl_p50_ms']:>8} {r['itl_p99_ms']:>8} {r['tokens_per_event_mean']!s:>9} "
+              f"{r['tokens_per_event_max']!s:>4} {r['cached_tokens_mean']!s:>7} {r['errors']:>6}")
 
 
 if __name__ == "__main__":

@@ -120,7 +120,12 @@ class Scheduler:
             if req.num_computed_tokens == req.num_tokens:
                 req.num_pending += 1  # the worker samples the next token in this step
 
-        for req, num_tokens in self._fit_running(budget, preempted):
+        running_plan = self._fit_running(budget, preempted)
+        if not any(req.num_computed_tokens + n == req.num_tokens and n == 1 for req, n in running_plan):
+            # No stream is decoding yet (an idle server, or only prefills): a first small chunk lets
+            # the first requests start streaming after a quarter of a full step instead of after it.
+            budget = max(self.config.block_size, budget // 4)
+        for req, num_tokens in running_plan:
             plan(req, num_tokens)
             budget -= num_tokens
 

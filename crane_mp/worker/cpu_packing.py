@@ -5,7 +5,8 @@ is faster with identical math. Two backends:
 
 - our AMX kernel (worker/kernels/amx_linear.cpp) when the CPU has AMX and the native kernels are
   built: ~2x oneDNN on decode-sized GEMMs; results equal up to float summation order;
-- oneDNN's packed linear otherwise: ~20% faster than a plain weight at 32 rows, identical results.
+- oneDNN's packed linear otherwise: ~20% faster than a plain weight at 32 rows, identical results;
+  for prefill-sized calls a float32 copy of the weight besides it, when memory allows.
 
 The packed tensor replaces the plain weight (no second copy). An LM head tied to the embedding is
 packed only for AMX, whose layout the embedding lookup can read rows back from; with oneDNN the
@@ -21,6 +22,12 @@ from torch import nn
 from crane_mp.worker.kernels.cpu_isa import amx_gemm
 
 
+# From this many rows on, a float32 copy of the weights multiplies faster than oneDNN's bf16 kernels
+# on CPUs without AMX (with AVX512-BF16, bf16 has the same peak FLOPs and pays for conversions):
+# 1.2x at 64 rows, 1.4x at 128-2048 rows, the same at 32 (benchmarks/RESULTS.md).
+WIDE_ROWS = 64
+
+
 def _amx_shape_ok(linear: nn.Linear) -> bool:
     return linear.in_features % 32 == 0 and linear.out_features % 32 == 0
 
@@ -33,9 +40,11 @@ def _interleave_halves(t: torch.Tensor) -> torch.Tensor:
 
 class PackedLinear(nn.Module):
     """With `gate_up_silu` (a gated MLP's fused gate/up projection with SiLU) and AMX, the module
-    returns silu(gate) * up directly: the activation runs in the GEMM's epilogue (`silu_mul`)."""
+    returns silu(gate) * up directly: the activation runs in the GEMM's epilogue (`silu_mul`).
+    With `wide_float32` (oneDNN only) a float32 copy of the weight serves calls of WIDE_ROWS rows or
+    more: prefill chunks."""
 
-    def __init__(self, linear: nn.Linear, gate_up_silu: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, gate_up_silu: bool = False, wide_float32: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.amx = amx_gemm() and _amx_shape_ok(linear)
@@ -51,12 +60,19 @@ class PackedLinear(nn.Module):
         )
         self.register_buffer("packed_weight", packed)
         self.register_buffer("bias", bias)
+        wide = wide_float32 and not self.amx
+        self.register_buffer("wide_weight", torch.ops.mkldnn._reorder_linear_weight(weight.float(), None) if wide else None)
+        self.register_buffer("wide_bias", bias.float() if wide and bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.silu_mul:
             return torch.ops.crane_mp.amx_linear_silu_mul(x, self.packed_weight, self.bias)
         if self.amx:
             return torch.ops.crane_mp.amx_linear(x, self.packed_weight, self.bias)
+        if self.wide_weight is not None and x.shape[0] >= WIDE_ROWS:
+            # bf16 x bf16 products are exact in float32: this is the bf16 GEMM up to summation order.
+            out = torch.ops.mkldnn._linear_pointwise(x.float(), self.wide_weight, self.wide_bias, "none", [], "")
+            return out.to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
@@ -71,7 +87,16 @@ class PackedEmbedding(nn.Module):
         return torch.ops.crane_mp.amx_embedding(input_ids, self.packed_weight)
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def wide_float32_fits(model: nn.Module, host_bytes: int) -> bool:
+    """A float32 copy of every linear weight is worth its memory (oneDNN, no AMX) if it takes at most
+    an eighth of host RAM: small and mid-size models; never an 8B model's 32 GB."""
+    if amx_gemm():
+        return False
+    num = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return num * 4 <= host_bytes // 8
+
+
+def pack_linear_weights(model: nn.Module, wide_float32: bool = False) -> int:
     """Swap every nn.Linear for a PackedLinear (a tied LM head only with AMX, see above); returns how
     many were packed."""
     embeddings = {
@@ -86,7 +111,10 @@ def pack_linear_weights(model: nn.Module) -> int:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        packed = PackedLinear(module, gate_up_silu=child == "gate_up_proj" and getattr(parent, "act", None) is F.silu)
+        packed = PackedLinear(
+            module, gate_up_silu=child == "gate_up_proj" and getattr(parent, "act", None) is F.silu,
+            wide_float32=wide_float32,
+        )
         setattr(parent, child, packed)
         if tied_embedding is not None:
             _replace(model, tied_embedding, PackedEmbedding(packed.packed_weight))

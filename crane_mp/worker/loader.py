@@ -7,11 +7,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
+import psutil
 import torch
 from tqdm import tqdm
 
 from crane_mp.gguf_file import ModelSource, check_gguf
-from crane_mp.worker.cpu_packing import pack_linear_weights
+from crane_mp.worker.cpu_packing import pack_linear_weights, wide_float32_fits
 from crane_mp.worker.kernels.cpu_isa import pack_bf16_weights
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models import build_meta_model, materialize
@@ -55,7 +56,7 @@ def load_model(
     else:
         model, types = load_safetensors_model(config, source.model_dir, dtype, device, progress), Counter()
     if pack_bf16_weights(dtype, device):
-        pack_linear_weights(model)
+        pack_linear_weights(model, wide_float32=wide_float32_fits(model, psutil.virtual_memory().total))
     return model.eval(), types
 
 

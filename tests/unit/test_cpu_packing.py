@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.cpu_packing import PackedEmbedding, PackedLinear, pack_linear_weights
+from crane_mp.worker.cpu_packing import WIDE_ROWS, PackedEmbedding, PackedLinear, pack_linear_weights
 from crane_mp.worker.kernels.cpu_isa import amx_gemm, pack_bf16_weights
 from crane_mp.worker.loader import weight_bytes
 from crane_mp.worker.model_config import load_model_config
@@ -31,7 +31,10 @@ def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
     head_packed = amx_gemm() or not config.tie_word_embeddings
     assert isinstance(packed.lm_head, PackedLinear) == head_packed
     assert isinstance(packed.model.embed_tokens, PackedEmbedding) == (amx_gemm() and config.tie_word_embeddings)
-    assert weight_bytes(packed) == weight_bytes(plain)
+    wide = [t for m in packed.modules() if isinstance(m, PackedLinear) for t in (m.wide_weight, m.wide_bias)
+            if t is not None]
+    assert not (wide and amx_gemm())
+    assert weight_bytes(packed) == weight_bytes(plain) + sum(t.numel() * 4 for t in wide)  # the float32 copies
 
     outputs = [prefill_logits(model, list(range(3, 40))) for model in (packed, plain)]
     if amx_gemm():
@@ -41,6 +44,26 @@ def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
         assert (margin == 0).float().mean() >= 0.9 and margin.max() < 0.3
     else:
         assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.skipif(amx_gemm() or not pack_bf16_weights(torch.bfloat16, torch.device("cpu")),
+                    reason="the float32 copy serves oneDNN-packed bf16 weights only")
+@pytest.mark.parametrize("rows", [WIDE_ROWS - 1, WIDE_ROWS, 300])
+def test_wide_float32_copy_computes_the_bf16_gemm(rows):
+    gen = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(96, 160, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(160, 96, generator=gen) / 10)
+        linear.bias.copy_(torch.randn(160, generator=gen))
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    packed = PackedLinear(linear, wide_float32=True)
+    out = packed(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 160)
+    exact = (x.float() @ linear.weight.float().T + linear.bias.float()).to(torch.bfloat16)  # products exact in fp32
+    if rows < WIDE_ROWS:
+        assert torch.equal(out, torch.nn.functional.linear(x, linear.weight, linear.bias))
+    ulp = exact.float().abs() * 2**-7 + 1e-6
+    assert ((out.float() - exact.float()).abs() <= ulp).all()  # at most one bf16 rounding step apart
 
 
 def test_pack_linear_weights_counts_modules(tmp_path):

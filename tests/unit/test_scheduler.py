@@ -94,9 +94,25 @@ def test_long_prompt_is_prefilled_in_chunks_within_token_budget():
     worker = FakeWorker()
     outputs = run_to_completion(sched, worker)
     chunks = [s.num_new_tokens for p in worker.plans for s in p.scheduled]
-    assert chunks[:4] == [8, 8, 8, 6]  # 30 prompt tokens in budget-sized chunks, then decodes
+    # 30 prompt tokens: a quarter-budget first chunk (nothing streams yet), then budget-sized ones.
+    assert chunks[:5] == [4, 8, 8, 8, 2]
     assert all(n <= 8 for p in worker.plans for n in [sum(s.num_new_tokens for s in p.scheduled)])
     assert outputs == reference_outputs([req])
+
+
+def test_an_idle_server_admits_a_small_first_chunk_then_full_budgets_beside_decodes():
+    sched = make_scheduler(max_num_batched_tokens=64, max_model_len=64, max_num_seqs=16)
+    reqs = make_requests(12, prompt_len=8, max_tokens=4)
+    for req in reqs:
+        sched.add_request(req)
+    worker = FakeWorker()
+    sizes = []
+    while sched.waiting:
+        plan = sched.schedule()
+        sizes.append(len(plan.new_requests))
+        sched.update(worker.execute(plan))
+    assert sizes[:2] == [2, 8]  # 16 tokens while nobody streams; then 62 beside two decodes (the 8th in part)
+    run_to_completion(sched, worker)
 
 
 def test_decodes_keep_running_while_a_long_prompt_prefills():
