@@ -1,0 +1,38 @@
+"""Prometheus figures the frontend keeps: arrival gaps as clients see them, scheduler totals as counters."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from crane_mp.frontend.metrics import Metrics
+from crane_mp.protocol import EngineStats
+
+
+def samples(metrics: Metrics, stats: EngineStats | None = None) -> dict[str, float]:
+    text = metrics.render(stats).decode()
+    return {s.name + str(sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def stats(preemptions: int, queries: int, hits: int) -> EngineStats:
+    return EngineStats(1, 0, 0, 10, 10, preemptions, 0, 0, 0, 0, 0.0, queries, hits, 0)
+
+
+def test_a_burst_of_tokens_counts_as_one_gap_and_zeros():
+    metrics = Metrics("m")
+    metrics.observe_tokens(0.5, 3)  # three tokens arrived together, half a second after the last
+    values = samples(metrics)
+    assert values["vllm:inter_token_latency_seconds_count[('model_name', 'm')]"] == 3
+    assert values["vllm:inter_token_latency_seconds_sum[('model_name', 'm')]"] == 0.5
+    assert values["vllm:inter_token_latency_seconds_bucket[('le', '0.005'), ('model_name', 'm')]"] == 2
+
+
+def test_scheduler_totals_become_monotonic_counters():
+    metrics = Metrics("m")
+    samples(metrics, stats(2, 100, 64))
+    values = samples(metrics, stats(3, 150, 96))
+    assert values["vllm:prefix_cache_queries_total[('model_name', 'm')]"] == 150
+    assert values["vllm:prefix_cache_hits_total[('model_name', 'm')]"] == 96
+    assert values["vllm:num_preemptions_total[('model_name', 'm')]"] == 3
+    values = samples(metrics, None)  # a scrape the scheduler did not answer changes nothing
+    assert values["vllm:prefix_cache_hits_total[('model_name', 'm')]"] == 96
