@@ -274,11 +274,11 @@ class Scheduler:
         so a request never hits a block another request is computing in the same step."""
         if not self.pool.enable_caching:
             return
-        known = req.known_token_ids
-        full = min(req.num_computed_tokens, len(known)) // self.config.block_size
+        num_known = req.num_prompt_tokens + len(req.output_ids)
+        full = min(req.num_computed_tokens, num_known) // self.config.block_size
         done = self._num_registered.get(req.req_id, 0)
         if full > done:
-            self._extend_keys(req, known, full)
+            self._extend_keys(req, req.known_token_ids, full)
             for i in range(done, full):
                 self.pool.cache(req.block_ids[i], req.block_keys[i])
             self._num_registered[req.req_id] = full
