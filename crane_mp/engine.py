@@ -31,6 +31,7 @@ class LLMEngine:
                 max_model_len=self.worker.max_model_len,
                 eos_token_ids=self.worker.model_config.eos_token_ids,
                 enable_prefix_caching=config.enable_prefix_caching,
+                warm_blocks_first=self.worker.device.type == "cpu",
             )
         )
         self.overlap = config.overlap_schedule

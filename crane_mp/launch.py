@@ -86,6 +86,7 @@ class Launcher:
             max_model_len=info.max_model_len,
             eos_token_ids=tuple(info.eos_token_ids),
             enable_prefix_caching=cfg.engine.enable_prefix_caching,
+            warm_blocks_first=info.device == "Cpu",
         )
         sched_conn = self._spawn(
             "scheduler", scheduler_main, sched_cfg, self.addresses, cfg.num_frontends, cfg.engine.overlap_schedule,

@@ -19,6 +19,7 @@ def make_scheduler(
     max_model_len: int = 64,
     eos_token_ids: tuple[int, ...] = (2,),
     enable_prefix_caching: bool = True,
+    warm_blocks_first: bool = False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -29,6 +30,7 @@ def make_scheduler(
             max_model_len=max_model_len,
             eos_token_ids=eos_token_ids,
             enable_prefix_caching=enable_prefix_caching,
+            warm_blocks_first=warm_blocks_first,
         )
     )
 

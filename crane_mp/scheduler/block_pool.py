@@ -5,11 +5,17 @@ scheme): block i's key is (key of block i-1, its own token ids), so equal keys m
 Blocks are reference-counted; a block nobody holds stays in the cache, findable by its key, until
 its memory is needed. Eviction order is least recently freed first, and a request's later blocks
 go before its earlier ones (they are the least likely to be shared).
+
+Which free block an allocation takes: a recently freed one that caches nothing first (its memory is
+warm). Then, with `warm_first` (CPU: the KV cache is memory the kernel maps on first touch, at several
+microseconds a page on a VM), the least recently used cached block before a never-used one, so the
+touched memory grows only with what requests hold at once; without it (GPU: memory is ready), a
+never-used block before evicting anything cached.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 BlockKey = int
 
@@ -25,19 +31,21 @@ def chain_keys(token_ids: list[int], block_size: int, num_blocks: int, parent: B
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, warm_first: bool = False) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.warm_first = warm_first
         self._refs = [0] * num_blocks
         self._key_of: dict[int, BlockKey] = {}  # block id -> key, for cached blocks
         self._cached: dict[BlockKey, int] = {}  # key -> block id
-        self._free: deque[int] = deque(range(num_blocks))  # unreferenced, uncached: handed out first
+        self._free: list[int] = []  # freed, unreferenced, uncached: the last freed is handed out first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached: LRU first
+        self._next_unused = 0  # blocks [_next_unused, num_blocks) were never handed out
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation may take, cached ones included (they are evicted on demand)."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._evictable) + self.num_blocks - self._next_unused
 
     @property
     def num_cached_blocks(self) -> int:
@@ -51,8 +59,12 @@ class BlockPool:
             raise RuntimeError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
         ids = []
         for _ in range(n):
+            unused = self._next_unused < self.num_blocks
             if self._free:
-                block = self._free.popleft()
+                block = self._free.pop()
+            elif unused and not (self.warm_first and self._evictable):
+                block = self._next_unused
+                self._next_unused += 1
             else:
                 block, _ = self._evictable.popitem(last=False)
                 del self._cached[self._key_of.pop(block)]
@@ -106,8 +118,7 @@ class BlockPool:
     def flush(self) -> int:
         """Forget every cached key; returns how many blocks were dropped. Held blocks stay held."""
         dropped = len(self._cached)
-        for block in self._evictable:
-            self._free.append(block)
+        self._free.extend(self._evictable)
         self._evictable.clear()
         self._cached.clear()
         self._key_of.clear()
@@ -118,10 +129,11 @@ class BlockPool:
         for block in range(self.num_blocks):
             assert self._refs[block] == held.get(block, 0), f"block {block}: {self._refs[block]} refs, {held.get(block, 0)} holders"
         free, evictable = set(self._free), set(self._evictable)
+        unused = set(range(self._next_unused, self.num_blocks))
         assert len(free) == len(self._free), "a block is free twice"
-        assert not free & evictable, "a block is both free and evictable"
-        assert all(self._refs[b] == 0 for b in free | evictable), "a held block is free"
+        assert not free & evictable and not (free | evictable) & unused, "a block is free twice over"
+        assert all(self._refs[b] == 0 for b in free | evictable | unused), "a held block is free"
         assert evictable <= set(self._key_of), "an evictable block has no key"
-        assert not free & set(self._key_of), "a free block still has a key"
-        assert len(free) + len(evictable) + sum(r > 0 for r in self._refs) == self.num_blocks, "blocks leaked"
+        assert not (free | unused) & set(self._key_of), "a free block still has a key"
+        assert len(free | evictable | unused) + sum(r > 0 for r in self._refs) == self.num_blocks, "blocks leaked"
         assert {self._cached[k]: k for k in self._cached} == self._key_of, "key maps disagree"

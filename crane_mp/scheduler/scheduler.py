@@ -36,6 +36,8 @@ class SchedulerConfig:
     max_model_len: int = 4096
     eos_token_ids: tuple[int, ...] = ()
     enable_prefix_caching: bool = True
+    # Reuse touched KV memory before never-used blocks (CPU: first touches are slow; block_pool.py).
+    warm_blocks_first: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -51,7 +53,7 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.warm_blocks_first)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -56,6 +56,19 @@ def test_pool_keeps_freed_cached_blocks_until_memory_is_needed_evicting_least_re
     pool.check_invariants({first[0]: 1, first[1]: 1, second[0]: 1, second[1]: 1})
 
 
+@pytest.mark.parametrize("warm_first", [False, True])
+def test_pool_reuses_warm_memory_first_where_asked(warm_first):
+    pool = BlockPool(6, warm_first=warm_first)
+    held = pool.allocate(3)
+    assert held == [0, 1, 2]  # never-used blocks in order
+    pool.cache(held[0], 11)
+    pool.free(held[:2])  # block 0 cached (evictable), block 1 plain free
+    assert pool.allocate(1) == [1]  # a freed block that caches nothing: always first
+    # Then either a never-used block (memory is ready: GPU) or the cached one (CPU: touched memory).
+    assert pool.allocate(1) == ([0] if warm_first else [3])
+    assert pool.lookup([11]) == ([] if warm_first else [0])
+
+
 def test_pool_flush_forgets_every_key_but_not_held_blocks():
     pool = BlockPool(4)
     held = pool.allocate(2)
@@ -337,9 +350,10 @@ def test_prompt_logprobs_requests_compute_every_position():
     assert plan.scheduled[0].num_computed_tokens == 0 and scored.num_cached_tokens == 0
 
 
-def test_preempted_request_resumes_from_its_own_cached_blocks():
+@pytest.mark.parametrize("warm_first", [False, True])
+def test_preempted_request_resumes_from_its_own_cached_blocks(warm_first):
     reqs = make_requests(4, prompt_len=6, max_tokens=20)
-    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=4, max_model_len=40)
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=4, max_model_len=40, warm_blocks_first=warm_first)
     for r in reqs:
         sched.add_request(r)
     worker = FakeWorker()
