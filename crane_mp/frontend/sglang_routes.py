@@ -191,7 +191,8 @@ async def _generate_response(request, req: GenerateRequest, sp: SGLangSamplingPa
     def result(index: int, text: str, ids: list[int], logprobs_list, finish) -> dict[str, Any]:
         gen = gens[index]
         meta = {"id": names[index], "prompt_tokens": gen.prompt_tokens, "completion_tokens": len(ids),
-                "cached_tokens": gen.cached_tokens, "finish_reason": finish, "e2e_latency": round(time.monotonic() - started, 6)}
+                "cached_tokens": gen.cached_tokens, "finish_reason": finish,
+                "e2e_latency": round(time.monotonic() - started, 6)}
         if req.return_logprob:
             meta.update(_logprob_info(state, req, gen, prompts[index // sp.n], ids, logprobs_list))
         body = {"text": text, "output_ids": ids, "meta_info": meta}

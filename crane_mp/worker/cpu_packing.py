@@ -9,8 +9,9 @@ is faster with identical math. Two backends:
   for prefill-sized calls a float32 copy of the weight besides it, when memory allows.
 
 The packed tensor replaces the plain weight (no second copy). An LM head tied to the embedding is
-packed only for AMX, whose layout the embedding lookup can read rows back from; with oneDNN the
-lookup needs the plain layout, so a tied head stays plain.
+packed in place only for AMX, whose layout the embedding lookup can read rows back from; with oneDNN
+the lookup needs the plain layout, so a tied head is packed as a copy where memory allows (`spare`:
+a plain bf16 head multiplies at less than half the speed at one row) and stays plain otherwise.
 """
 
 from __future__ import annotations
@@ -87,18 +88,19 @@ class PackedEmbedding(nn.Module):
         return torch.ops.crane_mp.amx_embedding(input_ids, self.packed_weight)
 
 
-def wide_float32_fits(model: nn.Module, host_bytes: int) -> bool:
-    """A float32 copy of every linear weight is worth its memory (oneDNN, no AMX) if it takes at most
-    an eighth of host RAM: small and mid-size models; never an 8B model's 32 GB."""
+def spare_copies_fit(model: nn.Module, host_bytes: int) -> bool:
+    """The extra copies oneDNN serves faster from (a float32 copy of every linear weight, a packed copy
+    of a tied head) are worth their memory if they take at most an eighth of host RAM: small and
+    mid-size models; never an 8B model's 32 GB. Never with AMX, which needs neither."""
     if amx_gemm():
         return False
-    num = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    return num * 4 <= host_bytes // 8
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return sum(m.weight.numel() * (4 + m.weight.element_size()) for m in linears) <= host_bytes // 8
 
 
-def pack_linear_weights(model: nn.Module, wide_float32: bool = False) -> int:
-    """Swap every nn.Linear for a PackedLinear (a tied LM head only with AMX, see above); returns how
-    many were packed."""
+def pack_linear_weights(model: nn.Module, spare: bool = False) -> int:
+    """Swap every nn.Linear for a PackedLinear (a tied LM head in place with AMX, as a copy with
+    `spare`, see above); returns how many were packed. `spare` also adds the float32 copies."""
     embeddings = {
         id(module.weight): name for name, module in model.named_modules() if isinstance(module, nn.Embedding)
     }
@@ -107,16 +109,17 @@ def pack_linear_weights(model: nn.Module, wide_float32: bool = False) -> int:
         if not isinstance(module, nn.Linear):
             continue
         tied_embedding = embeddings.get(id(module.weight))
-        if tied_embedding is not None and not (amx_gemm() and _amx_shape_ok(module)):
+        in_place = tied_embedding is not None and amx_gemm() and _amx_shape_ok(module)
+        if tied_embedding is not None and not in_place and not spare:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         packed = PackedLinear(
             module, gate_up_silu=child == "gate_up_proj" and getattr(parent, "act", None) is F.silu,
-            wide_float32=wide_float32,
+            wide_float32=spare,
         )
         setattr(parent, child, packed)
-        if tied_embedding is not None:
+        if in_place:
             _replace(model, tied_embedding, PackedEmbedding(packed.packed_weight))
         count += 1
     return count

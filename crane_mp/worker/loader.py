@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from crane_mp.gguf_file import ModelSource, check_gguf
-from crane_mp.worker.cpu_packing import pack_linear_weights, wide_float32_fits
+from crane_mp.worker.cpu_packing import pack_linear_weights, spare_copies_fit
 from crane_mp.worker.kernels.cpu_isa import pack_bf16_weights
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models import build_meta_model, materialize
@@ -56,7 +56,7 @@ def load_model(
     else:
         model, types = load_safetensors_model(config, source.model_dir, dtype, device, progress), Counter()
     if pack_bf16_weights(dtype, device):
-        pack_linear_weights(model, wide_float32=wide_float32_fits(model, psutil.virtual_memory().total))
+        pack_linear_weights(model, spare=spare_copies_fit(model, psutil.virtual_memory().total))
     return model.eval(), types
 
 

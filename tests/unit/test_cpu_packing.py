@@ -28,13 +28,15 @@ def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
     plain = load_checkpoint(config, path, torch.bfloat16)
     assert any(isinstance(m, PackedLinear) for m in packed.modules())
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
-    head_packed = amx_gemm() or not config.tie_word_embeddings
-    assert isinstance(packed.lm_head, PackedLinear) == head_packed
-    assert isinstance(packed.model.embed_tokens, PackedEmbedding) == (amx_gemm() and config.tie_word_embeddings)
-    wide = [t for m in packed.modules() if isinstance(m, PackedLinear) for t in (m.wide_weight, m.wide_bias)
-            if t is not None]
-    assert not (wide and amx_gemm())
-    assert weight_bytes(packed) == weight_bytes(plain) + sum(t.numel() * 4 for t in wide)  # the float32 copies
+    assert isinstance(packed.lm_head, PackedLinear)  # a tied head: in place with AMX, else a packed copy
+    head_in_place = amx_gemm() and config.tie_word_embeddings
+    assert isinstance(packed.model.embed_tokens, PackedEmbedding) == head_in_place
+    spare = [t for m in packed.modules() if isinstance(m, PackedLinear) for t in (m.wide_weight, m.wide_bias)
+             if t is not None]
+    if config.tie_word_embeddings and not head_in_place:
+        spare.append(packed.lm_head.packed_weight)
+    assert not (spare and amx_gemm())
+    assert weight_bytes(packed) == weight_bytes(plain) + sum(t.numel() * t.element_size() for t in spare)
 
     outputs = [prefill_logits(model, list(range(3, 40))) for model in (packed, plain)]
     if amx_gemm():
@@ -104,12 +106,13 @@ def test_amx_linear_matches_float_reference(rows, bias):
 def test_shapes_amx_cannot_tile_fall_back_and_still_match(tmp_path):
     # vocab 500 and intermediate 120 are not multiples of 32: those layers (and the tied head with its
     # embedding) keep oneDNN or the plain layout, the rest may use AMX; greedy tokens are unchanged.
+    # Without AMX the tied head is a packed oneDNN copy.
     path = make_model("qwen3", "tiny", tmp_path / "odd", dtype="bfloat16",
                       overrides={"vocab_size": 500, "intermediate_size": 120})
     config = load_model_config(path)
     model = load_checkpoint(config, path, torch.bfloat16)
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
-    assert not isinstance(model.lm_head, PackedLinear)
+    assert isinstance(model.lm_head, PackedLinear) == (not amx_gemm())  # AMX cannot tile it: stays plain
     mlp = model.model.layers[0].mlp
     assert not (mlp.gate_up_proj.amx or mlp.down_proj.amx)
     from crane_mp.config import EngineConfig
