@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
             "kv_budget=%.2f GiB blocks=%d (%d tokens) max_concurrent=%d max_model_len=%d prefix_cache=%s overlap=%s "
             "listening on http://%s:%d",
             time.monotonic() - started, config.model_name, info.arch, info.device, info.dtype, info.isa,
-            info.kernel_isa, info.kv_bytes_per_token, info.kv_budget_bytes / gib, info.num_blocks, info.num_blocks * info.block_size,
-            config.engine.max_num_seqs, info.max_model_len, _on_off(config.engine.enable_prefix_caching),
+            info.kernel_isa, info.kv_bytes_per_token, info.kv_budget_bytes / gib, info.num_blocks,
+            info.num_blocks * info.block_size, config.engine.max_num_seqs, info.max_model_len, _on_off(config.engine.enable_prefix_caching),
             _on_off(config.engine.overlap_schedule), config.host, config.port,
         )
         notify("READY=1")

@@ -20,7 +20,9 @@ from collections import OrderedDict
 BlockKey = int
 
 
-def chain_keys(token_ids: list[int], block_size: int, num_blocks: int, parent: BlockKey, start: int = 0) -> list[BlockKey]:
+def chain_keys(
+    token_ids: list[int], block_size: int, num_blocks: int, parent: BlockKey, start: int = 0
+) -> list[BlockKey]:
     """Keys of full blocks [start, num_blocks) of `token_ids`, chained from `parent` (the key of block
     start - 1, or the root key of the request's namespace)."""
     keys = []
@@ -127,7 +129,8 @@ class BlockPool:
     def check_invariants(self, held: dict[int, int]) -> None:
         """`held`: block id -> how many requests hold it, as the scheduler counts."""
         for block in range(self.num_blocks):
-            assert self._refs[block] == held.get(block, 0), f"block {block}: {self._refs[block]} refs, {held.get(block, 0)} holders"
+            holders = held.get(block, 0)
+            assert self._refs[block] == holders, f"block {block}: {self._refs[block]} refs, {holders} holders"
         free, evictable = set(self._free), set(self._evictable)
         unused = set(range(self._next_unused, self.num_blocks))
         assert len(free) == len(self._free), "a block is free twice"
@@ -135,5 +138,6 @@ class BlockPool:
         assert all(self._refs[b] == 0 for b in free | evictable | unused), "a held block is free"
         assert evictable <= set(self._key_of), "an evictable block has no key"
         assert not (free | unused) & set(self._key_of), "a free block still has a key"
-        assert len(free | evictable | unused) + sum(r > 0 for r in self._refs) == self.num_blocks, "blocks leaked"
+        held_count = sum(r > 0 for r in self._refs)
+        assert len(free | evictable | unused) + held_count == self.num_blocks, "blocks leaked"
         assert {self._cached[k]: k for k in self._cached} == self._key_of, "key maps disagree"
