@@ -52,9 +52,12 @@ class SchedulerLoop:
         poller.register(self.inbox, zmq.POLLIN)
         stalled = False
         while True:
+            # Plan ahead only once a stream has produced tokens: the steps before that are long
+            # prefills, and a plan made at once would miss the rest of a burst still arriving.
+            limit = self.max_in_flight if self.scheduler.is_streaming else 1
             # Wait while a step runs or nothing is queued (bounded, so signals are handled promptly);
             # otherwise only drain what has already arrived and plan the next step.
-            can_plan = self.scheduler.has_work and self.steps_in_flight < self.max_in_flight and not stalled
+            can_plan = self.scheduler.has_work and self.steps_in_flight < limit and not stalled
             timeout = 0 if can_plan else 1000
             if poller.poll(timeout):
                 stalled = False
@@ -64,7 +67,7 @@ class SchedulerLoop:
                     except zmq.Again:
                         break
                     self.handle(scheduler_decoder.decode(frame))
-            if self.steps_in_flight < self.max_in_flight and not stalled:
+            if self.steps_in_flight < limit and not stalled:
                 plan = self.scheduler.schedule()
                 # Nothing to plan until a message arrives (e.g. every request awaits its last token):
                 # block on the inbox instead of spinning, the worker needs the cores.

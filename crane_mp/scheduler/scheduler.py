@@ -329,6 +329,11 @@ class Scheduler:
         return bool(self.running or self.waiting or self._finished_for_worker)
 
     @property
+    def is_streaming(self) -> bool:
+        """Some running request has produced output tokens."""
+        return any(req.output_ids for req in self.running)
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 

@@ -377,3 +377,16 @@ def test_flush_cache_is_refused_while_requests_run():
     sched.add_request(reqs[1])
     run_to_completion(sched, worker)
     assert reqs[1].num_cached_tokens == 0
+
+
+def test_is_streaming_only_once_a_running_request_has_output():
+    sched = make_scheduler()
+    [req] = make_requests(1, prompt_len=6, max_tokens=3)
+    sched.add_request(req)
+    worker = FakeWorker()
+    plan = sched.schedule()
+    assert not sched.is_streaming  # planned, nothing sampled yet: the server does not plan ahead
+    sched.update(worker.execute(plan))
+    assert sched.is_streaming
+    run_to_completion(sched, worker)
+    assert not sched.is_streaming
