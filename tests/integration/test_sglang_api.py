@@ -167,10 +167,17 @@ def test_health_generate_is_503_while_the_worker_is_stuck(server):
     assert requests.get(server.url + "/health_generate", timeout=30).status_code == 200
 
 
+def flush_when_idle(server) -> None:
+    """Flush the prefix cache once the requests of earlier tests (or their aborts) have drained."""
+    deadline = time.monotonic() + 30
+    while requests.post(server.url + "/flush_cache").status_code != 200:
+        assert time.monotonic() < deadline
+
+
 def test_prefix_cache_reports_cached_tokens_and_flush_drops_it(server):
     prompt = [5 + i % 300 for i in range(40)]  # two full 16-token blocks, and 8 more tokens
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
-    assert requests.post(server.url + "/flush_cache").status_code == 200
+    flush_when_idle(server)
     first = gen(server, body).json()
     assert first["meta_info"]["cached_tokens"] == 0
     again = gen(server, body).json()
@@ -191,7 +198,5 @@ def test_prefix_cache_reports_cached_tokens_and_flush_drops_it(server):
         next(line for line in lines if line)  # the request is running now
         refused = requests.post(server.url + "/flush_cache")
         assert refused.status_code == 400 and not refused.json()["success"]
-    deadline = time.monotonic() + 30
-    while requests.post(server.url + "/flush_cache").status_code != 200:  # the abort reaches the engine
-        assert time.monotonic() < deadline
+    flush_when_idle(server)  # once the stream's abort has reached the engine
     assert gen(server, body).json()["meta_info"]["cached_tokens"] == 0
