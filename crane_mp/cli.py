@@ -28,6 +28,7 @@ def _int_at_least(minimum: int):
 
 
 _positive_int = _int_at_least(1)
+DEFAULT_MAX_CONCURRENT = 256
 _non_negative_int = _int_at_least(0)
 
 
@@ -68,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8080)
     p.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is available")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--max-concurrent", type=_positive_int, default=256,
-                   help="ceiling on running sequences; the KV-cache budget limits them first")
+    p.add_argument("--max-concurrent", type=_positive_int,
+                   help="ceiling on running sequences; the KV-cache budget limits them first (default: 256, "
+                        "or --max-num-batched-tokens if that is lower)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="never reuse KV blocks across requests that share a prompt prefix")
     p.add_argument("--no-overlap-schedule", action="store_true",
@@ -122,7 +124,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
 
         args.model_path = str(demo_model_path())
     source = _model_source(args.model_path, args.format)
-    if args.max_num_batched_tokens < args.max_concurrent:
+    if args.max_concurrent is None:
+        args.max_concurrent = min(DEFAULT_MAX_CONCURRENT, args.max_num_batched_tokens)
+    elif args.max_num_batched_tokens < args.max_concurrent:
         parser.error("argument --max-num-batched-tokens: must be at least --max-concurrent")
     if args.max_total_tokens is not None and args.max_total_tokens < args.block_size:
         parser.error("argument --max-total-tokens: must hold at least one KV block")

@@ -78,3 +78,15 @@ def test_blocks_capped_by_what_sequences_could_use_and_by_max_total_tokens():
 def test_limit_too_small_for_one_sequence_fails_clearly():
     with pytest.raises(MemoryBudgetError, match="one 4096-token sequence"):
         plan(limit=MemoryLimit(num_bytes=GIB + GIB // 4 + 1000))
+
+
+def test_default_concurrency_follows_a_lowered_step_budget(tmp_path):
+    from crane_mp.cli import parse_args
+    from crane_mp.testing.make_model import make_model
+
+    model = str(make_model("qwen3", "tiny", tmp_path / "m"))
+    assert parse_args(["--model-path", model]).engine.max_num_seqs == 256
+    lowered = parse_args(["--model-path", model, "--max-num-batched-tokens", "128"]).engine
+    assert (lowered.max_num_seqs, lowered.max_num_batched_tokens) == (128, 128)
+    with pytest.raises(SystemExit):  # an explicit ceiling above the budget is still a mistake
+        parse_args(["--model-path", model, "--max-num-batched-tokens", "128", "--max-concurrent", "200"])
