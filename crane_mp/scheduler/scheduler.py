@@ -170,16 +170,17 @@ class Scheduler:
         Requests that score their prompt compute every position, so they look nothing up."""
         if not self.pool.enable_caching or req.sampling.prompt_logprobs is not None:
             return []
-        known = req.known_token_ids
-        limit = min(len(known), req.num_tokens - 1) // self.config.block_size
-        self._extend_keys(req, known, limit)
+        num_known = req.num_prompt_tokens + len(req.output_ids)
+        limit = min(num_known, req.num_tokens - 1) // self.config.block_size
+        self._extend_keys(req, limit)
         return self.pool.lookup(req.block_keys[:limit])
 
-    def _extend_keys(self, req: Request, known: list[int], num_blocks: int) -> None:
+    def _extend_keys(self, req: Request, num_blocks: int) -> None:
+        """Compute the keys of the request's first `num_blocks` blocks (all their tokens are known)."""
         have = len(req.block_keys)
         if num_blocks > have:
             parent = req.block_keys[-1] if have else _BASE_MODEL_ROOT
-            req.block_keys += chain_keys(known, self.config.block_size, num_blocks, parent, start=have)
+            req.block_keys += chain_keys(req.known_token_ids, self.config.block_size, num_blocks, parent, start=have)
 
     def _admit(self, req: Request, hits: list[int]) -> None:
         self.pool.take(hits)
@@ -205,7 +206,8 @@ class Scheduler:
         demand = []
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_tokens == 0 or (req.num_computed_tokens + num_tokens == req.num_tokens and not self._may_sample(req)):
+            samples = req.num_computed_tokens + num_tokens == req.num_tokens
+            if num_tokens == 0 or (samples and not self._may_sample(req)):
                 continue
             total = _blocks_for(req.num_computed_tokens + num_tokens, self.config.block_size)
             demand.append((req, num_tokens, total - len(req.block_ids)))
@@ -280,7 +282,7 @@ class Scheduler:
         full = min(req.num_computed_tokens, num_known) // self.config.block_size
         done = self._num_registered.get(req.req_id, 0)
         if full > done:
-            self._extend_keys(req, req.known_token_ids, full)
+            self._extend_keys(req, full)
             for i in range(done, full):
                 self.pool.cache(req.block_ids[i], req.block_keys[i])
             self._num_registered[req.req_id] = full

@@ -320,17 +320,24 @@ def test_shared_prefix_hits_the_cache_and_gives_the_same_tokens(overlap):
     assert uncached.prefix_cache_hits == 0
 
 
-def test_a_fully_cached_prompt_still_computes_its_last_token():
+def repeat_after_first(prompt_len: int, **second_sampling):
+    """Run one request to completion, then submit a second with the same prompt; returns the
+    scheduler, the fake worker, the second request and the plan of its first step."""
     sched = make_scheduler()
-    [first, again] = make_requests(2, prompt_len=8, max_tokens=3)
+    [first] = make_requests(1, prompt_len=prompt_len, max_tokens=3)
+    [again] = make_requests(1, prompt_len=prompt_len, max_tokens=3, **second_sampling)
     again.prompt_ids = list(first.prompt_ids)
     sched.add_request(first)
     worker = FakeWorker()
     run_to_completion(sched, worker)
     sched.add_request(again)
-    plan = sched.schedule()
+    return sched, worker, again, sched.schedule()
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    sched, worker, again, plan = repeat_after_first(8)
     [scheduled] = plan.scheduled
-    assert (scheduled.num_computed_tokens, scheduled.num_new_tokens) == (4, 4)  # the block holding the last token is recomputed
+    assert (scheduled.num_computed_tokens, scheduled.num_new_tokens) == (4, 4)  # the last token's block again
     assert scheduled.reset_blocks and len(scheduled.new_block_ids) == 2
     sched.update(worker.execute(plan))
     run_to_completion(sched, worker)
@@ -338,15 +345,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
 
 
 def test_prompt_logprobs_requests_compute_every_position():
-    sched = make_scheduler()
-    [first] = make_requests(1, prompt_len=12, max_tokens=2)
-    [scored] = make_requests(1, prompt_len=12, max_tokens=2, prompt_logprobs=0)
-    scored.prompt_ids = list(first.prompt_ids)
-    sched.add_request(first)
-    worker = FakeWorker()
-    run_to_completion(sched, worker)
-    sched.add_request(scored)
-    plan = sched.schedule()
+    _, _, scored, plan = repeat_after_first(12, prompt_logprobs=0)
     assert plan.scheduled[0].num_computed_tokens == 0 and scored.num_cached_tokens == 0
 
 
