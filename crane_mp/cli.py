@@ -1,6 +1,7 @@
-"""crane-launch's flags (crane-oai's names), parsed and validated into a frozen ServerConfig.
+"""crane-launch's flags (crane-oai's names), layered over a `--config` file and CRANE_* variables
+(settings.py), validated into a frozen ServerConfig.
 
-A bad value fails at once with one line naming the flag (argparse's `error: argument --flag: ...`).
+A bad value fails at once with one line naming the flag, key or variable.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ import argparse
 import os
 import sys
 
-from crane_mp.config import DTYPES, EngineConfig, ServerConfig, cpu_isa_cap, parse_memory_limit
+from crane_mp.config import DTYPES, LOG_FORMATS, EngineConfig, ServerConfig, cpu_isa_cap, parse_memory_limit
 from crane_mp.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
+from crane_mp.settings import SettingsError, resolve, settable_actions, unknown_env_names
 from crane_mp.worker.model_config import MODEL_TYPE_ALIASES
 
 
@@ -28,8 +30,16 @@ def _int_at_least(minimum: int):
 
 
 _positive_int = _int_at_least(1)
-DEFAULT_MAX_CONCURRENT = 256
 _non_negative_int = _int_at_least(0)
+DEFAULT_MAX_CONCURRENT = 256
+DEFAULT_MAX_QUEUE = 1024
+
+
+def default_num_frontends(num_cpus: int | None = None) -> int:
+    """One frontend process per 8 cores, at most 4: below that the worker needs the cores more
+    (benchmarks/RESULTS.md, "Several frontends")."""
+    cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
+    return max(1, min(4, cpus // 8))
 
 
 def _port(text: str) -> int:
@@ -57,7 +67,12 @@ def _seconds(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="crane-launch", description="Serve a Llama-family model over OpenAI/SGLang APIs.")
+    p = argparse.ArgumentParser(
+        prog="crane-launch", description="Serve a Llama-family model over OpenAI/SGLang APIs.",
+        epilog="Every flag is also a key of the --config file (max-concurrent = 32) and an environment variable "
+               "(CRANE_MAX_CONCURRENT=32); flags override the environment, which overrides the file.",
+    )
+    p.add_argument("--config", help="TOML file of settings (see configs/); flags and CRANE_* variables override it")
     p.add_argument("--model-path", help="model directory (config.json, safetensors, tokenizer), or a .gguf file "
                                         "(or a directory holding one)")
     p.add_argument("--format", default="auto", choices=FORMATS,
@@ -84,10 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="per-step token budget; longer prompts are prefilled in chunks")
     p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    p.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE,
+                   help="requests allowed to wait for a running slot; beyond it a request gets 429 with Retry-After")
+    p.add_argument("--request-timeout", type=_seconds, default=0.0,
+                   help="end a request that waited and ran longer than this many seconds with an error; 0 = never")
+    p.add_argument("--num-frontends", type=_positive_int, default=default_num_frontends(),
+                   help="HTTP frontend processes sharing the port (SO_REUSEPORT); default: one per 8 cores, at most 4")
     p.add_argument("--shutdown-grace", type=_seconds, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
-    p.add_argument("--api-key", default=os.environ.get("CRANE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on every route but /health (default: $CRANE_API_KEY)")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
     p.add_argument("--max-request-bytes", type=_positive_int,
                    help="largest request body accepted, bigger ones get 413 (default: 512 bytes per token of "
                         "the context window, a batch of 64 full-window token-id prompts; at least 1 MiB)")
@@ -95,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds /health_generate waits for its one-token generation before answering 503")
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="text lines, or one JSON object per line for log collectors")
+    p.add_argument("--log-requests", action="store_true",
+                   help="include prompts in the per-request access log (never logged otherwise)")
+    p.add_argument("--no-access-log", action="store_true", help="no line per finished request")
     return p
 
 
@@ -110,13 +135,18 @@ def _model_source(path: str, fmt: str) -> ModelSource:
     return source
 
 
-def parse_args(argv: list[str] | None = None) -> ServerConfig:
+def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    environ = os.environ if environ is None else environ
+    try:
+        args, sources = resolve(parser, argv, environ)
+    except SettingsError as err:
+        sys.exit(f"crane-launch: error: {err}")
     try:
         cpu_isa_cap()
     except ValueError as err:
         parser.error(str(err))
+    _pick_model_layer(args, sources)
     if args.demo == bool(args.model_path):
         parser.error("give exactly one of --model-path DIR or --demo")
     if args.demo:
@@ -126,34 +156,70 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     source = _model_source(args.model_path, args.format)
     if args.max_concurrent is None:
         args.max_concurrent = min(DEFAULT_MAX_CONCURRENT, args.max_num_batched_tokens)
-    elif args.max_num_batched_tokens < args.max_concurrent:
-        parser.error("argument --max-num-batched-tokens: must be at least --max-concurrent")
-    if args.max_total_tokens is not None and args.max_total_tokens < args.block_size:
-        parser.error("argument --max-total-tokens: must hold at least one KV block")
-    engine = EngineConfig(
-        model_path=str(source.path),
-        model_type=args.model_type,
-        model_format=source.format,
-        dtype=args.dtype,
-        force_cpu=args.cpu,
-        block_size=args.block_size,
-        max_num_seqs=args.max_concurrent,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_seq_len,
-        memory_limit=args.gpu_memory_limit,
-        max_total_tokens=args.max_total_tokens,
-        enable_prefix_caching=not args.no_prefix_cache,
-        overlap_schedule=not args.no_overlap_schedule,
-        seed=args.seed,
-    )
+    try:
+        engine = EngineConfig(
+            model_path=str(source.path),
+            model_type=args.model_type,
+            model_format=source.format,
+            dtype=args.dtype,
+            force_cpu=args.cpu,
+            block_size=args.block_size,
+            max_num_seqs=args.max_concurrent,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_seq_len,
+            memory_limit=args.gpu_memory_limit,
+            max_total_tokens=args.max_total_tokens,
+            enable_prefix_caching=not args.no_prefix_cache,
+            overlap_schedule=not args.no_overlap_schedule,
+            seed=args.seed,
+        )
+    except ValueError as err:
+        parser.error(str(err))
     return ServerConfig(
         engine=engine,
         model_name=args.model_name or (source.gguf_file.stem if source.gguf_file else source.model_dir.name),
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        log_format=args.log_format,
+        log_requests=args.log_requests,
+        access_log=not args.no_access_log,
         shutdown_grace=args.shutdown_grace,
+        num_frontends=args.num_frontends,
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout,
         api_key=args.api_key or None,
         max_request_bytes=args.max_request_bytes,
         health_generate_timeout=args.health_generate_timeout,
+        settings=_effective_settings(args, sources, parser),
+        unknown_env=tuple(unknown_env_names(environ, settable_actions(parser))),
     )
+
+
+_LAYER_RANK = {"default": 0, "file": 1, "env": 2, "cli": 3}
+
+
+def _pick_model_layer(args: argparse.Namespace, sources: dict[str, str]) -> None:
+    """--model-path and --demo exclude each other: when they come from different layers (a file with
+    demo = true, a --model-path flag), the higher layer's choice stands."""
+    if not (args.demo and args.model_path):
+        return
+    path_rank = _LAYER_RANK[sources["model_path"].split()[0]]
+    demo_rank = _LAYER_RANK[sources["demo"].split()[0]]
+    if path_rank > demo_rank:
+        args.demo, sources["demo"] = False, sources["model_path"]
+    elif demo_rank > path_rank:
+        args.model_path, sources["model_path"] = None, sources["demo"]
+
+
+def _effective_settings(args: argparse.Namespace, sources: dict[str, str], parser) -> dict[str, dict]:
+    """key -> {"value", "source"} for /server_info; the API key's value is never shown."""
+    out = {}
+    for dest in settable_actions(parser):
+        value = getattr(args, dest)
+        if dest == "api_key" and value:
+            value = "(set)"
+        elif dest == "gpu_memory_limit" and value is not None:
+            value = value.num_bytes if value.num_bytes is not None else value.fraction
+        out[dest.replace("_", "-")] = {"value": value, "source": sources[dest]}
+    return out

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from crane_mp.logs import LogSettings
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_FORMATS = ("text", "json")
 # CPU instruction-set tiers, lowest first; each includes the ones before it (worker/kernels/cpu_isa.py).
 CPU_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -66,17 +69,20 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # Messages name the crane-launch flag too: the CLI reports them as they are.
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            raise ValueError(f"dtype (--dtype) must be one of {', '.join(DTYPES)}")
+        for name, flag in (("block_size", "--block-size"), ("max_num_seqs", "--max-concurrent"),
+                           ("max_num_batched_tokens", "--max-num-batched-tokens")):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
+                raise ValueError(f"{name} ({flag}) must be at least 1")
         if self.max_model_len < 0:
-            raise ValueError("max_model_len must be >= 0")
+            raise ValueError("max_model_len (--max-seq-len) must be >= 0")
         if self.max_total_tokens is not None and self.max_total_tokens < self.block_size:
-            raise ValueError("max_total_tokens must be at least one block")
+            raise ValueError("max_total_tokens (--max-total-tokens) must hold at least one KV block")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+            raise ValueError("max_num_batched_tokens (--max-num-batched-tokens) must be at least max_num_seqs "
+                             "(--max-concurrent): every running sequence decodes one token per step")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +94,22 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     log_level: str = "info"
+    log_format: str = "text"  # or "json": one object per line
+    log_requests: bool = False  # prompts in the access log
+    access_log: bool = True
     shutdown_grace: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
     num_frontends: int = 1
+    max_queue: int = 1024  # requests waiting for a running slot; more get 429
+    request_timeout: float = 0.0  # seconds from arrival to finish; 0 = no limit
     api_key: str | None = None
     max_request_bytes: int | None = None  # None: sized to the context window (FrontendState)
     health_generate_timeout: float = 30.0
+    settings: dict = field(default_factory=dict)  # key -> {"value", "source"}, for /server_info
+    unknown_env: tuple[str, ...] = ()  # CRANE_* variables that name no setting (warned at start)
+
+    @property
+    def logs(self) -> LogSettings:
+        return LogSettings(self.log_level, self.log_format)
 
 
 # ---- environment ----------------------------------------------------------------------------------
@@ -117,3 +134,10 @@ def cache_root() -> Path:
     """CRANE_MP_CACHE, else ~/.cache/crane-mp: the demo model and the compiled kernels live here."""
     root = os.environ.get("CRANE_MP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "crane-mp")
     return Path(root)
+
+
+def fault_injection_token() -> int | None:
+    """CRANE_MP_FAULT_TOKEN=ID, a test hook: the worker raises while sampling for any request whose
+    prompt holds token ID (the fault-isolation tests); unset in production."""
+    value = os.environ.get("CRANE_MP_FAULT_TOKEN", "").strip()
+    return int(value) if value else None

@@ -13,7 +13,7 @@ import time
 from crane_mp.config import EngineConfig
 from crane_mp.protocol import SamplingParams, StepResult, TokenOutput
 from crane_mp.scheduler.request import Request
-from crane_mp.scheduler.scheduler import Scheduler, SchedulerConfig
+from crane_mp.scheduler.scheduler import Scheduler, scheduler_config
 from crane_mp.worker.bootstrap import LoadedWorker, load_worker
 
 
@@ -21,19 +21,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         self.config = config
         self.worker: LoadedWorker = load_worker(config, progress)
-        plan = self.worker.kv_plan
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=plan.num_blocks,
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.worker.max_model_len,
-                eos_token_ids=self.worker.model_config.eos_token_ids,
-                enable_prefix_caching=config.enable_prefix_caching,
-                warm_blocks_first=self.worker.device.type == "cpu",
-            )
-        )
+        self.scheduler = Scheduler(scheduler_config(
+            config, self.worker.kv_plan.num_blocks, self.worker.max_model_len,
+            self.worker.model_config.eos_token_ids, on_cpu=self.worker.device.type == "cpu",
+        ))
         self.overlap = config.overlap_schedule
         self._in_flight: StepResult | None = None  # with overlap: executed, not yet applied
         self._ids = itertools.count()

@@ -6,6 +6,8 @@ functions, so it never pays for the frontend's or worker's imports (seconds of s
 
 from __future__ import annotations
 
+import os
+
 
 def worker_main(*args) -> None:
     from crane_mp.worker.process import run_worker
@@ -19,7 +21,10 @@ def scheduler_main(*args) -> None:
     run_scheduler(*args)
 
 
-def frontend_main(*args) -> None:
+def frontend_main(config, addresses, frontend_id: int, metrics_dir: str, conn) -> None:
+    # Before prometheus_client is imported: every frontend's metrics go to files that a scrape of
+    # any one of them sums (frontend/metrics.py).
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     from crane_mp.frontend.process import run_frontend
 
-    run_frontend(*args)
+    run_frontend(config, addresses, frontend_id, conn)

@@ -1,10 +1,11 @@
 """crane-launch: parse flags, spawn worker, scheduler and frontend, wait for readiness, supervise.
 
-Start-up: worker and frontend start together (weights and tokenizer load in parallel; HTTP answers
-503 meanwhile); the scheduler starts once the worker reports its KV block count; the frontend is
-handed the engine facts and reports ready; then one summary line and systemd's READY=1.
-Supervision: any child dying stops the others and exits non-zero. SIGTERM/SIGINT drain: the
-frontend refuses new work and lets in-flight requests finish within --shutdown-grace, then the
+Start-up: worker and frontends start together (weights and tokenizers load in parallel; HTTP
+answers 503 meanwhile); the scheduler starts once the worker reports its KV block count; the
+frontends are handed the engine facts and report ready; then one summary line and systemd's READY=1.
+Supervision: any child dying stops the others and exits non-zero; under systemd's watchdog the
+launcher pings WATCHDOG=1 while the pipeline answers (watchdog.py). SIGTERM/SIGINT drain: the
+frontends refuse new work and let in-flight requests finish within --shutdown-grace, then the
 scheduler (which stops the worker) and the worker are stopped in that order; exit 0.
 """
 
@@ -26,9 +27,11 @@ from crane_mp.cli import parse_args
 from crane_mp.config import ServerConfig
 from crane_mp.entrypoints import frontend_main, scheduler_main, worker_main
 from crane_mp.ipc import Addresses
+from crane_mp.logs import configure_logging
 from crane_mp.protocol import WorkerReady
-from crane_mp.scheduler.scheduler import SchedulerConfig
+from crane_mp.scheduler.scheduler import scheduler_config
 from crane_mp.systemd import notify
+from crane_mp.watchdog import Watchdog
 
 log = logging.getLogger("crane_mp.launch")
 
@@ -42,6 +45,8 @@ class Launcher:
         self.config = config
         self.run_dir = tempfile.mkdtemp(prefix="crane-mp-")  # mode 0700: only we reach the sockets
         self.addresses = Addresses(self.run_dir)
+        self.metrics_dir = os.path.join(self.run_dir, "metrics")
+        os.mkdir(self.metrics_dir)
         self.ctx = mp.get_context("spawn")
         self.procs: dict[str, mp.Process] = {}
         self.stop_requested = False
@@ -72,32 +77,36 @@ class Launcher:
                     raise ChildDied(f"the {name} process exited with code {proc.exitcode} while {what}")
         raise ChildDied(f"timed out while {what}")
 
+    @property
+    def frontends(self) -> list[str]:
+        return [name for name in self.procs if name.startswith("frontend")]
+
     def start(self) -> WorkerReady:
         cfg = self.config
-        worker_conn = self._spawn("worker", worker_main, cfg.engine, self.addresses, cfg.log_level)
-        frontend_conn = self._spawn("frontend", frontend_main, cfg, self.addresses, 0)
-        self._await(frontend_conn, "the frontend was binding its port")
+        worker_conn = self._spawn("worker", worker_main, cfg.engine, self.addresses, cfg.logs)
+        frontend_conns = [
+            self._spawn(_frontend_name(i, cfg.num_frontends), frontend_main, cfg, self.addresses, i, self.metrics_dir)
+            for i in range(cfg.num_frontends)
+        ]
+        for conn in frontend_conns:
+            self._await(conn, "the frontend was binding its port")
         info = msgspec.msgpack.decode(self._await(worker_conn, "the worker was loading the model"), type=WorkerReady)
-        sched_cfg = SchedulerConfig(
-            num_blocks=info.num_blocks,
-            block_size=info.block_size,
-            max_num_seqs=cfg.engine.max_num_seqs,
-            max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
-            max_model_len=info.max_model_len,
-            eos_token_ids=tuple(info.eos_token_ids),
-            enable_prefix_caching=cfg.engine.enable_prefix_caching,
-            warm_blocks_first=info.device == "Cpu",
+        sched_cfg = scheduler_config(
+            cfg.engine, info.num_blocks, info.max_model_len, tuple(info.eos_token_ids), on_cpu=info.device == "Cpu",
+            max_queue=cfg.max_queue,
         )
         sched_conn = self._spawn(
             "scheduler", scheduler_main, sched_cfg, self.addresses, cfg.num_frontends, cfg.engine.overlap_schedule,
-            cfg.log_level,
+            cfg.logs,
         )
         self._await(sched_conn, "the scheduler was starting")
-        frontend_conn.send_bytes(msgspec.msgpack.encode(info))
-        self._await(frontend_conn, "the frontend was connecting")
+        for conn in frontend_conns:
+            conn.send_bytes(msgspec.msgpack.encode(info))
+        for conn in frontend_conns:
+            self._await(conn, "the frontend was connecting")
         return info
 
-    def supervise(self) -> int:
+    def supervise(self, watchdog: Watchdog | None = None) -> int:
         """Block until a child dies (exit 1) or a stop signal arrives (drain, exit 0)."""
         while not self.stop_requested:
             wait([p.sentinel for p in self.procs.values()], timeout=0.2)
@@ -106,39 +115,45 @@ class Launcher:
                     log.error("the %s process exited with code %s; stopping the server", name, proc.exitcode)
                     self.fail()
                     return 1
+            if watchdog is not None:
+                watchdog.tick()
         notify("STOPPING=1")
         log.info("draining: finishing in-flight requests (up to %.0f s)", self.config.shutdown_grace)
-        self._stop("frontend", self.config.shutdown_grace + 5)
-        self._stop("scheduler", 5)
-        self._stop("worker", 5)
+        self._stop(self.frontends, self.config.shutdown_grace + 5)
+        self._stop(["scheduler"], 5)
+        self._stop(["worker"], 5)
         return 0
 
     def fail(self) -> None:
         """An engine process died: end every open request with an error, then stop everything."""
-        frontend = self.procs.get("frontend")
-        if frontend is not None and frontend.is_alive():
-            signal_process(frontend, signal.SIGUSR1)
-            frontend.join(0.5)
-        for name in ("frontend", "scheduler", "worker"):
-            self._stop(name, 1.0)
+        alive = [self.procs[name] for name in self.frontends if self.procs[name].is_alive()]
+        for proc in alive:
+            signal_process(proc, signal.SIGUSR1)
+        for proc in alive:
+            proc.join(0.5)
+        self._stop([*self.frontends, "scheduler", "worker"], 5.0)
 
-    def _stop(self, name: str, timeout: float) -> None:
-        proc = self.procs.get(name)
-        if proc is None or not proc.is_alive():
-            return
+    def _stop(self, names: list[str], timeout: float) -> None:
+        """SIGTERM each of `names` at once, wait up to `timeout` for all, kill what is left."""
+        procs = {name: self.procs[name] for name in names if name in self.procs and self.procs[name].is_alive()}
         started = time.monotonic()
-        signal_process(proc, signal.SIGTERM)
-        proc.join(timeout)
-        if proc.is_alive():
-            log.warning("the %s process did not stop in time; killing it", name)
-            proc.kill()
-            proc.join(2)
-        log.info("stopped %s process in %.1f s", name, time.monotonic() - started)
+        for proc in procs.values():
+            signal_process(proc, signal.SIGTERM)
+        for name, proc in procs.items():
+            proc.join(max(0.0, started + timeout - time.monotonic()))
+            if proc.is_alive():
+                log.warning("the %s process did not stop in time; killing it", name)
+                proc.kill()
+                proc.join(2)
+            log.info("stopped %s process in %.1f s", name, time.monotonic() - started)
 
     def cleanup(self) -> None:
-        for name in list(self.procs):
-            self._stop(name, 1.0)
+        self._stop(list(self.procs), 5.0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _frontend_name(index: int, count: int) -> str:
+    return "frontend" if count == 1 else f"frontend-{index}"
 
 
 def _on_off(flag: bool) -> str:
@@ -154,7 +169,9 @@ def signal_process(proc: mp.Process, signum: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.logs)
+    for name in config.unknown_env:
+        log.warning("environment variable %s names no crane-launch setting; ignored", name)
     started = time.monotonic()
     launcher = Launcher(config)
 
@@ -174,15 +191,16 @@ def main(argv: list[str] | None = None) -> None:
         )
         log.info(
             "ready in %.1f s: model=%s arch=%s device=%s dtype=%s isa=%s kernels=%s kv_bytes=%d/token "
-            "kv_budget=%.2f GiB blocks=%d (%d tokens) max_concurrent=%d max_model_len=%d prefix_cache=%s overlap=%s "
-            "listening on http://%s:%d",
+            "kv_budget=%.2f GiB blocks=%d (%d tokens) max_concurrent=%d max_queue=%d max_model_len=%d "
+            "prefix_cache=%s overlap=%s frontends=%d listening on http://%s:%d",
             time.monotonic() - started, config.model_name, info.arch, info.device, info.dtype, info.isa,
             info.kernel_isa, info.kv_bytes_per_token, info.kv_budget_bytes / gib, info.num_blocks,
-            info.num_blocks * info.block_size, config.engine.max_num_seqs, info.max_model_len, _on_off(config.engine.enable_prefix_caching),
-            _on_off(config.engine.overlap_schedule), config.host, config.port,
+            info.num_blocks * info.block_size, config.engine.max_num_seqs, config.max_queue, info.max_model_len,
+            _on_off(config.engine.enable_prefix_caching), _on_off(config.engine.overlap_schedule),
+            config.num_frontends, config.host, config.port,
         )
-        notify("READY=1")
-        code = launcher.supervise()
+        notify("READY=1\nSTATUS=serving " + config.model_name)
+        code = launcher.supervise(Watchdog.from_environment(config))
     except KeyboardInterrupt:
         code = 0
     except ChildDied as err:
@@ -190,4 +208,5 @@ def main(argv: list[str] | None = None) -> None:
         code = 1
     finally:
         launcher.cleanup()
+    log.info("stopped (exit code %d)", code)
     sys.exit(code)

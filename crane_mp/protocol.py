@@ -18,6 +18,14 @@ class FinishReason(enum.IntEnum):
     ERROR = 3  # a failure that belongs to this request only
 
 
+class ErrorKind(enum.IntEnum):
+    """Why a request ended with FinishReason.ERROR; the frontend answers with the matching status."""
+
+    INVALID = 0  # the request can never run (400)
+    OVERLOADED = 1  # --max-queue requests already wait (429)
+    INTERNAL = 2  # processing this request raised in the scheduler or worker (500)
+
+
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """Per-request generation settings. The worker samples with them; the scheduler stops by token id.
 
@@ -116,6 +124,8 @@ class StepResult(msgspec.Struct, array_like=True, tag=True):
     """Sampled tokens for the scheduled requests whose span reached its end, in plan order.
 
     token_ids is parallel to req_ids; logprobs too, and empty unless some request asked for logprobs.
+    failed_req_ids: requests whose processing raised (errors: one message each); the worker skips
+    them until told they finished.
     """
 
     step_id: int
@@ -123,6 +133,8 @@ class StepResult(msgspec.Struct, array_like=True, tag=True):
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = []
     prompt_logprobs: list[PromptLogprobs] = []
+    failed_req_ids: list[int] = []
+    errors: list[str] = []
 
 
 # ---- frontend -> scheduler ----------------------------------------------------------------------
@@ -134,10 +146,18 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag=True):
     sampling: SamplingParams
     frontend_id: int = 0
     arrival_time: float = 0.0
+    names: list[str] = []  # the client's names for it, for AbortNamed
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag=True):
     rid: int
+
+
+class AbortNamed(msgspec.Struct, array_like=True, tag=True):
+    """Abort every request the client knows by `name` (an SGLang rid, an OpenAI response id or an
+    X-Request-Id), whichever frontend it came through."""
+
+    name: str
 
 
 class ControlRequest(msgspec.Struct, array_like=True, tag=True):
@@ -149,7 +169,7 @@ class ControlRequest(msgspec.Struct, array_like=True, tag=True):
     frontend_id: int = 0
 
 
-SchedulerInbox = GenerateRequest | AbortRequest | ControlRequest | StepResult
+SchedulerInbox = GenerateRequest | AbortRequest | AbortNamed | ControlRequest | StepResult
 
 
 # ---- scheduler -> frontend ----------------------------------------------------------------------
@@ -170,6 +190,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: list[PromptLogprobs] = []
     queue_time: float | None = None  # on the finishing output: seconds waiting before first scheduled
     cached_tokens: int = 0
+    error_kind: int = 0  # an ErrorKind, with `error`
 
 
 class TokenBatch(msgspec.Struct, array_like=True, tag=True):
@@ -193,6 +214,7 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True):
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_cached_blocks: int = 0
+    step_age: float = 0.0  # seconds the oldest step in flight has run (0: none); the watchdog's probe
 
 
 class ControlReply(msgspec.Struct, array_like=True, tag=True):

@@ -11,28 +11,11 @@ from crane_mp.scheduler.scheduler import Scheduler, SchedulerConfig
 _ids = itertools.count(1000)
 
 
-def make_scheduler(
-    num_blocks: int = 64,
-    block_size: int = 4,
-    max_num_seqs: int = 8,
-    max_num_batched_tokens: int = 64,
-    max_model_len: int = 64,
-    eos_token_ids: tuple[int, ...] = (2,),
-    enable_prefix_caching: bool = True,
-    warm_blocks_first: bool = False,
-) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(
-            num_blocks=num_blocks,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            eos_token_ids=eos_token_ids,
-            enable_prefix_caching=enable_prefix_caching,
-            warm_blocks_first=warm_blocks_first,
-        )
-    )
+def make_scheduler(**overrides: object) -> Scheduler:
+    """A small scheduler: 64 blocks of 4 tokens, 8 sequences, 64-token steps and context."""
+    config = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                  eos_token_ids=(2,))
+    return Scheduler(SchedulerConfig(**{**config, **overrides}))
 
 
 def make_requests(

@@ -52,14 +52,17 @@ async def open_choices(
     stop: list[str],
     skip_special_tokens: bool,
     discard_output: bool = False,
+    names: str | list[str] | None = None,
 ) -> AsyncIterator[list[Generation]]:
     """Submit every prompt n times (prompt i with max_tokens[i]; a seeded request gives sample j the
-    seed + j) and yield the generations. However the body ends (finished, error, client gone), every
-    generation still registered is aborted and unregistered on the way out."""
+    seed + j) and yield the generations. `names`: what /abort_request may call them, one for all or
+    one per generation. However the body ends (finished, error, client gone), every generation still
+    registered is aborted and unregistered on the way out."""
     gens: list[Generation] = []
     try:
         for prompt_ids, budget in zip(prompts, max_tokens):
             for i in range(n):
+                name = names if names is None or isinstance(names, str) else names[len(gens)]
                 seed = None if base.seed is None else base.seed + i
                 params = msgspec.structs.replace(
                     base, seed=seed, max_tokens=budget, min_tokens=min(base.min_tokens, budget)
@@ -67,7 +70,7 @@ async def open_choices(
                 try:
                     gens.append(await start_generation(
                         state.client, state.tokenizer.backend, prompt_ids, params, stop, skip_special_tokens,
-                        discard_output,
+                        discard_output, [name] if name else None,
                     ))
                 except EngineDeadError as err:
                     raise ApiError(503, f"the engine stopped: {err}") from err
@@ -99,6 +102,16 @@ async def collect(gens: list[Generation]) -> list[Collected]:
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def admitted(gens: list[Generation]) -> None:
+    """Before a stream answers 200: wait until the scheduler accepted every generation, so a refusal
+    (429 queue full, 400) is still an HTTP status and not an event inside a 200 stream."""
+    try:
+        for gen in gens:
+            await gen.admitted()
+    except GenerationError as err:
+        raise ApiError(err.status, str(err)) from err
 
 
 async def merged_deltas(gens: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:

@@ -2,7 +2,9 @@
 
 One listener task reads the scheduler's output socket and appends tokens to each request's stream;
 handlers wait on their stream. A consumer that falls behind finds several tokens waiting and takes
-them at once (coalesced), so no per-token queue grows.
+them at once (coalesced), so no per-token queue grows. The scheduler's first, empty output for a
+request says it was admitted (streams wait for it before sending a 200). With --request-timeout,
+a request still open at its deadline is ended here with an error and aborted in the engine.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from crane_mp.ipc import Addresses, encode, frontend_decoder, make_socket
 from crane_mp.protocol import (
     AbortRequest,
     ControlReply,
+    AbortNamed,
     ControlRequest,
     EngineStats,
+    ErrorKind,
     FinishReason,
     GenerateRequest,
     PromptLogprobs,
@@ -33,6 +37,8 @@ from crane_mp.protocol import (
 )
 
 log = logging.getLogger("crane_mp.frontend")
+_ERROR_STATUS = {ErrorKind.INVALID: 400, ErrorKind.OVERLOADED: 429, ErrorKind.INTERNAL: 500}
+TIMEOUT_STATUS = 408
 
 
 class EngineDeadError(RuntimeError):
@@ -50,12 +56,15 @@ class RequestStream:
     finish_reason: int | None = None
     stop_token_id: int | None = None
     error: str | None = None
+    error_status: int = 0  # the HTTP status that fits the error (503 once the engine is gone)
+    admitted: bool = False  # the scheduler accepted the request (or it already finished)
     first_token_time: float | None = None
     last_token_time: float | None = None
     queue_time: float | None = None
     cached_tokens: int = 0
     submitted: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    deadline: asyncio.TimerHandle | None = None
 
     @property
     def finished(self) -> bool:
@@ -71,10 +80,23 @@ class RequestStream:
         self.logprobs.extend(out.logprobs or [None] * len(out.new_token_ids))
         self.prompt_logprobs.extend(out.prompt_logprobs)
         self.cached_tokens = out.cached_tokens
+        self.admitted = True
         if out.finish_reason is not None:
-            self.finish_reason, self.stop_token_id, self.error = out.finish_reason, out.stop_token_id, out.error
-            self.queue_time = out.queue_time
+            self.finish(out.finish_reason, out.error, _ERROR_STATUS.get(out.error_kind, 500))
+            self.stop_token_id, self.queue_time = out.stop_token_id, out.queue_time
         self.changed.set()
+
+    def finish(self, reason: int, error: str | None = None, status: int = 0) -> None:
+        self.finish_reason, self.error, self.error_status = reason, error, status if error else 0
+        if self.deadline is not None:
+            self.deadline.cancel()
+        self.changed.set()
+
+    async def wait_admitted(self) -> None:
+        """Until the scheduler accepted the request or it ended (a refusal is then in `error`)."""
+        while not self.admitted and not self.finished:
+            await self.changed.wait()
+            self.changed.clear()
 
     async def next_tokens(self) -> list[int]:
         """Every token that arrived since the last call (at least one, or none once finished)."""
@@ -87,10 +109,14 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, addresses: Addresses, frontend_id: int) -> None:
+    def __init__(self, addresses: Addresses, frontend_id: int, request_timeout: float = 0.0) -> None:
         self.frontend_id = frontend_id
+        self.request_timeout = request_timeout
         self.ctx = zmq.asyncio.Context()
-        self.to_scheduler = make_socket(self.ctx, zmq.PUSH, addresses.scheduler_inbox, bind=False)
+        # Sends go through a plain socket: its queue is unbounded (ipc.make_socket), so a non-blocking
+        # send never waits, and skips the asyncio socket's futures (a tenth of a burst's frontend time).
+        self.send_ctx = zmq.Context()
+        self.to_scheduler = make_socket(self.send_ctx, zmq.PUSH, addresses.scheduler_inbox, bind=False)
         self.from_scheduler = make_socket(self.ctx, zmq.PULL, addresses.frontend_inbox(frontend_id), bind=False)
         self.streams: dict[int, RequestStream] = {}
         self.replies: dict[int, asyncio.Future] = {}
@@ -108,34 +134,53 @@ class EngineClient:
         if self._listener is not None:
             self._listener.cancel()
         self.ctx.destroy(linger=0)
+        self.send_ctx.destroy(linger=0)
 
     def new_rid(self) -> int:
         return next(self._rids)
 
-    async def submit(self, rid: int, input_ids: list[int], sampling: SamplingParams) -> RequestStream:
+    async def submit(
+        self, rid: int, input_ids: list[int], sampling: SamplingParams, names: list[str] | None = None
+    ) -> RequestStream:
         if self.dead:
             raise EngineDeadError(self.dead)
         # Encoded before the stream is registered: a value msgpack cannot carry leaves nothing behind.
-        message = encode(GenerateRequest(rid, input_ids, sampling, self.frontend_id, time.time()))
+        message = encode(GenerateRequest(rid, input_ids, sampling, self.frontend_id, time.time(), names or []))
         stream = RequestStream(rid, len(input_ids))
         self.streams[rid] = stream
         try:
-            await self.to_scheduler.send(message)
+            self.to_scheduler.send(message, zmq.NOBLOCK)
         except BaseException:
             del self.streams[rid]
             raise
+        if self.request_timeout:
+            stream.deadline = asyncio.get_running_loop().call_later(self.request_timeout, self._expire, rid)
         return stream
 
-    async def abort(self, rid: int, keep_stream: bool = False) -> None:
-        """Stop a request; its KV blocks come back within a step. With keep_stream (an abort asked for
-        by another client) the request's own handler still sees it finish, with reason ABORT."""
-        if not keep_stream:
-            self.streams.pop(rid, None)
+    def _expire(self, rid: int) -> None:
+        stream = self.streams.pop(rid, None)
+        if stream is None or stream.finished:
+            return
+        stream.finish(FinishReason.ERROR, f"the request timed out after {self.request_timeout:g} s "
+                                          "(--request-timeout)", TIMEOUT_STATUS)
         if not self.dead:
-            await self.to_scheduler.send(encode(AbortRequest(rid)))
+            self.to_scheduler.send(encode(AbortRequest(rid)), zmq.NOBLOCK)
+
+    async def abort_named(self, name: str) -> None:
+        """Abort every request the client calls `name`, on whichever frontend it runs."""
+        if not self.dead:
+            self.to_scheduler.send(encode(AbortNamed(name)), zmq.NOBLOCK)
+
+    async def abort(self, rid: int) -> None:
+        """Stop a request; its KV blocks come back within a step."""
+        self.release(rid)
+        if not self.dead:
+            self.to_scheduler.send(encode(AbortRequest(rid)), zmq.NOBLOCK)
 
     def release(self, rid: int) -> None:
-        self.streams.pop(rid, None)
+        stream = self.streams.pop(rid, None)
+        if stream is not None and stream.deadline is not None:
+            stream.deadline.cancel()
 
     async def control(self, kind: str, timeout: float) -> EngineStats | ControlReply:
         if self.dead:
@@ -144,7 +189,7 @@ class EngineClient:
         future = asyncio.get_running_loop().create_future()
         self.replies[token] = future
         try:
-            await self.to_scheduler.send(encode(ControlRequest(kind, token, self.frontend_id)))
+            self.to_scheduler.send(encode(ControlRequest(kind, token, self.frontend_id)), zmq.NOBLOCK)
             return await asyncio.wait_for(future, timeout)
         finally:
             self.replies.pop(token, None)
@@ -153,9 +198,7 @@ class EngineClient:
         """The engine died: end every open stream with an error so no client hangs."""
         self.dead = reason
         for stream in list(self.streams.values()):
-            stream.error = reason
-            stream.finish_reason = FinishReason.ERROR
-            stream.changed.set()
+            stream.finish(FinishReason.ERROR, reason, 503)
         for future in self.replies.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))

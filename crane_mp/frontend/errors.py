@@ -13,10 +13,15 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
+REQUEST_ID = web.RequestKey("request_id", str)  # set by the access middleware
+# Seconds a client refused with 429 should wait before retrying (queues drain within seconds).
+RETRY_AFTER_SECONDS = 1
 
 
 class ApiError(Exception):
@@ -33,7 +38,10 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    return web.json_response(error_body(status, message, param), status=status)
+    response = web.json_response(error_body(status, message, param), status=status)
+    if status == 429:
+        response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    return response
 
 
 @web.middleware
@@ -56,5 +64,6 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
             response.headers["Allow"] = err.headers["Allow"]
         return response
     except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(500, "internal server error")
+        request_id = request.get(REQUEST_ID, "")
+        log.exception("unhandled error in %s %s (request id %s)", request.method, request.path, request_id)
+        return error_response(500, f"internal server error (request id {request_id})")

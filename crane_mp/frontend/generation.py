@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from crane_mp.frontend.access_log import current_record
 from crane_mp.frontend.detokenizer import Detokenizer
 from crane_mp.frontend.engine_client import EngineClient, RequestStream
 from crane_mp.protocol import FinishReason, PromptLogprobs, SamplingParams, TokenLogprobs
@@ -20,8 +21,8 @@ FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", Finish
 
 
 class GenerationError(RuntimeError):
-    """The engine ended the request with an error: `status` 503 once the engine is gone (it died, or
-    the drain ended), else 400: the scheduler refused this request itself."""
+    """The request ended with an error; `status` is the HTTP status that fits: 400 refused as invalid,
+    429 too many waiting, 408 timed out, 500 its processing raised, 503 the engine is gone."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
@@ -50,6 +51,7 @@ class Generation:
     closed: bool = False  # unregistered from the client, finish recorded
     finish_name: str = "abort"  # what the metrics record if the request ends without a finish
     last_token_time: float | None = None
+    request_id: str = ""  # the HTTP request's id, quoted in internal errors
 
     @property
     def rid(self) -> int:
@@ -80,8 +82,7 @@ class Generation:
             while True:
                 new_ids = await self.stream.next_tokens()
                 if self.stream.error is not None:
-                    self.finish_name = "error"
-                    raise GenerationError(self.stream.error, 503 if self.client.dead else 400)
+                    raise self.error()
                 self._observe_tokens(len(new_ids))
                 first = self.stream.num_consumed - len(new_ids)
                 if self.discard_output:
@@ -105,6 +106,21 @@ class Generation:
                     yield Delta(text, new_ids, logprobs)
         finally:
             await self.close()
+
+    def error(self) -> GenerationError:
+        stream = self.stream
+        self.done = True  # the engine has finished with it (refused, failed, timed out: already aborted)
+        self.finish_name = {408: "timeout", 429: "rejected"}.get(stream.error_status, "error")
+        message = stream.error
+        if stream.error_status == 500 and self.request_id:
+            message += f" (request id {self.request_id})"
+        return GenerationError(message, stream.error_status or 500)
+
+    async def admitted(self) -> None:
+        """Wait until the scheduler accepted the request; raises GenerationError if it refused it."""
+        await self.stream.wait_admitted()
+        if self.stream.error is not None:
+            raise self.error()
 
     def unregister(self) -> bool:
         """Forget the request here and record how it ended; True when the engine must still be told to
@@ -150,7 +166,18 @@ async def start_generation(
     stop: list[str],
     skip_special_tokens: bool = True,
     discard_output: bool = False,
+    names: list[str] | None = None,
 ) -> Generation:
+    """Submit one request. `names`: what the client may call it in /abort_request; the access log
+    of the HTTP request being served (if any) records it."""
     rid = client.new_rid()
-    stream = await client.submit(rid, input_ids, sampling)
-    return Generation(client, stream, Detokenizer(backend, input_ids, stop, skip_special_tokens), discard_output)
+    record = current_record()
+    names = list(names or [])
+    if record is not None:
+        names.append(record.request_id)
+    stream = await client.submit(rid, input_ids, sampling, names)
+    gen = Generation(client, stream, Detokenizer(backend, input_ids, stop, skip_special_tokens), discard_output)
+    if record is not None:
+        gen.request_id = record.request_id
+        record.add(gen, input_ids)
+    return gen

@@ -97,6 +97,9 @@ def _server_args(state: FrontendState) -> dict[str, Any]:
         "max_num_batched_tokens": engine.max_num_batched_tokens, "block_size": engine.block_size,
         "gpu_memory_limit": None if limit is None else (limit.num_bytes or limit.fraction),
         "shutdown_grace": cfg.shutdown_grace, "api_key_set": bool(cfg.api_key),
+        "max_queue": cfg.max_queue, "request_timeout": cfg.request_timeout, "num_frontends": cfg.num_frontends,
+        # Every crane-launch setting, with where its value came from (default, file, env or cli).
+        "settings": cfg.settings,
     }
 
 

@@ -1,13 +1,19 @@
 """Prometheus metrics (prometheus_client), under the names vLLM dashboards already query.
 
-Request-level figures (tokens, latencies, finish reasons) are observed here as requests finish;
-scheduler figures (running, waiting, KV usage, preemptions) arrive in EngineStats when /metrics is
-scraped, over the existing frontend<->scheduler sockets. Each frontend keeps its own registry.
+Request-level figures (tokens, latencies, finish reasons, rejections) are observed by the frontend
+that served the request. With several frontends (crane-launch sets PROMETHEUS_MULTIPROC_DIR) they go
+to prometheus_client's shared files and every scrape sums all frontends. Scheduler figures (running,
+waiting, KV usage, preemptions, prefix cache) are whole-server already: they arrive in EngineStats
+when /metrics is scraped and are rendered as they are (the last answer, if the scheduler is silent).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from crane_mp.protocol import EngineStats
 
@@ -18,22 +24,22 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 
 class Metrics:
     def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        # Shared mode: the values live in files; the metric objects must not be in a rendered registry.
+        self.registry = None if self.shared_dir else CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", labels, registry=reg)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=reg)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-                              labels, registry=reg)
-        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (KV blocks reclaimed, later recomputed).",
-                                   labels, registry=reg)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", labels,
                                      registry=reg)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens of finished requests.",
                                          labels, registry=reg)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                        labels + ["finished_reason"], registry=reg)
+        self.rejected = Counter("crane:requests_rejected", "Requests refused with 429 (--max-queue).", labels,
+                                registry=reg)
+        self.timed_out = Counter("crane:requests_timed_out", "Requests ended by --request-timeout.", labels,
+                                 registry=reg)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
                               buckets=_LATENCY_BUCKETS, registry=reg)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
@@ -46,11 +52,10 @@ class Metrics:
                                     buckets=_TOKEN_BUCKETS, registry=reg)
         self.output_len = Histogram("vllm:request_generation_tokens", "Output length of finished requests.",
                                     labels, buckets=_TOKEN_BUCKETS, registry=reg)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      labels, registry=reg)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
-                                   registry=reg)
-        self._seen = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+        self.last_stats: EngineStats | None = None
+
+    def request_rejected(self) -> None:
+        self.rejected.labels(self.model_name).inc()
 
     def observe_tokens(self, gap: float, count: int) -> None:
         """`count` tokens arrived together, `gap` seconds after the previous ones: the gaps a client
@@ -65,6 +70,11 @@ class Metrics:
         queue_time: float | None,
     ) -> None:
         name = self.model_name
+        if reason == "rejected":
+            self.request_rejected()
+            return
+        if reason == "timeout":
+            self.timed_out.labels(name).inc()
         self.prompt_tokens.labels(name).inc(prompt_tokens)
         self.generation_tokens.labels(name).inc(completion_tokens)
         self.request_success.labels(name, reason).inc()
@@ -78,18 +88,44 @@ class Metrics:
 
     def render(self, stats: EngineStats | None) -> bytes:
         if stats is not None:
-            name = self.model_name
-            self.running.labels(name).set(stats.num_running)
-            self.waiting.labels(name).set(stats.num_waiting)
-            used = stats.num_total_blocks - stats.num_free_blocks
-            self.kv_usage.labels(name).set(used / stats.num_total_blocks if stats.num_total_blocks else 0.0)
-            self._advance("preemptions", stats.num_preemptions)
-            self._advance("prefix_queries", stats.prefix_cache_queries)
-            self._advance("prefix_hits", stats.prefix_cache_hits)
-        return generate_latest(self.registry)
+            self.last_stats = stats
+        if self.shared_dir:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=self.shared_dir)
+        else:
+            registry = self.registry
+        text = generate_latest(registry)
+        if self.last_stats is not None:
+            engine = CollectorRegistry()
+            engine.register(_EngineCollector(self.model_name, self.last_stats))
+            text += generate_latest(engine)
+        return text
 
-    def _advance(self, name: str, total: int) -> None:
-        """Move counter `name` up to the scheduler's running total."""
-        if total > self._seen[name]:
-            getattr(self, name).labels(self.model_name).inc(total - self._seen[name])
-            self._seen[name] = total
+
+class _EngineCollector:
+    """The scheduler's figures, as gauges and counters, from one EngineStats."""
+
+    def __init__(self, model_name: str, stats: EngineStats) -> None:
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self):
+        s, name = self.stats, [self.model_name]
+        used = s.num_total_blocks - s.num_free_blocks
+        for metric, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+             used / s.num_total_blocks if s.num_total_blocks else 0.0),
+        ):
+            family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            yield family
+        for metric, doc, value in (
+            ("vllm:num_preemptions", "Preemptions (KV blocks reclaimed, later recomputed).", s.num_preemptions),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+        ):
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            yield family

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import msgspec
 from aiohttp import web
 
-from crane_mp.frontend.choices import collect, merged_deltas, open_choices, resolve_max_tokens
+from crane_mp.frontend.choices import admitted, collect, merged_deltas, open_choices, resolve_max_tokens
 from crane_mp.frontend.errors import ApiError, error_body
 from crane_mp.frontend.generation import Delta, Generation, GenerationError
 from crane_mp.frontend.logprobs_format import chat_logprobs, completion_logprobs
@@ -62,6 +62,7 @@ async def stream_response(
     """SSE: chunks per delta, the usage chunk if asked, then [DONE]; an engine failure is an SSE error event."""
     include_usage = stream_options is not None and stream_options.include_usage
     continuous = stream_options is not None and stream_options.continuous_usage_stats
+    await admitted(gens)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     try:
@@ -95,14 +96,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = resolve_max_tokens(state, len(input_ids), requested, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, state.engine_info.vocab_size, logprobs=logprobs)
+    chat_id = f"chatcmpl-{uuid.uuid4().hex}"
     async with open_choices(state, [input_ids], req.n, params, [max_tokens], stop_strings(req.stop),
-                            req.skip_special_tokens) as gens:
-        return await _chat_response(request, req, model, input_ids, gens)
+                            req.skip_special_tokens, names=chat_id) as gens:
+        return await _chat_response(request, req, model, input_ids, gens, chat_id)
 
 
 async def _chat_response(request, req: ChatCompletionRequest, model: str, input_ids: list[int],
-                         gens: list[Generation]) -> web.StreamResponse:
-    chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+                         gens: list[Generation], chat_id: str) -> web.StreamResponse:
+    created = int(time.time())
     token_text = request.app[STATE].tokenizer.token_text
     if req.stream:
         base = {"id": chat_id, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -162,15 +164,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     max_tokens = [resolve_max_tokens(state, len(p), max(requested, 1), "prompt") for p in prompts]
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     params = sampling_params(req, state.engine_info.vocab_size, req.logprobs, prompt_logprobs)
+    cmpl_id = f"cmpl-{uuid.uuid4().hex}"
     async with open_choices(state, prompts, req.n, params, max_tokens, stop_strings(req.stop),
-                            req.skip_special_tokens, discard_output=requested == 0) as gens:
-        return await _completion_response(request, req, model, prompts, gens)
+                            req.skip_special_tokens, discard_output=requested == 0, names=cmpl_id) as gens:
+        return await _completion_response(request, req, model, prompts, gens, cmpl_id)
 
 
 async def _completion_response(request, req: CompletionRequest, model: str, prompts: list[list[int]],
-                               gens: list[Generation]) -> web.StreamResponse:
+                               gens: list[Generation], cmpl_id: str) -> web.StreamResponse:
     state = request.app[STATE]
-    cmpl_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    created = int(time.time())
     base = {"id": cmpl_id, "object": "text_completion", "created": created, "model": model}
     token_text = state.tokenizer.token_text
     prompt_texts = [state.tokenizer.decode(p, skip_special_tokens=False) if req.echo else "" for p in prompts]

@@ -8,7 +8,6 @@ the engine died: every open request is ended with an error at once.
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 from multiprocessing.connection import Connection
 
@@ -21,17 +20,25 @@ from crane_mp.frontend.engine_client import EngineClient
 from crane_mp.frontend.state import FrontendState
 from crane_mp.frontend.tokenizer import TokenizerService
 from crane_mp.ipc import Addresses
+from crane_mp.logs import configure_logging
 from crane_mp.protocol import WorkerReady
 
-log = logging.getLogger("crane_mp.frontend")
+_ACCEPT_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 
 
 async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, conn: Connection) -> None:
     loop = asyncio.get_running_loop()
     state = FrontendState(config, TokenizerService(config.engine.model_path, config.engine.model_format))
+    # aiohttp's own access log is off: ours (access_log.py) knows tokens, TTFT and the request id.
     runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port, reuse_address=True).start()
+    # Several frontends share the port; the kernel spreads connections over them. A deep accept queue:
+    # with aiohttp's 128, a burst of connections overflows it and clients wait out SYN retries (1 s,
+    # 3 s) before even a 429 can reach them.
+    shared = config.num_frontends > 1
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True, reuse_port=shared or None,
+                       backlog=_ACCEPT_BACKLOG)
+    await site.start()
     conn.send_bytes(b"listening")
 
     try:
@@ -39,7 +46,7 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, c
     except EOFError:  # the launcher stopped during start-up (a signal, or the worker failed): it says why
         await runner.cleanup()
         return
-    state.client = EngineClient(addresses, frontend_id)
+    state.client = EngineClient(addresses, frontend_id, config.request_timeout)
     state.client.metrics = state.metrics
     state.client.start()
     state.engine_info = info
@@ -63,7 +70,7 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, c
 
 
 def run_frontend(config: ServerConfig, addresses: Addresses, frontend_id: int, conn: Connection) -> None:
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.logs)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how Ctrl-C ends the server
     try:
         import uvloop

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import msgspec
 from aiohttp import web
 
-from crane_mp.frontend.choices import collect, merged_deltas, open_choices, resolve_max_tokens
+from crane_mp.frontend.choices import admitted, collect, merged_deltas, open_choices, resolve_max_tokens
 from crane_mp.frontend.errors import ApiError, error_body
 from crane_mp.frontend.generation import Generation, GenerationError
 from crane_mp.frontend.logprobs_format import scored_prompt_positions
@@ -160,20 +160,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     params: SamplingParams = sampling_params(
         seeded, state.engine_info.vocab_size, logprobs, req.top_logprobs_num if wants_input else None
     )
+    names = _request_names(req.rid, len(prompts), sp.n)
     async with open_choices(state, prompts, sp.n, params, max_tokens, stop_strings(sp.stop), sp.skip_special_tokens,
-                            discard_output=sp.max_new_tokens == 0) as gens:
-        names = _request_names(req.rid, len(prompts), sp.n)
-        for name, gen in zip(names, gens):
-            state.sglang_rids.setdefault(name, []).append(gen.rid)
-        try:
-            return await _generate_response(request, req, sp, prompts, batch, names, gens)
-        finally:
-            for name, gen in zip(names, gens):  # only this request's: another may share the name
-                mine = state.sglang_rids.get(name, [])
-                if gen.rid in mine:
-                    mine.remove(gen.rid)
-                if not mine:
-                    state.sglang_rids.pop(name, None)
+                            discard_output=sp.max_new_tokens == 0, names=names) as gens:
+        return await _generate_response(request, req, sp, prompts, batch, names, gens)
 
 
 def _request_names(rid: str | list[str] | None, num_prompts: int, n: int) -> list[str]:
@@ -210,6 +200,7 @@ async def _generate_response(request, req: GenerateRequest, sp: SGLangSamplingPa
 
 async def _stream(request: web.Request, gens: list[Generation], result) -> web.StreamResponse:
     """SGLang's framing: every chunk carries the output so far (text and ids), then [DONE]."""
+    await admitted(gens)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     texts = [""] * len(gens)
@@ -233,9 +224,11 @@ async def _stream(request: web.Request, gens: list[Generation], result) -> web.S
 
 @routes.post("/abort_request")
 async def abort_request(request: web.Request) -> web.Response:
-    """Abort by the client-chosen rid; unknown or finished ids are a no-op success."""
+    """Abort by the client's name for a request: an SGLang rid, an OpenAI response id (chatcmpl-...,
+    cmpl-...) or an X-Request-Id, whichever frontend serves it. Unknown or finished ones are a no-op
+    success."""
     state = request.app[STATE]
+    state.require_ready()
     body = decode_body(await request.read(), AbortBody)
-    for rid in state.sglang_rids.get(body.rid, []):
-        await state.client.abort(rid, keep_stream=True)
+    await state.client.abort_named(body.rid)
     return json_response({"success": True, "rid": body.rid})

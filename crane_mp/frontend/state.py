@@ -25,7 +25,7 @@ class FrontendState:
     draining: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
     metrics: Metrics = field(init=False)
-    sglang_rids: dict[str, list[int]] = field(default_factory=dict)  # client-chosen rid -> engine rids
+    in_flight: int = 0  # generation requests being served by this frontend (the load-shedding gate)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.config.model_name)

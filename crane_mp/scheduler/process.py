@@ -2,7 +2,9 @@
 
 With overlap (the default) two steps may be in flight: step N+1 is planned and sent while the worker
 runs step N, so the worker never waits for the scheduler. Requests are admitted, aborted and
-answered between plans; a request that can never run is answered at once with an error.
+answered between plans; a request that can never run, or finds --max-queue requests waiting, is
+answered at once with an error. An exception while admitting or aborting one request fails that
+request only; one in planning or applying a step leaves the state unknown and stops the server.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from multiprocessing.connection import Connection
 import zmq
 
 from crane_mp.ipc import Addresses, encode, make_socket, scheduler_decoder
+from crane_mp.logs import LogSettings, configure_logging
 from crane_mp.protocol import (
+    AbortNamed,
     AbortRequest,
     ControlReply,
     ControlRequest,
+    ErrorKind,
     GenerateRequest,
     ShutdownWorker,
     StepResult,
@@ -30,6 +35,8 @@ from crane_mp.scheduler.scheduler import RequestRejected, Scheduler, SchedulerCo
 from crane_mp.scheduler.stats import EngineCounters
 
 log = logging.getLogger("crane_mp.scheduler")
+# Preemptions closer together than this are one burst: one warning, not one per step.
+_PREEMPTION_BURST_GAP = 10.0
 
 
 class SchedulerLoop:
@@ -44,8 +51,13 @@ class SchedulerLoop:
         ]
         self.counters = EngineCounters()
         self.frontend_of: dict[int, int] = {}  # rid -> frontend id
+        self.named: dict[str, set[int]] = {}  # client-given name -> rids (AbortNamed)
+        self.names_of: dict[int, list[str]] = {}
         self.steps_in_flight = 0
         self.step_started = 0.0
+        self.last_preemption = -_PREEMPTION_BURST_GAP
+        self.preemptions_seen = 0
+        self.admitted: dict[int, list[TokenOutput]] = {}  # frontend id -> acknowledgements to send
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -67,8 +79,10 @@ class SchedulerLoop:
                     except zmq.Again:
                         break
                     self.handle(scheduler_decoder.decode(frame))
+                self._acknowledge()
             if self.steps_in_flight < limit and not stalled:
                 plan = self.scheduler.schedule()
+                self._warn_on_preemption()
                 # Nothing to plan until a message arrives (e.g. every request awaits its last token):
                 # block on the inbox instead of spinning, the worker needs the cores.
                 stalled = plan is None
@@ -91,27 +105,71 @@ class SchedulerLoop:
         elif isinstance(message, GenerateRequest):
             self.admit(message)
         elif isinstance(message, AbortRequest):
-            out = self.scheduler.abort_request(message.rid)
-            if out is not None:
-                self.emit([out])
+            self.abort(message.rid)
+        elif isinstance(message, AbortNamed):
+            for rid in list(self.named.get(message.name, ())):
+                self.abort(rid)
         elif isinstance(message, ControlRequest):
             self.control(message)
 
     def admit(self, message: GenerateRequest) -> None:
-        req = Request(message.rid, message.input_ids, message.sampling, arrival_time=message.arrival_time)
         try:
+            req = Request(message.rid, message.input_ids, message.sampling, arrival_time=message.arrival_time)
             self.scheduler.add_request(req)
         except RequestRejected as err:
-            output = TokenOutput(message.rid, [], len(message.input_ids), 0, FinishReason.ERROR, error=str(err))
-            self.to_frontends[message.frontend_id].send(encode(TokenBatch([output])))
+            self._refuse(message, str(err), err.kind)
+            return
+        except Exception:
+            log.exception("admitting request %d failed", message.rid)
+            self._refuse(message, "internal error while admitting the request", ErrorKind.INTERNAL)
             return
         self.frontend_of[message.rid] = message.frontend_id
+        self.admitted.setdefault(message.frontend_id, []).append(TokenOutput(message.rid, [], len(message.input_ids), 0))
         self.counters.on_request(len(message.input_ids))
+        if message.names:
+            self.names_of[message.rid] = message.names
+            for name in message.names:
+                self.named.setdefault(name, set()).add(message.rid)
+
+    def _acknowledge(self) -> None:
+        """One empty output per admitted request, batched per frontend: streams answer 200 only then."""
+        for frontend_id, outputs in self.admitted.items():
+            self.to_frontends[frontend_id].send(encode(TokenBatch(outputs)))
+        self.admitted.clear()
+
+    def _refuse(self, message: GenerateRequest, error: str, kind: ErrorKind) -> None:
+        output = TokenOutput(message.rid, [], len(message.input_ids), 0, FinishReason.ERROR, error=error,
+                             error_kind=kind)
+        self.to_frontends[message.frontend_id].send(encode(TokenBatch([output])))
+
+    def abort(self, rid: int) -> None:
+        try:
+            out = self.scheduler.abort_request(rid)
+        except Exception:
+            log.exception("aborting request %d failed", rid)
+            out = self.scheduler.fail_request(rid, "internal error while aborting the request")
+        if out is not None:
+            self.emit([out])
+
+    def _warn_on_preemption(self) -> None:
+        count = self.scheduler.num_preemptions
+        if count == self.preemptions_seen:
+            return
+        now = time.monotonic()
+        if now - self.last_preemption > _PREEMPTION_BURST_GAP:
+            sched = self.scheduler
+            log.warning(
+                "KV cache full: preempting (requests resume losslessly later); %d running, %d waiting, "
+                "%d preemptions so far. Fewer concurrent requests or a larger --gpu-memory-limit avoid it",
+                len(sched.running), len(sched.waiting), count,
+            )
+        self.last_preemption, self.preemptions_seen = now, count
 
     def control(self, message: ControlRequest) -> None:
         reply_to = self.to_frontends[message.frontend_id]
         if message.kind == "stats":
-            reply_to.send(encode(self.counters.snapshot(self.scheduler, message.token)))
+            age = time.monotonic() - self.step_started if self.steps_in_flight else 0.0
+            reply_to.send(encode(self.counters.snapshot(self.scheduler, message.token, age)))
         elif message.kind == "flush_cache":
             ok = self.scheduler.flush_cache()
             detail = "" if ok else "requests are queued or running; flush the cache when the server is idle"
@@ -128,11 +186,19 @@ class SchedulerLoop:
             batches.setdefault(frontend_id, []).append(out)
             if out.finish_reason is not None:
                 del self.frontend_of[out.rid]
+                for name in self.names_of.pop(out.rid, ()):
+                    rids = self.named[name]
+                    rids.discard(out.rid)
+                    if not rids:
+                        del self.named[name]
         for frontend_id, batch in batches.items():
             self.to_frontends[frontend_id].send(encode(TokenBatch(batch)))
 
     def close(self) -> None:
-        self.to_worker.send(encode(ShutdownWorker()))
+        try:  # never block: with the worker gone, a PUSH socket would wait for it forever
+            self.to_worker.send(encode(ShutdownWorker()), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
         self.ctx.destroy(linger=200)
 
 
@@ -141,10 +207,10 @@ def _exit_on_signal(signum, frame) -> None:
 
 
 def run_scheduler(
-    config: SchedulerConfig, addresses: Addresses, num_frontends: int, overlap: bool, log_level: str,
+    config: SchedulerConfig, addresses: Addresses, num_frontends: int, overlap: bool, logs: LogSettings,
     ready: Connection,
 ) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logs)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how Ctrl-C ends the server
     signal.signal(signal.SIGTERM, _exit_on_signal)  # run `finally`: the worker is told to stop
     loop = SchedulerLoop(Scheduler(config), addresses, num_frontends, overlap)

@@ -14,13 +14,22 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from crane_mp.protocol import FinishReason, NewRequest, ScheduledRequest, StepPlan, StepResult, TokenOutput
+from crane_mp.config import EngineConfig
+from crane_mp.protocol import ErrorKind, FinishReason, NewRequest, ScheduledRequest, StepPlan, StepResult, TokenOutput
 from crane_mp.scheduler.block_pool import BlockPool, chain_keys
 from crane_mp.scheduler.request import Request, RequestStatus
 
 
 class RequestRejected(ValueError):
     """The request can never run (too long for the context window or the KV cache)."""
+
+    kind = ErrorKind.INVALID
+
+
+class QueueFull(RequestRejected):
+    """--max-queue requests already wait: the client should retry later or elsewhere."""
+
+    kind = ErrorKind.OVERLOADED
 
 
 # Root of every request's block-key chain; adapters or models that must never share KV get their own.
@@ -38,12 +47,29 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # Reuse touched KV memory before never-used blocks (CPU: first touches are slow; block_pool.py).
     warm_blocks_first: bool = False
+    max_queue: int | None = None  # requests waiting for a running slot beyond which new ones are refused
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be at least max_num_seqs (one decode token each)")
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError("the KV cache must hold at least one max_model_len sequence")
+
+
+def scheduler_config(
+    engine: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: tuple[int, ...], on_cpu: bool,
+    max_queue: int | None = None,
+) -> SchedulerConfig:
+    """The scheduler's config from the engine's and the facts the worker reported at start-up."""
+    return SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=engine.block_size,
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        eos_token_ids=tuple(eos_token_ids),
+        enable_prefix_caching=engine.enable_prefix_caching,
+        warm_blocks_first=on_cpu,
+        max_queue=max_queue,
+    )
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -81,6 +107,12 @@ class Scheduler:
             )
         if req.req_id in self.requests:
             raise RequestRejected(f"request id {req.req_id} is already in use")
+        if self.config.max_queue is not None:
+            # Requests a free running slot will take at once do not wait: they do not count.
+            free_slots = max(0, self.max_running - len(self.running))
+            if len(self.waiting) >= self.config.max_queue + free_slots:
+                raise QueueFull(f"the server is overloaded: {len(self.waiting)} requests are already waiting "
+                                "(--max-queue); retry later")
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
@@ -91,6 +123,17 @@ class Scheduler:
             return None
         self._finish(req, FinishReason.ABORT)
         return self._output(req, finish_reason=FinishReason.ABORT)
+
+    def fail_request(self, req_id: int, message: str) -> TokenOutput | None:
+        """Finish a request whose processing raised, with ERROR; its blocks return to the pool uncached
+        (the failed step may have left them half written)."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        self._finish(req, FinishReason.ERROR, cache_blocks=False)
+        out = self._output(req, finish_reason=FinishReason.ERROR)
+        out.error, out.error_kind = message, ErrorKind.INTERNAL
+        return out
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while any request is queued or running."""
@@ -246,6 +289,10 @@ class Scheduler:
     def update(self, result: StepResult) -> list[TokenOutput]:
         """Apply the worker's sampled tokens; finish requests by token id and length."""
         outputs: dict[int, TokenOutput] = {}
+        for req_id, message in zip(result.failed_req_ids, result.errors):
+            out = self.fail_request(req_id, message)
+            if out is not None:
+                outputs[req_id] = out
         for scored in result.prompt_logprobs:
             req = self.requests.get(scored.req_id)
             if req is not None:
@@ -307,7 +354,7 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
+    def _finish(self, req: Request, reason: FinishReason, cache_blocks: bool = True) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         else:
@@ -315,7 +362,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if req.block_ids:
-            self._register_full_blocks(req)
+            if cache_blocks:
+                self._register_full_blocks(req)
             self._release_blocks(req)
         self._num_registered.pop(req.req_id, None)
         del self.requests[req.req_id]

@@ -30,7 +30,7 @@ class EngineCounters:
                 0.9 * self.decode_tokens_per_sec + 0.1 * rate
             )
 
-    def snapshot(self, scheduler: Scheduler, token: int) -> EngineStats:
+    def snapshot(self, scheduler: Scheduler, token: int, step_age: float = 0.0) -> EngineStats:
         return EngineStats(
             token=token,
             num_running=len(scheduler.running),
@@ -46,4 +46,5 @@ class EngineCounters:
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
             num_cached_blocks=scheduler.pool.num_cached_blocks,
+            step_age=round(step_age, 3),
         )

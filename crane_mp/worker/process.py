@@ -1,21 +1,25 @@
 """Worker process: loads the model, reports WorkerReady, then executes StepPlans until told to stop.
 
-Sockets live only here; the runner does the work. Any exception is an engine fault: the process
-exits non-zero and the launcher stops the server.
+Sockets live only here; the runner does the work. A request whose processing raises is failed by
+the runner alone (runner.py); any other exception is an engine fault: the process exits non-zero
+and the launcher stops the server.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 
 import psutil
 import zmq
+from tqdm import tqdm
 
 from crane_mp.config import EngineConfig
 from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
+from crane_mp.logs import LogSettings, configure_logging
 from crane_mp.protocol import ShutdownWorker, StepPlan, WorkerReady
 from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
 from crane_mp.worker.device import device_label
@@ -49,9 +53,16 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
     )
 
 
-def run_worker(config: EngineConfig, addresses: Addresses, log_level: str, ready: Connection) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, ready: Connection) -> None:
+    configure_logging(logs)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how Ctrl-C ends the server
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # exit through `finally` and interpreter clean-up
+    # tqdm's default lock is a multiprocessing semaphore, reported as leaked if this process is killed.
+    tqdm.set_lock(threading.RLock())
     timer = PhaseTimer()
     timer.phases.append(("imports", time.time() - psutil.Process().create_time()))  # interpreter, torch, ...
     try:
@@ -67,10 +78,12 @@ def run_worker(config: EngineConfig, addresses: Addresses, log_level: str, ready
     ready.send_bytes(encode(worker_ready(loaded)))
     ready.close()
     runner = loaded.runner
-    while True:
-        message = worker_decoder.decode(plans.recv())
-        if isinstance(message, StepPlan):
-            results.send(encode(runner.execute(message)))
-        elif isinstance(message, ShutdownWorker):
-            break
-    ctx.destroy(linger=0)
+    try:
+        while True:
+            message = worker_decoder.decode(plans.recv())
+            if isinstance(message, StepPlan):
+                results.send(encode(runner.execute(message)))
+            elif isinstance(message, ShutdownWorker):
+                break
+    finally:
+        ctx.destroy(linger=0)

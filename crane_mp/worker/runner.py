@@ -2,16 +2,23 @@
 
 Keeps the worker's mirror of every live request (its token ids, block table, sampling state); the
 scheduler sends full request data once and only diffs afterwards.
+
+Fault isolation: when a batched step raises, each request of the step runs again alone (KV writes of
+the same tokens at the same slots are idempotent), and only the ones that still raise are reported
+failed and skipped until the scheduler says they finished. A CUDA error is no one request's fault:
+it propagates and stops the server.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 from dataclasses import dataclass
 
 import torch
 
+from crane_mp.config import fault_injection_token
 from crane_mp.protocol import PromptLogprobs, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
 from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.forward_context import ForwardContext, forward_context
@@ -19,6 +26,8 @@ from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.rope import rope_tables
 from crane_mp.worker.sampler import Sampler, SamplingState, new_sampling_state, record_token
+
+log = logging.getLogger("crane_mp.worker")
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,6 +62,9 @@ class ModelRunner:
         self.requests: dict[int, RequestMirror] = {}
         self.num_blocks = 0
         self.native_decode = native_decode and native_ops(device)
+        self.failed: dict[int, str] = {}  # req id -> error, until the scheduler finishes the request
+        self._newly_failed: list[int] = []
+        self.fault_token = fault_injection_token()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.config
@@ -71,13 +83,21 @@ class ModelRunner:
     def _apply_plan(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.failed.pop(req_id, None)
         for req_id in plan.preempted_req_ids:
-            self.requests[req_id].block_table = []
+            if req_id in self.requests:
+                self.requests[req_id].block_table = []
         eos = self.config.eos_token_ids
         for new in plan.new_requests:
-            state = new_sampling_state(new.sampling, new.prompt_ids, self.config.vocab_size, eos, self.device)
+            try:
+                state = new_sampling_state(new.sampling, new.prompt_ids, self.config.vocab_size, eos, self.device)
+            except Exception as err:
+                self._fail(new.req_id, err)
+                continue
             self.requests[new.req_id] = RequestMirror(list(new.prompt_ids), len(new.prompt_ids), [], state)
         for sched in plan.scheduled:
+            if sched.req_id in self.failed:
+                continue
             mirror = self.requests[sched.req_id]
             if sched.reset_blocks:
                 mirror.block_table = list(sched.new_block_ids)
@@ -87,11 +107,45 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self._apply_plan(plan)
-        if not plan.scheduled:
-            return StepResult(plan.step_id, [], [])
+        scheduled = [s for s in plan.scheduled if s.req_id not in self.failed]
+        result = StepResult(plan.step_id, [], [])
+        if scheduled:
+            scored = {s.req_id: self.requests[s.req_id].num_prompt_scored for s in scheduled}
+            try:
+                self._run(scheduled, result)
+            except Exception as err:
+                if _is_engine_fault(err):
+                    raise
+                for req_id, num_scored in scored.items():
+                    self.requests[req_id].num_prompt_scored = num_scored
+                result = StepResult(plan.step_id, [], [])
+                for sched in scheduled:
+                    try:
+                        self._run([sched], result)
+                    except Exception as err:
+                        if _is_engine_fault(err):
+                            raise
+                        self._fail(sched.req_id, err)
+        result.failed_req_ids = self._newly_failed
+        result.errors = [self.failed[req_id] for req_id in self._newly_failed]
+        self._newly_failed = []
+        if not any(lp is not None for lp in result.logprobs):
+            result.logprobs = []
+        return result
+
+    def _run(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
+        """Forward and sample `scheduled`, appending to `result` (only once all of it succeeded)."""
         prompt_logprobs: list[PromptLogprobs] = []
-        req_ids, tokens, logprobs = self._forward_and_sample(plan.scheduled, prompt_logprobs)
-        return StepResult(plan.step_id, req_ids, tokens, logprobs, prompt_logprobs)
+        req_ids, tokens, logprobs = self._forward_and_sample(scheduled, prompt_logprobs)
+        result.req_ids += req_ids
+        result.token_ids += tokens
+        result.logprobs += logprobs or [None] * len(req_ids)
+        result.prompt_logprobs += prompt_logprobs
+
+    def _fail(self, req_id: int, err: Exception) -> None:
+        log.error("request %d failed in the worker; failing it alone", req_id, exc_info=err)
+        self.failed[req_id] = f"internal error in the model worker: {type(err).__name__}: {err}"
+        self._newly_failed.append(req_id)
 
     def _forward_and_sample(
         self, scheduled: list[ScheduledRequest], prompt_logprobs: list[PromptLogprobs]
@@ -138,12 +192,21 @@ class ModelRunner:
         rows = torch.tensor([sample_rows[r] for r in sampled_ids], dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, vocab]
         states = [self.requests[r].sampling for r in sampled_ids]
+        if self.fault_token is not None:
+            self._inject_fault(sampled_ids)
         tokens, logprobs = self.sampler.sample(logits, states)
         for req_id, token in zip(sampled_ids, tokens):
             mirror = self.requests[req_id]
             mirror.token_ids.append(token)
             record_token(mirror.sampling, token)
         return sampled_ids, tokens, logprobs
+
+    def _inject_fault(self, req_ids: list[int]) -> None:
+        """Test hook (CRANE_MP_FAULT_TOKEN): a request whose prompt holds that token id raises here."""
+        for req_id in req_ids:
+            mirror = self.requests[req_id]
+            if self.fault_token in mirror.token_ids[: mirror.num_prompt_tokens]:
+                raise RuntimeError(f"fault injected for a prompt holding token {self.fault_token}")
 
     def _score_prompt(self, req_id: int, hidden: torch.Tensor) -> PromptLogprobs:
         """Logprobs of the prompt tokens that follow `hidden`'s rows (raw model distribution)."""
@@ -182,3 +245,9 @@ class ModelRunner:
         for attn, (k, v) in zip(self.model.attention_layers(), saved):
             attn.k_cache, attn.v_cache = k, v
         self.num_blocks = 0 if saved[0][0] is None else saved[0][0].shape[0]
+
+
+def _is_engine_fault(err: Exception) -> bool:
+    """Errors after which the device's state is unknown: stop the server rather than go on."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(err, accelerator_error)) or "CUDA error" in str(err)

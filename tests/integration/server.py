@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,16 +22,19 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_path: str | Path, *args: str, log_path: Path) -> None:
+    def __init__(self, model_path: str | Path | None, *args: str, log_path: Path, env: dict | None = None,
+                 wait: bool = True) -> None:
+        """Start crane-launch; with `wait`, return once /health is 200 (else at once, pids unknown)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "crane_mp", "--model-path", str(model_path), "--port", str(self.port),
-               "--dtype", "float32", *args]
+        model = [] if model_path is None else ["--model-path", str(model_path)]
+        cmd = [sys.executable, "-m", "crane_mp", *model, "--port", str(self.port), "--dtype", "float32", *args]
         self.log = open(log_path, "wb")
         # Own session: teardown can kill every process the server started, whatever happened.
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.pids = self._wait_ready()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=None if env is None else {**os.environ, **env})
+        self.pids = self._wait_ready() if wait else {}
 
     def _wait_ready(self, timeout: float = 120) -> dict[str, int]:
         deadline = time.monotonic() + timeout
@@ -45,12 +49,7 @@ class Server:
             time.sleep(0.2)
         else:
             raise RuntimeError(f"server not ready in {timeout}s:\n{self.log_path.read_text()}")
-        pids = {}
-        for line in self.log_path.read_text().splitlines():
-            if "started" in line and "pid=" in line:
-                name = line.split("started ")[1].split(" ")[0]
-                pids[name] = int(line.rsplit("pid=", 1)[1])
-        return pids
+        return {name: int(pid) for name, pid in re.findall(r"started (\S+) process pid=(\d+)", self.log_path.read_text())}
 
     def process_tree(self) -> list[psutil.Process]:
         try:

@@ -1,7 +1,8 @@
 """The real frontend app (routes, validation, tokenizer, streams) in-process, over a fake scheduler.
 
-The fake answers every GenerateRequest at once with `tokens_per_request` tokens and a finish, records
-every message it is sent, and answers stats requests; nothing runs a model. Tests see exactly what
+The fake answers every GenerateRequest at once with `tokens_per_request` tokens and a finish (or only
+admits it, as the real scheduler acknowledges), records every message it is sent, aborts by name as
+the scheduler does, and answers stats requests; nothing runs a model. Tests see exactly what
 the frontend would send the scheduler and which requests it still has registered.
 """
 
@@ -19,9 +20,11 @@ from crane_mp.frontend.state import FrontendState
 from crane_mp.frontend.tokenizer import TokenizerService
 from crane_mp.ipc import Addresses, scheduler_decoder
 from crane_mp.protocol import (
+    AbortNamed,
     AbortRequest,
     ControlRequest,
     EngineStats,
+    ErrorKind,
     FinishReason,
     GenerateRequest,
     TokenOutput,
@@ -37,28 +40,40 @@ class FakeScheduler:
         self.requests: list[GenerateRequest] = []
         self.aborts: list[int] = []
         self.tokens_per_request = 2
-        self.answer = True  # False: requests stay in flight until the test pushes to them
+        self.answer = True  # False: requests are admitted and stay in flight until the test pushes to them
         self.reject_with: str | None = None  # finish every request with this error (a scheduler refusal)
+        self.reject_kind = ErrorKind.INVALID
 
-    async def send(self, frame: bytes) -> None:
+    def send(self, frame: bytes, flags: int = 0) -> None:
         message = scheduler_decoder.decode(frame)
         if isinstance(message, GenerateRequest):
             self.requests.append(message)
-            if self.answer:
-                asyncio.get_running_loop().call_soon(self._finish, message)
+            asyncio.get_running_loop().call_soon(self._finish if self.answer else self._admit, message)
         elif isinstance(message, AbortRequest):
             self.aborts.append(message.rid)
+        elif isinstance(message, AbortNamed):
+            for req in self.requests:
+                stream = self.client.streams.get(req.rid)
+                if message.name in req.names and stream is not None:
+                    self.aborts.append(req.rid)
+                    stream.push(TokenOutput(req.rid, [], len(req.input_ids), 0, FinishReason.ABORT))
         elif isinstance(message, ControlRequest):
             future = self.client.replies.get(message.token)
             if future is not None:
                 future.set_result(EngineStats(message.token, 0, 0, 10, 10, 0, 0, 0, 0, 0, 0.0))
+
+    def _admit(self, req: GenerateRequest) -> None:
+        stream = self.client.streams.get(req.rid)
+        if stream is not None:
+            stream.push(TokenOutput(req.rid, [], len(req.input_ids), 0))
 
     def _finish(self, req: GenerateRequest) -> None:
         stream = self.client.streams.get(req.rid)
         if stream is None:
             return
         if self.reject_with is not None:
-            stream.push(TokenOutput(req.rid, [], len(req.input_ids), 0, FinishReason.ERROR, error=self.reject_with))
+            stream.push(TokenOutput(req.rid, [], len(req.input_ids), 0, FinishReason.ERROR, error=self.reject_with,
+                                    error_kind=self.reject_kind))
             return
         count = min(self.tokens_per_request, req.sampling.max_tokens)
         stream.push(TokenOutput(req.rid, [5] * count, len(req.input_ids), count, FinishReason.LENGTH))

@@ -1,0 +1,136 @@
+"""Per-request bookkeeping around every HTTP request: its id, the load-shedding gate, and one access
+log line when it ends.
+
+The request id is the client's `X-Request-Id` (sanitised) or a new one; it is returned in the
+response header, named in internal errors and accepted by /abort_request. Generations started while
+a request is served register with its record (a context variable), so the line can give tokens,
+queue time and TTFT without the routes passing anything around. Prompts are logged only with
+--log-requests.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from crane_mp.frontend.errors import REQUEST_ID, error_response
+from crane_mp.frontend.heap import HeapTrimmer
+
+if TYPE_CHECKING:
+    from crane_mp.frontend.generation import Generation
+
+log = logging.getLogger("crane_mp.access")
+# Routes that start generations: the load-shedding gate counts them.
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+# Probes and scrapes: logged at debug level only, they would drown everything else.
+_QUIET_PATHS = frozenset({"/health", "/metrics"})
+_CLIENT_ID = re.compile(r"[\x21-\x7e]{1,128}")
+_current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("access_record", default=None)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    started: float = field(default_factory=time.monotonic)
+    generations: list[Generation] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)  # kept only with --log-requests
+    keep_prompts: bool = False
+
+    def add(self, gen: Generation, input_ids: list[int]) -> None:
+        self.generations.append(gen)
+        if self.keep_prompts:
+            self.prompts.append(input_ids)
+
+    def fields(self, request: web.Request, status: int, model: str, decode) -> dict[str, object]:
+        gens = self.generations
+        now = time.monotonic()
+        firsts = [g.stream.first_token_time for g in gens if g.stream.first_token_time is not None]
+        queued = [g.stream.queue_time for g in gens if g.stream.queue_time is not None]
+        out: dict[str, object] = {
+            "request_id": self.request_id,
+            "method": request.method,
+            "route": request.path,
+            "status": status,
+            "model": model if gens else None,
+            "prompt_tokens": sum(g.prompt_tokens for g in gens),
+            "cached_tokens": sum(g.cached_tokens for g in gens),
+            "completion_tokens": sum(g.completion_tokens for g in gens),
+            "queue_time": round(max(queued), 4) if queued else None,
+            "ttft": round(min(firsts) - self.started, 4) if firsts else None,
+            "total_time": round(now - self.started, 4),
+            "finish_reason": ",".join(sorted({g.finish_name for g in gens})) or None,
+        }
+        if self.keep_prompts and self.prompts:
+            out["prompt"] = [decode(ids) for ids in self.prompts] if len(self.prompts) > 1 else decode(self.prompts[0])
+        return out
+
+
+def current_record() -> RequestRecord | None:
+    return _current.get()
+
+
+def request_id_of(request: web.Request) -> str:
+    header = request.headers.get("X-Request-Id", "")
+    return header if _CLIENT_ID.fullmatch(header) else uuid.uuid4().hex
+
+
+def make_access_middleware(state):
+    """The middleware, bound to the frontend's state (its config, load counter and tokenizer)."""
+    config = state.config
+    # Past running slots plus the queue, the scheduler would refuse anyway: shed before parsing.
+    gate = config.engine.max_num_seqs + config.max_queue
+    trimmer = HeapTrimmer()
+
+    @web.middleware
+    async def access_middleware(request: web.Request, handler) -> web.StreamResponse:
+        """Outermost: the error middleware inside it has turned every error into a response."""
+        record = RequestRecord(request_id_of(request), keep_prompts=config.log_requests)
+        request[REQUEST_ID] = record.request_id
+        counted = request.path in GENERATION_PATHS
+        if counted and state.in_flight >= gate:
+            state.metrics.request_rejected()
+            response = error_response(429, f"the server is overloaded: {state.in_flight} requests in progress "
+                                           "(--max-concurrent + --max-queue); retry later")
+            _log(request, record, response.status, state)
+            return response
+        token = _current.set(record)
+        state.in_flight += counted
+        status = 499  # unless a response comes back: the client went away (the handler was cancelled)
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as err:
+            status = err.status
+            raise
+        finally:
+            _current.reset(token)
+            state.in_flight -= counted
+            _log(request, record, status, state)
+            if counted and not state.in_flight:
+                trimmer.on_idle(lambda: not state.in_flight)
+
+    return access_middleware
+
+
+def _log(request: web.Request, record: RequestRecord, status: int, state) -> None:
+    level = logging.DEBUG if request.path in _QUIET_PATHS else logging.INFO
+    if not state.config.access_log or not log.isEnabledFor(level):
+        return
+    decode = state.tokenizer.backend.decode if record.keep_prompts else None
+    fields = record.fields(request, status, state.model_name, decode)
+    log.log(level, "%s %s %d", request.method, request.path, status, extra={"fields": fields})
+
+
+async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: every response, streamed or not, error or not, carries the request id."""
+    request_id = request.get(REQUEST_ID)
+    if request_id is not None:
+        response.headers["X-Request-Id"] = request_id
