@@ -39,7 +39,10 @@ class FakeWorker:
     fails the test.
     """
 
-    def __init__(self, eos_after: dict[int, int] | None = None, block_size: int = 4) -> None:
+    def __init__(self, eos_after: dict[int, int] | None = None, block_size: int = 4,
+                 fail_at: dict[int, int] | None = None) -> None:
+        self.fail_at = fail_at or {}  # req id -> the sequence length at which sampling it "raises"
+        self.failed: set[int] = set()  # as the real runner: skipped until the scheduler finishes them
         self.tokens: dict[int, list[int]] = {}
         self.blocks: dict[int, list[int]] = {}
         self.eos_after = eos_after or {}
@@ -53,13 +56,16 @@ class FakeWorker:
         for req_id in plan.finished_req_ids:
             self.tokens.pop(req_id)
             self.blocks.pop(req_id)
+            self.failed.discard(req_id)
         for req_id in plan.preempted_req_ids:
             self.blocks[req_id] = []
         for new in plan.new_requests:
             self.tokens[new.req_id] = list(new.prompt_ids)
             self.blocks[new.req_id] = []
-        req_ids, token_ids = [], []
+        req_ids, token_ids, failed = [], [], []
         for sched in plan.scheduled:
+            if sched.req_id in self.failed:
+                continue
             table = self.blocks[sched.req_id]
             self.blocks[sched.req_id] = list(sched.new_block_ids) if sched.reset_blocks else table + sched.new_block_ids
             tokens = self.tokens[sched.req_id]
@@ -69,12 +75,15 @@ class FakeWorker:
             self.num_computed += sched.num_new_tokens
             for pos in range(end):
                 assert self.kv.get(self._slot(sched.req_id, pos)) == tokens[pos], f"KV of position {pos} is wrong"
-            if end == len(tokens):
+            if end == len(tokens) and len(tokens) >= self.fail_at.get(sched.req_id, 1 << 30):
+                self.failed.add(sched.req_id)
+                failed.append(sched.req_id)
+            elif end == len(tokens):
                 token = self._next_token(sched.req_id, tokens)
                 tokens.append(token)
                 req_ids.append(sched.req_id)
                 token_ids.append(token)
-        return StepResult(plan.step_id, req_ids, token_ids)
+        return StepResult(plan.step_id, req_ids, token_ids, failed_req_ids=failed, errors=["boom"] * len(failed))
 
     def _slot(self, req_id: int, pos: int) -> int:
         return self.blocks[req_id][pos // self.block_size] * self.block_size + pos % self.block_size
@@ -86,10 +95,12 @@ class FakeWorker:
 
 
 def run_to_completion(
-    scheduler: Scheduler, worker: FakeWorker, max_steps: int = 10_000, overlap: bool = False
+    scheduler: Scheduler, worker: FakeWorker, max_steps: int = 10_000, overlap: bool = False,
+    finished: dict | None = None,
 ) -> dict[int, list[int]]:
     """Drive scheduler + fake worker until idle, checking invariants every step; returns outputs by req id.
-    With `overlap` each step is planned before the previous result is applied, as the server does."""
+    With `overlap` each step is planned before the previous result is applied, as the server does.
+    `finished` collects each request's finishing output."""
     outputs: dict[int, list[int]] = {}
     in_flight = None
     for _ in range(max_steps):
@@ -106,6 +117,8 @@ def run_to_completion(
         for result in results:
             for out in scheduler.update(result):
                 outputs.setdefault(out.rid, []).extend(out.new_token_ids)
+                if finished is not None and out.finish_reason is not None:
+                    finished[out.rid] = out
         scheduler.check_invariants()
     assert not scheduler.has_work, "scheduler did not drain"
     return outputs

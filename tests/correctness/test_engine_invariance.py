@@ -135,3 +135,31 @@ def test_prompt_logprobs_match_a_full_forward_and_survive_chunking(model_dir):
         torch.testing.assert_close(torch.tensor(values), expected, atol=1e-4, rtol=1e-4)
         tops = [t for s in scored for t in s.top_token_ids]
         assert len(tops) == len(prompt) - 1 and all(len(t) == 2 for t in tops)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_that_raises_in_the_worker_fails_alone(model_dir, monkeypatch, overlap):
+    batch = [p for p in prompts(6, seed=4) if 7 not in p]
+    scored = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    expected = engine(model_dir).generate(batch, GREEDY)
+    monkeypatch.setenv("CRANE_MP_FAULT_TOKEN", "7")  # the runner's test hook: this prompt token raises
+    eng = engine(model_dir, overlap_schedule=overlap)
+    good = [eng.add_request(p, GREEDY) for p in batch]
+    bad = eng.add_request([11, 7, 12, 13], GREEDY)
+    with_logprobs = eng.add_request(batch[0], scored)
+    tokens: dict[int, list[int]] = {}
+    finished = {}
+    prompt_scores = []
+    while eng.has_work:
+        for out in eng.step():
+            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+            prompt_scores += [p for p in out.prompt_logprobs if p.req_id == with_logprobs]
+            if out.finish_reason is not None:
+                finished[out.rid] = out
+    assert [tokens[rid] for rid in good] == expected and tokens[with_logprobs] == expected[0]
+    assert finished[bad].error.startswith("internal error in the model worker: RuntimeError: fault injected")
+    assert not tokens.get(bad) and all(finished[rid].error is None for rid in good)
+    # The step was run again request by request: prompt logprobs of the batch came through once each.
+    assert sum(len(p.logprobs) for p in prompt_scores) == len(batch[0]) - 1
+    assert eng.scheduler.num_free_blocks == eng.worker.kv_plan.num_blocks
+    assert not eng.worker.runner.failed and not eng.worker.runner.requests

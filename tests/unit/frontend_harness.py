@@ -87,9 +87,10 @@ def engine_facts(vocab_size: int, max_model_len: int) -> WorkerReady:
 
 async def start_frontend(model_dir: Path, run_dir: Path, max_model_len: int = 256,
                          **server_args) -> tuple[TestClient, FrontendState, FakeScheduler]:
-    config = ServerConfig(engine=EngineConfig(model_path=str(model_dir)), model_name="tiny", **server_args)
+    server_args.setdefault("engine", EngineConfig(model_path=str(model_dir)))
+    config = ServerConfig(model_name="tiny", **server_args)
     state = FrontendState(config, TokenizerService(str(model_dir)))
-    state.client = EngineClient(Addresses(str(run_dir)), 0)
+    state.client = EngineClient(Addresses(str(run_dir)), 0, config.request_timeout)
     fake = FakeScheduler(state.client)
     state.client.to_scheduler = fake
     state.engine_info = engine_facts(len(state.tokenizer.tokenizer), max_model_len)

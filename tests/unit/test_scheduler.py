@@ -6,7 +6,8 @@ import pytest
 
 from crane_mp.scheduler.block_pool import BlockPool, chain_keys
 from crane_mp.scheduler.request import FinishReason, RequestStatus
-from crane_mp.scheduler.scheduler import RequestRejected
+from crane_mp.protocol import ErrorKind
+from crane_mp.scheduler.scheduler import QueueFull, RequestRejected
 from tests.factories import FakeWorker, make_requests, make_scheduler, run_to_completion
 
 
@@ -389,3 +390,41 @@ def test_is_streaming_only_once_a_running_request_has_output():
     assert sched.is_streaming
     run_to_completion(sched, worker)
     assert not sched.is_streaming
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_that_fails_in_the_worker_ends_alone_and_its_blocks_come_back_uncached(overlap):
+    sched = make_scheduler(num_blocks=40)
+    reqs = make_requests(4, prompt_len=[6, 9, 5, 7], max_tokens=12)
+    for i, req in enumerate(reqs):
+        req.req_id = i
+        sched.add_request(req)
+    finished: dict = {}
+    outputs = run_to_completion(sched, FakeWorker(fail_at={2: 8}), overlap=overlap, finished=finished)
+    expected = reference_outputs([r for r in reqs if r.req_id != 2])
+    assert {rid: out for rid, out in outputs.items() if rid != 2} == expected
+    assert finished[2].finish_reason == FinishReason.ERROR and finished[2].error == "boom"
+    assert finished[2].error_kind == ErrorKind.INTERNAL and len(outputs.get(2, [])) == 3  # 5 + 3 = 8
+    assert sched.num_free_blocks == sched.config.num_blocks
+    # Request 2's blocks were not offered to the prefix cache: a new request with its prompt misses.
+    again = make_requests(1, prompt_len=5, max_tokens=1)[0]
+    again.prompt_ids = list(reqs[2].prompt_ids) + outputs.get(2, [])
+    sched.add_request(again)
+    sched.schedule()
+    assert again.num_cached_tokens == 4  # only the first prompt block, cached by the step that computed it
+
+
+def test_the_queue_bound_counts_only_requests_that_must_wait_for_a_slot():
+    sched = make_scheduler(max_num_seqs=2, max_queue=3)
+    reqs = make_requests(6, prompt_len=4, max_tokens=4)
+    for req in reqs[:5]:  # 2 take the free slots, 3 wait
+        sched.add_request(req)
+    with pytest.raises(QueueFull, match="--max-queue") as err:
+        sched.add_request(reqs[5])
+    assert err.value.kind == ErrorKind.OVERLOADED and reqs[5].req_id not in sched.requests
+    sched.schedule()  # two start running; still 3 waiting
+    with pytest.raises(QueueFull):
+        sched.add_request(reqs[5])
+    sched.abort_request(reqs[4].req_id)
+    sched.add_request(reqs[5])
+    assert len(sched.waiting) == 3
