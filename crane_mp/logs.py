@@ -61,3 +61,4 @@ def configure_logging(settings: LogSettings) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.level.upper())
+    logging.captureWarnings(True)  # Python warnings as log lines too (one JSON object each)

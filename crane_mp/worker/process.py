@@ -66,7 +66,8 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
     timer = PhaseTimer()
     timer.phases.append(("imports", time.time() - psutil.Process().create_time()))  # interpreter, torch, ...
     try:
-        loaded = load_worker(config, progress=True, timer=timer)
+        # A progress bar is not a log line: JSON logs get none.
+        loaded = load_worker(config, progress=logs.format == "text", timer=timer)
     except (MemoryBudgetError, UnsupportedModelError, FileNotFoundError, ValueError) as err:
         # A configuration the operator must change: one clear line, no traceback.
         log.error("cannot start the model: %s", err)

@@ -116,21 +116,25 @@ class ModelRunner:
             except Exception as err:
                 if _is_engine_fault(err):
                     raise
-                for req_id, num_scored in scored.items():
+                for req_id, num_scored in scored.items():  # the batch's prompt scores are redone too
                     self.requests[req_id].num_prompt_scored = num_scored
-                result = StepResult(plan.step_id, [], [])
-                for sched in scheduled:
-                    try:
-                        self._run([sched], result)
-                    except Exception as err:
-                        if _is_engine_fault(err):
-                            raise
-                        self._fail(sched.req_id, err)
-        result.failed_req_ids = self._newly_failed
-        result.errors = [self.failed[req_id] for req_id in self._newly_failed]
-        self._newly_failed = []
+                result = self._run_one_by_one(plan.step_id, scheduled)
+        result.failed_req_ids, self._newly_failed = self._newly_failed, []
+        result.errors = [self.failed[req_id] for req_id in result.failed_req_ids]
         if not any(lp is not None for lp in result.logprobs):
             result.logprobs = []
+        return result
+
+    def _run_one_by_one(self, step_id: int, scheduled: list[ScheduledRequest]) -> StepResult:
+        """The batched step raised: run each request alone; fail only the ones that raise again."""
+        result = StepResult(step_id, [], [])
+        for sched in scheduled:
+            try:
+                self._run([sched], result)
+            except Exception as err:
+                if _is_engine_fault(err):
+                    raise
+                self._fail(sched.req_id, err)
         return result
 
     def _run(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:

@@ -169,10 +169,11 @@ def test_access_log_request_ids_and_two_frontends(model_dir, tmp_path):
                 calls = []
                 for i in range(12):  # a new connection each: the kernel spreads them over both frontends
                     calls.append(_post(session, srv.url + "/v1/chat/completions",
-                                       {"messages": [{"role": "user", "content": f"{secret} {i}"}], "max_tokens": 3},
+                                       {"messages": [{"role": "user", "content": f"{secret} {i}"}], "max_tokens": 3,
+                                        "ignore_eos": True},
                                        headers={"X-Request-Id": f"chat-{i}", "Connection": "close"}))
                     calls.append(_post(session, srv.url + "/generate",
-                                       {"text": f"{secret} {i}", "sampling_params": {"max_new_tokens": 3}},
+                                       {"text": f"{secret} {i}", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}},
                                        headers={"Connection": "close"}))
                 calls.append(_post(session, srv.url + "/v1/completions", {"prompt": secret, "max_tokens": -1},
                                    headers={"X-Request-Id": "bad-1"}))
