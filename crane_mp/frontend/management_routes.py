@@ -14,7 +14,7 @@ from crane_mp import __version__
 from crane_mp.frontend.choices import collect, open_choices
 from crane_mp.frontend.engine_client import EngineDeadError
 from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.openai_routes import json_response
+from crane_mp.frontend.http import json_response
 from crane_mp.frontend.state import STATE, FrontendState
 from crane_mp.protocol import EngineStats, SamplingParams
 

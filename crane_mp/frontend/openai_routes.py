@@ -7,12 +7,12 @@ import uuid
 from contextlib import aclosing
 from typing import Any, Callable
 
-import msgspec
 from aiohttp import web
 
 from crane_mp.frontend.choices import admitted, collect, merged_deltas, open_choices, resolve_max_tokens
-from crane_mp.frontend.errors import ApiError, error_body
+from crane_mp.frontend.errors import error_body
 from crane_mp.frontend.generation import Delta, Generation, GenerationError
+from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, check_model, json_response, sse_event
 from crane_mp.frontend.logprobs_format import chat_logprobs, completion_logprobs
 from crane_mp.frontend.openai_schemas import (
     ChatCompletionRequest,
@@ -26,15 +26,6 @@ from crane_mp.frontend.openai_schemas import (
 from crane_mp.frontend.state import STATE, FrontendState
 
 routes = web.RouteTableDef()
-_json = msgspec.json.Encoder()
-
-
-def json_response(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
-
-
-def _sse(payload: Any) -> bytes:
-    return b"data: " + _json.encode(payload) + b"\n\n"
 
 
 def _usage(gens: list[Generation], n: int) -> dict[str, int]:
@@ -43,12 +34,6 @@ def _usage(gens: list[Generation], n: int) -> dict[str, int]:
     completion = sum(g.completion_tokens for g in gens)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def check_model(state: FrontendState, model: str | None) -> str:
-    if model is not None and model not in (state.model_name, state.config.engine.model_path):
-        raise ApiError(404, f"the model `{model}` does not exist; this server serves `{state.model_name}`", "model")
-    return state.model_name
 
 
 async def stream_response(
@@ -63,7 +48,7 @@ async def stream_response(
     include_usage = stream_options is not None and stream_options.include_usage
     continuous = stream_options is not None and stream_options.continuous_usage_stats
     await admitted(gens)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     try:
         async with aclosing(merged_deltas(gens)) as deltas:
@@ -71,12 +56,12 @@ async def stream_response(
                 for payload in chunk(index, delta):
                     if continuous:
                         payload["usage"] = _usage(gens, n)
-                    await response.write(_sse(payload))
+                    await response.write(sse_event(payload))
         if include_usage:
-            await response.write(_sse({**base, "choices": [], "usage": _usage(gens, n)}))
+            await response.write(sse_event({**base, "choices": [], "usage": _usage(gens, n)}))
     except GenerationError as err:
-        await response.write(_sse(error_body(err.status, str(err))))
-    await response.write(b"data: [DONE]\n\n")
+        await response.write(sse_event(error_body(err.status, str(err))))
+    await response.write(SSE_DONE)
     await response.write_eof()
     return response
 

@@ -15,7 +15,7 @@ from aiohttp import web
 from crane_mp import __version__
 from crane_mp.frontend.fields import exactly_one_of, fill_model_limits
 from crane_mp.frontend.management_routes import OPEN_PATHS
-from crane_mp.frontend.openai_routes import json_response
+from crane_mp.frontend.http import json_response
 from crane_mp.frontend.openai_schemas import PROMPT_SCHEMA, ChatCompletionRequest, CompletionRequest
 from crane_mp.frontend.sglang_routes import INPUT_IDS_SCHEMA, AbortBody, GenerateRequest
 from crane_mp.frontend.state import STATE

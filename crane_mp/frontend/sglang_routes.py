@@ -14,7 +14,7 @@ from crane_mp.frontend.choices import admitted, collect, merged_deltas, open_cho
 from crane_mp.frontend.errors import ApiError, error_body
 from crane_mp.frontend.generation import Generation, GenerationError
 from crane_mp.frontend.logprobs_format import scored_prompt_positions
-from crane_mp.frontend.openai_routes import check_model, json_response
+from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, check_model, json_response, sse_event
 from crane_mp.frontend.fields import (
     INT64_MAX,
     Count,
@@ -44,7 +44,6 @@ from crane_mp.frontend.state import STATE, FrontendState
 from crane_mp.protocol import SamplingParams
 
 routes = web.RouteTableDef()
-_json = msgspec.json.Encoder()
 
 
 class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -201,7 +200,7 @@ async def _generate_response(request, req: GenerateRequest, sp: SGLangSamplingPa
 async def _stream(request: web.Request, gens: list[Generation], result) -> web.StreamResponse:
     """SGLang's framing: every chunk carries the output so far (text and ids), then [DONE]."""
     await admitted(gens)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     texts = [""] * len(gens)
     ids: list[list[int]] = [[] for _ in gens]
@@ -214,10 +213,10 @@ async def _stream(request: web.Request, gens: list[Generation], result) -> web.S
                 logprobs[index] += delta.logprobs
                 finish = _finish_reason(delta.finish_reason, delta.stop_reason, len(ids[index]))
                 payload = result(index, texts[index], ids[index], logprobs[index], finish)
-                await response.write(b"data: " + _json.encode(payload) + b"\n\n")
+                await response.write(sse_event(payload))
     except GenerationError as err:
-        await response.write(b"data: " + _json.encode(error_body(err.status, str(err))) + b"\n\n")
-    await response.write(b"data: [DONE]\n\n")
+        await response.write(sse_event(error_body(err.status, str(err))))
+    await response.write(SSE_DONE)
     await response.write_eof()
     return response
 

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.fields import TokenId
-from crane_mp.frontend.openai_routes import check_model, json_response
+from crane_mp.frontend.http import check_model, json_response
 from crane_mp.frontend.openai_schemas import ChatMessage, chat_messages, decode_body
 from crane_mp.frontend.state import STATE
 

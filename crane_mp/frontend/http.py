@@ -1,0 +1,30 @@
+"""HTTP helpers every route module shares: JSON bodies, SSE events and headers, the model check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.state import FrontendState
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SSE_DONE = b"data: [DONE]\n\n"
+_json = msgspec.json.Encoder()
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+def check_model(state: FrontendState, model: str | None) -> str:
+    """The served model's name; a request naming another model is a 404 in OpenAI's shape."""
+    if model is not None and model not in (state.model_name, state.config.engine.model_path):
+        raise ApiError(404, f"the model `{model}` does not exist; this server serves `{state.model_name}`", "model")
+    return state.model_name
