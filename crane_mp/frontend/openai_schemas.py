@@ -154,7 +154,7 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
 
 
-def _check_token_ids(ids, vocab_size: int, param: str) -> None:
+def check_token_ids(ids, vocab_size: int, param: str) -> None:
     if any(t >= vocab_size for t in ids):
         raise ApiError(400, f"{param} must be token ids below the vocabulary size {vocab_size}", param)
 
@@ -169,9 +169,9 @@ def sampling_params(
     if not all(key.isascii() and key.isdigit() for key in keys):
         raise ApiError(400, "logit_bias keys must be token ids written as decimal digits", "logit_bias")
     bias = {int(key): value for key, value in req.logit_bias.items()} if keys else {}
-    _check_token_ids(bias, vocab_size, "logit_bias")
+    check_token_ids(bias, vocab_size, "logit_bias")
     stop_ids = list(req.stop_token_ids or [])
-    _check_token_ids(stop_ids, vocab_size, "stop_token_ids")
+    check_token_ids(stop_ids, vocab_size, "stop_token_ids")
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -209,7 +209,7 @@ def prompt_inputs(prompt: str | list, vocab_size: int, param: str = "prompt") ->
         if isinstance(p, list):
             if any(t < 0 for t in p):
                 raise ApiError(400, f"{param} token ids must not be negative", param)
-            _check_token_ids(p, vocab_size, param)
+            check_token_ids(p, vocab_size, param)
     return prompts
 
 

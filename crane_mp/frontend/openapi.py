@@ -17,7 +17,7 @@ from crane_mp.frontend.fields import exactly_one_of, fill_model_limits
 from crane_mp.frontend.management_routes import OPEN_PATHS
 from crane_mp.frontend.http import json_response
 from crane_mp.frontend.openai_schemas import PROMPT_SCHEMA, ChatCompletionRequest, CompletionRequest
-from crane_mp.frontend.sglang_routes import INPUT_IDS_SCHEMA, AbortBody, GenerateRequest
+from crane_mp.frontend.sglang_schemas import INPUT_IDS_SCHEMA, AbortBody, SGLangGenerateRequest
 from crane_mp.frontend.state import STATE
 from crane_mp.frontend.tokenize_routes import DetokenizeRequest, TokenizeRequest
 
@@ -34,7 +34,7 @@ OPERATIONS = [
     ("post", "/v1/detokenize", DetokenizeRequest, "Token ids to text", ("400", "404", "413")),
     ("get", "/v1/stats", None, "Engine counters", ("503",)),
     ("get", "/health", None, "Liveness and readiness", ("503",)),
-    ("post", "/generate", GenerateRequest, "SGLang native generation (SSE when stream=true)", _GENERATION),
+    ("post", "/generate", SGLangGenerateRequest, "SGLang native generation (SSE when stream=true)", _GENERATION),
     ("post", "/abort_request", AbortBody, "Abort a /generate request by its rid", ("400", "413")),
     ("get", "/model_info", None, "Model metadata", ()),
     ("get", "/server_info", None, "Server arguments and live engine stats", ("503",)),
@@ -45,8 +45,8 @@ OPERATIONS = [
 # Rules a Struct cannot carry: (component, property or None for the whole body) -> schema to merge in.
 _REFINEMENTS = {
     ("CompletionRequest", "prompt"): PROMPT_SCHEMA,
-    ("GenerateRequest", "input_ids"): {"anyOf": [INPUT_IDS_SCHEMA, {"type": "null"}], "default": None},
-    ("GenerateRequest", None): exactly_one_of("text", "input_ids"),
+    ("SGLangGenerateRequest", "input_ids"): {"anyOf": [INPUT_IDS_SCHEMA, {"type": "null"}], "default": None},
+    ("SGLangGenerateRequest", None): exactly_one_of("text", "input_ids"),
     ("TokenizeRequest", None): exactly_one_of("prompt", "text", "messages"),
 }
 _ERROR = {"description": "Error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}

@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 import uuid
 from contextlib import aclosing
-from typing import Annotated, Any
+from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from crane_mp.frontend.choices import admitted, collect, merged_deltas, open_choices, resolve_max_tokens
@@ -15,89 +14,14 @@ from crane_mp.frontend.errors import ApiError, error_body
 from crane_mp.frontend.generation import Generation, GenerationError
 from crane_mp.frontend.logprobs_format import scored_prompt_positions
 from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, check_model, json_response, sse_event
-from crane_mp.frontend.fields import (
-    INT64_MAX,
-    Count,
-    Int64,
-    MinP,
-    NonEmptyText,
-    NumChoices,
-    Penalty,
-    RepetitionPenalty,
-    StopStrings,
-    Temperature,
-    TokenId,
-    TopK,
-    TopLogprobs,
-    TopP,
-)
-from crane_mp.frontend.openai_schemas import (
-    MAX_BATCH,
-    PROMPT_IDS_BATCH_SCHEMA,
-    PROMPT_IDS_SCHEMA,
-    decode_body,
-    prompt_inputs,
-    sampling_params,
-    stop_strings,
-)
+from crane_mp.frontend.openai_schemas import decode_body, prompt_inputs, stop_strings
+from crane_mp.frontend.sglang_schemas import AbortBody, SGLangGenerateRequest, SGLangSamplingParams
 from crane_mp.frontend.state import STATE, FrontendState
-from crane_mp.protocol import SamplingParams
 
 routes = web.RouteTableDef()
 
 
-class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    max_new_tokens: Count = 128  # clamped to the context window; 0 scores the input only
-    min_new_tokens: Count = 0
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = -1
-    min_p: MinP = 0.0
-    repetition_penalty: RepetitionPenalty = 1.0
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    stop: StopStrings | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    seed: Int64 | None = None
-    sampling_seed: Int64 | None = None  # SGLang's own name for seed
-    n: NumChoices = 1
-
-    # The OpenAI-side validator reads these names.
-    @property
-    def min_tokens(self) -> int:
-        return self.min_new_tokens
-
-    @property
-    def logit_bias(self) -> None:
-        return None
-
-
-class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Exactly one of text or input_ids (openapi.py states it with fields.exactly_one_of)."""
-
-    text: NonEmptyText | Annotated[list[NonEmptyText], msgspec.Meta(min_length=1, max_length=MAX_BATCH)] | None = None
-    input_ids: list[int | list[int]] | None = None  # INPUT_IDS_SCHEMA: one prompt's ids, or a batch of them
-    sampling_params: SGLangSamplingParams | None = None
-    # One name for the whole request, or one per prompt (prompts past the list get generated names).
-    rid: str | list[str] | None = None
-    stream: bool = False
-    return_logprob: bool = False
-    logprob_start_len: Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)] = -1
-    top_logprobs_num: TopLogprobs = 0
-    return_text_in_logprobs: bool = False
-    model: str | None = None
-
-
-INPUT_IDS_SCHEMA = {"anyOf": [PROMPT_IDS_SCHEMA, PROMPT_IDS_BATCH_SCHEMA]}
-
-
-class AbortBody(msgspec.Struct, kw_only=True):
-    rid: str = ""
-
-
-async def _prompts(state: FrontendState, req: GenerateRequest) -> tuple[list[list[int]], bool]:
+async def _prompts(state: FrontendState, req: SGLangGenerateRequest) -> tuple[list[list[int]], bool]:
     """Token ids per prompt, and whether the request was a batch (answered with a list)."""
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids", "text")
@@ -123,7 +47,7 @@ def _logprob_triples(values, ids, token_text, with_text):
     return [[v, i, token_text(i) if with_text else None] for v, i in zip(values, ids)]
 
 
-def _logprob_info(state: FrontendState, req: GenerateRequest, gen: Generation, prompt: list[int],
+def _logprob_info(state: FrontendState, req: SGLangGenerateRequest, gen: Generation, prompt: list[int],
                   output_ids: list[int], output_logprobs) -> dict[str, Any]:
     token_text, with_text = state.tokenizer.token_text, req.return_text_in_logprobs
     start = max(0, req.logprob_start_len) if req.logprob_start_len >= 0 else len(prompt)
@@ -147,7 +71,7 @@ def _logprob_info(state: FrontendState, req: GenerateRequest, gen: Generation, p
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     state.require_ready()
-    req = decode_body(await request.read(), GenerateRequest)
+    req = decode_body(await request.read(), SGLangGenerateRequest)
     check_model(state, req.model)
     sp = req.sampling_params or SGLangSamplingParams()
     prompts, batch = await _prompts(state, req)
@@ -155,10 +79,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     max_tokens = [resolve_max_tokens(state, len(p), max(sp.max_new_tokens, 1), "input_ids") for p in prompts]
     logprobs = req.top_logprobs_num if req.return_logprob else None
     wants_input = req.return_logprob and req.logprob_start_len >= 0
-    seeded = msgspec.structs.replace(sp, seed=sp.seed if sp.seed is not None else sp.sampling_seed)
-    params: SamplingParams = sampling_params(
-        seeded, state.engine_info.vocab_size, logprobs, req.top_logprobs_num if wants_input else None
-    )
+    params = sp.to_sampling(state.engine_info.vocab_size, logprobs, req.top_logprobs_num if wants_input else None)
     names = _request_names(req.rid, len(prompts), sp.n)
     async with open_choices(state, prompts, sp.n, params, max_tokens, stop_strings(sp.stop), sp.skip_special_tokens,
                             discard_output=sp.max_new_tokens == 0, names=names) as gens:
@@ -172,7 +93,7 @@ def _request_names(rid: str | list[str] | None, num_prompts: int, n: int) -> lis
     return [name for name in per_prompt for _ in range(n)]
 
 
-async def _generate_response(request, req: GenerateRequest, sp: SGLangSamplingParams, prompts, batch: bool,
+async def _generate_response(request, req: SGLangGenerateRequest, sp: SGLangSamplingParams, prompts, batch: bool,
                              names: list[str], gens: list[Generation]) -> web.StreamResponse:
     state = request.app[STATE]
     started = time.monotonic()
