@@ -2,7 +2,7 @@
 command-line flags, and where each value came from.
 
 Every flag is a key: `max-concurrent = 32` in the file (or `max_concurrent`), `CRANE_MAX_CONCURRENT=32`
-in the environment. Values go through the flag's own parser, so a file or variable is checked
+in the environment; CRANE_CONFIG names the file when --config does not. Values go through the flag's own parser, so a file or variable is checked
 exactly as the flag would be. An unknown key in the file is an error naming the key and the file.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 ENV_PREFIX = "CRANE_"
 # CRANE_* variables that are not settings: runtime switches (config.py) and the unit's extra flags.
-_OTHER_ENV = ("CRANE_MP_", "CRANE_EXTRA_ARGS")
+_OTHER_ENV = ("CRANE_MP_", "CRANE_EXTRA_ARGS", "CRANE_CONFIG")
 _NOT_SETTINGS = {"help", "config"}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
@@ -94,6 +94,7 @@ def resolve(
     given = _given_on_cli(parser, argv)
     sources = {dest: "cli" if dest in given else "default" for dest in actions}
     layers: list[tuple[str, dict[str, object]]] = []
+    args.config = args.config or environ.get("CRANE_CONFIG") or None
     if args.config:
         layers.append((f"file {args.config}", read_config_file(args.config, actions)))
     env_values = {

@@ -49,6 +49,13 @@ def test_a_bad_file_is_one_error_naming_the_key_and_the_file(tmp_path, text, mes
     assert message in str(err.value) and str(tmp_path / "c.toml") in str(err.value)
 
 
+def test_crane_config_names_the_file_when_the_flag_does_not(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("max-queue = 9\n")
+    args, sources = resolve(build_parser(), [], {"CRANE_CONFIG": str(path)})
+    assert args.max_queue == 9 and sources["max_queue"] == f"file {path}"
+
+
 def test_a_bad_variable_names_itself(tmp_path):
     with pytest.raises(SettingsError, match="environment variable CRANE_MAX_QUEUE: --max-queue: expected an integer"):
         layered(tmp_path, None, [], {"CRANE_MAX_QUEUE": "many"})
