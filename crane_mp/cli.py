@@ -146,6 +146,8 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         cpu_isa_cap()
     except ValueError as err:
         parser.error(str(err))
+    if args.num_frontends > 1 and args.port == 0:
+        parser.error("argument --port: several frontends need one known port, not 0")
     _pick_model_layer(args, sources)
     if args.demo == bool(args.model_path):
         parser.error("give exactly one of --model-path DIR or --demo")

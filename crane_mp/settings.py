@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 ENV_PREFIX = "CRANE_"
-# CRANE_* variables that are not settings: runtime switches (config.py) and the unit's extra flags.
-_OTHER_ENV = ("CRANE_MP_", "CRANE_EXTRA_ARGS", "CRANE_CONFIG")
+# CRANE_* variables that are not settings: runtime switches (config.py) and the settings file's path.
+_OTHER_ENV = ("CRANE_MP_", "CRANE_CONFIG")
 _NOT_SETTINGS = {"help", "config"}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 

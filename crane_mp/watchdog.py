@@ -58,13 +58,13 @@ class Watchdog:
             conn.request("GET", "/v1/stats", headers=self.headers)
             response = conn.getresponse()
             body = response.read()
-        except OSError as err:
-            return f"/v1/stats did not answer: {err}"
+            if response.status != 200:
+                return f"/v1/stats answered {response.status}"
+            step_age = json.loads(body).get("step_age", 0.0)
+        except Exception as err:  # whatever the probe hit, the launcher must go on supervising
+            return f"/v1/stats did not answer: {err!r}"
         finally:
             conn.close()
-        if response.status != 200:
-            return f"/v1/stats answered {response.status}"
-        step_age = json.loads(body).get("step_age", 0.0)
         if step_age > self.interval:
             return f"the worker has been running one step for {step_age:.0f} s"
         return None

@@ -106,6 +106,8 @@ def make_access_middleware(state):
         try:
             response = await handler(request)
             status = response.status
+            if status == 429:  # the scheduler refused it (the queue filled up after the gate)
+                state.metrics.request_rejected()
             return response
         except web.HTTPException as err:
             status = err.status

@@ -70,8 +70,7 @@ class Metrics:
         queue_time: float | None,
     ) -> None:
         name = self.model_name
-        if reason == "rejected":
-            self.request_rejected()
+        if reason == "rejected":  # never ran; the 429 is counted once per HTTP request (access_log.py)
             return
         if reason == "timeout":
             self.timed_out.labels(name).inc()

@@ -117,6 +117,16 @@ class BlockPool:
             self._cached[key] = block
             self._key_of[block] = key
 
+    def uncache(self, ids: list[int]) -> None:
+        """Make `ids` unfindable (their contents can no longer be trusted); holders keep them."""
+        for block in ids:
+            key = self._key_of.pop(block, None)
+            if key is not None:
+                del self._cached[key]
+                if block in self._evictable:
+                    del self._evictable[block]
+                    self._free.append(block)
+
     def flush(self) -> int:
         """Forget every cached key; returns how many blocks were dropped. Held blocks stay held."""
         dropped = len(self._cached)

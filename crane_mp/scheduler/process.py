@@ -3,8 +3,8 @@
 With overlap (the default) two steps may be in flight: step N+1 is planned and sent while the worker
 runs step N, so the worker never waits for the scheduler. Requests are admitted, aborted and
 answered between plans; a request that can never run, or finds --max-queue requests waiting, is
-answered at once with an error. An exception while admitting or aborting one request fails that
-request only; one in planning or applying a step leaves the state unknown and stops the server.
+answered at once with an error. An exception while admitting one request fails that request only;
+one while planning, applying a step or aborting leaves the state unknown and stops the server.
 """
 
 from __future__ import annotations
@@ -143,11 +143,7 @@ class SchedulerLoop:
         self.to_frontends[message.frontend_id].send(encode(TokenBatch([output])))
 
     def abort(self, rid: int) -> None:
-        try:
-            out = self.scheduler.abort_request(rid)
-        except Exception:
-            log.exception("aborting request %d failed", rid)
-            out = self.scheduler.fail_request(rid, "internal error while aborting the request")
+        out = self.scheduler.abort_request(rid)
         if out is not None:
             self.emit([out])
 
@@ -203,6 +199,7 @@ class SchedulerLoop:
 
 
 def _exit_on_signal(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: not again inside the interpreter's clean-up
     raise SystemExit(0)
 
 

@@ -125,11 +125,13 @@ class Scheduler:
         return self._output(req, finish_reason=FinishReason.ABORT)
 
     def fail_request(self, req_id: int, message: str) -> TokenOutput | None:
-        """Finish a request whose processing raised, with ERROR; its blocks return to the pool uncached
-        (the failed step may have left them half written)."""
+        """Finish a request whose processing raised, with ERROR. The blocks it computed itself leave the
+        prefix cache (with overlap some were registered while the failed step ran: half written); the
+        ones it found cached were computed by others and stay."""
         req = self.requests.get(req_id)
         if req is None:
             return None
+        self.pool.uncache(req.block_ids[(req.num_cached_tokens or 0) // self.config.block_size :])
         self._finish(req, FinishReason.ERROR, cache_blocks=False)
         out = self._output(req, finish_reason=FinishReason.ERROR)
         out.error, out.error_kind = message, ErrorKind.INTERNAL

@@ -54,7 +54,14 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
 
 
 def _exit_on_signal(signum, frame) -> None:
+    _ignore_stop_signals()
     raise SystemExit(0)
+
+
+def _ignore_stop_signals() -> None:
+    """Once exiting, a second stop request (the scheduler's ShutdownWorker, then the launcher's SIGTERM)
+    must not raise again inside the interpreter's own clean-up."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, ready: Connection) -> None:
@@ -87,4 +94,5 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
             elif isinstance(message, ShutdownWorker):
                 break
     finally:
+        _ignore_stop_signals()
         ctx.destroy(linger=0)
