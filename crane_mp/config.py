@@ -100,7 +100,7 @@ class ServerConfig:
     shutdown_grace: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
     num_frontends: int = 1
     max_queue: int = 1024  # requests waiting for a running slot; more get 429
-    request_timeout: float = 0.0  # seconds from arrival to finish; 0 = no limit
+    request_timeout: float = 0.0  # seconds from submission to the engine to finish; 0 = no limit
     api_key: str | None = None
     max_request_bytes: int | None = None  # None: sized to the context window (FrontendState)
     health_generate_timeout: float = 30.0

@@ -110,7 +110,9 @@ class ModelRunner:
         scheduled = [s for s in plan.scheduled if s.req_id not in self.failed]
         result = StepResult(plan.step_id, [], [])
         if scheduled:
-            scored = {s.req_id: self.requests[s.req_id].num_prompt_scored for s in scheduled}
+            # Only prompt-logprob requests advance state before sampling; the rest need no snapshot.
+            scored = {s.req_id: mirror.num_prompt_scored for s in scheduled
+                      if (mirror := self.requests[s.req_id]).sampling.params.prompt_logprobs is not None}
             try:
                 self._run(scheduled, result)
             except Exception as err:
@@ -121,8 +123,6 @@ class ModelRunner:
                 result = self._run_one_by_one(plan.step_id, scheduled)
         result.failed_req_ids, self._newly_failed = self._newly_failed, []
         result.errors = [self.failed[req_id] for req_id in result.failed_req_ids]
-        if not any(lp is not None for lp in result.logprobs):
-            result.logprobs = []
         return result
 
     def _run_one_by_one(self, step_id: int, scheduled: list[ScheduledRequest]) -> StepResult:
@@ -141,9 +141,14 @@ class ModelRunner:
         """Forward and sample `scheduled`, appending to `result` (only once all of it succeeded)."""
         prompt_logprobs: list[PromptLogprobs] = []
         req_ids, tokens, logprobs = self._forward_and_sample(scheduled, prompt_logprobs)
+        before = len(result.req_ids)
         result.req_ids += req_ids
         result.token_ids += tokens
-        result.logprobs += logprobs or [None] * len(req_ids)
+        # logprobs stay empty unless some request asked for them; then one entry per sampled row.
+        if logprobs:
+            result.logprobs += [None] * (before - len(result.logprobs)) + logprobs
+        elif result.logprobs:
+            result.logprobs += [None] * len(req_ids)
         result.prompt_logprobs += prompt_logprobs
 
     def _fail(self, req_id: int, err: Exception) -> None:
