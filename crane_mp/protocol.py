@@ -30,7 +30,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     """Per-request generation settings. The worker samples with them; the scheduler stops by token id.
 
     top_k <= 0 disables top-k; logprobs None returns no logprobs, N >= 0 the sampled token's plus top N;
-    prompt_logprobs likewise for every prompt token after the first (echo, scoring).
+    prompt_logprobs likewise for every prompt token after the first (echo, scoring). grammar: structured
+    output, a grammar in llguidance's JSON form (JSON schema, regex, Lark), validated by the frontend.
     """
 
     temperature: float = 1.0
@@ -48,6 +49,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     min_tokens: int = 0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -13,35 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jinja2 import Environment, TemplateSyntaxError, meta
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.logprobs_format import TokenText
 from crane_mp.frontend.openai_schemas import check_nesting
-from crane_mp.gguf_file import resolve_model_source
+from crane_mp.model_tokenizer import load_tokenizer
 
 # Below this many characters encoding is faster than a thread hand-off.
 _INLINE_CHARS = 2048
 # Longer texts are counted chunk by chunk before a full encode, stopping once they cannot fit.
 _COUNT_CHUNK_CHARS = 1 << 16
-
-
-# Any of these beside a GGUF file is a tokenizer the user chose over the file's metadata.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(model_path: str, model_format: str = "auto"):
-    """The model's tokenizer: its files, or for a GGUF file without them, the one transformers builds
-    from the file's tokenizer.ggml.* metadata (vocabulary, merges, token types, special ids, template)."""
-    source = resolve_model_source(model_path, model_format)
-    if source.format != "gguf" or any((source.model_dir / name).is_file() for name in _TOKENIZER_FILES):
-        return AutoTokenizer.from_pretrained(str(source.model_dir))
-    try:
-        return AutoTokenizer.from_pretrained(str(source.model_dir), gguf_file=source.gguf_file.name)
-    except ValueError:
-        # transformers reads the tokenizer of any GGUF but a config only for the architectures its GGUF
-        # model loader knows (not hunyuan-dense): the generic fast tokenizer needs no config.
-        return PreTrainedTokenizerFast.from_pretrained(str(source.model_dir), gguf_file=source.gguf_file.name)
 
 
 class TokenizerService:

@@ -12,6 +12,7 @@ import torch
 from crane_mp.config import EngineConfig, MemoryLimit
 from crane_mp.gguf_file import describe_types, resolve_model_source
 from crane_mp.worker.device import select_device, select_dtype
+from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.loader import file_tensor_bytes, load_model, weight_bytes
 from crane_mp.worker.memory import KVPlan, device_total_memory, measure_activation_bytes, plan_kv_blocks
@@ -81,7 +82,9 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         if capacity < max_model_len:
             log.info("max_model_len lowered from %d to --max-total-tokens %d", max_model_len, capacity)
             max_model_len = capacity
-    runner = ModelRunner(model, config.block_size, max_model_len, device)
+    grammars = GrammarEngine(config.model_path, config.model_format, model_config.vocab_size,
+                             list(model_config.eos_token_ids), device)
+    runner = ModelRunner(model, config.block_size, max_model_len, device, grammars=grammars)
 
     weights_bytes = weight_bytes(model)
     profile_tokens = min(config.max_num_batched_tokens, max_model_len)

@@ -22,6 +22,7 @@ from crane_mp.config import fault_injection_token
 from crane_mp.protocol import PromptLogprobs, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
 from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.forward_context import ForwardContext, forward_context
+from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.rope import rope_tables
@@ -50,7 +51,8 @@ class RequestMirror:
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, block_size: int, max_positions: int, device: torch.device, native_decode: bool = True
+        self, model: CausalLM, block_size: int, max_positions: int, device: torch.device, native_decode: bool = True,
+        grammars: GrammarEngine | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -58,7 +60,8 @@ class ModelRunner:
         self.device = device
         self.dtype = model.model.norm.weight.dtype
         self.cos, self.sin = rope_tables(self.config, max_positions, self.dtype, device)
-        self.sampler = Sampler(self.config.vocab_size, device)
+        self.grammars = grammars
+        self.sampler = Sampler(self.config.vocab_size, device, grammars)
         self.requests: dict[int, RequestMirror] = {}
         self.num_blocks = 0
         self.native_decode = native_decode and native_ops(device)
@@ -90,7 +93,9 @@ class ModelRunner:
         eos = self.config.eos_token_ids
         for new in plan.new_requests:
             try:
-                state = new_sampling_state(new.sampling, new.prompt_ids, self.config.vocab_size, eos, self.device)
+                state = new_sampling_state(
+                    new.sampling, new.prompt_ids, self.config.vocab_size, eos, self.device, self.grammars
+                )
             except Exception as err:
                 self._fail(new.req_id, err)
                 continue

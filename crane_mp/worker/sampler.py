@@ -1,7 +1,8 @@
 """Batched sampling on the device, with per-request sampling state (seeded generators, penalty counts).
 
-Order per row, as vLLM applies it: raw logprobs -> logit_bias and min_tokens suppression -> repetition,
-frequency and presence penalties -> temperature -> min_p -> top_k -> top_p -> draw. A seeded request
+Order per row, as vLLM applies it: raw logprobs -> grammar mask (structured output) -> logit_bias and
+min_tokens suppression -> repetition, frequency and presence penalties -> temperature -> min_p -> top_k
+-> top_p -> draw. A seeded request
 draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from crane_mp.protocol import SamplingParams, TokenLogprobs
+from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.kernels.cpu_isa import native_ops
 
 
@@ -25,12 +27,18 @@ class SamplingState:
     output_counts: torch.Tensor | None = None  # [vocab] float: output token counts (presence/frequency)
     num_output_tokens: int = 0
     suppress_ids: list[int] = field(default_factory=list)  # stop ids masked until min_tokens
+    matcher: object | None = None  # llguidance matcher of a constrained request (grammar.py)
 
 
 def new_sampling_state(
-    params: SamplingParams, prompt_ids: list[int], vocab_size: int, eos_ids: tuple[int, ...], device: torch.device
+    params: SamplingParams, prompt_ids: list[int], vocab_size: int, eos_ids: tuple[int, ...], device: torch.device,
+    grammars: GrammarEngine | None = None,
 ) -> SamplingState:
     state = SamplingState(params)
+    if params.grammar is not None:
+        if grammars is None:
+            raise ValueError("this engine was built without structured output")
+        state.matcher = grammars.new_matcher(params.grammar)
     if params.seed is not None:
         state.generator = torch.Generator(device=device)
         state.generator.manual_seed(params.seed)
@@ -47,15 +55,19 @@ def new_sampling_state(
 def record_token(state: SamplingState, token_id: int) -> None:
     """Account a token that became part of the request's output (sampled, or replayed on resume)."""
     state.num_output_tokens += 1
+    if state.matcher is not None:
+        # A token the mask allowed always fits; if not, the matcher only allows EOS from now on.
+        state.matcher.consume_token(token_id)
     if state.output_counts is not None:
         state.output_counts[token_id] += 1
         state.seen_mask[token_id] = True
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, grammars: GrammarEngine | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.grammars = grammars
         self._shared_generator = torch.Generator(device=device)
         self._shared_generator.manual_seed(torch.initial_seed() % (2**63))
 
@@ -78,13 +90,18 @@ class Sampler:
         return token_list, logprobs
 
     def _apply_processors(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        constrained = [row for row, state in enumerate(states) if state.matcher is not None]
+        if constrained:
+            self.grammars.mask(logits, constrained, [states[row].matcher for row in constrained])
         for row, state in enumerate(states):
             p = state.params
             if p.logit_bias:
                 ids = torch.tensor([t for t in p.logit_bias if 0 <= t < self.vocab_size], device=self.device)
                 bias = torch.tensor([p.logit_bias[t] for t in ids.tolist()], device=self.device)
                 logits[row].index_add_(0, ids, bias)
-            if state.suppress_ids and state.num_output_tokens < p.min_tokens:
+            # min_tokens yields to a grammar that is complete (only EOS left): else no token would remain.
+            if (state.suppress_ids and state.num_output_tokens < p.min_tokens
+                    and not (state.matcher is not None and state.matcher.is_stopped())):
                 logits[row, state.suppress_ids] = float("-inf")
             if state.seen_mask is not None:
                 row_logits = logits[row]

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
-from crane_mp.frontend.tokenizer import load_tokenizer
+from crane_mp.model_tokenizer import load_tokenizer
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_gguf import gguf_name, make_gguf, permute_rows
 from crane_mp.testing.make_model import make_model

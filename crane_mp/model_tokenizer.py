@@ -1,0 +1,35 @@
+"""The served model's tokenizer, as the frontend (text <-> ids) and the grammar engine (which token
+spells which bytes) both need it: loaded the same way in every process, so token ids agree."""
+
+from __future__ import annotations
+
+from crane_mp.gguf_file import resolve_model_source
+
+# Any of these beside a GGUF file is a tokenizer the user chose over the file's metadata.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_path: str, model_format: str = "auto"):
+    """The model's tokenizer: its files, or for a GGUF file without them, the one transformers builds
+    from the file's tokenizer.ggml.* metadata (vocabulary, merges, token types, special ids, template)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    source = resolve_model_source(model_path, model_format)
+    if source.format != "gguf" or any((source.model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        return AutoTokenizer.from_pretrained(str(source.model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(source.model_dir), gguf_file=source.gguf_file.name)
+    except ValueError:
+        # transformers reads the tokenizer of any GGUF but a config only for the architectures its GGUF
+        # model loader knows (not hunyuan-dense): the generic fast tokenizer needs no config.
+        return PreTrainedTokenizerFast.from_pretrained(str(source.model_dir), gguf_file=source.gguf_file.name)
+
+
+def grammar_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    """llguidance's view of the vocabulary: `vocab_size` is the model's logits width (often padded past
+    the tokenizer's last id; those rows are never allowed), and every EOS id the model stops on ends a
+    finished grammar."""
+    from llguidance import LLTokenizer
+
+    backend = hf_tokenizer.backend_tokenizer
+    return LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)

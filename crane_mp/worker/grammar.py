@@ -1,0 +1,71 @@
+"""Structured output in the worker: one llguidance matcher per constrained request, advanced by every
+token the request takes, and a vocabulary bitmask per step that the sampler applies to the batch.
+
+The matcher lives here because the next step's mask depends on the token just sampled: only the
+process that samples can compute it without a round trip. Grammars were validated by the frontend
+against the same tokenizer, so building one here does not fail for a user's mistake.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+
+from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
+
+log = logging.getLogger("crane_mp.worker")
+
+# Pristine matchers kept per grammar text; a request gets a copy (construction is the costly part).
+_CACHED_GRAMMARS = 256
+
+
+class GrammarEngine:
+    """Matchers for constrained requests. The tokenizer view is built on the first one (a second or so
+    for a 150k vocabulary, once per server), so servers that never constrain never pay for it."""
+
+    def __init__(self, model_path: str, model_format: str, vocab_size: int, eos_token_ids: list[int],
+                 device: torch.device) -> None:
+        self.model_path = model_path
+        self.model_format = model_format
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self._tokenizer = None
+        self._executor = None
+        self._pristine: OrderedDict[str, object] = OrderedDict()
+        self._bits = torch.arange(32, dtype=torch.int32, device=device)
+
+    def new_matcher(self, grammar: str):
+        import llguidance
+
+        pristine = self._pristine.get(grammar)
+        if pristine is None:
+            if self._tokenizer is None:
+                log.info("loading the tokenizer for structured output (once)")
+                hf_tokenizer = load_tokenizer(self.model_path, self.model_format)
+                self._tokenizer = grammar_tokenizer(hf_tokenizer, self.vocab_size, self.eos_token_ids)
+                self._executor = llguidance.LLExecutor()
+            pristine = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+            if pristine.is_error():
+                raise ValueError(f"invalid grammar: {pristine.get_error()}")
+            self._pristine[grammar] = pristine
+            if len(self._pristine) > _CACHED_GRAMMARS:
+                self._pristine.popitem(last=False)
+        else:
+            self._pristine.move_to_end(grammar)
+        return pristine.deep_copy()
+
+    def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+        """Set every token the grammar forbids to -inf in `rows` of `logits` [N, vocab]: the masks are
+        filled in parallel (llguidance's thread pool), then applied in one masked fill. (Not through
+        llguidance.torch: its torch.compile'd kernel costs seconds of import and a compiler on CPU.)"""
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.empty(len(rows), words, dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                               words * 4, len(rows))
+        bitmask = bitmask.to(self.device, non_blocking=True)
+        allowed = ((bitmask.unsqueeze(-1) >> self._bits) & 1).view(len(rows), -1)[:, : logits.shape[1]]
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits[index] = logits.index_select(0, index).masked_fill_(allowed == 0, float("-inf"))
