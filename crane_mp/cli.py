@@ -10,7 +10,15 @@ import argparse
 import os
 import sys
 
-from crane_mp.config import DTYPES, LOG_FORMATS, EngineConfig, ServerConfig, cpu_isa_cap, parse_memory_limit
+from crane_mp.config import (
+    DTYPES,
+    LOG_FORMATS,
+    TOOL_CALL_PARSERS,
+    EngineConfig,
+    ServerConfig,
+    cpu_isa_cap,
+    parse_memory_limit,
+)
 from crane_mp.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
 from crane_mp.settings import SettingsError, resolve, settable_actions, unknown_env_names
 from crane_mp.worker.model_config import MODEL_TYPE_ALIASES
@@ -113,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the context window, a batch of 64 full-window token-id prompts; at least 1 MiB)")
     p.add_argument("--health-generate-timeout", type=_seconds, default=30.0,
                    help="seconds /health_generate waits for its one-token generation before answering 503")
+    p.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5, Qwen3), llama3_json, "
+                        "mistral ([TOOL_CALLS]); auto picks by architecture; none refuses tools")
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
@@ -193,6 +204,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         api_key=args.api_key or None,
         max_request_bytes=args.max_request_bytes,
         health_generate_timeout=args.health_generate_timeout,
+        tool_call_parser=args.tool_call_parser,
         settings=_effective_settings(args, sources, parser),
         unknown_env=tuple(unknown_env_names(environ, settable_actions(parser))),
     )

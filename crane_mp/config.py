@@ -15,6 +15,7 @@ from crane_mp.logs import LogSettings
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_FORMATS = ("text", "json")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")  # frontend/tool_calls.py
 # CPU instruction-set tiers, lowest first; each includes the ones before it (worker/kernels/cpu_isa.py).
 CPU_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -104,6 +105,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int | None = None  # None: sized to the context window (FrontendState)
     health_generate_timeout: float = 30.0
+    tool_call_parser: str = "auto"  # TOOL_CALL_PARSERS; auto: by the model's architecture
     settings: dict = field(default_factory=dict)  # key -> {"value", "source"}, for /server_info
     unknown_env: tuple[str, ...] = ()  # CRANE_* variables that name no setting (warned at start)
 

@@ -10,10 +10,18 @@ from typing import Any, Callable
 from aiohttp import web
 
 from crane_mp.frontend.choices import admitted, collect, merged_deltas, open_choices, resolve_max_tokens
-from crane_mp.frontend.errors import error_body
+from crane_mp.frontend.errors import ApiError, error_body
 from crane_mp.frontend.generation import Delta, Generation, GenerationError
 from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, check_model, json_response, sse_event
 from crane_mp.frontend.logprobs_format import chat_logprobs, completion_logprobs
+from crane_mp.frontend.openai_responses import (
+    ChatStream,
+    CompletionStream,
+    ToolReading,
+    chat_choice,
+    completion_choice,
+    usage,
+)
 from crane_mp.frontend.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,18 +30,12 @@ from crane_mp.frontend.openai_schemas import (
     prompt_inputs,
     sampling_params,
     stop_strings,
+    tool_dicts,
 )
 from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.frontend.tool_calls import check_tools, forced_call_constraint, tool_format, tool_prompt
 
 routes = web.RouteTableDef()
-
-
-def _usage(gens: list[Generation], n: int) -> dict[str, int]:
-    prompt = sum(g.prompt_tokens for g in gens[::n])  # each prompt counted once, whatever n is
-    cached = sum(g.cached_tokens for g in gens[::n])
-    completion = sum(g.completion_tokens for g in gens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def stream_response(
@@ -55,10 +57,10 @@ async def stream_response(
             async for index, delta in deltas:
                 for payload in chunk(index, delta):
                     if continuous:
-                        payload["usage"] = _usage(gens, n)
+                        payload["usage"] = usage(gens, n)
                     await response.write(sse_event(payload))
         if include_usage:
-            await response.write(sse_event({**base, "choices": [], "usage": _usage(gens, n)}))
+            await response.write(sse_event({**base, "choices": [], "usage": usage(gens, n)}))
     except GenerationError as err:
         await response.write(sse_event(error_body(err.status, str(err))))
     await response.write(SSE_DONE)
@@ -72,8 +74,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.require_ready()
     req = decode_body(await request.read(), ChatCompletionRequest)
     model = check_model(state, req.model)
+    tools = tool_dicts(req.tools)
+    fmt = tool_format(state.config.tool_call_parser, state.engine_info.arch)
+    mode, only = check_tools(tools, req.tool_choice, fmt)
     prompt = state.tokenizer.render_chat(
-        chat_messages(req.messages), req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+        chat_messages(req.messages), req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
+        tools, tool_prompt(fmt, tools) if tools and fmt else None,
     )
     limit = state.engine_info.max_model_len
     input_ids = await state.tokenizer.encode(prompt, limit - 1, "messages", add_special_tokens=False)
@@ -81,48 +87,37 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = resolve_max_tokens(state, len(input_ids), requested, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, state.engine_info.vocab_size, logprobs=logprobs)
+    constraint = req.constraint()
+    if mode in ("required", "named"):
+        if constraint is not None:
+            raise ApiError(400, f"tool_choice {mode} already constrains the output; drop {constraint.param}",
+                           constraint.param)
+        constraint = forced_call_constraint(fmt, tools, only, req.parallel_tool_calls,
+                                            state.tokenizer.marker_tokens)
+    params = await state.grammars.constrain(params, constraint, state.engine_info)
+    reading = ToolReading(fmt, req.parallel_tool_calls) if mode != "none" else None
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
     async with open_choices(state, [input_ids], req.n, params, [max_tokens], stop_strings(req.stop),
                             req.skip_special_tokens, names=chat_id) as gens:
-        return await _chat_response(request, req, model, input_ids, gens, chat_id)
+        return await _chat_response(request, req, model, input_ids, gens, chat_id, reading)
 
 
 async def _chat_response(request, req: ChatCompletionRequest, model: str, input_ids: list[int],
-                         gens: list[Generation], chat_id: str) -> web.StreamResponse:
+                         gens: list[Generation], chat_id: str, tools: ToolReading | None) -> web.StreamResponse:
     created = int(time.time())
     token_text = request.app[STATE].tokenizer.token_text
     if req.stream:
         base = {"id": chat_id, "object": "chat.completion.chunk", "created": created, "model": model}
-        started: set[int] = set()
-
-        def chunk(index: int, delta: Delta) -> list[dict]:
-            payloads = []
-            if index not in started:
-                started.add(index)
-                payloads.append({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                      "logprobs": None, "finish_reason": None}]})
-            if delta.text or delta.finish_reason or (req.logprobs and delta.token_ids):
-                choice = {"index": index, "delta": {"content": delta.text} if delta.text else {},
-                          "logprobs": chat_logprobs(token_text, delta.token_ids, delta.logprobs) if req.logprobs else None,
-                          "finish_reason": delta.finish_reason}
-                if delta.finish_reason:
-                    choice["stop_reason"] = delta.stop_reason
-                payloads.append({**base, "choices": [choice]})
-            return payloads
-
-        return await stream_response(request, gens, req.n, base, chunk, req.stream_options)
+        stream = ChatStream(base, tools, token_text if req.logprobs else None)
+        return await stream_response(request, gens, req.n, base, stream.chunks, req.stream_options)
 
     results = await collect(gens)
-    choices = []
-    for index, out in enumerate(results):
-        choice = {"index": index, "message": {"role": "assistant", "content": out.text},
-                  "logprobs": chat_logprobs(token_text, out.token_ids, out.logprobs) if req.logprobs else None,
-                  "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
-        if req.return_token_ids:
-            choice["token_ids"] = out.token_ids
-        choices.append(choice)
+    choices = [chat_choice(index, out.text, out.finish_reason, out.stop_reason, tools,
+                           chat_logprobs(token_text, out.token_ids, out.logprobs) if req.logprobs else None,
+                           out.token_ids if req.return_token_ids else None)
+               for index, out in enumerate(results)]
     body = {"id": chat_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": _usage(gens, req.n)}
+            "choices": choices, "usage": usage(gens, req.n)}
     if req.return_token_ids:
         body["prompt_token_ids"] = input_ids
     return json_response(body)
@@ -149,6 +144,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     max_tokens = [resolve_max_tokens(state, len(p), max(requested, 1), "prompt") for p in prompts]
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     params = sampling_params(req, state.engine_info.vocab_size, req.logprobs, prompt_logprobs)
+    params = await state.grammars.constrain(params, req.constraint(), state.engine_info)
     cmpl_id = f"cmpl-{uuid.uuid4().hex}"
     async with open_choices(state, prompts, req.n, params, max_tokens, stop_strings(req.stop),
                             req.skip_special_tokens, discard_output=requested == 0, names=cmpl_id) as gens:
@@ -158,37 +154,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _completion_response(request, req: CompletionRequest, model: str, prompts: list[list[int]],
                                gens: list[Generation], cmpl_id: str) -> web.StreamResponse:
     state = request.app[STATE]
-    created = int(time.time())
-    base = {"id": cmpl_id, "object": "text_completion", "created": created, "model": model}
+    base = {"id": cmpl_id, "object": "text_completion", "created": int(time.time()), "model": model}
     token_text = state.tokenizer.token_text
     prompt_texts = [state.tokenizer.decode(p, skip_special_tokens=False) if req.echo else "" for p in prompts]
 
     if req.stream:
-        sent_prompt: set[int] = set()
-        offsets: dict[int, int] = {}
-
-        def chunk(index: int, delta: Delta) -> list[dict]:
-            gen, prompt_index = gens[index], index // req.n
-            text, logprobs = delta.text, None
-            echo_ids = None
-            if req.echo and index not in sent_prompt:
-                sent_prompt.add(index)
-                text = prompt_texts[prompt_index] + text
-                echo_ids = prompts[prompt_index]
-            if req.logprobs is not None:
-                logprobs = completion_logprobs(
-                    token_text, delta.token_ids, delta.logprobs, req.logprobs, offsets.get(index, 0),
-                    echo_ids, gen.prompt_logprobs if echo_ids else None,
-                )
-                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-            if not text and not delta.finish_reason and not delta.token_ids:
-                return []
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-            if delta.finish_reason:
-                choice["stop_reason"] = delta.stop_reason
-            return [{**base, "choices": [choice]}]
-
-        return await stream_response(request, gens, req.n, base, chunk, req.stream_options)
+        stream = CompletionStream(base, req.n, prompt_texts, prompts if req.echo else None, req.logprobs, token_text,
+                                  lambda index: gens[index].prompt_logprobs)
+        return await stream_response(request, gens, req.n, base, stream.chunks, req.stream_options)
 
     results = await collect(gens)
     choices = []
@@ -200,13 +173,11 @@ async def _completion_response(request, req: CompletionRequest, model: str, prom
                 token_text, out.token_ids, out.logprobs, req.logprobs, 0,
                 prompts[prompt_index] if req.echo else None, gens[index].prompt_logprobs,
             )
-        choice = {"index": index, "text": prompt_texts[prompt_index] + out.text, "logprobs": logprobs,
-                  "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
-        if req.return_token_ids:
-            choice["token_ids"] = out.token_ids
-            choice["prompt_token_ids"] = prompts[prompt_index]
-        choices.append(choice)
-    body = {**base, "choices": choices, "usage": _usage(gens, req.n)}
+        choices.append(completion_choice(
+            index, prompt_texts[prompt_index] + out.text, logprobs, out.finish_reason, out.stop_reason,
+            out.token_ids if req.return_token_ids else None, prompts[prompt_index],
+        ))
+    body = {**base, "choices": choices, "usage": usage(gens, req.n)}
     if req.return_token_ids and len(prompts) == 1:
         body["prompt_token_ids"] = prompts[0]
     return json_response(body)

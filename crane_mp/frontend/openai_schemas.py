@@ -8,6 +8,7 @@ body the server accepts: cross-field rules are lenient where a schema cannot exp
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -30,6 +31,7 @@ from crane_mp.frontend.fields import (
     TopLogprobs,
     TopP,
 )
+from crane_mp.frontend.structured import Constraint
 from crane_mp.protocol import SamplingParams
 
 # JSON nesting a free-form value (chat_template_kwargs) may have; the template engine recurses into it.
@@ -41,6 +43,36 @@ MAX_BATCH = 64
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # none: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's `structured_outputs`: one constraint, and how JSON may be spaced."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False  # JSON is compact unless whitespace_pattern allows more
+
+
+# Request fields whose content the schema cannot judge (a regex, a grammar, a JSON schema to compile,
+# tools and the choice among them): checked when the request is served, each error a 400 naming it.
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "guided_whitespace_pattern", "tools", "tool_choice")
 
 
 class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -64,6 +96,52 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     n: NumChoices = 1
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids of prompt and completion in the response
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spellings of structured_outputs.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: there is one backend
+
+    def constraint(self) -> Constraint | None:
+        """The one output constraint the request sets, if any; a 400 when it sets several."""
+        found: list[Constraint] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(Constraint("json_object", "", "response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise ApiError(400, "response_format of type json_schema needs a json_schema", "response_format")
+            schema = fmt.json_schema.schema if fmt.json_schema.schema is not None else {"type": "object"}
+            found.append(Constraint.json_schema(schema, "response_format.json_schema.schema"))
+        so = self.structured_outputs
+        if so is not None:
+            ws = so.whitespace_pattern
+            if so.json is not None:
+                found.append(Constraint.json_schema(so.json, "structured_outputs.json", ws))
+            if so.json_object:
+                found.append(Constraint("json_object", "", "structured_outputs.json_object", ws))
+            if so.regex is not None:
+                found.append(Constraint("regex", so.regex, "structured_outputs.regex"))
+            if so.choice is not None:
+                found.append(Constraint.choice(so.choice, "structured_outputs.choice"))
+            if so.grammar is not None:
+                found.append(Constraint("grammar", so.grammar, "structured_outputs.grammar"))
+        if self.guided_json is not None:
+            found.append(Constraint.json_schema(self.guided_json, "guided_json", self.guided_whitespace_pattern))
+        if self.guided_regex is not None:
+            found.append(Constraint("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(Constraint.choice(self.guided_choice, "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(Constraint("grammar", self.guided_grammar, "guided_grammar"))
+        if len(found) > 1:
+            raise ApiError(400, "give one output constraint, not several: " + ", ".join(c.param for c in found),
+                           found[1].param)
+        return found[0] if found else None
 
 
 class TextPart(msgspec.Struct, forbid_unknown_fields=False):
@@ -71,10 +149,47 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=False):
     text: str
 
 
+class CalledFunction(msgspec.Struct, forbid_unknown_fields=False):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON text; a template wants the object
+
+
+class AssistantToolCall(msgspec.Struct, forbid_unknown_fields=False):
+    function: CalledFunction
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+
+FunctionName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -86,6 +201,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], msgspec.Meta(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -224,5 +342,31 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         item = {"role": message.role, "content": content or ""}
         if message.name is not None:
             item["name"] = message.name
+        if message.tool_calls:
+            item["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
         out.append(item)
     return out
+
+
+def _arguments_object(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
+    """The object templates expect (as transformers' tool-use convention), or the text as sent when it
+    is not a JSON object."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """Tools as the chat template and the tool-call grammar read them (unset fields left out)."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": {k: v for k, v in msgspec.structs.asdict(t.function).items()
+                                              if v is not None}} for t in tools]

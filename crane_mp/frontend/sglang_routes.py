@@ -80,6 +80,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     logprobs = req.top_logprobs_num if req.return_logprob else None
     wants_input = req.return_logprob and req.logprob_start_len >= 0
     params = sp.to_sampling(state.engine_info.vocab_size, logprobs, req.top_logprobs_num if wants_input else None)
+    params = await state.grammars.constrain(params, sp.constraint(), state.engine_info)
     names = _request_names(req.rid, len(prompts), sp.n)
     async with open_choices(state, prompts, sp.n, params, max_tokens, stop_strings(sp.stop), sp.skip_special_tokens,
                             discard_output=sp.max_new_tokens == 0, names=names) as gens:

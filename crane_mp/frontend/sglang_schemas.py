@@ -23,7 +23,9 @@ from crane_mp.frontend.fields import (
     TopLogprobs,
     TopP,
 )
+from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.openai_schemas import MAX_BATCH, PROMPT_IDS_BATCH_SCHEMA, PROMPT_IDS_SCHEMA, check_token_ids
+from crane_mp.frontend.structured import Constraint
 from crane_mp.protocol import SamplingParams
 
 
@@ -44,6 +46,22 @@ class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
     seed: Int64 | None = None
     sampling_seed: Int64 | None = None  # SGLang's own name for seed
     n: NumChoices = 1
+    json_schema: str | None = None  # a JSON schema, as JSON text
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The one output constraint set, if any; a 400 when several are."""
+        found = []
+        if self.json_schema is not None:
+            found.append(Constraint.json_schema(self.json_schema, "sampling_params.json_schema"))
+        if self.regex is not None:
+            found.append(Constraint("regex", self.regex, "sampling_params.regex"))
+        if self.ebnf is not None:
+            found.append(Constraint("grammar", self.ebnf, "sampling_params.ebnf"))
+        if len(found) > 1:
+            raise ApiError(400, "give one of json_schema, regex and ebnf, not several", found[1].param)
+        return found[0] if found else None
 
     def to_sampling(self, vocab_size: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams (ranges were checked while decoding; here the served model's
@@ -58,7 +76,6 @@ class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
             min_tokens=self.min_new_tokens, stop_token_ids=stop_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
-
 
 
 class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -12,6 +12,7 @@ from crane_mp.frontend.engine_client import EngineClient
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.metrics import Metrics
 from crane_mp.frontend.openai_schemas import MAX_BATCH
+from crane_mp.frontend.structured import GrammarCompiler
 from crane_mp.frontend.tokenizer import TokenizerService
 from crane_mp.protocol import WorkerReady
 
@@ -25,10 +26,12 @@ class FrontendState:
     draining: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
     metrics: Metrics = field(init=False)
+    grammars: GrammarCompiler = field(init=False)
     in_flight: int = 0  # generation requests being served by this frontend (the load-shedding gate)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.config.model_name)
+        self.grammars = GrammarCompiler(self.tokenizer)
 
     @property
     def model_name(self) -> str:

@@ -17,6 +17,7 @@ from jinja2 import Environment, TemplateSyntaxError, meta
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.logprobs_format import TokenText
 from crane_mp.frontend.openai_schemas import check_nesting
+from crane_mp.frontend.tool_calls import MARKER_TEXTS
 from crane_mp.model_tokenizer import load_tokenizer
 
 # Below this many characters encoding is faster than a thread hand-off.
@@ -37,6 +38,8 @@ class TokenizerService:
         # The renderer sets these itself (special tokens included): a kwarg must not replace them.
         self.reserved_variables = _RENDERER_VARIABLES | set(self.tokenizer.special_tokens_map)
         self.template_variables = _template_variables(getattr(self.tokenizer, "chat_template", None))
+        added = self.tokenizer.get_added_vocab()
+        self.marker_tokens = {text: added[text] for text in MARKER_TEXTS if text in added}  # tool-call markers
 
     @property
     def has_chat_template(self) -> bool:
@@ -74,17 +77,24 @@ class TokenizerService:
         add_generation_prompt: bool,
         continue_final_message: bool,
         template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_prompt: str | None = None,
     ) -> str:
         """Render the model's own Jinja chat template (as transformers does). Continuing the final
         message means no new generation prompt is opened after it. Of `template_kwargs`, only the
         template's own variables reach it (as vLLM does): others could not change the text, and
-        names the renderer sets itself (messages, bos_token, ...) are not replaced."""
+        names the renderer sets itself (messages, bos_token, ...) are not replaced. `tools` go to the
+        template; one that never reads them gets `tool_prompt` as (the start of) the system message."""
         if not self.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         check_nesting(template_kwargs, "chat_template_kwargs")
         known = self.template_variables
         kwargs = {k: v for k, v in (template_kwargs or {}).items()
                   if k not in self.reserved_variables and (known is None or k in known)}
+        if tools and known is not None and "tools" not in known and tool_prompt:
+            messages = _with_system_text(messages, tool_prompt)
+        elif tools:
+            kwargs["tools"] = tools
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
@@ -98,6 +108,12 @@ class TokenizerService:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
+
+
+def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": text + "\n\n" + messages[0]["content"]}] + messages[1:]
+    return [{"role": "system", "content": text}] + messages
 
 
 def _refuse(at_least: int, max_tokens: int, param: str) -> None:

@@ -43,18 +43,39 @@ _QWEN2_TEMPLATE = _TEXT_MACRO + r"""
 {{- '<|im_start|>assistant\n' }}
 {%- endif %}"""
 
-# Like Qwen3: reasoning is dropped from assistant turns that precede the last user query.
+# Like Qwen3: reasoning is dropped from assistant turns that precede the last user query; tools are
+# listed in the system turn, calls written as <tool_call> JSON, results returned in a user turn.
 _QWEN3_TEMPLATE = _TEXT_MACRO + r"""
 {%- set ns = namespace(last_user=-1) %}
 {%- for message in messages %}
 {%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}
 {%- endfor %}
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages and messages[0]['role'] == 'system' %}{{- text(messages[0]['content']) + '\n\n' }}{%- endif %}
+{{- 'Functions you can call, one JSON signature per line:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\nTo call one, answer with <tool_call>\n{"name": "...", "arguments": {...}}\n</tool_call><|im_end|>\n' }}
+{%- endif %}
 {%- for message in messages %}
 {%- set content = text(message['content']) %}
 {%- if message['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content %}
 {%- set content = content.split('</think>')[-1].lstrip('\n') %}
 {%- endif %}
+{%- if message['role'] == 'system' and tools and loop.first %}
+{%- elif message['role'] == 'tool' %}
+{{- '<|im_start|>user\n<tool_response>\n' + content + '\n</tool_response><|im_end|>\n' }}
+{%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+{{- '<|im_start|>assistant\n' + content }}
+{%- for call in message['tool_calls'] %}
+{%- set arguments = call['function']['arguments'] %}
+{{- '\n<tool_call>\n{"name": ' + (call['function']['name'] | tojson) + ', "arguments": ' }}
+{{- (arguments if arguments is string else arguments | tojson) + '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- else %}
 {{- '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' }}
+{%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
 {{- '<|im_start|>assistant\n' }}

@@ -1,0 +1,147 @@
+"""OpenAI response bodies and stream chunks, built from what the generations produced: no I/O here, so
+every shape is testable without a server (tests/unit/test_openai_responses.py).
+
+A chat answer that offered tools is read for tool calls (tool_calls.py): content and `tool_calls`
+apart, `finish_reason: "tool_calls"` when the model stopped after calling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from crane_mp.frontend.generation import Delta
+from crane_mp.frontend.logprobs_format import TokenText, chat_logprobs, completion_logprobs
+from crane_mp.frontend.tool_calls import ToolCallParser, ToolFormat, parse_tool_calls
+from crane_mp.protocol import PromptLogprobs
+
+
+def usage(gens: list, n: int) -> dict[str, Any]:
+    """Usage over `gens` (prompt i's samples at [i * n, (i + 1) * n)): each prompt counted once."""
+    prompt = sum(g.prompt_tokens for g in gens[::n])
+    cached = sum(g.cached_tokens for g in gens[::n])
+    completion = sum(g.completion_tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolReading:
+    """How to read an answer for tool calls: the model's format, and whether several calls may stand."""
+
+    fmt: ToolFormat
+    parallel: bool = True
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason, tools: ToolReading | None,
+                logprobs: dict | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
+    """One choice of a whole chat completion."""
+    content, calls = (text, None) if tools is None else parse_tool_calls(tools.fmt, text, tools.parallel)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    choice = {"index": index, "message": message, "logprobs": logprobs,
+              "finish_reason": _finish(finish_reason, bool(calls)), "stop_reason": stop_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+@dataclass(slots=True)
+class _ChoiceStream:
+    parser: ToolCallParser | None
+    started: bool = False
+
+
+@dataclass(slots=True)
+class ChatStream:
+    """Chunks of a streamed chat completion, choice by choice: the role first, then content and
+    `delta.tool_calls` as they are read, the finish last."""
+
+    base: dict[str, Any]
+    tools: ToolReading | None
+    token_text: TokenText | None = None  # set: logprobs are wanted
+    choices: dict[int, _ChoiceStream] = field(default_factory=dict)
+
+    def chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+        state = self.choices.get(index)
+        payloads = []
+        if state is None:
+            parser = ToolCallParser(self.tools.fmt, self.tools.parallel) if self.tools else None
+            state = self.choices[index] = _ChoiceStream(parser)
+            payloads.append(self._chunk(index, {"role": "assistant", "content": ""}))
+        content, calls = delta.text, []
+        if state.parser is not None:
+            content, calls = state.parser.feed(delta.text)
+            if delta.finish_reason:
+                rest, more = state.parser.finish()
+                content, calls = content + rest, calls + more
+        wants_logprobs = self.token_text is not None and bool(delta.token_ids)
+        if not (content or calls or delta.finish_reason or wants_logprobs):
+            return payloads
+        body: dict[str, Any] = {}
+        if content:
+            body["content"] = content
+        if calls:
+            body["tool_calls"] = calls
+        logprobs = chat_logprobs(self.token_text, delta.token_ids, delta.logprobs) if self.token_text else None
+        called = state.parser is not None and bool(state.parser.calls)
+        payloads.append(self._chunk(index, body, logprobs, _finish(delta.finish_reason, called),
+                                    delta.stop_reason if delta.finish_reason else None))
+        return payloads
+
+    def _chunk(self, index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason:
+            choice["stop_reason"] = stop_reason
+        return {**self.base, "choices": [choice]}
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason,
+                      token_ids: list[int] | None = None, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+              "stop_reason": stop_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+        choice["prompt_token_ids"] = prompt_ids
+    return choice
+
+
+@dataclass(slots=True)
+class CompletionStream:
+    """Chunks of a streamed text completion. With echo, a choice's first chunk starts with its prompt
+    (and, with logprobs, the prompt's scores); text offsets run on across chunks."""
+
+    base: dict[str, Any]
+    n: int
+    prompt_texts: list[str]  # per prompt; empty strings without echo
+    echo_ids: list[list[int]] | None  # per prompt, with echo
+    top_logprobs: int | None
+    token_text: TokenText
+    prompt_scores: Callable[[int], list[PromptLogprobs]]  # choice index -> its prompt's scores
+    sent_prompt: set[int] = field(default_factory=set)
+    offsets: dict[int, int] = field(default_factory=dict)
+
+    def chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+        prompt_index = index // self.n
+        text, logprobs, echo_ids = delta.text, None, None
+        if self.echo_ids is not None and index not in self.sent_prompt:
+            self.sent_prompt.add(index)
+            text = self.prompt_texts[prompt_index] + text
+            echo_ids = self.echo_ids[prompt_index]
+        if self.top_logprobs is not None:
+            logprobs = completion_logprobs(
+                self.token_text, delta.token_ids, delta.logprobs, self.top_logprobs, self.offsets.get(index, 0),
+                echo_ids, self.prompt_scores(index) if echo_ids else None,
+            )
+            self.offsets[index] = self.offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+        if not text and not delta.finish_reason and not delta.token_ids:
+            return []
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        if delta.finish_reason:
+            choice["stop_reason"] = delta.stop_reason
+        return [{**self.base, "choices": [choice]}]
