@@ -73,8 +73,8 @@ def tool_prompt(fmt: ToolFormat, tools: list[dict]) -> str:
 
 def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None, parallel: bool,
                            special_tokens: dict[str, int]) -> Constraint:
-    """A Lark grammar that admits only calls, in the model's own format, of the offered tools (or of
-    `only`). A marker that is one token of the vocabulary (`special_tokens`) is written as that token,
+    """A Lark grammar that admits only calls, in the model's own format, of the offered tools (or one
+    call of `only`). A marker that is one token of the vocabulary (`special_tokens`) is written as that token,
     as the model was trained to produce it."""
     variants = []
     for tool in tools:
@@ -95,7 +95,7 @@ def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None,
         return " ".join(parts)
 
     call = " ".join(p for p in (text(fmt.call_open), "obj", text(fmt.call_close)) if p)
-    calls = f"call ({text(fmt.separator)} call)*" if parallel else "call"
+    calls = f"call ({text(fmt.separator)} call)*" if parallel and only is None else "call"
     start = " ".join(p for p in (text(fmt.list_open), calls, text(fmt.list_close)) if p)
     lark = f"start: {start}\ncall: {call}\nobj: %json {json.dumps(schema)}\n"
     return Constraint("lark", lark, "tool_choice")

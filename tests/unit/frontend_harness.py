@@ -43,6 +43,7 @@ class FakeScheduler:
         self.answer = True  # False: requests are admitted and stay in flight until the test pushes to them
         self.reject_with: str | None = None  # finish every request with this error (a scheduler refusal)
         self.reject_kind = ErrorKind.INVALID
+        self.output_ids: list[int] | None = None  # answer with these tokens and a stop instead
 
     def send(self, frame: bytes, flags: int = 0) -> None:
         message = scheduler_decoder.decode(frame)
@@ -74,6 +75,10 @@ class FakeScheduler:
         if self.reject_with is not None:
             stream.push(TokenOutput(req.rid, [], len(req.input_ids), 0, FinishReason.ERROR, error=self.reject_with,
                                     error_kind=self.reject_kind))
+            return
+        if self.output_ids is not None:
+            ids = self.output_ids
+            stream.push(TokenOutput(req.rid, ids, len(req.input_ids), len(ids), FinishReason.STOP))
             return
         count = min(self.tokens_per_request, req.sampling.max_tokens)
         stream.push(TokenOutput(req.rid, [5] * count, len(req.input_ids), count, FinishReason.LENGTH))

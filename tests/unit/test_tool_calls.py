@@ -1,0 +1,161 @@
+"""Tool-call parsing in each format, whole and streamed piece by piece (the same calls either way),
+and the grammars that force a call: they admit a well-formed call and nothing else."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from llguidance import LLMatcher
+
+from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.openai_schemas import NamedFunction, NamedToolChoice
+from crane_mp.frontend.structured import to_grammar
+from crane_mp.frontend.tool_calls import (
+    FORMATS,
+    ToolCallParser,
+    check_tools,
+    forced_call_constraint,
+    parse_tool_calls,
+    tool_format,
+)
+from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
+from crane_mp.testing.make_model import make_model
+
+HERMES, LLAMA, MISTRAL = FORMATS["hermes"], FORMATS["llama3_json"], FORMATS["mistral"]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+    "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+CASES = [
+    (HERMES, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, \\"FR\\" {x}"}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, {"c": 3}]}}\n</tool_call>',
+     "Let me check.", [("get_weather", {"city": 'Paris, "FR" {x}'}), ("add", {"a": 1, "b": [2, {"c": 3}]})]),
+    (LLAMA, '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "add", "parameters": {"a": 2, "b": 3}}',
+     None, [("get_weather", {"city": "Oslo"}), ("add", {"a": 2, "b": 3})]),
+    (LLAMA, '<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 3}}', None, [("add", {"a": 2, "b": 3})]),
+    (MISTRAL, ' [{"name": "add", "arguments": {"a": 5, "b": 6}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
+     None, [("add", {"a": 5, "b": 6}), ("get_weather", {"city": "Rome"})]),
+    (MISTRAL, '[TOOL_CALLS][{"name": "add", "arguments": {"a": 5, "b": 6}}]', None, [("add", {"a": 5, "b": 6})]),
+    # Arguments given as a JSON string holding the object, and the name after the arguments.
+    (HERMES, '<tool_call>{"arguments": "{\\"city\\": \\"Lima\\"}", "name": "get_weather"}</tool_call>', None,
+     [("get_weather", {"city": "Lima"})]),
+]
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CASES)
+def test_whole_output_is_read_into_calls(fmt, text, content, calls):
+    got_content, got_calls = parse_tool_calls(fmt, text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls
+    assert len({c["id"] for c in got_calls}) == len(calls)
+    if fmt is MISTRAL:
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got_calls)
+    else:
+        assert all(c["id"].startswith("call_") for c in got_calls)
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CASES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_streamed_pieces_add_up_to_the_same_calls(fmt, text, content, calls, seed):
+    rng = random.Random(seed)
+    parser = ToolCallParser(fmt)
+    streamed_content, items = "", []
+    position = 0
+    while position < len(text):
+        size = rng.randint(1, 7)
+        piece_content, deltas = parser.feed(text[position : position + size])
+        streamed_content += piece_content
+        items += deltas
+        position += size
+    rest, more = parser.finish()
+    streamed_content += rest
+    items += more
+    assert streamed_content.strip() == (content or "")
+    rebuilt: dict[int, dict] = {}
+    for item in items:
+        call = rebuilt.setdefault(item["index"], {"name": None, "arguments": ""})
+        if "id" in item:
+            assert call["name"] is None, "a call is opened once"
+            call["name"] = item["function"]["name"]
+        call["arguments"] += item["function"]["arguments"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in rebuilt.values()] == calls
+
+
+def test_arguments_stream_before_the_call_ends():
+    parser = ToolCallParser(HERMES)
+    _, first = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"ci')
+    assert first == [{"index": 0, "id": parser.calls[0].id, "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"ci'}}]
+    _, second = parser.feed('ty": "Paris"}}\n</tool_call>')
+    assert second == [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]
+
+
+@pytest.mark.parametrize("text", [
+    "Just an answer, no call.",
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1',  # cut off by max_tokens
+    '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>',  # no name
+    "The JSON {\"name\": \"add\"} appears inside text.",  # llama3_json: not leading, so not a call
+])
+def test_anything_but_well_formed_calls_stays_content(text):
+    fmt = LLAMA if text.startswith("The JSON") else HERMES
+    assert parse_tool_calls(fmt, text) == (text, None)
+
+
+def test_only_the_first_call_when_parallel_calls_are_off():
+    text = '<tool_call>{"name": "add", "arguments": {}}</tool_call><tool_call>{"name": "x", "arguments": {}}</tool_call>'
+    _, calls = parse_tool_calls(HERMES, text, parallel=False)
+    assert [c["function"]["name"] for c in calls] == ["add"]
+
+
+def test_a_partial_marker_is_held_back_until_it_resolves():
+    parser = ToolCallParser(HERMES)
+    assert parser.feed("Hello <tool") == ("Hello ", [])
+    assert parser.feed("kit and more") == ("<toolkit and more", [])
+
+
+def test_tool_choice_checks():
+    fmt = tool_format("auto", "qwen3")
+    assert fmt is HERMES and tool_format("auto", "llama") is LLAMA and tool_format("none", "qwen3") is None
+    assert check_tools([WEATHER], None, fmt) == ("auto", None)
+    assert check_tools(None, None, fmt) == ("none", None)
+    assert check_tools([WEATHER, ADD], NamedToolChoice("function", NamedFunction("add")), fmt) == ("named", "add")
+    for tools, choice, parser, message in [
+        (None, "required", fmt, "needs tools"),
+        ([WEATHER], NamedToolChoice("function", NamedFunction("nope")), fmt, "not among the tools"),
+        ([WEATHER, WEATHER], "auto", fmt, "distinct"),
+        ([WEATHER], "auto", None, "--tool-call-parser none"),
+    ]:
+        with pytest.raises(ApiError, match=message):
+            check_tools(tools, choice, parser)
+
+
+@pytest.fixture(scope="module")
+def vocabulary(tmp_path_factory):
+    tokenizer = load_tokenizer(str(make_model("qwen3", "tiny", tmp_path_factory.mktemp("m") / "q")))
+    markers = {text: tokenizer.convert_tokens_to_ids(text) for text in ("<tool_call>", "</tool_call>")}
+    return tokenizer, grammar_tokenizer(tokenizer, 512, [507]), markers
+
+
+@pytest.mark.parametrize("only,parallel", [(None, True), ("add", False)])
+def test_a_forced_call_grammar_admits_calls_of_the_offered_tools_only(vocabulary, only, parallel):
+    tokenizer, ll_tokenizer, markers = vocabulary
+    grammar = to_grammar(forced_call_constraint(HERMES, [WEATHER, ADD], only, parallel, markers))
+    assert LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer) == (False, [])
+
+    def admitted(text: str) -> bool:
+        matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    add = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert admitted(add)
+    assert admitted(weather) is (only is None)
+    assert admitted(add + "\n" + weather) is parallel
+    assert not admitted('<tool_call>\n{"name": "sub", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+    assert not admitted('<tool_call>\n{"name": "add", "arguments": {"a": "one", "b": 2}}\n</tool_call>')
+    assert not admitted("Sure! " + add)
