@@ -5,6 +5,7 @@ client sees, measured at the client from SSE arrival times.
     python benchmarks/serving.py --url http://127.0.0.1:8000 --concurrency 32 --num-requests 64
     python benchmarks/serving.py --url ... --prefix-len 1000 --prompt-len 64 --concurrency 32  # shared prefix
     python benchmarks/serving.py --launch-demo --server-args "--no-prefix-cache"  # starts crane-launch --demo
+    python benchmarks/serving.py --url ... --concurrency 32 --extra-body '{"guided_regex": "[a-z ]+"}'  # constrained
 
 Closed loop at each --concurrency (or open loop at --request-rate, Poisson arrivals). Streaming
 /v1/completions with token-id prompts, EOS ignored, so every request produces exactly --output-len
@@ -47,9 +48,10 @@ class RequestRecord:
     error: str = ""
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int) -> RequestRecord:
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int,
+                      extra_body: dict | None = None) -> RequestRecord:
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **(extra_body or {})}
     record = RequestRecord()
     reported = 0  # completion tokens according to the last usage seen
     start = last = time.perf_counter()
@@ -128,7 +130,8 @@ async def run_load(args) -> dict:
         if args.request_rate:
             tasks = []
             for prompt in prompts:
-                tasks.append(asyncio.create_task(one_request(session, args.url, prompt, args.output_len)))
+                tasks.append(asyncio.create_task(one_request(session, args.url, prompt, args.output_len,
+                                                                      args.extra_body)))
                 await asyncio.sleep(rng.expovariate(args.request_rate))
             records = await asyncio.gather(*tasks)
         else:
@@ -137,7 +140,8 @@ async def run_load(args) -> dict:
 
             async def client():
                 while queue:
-                    records.append(await one_request(session, args.url, queue.pop(), args.output_len))
+                    records.append(await one_request(session, args.url, queue.pop(), args.output_len,
+                                                      args.extra_body))
 
             await asyncio.gather(*(client() for _ in range(args.concurrency)))
         elapsed = time.perf_counter() - start
@@ -200,6 +204,8 @@ def main() -> None:
     parser.add_argument("--server-args", default="", help="extra crane-launch flags with --launch-demo")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--new-connection", action="store_true", help="one connection per request (for llama-server)")
+    parser.add_argument("--extra-body", type=json.loads, default={},
+                        help='JSON merged into every request, e.g. \'{"guided_regex": "[a-z ]+"}\' (structured output)')
     args = parser.parse_args()
 
     proc = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
@@ -19,6 +20,9 @@ log = logging.getLogger("crane_mp.worker")
 
 # Pristine matchers kept per grammar text; a request gets a copy (construction is the costly part).
 _CACHED_GRAMMARS = 256
+# A forbidden token's logit: finite, so the penalty adds (0 * inf would be NaN), yet so low that its
+# probability is exactly 0 and it stays far below every allowed token after temperature and penalties.
+_FORBIDDEN = 1e30
 
 
 class GrammarEngine:
@@ -58,14 +62,24 @@ class GrammarEngine:
         return pristine.deep_copy()
 
     def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
-        """Set every token the grammar forbids to -inf in `rows` of `logits` [N, vocab]: the masks are
-        filled in parallel (llguidance's thread pool), then applied in one masked fill. (Not through
-        llguidance.torch: its torch.compile'd kernel costs seconds of import and a compiler on CPU.)"""
+        """Push every token the grammar forbids in `rows` of `logits` [N, vocab] far below any allowed
+        one: the masks are filled in parallel (llguidance's thread pool), unpacked, and added to the
+        batch in one step. An additive penalty, not masked_fill: on CPU masked_fill runs ~10x slower
+        (20 ms for 32 rows of a 150k vocabulary). Not through llguidance.torch either: its
+        torch.compile'd kernel costs seconds of import and a compiler on CPU."""
         words = (self.vocab_size + 31) // 32
         bitmask = torch.empty(len(rows), words, dtype=torch.int32)
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
                                                words * 4, len(rows))
-        bitmask = bitmask.to(self.device, non_blocking=True)
-        allowed = ((bitmask.unsqueeze(-1) >> self._bits) & 1).view(len(rows), -1)[:, : logits.shape[1]]
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits[index] = logits.index_select(0, index).masked_fill_(allowed == 0, float("-inf"))
+        width = logits.shape[1]
+        if self.device.type == "cpu":
+            allowed = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=width,
+                                                     bitorder="little"))
+        else:
+            bitmask = bitmask.to(self.device, non_blocking=True)
+            allowed = ((bitmask.unsqueeze(-1) >> self._bits) & 1).view(len(rows), -1)[:, :width]
+        penalty = allowed.float().sub_(1.0).mul_(_FORBIDDEN)  # 0 where allowed
+        if len(rows) == logits.shape[0]:
+            logits.add_(penalty)
+        else:
+            logits.index_add_(0, torch.tensor(rows, dtype=torch.long, device=self.device), penalty)
