@@ -13,6 +13,7 @@ import sys
 from crane_mp.config import (
     DTYPES,
     LOG_FORMATS,
+    TASKS,
     TOOL_CALL_PARSERS,
     EngineConfig,
     ServerConfig,
@@ -20,6 +21,7 @@ from crane_mp.config import (
     parse_memory_limit,
 )
 from crane_mp.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
+from crane_mp.pooling import POOLING_METHODS, Pooling, sentence_transformers_pooling
 from crane_mp.settings import SettingsError, resolve, settable_actions, unknown_env_names
 from crane_mp.worker.model_config import MODEL_TYPE_ALIASES
 
@@ -88,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true", help="serve the built-in random-weight demo model")
     p.add_argument("--model-type", default="auto", choices=["auto", *sorted(MODEL_TYPE_ALIASES)])
     p.add_argument("--model-name", help="name shown in API responses (default: the directory name)")
+    p.add_argument("--task", default="auto", choices=TASKS,
+                   help="generate text, or embed (/v1/embeddings only); auto: embed for a sentence-transformers "
+                        "checkpoint (modules.json), else generate")
+    p.add_argument("--pooling", choices=POOLING_METHODS,
+                   help="embeddings: last token or mean of the final hidden states (default: the checkpoint's "
+                        "sentence-transformers setting, else last)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8080)
     p.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is available")
@@ -134,6 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _task_and_pooling(args, source: ModelSource, parser) -> tuple[str, Pooling]:
+    """--task and the embedding pooling: the flags, else what a sentence-transformers checkpoint says."""
+    try:
+        declared = sentence_transformers_pooling(source.model_dir)
+    except ValueError as err:
+        if args.task != "generate" and args.pooling is None:
+            parser.error(str(err))
+        declared = None
+    task = args.task if args.task != "auto" else "embed" if declared else "generate"
+    pooling = declared or Pooling()
+    if args.pooling is not None:
+        pooling = Pooling(args.pooling, pooling.normalize)
+    return task, pooling
+
+
 def _model_source(path: str, fmt: str) -> ModelSource:
     """Resolve --model-path/--format and check a GGUF file before any process starts; a bad path or
     file ends crane-launch here with one line naming it."""
@@ -169,6 +192,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
     source = _model_source(args.model_path, args.format)
     if args.max_concurrent is None:
         args.max_concurrent = min(DEFAULT_MAX_CONCURRENT, args.max_num_batched_tokens)
+    task, pooling = _task_and_pooling(args, source, parser)
     try:
         engine = EngineConfig(
             model_path=str(source.path),
@@ -185,6 +209,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             enable_prefix_caching=not args.no_prefix_cache,
             overlap_schedule=not args.no_overlap_schedule,
             seed=args.seed,
+            task=task,
         )
     except ValueError as err:
         parser.error(str(err))
@@ -205,6 +230,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         max_request_bytes=args.max_request_bytes,
         health_generate_timeout=args.health_generate_timeout,
         tool_call_parser=args.tool_call_parser,
+        pooling=pooling,
         settings=_effective_settings(args, sources, parser),
         unknown_env=tuple(unknown_env_names(environ, settable_actions(parser))),
     )

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crane_mp.logs import LogSettings
+from crane_mp.pooling import Pooling
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_FORMATS = ("text", "json")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")  # frontend/tool_calls.py
+TASKS = ("auto", "generate", "embed")
 # CPU instruction-set tiers, lowest first; each includes the ones before it (worker/kernels/cpu_isa.py).
 CPU_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -68,6 +70,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     overlap_schedule: bool = True  # plan step N+1 while the worker runs step N
     seed: int = 0
+    task: str = "generate"  # or "embed": an embedding model, which may have no lm_head
 
     def __post_init__(self) -> None:
         # Messages name the crane-launch flag too: the CLI reports them as they are.
@@ -106,6 +109,7 @@ class ServerConfig:
     max_request_bytes: int | None = None  # None: sized to the context window (FrontendState)
     health_generate_timeout: float = 30.0
     tool_call_parser: str = "auto"  # TOOL_CALL_PARSERS; auto: by the model's architecture
+    pooling: Pooling = field(default_factory=Pooling)  # how /v1/embeddings pools (engine.task == "embed")
     settings: dict = field(default_factory=dict)  # key -> {"value", "source"}, for /server_info
     unknown_env: tuple[str, ...] = ()  # CRANE_* variables that name no setting (warned at start)
 

@@ -32,6 +32,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     top_k <= 0 disables top-k; logprobs None returns no logprobs, N >= 0 the sampled token's plus top N;
     prompt_logprobs likewise for every prompt token after the first (echo, scoring). grammar: structured
     output, a grammar in llguidance's JSON form (JSON schema, regex, Lark), validated by the frontend.
+    pooling: an embedding request ("last" token or "mean" of the prompt's final hidden states): the
+    worker returns the pooled vector instead of sampling, and the request ends after its prompt.
     """
 
     temperature: float = 1.0
@@ -50,6 +52,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     grammar: str | None = None
+    pooling: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -122,6 +125,13 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[list[float]]
 
 
+class PooledOutput(msgspec.Struct, array_like=True):
+    """An embedding request's pooled hidden state: float32 values, raw (not normalised)."""
+
+    req_id: int
+    values: bytes
+
+
 class StepResult(msgspec.Struct, array_like=True, tag=True):
     """Sampled tokens for the scheduled requests whose span reached its end, in plan order.
 
@@ -137,6 +147,7 @@ class StepResult(msgspec.Struct, array_like=True, tag=True):
     prompt_logprobs: list[PromptLogprobs] = []
     failed_req_ids: list[int] = []
     errors: list[str] = []
+    pooled: list[PooledOutput] = []  # embedding requests whose prompt completed (their token is a placeholder)
 
 
 # ---- frontend -> scheduler ----------------------------------------------------------------------
@@ -193,6 +204,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     queue_time: float | None = None  # on the finishing output: seconds waiting before first scheduled
     cached_tokens: int = 0
     error_kind: int = 0  # an ErrorKind, with `error`
+    embedding: bytes | None = None  # an embedding request's PooledOutput values
 
 
 class TokenBatch(msgspec.Struct, array_like=True, tag=True):
@@ -250,3 +262,4 @@ class WorkerReady(msgspec.Struct):
     model_format: str = "safetensors"  # or "gguf"
     weight_types: str = ""  # a GGUF file's tensor types, e.g. "Q4_K x 169, Q6_K x 29, F32 x 57"
     weights_file_bytes: int = 0  # bytes of tensor data in the model file(s)
+    hidden_size: int = 0  # the width of an embedding

@@ -7,7 +7,14 @@ import hmac
 
 from aiohttp import web
 
-from crane_mp.frontend import management_routes, openai_routes, openapi, sglang_routes, tokenize_routes
+from crane_mp.frontend import (
+    embedding_routes,
+    management_routes,
+    openai_routes,
+    openapi,
+    sglang_routes,
+    tokenize_routes,
+)
 from crane_mp.frontend.access_log import add_request_id_header, make_access_middleware
 from crane_mp.frontend.errors import ApiError, error_middleware
 from crane_mp.frontend.management_routes import OPEN_PATHS
@@ -49,6 +56,7 @@ def create_app(state: FrontendState) -> web.Application:
     app.on_response_prepare.append(add_request_id_header)
     app.add_routes(management_routes.routes)
     app.add_routes(openai_routes.routes)
+    app.add_routes(embedding_routes.routes)
     app.add_routes(tokenize_routes.routes)
     app.add_routes(openapi.routes)
     app.add_routes(sglang_routes.routes)

@@ -62,6 +62,7 @@ class RequestStream:
     last_token_time: float | None = None
     queue_time: float | None = None
     cached_tokens: int = 0
+    embedding: bytes | None = None  # an embedding request's pooled vector (float32)
     submitted: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     deadline: asyncio.TimerHandle | None = None
@@ -80,6 +81,8 @@ class RequestStream:
         self.logprobs.extend(out.logprobs or [None] * len(out.new_token_ids))
         self.prompt_logprobs.extend(out.prompt_logprobs)
         self.cached_tokens = out.cached_tokens
+        if out.embedding is not None:
+            self.embedding = out.embedding
         self.admitted = True
         if out.finish_reason is not None:
             self.finish(out.finish_reason, out.error, _ERROR_STATUS.get(out.error_kind, 500))

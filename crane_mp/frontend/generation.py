@@ -77,6 +77,10 @@ class Generation:
     def prompt_logprobs(self) -> list[PromptLogprobs]:
         return self.stream.prompt_logprobs
 
+    @property
+    def embedding(self) -> bytes | None:
+        return self.stream.embedding
+
     async def deltas(self) -> AsyncIterator[Delta]:
         try:
             while True:

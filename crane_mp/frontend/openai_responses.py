@@ -7,8 +7,11 @@ apart, `finish_reason: "tool_calls"` when the model stopped after calling.
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import numpy as np
 
 from crane_mp.frontend.generation import Delta
 from crane_mp.frontend.logprobs_format import TokenText, chat_logprobs, completion_logprobs
@@ -145,3 +148,15 @@ class CompletionStream:
         if delta.finish_reason:
             choice["stop_reason"] = delta.stop_reason
         return [{**self.base, "choices": [choice]}]
+
+
+def embedding_item(index: int, values: bytes, normalize: bool, dimensions: int | None,
+                   encoding_format: str) -> dict[str, Any]:
+    """One /v1/embeddings entry from a pooled vector (float32 bytes): cut to `dimensions`, then scaled to
+    unit length if the model normalises; base64 is the little-endian float32 array, as OpenAI sends it."""
+    vector = np.frombuffer(values, dtype=np.float32)[:dimensions]
+    if normalize:
+        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+    vector = vector.astype("<f4")
+    embedding = base64.b64encode(vector.tobytes()).decode() if encoding_format == "base64" else vector.tolist()
+    return {"object": "embedding", "index": index, "embedding": embedding}

@@ -71,7 +71,7 @@ async def stream_response(
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    state.require_ready()
+    state.require_generative()
     req = decode_body(await request.read(), ChatCompletionRequest)
     model = check_model(state, req.model)
     tools = tool_dicts(req.tools)
@@ -135,7 +135,7 @@ async def _completion_prompts(state: FrontendState, req: CompletionRequest) -> l
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    state.require_ready()
+    state.require_generative()
     req = decode_body(await request.read(), CompletionRequest)
     model = check_model(state, req.model)
     prompts = await _completion_prompts(state, req)

@@ -216,12 +216,27 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     best_of: Annotated[int, msgspec.Meta(ge=1, le=1, description="only 1 is supported")] | None = None
 
 
+class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    # PROMPT_SCHEMA's forms, up to MAX_EMBEDDING_INPUTS texts or token-id lists.
+    input: str | list[str | int | list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveCount | None = None  # the first N values, renormalised (Matryoshka-trained models)
+    user: str | None = None
+
+
+# Inputs in one /v1/embeddings request (each is one engine request, queued like any other).
+MAX_EMBEDDING_INPUTS = 512
+
 # The shapes prompt_inputs and /generate's input_ids accept, for the OpenAPI document (openapi.py).
 PROMPT_IDS_SCHEMA = {"type": "array", "minItems": 1, MODEL_LIMIT: "context",
                      "items": {"type": "integer", "minimum": 0, MODEL_LIMIT: "vocab"}}
 PROMPT_IDS_BATCH_SCHEMA = {"type": "array", "minItems": 1, "maxItems": MAX_BATCH, "items": PROMPT_IDS_SCHEMA}
 TEXTS_SCHEMA = {"type": "array", "minItems": 1, "maxItems": MAX_BATCH, "items": {"type": "string", "minLength": 1}}
 PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, TEXTS_SCHEMA, PROMPT_IDS_SCHEMA, PROMPT_IDS_BATCH_SCHEMA]}
+EMBEDDING_INPUT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
+                                    {**TEXTS_SCHEMA, "maxItems": MAX_EMBEDDING_INPUTS}, PROMPT_IDS_SCHEMA,
+                                    {**PROMPT_IDS_BATCH_SCHEMA, "maxItems": MAX_EMBEDDING_INPUTS}]}
 
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -308,7 +323,8 @@ def sampling_params(
     )
 
 
-def prompt_inputs(prompt: str | list, vocab_size: int, param: str = "prompt") -> list[str | list[int]]:
+def prompt_inputs(prompt: str | list, vocab_size: int, param: str = "prompt",
+                  max_batch: int = MAX_BATCH) -> list[str | list[int]]:
     """PROMPT_SCHEMA's four forms -> a list of prompts, each a non-empty string or list of token ids."""
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -319,8 +335,8 @@ def prompt_inputs(prompt: str | list, vocab_size: int, param: str = "prompt") ->
     else:
         raise ApiError(400, f"{param} must be a string, a list of strings, a list of token ids or a list of those",
                        param)
-    if len(prompts) > MAX_BATCH:
-        raise ApiError(400, f"{param} may hold at most {MAX_BATCH} prompts", param)
+    if len(prompts) > max_batch:
+        raise ApiError(400, f"{param} may hold at most {max_batch} prompts", param)
     if any(not p for p in prompts):
         raise ApiError(400, f"a prompt in {param} is empty", param)
     for p in prompts:

@@ -16,7 +16,13 @@ from crane_mp import __version__
 from crane_mp.frontend.fields import exactly_one_of, fill_model_limits
 from crane_mp.frontend.management_routes import OPEN_PATHS
 from crane_mp.frontend.http import json_response
-from crane_mp.frontend.openai_schemas import PROMPT_SCHEMA, ChatCompletionRequest, CompletionRequest
+from crane_mp.frontend.openai_schemas import (
+    EMBEDDING_INPUT_SCHEMA,
+    PROMPT_SCHEMA,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
 from crane_mp.frontend.sglang_schemas import INPUT_IDS_SCHEMA, AbortBody, SGLangGenerateRequest
 from crane_mp.frontend.state import STATE
 from crane_mp.frontend.tokenize_routes import DetokenizeRequest, TokenizeRequest
@@ -28,6 +34,7 @@ _GENERATION = ("400", "404", "413", "503")
 OPERATIONS = [
     ("post", "/v1/chat/completions", ChatCompletionRequest, "Chat completion (SSE when stream=true)", _GENERATION),
     ("post", "/v1/completions", CompletionRequest, "Text completion (SSE when stream=true)", _GENERATION),
+    ("post", "/v1/embeddings", EmbeddingRequest, "Embeddings (servers started with --task embed)", _GENERATION),
     ("get", "/v1/models", None, "List the served model", ()),
     ("get", "/v1/models/{model_id}", None, "Describe the served model", ("404",)),
     ("post", "/v1/tokenize", TokenizeRequest, "Text or chat messages to token ids", _GENERATION),
@@ -45,6 +52,7 @@ OPERATIONS = [
 # Rules a Struct cannot carry: (component, property or None for the whole body) -> schema to merge in.
 _REFINEMENTS = {
     ("CompletionRequest", "prompt"): PROMPT_SCHEMA,
+    ("EmbeddingRequest", "input"): EMBEDDING_INPUT_SCHEMA,
     ("SGLangGenerateRequest", "input_ids"): {"anyOf": [INPUT_IDS_SCHEMA, {"type": "null"}], "default": None},
     ("SGLangGenerateRequest", None): exactly_one_of("text", "input_ids"),
     ("TokenizeRequest", None): exactly_one_of("prompt", "text", "messages"),

@@ -70,7 +70,7 @@ def _logprob_info(state: FrontendState, req: SGLangGenerateRequest, gen: Generat
 @routes.post("/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    state.require_ready()
+    state.require_generative()
     req = decode_body(await request.read(), SGLangGenerateRequest)
     check_model(state, req.model)
     sp = req.sampling_params or SGLangSamplingParams()

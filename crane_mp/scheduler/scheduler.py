@@ -212,8 +212,10 @@ class Scheduler:
 
     def _cache_hits(self, req: Request) -> list[int]:
         """Cached blocks that start this request, leaving at least one token to compute (its logits).
-        Requests that score their prompt compute every position, so they look nothing up."""
-        if not self.pool.enable_caching or req.sampling.prompt_logprobs is not None:
+        Requests that score their prompt or average it (mean pooling) compute every position, so they
+        look nothing up."""
+        params = req.sampling
+        if not self.pool.enable_caching or params.prompt_logprobs is not None or params.pooling == "mean":
             return []
         num_known = req.num_prompt_tokens + len(req.output_ids)
         limit = min(num_known, req.num_tokens - 1) // self.config.block_size
@@ -300,6 +302,10 @@ class Scheduler:
             if req is not None:
                 out = outputs.setdefault(req.req_id, self._output(req))
                 out.prompt_logprobs.append(scored)
+        for pooled in result.pooled:
+            req = self.requests.get(pooled.req_id)
+            if req is not None:
+                outputs.setdefault(req.req_id, self._output(req)).embedding = pooled.values
         logprobs = result.logprobs or [None] * len(result.token_ids)
         for req_id, token_id, token_logprobs in zip(result.req_ids, result.token_ids, logprobs):
             req = self.requests.get(req_id)

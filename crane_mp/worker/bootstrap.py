@@ -73,7 +73,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     timer.done("config")
     native_ops(device)  # builds or loads the CPU kernels now, so that their time is reported on its own
     timer.done("kernels")
-    model, weight_types = load_model(model_config, source, dtype, device, progress)
+    model, weight_types = load_model(model_config, source, dtype, device, progress, config.task == "embed")
     timer.done("weights")
 
     max_model_len = config.max_model_len or model_config.max_position_embeddings

@@ -48,20 +48,24 @@ def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, t
 
 
 def load_model(
-    config: ModelConfig, source: ModelSource, dtype: torch.dtype, device: torch.device, progress: bool = True
+    config: ModelConfig, source: ModelSource, dtype: torch.dtype, device: torch.device, progress: bool = True,
+    embed_only: bool = False,
 ) -> tuple[CausalLM, Counter]:
-    """The model with its weights, and the file's tensor types (GGUF only; empty for safetensors)."""
+    """The model with its weights, and the file's tensor types (GGUF only; empty for safetensors).
+    `embed_only`: an embedding model, served without logits, may lack the lm_head."""
     if source.format == "gguf":
         model, types = load_gguf_model(config, source.gguf_file, dtype, device, progress)
     else:
-        model, types = load_safetensors_model(config, source.model_dir, dtype, device, progress), Counter()
+        model = load_safetensors_model(config, source.model_dir, dtype, device, progress, embed_only)
+        types = Counter()
     if pack_bf16_weights(dtype, device):
         pack_linear_weights(model, spare=spare_copies_fit(model, psutil.virtual_memory().total))
     return model.eval(), types
 
 
 def load_safetensors_model(
-    config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device, progress: bool = True
+    config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device, progress: bool = True,
+    embed_only: bool = False,
 ) -> CausalLM:
     """Build the model without initialising it (meta device), then fill every parameter from the checkpoint."""
     model = build_meta_model(config, dtype)
@@ -70,6 +74,8 @@ def load_safetensors_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     loaded = model.load_weights(iter_safetensors(safetensors_files(Path(model_dir)), progress))
     missing = model.expected_weights() - loaded
+    if embed_only:
+        missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     return model

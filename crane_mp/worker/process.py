@@ -50,6 +50,7 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
         model_format=loaded.model_format,
         weight_types=loaded.weight_types,
         weights_file_bytes=loaded.weights_file_bytes,
+        hidden_size=loaded.model_config.hidden_size,
     )
 
 

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from crane_mp.config import fault_injection_token
-from crane_mp.protocol import PromptLogprobs, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
+from crane_mp.protocol import (
+    PooledOutput,
+    PromptLogprobs,
+    ScheduledRequest,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.forward_context import ForwardContext, forward_context
 from crane_mp.worker.grammar import GrammarEngine
@@ -47,6 +54,15 @@ class RequestMirror:
     block_table: list[int]
     sampling: SamplingState
     num_prompt_scored: int = 1  # prompt logprobs are reported for tokens [1, num_prompt_scored) so far
+    pool_sum: torch.Tensor | None = None  # mean pooling: sum of the final hidden states of prompt tokens
+    num_pooled: int = 0  # ... of prompt positions [0, num_pooled)
+
+    def progress(self) -> tuple:
+        """What a step advances besides tokens, to restore when the step is redone request by request."""
+        return self.num_prompt_scored, self.num_pooled, self.pool_sum
+
+    def restore(self, progress: tuple) -> None:
+        self.num_prompt_scored, self.num_pooled, self.pool_sum = progress
 
 
 class ModelRunner:
@@ -115,16 +131,16 @@ class ModelRunner:
         scheduled = [s for s in plan.scheduled if s.req_id not in self.failed]
         result = StepResult(plan.step_id, [], [])
         if scheduled:
-            # Only prompt-logprob requests advance state before sampling; the rest need no snapshot.
-            scored = {s.req_id: mirror.num_prompt_scored for s in scheduled
-                      if (mirror := self.requests[s.req_id]).sampling.params.prompt_logprobs is not None}
+            # Only prompt-scoring and mean-pooling requests advance before sampling; the rest need no snapshot.
+            saved = {s.req_id: mirror.progress() for s in scheduled
+                     if _advances_before_sampling((mirror := self.requests[s.req_id]).sampling.params)}
             try:
                 self._run(scheduled, result)
             except Exception as err:
                 if _is_engine_fault(err):
                     raise
-                for req_id, num_scored in scored.items():  # the batch's prompt scores are redone too
-                    self.requests[req_id].num_prompt_scored = num_scored
+                for req_id, progress in saved.items():  # the batch's prompt scores and sums are redone too
+                    self.requests[req_id].restore(progress)
                 result = self._run_one_by_one(plan.step_id, scheduled)
         result.failed_req_ids, self._newly_failed = self._newly_failed, []
         result.errors = [self.failed[req_id] for req_id in result.failed_req_ids]
@@ -145,7 +161,8 @@ class ModelRunner:
     def _run(self, scheduled: list[ScheduledRequest], result: StepResult) -> None:
         """Forward and sample `scheduled`, appending to `result` (only once all of it succeeded)."""
         prompt_logprobs: list[PromptLogprobs] = []
-        req_ids, tokens, logprobs = self._forward_and_sample(scheduled, prompt_logprobs)
+        pooled: list[PooledOutput] = []
+        req_ids, tokens, logprobs = self._forward_and_sample(scheduled, prompt_logprobs, pooled)
         before = len(result.req_ids)
         result.req_ids += req_ids
         result.token_ids += tokens
@@ -155,6 +172,7 @@ class ModelRunner:
         elif result.logprobs:
             result.logprobs += [None] * len(req_ids)
         result.prompt_logprobs += prompt_logprobs
+        result.pooled += pooled
 
     def _fail(self, req_id: int, err: Exception) -> None:
         log.error("request %d failed in the worker; failing it alone", req_id, exc_info=err)
@@ -162,9 +180,10 @@ class ModelRunner:
         self._newly_failed.append(req_id)
 
     def _forward_and_sample(
-        self, scheduled: list[ScheduledRequest], prompt_logprobs: list[PromptLogprobs]
+        self, scheduled: list[ScheduledRequest], prompt_logprobs: list[PromptLogprobs], pooled: list[PooledOutput]
     ) -> tuple[list[int], list[int], list[TokenLogprobs | None]]:
-        """One forward over the scheduled spans; samples the requests whose span reached their end."""
+        """One forward over the scheduled spans; samples the requests whose span reached their end (an
+        embedding request gets its pooled vector and a placeholder token instead)."""
         # Decode-first token layout (see attention.py); remember each request's last row for sampling.
         order = sorted(scheduled, key=lambda s: s.num_new_tokens > 1)
         input_ids: list[int] = []
@@ -173,6 +192,7 @@ class ModelRunner:
         prefills: list[SeqSpan] = []
         sample_rows: dict[int, int] = {}
         score_rows: list[tuple[int, int, int]] = []  # (req_id, first row, first prompt token scored)
+        sum_rows: list[tuple[int, int, int]] = []  # mean pooling: (req_id, first row, prompt positions summed)
         for sched in order:
             mirror = self.requests[sched.req_id]
             start, end = sched.num_computed_tokens, sched.num_computed_tokens + sched.num_new_tokens
@@ -188,6 +208,10 @@ class ModelRunner:
                 last = min(end, mirror.num_prompt_tokens - 1)
                 if first < last:
                     score_rows.append((sched.req_id, len(input_ids) - (end - first), last - first))
+            if mirror.sampling.params.pooling == "mean" and mirror.num_pooled < mirror.num_prompt_tokens:
+                first, last = max(start, mirror.num_pooled), min(end, mirror.num_prompt_tokens)
+                if first < last:
+                    sum_rows.append((sched.req_id, len(input_ids) - (end - first), last - first))
 
         meta = build_metadata(
             decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window, self.native_decode
@@ -199,10 +223,16 @@ class ModelRunner:
             hidden = self.model(ids)  # [T, hidden]
         for req_id, row, count in score_rows:
             prompt_logprobs.append(self._score_prompt(req_id, hidden[row : row + count]))
+        for req_id, row, count in sum_rows:
+            self._add_to_mean(req_id, hidden[row : row + count])
 
-        sampled_ids = [s.req_id for s in scheduled if s.req_id in sample_rows]
+        ready = [s.req_id for s in scheduled if s.req_id in sample_rows]
+        sampled_ids = [r for r in ready if self.requests[r].sampling.params.pooling is None]
+        embedded_ids = [r for r in ready if self.requests[r].sampling.params.pooling is not None]
+        for req_id in embedded_ids:
+            pooled.append(self._pool(req_id, hidden[sample_rows[req_id]]))
         if not sampled_ids:
-            return [], [], []
+            return embedded_ids, [_PLACEHOLDER_TOKEN] * len(embedded_ids), []
         rows = torch.tensor([sample_rows[r] for r in sampled_ids], dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, vocab]
         states = [self.requests[r].sampling for r in sampled_ids]
@@ -213,7 +243,25 @@ class ModelRunner:
             mirror = self.requests[req_id]
             mirror.token_ids.append(token)
             record_token(mirror.sampling, token)
-        return sampled_ids, tokens, logprobs
+        if embedded_ids:
+            logprobs = logprobs + [None] * len(embedded_ids) if logprobs else []
+        return sampled_ids + embedded_ids, tokens + [_PLACEHOLDER_TOKEN] * len(embedded_ids), logprobs
+
+    def _add_to_mean(self, req_id: int, hidden: torch.Tensor) -> None:
+        mirror = self.requests[req_id]
+        rows = self.model.model.norm(hidden).float().sum(dim=0)
+        mirror.pool_sum = rows if mirror.pool_sum is None else mirror.pool_sum + rows
+        mirror.num_pooled += hidden.shape[0]
+
+    def _pool(self, req_id: int, last_hidden: torch.Tensor) -> PooledOutput:
+        """The embedding of a request whose prompt is complete: the final hidden state (after the
+        model's last norm) of its last token, or the mean over all its tokens."""
+        mirror = self.requests[req_id]
+        if mirror.sampling.params.pooling == "mean":
+            vector = mirror.pool_sum / mirror.num_pooled
+        else:
+            vector = self.model.model.norm(last_hidden[None]).float()[0]
+        return PooledOutput(req_id, vector.cpu().numpy().tobytes())
 
     def _inject_fault(self, req_ids: list[int]) -> None:
         """Test hook (CRANE_MP_FAULT_TOKEN): a request whose prompt holds that token id raises here."""
@@ -259,6 +307,14 @@ class ModelRunner:
         for attn, (k, v) in zip(self.model.attention_layers(), saved):
             attn.k_cache, attn.v_cache = k, v
         self.num_blocks = 0 if saved[0][0] is None else saved[0][0].shape[0]
+
+
+# The token an embedding request "samples": it only ends the request (its max_tokens is 1).
+_PLACEHOLDER_TOKEN = 0
+
+
+def _advances_before_sampling(params) -> bool:
+    return params.prompt_logprobs is not None or params.pooling == "mean"
 
 
 def _is_engine_fault(err: Exception) -> bool:

@@ -228,6 +228,8 @@ class CausalLM(nn.Module):
                 continue
             for old, new in self.renamed_weights.items():
                 name = name.replace(old, new)
+            if not name.startswith(("model.", "lm_head.")):
+                name = "model." + name  # a bare decoder's checkpoint (e.g. saved as Qwen3Model for embeddings)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             parts = name.split(".")
