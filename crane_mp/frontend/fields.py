@@ -14,7 +14,8 @@ from msgspec import Meta
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MODEL_LIMIT = "x-crane-limit"
-_VOCAB = {MODEL_LIMIT: "vocab"}  # a token id: below the vocabulary size; "context": a prompt's ids
+_VOCAB = {MODEL_LIMIT: "vocab"}  # a token id: below the vocabulary size; "context": a prompt's ids;
+# "hidden": at most the model's hidden size (embedding dimensions)
 
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
@@ -22,6 +23,7 @@ PositiveCount = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1, extra_json_schema=_VOCAB)]
 TokenIdKey = Annotated[str, Meta(pattern=r"^(0|[1-9][0-9]{0,9})$", extra_json_schema=_VOCAB)]
 NonEmptyText = Annotated[str, Meta(min_length=1)]
+Dimensions = Annotated[int, Meta(ge=1, le=INT64_MAX, extra_json_schema={MODEL_LIMIT: "hidden"})]
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -49,11 +51,11 @@ def ids_below_pattern(limit: int) -> str:
     return "^(" + "|".join(alternatives) + ")$"
 
 
-def fill_model_limits(schema: object, vocab_size: int, max_model_len: int) -> None:
+def fill_model_limits(schema: object, vocab_size: int, max_model_len: int, hidden_size: int = 0) -> None:
     """Write the served model's limits into a JSON schema (in place) where MODEL_LIMIT marks them."""
     if isinstance(schema, list):
         for item in schema:
-            fill_model_limits(item, vocab_size, max_model_len)
+            fill_model_limits(item, vocab_size, max_model_len, hidden_size)
         return
     if not isinstance(schema, dict):
         return
@@ -64,8 +66,10 @@ def fill_model_limits(schema: object, vocab_size: int, max_model_len: int) -> No
         schema["maximum"] = vocab_size - 1
     elif kind == "context":
         schema["maxItems"] = max_model_len - 1
+    elif kind == "hidden" and hidden_size:
+        schema["maximum"] = hidden_size
     for value in schema.values():
-        fill_model_limits(value, vocab_size, max_model_len)
+        fill_model_limits(value, vocab_size, max_model_len, hidden_size)
 
 
 def exactly_one_of(*names: str) -> dict:

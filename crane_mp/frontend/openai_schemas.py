@@ -17,6 +17,7 @@ from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.fields import (
     MODEL_LIMIT,
     Count,
+    Dimensions,
     Int64,
     LogitBias,
     MinP,
@@ -221,7 +222,7 @@ class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     input: str | list[str | int | list[int]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: PositiveCount | None = None  # the first N values, renormalised (Matryoshka-trained models)
+    dimensions: Dimensions | None = None  # the first N values, renormalised (Matryoshka-trained models)
     user: str | None = None
 
 

@@ -78,11 +78,12 @@ def _components() -> tuple[dict, dict]:
     return dict(zip(bodies, refs)), components
 
 
-def build_openapi(vocab_size: int | None = None, max_model_len: int | None = None, model_name: str = "") -> dict:
-    """The document; with the served model's vocabulary and context window once they are known."""
+def build_openapi(vocab_size: int | None = None, max_model_len: int | None = None, model_name: str = "",
+                  hidden_size: int = 0) -> dict:
+    """The document; with the served model's vocabulary, context window and width once they are known."""
     ref_of, components = _components()
     if vocab_size is not None and max_model_len is not None:
-        fill_model_limits(components, vocab_size, max_model_len)
+        fill_model_limits(components, vocab_size, max_model_len, hidden_size)
     paths: dict = {}
     for method, path, body, summary, errors in OPERATIONS:
         auth = {} if path in OPEN_PATHS else {"401": _ERROR}
@@ -104,4 +105,4 @@ async def openapi(request: web.Request) -> web.Response:
     info = state.engine_info
     if info is None:
         return json_response(build_openapi(model_name=state.model_name))
-    return json_response(build_openapi(info.vocab_size, info.max_model_len, state.model_name))
+    return json_response(build_openapi(info.vocab_size, info.max_model_len, state.model_name, info.hidden_size))

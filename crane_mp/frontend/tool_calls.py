@@ -129,9 +129,9 @@ class ParsedCall:
 
 class ToolCallParser:
     """Feed the output's text as it arrives; get back content text and OpenAI `delta.tool_calls` items.
-    `finish()` flushes what was held back; `well_formed` then says whether every call was a complete
-    JSON object with a name and JSON arguments (a non-streamed response falls back to plain content
-    when not)."""
+    `finish()` flushes what was held back (and, when the calls region never opened a call, its text
+    as content); `well_formed` then says whether every call was a complete JSON object with a name and
+    JSON arguments (a non-streamed response falls back to plain content when not)."""
 
     def __init__(self, fmt: ToolFormat, parallel: bool = True) -> None:
         self.fmt = fmt
@@ -140,6 +140,7 @@ class ToolCallParser:
         self.pending = ""  # content held back: it may be the start of a marker
         self.seen_text = False  # a non-space character of content was seen (the calls can no longer lead)
         self.calls: list[ParsedCall] = []
+        self.unread = ""  # the calls region's text while it has opened no call
         self._scanner = _ObjectScanner(fmt.arguments_key)
         self._malformed = False
 
@@ -154,13 +155,11 @@ class ToolCallParser:
         buffer = self.pending + text
         index, marker = _find_marker(buffer, self.fmt.markers)
         if index >= 0:
-            self.in_calls = True
-            self.pending = ""
+            self.in_calls, self.pending, self.unread = True, "", marker
             return buffer[:index], self._scan(buffer[index + len(marker):])
         stripped = buffer.lstrip()
         if not self.seen_text and stripped and stripped[0] in self.fmt.leading:
-            self.in_calls = True
-            self.pending = ""
+            self.in_calls, self.pending = True, ""
             return "", self._scan(stripped)
         if stripped and not _could_start_marker(stripped, self.fmt.markers):
             self.seen_text = True
@@ -172,9 +171,13 @@ class ToolCallParser:
 
     def finish(self) -> tuple[str, list[dict]]:
         content, self.pending = self.pending, ""
-        return ("" if self.in_calls else content), []
+        if self.in_calls:
+            content = "" if self.calls else self.unread
+        return content, []
 
     def _scan(self, text: str) -> list[dict]:
+        if not self.calls:
+            self.unread += text
         deltas: list[dict] = []
         for event, value in self._scanner.feed(text):
             if event == "start":

@@ -9,6 +9,7 @@ the frontend would send the scheduler and which requests it still has registered
 from __future__ import annotations
 
 import asyncio
+import struct
 from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -30,6 +31,9 @@ from crane_mp.protocol import (
     TokenOutput,
     WorkerReady,
 )
+
+
+HIDDEN_SIZE = 16  # the width of the fake engine's embeddings: 1, 2, ..., 16
 
 
 class FakeScheduler:
@@ -76,6 +80,10 @@ class FakeScheduler:
             stream.push(TokenOutput(req.rid, [], len(req.input_ids), 0, FinishReason.ERROR, error=self.reject_with,
                                     error_kind=self.reject_kind))
             return
+        if req.sampling.pooling is not None:  # an embedding request: its vector and a placeholder token
+            vector = struct.pack(f"<{HIDDEN_SIZE}f", *range(1, HIDDEN_SIZE + 1))
+            stream.push(TokenOutput(req.rid, [0], len(req.input_ids), 1, FinishReason.LENGTH, embedding=vector))
+            return
         if self.output_ids is not None:
             ids = self.output_ids
             stream.push(TokenOutput(req.rid, ids, len(req.input_ids), len(ids), FinishReason.STOP))
@@ -87,7 +95,8 @@ class FakeScheduler:
 def engine_facts(vocab_size: int, max_model_len: int) -> WorkerReady:
     return WorkerReady(num_blocks=64, block_size=16, kv_bytes_per_token=64, kv_budget_bytes=1 << 20,
                        weights_bytes=1 << 20, max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=[2],
-                       arch="qwen3", device="Cpu", dtype="float32", isa="avx2", kernel_isa="avx2")
+                       arch="qwen3", device="Cpu", dtype="float32", isa="avx2", kernel_isa="avx2",
+                       hidden_size=HIDDEN_SIZE)
 
 
 async def start_frontend(model_dir: Path, run_dir: Path, max_model_len: int = 256,

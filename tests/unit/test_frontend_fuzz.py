@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
+from crane_mp.config import EngineConfig
 from crane_mp.frontend.openai_schemas import CONSTRAINT_FIELDS
 from crane_mp.frontend.openapi import build_openapi
 from crane_mp.testing.make_model import make_model
@@ -52,6 +53,18 @@ def running(model_dir, tmp_path_factory):
     loop.close()
 
 
+@pytest.fixture(scope="module")
+def embedding_running(model_dir, tmp_path_factory):
+    """The same for a server started with --task embed (only /v1/embeddings serves there)."""
+    loop = asyncio.new_event_loop()
+    engine = EngineConfig(model_path=str(model_dir), task="embed")
+    client, state, fake = loop.run_until_complete(start_frontend(model_dir, tmp_path_factory.mktemp("run"),
+                                                                 MAX_MODEL_LEN, engine=engine))
+    yield loop, client, state, fake
+    loop.run_until_complete(stop_frontend(client, state))
+    loop.close()
+
+
 def _post(running, path: str, raw: bytes) -> tuple[int, str]:
     loop, client, state, fake = running
 
@@ -65,14 +78,15 @@ def _post(running, path: str, raw: bytes) -> tuple[int, str]:
 def _document(running) -> dict:
     loop, client, state, fake = running
     info = state.engine_info
-    doc = build_openapi(info.vocab_size, info.max_model_len)
+    doc = build_openapi(info.vocab_size, info.max_model_len, hidden_size=info.hidden_size)
     # hypothesis-jsonschema resolves local references against the schema it is given.
     return {path: {**schema, "components": doc["components"]} for path, schema in _post_operations(doc)}
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/tokenize", "/v1/detokenize",
-                                  "/generate", "/abort_request"])
-def test_every_body_the_document_allows_is_accepted(running, path):
+                                  "/generate", "/abort_request", "/v1/embeddings"])
+def test_every_body_the_document_allows_is_accepted(request, path):
+    running = request.getfixturevalue("embedding_running" if path == "/v1/embeddings" else "running")
     schema = _document(running)[path]
 
     @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -92,14 +106,17 @@ def test_every_body_the_document_allows_is_accepted(running, path):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_extreme_values_in_any_field_are_refused_cleanly(running, data):
+def test_extreme_values_in_any_field_are_refused_cleanly(running, embedding_running, data):
     documents = _document(running)
     path = data.draw(st.sampled_from(sorted(documents)))
+    if path == "/v1/embeddings":
+        running = embedding_running
     component = documents[path]["$ref"].rsplit("/", 1)[-1]
     fields = sorted(documents[path]["components"]["schemas"][component]["properties"])
     base = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
             "/v1/completions": {"prompt": "hi", "max_tokens": 2}, "/v1/tokenize": {"prompt": "hi"},
-            "/v1/detokenize": {"tokens": [1]}, "/generate": {"text": "hi"}, "/abort_request": {"rid": "x"}}[path]
+            "/v1/detokenize": {"tokens": [1]}, "/generate": {"text": "hi"}, "/abort_request": {"rid": "x"},
+            "/v1/embeddings": {"input": "hi"}}[path]
     body = dict(base)
     for field in data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
         body[field] = data.draw(EXTREMES)

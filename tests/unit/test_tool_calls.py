@@ -105,6 +105,15 @@ def test_anything_but_well_formed_calls_stays_content(text):
     assert parse_tool_calls(fmt, text) == (text, None)
 
 
+@pytest.mark.parametrize("fmt,text", [(HERMES, "Well <tool_call> I cannot call anything </tool_call>"),
+                                      (LLAMA, "{not a call at all")])
+def test_a_calls_region_without_a_call_is_streamed_as_content_at_the_end(fmt, text):
+    parser = ToolCallParser(fmt)
+    content, calls = parser.feed(text)
+    rest, more = parser.finish()
+    assert content + rest == text and calls == more == []
+
+
 def test_only_the_first_call_when_parallel_calls_are_off():
     text = '<tool_call>{"name": "add", "arguments": {}}</tool_call><tool_call>{"name": "x", "arguments": {}}</tool_call>'
     _, calls = parse_tool_calls(HERMES, text, parallel=False)
