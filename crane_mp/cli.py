@@ -52,6 +52,16 @@ def default_num_frontends(num_cpus: int | None = None) -> int:
     return max(1, min(4, cpus // 8))
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """NAME=PATH, or a bare PATH named after its directory."""
+    name, sep, path = text.partition("=")
+    if not sep:
+        name, path = os.path.basename(os.path.normpath(text)), text
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
 def _port(text: str) -> int:
     value = _non_negative_int(text)
     if value > 65535:
@@ -93,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="auto", choices=TASKS,
                    help="generate text, or embed (/v1/embeddings only); auto: embed for a sentence-transformers "
                         "checkpoint (modules.json), else generate")
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                   help="LoRA adapters in PEFT's format to serve beside the base model; a request picks one by "
+                        "naming it as its model (SGLang: lora_path)")
+    p.add_argument("--max-lora-rank", type=_positive_int, default=64, help="largest LoRA rank accepted")
     p.add_argument("--pooling", choices=POOLING_METHODS,
                    help="embeddings: last token or mean of the final hidden states (default: the checkpoint's "
                         "sentence-transformers setting, else last)")
@@ -210,6 +224,8 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             overlap_schedule=not args.no_overlap_schedule,
             seed=args.seed,
             task=task,
+            lora_modules=tuple(args.lora_modules),
+            max_lora_rank=args.max_lora_rank,
         )
     except ValueError as err:
         parser.error(str(err))

@@ -71,6 +71,8 @@ class EngineConfig:
     overlap_schedule: bool = True  # plan step N+1 while the worker runs step N
     seed: int = 0
     task: str = "generate"  # or "embed": an embedding model, which may have no lm_head
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter directory); adapter i has id i + 1
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         # Messages name the crane-launch flag too: the CLI reports them as they are.

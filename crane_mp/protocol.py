@@ -34,6 +34,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     output, a grammar in llguidance's JSON form (JSON schema, regex, Lark), validated by the frontend.
     pooling: an embedding request ("last" token or "mean" of the prompt's final hidden states): the
     worker returns the pooled vector instead of sampling, and the request ends after its prompt.
+    lora_id: which LoRA adapter computes the request (its KV too: the prefix cache keeps adapters apart).
     """
 
     temperature: float = 1.0
@@ -53,6 +54,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     ignore_eos: bool = False
     grammar: str | None = None
     pooling: str | None = None
+    lora_id: int = 0  # the LoRA adapter (EngineConfig.lora_modules[lora_id - 1]); 0: the base model
 
     @property
     def greedy(self) -> bool:

@@ -43,8 +43,18 @@ def _convert(action: argparse.Action, raw: object, where: str) -> object:
         if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
             return raw.strip().lower() in _TRUE
         raise SettingsError(f"{where}: {flag} is a switch: use true or false, got {raw!r}")
+    if action.nargs in ("+", "*"):  # a TOML list, or values separated by spaces
+        items = raw if isinstance(raw, list) else str(raw).split()
+        return [_convert_one(action, item, where) for item in items]
     if isinstance(raw, (bool, list, dict)):
         raise SettingsError(f"{where}: {flag} takes one value, got {raw!r}")
+    return _convert_one(action, raw, where)
+
+
+def _convert_one(action: argparse.Action, raw: object, where: str) -> object:
+    flag = action.option_strings[0]
+    if isinstance(raw, (bool, list, dict)):
+        raise SettingsError(f"{where}: {flag} takes text values, got {raw!r}")
     text = str(raw)
     try:
         value = action.type(text) if action.type else text

@@ -53,19 +53,21 @@ async def open_choices(
     skip_special_tokens: bool,
     discard_output: bool = False,
     names: str | list[str] | None = None,
+    lora_ids: list[int] | None = None,
 ) -> AsyncIterator[list[Generation]]:
     """Submit every prompt n times (prompt i with max_tokens[i]; a seeded request gives sample j the
     seed + j) and yield the generations. `names`: what /abort_request may call them, one for all or
-    one per generation. However the body ends (finished, error, client gone), every generation still
+    one per generation; `lora_ids`: prompt i's LoRA adapter, where prompts use different ones. However the body ends (finished, error, client gone), every generation still
     registered is aborted and unregistered on the way out."""
     gens: list[Generation] = []
     try:
-        for prompt_ids, budget in zip(prompts, max_tokens):
+        for index, (prompt_ids, budget) in enumerate(zip(prompts, max_tokens)):
+            lora_id = base.lora_id if lora_ids is None else lora_ids[index]
             for i in range(n):
                 name = names if names is None or isinstance(names, str) else names[len(gens)]
                 seed = None if base.seed is None else base.seed + i
                 params = msgspec.structs.replace(
-                    base, seed=seed, max_tokens=budget, min_tokens=min(base.min_tokens, budget)
+                    base, seed=seed, max_tokens=budget, min_tokens=min(base.min_tokens, budget), lora_id=lora_id
                 )
                 try:
                     gens.append(await start_generation(

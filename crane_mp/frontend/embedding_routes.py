@@ -9,7 +9,7 @@ from aiohttp import web
 
 from crane_mp.frontend.choices import collect, open_choices, resolve_max_tokens
 from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.http import check_model, json_response
+from crane_mp.frontend.http import json_response, resolve_model
 from crane_mp.frontend.openai_responses import embedding_item
 from crane_mp.frontend.openai_schemas import MAX_EMBEDDING_INPUTS, EmbeddingRequest, decode_body, prompt_inputs
 from crane_mp.frontend.state import STATE
@@ -25,7 +25,7 @@ async def embeddings(request: web.Request) -> web.Response:
     if state.config.engine.task != "embed":
         raise ApiError(400, "this server generates text; serve an embedding model with --task embed")
     req = decode_body(await request.read(), EmbeddingRequest)
-    model = check_model(state, req.model)
+    model, lora_id = resolve_model(state, req.model)
     info = state.engine_info
     if req.dimensions is not None and req.dimensions > info.hidden_size:
         raise ApiError(400, f"dimensions must be at most this model's {info.hidden_size}", "dimensions")
@@ -34,7 +34,7 @@ async def embeddings(request: web.Request) -> web.Response:
         prompts.append(await state.tokenizer.encode(item, info.max_model_len - 1, "input")
                        if isinstance(item, str) else item)
     budgets = [resolve_max_tokens(state, len(p), 1, "input") for p in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=1, pooling=state.config.pooling.method)
+    params = SamplingParams(temperature=0.0, max_tokens=1, pooling=state.config.pooling.method, lora_id=lora_id)
     async with open_choices(state, prompts, 1, params, budgets, [], True, discard_output=True,
                             names=f"embd-{uuid.uuid4().hex}") as gens:
         await collect(gens)

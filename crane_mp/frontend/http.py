@@ -23,8 +23,17 @@ def sse_event(payload: Any) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
+def resolve_model(state: FrontendState, model: str | None) -> tuple[str, int]:
+    """(the model name to answer with, its LoRA adapter id: 0 for the base model). A request naming
+    neither the served model nor one of its adapters is a 404 in OpenAI's shape."""
+    if model is None or model in (state.model_name, state.config.engine.model_path):
+        return state.model_name, 0
+    lora_id = state.lora_ids.get(model)
+    if lora_id is None:
+        served = ", ".join(f"`{name}`" for name in (state.model_name, *state.lora_ids))
+        raise ApiError(404, f"the model `{model}` does not exist; this server serves {served}", "model")
+    return model, lora_id
+
+
 def check_model(state: FrontendState, model: str | None) -> str:
-    """The served model's name; a request naming another model is a 404 in OpenAI's shape."""
-    if model is not None and model not in (state.model_name, state.config.engine.model_path):
-        raise ApiError(404, f"the model `{model}` does not exist; this server serves `{state.model_name}`", "model")
-    return state.model_name
+    return resolve_model(state, model)[0]

@@ -12,7 +12,7 @@ from aiohttp import web
 from crane_mp.frontend.choices import admitted, collect, merged_deltas, open_choices, resolve_max_tokens
 from crane_mp.frontend.errors import ApiError, error_body
 from crane_mp.frontend.generation import Delta, Generation, GenerationError
-from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, check_model, json_response, sse_event
+from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, check_model, json_response, resolve_model, sse_event
 from crane_mp.frontend.logprobs_format import chat_logprobs, completion_logprobs
 from crane_mp.frontend.openai_responses import (
     ChatStream,
@@ -73,7 +73,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     state.require_generative()
     req = decode_body(await request.read(), ChatCompletionRequest)
-    model = check_model(state, req.model)
+    model, lora_id = resolve_model(state, req.model)
     tools = tool_dicts(req.tools)
     fmt = tool_format(state.config.tool_call_parser, state.engine_info.arch)
     mode, only = check_tools(tools, req.tool_choice, fmt)
@@ -86,7 +86,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(state, len(input_ids), requested, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, state.engine_info.vocab_size, logprobs=logprobs)
+    params = sampling_params(req, state.engine_info.vocab_size, logprobs=logprobs, lora_id=lora_id)
     constraint = req.constraint()
     if mode in ("required", "named"):
         if constraint is not None:
@@ -137,13 +137,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     state.require_generative()
     req = decode_body(await request.read(), CompletionRequest)
-    model = check_model(state, req.model)
+    model, lora_id = resolve_model(state, req.model)
     prompts = await _completion_prompts(state, req)
     requested = 16 if req.max_tokens is None else req.max_tokens
     # max_tokens=0 shows no output (with echo: the prompt, scored); the engine still makes one token.
     max_tokens = [resolve_max_tokens(state, len(p), max(requested, 1), "prompt") for p in prompts]
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = sampling_params(req, state.engine_info.vocab_size, req.logprobs, prompt_logprobs)
+    params = sampling_params(req, state.engine_info.vocab_size, req.logprobs, prompt_logprobs, lora_id)
     params = await state.grammars.constrain(params, req.constraint(), state.engine_info)
     cmpl_id = f"cmpl-{uuid.uuid4().hex}"
     async with open_choices(state, prompts, req.n, params, max_tokens, stop_strings(req.stop),
@@ -195,13 +195,23 @@ def _model_card(state: FrontendState) -> dict[str, Any]:
     }
 
 
+def _adapter_card(state: FrontendState, name: str, path: str) -> dict[str, Any]:
+    return {**_model_card(state), "id": name, "root": path, "parent": state.model_name}
+
+
+def _model_cards(state: FrontendState) -> dict[str, dict[str, Any]]:
+    cards = {state.model_name: _model_card(state)}
+    cards.update((name, _adapter_card(state, name, path)) for name, path in state.config.engine.lora_modules)
+    return cards
+
+
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+    """The served model, then each LoRA adapter (its `parent` the base model), as vLLM lists them."""
+    return json_response({"object": "list", "data": list(_model_cards(request.app[STATE]).values())})
 
 
 @routes.get("/v1/models/{model_id:.+}")
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    check_model(state, request.match_info["model_id"])
-    return json_response(_model_card(state))
+    return json_response(_model_cards(state)[check_model(state, request.match_info["model_id"])])

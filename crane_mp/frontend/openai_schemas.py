@@ -294,7 +294,7 @@ def check_token_ids(ids, vocab_size: int, param: str) -> None:
 
 
 def sampling_params(
-    req, vocab_size: int, logprobs: int | None = None, prompt_logprobs: int | None = None
+    req, vocab_size: int, logprobs: int | None = None, prompt_logprobs: int | None = None, lora_id: int = 0
 ) -> SamplingParams:
     """The engine's SamplingParams from a decoded request (ranges were checked while decoding; here the
     limits of the served model). max_tokens is set per prompt by start_choices."""
@@ -321,6 +321,7 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        lora_id=lora_id,
     )
 
 

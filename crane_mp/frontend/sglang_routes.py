@@ -13,7 +13,7 @@ from crane_mp.frontend.choices import admitted, collect, merged_deltas, open_cho
 from crane_mp.frontend.errors import ApiError, error_body
 from crane_mp.frontend.generation import Generation, GenerationError
 from crane_mp.frontend.logprobs_format import scored_prompt_positions
-from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, check_model, json_response, sse_event
+from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, json_response, resolve_model, sse_event
 from crane_mp.frontend.openai_schemas import decode_body, prompt_inputs, stop_strings
 from crane_mp.frontend.sglang_schemas import AbortBody, SGLangGenerateRequest, SGLangSamplingParams
 from crane_mp.frontend.state import STATE, FrontendState
@@ -72,9 +72,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     state.require_generative()
     req = decode_body(await request.read(), SGLangGenerateRequest)
-    check_model(state, req.model)
+    _, lora_id = resolve_model(state, req.model)
     sp = req.sampling_params or SGLangSamplingParams()
     prompts, batch = await _prompts(state, req)
+    lora_ids = _lora_ids(state, req.lora_path, len(prompts), lora_id)
     # max_new_tokens=0 scores the input (with return_logprob): the engine still makes one token.
     max_tokens = [resolve_max_tokens(state, len(p), max(sp.max_new_tokens, 1), "input_ids") for p in prompts]
     logprobs = req.top_logprobs_num if req.return_logprob else None
@@ -83,8 +84,27 @@ async def generate(request: web.Request) -> web.StreamResponse:
     params = await state.grammars.constrain(params, sp.constraint(), state.engine_info)
     names = _request_names(req.rid, len(prompts), sp.n)
     async with open_choices(state, prompts, sp.n, params, max_tokens, stop_strings(sp.stop), sp.skip_special_tokens,
-                            discard_output=sp.max_new_tokens == 0, names=names) as gens:
+                            discard_output=sp.max_new_tokens == 0, names=names, lora_ids=lora_ids) as gens:
         return await _generate_response(request, req, sp, prompts, batch, names, gens)
+
+
+def _lora_ids(state: FrontendState, lora_path: str | list[str | None] | None, num_prompts: int,
+              default: int) -> list[int]:
+    """Each prompt's adapter: SGLang's lora_path names a --lora-modules adapter (one for all, or one per
+    prompt; null: the base model); without it, the one `model` named."""
+    if lora_path is None:
+        return [default] * num_prompts
+    paths = [lora_path] * num_prompts if isinstance(lora_path, str) else list(lora_path)
+    if len(paths) != num_prompts:
+        raise ApiError(400, f"lora_path lists {len(paths)} adapters for {num_prompts} prompts", "lora_path")
+    ids = []
+    for path in paths:
+        lora_id = 0 if path is None else state.lora_ids.get(path)
+        if lora_id is None:
+            raise ApiError(400, f"lora_path {path!r} is not a loaded adapter (--lora-modules); loaded: "
+                                f"{', '.join(state.lora_ids) or 'none'}", "lora_path")
+        ids.append(lora_id)
+    return ids
 
 
 def _request_names(rid: str | list[str] | None, num_prompts: int, n: int) -> list[str]:

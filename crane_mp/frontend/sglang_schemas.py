@@ -92,6 +92,7 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     top_logprobs_num: TopLogprobs = 0
     return_text_in_logprobs: bool = False
     model: str | None = None
+    lora_path: str | list[str | None] | None = None  # a --lora-modules name, for all prompts or per prompt
 
 
 INPUT_IDS_SCHEMA = {"anyOf": [PROMPT_IDS_SCHEMA, PROMPT_IDS_BATCH_SCHEMA]}

@@ -38,6 +38,11 @@ class FrontendState:
         return self.config.model_name
 
     @property
+    def lora_ids(self) -> dict[str, int]:
+        """LoRA adapter name -> id (--lora-modules order, from 1)."""
+        return {name: i + 1 for i, (name, _) in enumerate(self.config.engine.lora_modules)}
+
+    @property
     def max_request_bytes(self) -> int:
         """--max-request-bytes, else sized to the longest request the model accepts: a full batch of
         prompts that each fill the context window, as token ids of up to 8 JSON bytes (at least 1 MiB)."""

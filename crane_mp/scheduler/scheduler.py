@@ -36,6 +36,11 @@ class QueueFull(RequestRejected):
 _BASE_MODEL_ROOT = hash(("crane-mp", "base"))
 
 
+def _chain_root(lora_id: int) -> int:
+    """Where a request's block-key chain starts: KV computed under one adapter is never found by another."""
+    return _BASE_MODEL_ROOT if lora_id == 0 else hash(("crane-mp", "lora", lora_id))
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     num_blocks: int
@@ -226,7 +231,7 @@ class Scheduler:
         """Compute the keys of the request's first `num_blocks` blocks (all their tokens are known)."""
         have = len(req.block_keys)
         if num_blocks > have:
-            parent = req.block_keys[-1] if have else _BASE_MODEL_ROOT
+            parent = req.block_keys[-1] if have else _chain_root(req.sampling.lora_id)
             req.block_keys += chain_keys(req.known_token_ids, self.config.block_size, num_blocks, parent, start=have)
 
     def _admit(self, req: Request, hits: list[int]) -> None:

@@ -15,6 +15,7 @@ from crane_mp.worker.device import select_device, select_dtype
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.loader import file_tensor_bytes, load_model, weight_bytes
+from crane_mp.worker.lora import load_adapters
 from crane_mp.worker.memory import KVPlan, device_total_memory, measure_activation_bytes, plan_kv_blocks
 from crane_mp.worker.model_config import ModelConfig, load_gguf_config, load_model_config
 from crane_mp.worker.runner import ModelRunner
@@ -73,7 +74,12 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     timer.done("config")
     native_ops(device)  # builds or loads the CPU kernels now, so that their time is reported on its own
     timer.done("kernels")
-    model, weight_types = load_model(model_config, source, dtype, device, progress, config.task == "embed")
+    model, weight_types = load_model(model_config, source, dtype, device, progress, config.task == "embed",
+                                     lora=bool(config.lora_modules))
+    if config.lora_modules:
+        lora_bytes = load_adapters(model, config.lora_modules, config.max_lora_rank, dtype, device)
+        names = ", ".join(name for name, _ in config.lora_modules)
+        log.info("LoRA adapters: %s (%.1f MiB)", names, lora_bytes / 2**20)
     timer.done("weights")
 
     max_model_len = config.max_model_len or model_config.max_position_embeddings

@@ -98,9 +98,10 @@ def spare_copies_fit(model: nn.Module, host_bytes: int) -> bool:
     return sum(m.weight.numel() * (4 + m.weight.element_size()) for m in linears) <= host_bytes // 8
 
 
-def pack_linear_weights(model: nn.Module, spare: bool = False) -> int:
+def pack_linear_weights(model: nn.Module, spare: bool = False, fuse_activation: bool = True) -> int:
     """Swap every nn.Linear for a PackedLinear (a tied LM head in place with AMX, as a copy with
-    `spare`, see above); returns how many were packed. `spare` also adds the float32 copies."""
+    `spare`, see above); returns how many were packed. `spare` also adds the float32 copies.
+    `fuse_activation` off keeps gate_up's raw output (a LoRA adapter adds to it before SiLU)."""
     embeddings = {
         id(module.weight): name for name, module in model.named_modules() if isinstance(module, nn.Embedding)
     }
@@ -114,10 +115,8 @@ def pack_linear_weights(model: nn.Module, spare: bool = False) -> int:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        packed = PackedLinear(
-            module, gate_up_silu=child == "gate_up_proj" and getattr(parent, "act", None) is F.silu,
-            wide_float32=spare,
-        )
+        silu = fuse_activation and child == "gate_up_proj" and getattr(parent, "act", None) is F.silu
+        packed = PackedLinear(module, gate_up_silu=silu, wide_float32=spare)
         setattr(parent, child, packed)
         if in_place:
             _replace(model, tied_embedding, PackedEmbedding(packed.packed_weight))

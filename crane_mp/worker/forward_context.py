@@ -16,10 +16,47 @@ from crane_mp.worker.attention import AttentionMetadata
 
 
 @dataclass(slots=True)
+class LoraBatch:
+    """Which token rows of this step use which LoRA adapter (worker/lora.py): (adapter id, row indices,
+    or None when every row uses it)."""
+
+    groups: list[tuple[int, torch.Tensor | None]]
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+        """`out` plus each adapter's low-rank update on its rows; `weights`: adapter id -> (A, B) of
+        one projection (scaling folded into B)."""
+        for lora_id, rows in self.groups:
+            pair = weights.get(lora_id)
+            if pair is None:
+                continue
+            a, b = pair
+            if rows is None:
+                out = out + (x @ a.t()) @ b.t()
+            else:
+                out = out.index_add(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+        return out
+
+
+def lora_batch(row_ids: list[int], device: torch.device) -> LoraBatch | None:
+    """The LoraBatch of a step whose token row i uses adapter row_ids[i] (0: the base model)."""
+    used = set(row_ids) - {0}
+    if not used:
+        return None
+    if len(used) == 1 and 0 not in row_ids:
+        return LoraBatch([(used.pop(), None)])
+    groups = []
+    for lora_id in sorted(used):
+        rows = [i for i, r in enumerate(row_ids) if r == lora_id]
+        groups.append((lora_id, torch.tensor(rows, dtype=torch.long, device=device)))
+    return LoraBatch(groups)
+
+
+@dataclass(slots=True)
 class ForwardContext:
     attn: AttentionMetadata
     cos: torch.Tensor  # [num_tokens, 1, head_dim]
     sin: torch.Tensor  # [num_tokens, 1, head_dim]
+    lora: LoraBatch | None = None
 
 
 _current: ForwardContext | None = None

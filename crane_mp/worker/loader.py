@@ -49,17 +49,19 @@ def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, t
 
 def load_model(
     config: ModelConfig, source: ModelSource, dtype: torch.dtype, device: torch.device, progress: bool = True,
-    embed_only: bool = False,
+    embed_only: bool = False, lora: bool = False,
 ) -> tuple[CausalLM, Counter]:
     """The model with its weights, and the file's tensor types (GGUF only; empty for safetensors).
-    `embed_only`: an embedding model, served without logits, may lack the lm_head."""
+    `embed_only`: an embedding model, served without logits, may lack the lm_head. `lora`: LoRA
+    adapters will be applied (no activation fused into a packed projection)."""
     if source.format == "gguf":
         model, types = load_gguf_model(config, source.gguf_file, dtype, device, progress)
     else:
         model = load_safetensors_model(config, source.model_dir, dtype, device, progress, embed_only)
         types = Counter()
     if pack_bf16_weights(dtype, device):
-        pack_linear_weights(model, spare=spare_copies_fit(model, psutil.virtual_memory().total))
+        pack_linear_weights(model, spare=spare_copies_fit(model, psutil.virtual_memory().total),
+                            fuse_activation=not lora)
     return model.eval(), types
 
 

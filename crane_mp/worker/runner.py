@@ -28,7 +28,7 @@ from crane_mp.protocol import (
     TokenLogprobs,
 )
 from crane_mp.worker.attention import SeqSpan, build_metadata
-from crane_mp.worker.forward_context import ForwardContext, forward_context
+from crane_mp.worker.forward_context import ForwardContext, forward_context, lora_batch
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.models.layers import CausalLM
@@ -188,6 +188,7 @@ class ModelRunner:
         order = sorted(scheduled, key=lambda s: s.num_new_tokens > 1)
         input_ids: list[int] = []
         positions: list[int] = []
+        adapters: list[int] = []  # each row's LoRA adapter (0: none)
         decodes: list[SeqSpan] = []
         prefills: list[SeqSpan] = []
         sample_rows: dict[int, int] = {}
@@ -198,6 +199,7 @@ class ModelRunner:
             start, end = sched.num_computed_tokens, sched.num_computed_tokens + sched.num_new_tokens
             input_ids.extend(mirror.token_ids[start:end])
             positions.extend(range(start, end))
+            adapters.extend([mirror.sampling.params.lora_id] * (end - start))
             span = SeqSpan(start, sched.num_new_tokens, mirror.block_table)
             (decodes if sched.num_new_tokens == 1 else prefills).append(span)
             if end == len(mirror.token_ids):
@@ -217,7 +219,8 @@ class ModelRunner:
             decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window, self.native_decode
         )
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1))
+        ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1),
+                             lora_batch(adapters, self.device))
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         with forward_context(ctx):
             hidden = self.model(ids)  # [T, hidden]

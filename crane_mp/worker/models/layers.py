@@ -55,15 +55,27 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act = _ACTIVATIONS[config.hidden_act]
+        # LoRA adapters: id -> (A, B) per projection (worker/lora.py); empty without adapters.
+        self.lora_gate_up_proj: dict = {}
+        self.lora_down_proj: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora = get_forward_context().lora
         if getattr(self.gate_up_proj, "silu_mul", False):  # packed with SiLU*mul in its epilogue (cpu_packing.py)
-            return self.down_proj(self.gate_up_proj(x))
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if self.act is F.silu and native_ops(gate_up):
-            return self.down_proj(torch.ops.crane_mp.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+            hidden = self.gate_up_proj(x)  # never packed so when adapters may adapt gate_up (bootstrap.py)
+        else:
+            gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+            if lora is not None and self.lora_gate_up_proj:
+                gate_up = lora.apply(x, gate_up, self.lora_gate_up_proj)
+            if self.act is F.silu and native_ops(gate_up):
+                hidden = torch.ops.crane_mp.silu_and_mul(gate_up)
+            else:
+                gate, up = gate_up.split(self.intermediate_size, dim=-1)
+                hidden = self.act(gate) * up
+        out = self.down_proj(hidden)
+        if lora is not None and self.lora_down_proj:
+            out = lora.apply(hidden, out, self.lora_down_proj)
+        return out
 
 
 _QK_NORM_CODES = {None: 0, "before_rope": 1, "after_rope": 2}  # qkv_rope_cache's qk_norm_position
@@ -93,6 +105,8 @@ class PagedSelfAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # bound by the runner: [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
         self.qk_norm_weight: torch.Tensor | None = None  # [heads + kv_heads, head_dim], see finalize_weights
+        self.lora_qkv_proj: dict = {}  # LoRA adapters: id -> (A, B) (worker/lora.py)
+        self.lora_o_proj: dict = {}
 
     def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -111,6 +125,8 @@ class PagedSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         qkv = self.qkv_proj(x)  # [T, (H + 2 * KH) * D]
+        if ctx.lora is not None and self.lora_qkv_proj:
+            qkv = ctx.lora.apply(x, qkv, self.lora_qkv_proj)
         if native_ops(qkv):
             # q/k norm, rope and the KV-cache write in one pass over qkv.
             q = torch.ops.crane_mp.qkv_rope_cache(
@@ -120,7 +136,10 @@ class PagedSelfAttention(nn.Module):
             out = paged_attention(q, None, None, self.k_cache, self.v_cache, ctx.attn, self.scale)
         else:
             out = self._attend_unfused(qkv, ctx)
-        return self.o_proj(out)
+        projected = self.o_proj(out)
+        if ctx.lora is not None and self.lora_o_proj:
+            projected = ctx.lora.apply(out, projected, self.lora_o_proj)
+        return projected
 
     def _attend_unfused(self, qkv: torch.Tensor, ctx) -> torch.Tensor:
         num_tokens = qkv.shape[0]

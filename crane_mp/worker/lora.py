@@ -1,0 +1,137 @@
+"""LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors), served beside the
+base model: a request names its adapter, and requests of different adapters and of the base model run
+in the same forward.
+
+An adapter's q/k/v (and gate/up) matrices are stacked to match our fused projections: A = [A_q; A_k;
+A_v] and a block-diagonal B that writes each part's rows, with alpha / r folded into B. In a step,
+each linear adds (x_rows @ A^T) @ B^T for the rows of each adapter present (one pair of GEMMs per
+adapter and projection, gathered by row index), so a batch with k adapters costs k small GEMM pairs
+per projection whatever its size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from crane_mp.worker.models.layers import CausalLM
+
+# PEFT target module -> (our projection, part index within it); parts are laid out in this order.
+_TARGETS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+}
+_UNSUPPORTED = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform")
+
+
+class LoraError(ValueError):
+    """An adapter crane-mp cannot serve; the message names the adapter and the reason."""
+
+
+def _projections(model: CausalLM, layer: int) -> dict[str, torch.nn.Module]:
+    decoder = model.model.layers[layer]
+    return {"qkv_proj": decoder.self_attn, "o_proj": decoder.self_attn,
+            "gate_up_proj": decoder.mlp, "down_proj": decoder.mlp}
+
+
+def _part_sizes(model: CausalLM, projection: str) -> list[int]:
+    cfg = model.config
+    if projection == "qkv_proj":
+        return [cfg.num_attention_heads * cfg.head_dim, cfg.kv_size, cfg.kv_size]
+    if projection == "gate_up_proj":
+        return [cfg.intermediate_size, cfg.intermediate_size]
+    return [cfg.hidden_size]  # o_proj, down_proj
+
+
+def read_adapter(path: str | Path, name: str, max_rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The adapter's config and tensors; LoraError for anything this server cannot apply exactly."""
+    path = Path(path)
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise LoraError(f"LoRA adapter {name!r}: {path} needs adapter_config.json and adapter_model.safetensors")
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"LoRA adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
+    for key in _UNSUPPORTED:
+        if config.get(key):
+            raise LoraError(f"LoRA adapter {name!r}: {key} is not supported")
+    if config.get("bias", "none") != "none" or config.get("fan_in_fan_out"):
+        raise LoraError(f"LoRA adapter {name!r}: only bias='none' and fan_in_fan_out=false are supported")
+    rank = int(config["r"])
+    if rank > max_rank:
+        raise LoraError(f"LoRA adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
+    return config, load_file(str(weights_file))
+
+
+def build_adapter(model: CausalLM, config: dict, tensors: dict[str, torch.Tensor], name: str,
+                  dtype: torch.dtype, device: torch.device) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, projection) -> (A [parts * r, in], B [out, parts * r]) with the scaling folded into B."""
+    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    parts: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for key, tensor in tensors.items():
+        if ".lora_A." not in key:
+            if ".lora_B." not in key:
+                raise LoraError(f"LoRA adapter {name!r}: tensor {key} is not a LoRA A or B matrix")
+            continue
+        module_path = key.split(".lora_A.")[0]
+        fields = module_path.split(".")
+        if "layers" not in fields or fields[-1] not in _TARGETS:
+            raise LoraError(f"LoRA adapter {name!r}: {module_path} is not a supported target "
+                            f"({', '.join(_TARGETS)} of a decoder layer)")
+        layer = int(fields[fields.index("layers") + 1])
+        if not 0 <= layer < model.config.num_hidden_layers:
+            raise LoraError(f"LoRA adapter {name!r}: layer {layer} is not in this model")
+        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+        if b is None:
+            raise LoraError(f"LoRA adapter {name!r}: {module_path} has lora_A but no lora_B")
+        projection, part = _TARGETS[fields[-1]]
+        parts.setdefault((layer, projection), {})[part] = (tensor, b)
+
+    built = {}
+    for (layer, projection), by_part in parts.items():
+        sizes = _part_sizes(model, projection)
+        in_features = model.config.hidden_size if projection != "down_proj" else model.config.intermediate_size
+        if projection == "o_proj":
+            in_features = model.config.num_attention_heads * model.config.head_dim
+        a_rows, b_blocks, offset = [], [], 0
+        for part, size in enumerate(sizes):
+            if part in by_part:
+                a, b = by_part[part]
+                if a.shape != (rank, in_features) or b.shape != (size, rank):
+                    raise LoraError(f"LoRA adapter {name!r}: layer {layer} {projection} part {part} has shapes "
+                                    f"{tuple(a.shape)} / {tuple(b.shape)}, expected ({rank}, {in_features}) / "
+                                    f"({size}, {rank}): an adapter for another model?")
+                a_rows.append(a)
+                block = torch.zeros(sum(sizes), rank, dtype=b.dtype)
+                block[offset : offset + size] = b * scaling
+                b_blocks.append(block)
+            offset += size
+        a_full = torch.cat(a_rows).to(device=device, dtype=dtype).contiguous()
+        b_full = torch.cat(b_blocks, dim=1).to(device=device, dtype=dtype).contiguous()
+        built[(layer, projection)] = (a_full, b_full)
+    if not built:
+        raise LoraError(f"LoRA adapter {name!r}: no LoRA matrices found")
+    return built
+
+
+def install(model: CausalLM, lora_id: int, adapter: dict) -> None:
+    """Make adapter `lora_id` available to the model's projections (module.lora_<projection>)."""
+    for (layer, projection), pair in adapter.items():
+        getattr(_projections(model, layer)[projection], f"lora_{projection}")[lora_id] = pair
+
+
+def load_adapters(model: CausalLM, modules: tuple[tuple[str, str], ...], max_rank: int,
+                  dtype: torch.dtype, device: torch.device) -> int:
+    """Load --lora-modules (adapter i gets id i + 1); returns the bytes they take."""
+    total = 0
+    for index, (name, path) in enumerate(modules):
+        config, tensors = read_adapter(path, name, max_rank)
+        adapter = build_adapter(model, config, tensors, name, dtype, device)
+        install(model, index + 1, adapter)
+        total += sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in adapter.values())
+    return total
