@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=_positive_int, default=64, help="largest LoRA rank accepted")
     p.add_argument("--pooling", choices=POOLING_METHODS,
                    help="embeddings: last token or mean of the final hidden states (default: the checkpoint's "
-                        "sentence-transformers setting, else last)")
+                        "sentence-transformers setting, else last); implies --task embed unless --task says otherwise")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8080)
     p.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is available")
@@ -164,7 +164,7 @@ def _task_and_pooling(args, source: ModelSource, parser) -> tuple[str, Pooling]:
         if args.task != "generate" and args.pooling is None:
             parser.error(str(err))
         declared = None
-    task = args.task if args.task != "auto" else "embed" if declared else "generate"
+    task = args.task if args.task != "auto" else "embed" if declared or args.pooling else "generate"
     pooling = declared or Pooling()
     if args.pooling is not None:
         pooling = Pooling(args.pooling, pooling.normalize)

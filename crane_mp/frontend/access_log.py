@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("crane_mp.access")
 # Routes that start generations: the load-shedding gate counts them.
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"})
 # Probes and scrapes: logged at debug level only, they would drown everything else.
 _QUIET_PATHS = frozenset({"/health", "/metrics"})
 _CLIENT_ID = re.compile(r"[\x21-\x7e]{1,128}")

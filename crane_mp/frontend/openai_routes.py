@@ -75,7 +75,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = decode_body(await request.read(), ChatCompletionRequest)
     model, lora_id = resolve_model(state, req.model)
     tools = tool_dicts(req.tools)
-    fmt = tool_format(state.config.tool_call_parser, state.engine_info.arch)
+    fmt = tool_format(state.config.tool_call_parser, state.engine_info.arch, state.tokenizer.marker_tokens)
     mode, only = check_tools(tools, req.tool_choice, fmt)
     prompt = state.tokenizer.render_chat(
         chat_messages(req.messages), req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,

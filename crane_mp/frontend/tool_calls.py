@@ -25,7 +25,7 @@ class ToolFormat:
     name: str  # the --tool-call-parser value
     markers: tuple[str, ...]  # texts that open the tool calls anywhere in the output
     leading: str  # the calls also start where the output's first non-space character is one of these
-    arguments_key: str  # the call object's key for the arguments
+    arguments_keys: tuple[str, ...]  # the call object's keys for the arguments; the first is written when forced
     call_open: str = ""  # the forced grammar's text around each call and between calls
     call_close: str = ""
     separator: str = ""
@@ -35,23 +35,31 @@ class ToolFormat:
 
 
 FORMATS = {
-    "hermes": ToolFormat("hermes", ("<tool_call>",), "", "arguments",
+    "hermes": ToolFormat("hermes", ("<tool_call>",), "", ("arguments",),
                          call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n"),
-    "llama3_json": ToolFormat("llama3_json", ("<|python_tag|>",), "{", "parameters", separator="; "),
-    "mistral": ToolFormat("mistral", ("[TOOL_CALLS]",), "[", "arguments",
+    "llama3_json": ToolFormat("llama3_json", ("<|python_tag|>",), "{", ("parameters", "arguments"), separator="; "),
+    "mistral": ToolFormat("mistral", ("[TOOL_CALLS]",), "[", ("arguments",),
                           separator=", ", list_open="[TOOL_CALLS][", list_close="]", id_length=9),
 }
 # Texts of the formats that a vocabulary may hold as one (added) token.
 MARKER_TEXTS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
-# --tool-call-parser auto: by architecture; models of other families mostly follow Hermes.
+# --tool-call-parser auto: the format whose marker the vocabulary holds as a token, else by architecture
+# (a Mistral GGUF says "llama"; fine-tunes of other families mostly follow Hermes).
+_BY_MARKER = {"[TOOL_CALLS]": "mistral", "<tool_call>": "hermes", "<|python_tag|>": "llama3_json"}
 _BY_ARCH = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral"}
 
 
-def tool_format(parser: str, arch: str) -> ToolFormat | None:
-    """The format of --tool-call-parser (`auto`: by architecture); None for `none`."""
+def tool_format(parser: str, arch: str, marker_tokens: dict[str, int] | None = None) -> ToolFormat | None:
+    """The format of --tool-call-parser (`auto`: by the vocabulary's markers, then the architecture);
+    None for `none`."""
     if parser == "none":
         return None
-    return FORMATS[_BY_ARCH.get(arch, "hermes") if parser == "auto" else parser]
+    if parser != "auto":
+        return FORMATS[parser]
+    for marker, name in _BY_MARKER.items():
+        if marker in (marker_tokens or {}):
+            return FORMATS[name]
+    return FORMATS[_BY_ARCH.get(arch, "hermes")]
 
 
 def new_call_id(fmt: ToolFormat) -> str:
@@ -62,7 +70,7 @@ def new_call_id(fmt: ToolFormat) -> str:
 
 def tool_prompt(fmt: ToolFormat, tools: list[dict]) -> str:
     """Tool definitions and the expected call format, for a chat template that does not render tools."""
-    example = json.dumps({"name": "NAME", fmt.arguments_key: {"ARGUMENT": "VALUE"}})
+    example = json.dumps({"name": "NAME", fmt.arguments_keys[0]: {"ARGUMENT": "VALUE"}})
     call = f"{fmt.list_open}{fmt.call_open}{example}{fmt.call_close}{fmt.list_close}"
     listing = "\n".join(json.dumps(tool["function"]) for tool in tools)
     return f"You can call these functions, described as JSON:\n{listing}\nTo call one, answer with only:\n{call}"
@@ -76,17 +84,20 @@ def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None,
     """A Lark grammar that admits only calls, in the model's own format, of the offered tools (or one
     call of `only`). A marker that is one token of the vocabulary (`special_tokens`) is written as that token,
     as the model was trained to produce it."""
-    variants = []
+    key = fmt.arguments_keys[0]
+    rules = []
     for tool in tools:
         function = tool["function"]
         if only is not None and function["name"] != only:
             continue
-        parameters = function.get("parameters") or {"type": "object"}
-        variants.append({"type": "object", "additionalProperties": False, "required": ["name", fmt.arguments_key],
-                         "properties": {"name": {"const": function["name"]}, fmt.arguments_key: parameters}})
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    schema = {**schema, "x-guidance": {"lenient": True, "whitespace_flexible": False,
-                                       "item_separator": ", ", "key_separator": ": "}}
+        parameters = dict(function.get("parameters") or {"type": "object"})
+        # References such as "#/$defs/X" resolve from the root of the tool's own schema: keep them there.
+        hoisted = {name: parameters.pop(name) for name in ("$defs", "definitions") if name in parameters}
+        schema = {"type": "object", "additionalProperties": False, "required": ["name", key],
+                  "properties": {"name": {"const": function["name"]}, key: parameters}, **hoisted,
+                  "x-guidance": {"lenient": True, "whitespace_flexible": False,
+                                 "item_separator": ", ", "key_separator": ": "}}
+        rules.append(f"obj{len(rules)}: %json {json.dumps(schema)}")
 
     def text(value: str) -> str:
         parts = []
@@ -97,7 +108,8 @@ def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None,
     call = " ".join(p for p in (text(fmt.call_open), "obj", text(fmt.call_close)) if p)
     calls = f"call ({text(fmt.separator)} call)*" if parallel and only is None else "call"
     start = " ".join(p for p in (text(fmt.list_open), calls, text(fmt.list_close)) if p)
-    lark = f"start: {start}\ncall: {call}\nobj: %json {json.dumps(schema)}\n"
+    alternatives = " | ".join(f"obj{i}" for i in range(len(rules)))
+    lark = f"start: {start}\ncall: {call}\nobj: {alternatives}\n" + "\n".join(rules) + "\n"
     return Constraint("lark", lark, "tool_choice")
 
 
@@ -141,7 +153,7 @@ class ToolCallParser:
         self.seen_text = False  # a non-space character of content was seen (the calls can no longer lead)
         self.calls: list[ParsedCall] = []
         self.unread = ""  # the calls region's text while it has opened no call
-        self._scanner = _ObjectScanner(fmt.arguments_key)
+        self._scanner = _ObjectScanner(fmt.arguments_keys)
         self._malformed = False
 
     @property
@@ -193,7 +205,7 @@ class ToolCallParser:
             elif event == "end":
                 call = self.calls[-1]
                 call.complete = _is_json(call.arguments)
-            elif event == "invalid":
+            elif event == "invalid" and not self.calls:  # after a call: text that happens to hold braces
                 self._malformed = True
         return _merge(deltas)
 
@@ -219,6 +231,14 @@ def _merge(deltas: list[dict]) -> list[dict]:
         else:
             merged.append(delta)
     return merged
+
+
+def _loads(raw: str):
+    """A JSON value the model wrote, or None where it is not valid JSON (a bad escape, a raw newline)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _is_json(text: str) -> bool:
@@ -256,7 +276,7 @@ class _ObjectScanner:
     ("start", name) once the name is complete, ("arguments", text) pieces, ("end", None) when the
     object closes, ("invalid", None) for an object without a name."""
 
-    arguments_key: str
+    arguments_keys: tuple[str, ...]
     depth: int = 0
     in_string: bool = False
     escaped: bool = False
@@ -331,24 +351,25 @@ class _ObjectScanner:
 
     def _value_started(self, position: int) -> None:
         self.value_start = position
-        if self.key == self.arguments_key:
+        if self.key in self.arguments_keys and self.arguments_start < 0:
             self.arguments_start = position
             self.arguments_string = self.obj[position] == '"'
 
     def _string_closed(self, position: int, events: list) -> None:
         raw = "".join(self.obj[self.token_start : position + 1])
         if self.expect_key:
-            self.key = json.loads(raw)
+            self.key = _loads(raw)
         elif self.value_start == self.token_start:
             self._value_done(position + 1, events)
 
     def _value_done(self, end: int, events: list) -> None:
         raw = "".join(self.obj[self.value_start : end]).strip()
         if self.key == "name" and self.name is None and raw.startswith('"'):
-            self.name = json.loads(raw)
-            self.started = True
-            events.append(("start", self.name))
-        if self.key == self.arguments_key:
+            name = _loads(raw)
+            if isinstance(name, str) and name:
+                self.name, self.started = name, True
+                events.append(("start", name))
+        if self.key in self.arguments_keys and self.arguments_start == self.value_start:
             self.arguments_end = end
         self.value_start = -1
         self.key = None
@@ -358,7 +379,8 @@ class _ObjectScanner:
             return
         if self.arguments_string:  # only whole: the string's content is the arguments' JSON text
             if self.arguments_end >= 0 and self.arguments_sent == 0:
-                events.append(("arguments", json.loads("".join(self.obj[self.arguments_start : self.arguments_end]))))
+                text = _loads("".join(self.obj[self.arguments_start : self.arguments_end]))
+                events.append(("arguments", text if isinstance(text, str) else ""))
                 self.arguments_sent = 1
             return
         end = self.arguments_end if self.arguments_end >= 0 else len(self.obj)

@@ -40,6 +40,10 @@ CASES = [
     (MISTRAL, ' [{"name": "add", "arguments": {"a": 5, "b": 6}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
      None, [("add", {"a": 5, "b": 6}), ("get_weather", {"city": "Rome"})]),
     (MISTRAL, '[TOOL_CALLS][{"name": "add", "arguments": {"a": 5, "b": 6}}]', None, [("add", {"a": 5, "b": 6})]),
+    # Llama 3 models also write "arguments"; braces in text after a call are not a call.
+    (LLAMA, '{"name": "add", "arguments": {"a": 2, "b": 3}}', None, [("add", {"a": 2, "b": 3})]),
+    (HERMES, '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> Note {see above}', None,
+     [("add", {"a": 1})]),
     # Arguments given as a JSON string holding the object, and the name after the arguments.
     (HERMES, '<tool_call>{"arguments": "{\\"city\\": \\"Lima\\"}", "name": "get_weather"}</tool_call>', None,
      [("get_weather", {"city": "Lima"})]),
@@ -114,6 +118,26 @@ def test_a_calls_region_without_a_call_is_streamed_as_content_at_the_end(fmt, te
     assert content + rest == text and calls == more == []
 
 
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "f\\q", "arguments": {}}</tool_call>',  # an escape JSON does not have
+    '<tool_call>{"name": "f", "arguments": "{\'city\': \'Paris\'}"}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "tab\there"}</tool_call>',  # a raw tab inside a string
+])
+def test_invalid_json_from_the_model_is_content_not_a_crash(text):
+    content, calls = parse_tool_calls(HERMES, text)
+    assert calls is None or all(json.loads(c["function"]["arguments"]) is not None for c in calls)
+    parser = ToolCallParser(HERMES)
+    for char in text:
+        parser.feed(char)
+    parser.finish()
+
+
+def test_auto_picks_the_format_whose_marker_the_vocabulary_holds():
+    assert tool_format("auto", "llama", {"[TOOL_CALLS]": 5}) is MISTRAL
+    assert tool_format("auto", "llama", {"<tool_call>": 9, "</tool_call>": 10}) is HERMES
+    assert tool_format("auto", "llama", {}) is LLAMA and tool_format("mistral", "qwen3", {}) is MISTRAL
+
+
 def test_only_the_first_call_when_parallel_calls_are_off():
     text = '<tool_call>{"name": "add", "arguments": {}}</tool_call><tool_call>{"name": "x", "arguments": {}}</tool_call>'
     _, calls = parse_tool_calls(HERMES, text, parallel=False)
@@ -168,3 +192,19 @@ def test_a_forced_call_grammar_admits_calls_of_the_offered_tools_only(vocabulary
     assert not admitted('<tool_call>\n{"name": "sub", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
     assert not admitted('<tool_call>\n{"name": "add", "arguments": {"a": "one", "b": 2}}\n</tool_call>')
     assert not admitted("Sure! " + add)
+
+
+def test_a_forced_call_resolves_the_references_of_each_tools_own_schema(vocabulary):
+    tokenizer, ll_tokenizer, markers = vocabulary
+    nested = {"type": "function", "function": {"name": "ship", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"],
+        "$defs": {"Address": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}},
+                              "required": ["city"], "additionalProperties": False}}}}}
+    grammar = to_grammar(forced_call_constraint(HERMES, [nested, ADD], None, True, markers))
+    assert LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer) == (False, [])
+    matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
+    good = '<tool_call>\n{"name": "ship", "arguments": {"to": {"city": "Oslo"}}}\n</tool_call>'
+    assert matcher.consume_tokens(tokenizer.encode(good, add_special_tokens=False)) and matcher.is_accepting()
+    matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
+    bad = '<tool_call>\n{"name": "ship", "arguments": {"to": {"city": "Rome"}}}\n</tool_call>'
+    assert not (matcher.consume_tokens(tokenizer.encode(bad, add_special_tokens=False)) and matcher.is_accepting())

@@ -1,0 +1,108 @@
+"""LoRA adapters in the worker: what an adapter this server cannot apply is refused with, how rows are
+grouped per adapter, and that a layer adds each adapter's update only to its own rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from crane_mp.cli import build_parser
+from crane_mp.settings import SettingsError, read_config_file, settable_actions
+from crane_mp.testing.make_model import make_model
+from crane_mp.worker.forward_context import LoraBatch, lora_batch
+from crane_mp.worker.lora import LoraError, build_adapter, read_adapter
+from crane_mp.worker.model_config import load_model_config
+from tests.model_helpers import load_checkpoint
+
+PREFIX = "base_model.model.model.layers.0."
+
+
+def write_adapter(path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_model("qwen3", "tiny", tmp_path_factory.mktemp("m") / "q", seed=2)
+    return load_checkpoint(load_model_config(path), path, torch.float32)
+
+
+def test_lora_batch_groups_rows_by_adapter():
+    assert lora_batch([0, 0, 0], torch.device("cpu")) is None
+    assert lora_batch([2, 2], torch.device("cpu")).groups == [(2, None)]
+    batch = lora_batch([1, 0, 2, 1], torch.device("cpu"))
+    assert [(i, rows.tolist()) for i, rows in batch.groups] == [(1, [0, 3]), (2, [2])]
+
+
+def test_each_adapter_updates_only_its_rows():
+    x, out = torch.randn(4, 3), torch.zeros(4, 2)
+    a1, b1, a2, b2 = torch.randn(1, 3), torch.randn(2, 1), torch.randn(1, 3), torch.randn(2, 1)
+    result = lora_batch([1, 0, 2, 1], torch.device("cpu")).apply(x, out, {1: (a1, b1), 2: (a2, b2)})
+    assert torch.allclose(result[[0, 3]], (x[[0, 3]] @ a1.t()) @ b1.t())
+    assert torch.equal(result[1], torch.zeros(2))
+    assert torch.allclose(result[2], (x[2] @ a2.t()) @ b2.t())
+    assert LoraBatch([(3, None)]).apply(x, out, {1: (a1, b1)}) is out  # an adapter that skips this projection
+
+
+def test_q_and_v_parts_land_in_their_rows_of_the_fused_projection(model, tmp_path):
+    cfg = model.config
+    q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.kv_size
+    tensors = {PREFIX + "self_attn.q_proj.lora_A.weight": torch.randn(4, cfg.hidden_size),
+               PREFIX + "self_attn.q_proj.lora_B.weight": torch.randn(q_out, 4),
+               PREFIX + "self_attn.v_proj.lora_A.weight": torch.randn(4, cfg.hidden_size),
+               PREFIX + "self_attn.v_proj.lora_B.weight": torch.randn(kv_out, 4)}
+    write_adapter(tmp_path / "qv", {}, tensors)
+    config, loaded = read_adapter(tmp_path / "qv", "qv", 64)
+    built = build_adapter(model, config, loaded, "qv", torch.float32, torch.device("cpu"))
+    a, b = built[(0, "qkv_proj")]
+    x = torch.randn(2, cfg.hidden_size)
+    delta = (x @ a.t()) @ b.t()
+    scaling = 8 / 4
+
+    def part(name: str) -> torch.Tensor:
+        return (x @ tensors[f"{PREFIX}self_attn.{name}.lora_A.weight"].t()) @ tensors[f"{PREFIX}self_attn.{name}.lora_B.weight"].t()
+
+    q_part, v_part = part("q_proj"), part("v_proj")
+    assert torch.allclose(delta[:, :q_out], q_part * scaling, atol=1e-4)
+    assert torch.equal(delta[:, q_out : q_out + kv_out], torch.zeros(2, kv_out))  # k is not adapted
+    assert torch.allclose(delta[:, q_out + kv_out :], v_part * scaling, atol=1e-4)
+
+
+@pytest.mark.parametrize("config,tensors,message", [
+    ({"r": 128}, {}, "rank 128 is above --max-lora-rank 64"),
+    ({"use_dora": True}, {}, "use_dora is not supported"),
+    ({"peft_type": "IA3"}, {}, "peft_type 'IA3' is not LORA"),
+    ({"bias": "all"}, {}, "bias='none'"),
+    ({}, {"base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(4, 8),
+          "base_model.model.model.embed_tokens.lora_B.weight": torch.zeros(8, 4)}, "not a supported target"),
+    ({}, {PREFIX + "self_attn.q_proj.lora_A.weight": torch.zeros(4, 7),
+          PREFIX + "self_attn.q_proj.lora_B.weight": torch.zeros(7, 4)}, "an adapter for another model?"),
+    ({}, {PREFIX + "mlp.down_proj.lora_A.weight": torch.zeros(4, 8)}, "no lora_B"),
+])
+def test_an_adapter_that_cannot_be_applied_is_refused_by_name(model, tmp_path, config, tensors, message):
+    write_adapter(tmp_path / "bad", config, tensors or {"x.lora_A.weight": torch.zeros(1)})
+    with pytest.raises(LoraError, match=message) as info:
+        config_read, loaded = read_adapter(tmp_path / "bad", "bad", 64)
+        build_adapter(model, config_read, loaded, "bad", torch.float32, torch.device("cpu"))
+    assert "'bad'" in str(info.value)
+
+
+def test_a_missing_adapter_directory_is_named(tmp_path):
+    with pytest.raises(LoraError, match="needs adapter_config.json"):
+        read_adapter(tmp_path / "none", "none", 64)
+
+
+def test_lora_modules_from_a_config_file(tmp_path):
+    actions = settable_actions(build_parser())
+    good = tmp_path / "good.toml"
+    good.write_text('lora-modules = ["sql=/adapters/sql", "/adapters/chat"]\n')
+    assert read_config_file(str(good), actions)["lora_modules"] == [("sql", "/adapters/sql"), ("chat", "/adapters/chat")]
+    bad = tmp_path / "bad.toml"
+    bad.write_text('lora-modules = ["=/x"]\n')
+    with pytest.raises(SettingsError, match="--lora-modules"):
+        read_config_file(str(bad), actions)
