@@ -106,7 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                    help="LoRA adapters in PEFT's format to serve beside the base model; a request picks one by "
                         "naming it as its model (SGLang: lora_path)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="allow LoRA adapters to be loaded at run time (/v1/load_lora_adapter); implied by "
+                        "--lora-modules")
     p.add_argument("--max-lora-rank", type=_positive_int, default=64, help="largest LoRA rank accepted")
+    p.add_argument("--max-loras", type=_positive_int, default=8,
+                   help="LoRA adapters loaded at once, at start and through /v1/load_lora_adapter")
     p.add_argument("--pooling", choices=POOLING_METHODS,
                    help="embeddings: last token or mean of the final hidden states (default: the checkpoint's "
                         "sentence-transformers setting, else last); implies --task embed unless --task says otherwise")
@@ -226,6 +231,8 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             task=task,
             lora_modules=tuple(args.lora_modules),
             max_lora_rank=args.max_lora_rank,
+            max_loras=args.max_loras,
+            enable_lora=args.enable_lora,
         )
     except ValueError as err:
         parser.error(str(err))

@@ -73,6 +73,13 @@ class EngineConfig:
     task: str = "generate"  # or "embed": an embedding model, which may have no lm_head
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter directory); adapter i has id i + 1
     max_lora_rank: int = 64
+    max_loras: int = 8  # adapters loaded at once (at start and through /v1/load_lora_adapter)
+    enable_lora: bool = False  # adapters may be loaded at run time (implied by lora_modules)
+
+    @property
+    def lora(self) -> bool:
+        """The model is built for LoRA (no activation fused into a packed projection)."""
+        return self.enable_lora or bool(self.lora_modules)
 
     def __post_init__(self) -> None:
         # Messages name the crane-launch flag too: the CLI reports them as they are.
@@ -86,6 +93,10 @@ class EngineConfig:
             raise ValueError("max_model_len (--max-seq-len) must be >= 0")
         if self.max_total_tokens is not None and self.max_total_tokens < self.block_size:
             raise ValueError("max_total_tokens (--max-total-tokens) must hold at least one KV block")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"{len(self.lora_modules)} LoRA adapters were given but --max-loras is {self.max_loras}")
+        if len({name for name, _ in self.lora_modules}) != len(self.lora_modules):
+            raise ValueError("LoRA adapter names (--lora-modules) must be distinct")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens (--max-num-batched-tokens) must be at least max_num_seqs "
                              "(--max-concurrent): every running sequence decodes one token per step")

@@ -105,7 +105,29 @@ class ShutdownWorker(msgspec.Struct, array_like=True, tag=True):
     """Orderly stop: the worker exits its loop."""
 
 
-WorkerInbox = StepPlan | ShutdownWorker
+class LoraAdapter(msgspec.Struct, array_like=True):
+    """A LoRA adapter: the id requests use (SamplingParams.lora_id, never reused), its name, its directory."""
+
+    lora_id: int
+    name: str
+    path: str
+
+
+class LoadLora(msgspec.Struct, array_like=True, tag=True):
+    """Load an adapter between steps; answered with LoraLoaded (token: the frontend's control request)."""
+
+    token: int
+    frontend_id: int
+    adapter: LoraAdapter
+
+
+class DropLora(msgspec.Struct, array_like=True, tag=True):
+    """Free an adapter no request uses any more."""
+
+    lora_id: int
+
+
+WorkerInbox = StepPlan | ShutdownWorker | LoadLora | DropLora
 
 
 # ---- worker -> scheduler ------------------------------------------------------------------------
@@ -176,15 +198,26 @@ class AbortNamed(msgspec.Struct, array_like=True, tag=True):
 
 
 class ControlRequest(msgspec.Struct, array_like=True, tag=True):
-    """kind: "stats", answered with EngineStats; "flush_cache", answered with ControlReply. Replies
-    carry the same token."""
+    """kind: "stats", answered with EngineStats; "flush_cache", "load_lora" (name, path) and
+    "unload_lora" (name), answered with ControlReply. Replies carry the same token."""
 
     kind: str
     token: int
     frontend_id: int = 0
+    name: str = ""
+    path: str = ""
 
 
-SchedulerInbox = GenerateRequest | AbortRequest | AbortNamed | ControlRequest | StepResult
+class LoraLoaded(msgspec.Struct, array_like=True, tag=True):
+    """The worker's answer to LoadLora: error is empty on success."""
+
+    token: int
+    frontend_id: int
+    adapter: LoraAdapter
+    error: str = ""
+
+
+SchedulerInbox = GenerateRequest | AbortRequest | AbortNamed | ControlRequest | StepResult | LoraLoaded
 
 
 # ---- scheduler -> frontend ----------------------------------------------------------------------
@@ -237,9 +270,16 @@ class ControlReply(msgspec.Struct, array_like=True, tag=True):
     token: int
     ok: bool
     message: str = ""
+    status: int = 0  # the HTTP status a refusal fits (400, 404)
 
 
-FrontendInbox = TokenBatch | EngineStats | ControlReply
+class LoraRegistry(msgspec.Struct, array_like=True, tag=True):
+    """Every adapter loaded now, sent to every frontend after a load or unload."""
+
+    adapters: list[LoraAdapter]
+
+
+FrontendInbox = TokenBatch | EngineStats | ControlReply | LoraRegistry
 
 
 # ---- worker -> launcher (once, over the start-up pipe) -------------------------------------------

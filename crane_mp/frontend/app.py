@@ -9,6 +9,7 @@ from aiohttp import web
 
 from crane_mp.frontend import (
     embedding_routes,
+    lora_routes,
     management_routes,
     openai_routes,
     openapi,
@@ -57,6 +58,7 @@ def create_app(state: FrontendState) -> web.Application:
     app.add_routes(management_routes.routes)
     app.add_routes(openai_routes.routes)
     app.add_routes(embedding_routes.routes)
+    app.add_routes(lora_routes.routes)
     app.add_routes(tokenize_routes.routes)
     app.add_routes(openapi.routes)
     app.add_routes(sglang_routes.routes)

@@ -57,7 +57,8 @@ async def open_choices(
 ) -> AsyncIterator[list[Generation]]:
     """Submit every prompt n times (prompt i with max_tokens[i]; a seeded request gives sample j the
     seed + j) and yield the generations. `names`: what /abort_request may call them, one for all or
-    one per generation; `lora_ids`: prompt i's LoRA adapter, where prompts use different ones. However the body ends (finished, error, client gone), every generation still
+    one per generation; `lora_ids`: prompt i's LoRA adapter, where prompts use different ones.
+    However the body ends (finished, error, client gone), every generation still
     registered is aborted and unregistered on the way out."""
     gens: list[Generation] = []
     try:

@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -29,6 +30,8 @@ from crane_mp.protocol import (
     ErrorKind,
     FinishReason,
     GenerateRequest,
+    LoraAdapter,
+    LoraRegistry,
     PromptLogprobs,
     SamplingParams,
     TokenBatch,
@@ -128,6 +131,7 @@ class EngineClient:
         self._tokens = itertools.count(1)
         self.dead: str | None = None
         self.metrics: Metrics | None = None  # set by the frontend; finished requests report to it
+        self.on_adapters: Callable[[list[LoraAdapter]], None] | None = None  # the LoRA list changed
         self._listener: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -185,14 +189,14 @@ class EngineClient:
         if stream is not None and stream.deadline is not None:
             stream.deadline.cancel()
 
-    async def control(self, kind: str, timeout: float) -> EngineStats | ControlReply:
+    async def control(self, kind: str, timeout: float, name: str = "", path: str = "") -> EngineStats | ControlReply:
         if self.dead:
             raise EngineDeadError(self.dead)
         token = next(self._tokens)
         future = asyncio.get_running_loop().create_future()
         self.replies[token] = future
         try:
-            self.to_scheduler.send(encode(ControlRequest(kind, token, self.frontend_id)), zmq.NOBLOCK)
+            self.to_scheduler.send(encode(ControlRequest(kind, token, self.frontend_id, name, path)), zmq.NOBLOCK)
             return await asyncio.wait_for(future, timeout)
         finally:
             self.replies.pop(token, None)
@@ -216,6 +220,9 @@ class EngineClient:
                         stream.push(out)
                         if out.finish_reason is not None:
                             del self.streams[out.rid]
+            elif isinstance(message, LoraRegistry):
+                if self.on_adapters is not None:
+                    self.on_adapters(message.adapters)
             else:
                 future = self.replies.get(message.token)
                 if future is not None and not future.done():

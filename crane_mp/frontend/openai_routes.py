@@ -201,7 +201,7 @@ def _adapter_card(state: FrontendState, name: str, path: str) -> dict[str, Any]:
 
 def _model_cards(state: FrontendState) -> dict[str, dict[str, Any]]:
     cards = {state.model_name: _model_card(state)}
-    cards.update((name, _adapter_card(state, name, path)) for name, path in state.config.engine.lora_modules)
+    cards.update((name, _adapter_card(state, name, adapter.path)) for name, adapter in state.adapters.items())
     return cards
 
 

@@ -23,6 +23,7 @@ from crane_mp.frontend.openai_schemas import (
     CompletionRequest,
     EmbeddingRequest,
 )
+from crane_mp.frontend.lora_routes import LoadLoraRequest, UnloadLoraRequest
 from crane_mp.frontend.sglang_schemas import INPUT_IDS_SCHEMA, AbortBody, SGLangGenerateRequest
 from crane_mp.frontend.state import STATE
 from crane_mp.frontend.tokenize_routes import DetokenizeRequest, TokenizeRequest
@@ -35,7 +36,9 @@ OPERATIONS = [
     ("post", "/v1/chat/completions", ChatCompletionRequest, "Chat completion (SSE when stream=true)", _GENERATION),
     ("post", "/v1/completions", CompletionRequest, "Text completion (SSE when stream=true)", _GENERATION),
     ("post", "/v1/embeddings", EmbeddingRequest, "Embeddings (servers started with --task embed)", _GENERATION),
-    ("get", "/v1/models", None, "List the served model", ()),
+    ("post", "/v1/load_lora_adapter", LoadLoraRequest, "Load a LoRA adapter (--enable-lora)", _GENERATION),
+    ("post", "/v1/unload_lora_adapter", UnloadLoraRequest, "Unload a LoRA adapter (--enable-lora)", _GENERATION),
+    ("get", "/v1/models", None, "List the served model and its LoRA adapters", ()),
     ("get", "/v1/models/{model_id}", None, "Describe the served model", ("404",)),
     ("post", "/v1/tokenize", TokenizeRequest, "Text or chat messages to token ids", _GENERATION),
     ("post", "/v1/detokenize", DetokenizeRequest, "Token ids to text", ("400", "404", "413")),

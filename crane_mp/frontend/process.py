@@ -48,6 +48,7 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, c
         return
     state.client = EngineClient(addresses, frontend_id, config.request_timeout)
     state.client.metrics = state.metrics
+    state.client.on_adapters = state.set_adapters
     state.client.start()
     state.engine_info = info
     conn.send_bytes(b"ready")

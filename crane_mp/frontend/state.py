@@ -14,7 +14,7 @@ from crane_mp.frontend.metrics import Metrics
 from crane_mp.frontend.openai_schemas import MAX_BATCH
 from crane_mp.frontend.structured import GrammarCompiler
 from crane_mp.frontend.tokenizer import TokenizerService
-from crane_mp.protocol import WorkerReady
+from crane_mp.protocol import LoraAdapter, WorkerReady
 
 
 @dataclass(slots=True)
@@ -27,11 +27,14 @@ class FrontendState:
     started: int = field(default_factory=lambda: int(time.time()))
     metrics: Metrics = field(init=False)
     grammars: GrammarCompiler = field(init=False)
+    adapters: dict[str, LoraAdapter] = field(init=False)  # LoRA adapters loaded now, by name
     in_flight: int = 0  # generation requests being served by this frontend (the load-shedding gate)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.config.model_name)
         self.grammars = GrammarCompiler(self.tokenizer)
+        modules = self.config.engine.lora_modules
+        self.adapters = {name: LoraAdapter(i + 1, name, path) for i, (name, path) in enumerate(modules)}
 
     @property
     def model_name(self) -> str:
@@ -39,8 +42,12 @@ class FrontendState:
 
     @property
     def lora_ids(self) -> dict[str, int]:
-        """LoRA adapter name -> id (--lora-modules order, from 1)."""
-        return {name: i + 1 for i, (name, _) in enumerate(self.config.engine.lora_modules)}
+        """LoRA adapter name -> id."""
+        return {name: adapter.lora_id for name, adapter in self.adapters.items()}
+
+    def set_adapters(self, adapters: list[LoraAdapter]) -> None:
+        """The scheduler's list after a load or unload (any frontend's): what requests may name now."""
+        self.adapters = {adapter.name: adapter for adapter in adapters}
 
     @property
     def max_request_bytes(self) -> int:

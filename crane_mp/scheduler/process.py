@@ -24,12 +24,16 @@ from crane_mp.protocol import (
     ControlReply,
     ControlRequest,
     ErrorKind,
+    DropLora,
     GenerateRequest,
+    LoadLora,
+    LoraLoaded,
     ShutdownWorker,
     StepResult,
     TokenBatch,
     TokenOutput,
 )
+from crane_mp.scheduler.adapters import AdapterError, AdapterTable
 from crane_mp.scheduler.request import FinishReason, Request
 from crane_mp.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from crane_mp.scheduler.stats import EngineCounters
@@ -58,6 +62,8 @@ class SchedulerLoop:
         self.last_preemption = -_PREEMPTION_BURST_GAP
         self.preemptions_seen = 0
         self.admitted: dict[int, list[TokenOutput]] = {}  # frontend id -> acknowledgements to send
+        self.adapters = AdapterTable(scheduler.config.lora_modules, scheduler.config.max_loras)
+        self.load_tokens: dict[str, int] = {}  # adapter name -> the control token of its load request
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -111,8 +117,14 @@ class SchedulerLoop:
                 self.abort(rid)
         elif isinstance(message, ControlRequest):
             self.control(message)
+        elif isinstance(message, LoraLoaded):
+            self.lora_loaded(message)
 
     def admit(self, message: GenerateRequest) -> None:
+        lora_id = message.sampling.lora_id
+        if lora_id and lora_id not in self.adapters.ids:  # unloaded while the request was on its way
+            self._refuse(message, "the LoRA adapter this request names is no longer loaded", ErrorKind.INVALID)
+            return
         try:
             req = Request(message.rid, message.input_ids, message.sampling, arrival_time=message.arrival_time)
             self.scheduler.add_request(req)
@@ -170,8 +182,41 @@ class SchedulerLoop:
             ok = self.scheduler.flush_cache()
             detail = "" if ok else "requests are queued or running; flush the cache when the server is idle"
             reply_to.send(encode(ControlReply(message.token, ok, detail)))
+        elif message.kind in ("load_lora", "unload_lora"):
+            self.change_adapters(message)
         else:
             reply_to.send(encode(ControlReply(message.token, False, f"unknown control request {message.kind!r}")))
+
+    def change_adapters(self, message: ControlRequest) -> None:
+        """Load (through the worker, answered when it reports back) or unload a LoRA adapter."""
+        try:
+            if message.kind == "load_lora":
+                adapter = self.adapters.reserve(message.name, message.path)
+                self.to_worker.send(encode(LoadLora(message.token, message.frontend_id, adapter)))
+                return
+            loaded = self.adapters.loaded.get(message.name)
+            users = 0 if loaded is None else sum(
+                1 for r in self.scheduler.requests.values() if r.sampling.lora_id == loaded.lora_id)
+            adapter = self.adapters.remove(message.name, users)
+        except AdapterError as err:
+            reply = ControlReply(message.token, False, str(err), err.status)
+            self.to_frontends[message.frontend_id].send(encode(reply))
+            return
+        self.to_worker.send(encode(DropLora(adapter.lora_id)))
+        self._announce_adapters()
+        self.to_frontends[message.frontend_id].send(encode(ControlReply(message.token, True)))
+
+    def lora_loaded(self, message: LoraLoaded) -> None:
+        self.adapters.finish_load(message.adapter, not message.error)
+        if not message.error:
+            self._announce_adapters()
+        reply = ControlReply(message.token, not message.error, message.error, 400 if message.error else 0)
+        self.to_frontends[message.frontend_id].send(encode(reply))
+
+    def _announce_adapters(self) -> None:
+        registry = encode(self.adapters.registry())
+        for socket in self.to_frontends:
+            socket.send(registry)
 
     def emit(self, outputs: list[TokenOutput]) -> None:
         batches: dict[int, list[TokenOutput]] = {}

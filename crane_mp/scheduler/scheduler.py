@@ -53,6 +53,8 @@ class SchedulerConfig:
     # Reuse touched KV memory before never-used blocks (CPU: first touches are slow; block_pool.py).
     warm_blocks_first: bool = False
     max_queue: int | None = None  # requests waiting for a running slot beyond which new ones are refused
+    lora_modules: tuple[tuple[str, str], ...] = ()  # the adapters loaded at start (ids 1, 2, ...)
+    max_loras: int = 8
 
     def __post_init__(self) -> None:
         if self.num_blocks * self.block_size < self.max_model_len:
@@ -73,6 +75,8 @@ def scheduler_config(
         eos_token_ids=tuple(eos_token_ids),
         enable_prefix_caching=engine.enable_prefix_caching,
         warm_blocks_first=on_cpu,
+        lora_modules=engine.lora_modules,
+        max_loras=engine.max_loras,
         max_queue=max_queue,
     )
 

@@ -75,7 +75,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     native_ops(device)  # builds or loads the CPU kernels now, so that their time is reported on its own
     timer.done("kernels")
     model, weight_types = load_model(model_config, source, dtype, device, progress, config.task == "embed",
-                                     lora=bool(config.lora_modules))
+                                     lora=config.lora)
     if config.lora_modules:
         lora_bytes = load_adapters(model, config.lora_modules, config.max_lora_rank, dtype, device)
         names = ", ".join(name for name, _ in config.lora_modules)

@@ -125,13 +125,23 @@ def install(model: CausalLM, lora_id: int, adapter: dict) -> None:
         getattr(_projections(model, layer)[projection], f"lora_{projection}")[lora_id] = pair
 
 
+def uninstall(model: CausalLM, lora_id: int) -> None:
+    for layer in range(model.config.num_hidden_layers):
+        for projection, module in _projections(model, layer).items():
+            getattr(module, f"lora_{projection}").pop(lora_id, None)
+
+
+def load_adapter(model: CausalLM, lora_id: int, name: str, path: str, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> int:
+    """Read, check and install one adapter under `lora_id`; returns the bytes it takes."""
+    config, tensors = read_adapter(path, name, max_rank)
+    adapter = build_adapter(model, config, tensors, name, dtype, device)
+    install(model, lora_id, adapter)
+    return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in adapter.values())
+
+
 def load_adapters(model: CausalLM, modules: tuple[tuple[str, str], ...], max_rank: int,
                   dtype: torch.dtype, device: torch.device) -> int:
     """Load --lora-modules (adapter i gets id i + 1); returns the bytes they take."""
-    total = 0
-    for index, (name, path) in enumerate(modules):
-        config, tensors = read_adapter(path, name, max_rank)
-        adapter = build_adapter(model, config, tensors, name, dtype, device)
-        install(model, index + 1, adapter)
-        total += sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in adapter.values())
-    return total
+    return sum(load_adapter(model, index + 1, name, path, max_rank, dtype, device)
+               for index, (name, path) in enumerate(modules))

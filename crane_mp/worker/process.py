@@ -20,10 +20,11 @@ from tqdm import tqdm
 from crane_mp.config import EngineConfig
 from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.logs import LogSettings, configure_logging
-from crane_mp.protocol import ShutdownWorker, StepPlan, WorkerReady
+from crane_mp.protocol import DropLora, LoadLora, LoraLoaded, ShutdownWorker, StepPlan, WorkerReady
 from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
 from crane_mp.worker.device import device_label
 from crane_mp.worker.kernels.cpu_isa import describe as describe_isa
+from crane_mp.worker.lora import load_adapter, uninstall
 from crane_mp.worker.memory import MemoryBudgetError
 from crane_mp.worker.model_config import UnsupportedModelError
 
@@ -52,6 +53,19 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
         weights_file_bytes=loaded.weights_file_bytes,
         hidden_size=loaded.model_config.hidden_size,
     )
+
+
+def _load_adapter(loaded: LoadedWorker, config: EngineConfig, message: LoadLora) -> LoraLoaded:
+    """Load a LoRA adapter between steps; a bad one is reported, never raised."""
+    adapter = message.adapter
+    try:
+        load_adapter(loaded.runner.model, adapter.lora_id, adapter.name, adapter.path, config.max_lora_rank,
+                     loaded.dtype, loaded.device)
+    except Exception as err:  # noqa: BLE001 - the adapter's fault, reported to the client that asked
+        log.warning("LoRA adapter %r from %s not loaded: %s", adapter.name, adapter.path, err)
+        return LoraLoaded(message.token, message.frontend_id, adapter, str(err) or type(err).__name__)
+    log.info("LoRA adapter %r loaded from %s (id %d)", adapter.name, adapter.path, adapter.lora_id)
+    return LoraLoaded(message.token, message.frontend_id, adapter)
 
 
 def _exit_on_signal(signum, frame) -> None:
@@ -92,6 +106,10 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
             message = worker_decoder.decode(plans.recv())
             if isinstance(message, StepPlan):
                 results.send(encode(runner.execute(message)))
+            elif isinstance(message, LoadLora):
+                results.send(encode(_load_adapter(loaded, config, message)))
+            elif isinstance(message, DropLora):
+                uninstall(runner.model, message.lora_id)
             elif isinstance(message, ShutdownWorker):
                 break
     finally:

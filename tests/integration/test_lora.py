@@ -127,3 +127,49 @@ def test_an_adapter_that_cannot_be_served_stops_the_start_with_one_line(model_di
     server.stop()
     log = (tmp_path / "log").read_text()
     assert "LoRA adapter 'big': rank 8 is above --max-lora-rank 4" in log and "Traceback" not in log
+
+
+def test_adapters_load_and_unload_at_run_time(model_dir, adapters, reference, tmp_path):
+    server = Server(model_dir, "--enable-lora", "--max-loras", "1", log_path=tmp_path / "log")
+    url = server.url
+
+    def post(route: str, body: dict) -> requests.Response:
+        return requests.post(url + route, json=body)
+
+    try:
+        prompt = PROMPTS[1]
+        loaded = post("/v1/load_lora_adapter", {"lora_name": "all7", "lora_path": str(adapters["all7"])})
+        assert loaded.status_code == 200 and "added successfully" in loaded.text
+        [result] = asyncio.run(complete_all(url, [("all7", prompt)]))
+        assert result["choices"][0]["token_ids"] == reference["all7", tuple(prompt)]
+        assert [m["id"] for m in requests.get(url + "/v1/models").json()["data"]] == [model_dir.name, "all7"]
+
+        for body, status, words in [
+            ({"lora_name": "all7", "lora_path": str(adapters["all7"])}, 400, "already loaded"),
+            ({"lora_name": "qv-down", "lora_path": str(adapters["qv-down"])}, 400, "--max-loras"),
+        ]:
+            r = post("/v1/load_lora_adapter", body)
+            assert r.status_code == status and words in r.json()["error"]["message"], r.text
+
+        assert post("/v1/unload_lora_adapter", {"lora_name": "all7"}).status_code == 200
+        r = post("/v1/completions", {"model": "all7", "prompt": "hi"})
+        assert r.status_code == 404
+        assert post("/v1/unload_lora_adapter", {"lora_name": "all7"}).status_code == 404
+
+        r = post("/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(tmp_path / "missing")})
+        assert r.status_code == 400 and "needs adapter_config.json" in r.json()["error"]["message"]
+        assert post("/v1/load_lora_adapter", {"lora_name": "qv-down", "lora_path": str(adapters["qv-down"])}).ok
+        [result] = asyncio.run(complete_all(url, [("qv-down", prompt)]))
+        assert result["choices"][0]["token_ids"] == reference["qv-down", tuple(prompt)]
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_server_without_lora_refuses_to_load_one(model_dir, adapters, tmp_path):
+    server = Server(model_dir, log_path=tmp_path / "log")
+    try:
+        r = requests.post(server.url + "/v1/load_lora_adapter",
+                          json={"lora_name": "all7", "lora_path": str(adapters["all7"])})
+        assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+    finally:
+        assert server.stop() == 0

@@ -116,7 +116,8 @@ def test_extreme_values_in_any_field_are_refused_cleanly(running, embedding_runn
     base = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
             "/v1/completions": {"prompt": "hi", "max_tokens": 2}, "/v1/tokenize": {"prompt": "hi"},
             "/v1/detokenize": {"tokens": [1]}, "/generate": {"text": "hi"}, "/abort_request": {"rid": "x"},
-            "/v1/embeddings": {"input": "hi"}}[path]
+            "/v1/embeddings": {"input": "hi"}, "/v1/load_lora_adapter": {"lora_name": "a", "lora_path": "/x"},
+            "/v1/unload_lora_adapter": {"lora_name": "a"}}[path]
     body = dict(base)
     for field in data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
         body[field] = data.draw(EXTREMES)

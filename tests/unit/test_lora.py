@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from crane_mp.cli import build_parser
+from crane_mp.scheduler.adapters import AdapterError, AdapterTable
 from crane_mp.settings import SettingsError, read_config_file, settable_actions
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.forward_context import LoraBatch, lora_batch
@@ -106,3 +107,24 @@ def test_lora_modules_from_a_config_file(tmp_path):
     bad.write_text('lora-modules = ["=/x"]\n')
     with pytest.raises(SettingsError, match="--lora-modules"):
         read_config_file(str(bad), actions)
+
+
+def test_the_scheduler_hands_out_fresh_ids_and_guards_unloads():
+    table = AdapterTable((("a", "/a"),), max_loras=2)
+    assert table.ids == {1} and [x.name for x in table.registry().adapters] == ["a"]
+    b = table.reserve("b", "/b")
+    with pytest.raises(AdapterError, match="already loaded"):
+        table.reserve("b", "/b")  # a load of the same name is still on its way
+    with pytest.raises(AdapterError, match="--max-loras"):
+        table.reserve("c", "/c")
+    table.finish_load(b, ok=True)
+    with pytest.raises(AdapterError, match="in use by 3 requests"):
+        table.remove("b", users=3)
+    assert table.remove("b", users=0) == b
+    with pytest.raises(AdapterError) as missing:
+        table.remove("b", users=0)
+    assert missing.value.status == 404
+    again = table.reserve("b", "/b")
+    assert again.lora_id == 3  # never the id of the adapter it replaces: no stale prefix-cache hits
+    table.finish_load(again, ok=False)
+    assert table.ids == {1} and table.pending == {}
