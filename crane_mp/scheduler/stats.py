@@ -21,7 +21,8 @@ class EngineCounters:
         self.prompt_tokens_total += num_prompt_tokens
 
     def on_step(self, outputs: list[TokenOutput], elapsed: float) -> None:
-        generated = sum(len(o.new_token_ids) for o in outputs)
+        # An embedding request's one token is a placeholder, not generated text.
+        generated = sum(len(o.new_token_ids) for o in outputs if o.embedding is None)
         self.generation_tokens_total += generated
         self.completed_requests += sum(o.finish_reason is not None for o in outputs)
         if generated and elapsed > 0:
