@@ -68,3 +68,23 @@ def test_chunked_and_preempted_prompts_pool_like_one_pass(checkpoint, pooling):
     assert pooled.req_id == 7 and last.req_ids == [7]  # a placeholder token ends the request
     expected = hidden[-1] if pooling == "last" else hidden.mean(axis=0)
     np.testing.assert_allclose(np.frombuffer(pooled.values, dtype=np.float32), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_an_embedding_checkpoint_without_an_lm_head_loads_with_a_stub(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from crane_mp.gguf_file import ModelSource
+    from crane_mp.worker.loader import load_model
+
+    path = make_model("qwen3", "tiny", tmp_path / "q", seed=4)
+    config_file = path / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "tie_word_embeddings": False}))
+    weights = {k.removeprefix("model."): v for k, v in load_file(str(path / "model.safetensors")).items()
+               if k != "lm_head.weight"}  # saved as a bare decoder (Qwen3Model), no head
+    save_file(weights, str(path / "model.safetensors"))
+    config = load_model_config(path)
+    with pytest.raises(ValueError, match="missing"):
+        load_model(config, ModelSource("safetensors", path), torch.float32, CPU, progress=False)
+    model, _ = load_model(config, ModelSource("safetensors", path), torch.float32, CPU, progress=False, embed_only=True)
+    assert model.lm_head.weight.shape == (1, config.hidden_size)
+    assert torch.equal(model.model.embed_tokens.weight, weights["embed_tokens.weight"])
