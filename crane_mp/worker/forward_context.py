@@ -23,17 +23,19 @@ class LoraBatch:
     groups: list[tuple[int, torch.Tensor | None]]
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]):
-        """`out` plus each adapter's low-rank update on its rows; `weights`: adapter id -> (A, B) of
-        one projection (scaling folded into B)."""
+        """Add each adapter's low-rank update to its rows of `out` (a projection's fresh output, updated
+        in place and returned); `weights`: adapter id -> (A^T, B^T) of that projection, scaling folded
+        in, in the dtype the update is computed in (float32 on CPU: small bf16 GEMMs are slow there)."""
         for lora_id, rows in self.groups:
             pair = weights.get(lora_id)
             if pair is None:
                 continue
-            a, b = pair
+            a_t, b_t = pair
             if rows is None:
-                out = out + (x @ a.t()) @ b.t()
+                out.add_((x.to(a_t.dtype) @ a_t) @ b_t)
             else:
-                out = out.index_add(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+                update = (x.index_select(0, rows).to(a_t.dtype) @ a_t) @ b_t
+                out.index_add_(0, rows, update.to(out.dtype))
         return out
 
 

@@ -3,10 +3,10 @@ base model: a request names its adapter, and requests of different adapters and 
 in the same forward.
 
 An adapter's q/k/v (and gate/up) matrices are stacked to match our fused projections: A = [A_q; A_k;
-A_v] and a block-diagonal B that writes each part's rows, with alpha / r folded into B. In a step,
-each linear adds (x_rows @ A^T) @ B^T for the rows of each adapter present (one pair of GEMMs per
-adapter and projection, gathered by row index), so a batch with k adapters costs k small GEMM pairs
-per projection whatever its size.
+A_v] and a block-diagonal B that writes each part's rows, with alpha / r folded into B (both stored
+transposed). In a step, each linear adds (x_rows @ A^T) @ B^T to the rows of each adapter present (one
+pair of GEMMs per adapter and projection, gathered by row index; forward_context.LoraBatch), so a
+batch with k adapters costs k small GEMM pairs per projection whatever its size.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def read_adapter(path: str | Path, name: str, max_rank: int) -> tuple[dict, dict
 
 def build_adapter(model: CausalLM, config: dict, tensors: dict[str, torch.Tensor], name: str,
                   dtype: torch.dtype, device: torch.device) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """(layer, projection) -> (A [parts * r, in], B [out, parts * r]) with the scaling folded into B."""
+    """(layer, projection) -> (A^T [in, parts * r], B^T [parts * r, out]) with the scaling folded into B,
+    in `dtype`."""
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     parts: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -111,9 +112,9 @@ def build_adapter(model: CausalLM, config: dict, tensors: dict[str, torch.Tensor
                 block[offset : offset + size] = b * scaling
                 b_blocks.append(block)
             offset += size
-        a_full = torch.cat(a_rows).to(device=device, dtype=dtype).contiguous()
-        b_full = torch.cat(b_blocks, dim=1).to(device=device, dtype=dtype).contiguous()
-        built[(layer, projection)] = (a_full, b_full)
+        a_t = torch.cat(a_rows).t().to(device=device, dtype=dtype).contiguous()
+        b_t = torch.cat(b_blocks, dim=1).t().to(device=device, dtype=dtype).contiguous()
+        built[(layer, projection)] = (a_t, b_t)
     if not built:
         raise LoraError(f"LoRA adapter {name!r}: no LoRA matrices found")
     return built
@@ -133,9 +134,10 @@ def uninstall(model: CausalLM, lora_id: int) -> None:
 
 def load_adapter(model: CausalLM, lora_id: int, name: str, path: str, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> int:
-    """Read, check and install one adapter under `lora_id`; returns the bytes it takes."""
+    """Read, check and install one adapter under `lora_id`; returns the bytes it takes. On CPU the
+    matrices stay float32 whatever the model's dtype (bf16 GEMMs this small run at half the speed)."""
     config, tensors = read_adapter(path, name, max_rank)
-    adapter = build_adapter(model, config, tensors, name, dtype, device)
+    adapter = build_adapter(model, config, tensors, name, torch.float32 if device.type == "cpu" else dtype, device)
     install(model, lora_id, adapter)
     return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in adapter.values())
 

@@ -41,13 +41,16 @@ def test_lora_batch_groups_rows_by_adapter():
 
 
 def test_each_adapter_updates_only_its_rows():
-    x, out = torch.randn(4, 3), torch.zeros(4, 2)
-    a1, b1, a2, b2 = torch.randn(1, 3), torch.randn(2, 1), torch.randn(1, 3), torch.randn(2, 1)
+    x, out = torch.randn(4, 3, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.bfloat16)
+    a1, b1, a2, b2 = torch.randn(3, 1), torch.randn(1, 2), torch.randn(3, 1), torch.randn(1, 2)  # A^T, B^T
     result = lora_batch([1, 0, 2, 1], torch.device("cpu")).apply(x, out, {1: (a1, b1), 2: (a2, b2)})
-    assert torch.allclose(result[[0, 3]], (x[[0, 3]] @ a1.t()) @ b1.t())
-    assert torch.equal(result[1], torch.zeros(2))
-    assert torch.allclose(result[2], (x[2] @ a2.t()) @ b2.t())
-    assert LoraBatch([(3, None)]).apply(x, out, {1: (a1, b1)}) is out  # an adapter that skips this projection
+    assert result is out and result.dtype == torch.bfloat16  # in place, in the model's dtype
+    expected = (x.float() @ a1) @ b1
+    assert torch.allclose(result[[0, 3]].float(), expected[[0, 3]], atol=0.05)
+    assert torch.equal(result[1], torch.zeros(2, dtype=torch.bfloat16))
+    assert torch.allclose(result[2].float(), (x[2].float() @ a2) @ b2, atol=0.05)
+    before = out.clone()
+    assert torch.equal(LoraBatch([(3, None)]).apply(x, out, {1: (a1, b1)}), before)  # not this adapter's projection
 
 
 def test_q_and_v_parts_land_in_their_rows_of_the_fused_projection(model, tmp_path):
@@ -60,13 +63,14 @@ def test_q_and_v_parts_land_in_their_rows_of_the_fused_projection(model, tmp_pat
     write_adapter(tmp_path / "qv", {}, tensors)
     config, loaded = read_adapter(tmp_path / "qv", "qv", 64)
     built = build_adapter(model, config, loaded, "qv", torch.float32, torch.device("cpu"))
-    a, b = built[(0, "qkv_proj")]
+    a_t, b_t = built[(0, "qkv_proj")]
     x = torch.randn(2, cfg.hidden_size)
-    delta = (x @ a.t()) @ b.t()
+    delta = (x @ a_t) @ b_t
     scaling = 8 / 4
 
     def part(name: str) -> torch.Tensor:
-        return (x @ tensors[f"{PREFIX}self_attn.{name}.lora_A.weight"].t()) @ tensors[f"{PREFIX}self_attn.{name}.lora_B.weight"].t()
+        a, b = (tensors[f"{PREFIX}self_attn.{name}.lora_{m}.weight"] for m in "AB")
+        return (x @ a.t()) @ b.t()
 
     q_part, v_part = part("q_proj"), part("v_proj")
     assert torch.allclose(delta[:, :q_out], q_part * scaling, atol=1e-4)
@@ -102,7 +106,8 @@ def test_lora_modules_from_a_config_file(tmp_path):
     actions = settable_actions(build_parser())
     good = tmp_path / "good.toml"
     good.write_text('lora-modules = ["sql=/adapters/sql", "/adapters/chat"]\n')
-    assert read_config_file(str(good), actions)["lora_modules"] == [("sql", "/adapters/sql"), ("chat", "/adapters/chat")]
+    modules = read_config_file(str(good), actions)["lora_modules"]
+    assert modules == [("sql", "/adapters/sql"), ("chat", "/adapters/chat")]
     bad = tmp_path / "bad.toml"
     bad.write_text('lora-modules = ["=/x"]\n')
     with pytest.raises(SettingsError, match="--lora-modules"):
