@@ -28,11 +28,11 @@ def resolve_model(state: FrontendState, model: str | None) -> tuple[str, int]:
     neither the served model nor one of its adapters is a 404 in OpenAI's shape."""
     if model is None or model in (state.model_name, state.config.engine.model_path):
         return state.model_name, 0
-    lora_id = state.lora_ids.get(model)
-    if lora_id is None:
-        served = ", ".join(f"`{name}`" for name in (state.model_name, *state.lora_ids))
+    adapter = state.adapters.get(model)
+    if adapter is None:
+        served = ", ".join(f"`{name}`" for name in (state.model_name, *state.adapters))
         raise ApiError(404, f"the model `{model}` does not exist; this server serves {served}", "model")
-    return model, lora_id
+    return model, adapter.lora_id
 
 
 def check_model(state: FrontendState, model: str | None) -> str:

@@ -32,7 +32,7 @@ from crane_mp.frontend.fields import (
     TopLogprobs,
     TopP,
 )
-from crane_mp.frontend.structured import Constraint
+from crane_mp.frontend.structured import Constraint, constraints_in, one_constraint
 from crane_mp.protocol import SamplingParams
 
 # JSON nesting a free-form value (chat_template_kwargs) may have; the template engine recurses into it.
@@ -120,29 +120,20 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             found.append(Constraint.json_schema(schema, "response_format.json_schema.schema"))
         so = self.structured_outputs
         if so is not None:
-            ws = so.whitespace_pattern
-            if so.json is not None:
-                found.append(Constraint.json_schema(so.json, "structured_outputs.json", ws))
-            if so.json_object:
-                found.append(Constraint("json_object", "", "structured_outputs.json_object", ws))
-            if so.regex is not None:
-                found.append(Constraint("regex", so.regex, "structured_outputs.regex"))
-            if so.choice is not None:
-                found.append(Constraint.choice(so.choice, "structured_outputs.choice"))
-            if so.grammar is not None:
-                found.append(Constraint("grammar", so.grammar, "structured_outputs.grammar"))
-        if self.guided_json is not None:
-            found.append(Constraint.json_schema(self.guided_json, "guided_json", self.guided_whitespace_pattern))
-        if self.guided_regex is not None:
-            found.append(Constraint("regex", self.guided_regex, "guided_regex"))
-        if self.guided_choice is not None:
-            found.append(Constraint.choice(self.guided_choice, "guided_choice"))
-        if self.guided_grammar is not None:
-            found.append(Constraint("grammar", self.guided_grammar, "guided_grammar"))
-        if len(found) > 1:
-            raise ApiError(400, "give one output constraint, not several: " + ", ".join(c.param for c in found),
-                           found[1].param)
-        return found[0] if found else None
+            found += constraints_in({
+                "json_schema": ("structured_outputs.json", so.json),
+                "json_object": ("structured_outputs.json_object", so.json_object),
+                "regex": ("structured_outputs.regex", so.regex),
+                "choice": ("structured_outputs.choice", so.choice),
+                "grammar": ("structured_outputs.grammar", so.grammar),
+            }, so.whitespace_pattern)
+        found += constraints_in({
+            "json_schema": ("guided_json", self.guided_json),
+            "regex": ("guided_regex", self.guided_regex),
+            "choice": ("guided_choice", self.guided_choice),
+            "grammar": ("guided_grammar", self.guided_grammar),
+        }, self.guided_whitespace_pattern)
+        return one_constraint(found)
 
 
 class TextPart(msgspec.Struct, forbid_unknown_fields=False):

@@ -99,11 +99,11 @@ def _lora_ids(state: FrontendState, lora_path: str | list[str | None] | None, nu
         raise ApiError(400, f"lora_path lists {len(paths)} adapters for {num_prompts} prompts", "lora_path")
     ids = []
     for path in paths:
-        lora_id = 0 if path is None else state.lora_ids.get(path)
-        if lora_id is None:
+        adapter = None if path is None else state.adapters.get(path)
+        if path is not None and adapter is None:
             raise ApiError(400, f"lora_path {path!r} is not a loaded adapter (--lora-modules); loaded: "
-                                f"{', '.join(state.lora_ids) or 'none'}", "lora_path")
-        ids.append(lora_id)
+                                f"{', '.join(state.adapters) or 'none'}", "lora_path")
+        ids.append(0 if adapter is None else adapter.lora_id)
     return ids
 
 

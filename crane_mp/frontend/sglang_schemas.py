@@ -23,9 +23,8 @@ from crane_mp.frontend.fields import (
     TopLogprobs,
     TopP,
 )
-from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.openai_schemas import MAX_BATCH, PROMPT_IDS_BATCH_SCHEMA, PROMPT_IDS_SCHEMA, check_token_ids
-from crane_mp.frontend.structured import Constraint
+from crane_mp.frontend.structured import Constraint, constraints_in, one_constraint
 from crane_mp.protocol import SamplingParams
 
 
@@ -52,16 +51,9 @@ class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
 
     def constraint(self) -> Constraint | None:
         """The one output constraint set, if any; a 400 when several are."""
-        found = []
-        if self.json_schema is not None:
-            found.append(Constraint.json_schema(self.json_schema, "sampling_params.json_schema"))
-        if self.regex is not None:
-            found.append(Constraint("regex", self.regex, "sampling_params.regex"))
-        if self.ebnf is not None:
-            found.append(Constraint("grammar", self.ebnf, "sampling_params.ebnf"))
-        if len(found) > 1:
-            raise ApiError(400, "give one of json_schema, regex and ebnf, not several", found[1].param)
-        return found[0] if found else None
+        return one_constraint(constraints_in({
+            "json_schema": ("sampling_params.json_schema", self.json_schema),
+            "regex": ("sampling_params.regex", self.regex), "grammar": ("sampling_params.ebnf", self.ebnf)}))
 
     def to_sampling(self, vocab_size: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams (ranges were checked while decoding; here the served model's

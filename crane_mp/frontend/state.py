@@ -40,11 +40,6 @@ class FrontendState:
     def model_name(self) -> str:
         return self.config.model_name
 
-    @property
-    def lora_ids(self) -> dict[str, int]:
-        """LoRA adapter name -> id."""
-        return {name: adapter.lora_id for name, adapter in self.adapters.items()}
-
     def set_adapters(self, adapters: list[LoraAdapter]) -> None:
         """The scheduler's list after a load or unload (any frontend's): what requests may name now."""
         self.adapters = {adapter.name: adapter for adapter in adapters}

@@ -55,6 +55,32 @@ class Constraint:
         return Constraint("choice", json.dumps(choices), param)
 
 
+def constraints_in(fields: dict[str, tuple[str, Any]], whitespace_pattern: str | None = None) -> list[Constraint]:
+    """The constraints a group of request fields sets: kind -> (field name, value); unset values
+    (None, False) are skipped. Kinds as Constraint's, plus json_object (a bool)."""
+    found = []
+    for kind, (param, value) in fields.items():
+        if value is None or value is False:
+            continue
+        if kind == "json_schema":
+            found.append(Constraint.json_schema(value, param, whitespace_pattern))
+        elif kind == "json_object":
+            found.append(Constraint("json_object", "", param, whitespace_pattern))
+        elif kind == "choice":
+            found.append(Constraint.choice(value, param))
+        else:
+            found.append(Constraint(kind, value, param))
+    return found
+
+
+def one_constraint(found: list[Constraint]) -> Constraint | None:
+    """The request's constraint, if any; a 400 naming them when it sets several."""
+    if len(found) > 1:
+        raise ApiError(400, "give one output constraint, not several: " + ", ".join(c.param for c in found),
+                       found[1].param)
+    return found[0] if found else None
+
+
 class GrammarCompiler:
     """Constraint -> validated llguidance grammar text, cached; the vocabulary view is built on first use."""
 
