@@ -160,3 +160,17 @@ def fault_injection_token() -> int | None:
     prompt holds token ID (the fault-isolation tests); unset in production."""
     value = os.environ.get("CRANE_MP_FAULT_TOKEN", "").strip()
     return int(value) if value else None
+
+
+ATTENTION_BACKENDS = ("triton", "native", "torch")
+
+
+def attention_backend_override() -> str | None:
+    """CRANE_MP_ATTENTION=triton|native|torch: the paged-attention implementation to use instead of the
+    device's default (worker/attention.py), to compare them or to rule one out."""
+    value = os.environ.get("CRANE_MP_ATTENTION", "").strip().lower()
+    if not value:
+        return None
+    if value not in ATTENTION_BACKENDS:
+        raise ValueError(f"CRANE_MP_ATTENTION={value!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+    return value

@@ -9,8 +9,15 @@ A step's tokens are laid out decode-first:
 Each sequence's keys live in KV blocks; key position j of a sequence sits in
 slot block_table[j // block_size] * block_size + j % block_size. A prefill chunk of
 q_len tokens after ctx_before cached tokens attends to keys [0, ctx_before + i] for its
-query i. Decodes are attended in one batched call, prefill chunks in a second one
-padded to the longest chunk.
+query i.
+
+Three backends read the same metadata layout:
+- "triton" (CUDA): kernels read block tables, context lengths and chunk offsets directly
+  (kernels/triton_attention.py); no gathered copy of the cache, no mask.
+- "native" (CPU): the C++ decode kernel reads block tables and context lengths; prefill chunks as "torch".
+- "torch": decodes in one SDPA call over a gathered, masked copy of their keys, prefill chunks in a
+  second one padded to the longest chunk.
+Every integer of a step's metadata goes to the device in one copy (host_buffers.py).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from crane_mp.worker.host_buffers import device_longs
 
 
 @dataclass(slots=True)
@@ -36,7 +45,7 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_keys] additive (torch path only)
-    decode_ctx_lens: torch.Tensor | None  # [num_decodes] int64 keys per decode (native kernel only)
+    decode_ctx_lens: torch.Tensor | None  # [num_decodes] int64 keys per decode (native and Triton kernels)
     sliding_window: int | None
     prefill_token_index: torch.Tensor | None  # [num_prefills * max_q] index into the prefill tokens
     prefill_valid_index: torch.Tensor | None  # [num_prefill_tokens] rows of the padded output to keep
@@ -45,12 +54,34 @@ class AttentionMetadata:
     num_prefills: int
     max_prefill_q: int
     prefill_is_fresh_single: bool  # one prefill with no cached context: plain causal attention
+    backend: str = "torch"
+    prefill_q_start: torch.Tensor | None = None  # [num_prefills] first row of each chunk in q (Triton only)
+    prefill_q_len: torch.Tensor | None = None  # [num_prefills] (Triton only)
+    prefill_ctx_before: torch.Tensor | None = None  # [num_prefills] (Triton only)
 
 
-def _padded_tables(spans: list[SeqSpan], num_blocks_needed: list[int], device) -> torch.Tensor:
+def _padded_rows(spans: list[SeqSpan], num_blocks_needed: list[int]) -> list[int]:
+    """Block tables of `spans`, each cut to the blocks it needs and padded to the longest, flattened."""
     width = max(num_blocks_needed)
-    rows = [s.block_table[:n] + [0] * (width - n) for s, n in zip(spans, num_blocks_needed)]
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return [b for s, n in zip(spans, num_blocks_needed) for b in s.block_table[:n] + [0] * (width - n)]
+
+
+class _Packer:
+    """Collects a step's integer lists and hands out device views of one copied buffer."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+        self.parts: list[tuple[int, tuple[int, ...]]] = []
+
+    def add(self, values: list[int], shape: tuple[int, ...]) -> int:
+        self.parts.append((len(self.values), shape))
+        self.values += values
+        return len(self.parts) - 1
+
+    def unpack(self, device: torch.device) -> list[torch.Tensor]:
+        flat = device_longs(self.values, device)
+        ends = [start for start, _ in self.parts[1:]] + [len(self.values)]
+        return [flat[start:end].view(shape) for (start, shape), end in zip(self.parts, ends)]
 
 
 def _key_mask(
@@ -76,63 +107,76 @@ def build_metadata(
     device: torch.device,
     dtype: torch.dtype,
     sliding_window: int | None = None,
-    native_decode: bool = False,
+    backend: str = "torch",
 ) -> AttentionMetadata:
-    """Called by the runner once per step; `decodes` each have q_len == 1 and come first.
-
-    With `native_decode` the decodes are attended by the C++ kernel, which reads block tables and
-    context lengths directly instead of a gathered copy and a mask."""
+    """Called by the runner once per step; `decodes` each have q_len == 1 and come first."""
+    pack = _Packer()
     slots: list[int] = []
     for span in decodes + prefills:
         table = span.block_table
         for pos in range(span.ctx_before, span.ctx_before + span.q_len):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
-    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    parts = {"slots": pack.add(slots, (len(slots),))}
 
-    decode_tables = decode_mask = decode_ctx_lens = None
     if decodes:
         ctx = [s.ctx_before + 1 for s in decodes]
         needed = [-(-c // block_size) for c in ctx]
-        decode_tables = _padded_tables(decodes, needed, device)
-        ctx_len = torch.tensor(ctx, dtype=torch.long, device=device)
-        if native_decode:
-            decode_ctx_lens = ctx_len
-        else:
-            decode_mask = _key_mask((ctx_len - 1)[:, None], ctx_len, max(needed) * block_size, sliding_window, dtype)
+        parts["decode_tables"] = pack.add(_padded_rows(decodes, needed), (len(decodes), max(needed)))
+        parts["decode_ctx"] = pack.add(ctx, (len(decodes),))
 
-    token_index = valid_index = prefill_tables = prefill_mask = None
     max_q = max((s.q_len for s in prefills), default=0)
     fresh_single = len(prefills) == 1 and prefills[0].ctx_before == 0 and sliding_window is None
-    if prefills and not fresh_single:
+    triton_prefill = backend == "triton" and bool(prefills)
+    if prefills and (triton_prefill or not fresh_single):
         ctx = [s.ctx_before + s.q_len for s in prefills]
         needed = [-(-c // block_size) for c in ctx]
-        prefill_tables = _padded_tables(prefills, needed, device)
-        index, valid, start = [], [], 0
-        for p, span in enumerate(prefills):
-            index += list(range(start, start + span.q_len)) + [start] * (max_q - span.q_len)
-            valid += range(p * max_q, p * max_q + span.q_len)
-            start += span.q_len
-        token_index = torch.tensor(index, dtype=torch.long, device=device)
-        valid_index = torch.tensor(valid, dtype=torch.long, device=device)
-        ctx_before = torch.tensor([s.ctx_before for s in prefills], device=device)
-        q_pos = ctx_before[:, None] + torch.arange(max_q, device=device)[None, :]  # [num_prefills, max_q]
-        ctx_len = torch.tensor(ctx, device=device)
-        prefill_mask = _key_mask(q_pos, ctx_len, max(needed) * block_size, sliding_window, dtype)
+        parts["prefill_tables"] = pack.add(_padded_rows(prefills, needed), (len(prefills), max(needed)))
+        parts["prefill_ctx_before"] = pack.add([s.ctx_before for s in prefills], (len(prefills),))
+        parts["prefill_ctx"] = pack.add(ctx, (len(prefills),))
+        if triton_prefill:
+            starts = [len(decodes) + sum(s.q_len for s in prefills[:p]) for p in range(len(prefills))]
+            parts["prefill_q_start"] = pack.add(starts, (len(prefills),))
+            parts["prefill_q_len"] = pack.add([s.q_len for s in prefills], (len(prefills),))
+        else:
+            index, valid, start = [], [], 0
+            for p, span in enumerate(prefills):
+                index += list(range(start, start + span.q_len)) + [start] * (max_q - span.q_len)
+                valid += range(p * max_q, p * max_q + span.q_len)
+                start += span.q_len
+            parts["prefill_index"] = pack.add(index, (len(index),))
+            parts["prefill_valid"] = pack.add(valid, (len(valid),))
+    tensors = pack.unpack(device)
+    get = {name: tensors[i] for name, i in parts.items()}.get
+
+    decode_mask = None
+    if decodes and backend == "torch":
+        ctx_len = get("decode_ctx")
+        width = get("decode_tables").shape[1] * block_size
+        decode_mask = _key_mask((ctx_len - 1)[:, None], ctx_len, width, sliding_window, dtype)
+    prefill_mask = None
+    if get("prefill_index") is not None:
+        q_pos = get("prefill_ctx_before")[:, None] + torch.arange(max_q, device=device)[None, :]
+        width = get("prefill_tables").shape[1] * block_size
+        prefill_mask = _key_mask(q_pos, get("prefill_ctx"), width, sliding_window, dtype)
 
     return AttentionMetadata(
-        slot_mapping=slot_mapping,
+        slot_mapping=get("slots"),
         num_decode_tokens=len(decodes),
-        decode_block_tables=decode_tables,
+        decode_block_tables=get("decode_tables"),
         decode_mask=decode_mask,
-        decode_ctx_lens=decode_ctx_lens,
+        decode_ctx_lens=get("decode_ctx") if backend != "torch" else None,
         sliding_window=sliding_window,
-        prefill_token_index=token_index,
-        prefill_valid_index=valid_index,
-        prefill_block_tables=prefill_tables,
+        prefill_token_index=get("prefill_index"),
+        prefill_valid_index=get("prefill_valid"),
+        prefill_block_tables=get("prefill_tables"),
         prefill_mask=prefill_mask,
         num_prefills=len(prefills),
         max_prefill_q=max_q,
-        prefill_is_fresh_single=fresh_single,
+        prefill_is_fresh_single=fresh_single and not triton_prefill,
+        backend=backend,
+        prefill_q_start=get("prefill_q_start"),
+        prefill_q_len=get("prefill_q_len"),
+        prefill_ctx_before=get("prefill_ctx_before") if triton_prefill else None,
     )
 
 
@@ -160,6 +204,8 @@ def paged_attention(
     if k is not None:
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if meta.backend == "triton":
+        return _triton_attention(q, k_cache, v_cache, meta, scale)
     outputs = []
 
     num_decodes = meta.num_decode_tokens
@@ -203,3 +249,34 @@ def paged_attention(
             out = out.transpose(1, 2).reshape(batch * max_q, num_heads * head_dim)
             outputs.append(out.index_select(0, meta.prefill_valid_index))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    from crane_mp.worker.kernels import triton_attention as kernels
+
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    window = meta.sliding_window or 0
+    num_decodes = meta.num_decode_tokens
+    if num_decodes:
+        splits = kernels.decode_splits(num_decodes, k_cache.shape[2], _num_sms(q.device))
+        workspace = kernels.decode_workspace(num_decodes, num_heads, head_dim, splits, q.device)
+        kernels.paged_decode(q[:num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens,
+                             out[:num_decodes], scale, window, splits, workspace)
+    if meta.num_prefills:
+        kernels.paged_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_q_start,
+                              meta.prefill_q_len, meta.prefill_ctx_before, meta.max_prefill_q, out, scale, window)
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter (tests): a few splits, as on a small GPU
+        return 4
+    index = device.index or 0
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from crane_mp.config import fault_injection_token
+from crane_mp.config import attention_backend_override, fault_injection_token
 from crane_mp.protocol import (
     PooledOutput,
     PromptLogprobs,
@@ -33,7 +33,7 @@ from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.rope import rope_tables
-from crane_mp.worker.sampler import Sampler, SamplingState, new_sampling_state, record_token
+from crane_mp.worker.sampler import Sampler, SamplingState
 
 log = logging.getLogger("crane_mp.worker")
 
@@ -67,8 +67,8 @@ class RequestMirror:
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, block_size: int, max_positions: int, device: torch.device, native_decode: bool = True,
-        grammars: GrammarEngine | None = None,
+        self, model: CausalLM, block_size: int, max_positions: int, device: torch.device,
+        attention_backend: str | None = None, grammars: GrammarEngine | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -80,7 +80,9 @@ class ModelRunner:
         self.sampler = Sampler(self.config.vocab_size, device, grammars)
         self.requests: dict[int, RequestMirror] = {}
         self.num_blocks = 0
-        self.native_decode = native_decode and native_ops(device)
+        self.attention_backend = attention_backend or attention_backend_override() or default_attention_backend(device)
+        if self.attention_backend == "native" and not native_ops(device):
+            raise ValueError("the native attention kernel runs only on CPUs that build crane-mp's C++ kernels")
         self.failed: dict[int, str] = {}  # req id -> error, until the scheduler finishes the request
         self._newly_failed: list[int] = []
         self.fault_token = fault_injection_token()
@@ -101,7 +103,9 @@ class ModelRunner:
 
     def _apply_plan(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
-            self.requests.pop(req_id, None)
+            mirror = self.requests.pop(req_id, None)
+            if mirror is not None:
+                self.sampler.release(mirror.sampling)
             self.failed.pop(req_id, None)
         for req_id in plan.preempted_req_ids:
             if req_id in self.requests:
@@ -109,9 +113,7 @@ class ModelRunner:
         eos = self.config.eos_token_ids
         for new in plan.new_requests:
             try:
-                state = new_sampling_state(
-                    new.sampling, new.prompt_ids, self.config.vocab_size, eos, self.device, self.grammars
-                )
+                state = self.sampler.new_state(new.sampling, new.prompt_ids, eos)
             except Exception as err:
                 self._fail(new.req_id, err)
                 continue
@@ -216,7 +218,8 @@ class ModelRunner:
                     sum_rows.append((sched.req_id, len(input_ids) - (end - first), last - first))
 
         meta = build_metadata(
-            decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window, self.native_decode
+            decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window,
+            self.attention_backend,
         )
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1),
@@ -243,9 +246,8 @@ class ModelRunner:
             self._inject_fault(sampled_ids)
         tokens, logprobs = self.sampler.sample(logits, states)
         for req_id, token in zip(sampled_ids, tokens):
-            mirror = self.requests[req_id]
-            mirror.token_ids.append(token)
-            record_token(mirror.sampling, token)
+            self.requests[req_id].token_ids.append(token)
+        self.sampler.record(states, tokens)
         if embedded_ids:
             logprobs = logprobs + [None] * len(embedded_ids) if logprobs else []
         return sampled_ids + embedded_ids, tokens + [_PLACEHOLDER_TOKEN] * len(embedded_ids), logprobs
@@ -301,7 +303,8 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         self.allocate_kv_cache(num_blocks)
         span = SeqSpan(0, num_tokens, list(range(num_blocks)))
-        meta = build_metadata([], [span], self.block_size, self.device, self.dtype, self.config.sliding_window)
+        meta = build_metadata([], [span], self.block_size, self.device, self.dtype, self.config.sliding_window,
+                              self.attention_backend)
         pos = torch.arange(num_tokens, device=self.device)
         ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1))
         with forward_context(ctx):
@@ -314,6 +317,13 @@ class ModelRunner:
 
 # The token an embedding request "samples": it only ends the request (its max_tokens is 1).
 _PLACEHOLDER_TOKEN = 0
+
+
+def default_attention_backend(device: torch.device) -> str:
+    """Triton kernels on CUDA, the C++ decode kernel on CPUs that build it, else portable torch."""
+    if device.type == "cuda":
+        return "triton"
+    return "native" if native_ops(device) else "torch"
 
 
 def _advances_before_sampling(params) -> bool:

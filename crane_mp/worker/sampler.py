@@ -1,9 +1,10 @@
-"""Batched sampling on the device, with per-request sampling state (seeded generators, penalty counts).
+"""Batched sampling on the device, with per-request sampling state (seeds, penalty rows, grammar matchers).
 
 Order per row, as vLLM applies it: raw logprobs -> grammar mask (structured output) -> logit_bias and
 min_tokens suppression -> repetition, frequency and presence penalties -> temperature -> min_p -> top_k
--> top_p -> draw. A seeded request
-draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
+-> top_p -> draw. A seeded request's
+noise is a function of its seed and output position, so its tokens do not depend on what else is in the
+batch, nor on preemption.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import torch
 
 from crane_mp.protocol import SamplingParams, TokenLogprobs
 from crane_mp.worker.grammar import GrammarEngine
+from crane_mp.worker.host_buffers import device_bools, device_floats, device_longs
 from crane_mp.worker.kernels.cpu_isa import native_ops
+from crane_mp.worker.penalties import PenaltyTable
+from crane_mp.worker.seeded_noise import exponential_noise, row_keys
 
 
 @dataclass(slots=True)
@@ -22,59 +26,69 @@ class SamplingState:
     """Worker-side per-request state, created when the request is first seen."""
 
     params: SamplingParams
-    generator: torch.Generator | None = None
-    seen_mask: torch.Tensor | None = None  # [vocab] bool: prompt + output tokens (repetition penalty)
-    output_counts: torch.Tensor | None = None  # [vocab] float: output token counts (presence/frequency)
+    penalty_row: int | None = None  # the request's row of the sampler's PenaltyTable
     num_output_tokens: int = 0
     suppress_ids: list[int] = field(default_factory=list)  # stop ids masked until min_tokens
+    bias_ids: list[int] = field(default_factory=list)  # logit_bias within the vocabulary
+    bias_values: list[float] = field(default_factory=list)
     matcher: object | None = None  # llguidance matcher of a constrained request (grammar.py)
 
 
-def new_sampling_state(
-    params: SamplingParams, prompt_ids: list[int], vocab_size: int, eos_ids: tuple[int, ...], device: torch.device,
-    grammars: GrammarEngine | None = None,
-) -> SamplingState:
-    state = SamplingState(params)
-    if params.grammar is not None:
-        if grammars is None:
-            raise ValueError("this engine was built without structured output")
-        state.matcher = grammars.new_matcher(params.grammar)
-    if params.seed is not None:
-        state.generator = torch.Generator(device=device)
-        state.generator.manual_seed(params.seed)
-    if params.uses_penalties:
-        state.seen_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        state.seen_mask[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
-        state.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-    if params.min_tokens > 0:
-        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids))
-        state.suppress_ids = [t for t in stop_ids if 0 <= t < vocab_size]
-    return state
-
-
-def record_token(state: SamplingState, token_id: int) -> None:
-    """Account a token that became part of the request's output (sampled, or replayed on resume)."""
-    state.num_output_tokens += 1
-    if state.matcher is not None:
-        # A token the mask allowed always fits; if not, the matcher only allows EOS from now on.
-        state.matcher.consume_token(token_id)
-    if state.output_counts is not None:
-        state.output_counts[token_id] += 1
-        state.seen_mask[token_id] = True
-
-
 class Sampler:
+    """Samples a batch with a fixed number of device ops whatever its size: every processor works on
+    all rows that use it at once (one scatter for biases, one gather for penalties), and seeded rows
+    draw counter-based noise (seeded_noise.py) instead of stepping a generator per row."""
+
     def __init__(self, vocab_size: int, device: torch.device, grammars: GrammarEngine | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.grammars = grammars
+        self.penalties = PenaltyTable(vocab_size, device)
         self._shared_generator = torch.Generator(device=device)
         self._shared_generator.manual_seed(torch.initial_seed() % (2**63))
+
+    def new_state(self, params: SamplingParams, prompt_ids: list[int], eos_ids: tuple[int, ...]) -> SamplingState:
+        state = SamplingState(params)
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this engine was built without structured output")
+            state.matcher = self.grammars.new_matcher(params.grammar)
+        if params.logit_bias:
+            biases = [(t, v) for t, v in params.logit_bias.items() if 0 <= t < self.vocab_size]
+            state.bias_ids = [t for t, _ in biases]
+            state.bias_values = [float(v) for _, v in biases]
+        if params.min_tokens > 0:
+            stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids))
+            state.suppress_ids = [t for t in stop_ids if 0 <= t < self.vocab_size]
+        if params.uses_penalties:
+            state.penalty_row = self.penalties.acquire(prompt_ids)
+        return state
+
+    def release(self, state: SamplingState) -> None:
+        """The request finished: its penalty row goes back to the table."""
+        if state.penalty_row is not None:
+            self.penalties.release(state.penalty_row)
+            state.penalty_row = None
+
+    def record(self, states: list[SamplingState], tokens: list[int]) -> None:
+        """Account tokens that became part of the requests' outputs (tokens[i] for states[i])."""
+        penalised_rows, penalised_tokens = [], []
+        for state, token in zip(states, tokens):
+            state.num_output_tokens += 1
+            if state.matcher is not None:
+                # A token the mask allowed always fits; if not, the matcher only allows EOS from now on.
+                state.matcher.consume_token(token)
+            if state.penalty_row is not None:
+                penalised_rows.append(state.penalty_row)
+                penalised_tokens.append(token)
+        if penalised_rows:
+            self.penalties.record(device_longs(penalised_rows, self.device), device_longs(penalised_tokens, self.device))
 
     def sample(
         self, logits: torch.Tensor, states: list[SamplingState]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [N, vocab] (any float dtype); returns one token id per row and logprobs where asked."""
+        """logits: [N, vocab] (any float dtype); returns one token id per row and logprobs where asked.
+        Reading the sampled ids back is the step's only wait on the device."""
         logits = logits.float()
         params = [s.params for s in states]
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -93,54 +107,69 @@ class Sampler:
         constrained = [row for row, state in enumerate(states) if state.matcher is not None]
         if constrained:
             self.grammars.mask(logits, constrained, [states[row].matcher for row in constrained])
+        rows: list[int] = []
+        ids: list[int] = []
+        values: list[float] = []
+        penalised: list[int] = []
         for row, state in enumerate(states):
-            p = state.params
-            if p.logit_bias:
-                ids = torch.tensor([t for t in p.logit_bias if 0 <= t < self.vocab_size], device=self.device)
-                bias = torch.tensor([p.logit_bias[t] for t in ids.tolist()], device=self.device)
-                logits[row].index_add_(0, ids, bias)
+            if state.bias_ids:
+                rows += [row] * len(state.bias_ids)
+                ids += state.bias_ids
+                values += state.bias_values
             # min_tokens yields to a grammar that is complete (only EOS left): else no token would remain.
-            if (state.suppress_ids and state.num_output_tokens < p.min_tokens
+            if (state.suppress_ids and state.num_output_tokens < state.params.min_tokens
                     and not (state.matcher is not None and state.matcher.is_stopped())):
-                logits[row, state.suppress_ids] = float("-inf")
-            if state.seen_mask is not None:
-                row_logits = logits[row]
-                if p.repetition_penalty != 1.0:
-                    penalised = torch.where(
-                        row_logits > 0, row_logits / p.repetition_penalty, row_logits * p.repetition_penalty
-                    )
-                    row_logits.copy_(torch.where(state.seen_mask, penalised, row_logits))
-                row_logits -= p.frequency_penalty * state.output_counts
-                row_logits -= p.presence_penalty * (state.output_counts > 0).float()
+                rows += [row] * len(state.suppress_ids)
+                ids += state.suppress_ids
+                values += [float("-inf")] * len(state.suppress_ids)
+            if state.penalty_row is not None:
+                penalised.append(row)
+        if rows:
+            logits.index_put_((device_longs(rows, self.device), device_longs(ids, self.device)),
+                              device_floats(values, self.device), accumulate=True)
+        if penalised:
+            index = device_longs(penalised, self.device)
+            columns = device_floats([[states[r].params.repetition_penalty, states[r].params.frequency_penalty,
+                                      states[r].params.presence_penalty] for r in penalised], self.device)
+            table_rows = device_longs([states[r].penalty_row for r in penalised], self.device)
+            penalised_logits = self.penalties.apply(logits.index_select(0, index), table_rows, columns[:, 0:1],
+                                                    columns[:, 1:2], columns[:, 2:3])
+            logits.index_copy_(0, index, penalised_logits)
         return logits
 
     def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         params = [s.params for s in states]
-        greedy = torch.tensor([p.greedy for p in params], device=self.device)
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=self.device)
+        greedy = device_bools([p.greedy for p in params], self.device)
+        temperature = device_floats([1.0 if p.greedy else p.temperature for p in params], self.device)
         greedy_tokens = argmax_rows(logits)
         probs = torch.softmax(logits / temperature[:, None], dim=-1)
 
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=self.device)
+            min_p = device_floats([p.min_p for p in params], self.device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         if any(0 < p.top_k < self.vocab_size or p.top_p < 1.0 for p in params):
             probs = self._top_k_top_p(probs, params)
 
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; noise per row from the row's generator.
-        noise = torch.empty_like(probs).exponential_(generator=self._shared_generator)
-        for row, state in enumerate(states):
-            if state.generator is not None:
-                noise[row].exponential_(generator=state.generator)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; a seeded row's noise is its own.
+        seeded = [row for row, p in enumerate(params) if p.seed is not None and not p.greedy]
+        if len(seeded) == len(states):
+            noise = exponential_noise(self._keys(states, seeded), self.vocab_size)
+        else:
+            noise = torch.empty_like(probs).exponential_(generator=self._shared_generator)
+            if seeded:
+                noise.index_copy_(0, device_longs(seeded, self.device),
+                                  exponential_noise(self._keys(states, seeded), self.vocab_size))
         sampled = argmax_rows(probs / noise)
         return torch.where(greedy, greedy_tokens, sampled)
 
+    def _keys(self, states: list[SamplingState], rows: list[int]) -> torch.Tensor:
+        return row_keys([states[r].params.seed for r in rows], [states[r].num_output_tokens for r in rows], self.device)
+
     def _top_k_top_p(self, probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        top_k = torch.tensor(
-            [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params], device=self.device
-        )
-        top_p = torch.tensor([p.top_p for p in params], device=self.device)
+        top_k = device_longs([p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params],
+                             self.device)
+        top_p = device_floats([p.top_p for p in params], self.device)
         ranks = torch.arange(self.vocab_size, device=self.device)[None, :]
         drop = ranks >= top_k[:, None]
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)

@@ -16,7 +16,7 @@ from crane_mp.model_tokenizer import load_tokenizer
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.grammar import GrammarEngine
-from crane_mp.worker.sampler import Sampler, new_sampling_state, record_token
+from crane_mp.worker.sampler import Sampler
 
 CPU = torch.device("cpu")
 EOS = 507  # the tiny model's <|im_end|>; <|endoftext|> (505) ends generation too
@@ -53,7 +53,7 @@ def run(sampler: Sampler, states, steps: int, seed: int = 0) -> list[list[int]]:
         tokens, _ = sampler.sample(logits, [states[row] for row in live])
         for row, token in zip(live, tokens):
             outputs[row].append(token)
-            record_token(states[row], token)
+        sampler.record([states[row] for row in live], tokens)
     return outputs
 
 
@@ -61,23 +61,25 @@ def test_constrained_rows_follow_their_grammar_beside_a_free_row(grammars, token
     params = [SamplingParams(seed=1, grammar=LLMatcher.grammar_from_json_schema(SCHEMA)),
               SamplingParams(seed=2, grammar=LLMatcher.grammar_from_regex(r"(yes|no)-[0-9]{2,3}")),
               SamplingParams(seed=3)]
-    states = [new_sampling_state(p, [1, 2], 512, EOS_IDS, CPU, grammars) for p in params]
-    outputs = run(Sampler(512, CPU, grammars), states, 200)
+    sampler = Sampler(512, CPU, grammars)
+    states = [sampler.new_state(p, [1, 2], EOS_IDS) for p in params]
+    outputs = run(sampler, states, 200)
 
     json_out, regex_out, free = outputs
     assert json_out[-1] in EOS_IDS and regex_out[-1] in EOS_IDS
     jsonschema.validate(json.loads(tokenizer.decode(json_out[:-1])), SCHEMA)
     assert re.fullmatch(r"(yes|no)-[0-9]{2,3}", tokenizer.decode(regex_out[:-1]))
 
-    # The free row draws exactly what it draws alone: its noise comes from its own seeded generator.
-    alone = new_sampling_state(SamplingParams(seed=3), [1, 2], 512, EOS_IDS, CPU)
+    # The free row draws exactly what it draws alone: its noise is a function of its seed and position.
+    sampler = Sampler(512, CPU)
+    alone = sampler.new_state(SamplingParams(seed=3), [1, 2], EOS_IDS)
     reference = []
     generator = torch.Generator().manual_seed(0)
-    sampler = Sampler(512, CPU)
     for step in range(len(free)):
         live = 3 - sum(1 for out in (json_out, regex_out) if len(out) <= step)
         logits = torch.randn(live, 512, generator=generator) * 4
-        reference.append(sampler.sample(logits[live - 1 :], [alone])[0][0])
+        reference += sampler.sample(logits[live - 1 :], [alone])[0]
+        sampler.record([alone], reference[-1:])
     assert free == reference
 
 
@@ -86,30 +88,31 @@ def test_choice_grammar_is_cached_and_every_request_gets_its_own_matcher(grammar
     first = grammars.new_matcher(grammar)
     second = grammars.new_matcher(grammar)
     assert first is not second and len(grammars._pristine) == 1
-    states = [new_sampling_state(SamplingParams(seed=s, grammar=grammar), [1], 512, EOS_IDS, CPU, grammars)
-              for s in range(6)]
-    outputs = run(Sampler(512, CPU, grammars), states, 20, seed=4)
+    sampler = Sampler(512, CPU, grammars)
+    states = [sampler.new_state(SamplingParams(seed=s, grammar=grammar), [1], EOS_IDS) for s in range(6)]
+    outputs = run(sampler, states, 20, seed=4)
     assert {tokenizer.decode(out[:-1]) for out in outputs} <= {"red", "green", "blue"}
 
 
 def test_a_complete_grammar_overrides_min_tokens(grammars):
     params = SamplingParams(temperature=0.0, min_tokens=50, grammar=LLMatcher.grammar_from_regex("ok"))
-    state = new_sampling_state(params, [1], 512, EOS_IDS, CPU, grammars)
-    out = run(Sampler(512, CPU, grammars), [state], 10)[0]
+    sampler = Sampler(512, CPU, grammars)
+    out = run(sampler, [sampler.new_state(params, [1], EOS_IDS)], 10)[0]
     assert out[-1] in EOS_IDS and len(out) <= 3  # "ok" then EOS, though min_tokens asked for 50
 
 
 def test_greedy_takes_the_best_allowed_token(grammars):
     grammar = LLMatcher.grammar_from_regex("[0-9]+")
-    state = new_sampling_state(SamplingParams(temperature=0.0, grammar=grammar), [1], 512, EOS_IDS, CPU, grammars)
+    sampler = Sampler(512, CPU, grammars)
+    state = sampler.new_state(SamplingParams(temperature=0.0, grammar=grammar), [1], EOS_IDS)
     logits = torch.zeros(1, 512)
     digit_ids = list(range(15, 25))  # byte-level tokens of "0".."9" in the tiny vocabulary
     logits[0, 300] = 100.0  # a token the grammar forbids
     logits[0, digit_ids[7]] = 5.0
-    tokens, _ = Sampler(512, CPU, grammars).sample(logits, [state])
+    tokens, _ = sampler.sample(logits, [state])
     assert tokens == [digit_ids[7]]
 
 
 def test_a_request_without_an_engine_for_grammars_is_refused():
     with pytest.raises(ValueError, match="structured output"):
-        new_sampling_state(SamplingParams(grammar=LLMatcher.grammar_from_regex("a")), [1], 512, EOS_IDS, CPU)
+        Sampler(512, CPU).new_state(SamplingParams(grammar=LLMatcher.grammar_from_regex("a")), [1], EOS_IDS)

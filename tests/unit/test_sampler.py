@@ -7,14 +7,22 @@ import math
 import torch
 
 from crane_mp.protocol import SamplingParams
-from crane_mp.worker.sampler import Sampler, new_sampling_state, record_token
+from crane_mp.worker.sampler import Sampler
+from crane_mp.worker.seeded_noise import exponential_noise, row_keys
 
 VOCAB = 50
 CPU = torch.device("cpu")
 
 
-def states(*params: SamplingParams, prompt: list[int] | None = None, eos=(1,)):
-    return [new_sampling_state(p, prompt or [5, 6], VOCAB, eos, CPU) for p in params]
+def states(sampler: Sampler, *params: SamplingParams, prompt: list[int] | None = None, eos=(1,)):
+    return [sampler.new_state(p, prompt or [5, 6], eos) for p in params]
+
+
+def draw(sampler: Sampler, logits: torch.Tensor, st) -> list[int]:
+    """Sample one step and record it, as the runner does."""
+    tokens = sampler.sample(logits, st)[0]
+    sampler.record(st, tokens)
+    return tokens
 
 
 def peaked_logits(rows: int, seed: int = 0) -> torch.Tensor:
@@ -25,7 +33,7 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
     logits = peaked_logits(3)
     sampler = Sampler(VOCAB, CPU)
     p = SamplingParams(temperature=0.0, logprobs=3)
-    tokens, logprobs = sampler.sample(logits.clone(), states(p, p, p))
+    tokens, logprobs = sampler.sample(logits.clone(), states(sampler, p, p, p))
     assert tokens == logits.argmax(-1).tolist()
     ref = torch.log_softmax(logits, -1)
     for row, lp in enumerate(logprobs):
@@ -36,7 +44,7 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
 
 def test_no_logprobs_unless_asked():
     sampler = Sampler(VOCAB, CPU)
-    _, logprobs = sampler.sample(peaked_logits(2), states(SamplingParams(temperature=0.0), SamplingParams()))
+    _, logprobs = sampler.sample(peaked_logits(2), states(sampler, SamplingParams(temperature=0.0), SamplingParams()))
     assert logprobs == []
 
 
@@ -45,12 +53,12 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     seeded = SamplingParams(temperature=1.0, seed=1234)
     logits = peaked_logits(1, seed=3) / 3  # flat enough that sampling really varies
     seq_alone, seq_batched = [], []
-    st_alone = states(seeded)
-    st_batch = states(SamplingParams(temperature=1.0), seeded, SamplingParams(temperature=0.7, seed=9))
+    st_alone = states(sampler, seeded)
+    st_batch = states(sampler, SamplingParams(temperature=1.0), seeded, SamplingParams(temperature=0.7, seed=9))
     for _ in range(20):
-        seq_alone.append(sampler.sample(logits.clone(), st_alone)[0][0])
+        seq_alone.append(draw(sampler, logits.clone(), st_alone)[0])
         batch = torch.cat([peaked_logits(1, seed=7), logits, peaked_logits(1, seed=8)])
-        seq_batched.append(sampler.sample(batch, st_batch)[0][1])
+        seq_batched.append(draw(sampler, batch, st_batch)[1])
     assert seq_alone == seq_batched
     assert len(set(seq_alone)) > 1  # it is really sampling
 
@@ -68,7 +76,7 @@ def test_top_k_top_p_min_p_restrict_the_support():
     top_p_support = int((probs.sort(descending=True).values.cumsum(0) < 0.5).sum()) + 1
     min_p_support = int((probs >= 0.5 * probs.max()).sum())
     seen = [set() for _ in params]
-    st = states(*params)
+    st = states(sampler, *params)
     for _ in range(200):
         for row, tok in enumerate(sampler.sample(logits.clone(), st)[0]):
             seen[row].add(tok)
@@ -84,9 +92,9 @@ def test_penalties_follow_vllm_definitions():
     logits[0, 5] = 2.0  # in the prompt, positive
     logits[0, 6] = -2.0  # in the prompt, negative
     logits[0, 7] = 1.5  # generated twice
-    st = states(SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25))
-    record_token(st[0], 7)
-    record_token(st[0], 7)
+    st = states(sampler, SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25))
+    sampler.record(st, [7])
+    sampler.record(st, [7])
     processed = sampler._apply_processors(logits.clone(), st)[0]
     assert processed[5].item() == 1.0  # 2 / 2
     assert processed[6].item() == -4.0  # -2 * 2
@@ -98,26 +106,96 @@ def test_logit_bias_and_min_tokens_suppression():
     sampler = Sampler(VOCAB, CPU)
     logits = peaked_logits(1)
     favourite = int(logits.argmin())
-    st = states(SamplingParams(temperature=0.0, logit_bias={favourite: 100.0}))
+    st = states(sampler, SamplingParams(temperature=0.0, logit_bias={favourite: 100.0}))
     assert sampler.sample(logits.clone(), st)[0] == [favourite]
 
     logits = torch.zeros(1, VOCAB)
     logits[0, 1] = 10.0  # eos
     logits[0, 9] = 9.0  # a stop token id
-    st = states(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[9]))
+    st = states(sampler, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[9]))
     assert sampler.sample(logits.clone(), st)[0] != [1]
     assert sampler.sample(logits.clone(), st)[0] not in ([1], [9])
-    record_token(st[0], 3)
-    record_token(st[0], 3)
+    sampler.record(st, [3])
+    sampler.record(st, [3])
     assert sampler.sample(logits.clone(), st)[0] == [1]  # min_tokens reached: EOS allowed again
 
 
 def test_temperature_changes_the_spread():
     sampler = Sampler(VOCAB, CPU)
     logits = peaked_logits(1, seed=5) / 3
-    cold = states(SamplingParams(temperature=0.05, seed=1))
-    hot = states(SamplingParams(temperature=5.0, seed=1))
-    cold_seen = {sampler.sample(logits.clone(), cold)[0][0] for _ in range(50)}
-    hot_seen = {sampler.sample(logits.clone(), hot)[0][0] for _ in range(50)}
+    cold = states(sampler, SamplingParams(temperature=0.05, seed=1))
+    hot = states(sampler, SamplingParams(temperature=5.0, seed=1))
+    cold_seen = {draw(sampler, logits.clone(), cold)[0] for _ in range(50)}
+    hot_seen = {draw(sampler, logits.clone(), hot)[0] for _ in range(50)}
     assert cold_seen == {int(logits.argmax())}
     assert len(hot_seen) > 10
+
+
+def test_seeded_noise_is_a_function_of_seed_and_position():
+    keys = row_keys([7, 7, 8, -(2**63), 2**63 - 1], [0, 1, 0, 0, 0], CPU)
+    noise = exponential_noise(keys, 4096)
+    again = exponential_noise(row_keys([7], [0], CPU), 4096)
+    assert torch.equal(noise[0], again[0])
+    for a, b in [(0, 1), (0, 2), (3, 4)]:
+        assert not torch.equal(noise[a], noise[b])
+    # Exp(1): mean 1, all positive and finite; neighbouring token ids uncorrelated.
+    assert bool(torch.isfinite(noise).all()) and bool((noise > 0).all())
+    assert abs(noise.mean().item() - 1.0) < 0.03
+    assert abs(torch.corrcoef(torch.stack([noise[0, :-1], noise[0, 1:]]))[0, 1].item()) < 0.05
+
+
+def reference_processors(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
+                         prompt: list[int], eos: tuple[int, ...]) -> torch.Tensor:
+    """One row at a time, straight from vLLM's definitions."""
+    out = logits.clone()
+    for row, (p, generated) in enumerate(zip(params, outputs)):
+        for token, bias in (p.logit_bias or {}).items():
+            out[row, token] += bias
+        if len(generated) < p.min_tokens:
+            for token in list(p.stop_token_ids) + list(eos):
+                out[row, token] = float("-inf")
+        if p.uses_penalties:
+            for token in set(prompt) | set(generated):
+                value = out[row, token]
+                out[row, token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+            for token in set(generated):
+                out[row, token] -= p.frequency_penalty * generated.count(token) + p.presence_penalty
+    return out
+
+
+def test_batched_processors_equal_a_row_by_row_reference_across_steps():
+    gen = torch.Generator().manual_seed(11)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={3: 5.0, 40: -2.5}),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, presence_penalty=0.7, min_tokens=3, stop_token_ids=[4],
+                       logit_bias={4: 1.0, 9: 0.5}),
+        SamplingParams(temperature=0.0, repetition_penalty=0.8),
+    ]
+    sampler = Sampler(VOCAB, CPU)
+    st = states(sampler, *params, prompt=[5, 6, 6, 12])
+    outputs: list[list[int]] = [[] for _ in params]
+    for _ in range(6):
+        logits = torch.randn(len(params), VOCAB, generator=gen)
+        want = reference_processors(logits, params, outputs, [5, 6, 6, 12], (1,))
+        torch.testing.assert_close(sampler._apply_processors(logits.clone(), st), want, rtol=1e-6, atol=1e-6)
+        tokens = torch.randint(0, 12, (len(params),), generator=gen).tolist()  # repeats across rows and steps
+        sampler.record(st, tokens)
+        for row, token in enumerate(tokens):
+            outputs[row].append(token)
+
+
+def test_penalty_rows_are_reused_after_release_and_the_table_grows():
+    sampler = Sampler(VOCAB, CPU)
+    penalised = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    first = states(sampler, *[penalised] * 9)  # more than the first allocation of 8 rows
+    assert len({s.penalty_row for s in first}) == 9
+    sampler.record(first, [2] * 9)
+    freed_row = first[0].penalty_row
+    sampler.release(first[0])
+    reused = states(sampler, penalised)[0]
+    assert reused.penalty_row == freed_row
+    logits = torch.zeros(1, VOCAB)
+    assert sampler._apply_processors(logits.clone(), [reused])[0, 2].item() == 0.0  # no counts carried over
+    assert sampler._apply_processors(logits.clone(), [first[1]])[0, 2].item() == -1.0

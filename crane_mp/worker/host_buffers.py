@@ -1,0 +1,28 @@
+"""Small per-step inputs (ids, positions, sampling parameters) moved to the device without a wait.
+
+On CUDA the values are written to page-locked host memory (torch's caching host allocator keeps those
+buffers and reuses one only after the copy that read it has finished) and copied asynchronously, so
+building a step never blocks on the GPU. On CPU the tensor is simply made where it is used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def device_longs(values: list[int], device: torch.device) -> torch.Tensor:
+    return device_tensor(values, torch.long, device)
+
+
+def device_floats(values: list, device: torch.device) -> torch.Tensor:
+    return device_tensor(values, torch.float32, device)
+
+
+def device_bools(values: list[bool], device: torch.device) -> torch.Tensor:
+    return device_tensor(values, torch.bool, device)
