@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or --max-num-batched-tokens if that is lower)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="never reuse KV blocks across requests that share a prompt prefix")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying graphs captured at start-up "
+                        "(faster start, slower decode; for debugging)")
     p.add_argument("--no-overlap-schedule", action="store_true",
                    help="plan each step only after the previous one returned (slower; for debugging)")
     p.add_argument("--max-seq-len", type=_non_negative_int, default=0, help="prompt + output limit; 0 = the model's")
@@ -227,6 +230,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             max_total_tokens=args.max_total_tokens,
             enable_prefix_caching=not args.no_prefix_cache,
             overlap_schedule=not args.no_overlap_schedule,
+            cuda_graphs=not args.no_cuda_graph,
             seed=args.seed,
             task=task,
             lora_modules=tuple(args.lora_modules),

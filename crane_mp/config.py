@@ -69,6 +69,7 @@ class EngineConfig:
     max_total_tokens: int | None = None
     enable_prefix_caching: bool = True
     overlap_schedule: bool = True  # plan step N+1 while the worker runs step N
+    cuda_graphs: bool = True  # replay decode steps from graphs captured at start-up (CUDA only)
     seed: int = 0
     task: str = "generate"  # or "embed": an embedding model, which may have no lm_head
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter directory); adapter i has id i + 1

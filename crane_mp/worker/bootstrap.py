@@ -11,12 +11,19 @@ import torch
 
 from crane_mp.config import EngineConfig, MemoryLimit
 from crane_mp.gguf_file import describe_types, resolve_model_source
+from crane_mp.worker.decode_graphs import graph_batch_sizes
 from crane_mp.worker.device import select_device, select_dtype
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.loader import file_tensor_bytes, load_model, weight_bytes
 from crane_mp.worker.lora import load_adapters
-from crane_mp.worker.memory import KVPlan, device_total_memory, measure_activation_bytes, plan_kv_blocks
+from crane_mp.worker.memory import (
+    KVPlan,
+    device_free_memory,
+    device_total_memory,
+    measure_activation_bytes,
+    plan_kv_blocks,
+)
 from crane_mp.worker.model_config import ModelConfig, load_gguf_config, load_model_config
 from crane_mp.worker.runner import ModelRunner
 
@@ -24,6 +31,12 @@ log = logging.getLogger(__name__)
 
 # Without --gpu-memory-limit a GPU host may give the engine most of the device.
 _DEFAULT_CUDA_LIMIT = MemoryLimit(fraction=0.9)
+# The CPU warm-up step (its memory is estimated, not measured).
+_CPU_WARMUP_TOKENS = 128
+_CPU_WARMUP_SEQS = 8
+# Float32 [sequences, vocabulary] buffers alive at the sampler's peak (logits, log-softmax, probabilities,
+# sorted values and int64 order, cumulative sums, noise), in bytes per logit.
+_SAMPLER_BYTES_PER_LOGIT = 48
 
 
 @dataclass(slots=True)
@@ -43,6 +56,11 @@ def _activation_estimate_per_token(cfg: ModelConfig) -> int:
     # Live float32 tensors of one layer at its widest point (MLP gate/up + output, attention q/k/v/out).
     widths = cfg.hidden_size * 4 + cfg.intermediate_size * 3 + (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * 2
     return widths * 4
+
+
+def cuda_graphs_wanted(config: EngineConfig, device: torch.device, runner: ModelRunner) -> bool:
+    """Decode graphs need CUDA and an attention kernel that reads block tables itself."""
+    return config.cuda_graphs and device.type == "cuda" and runner.attention_backend == "triton"
 
 
 class PhaseTimer:
@@ -93,11 +111,24 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     runner = ModelRunner(model, config.block_size, max_model_len, device, grammars=grammars)
 
     weights_bytes = weight_bytes(model)
+    # The largest step: a full token budget of prompt, then sampling for every sequence at once with
+    # every processor on (the [sequences, vocabulary] temporaries of top-p, penalties and logprobs).
     profile_tokens = min(config.max_num_batched_tokens, max_model_len)
-    activation_bytes = measure_activation_bytes(
-        runner.profile_forward, profile_tokens, device, _activation_estimate_per_token(model_config)
-    )
+    profile_seqs = min(config.max_num_seqs, profile_tokens)
+
+    def profile(full: bool) -> None:
+        if full:
+            runner.profile_step(profile_tokens, profile_seqs)
+        else:
+            runner.profile_step(min(profile_tokens, _CPU_WARMUP_TOKENS), min(profile_seqs, _CPU_WARMUP_SEQS))
+
+    estimate = (profile_tokens * _activation_estimate_per_token(model_config)
+                + profile_seqs * model_config.vocab_size * _SAMPLER_BYTES_PER_LOGIT)
+    activation_bytes = measure_activation_bytes(profile, device, estimate)
     timer.done("warm-up")
+    # Decode graphs keep a memory pool of their own, no larger than the largest step's activations.
+    graphs = cuda_graphs_wanted(config, device, runner)
+    reserved_bytes = activation_bytes if graphs else 0
     limit = config.memory_limit or (_DEFAULT_CUDA_LIMIT if device.type == "cuda" else None)
     kv_plan = plan_kv_blocks(
         limit=limit,
@@ -109,9 +140,15 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_total_tokens=config.max_total_tokens,
+        reserved_bytes=reserved_bytes,
+        free_bytes=device_free_memory(device),
     )
+    log.info("memory plan: %s", kv_plan.describe())
     runner.allocate_kv_cache(kv_plan.num_blocks)
     timer.done("kv cache")
+    if graphs:
+        runner.enable_decode_graphs(graph_batch_sizes(config.max_num_seqs))
+        timer.done("cuda graphs")
     # Everything allocated so far (torch, transformers, the model) lives for the whole run: keep the
     # cyclic GC from rescanning it in the middle of decode steps.
     gc.collect()

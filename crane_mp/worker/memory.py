@@ -1,16 +1,20 @@
-"""KV-cache sizing: how many blocks fit in the memory limit after weights and peak activations."""
+"""KV-cache sizing: how many blocks fit in the memory limit after weights, peak activations and the
+memory set aside for decode graphs and sampler state.
+
+On CUDA the limit is a cap on what the engine allocates, and the plan also never counts on more than
+the device has free after the weights are loaded (other processes, the CUDA context), so a limit
+larger than what is free shrinks the cache instead of running out of memory mid-serving.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import psutil
 import torch
 
 from crane_mp.config import MemoryLimit
-
-
-_CPU_WARMUP_TOKENS = 128
 
 
 class MemoryBudgetError(RuntimeError):
@@ -25,6 +29,13 @@ class KVPlan:
     limit_bytes: int
     weights_bytes: int
     activation_bytes: int
+    reserved_bytes: int = 0  # decode graphs' memory pool and sampler state
+    bound: str = "limit"  # what sized the cache: limit, free memory, max_num_seqs or max_total_tokens
+
+    def describe(self) -> str:
+        return (f"KV cache {_size(self.kv_budget_bytes)} ({self.num_blocks} blocks, bound by {self.bound}); "
+                f"weights {_size(self.weights_bytes)}, activations {_size(self.activation_bytes)}, "
+                f"reserved {_size(self.reserved_bytes)}, limit {_size(self.limit_bytes)}")
 
 
 def device_total_memory(device: torch.device) -> int:
@@ -51,8 +62,13 @@ def plan_kv_blocks(
     max_model_len: int,
     max_num_seqs: int,
     max_total_tokens: int | None,
+    reserved_bytes: int = 0,
+    free_bytes: int | None = None,
 ) -> KVPlan:
     """Pure sizing rule. Without a limit (the CPU default) the KV cache may use a quarter of host RAM.
+
+    `free_bytes`: what the device can still hand out now, with the weights loaded (CUDA). One block
+    beyond the plan's is always allocated: padded rows of a replayed decode graph write there.
 
     The caller clamps max_model_len to max_total_tokens when that is set.
 
@@ -62,34 +78,51 @@ def plan_kv_blocks(
         limit_bytes = limit.resolve(total_bytes)
     else:
         limit_bytes = int(0.25 * total_bytes) + weights_bytes
-    budget = limit_bytes - weights_bytes - activation_bytes
     block_bytes = kv_bytes_per_token * block_size
+    budget = limit_bytes - weights_bytes - activation_bytes - reserved_bytes - block_bytes
+    bound = "limit"
+    if free_bytes is not None and free_bytes - activation_bytes - reserved_bytes - block_bytes < budget:
+        budget = free_bytes - activation_bytes - reserved_bytes - block_bytes
+        bound = "free memory"
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = max(0, budget // block_bytes)
     if num_blocks < blocks_per_seq:
-        raise MemoryBudgetError(
-            f"memory limit {_size(limit_bytes)} cannot hold the weights ({_size(weights_bytes)}), activations "
-            f"({_size(activation_bytes)}) and the KV cache of one {max_model_len}-token sequence "
-            f"({_size(blocks_per_seq * block_bytes)}); raise --gpu-memory-limit or lower --max-seq-len"
-        )
-    num_blocks = min(num_blocks, max_num_seqs * blocks_per_seq + 1)
-    if max_total_tokens is not None:
-        num_blocks = max(blocks_per_seq, min(num_blocks, max_total_tokens // block_size))
-    return KVPlan(num_blocks, kv_bytes_per_token, num_blocks * block_bytes, limit_bytes, weights_bytes, activation_bytes)
+        needs = (f"activations ({_size(activation_bytes)}), reserved memory ({_size(reserved_bytes)}) and the KV "
+                 f"cache of one {max_model_len}-token sequence ({_size(blocks_per_seq * block_bytes)})")
+        if bound == "limit":
+            raise MemoryBudgetError(f"memory limit {_size(limit_bytes)} cannot hold the weights "
+                                    f"({_size(weights_bytes)}), {needs}; raise --gpu-memory-limit or lower --max-seq-len")
+        raise MemoryBudgetError(f"free device memory ({_size(free_bytes)} once the weights are loaded; other "
+                                f"processes hold the rest) cannot hold {needs}; free the device or lower --max-seq-len")
+    if num_blocks > max_num_seqs * blocks_per_seq + 1:
+        num_blocks, bound = max_num_seqs * blocks_per_seq + 1, "max_num_seqs"
+    if max_total_tokens is not None and num_blocks > max(blocks_per_seq, max_total_tokens // block_size):
+        num_blocks, bound = max(blocks_per_seq, max_total_tokens // block_size), "max_total_tokens"
+    return KVPlan(num_blocks, kv_bytes_per_token, num_blocks * block_bytes, limit_bytes, weights_bytes,
+                  activation_bytes, reserved_bytes, bound)
 
 
-def measure_activation_bytes(profile, num_tokens: int, device: torch.device, estimate_per_token: int) -> int:
-    """Peak memory of `profile(num_tokens)` above what was allocated before it.
+def device_free_memory(device: torch.device) -> int | None:
+    """Bytes the device can still hand out: free memory plus what torch's allocator holds unused.
+    None on CPU, where the limit alone decides."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
-    CUDA reports its allocator's peak; CPU allocations are not tracked, so there we use the per-token
-    estimate and run a short forward only as a warm-up (a full-budget one costs seconds of start-up).
+
+def measure_activation_bytes(profile: Callable[[bool], None], device: torch.device, estimate_bytes: int) -> int:
+    """Peak memory of the largest step, `profile(True)`, above what was allocated before it.
+
+    CUDA reports its allocator's peak; CPU allocations are not tracked, so there we use the estimate
+    and run a small step, `profile(False)`, only as a warm-up (a full-budget one costs seconds of start-up).
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        profile(num_tokens)
+        profile(True)
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    profile(min(num_tokens, _CPU_WARMUP_TOKENS))
-    return num_tokens * estimate_per_token
+    profile(False)
+    return estimate_bytes

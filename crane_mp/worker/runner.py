@@ -22,13 +22,16 @@ from crane_mp.config import attention_backend_override, fault_injection_token
 from crane_mp.protocol import (
     PooledOutput,
     PromptLogprobs,
+    SamplingParams,
     ScheduledRequest,
     StepPlan,
     StepResult,
     TokenLogprobs,
 )
 from crane_mp.worker.attention import SeqSpan, build_metadata
-from crane_mp.worker.forward_context import ForwardContext, forward_context, lora_batch
+from crane_mp.worker.decode_graphs import DecodeGraphs, capture_cuda
+from crane_mp.worker.forward_context import ForwardContext, LoraBatch, forward_context, lora_batch
+from crane_mp.worker.host_buffers import device_longs
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.models.layers import CausalLM
@@ -74,6 +77,7 @@ class ModelRunner:
         self.config = model.config
         self.block_size = block_size
         self.device = device
+        self.max_positions = max_positions
         self.dtype = model.model.norm.weight.dtype
         self.cos, self.sin = rope_tables(self.config, max_positions, self.dtype, device)
         self.grammars = grammars
@@ -86,14 +90,23 @@ class ModelRunner:
         self.failed: dict[int, str] = {}  # req id -> error, until the scheduler finishes the request
         self._newly_failed: list[int] = []
         self.fault_token = fault_injection_token()
+        self.decode_graphs: DecodeGraphs | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """`num_blocks` for the scheduler, and one spare block past them for padded decode-graph rows."""
         cfg = self.config
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks + 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         for attn in self.model.attention_layers():
             attn.k_cache = _zeroed(shape, self.dtype, self.device)
             attn.v_cache = _zeroed(shape, self.dtype, self.device)
         self.num_blocks = num_blocks
+
+    def enable_decode_graphs(self, sizes: list[int], capture=capture_cuda) -> None:
+        """Capture decode forwards for these batch sizes (after the KV cache is allocated: graphs keep
+        its addresses)."""
+        graphs = DecodeGraphs(self, sizes, capture)
+        graphs.capture_all()
+        self.decode_graphs = graphs
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.config
@@ -217,16 +230,11 @@ class ModelRunner:
                 if first < last:
                     sum_rows.append((sched.req_id, len(input_ids) - (end - first), last - first))
 
-        meta = build_metadata(
-            decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window,
-            self.attention_backend,
-        )
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1),
-                             lora_batch(adapters, self.device))
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        with forward_context(ctx):
-            hidden = self.model(ids)  # [T, hidden]
+        lora = lora_batch(adapters, self.device)
+        if self.decode_graphs is not None and not prefills and lora is None and self.decode_graphs.fits(len(decodes)):
+            hidden = self.decode_graphs.run(decodes, input_ids, positions)
+        else:
+            hidden = self._forward(decodes, prefills, input_ids, positions, lora)
         for req_id, row, count in score_rows:
             prompt_logprobs.append(self._score_prompt(req_id, hidden[row : row + count]))
         for req_id, row, count in sum_rows:
@@ -251,6 +259,18 @@ class ModelRunner:
         if embedded_ids:
             logprobs = logprobs + [None] * len(embedded_ids) if logprobs else []
         return sampled_ids + embedded_ids, tokens + [_PLACEHOLDER_TOKEN] * len(embedded_ids), logprobs
+
+    def _forward(self, decodes: list[SeqSpan], prefills: list[SeqSpan], input_ids: list[int], positions: list[int],
+                 lora: LoraBatch | None) -> torch.Tensor:
+        meta = build_metadata(
+            decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window,
+            self.attention_backend,
+        )
+        ids_and_positions = device_longs(input_ids + positions, self.device)
+        ids, pos = ids_and_positions[: len(input_ids)], ids_and_positions[len(input_ids) :]
+        ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1), lora)
+        with forward_context(ctx):
+            return self.model(ids)  # [T, hidden]
 
     def _add_to_mean(self, req_id: int, hidden: torch.Tensor) -> None:
         mirror = self.requests[req_id]
@@ -297,22 +317,26 @@ class ModelRunner:
         return PromptLogprobs(req_id, start, chosen, top_ids, top_values)
 
     @torch.inference_mode()
-    def profile_forward(self, num_tokens: int) -> None:
-        """One forward over `num_tokens` fresh prompt tokens (a scratch KV cache), to measure peak memory."""
+    def profile_step(self, num_tokens: int, num_seqs: int) -> None:
+        """The largest step, to measure peak memory: a forward over `num_tokens` fresh prompt tokens (a
+        scratch KV cache), then sampling `num_seqs` rows with every sampling processor on."""
         saved = [(a.k_cache, a.v_cache) for a in self.model.attention_layers()]
+        saved_blocks = self.num_blocks
         num_blocks = -(-num_tokens // self.block_size)
         self.allocate_kv_cache(num_blocks)
         span = SeqSpan(0, num_tokens, list(range(num_blocks)))
-        meta = build_metadata([], [span], self.block_size, self.device, self.dtype, self.config.sliding_window,
-                              self.attention_backend)
-        pos = torch.arange(num_tokens, device=self.device)
-        ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1))
-        with forward_context(ctx):
-            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device))
-        self.model.compute_logits(hidden[-min(num_tokens, 256):]).float().softmax(-1)
+        hidden = self._forward([], [span], [0] * num_tokens, list(range(num_tokens)), None)
+        logits = self.model.compute_logits(hidden[:num_seqs])
+        worst = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                                frequency_penalty=0.1, presence_penalty=0.1, logprobs=20, logit_bias={0: 1.0},
+                                seed=row if row % 2 else None) for row in range(num_seqs)]
+        states = [self.sampler.new_state(p, [0], self.config.eos_token_ids) for p in worst]
+        self.sampler.sample(logits, states)
+        for state in states:
+            self.sampler.release(state)
         for attn, (k, v) in zip(self.model.attention_layers(), saved):
             attn.k_cache, attn.v_cache = k, v
-        self.num_blocks = 0 if saved[0][0] is None else saved[0][0].shape[0]
+        self.num_blocks = saved_blocks
 
 
 # The token an embedding request "samples": it only ends the request (its max_tokens is 1).

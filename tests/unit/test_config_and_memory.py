@@ -62,17 +62,31 @@ def plan(**overrides):
     return plan_kv_blocks(**args)
 
 
-def test_blocks_fill_what_is_left_after_weights_and_activations():
-    result = plan()
-    budget = 2 * GIB - GIB - GIB // 4
-    assert result.num_blocks == budget // (64 * 1024 * 16)
-    assert result.kv_budget_bytes <= budget
-    assert result.limit_bytes == 2 * GIB
+BLOCK = 64 * 1024 * 16
+
+
+def test_blocks_fill_what_is_left_after_weights_activations_reserve_and_the_spare_block():
+    result = plan(reserved_bytes=GIB // 8)
+    budget = 2 * GIB - GIB - GIB // 4 - GIB // 8
+    assert result.num_blocks == budget // BLOCK - 1  # one block past the plan's is allocated as a spare
+    assert result.kv_budget_bytes + BLOCK <= budget
+    assert (result.limit_bytes, result.bound) == (2 * GIB, "limit")
+
+
+def test_free_device_memory_below_the_limit_shrinks_the_cache():
+    free = GIB  # other processes hold the rest of a 16 GiB device
+    result = plan(limit=MemoryLimit(num_bytes=8 * GIB), free_bytes=free, reserved_bytes=GIB // 16)
+    assert result.bound == "free memory"
+    assert result.kv_budget_bytes + BLOCK + GIB // 4 + GIB // 16 <= free
+    assert result.num_blocks == (free - GIB // 4 - GIB // 16) // BLOCK - 1
+    with pytest.raises(MemoryBudgetError, match="free device memory .* other processes hold the rest"):
+        plan(free_bytes=GIB // 4 + 1000)
+    assert plan(free_bytes=64 * GIB).bound == "limit"  # plenty free: the limit decides
 
 
 def test_blocks_capped_by_what_sequences_could_use_and_by_max_total_tokens():
-    assert plan(max_num_seqs=2).num_blocks == 2 * 256 + 1
-    assert plan(max_total_tokens=8192).num_blocks == 512
+    assert (plan(max_num_seqs=2).num_blocks, plan(max_num_seqs=2).bound) == (2 * 256 + 1, "max_num_seqs")
+    assert (plan(max_total_tokens=8192).num_blocks, plan(max_total_tokens=8192).bound) == (512, "max_total_tokens")
 
 
 def test_limit_too_small_for_one_sequence_fails_clearly():

@@ -1,5 +1,6 @@
-"""The CUDA path's Triton dequantizer, run on CPU through Triton's interpreter, against the gguf
-package's dequantizer for every quantized type it serves. Skipped where Triton is not installed."""
+"""The CUDA path's Triton GGUF kernels (dequantizer, and the matmul that decodes weights in registers),
+run on CPU through Triton's interpreter, against the gguf package's dequantizer for every quantized
+type they serve. Skipped where Triton is not installed."""
 
 from __future__ import annotations
 
@@ -27,6 +28,18 @@ for qtype in sorted(TRITON_TYPES):
             # The interpreter narrows to bf16 by truncation (GPUs round to nearest): one bf16 step apart.
             tol = 1e-6 if dtype == torch.float32 else 2 ** -7
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-7, msg=T(qtype).name)
+from crane_mp.worker.quantized.triton_dequant import FUSED_MAX_ROWS, triton_quantized_matmul
+for qtype in sorted(TRITON_TYPES):
+    cols = cols_for(qtype)[1]
+    data = quantized(qtype, 70, cols, seed=3)  # 70 outputs: a partial tile of 64
+    weight = reference(data, qtype, cols)
+    for rows in (1, 5, FUSED_MAX_ROWS):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+            got = triton_quantized_matmul(x.to(dtype), torch.from_numpy(data.copy()), qtype, cols)
+            want = x.to(dtype).float() @ weight.to(dtype).float().T
+            assert got.dtype == dtype and got.shape == (rows, 70)
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * cols ** 0.5, msg=T(qtype).name)
 print("checked", len(TRITON_TYPES))
 """
 

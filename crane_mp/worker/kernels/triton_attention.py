@@ -15,26 +15,16 @@ context among them at run time.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from crane_mp.worker.kernels.triton_common import INTERPRETED, dot
 
 _DECODE_TILE = 64  # keys per inner iteration of decode
 _PREFILL_BLOCK_M = 64  # query rows per prefill program
 _PREFILL_BLOCK_N = 64  # keys per prefill inner iteration
 _MAX_SPLITS = 16
-# Triton's interpreter multiplies 16-bit operands as raw integers: there, dot products take them in
-# float32, which is exact for bf16/fp16 products, as the GPU's float32-accumulating dot is.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -72,14 +62,14 @@ def _decode_split_kernel(
         offsets = blocks.to(tl.int64) * stride_kb + (keys % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         kv_mask = k_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale  # [GROUP_PAD, TILE]
+        s = dot(q, tl.trans(k), PRECISION, UPCAST) * scale  # [GROUP_PAD, TILE]
         s = tl.where(k_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -148,7 +138,7 @@ def _prefill_kernel(
             offsets = blocks.to(tl.int64) * stride_kb + (keys % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
             kv_mask = k_valid[:, None] & d_mask[None, :]
             k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale  # [BLOCK_M, BLOCK_N]
+            s = dot(q, tl.trans(k), PRECISION, UPCAST) * scale  # [BLOCK_M, BLOCK_N]
             allowed = k_valid[None, :] & (keys[None, :] <= q_pos[:, None])
             allowed = allowed & ((window == 0) | (keys[None, :] > q_pos[:, None] - window))
             s = tl.where(allowed, s, float("-inf"))
@@ -159,7 +149,7 @@ def _prefill_kernel(
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION, UPCAST)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :],
@@ -201,7 +191,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_SPLITS=splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1], TILE=_DECODE_TILE, PRECISION=_precision(q.dtype), UPCAST=_INTERPRETED,
+        D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1], TILE=_DECODE_TILE, PRECISION=_precision(q.dtype), UPCAST=INTERPRETED,
     )
     if splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -224,5 +214,5 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=_PREFILL_BLOCK_M, BLOCK_N=_PREFILL_BLOCK_N, PRECISION=_precision(q.dtype), UPCAST=_INTERPRETED,
+        BLOCK_M=_PREFILL_BLOCK_M, BLOCK_N=_PREFILL_BLOCK_N, PRECISION=_precision(q.dtype), UPCAST=INTERPRETED,
     )

@@ -2,9 +2,9 @@
 
 A fused projection (q/k/v, gate/up) may mix types (a Q4_K_M file stores some attn_v rows in Q6_K):
 each part keeps its own type and the outputs are concatenated. On CPU with native kernels the matmul
-dequantizes inside the kernel (kernels/gguf_matmul.cpp); elsewhere a slab of rows is dequantized at a
-time (on CUDA by one Triton launch, triton_dequant.py; else with torch ops) and multiplied, never a
-whole layer at once.
+dequantizes inside the kernel (kernels/gguf_matmul.cpp), and so does CUDA for up to 16 rows of input
+(decode steps; triton_dequant.py). Elsewhere a slab of rows is dequantized at a time (on CUDA by one
+Triton launch, else with torch ops) and multiplied, never a whole layer at once.
 """
 
 from __future__ import annotations
@@ -30,26 +30,31 @@ def _native(x: torch.Tensor) -> bool:
 _triton_state: dict[str, bool] = {}
 
 
-def _triton_dequantizer():
-    """The Triton dequantizer for CUDA, or None where Triton is missing or its kernel failed once
-    (it has not yet run on a GPU: a failure falls back to the torch ops with one warning)."""
-    if _triton_state.get("failed"):
+def _triton_kernels(weight: torch.Tensor, qtype: int):
+    """The Triton module for a CUDA weight of a type it decodes, or None where Triton is missing or one of
+    its kernels failed once (they have not yet run on a GPU: a failure falls back to the torch ops with
+    one warning)."""
+    if not weight.is_cuda or _triton_state.get("failed"):
         return None
     try:
-        from crane_mp.worker.quantized.triton_dequant import TRITON_TYPES, triton_dequantize
+        from crane_mp.worker.quantized import triton_dequant
     except ImportError:
         return None
-    return TRITON_TYPES, triton_dequantize
+    return triton_dequant if qtype in triton_dequant.TRITON_TYPES else None
+
+
+def _triton_failed(err: Exception) -> None:
+    _triton_state["failed"] = True
+    log.warning("Triton GGUF kernel failed (%s); using torch ops", str(err).splitlines()[0][:200])
 
 
 def _dequantize_slab(weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
-    triton = _triton_dequantizer() if weight.is_cuda else None
-    if triton is not None and qtype in triton[0]:
+    kernels = _triton_kernels(weight, qtype)
+    if kernels is not None:
         try:
-            return triton[1](weight, qtype, in_features, dtype)
+            return kernels.triton_dequantize(weight, qtype, in_features, dtype)
         except Exception as err:  # a compile or launch error on an untested GPU/Triton pairing
-            _triton_state["failed"] = True
-            log.warning("Triton dequantization failed (%s); using torch ops", str(err).splitlines()[0][:200])
+            _triton_failed(err)
     return dequantize(weight, qtype, in_features).to(dtype)
 
 
@@ -60,6 +65,12 @@ def quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_featu
     rows = weight.shape[0]
     if rows == 0:
         return x.new_empty(x.shape[0], 0)
+    kernels = _triton_kernels(weight, qtype)
+    if kernels is not None and x.shape[0] <= kernels.FUSED_MAX_ROWS:  # decode: weight bytes bound the step
+        try:
+            return kernels.triton_quantized_matmul(x.contiguous(), weight, qtype, in_features)
+        except Exception as err:
+            _triton_failed(err)
     slab = max(1, _SLAB_ELEMENTS // max(1, in_features))
     parts = [
         x @ _dequantize_slab(weight[start : start + slab], qtype, in_features, x.dtype).T

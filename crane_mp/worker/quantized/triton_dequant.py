@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
+from crane_mp.worker.kernels.triton_common import INTERPRETED, dot
 from crane_mp.worker.quantized.formats import LAYOUTS
 
 TRITON_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
@@ -32,12 +33,8 @@ def _f16(ptr, offset, mask):
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, out_ptr, n_elements, K, row_bytes, QTYPE: tl.constexpr, QK: tl.constexpr,
-                    BLOCK_BYTES: tl.constexpr, BLOCK: tl.constexpr):
-    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = e < n_elements
-    row = e // K
-    col = e % K
+def _values(w_ptr, row, col, row_bytes, mask, QTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """float32 weights at (row, col), any shape of index tensors; masked elements read byte 0."""
     base = row * row_bytes + (col // QK) * BLOCK_BYTES
     j = col % QK
     if QTYPE == 8:  # Q8_0: f16 d, 32 int8
@@ -85,7 +82,38 @@ def _dequant_kernel(w_ptr, out_ptr, n_elements, K, row_bytes, QTYPE: tl.constexp
             q = (_u8(w_ptr, base + 8 + j % 16, mask) >> (4 * (j // 16))) & 0xF
             q = q | (((_u8(w_ptr, base + 4 + j // 8, mask) >> (j % 8)) & 1) << 4)
             value = d * q.to(tl.float32) + _f16(w_ptr, base + 2, mask)
+    return value
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, out_ptr, n_elements, K, row_bytes, QTYPE: tl.constexpr, QK: tl.constexpr,
+                    BLOCK_BYTES: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = e < n_elements
+    value = _values(w_ptr, e // K, e % K, row_bytes, mask, QTYPE, QK, BLOCK_BYTES)
     tl.store(out_ptr + e, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om, QTYPE: tl.constexpr,
+                   QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """out[M, N] = x[M, K] @ W[N, K].T with W decoded tile by tile in registers: the quantized bytes are
+    the only weight traffic (decode steps, a few rows of x, are bound by it)."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _values(w_ptr, rn[:, None], rk[None, :], row_bytes, n_mask[:, None] & k_mask[None, :], QTYPE, QK,
+                    BLOCK_BYTES)
+        acc += dot(x, tl.trans(w.to(x.dtype)), "ieee", UPCAST)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
 
 
 def triton_dequantize(weight: torch.Tensor, qtype: int, elements: int, dtype: torch.dtype) -> torch.Tensor:
@@ -98,4 +126,23 @@ def triton_dequantize(weight: torch.Tensor, qtype: int, elements: int, dtype: to
             weight, out, total, elements, weight.shape[1], QTYPE=int(qtype), QK=layout.block,
             BLOCK_BYTES=layout.bytes, BLOCK=_BLOCK,
         )
+    return out
+
+
+# Tile of the fused matmul: 16 rows of x (tl.dot's minimum), 64 output features, 128 inputs per step.
+FUSED_MAX_ROWS = 16
+_TILE_N = 64
+_TILE_K = 128
+
+
+def triton_quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """x [M, K] (M <= FUSED_MAX_ROWS, contiguous rows) @ dequantize(weight [N, row_bytes]).T -> [M, N]."""
+    layout = LAYOUTS[qtype]
+    rows, cols = x.shape[0], weight.shape[0]
+    out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    _matmul_kernel[(1, triton.cdiv(cols, _TILE_N))](
+        x, weight, out, rows, cols, in_features, weight.shape[1], x.stride(0), out.stride(0), QTYPE=int(qtype),
+        QK=layout.block, BLOCK_BYTES=layout.bytes, BLOCK_M=FUSED_MAX_ROWS, BLOCK_N=_TILE_N, BLOCK_K=_TILE_K,
+        UPCAST=INTERPRETED,
+    )
     return out

@@ -1,0 +1,138 @@
+"""CUDA graphs for decode steps: the model's forward captured once per batch-size bucket at start-up and
+replayed each step, so a decode step costs a few host microseconds instead of hundreds of kernel launches.
+
+A graph replays fixed kernels on fixed addresses, so every input of a decode forward lives in a static
+device buffer: token ids, positions, KV slots, block tables (one row per sequence, as wide as the
+longest sequence allowed) and context lengths. A step writes them into one pinned host buffer, copies
+that in one go, pads the batch to its bucket and replays. Padded rows read and write only the KV cache's
+spare block (see memory.py), so they never touch a live sequence. Attention must read block tables and
+context lengths directly (the Triton and native kernels), not a per-step gathered copy.
+
+Capture itself is a parameter: CUDA captures a torch.cuda.CUDAGraph; tests on CPU replay the same
+forward eagerly over the same static buffers, which checks everything here but the capture.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from crane_mp.worker.attention import AttentionMetadata, SeqSpan
+from crane_mp.worker.forward_context import ForwardContext, forward_context
+
+log = logging.getLogger("crane_mp.worker")
+
+_MAX_GRAPH_BATCH = 256
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Buckets 1, 2, 4, then every multiple of 8 up to the largest batch (at most 256): a batch pads to the
+    next bucket, wasting at most 7 rows of compute, which a memory-bound decode barely feels."""
+    top = min(max_num_seqs, _MAX_GRAPH_BATCH)
+    sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, top, 8))
+    return sorted(set(sizes + [top]))
+
+
+def bucket_for(batch: int, sizes: list[int]) -> int | None:
+    """The smallest bucket that holds `batch` rows, or None (run eagerly)."""
+    for size in sizes:
+        if size >= batch:
+            return size
+    return None
+
+
+class Captured:
+    """A captured forward: replay() re-runs it and returns its output buffer."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> None:
+        self.graph = graph
+        self.output = output
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+def capture_cuda(forward: Callable[[], torch.Tensor], pool) -> Captured:
+    forward()  # compiles the Triton kernels and settles the allocator before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = forward()
+    return Captured(graph, output)
+
+
+class DecodeGraphs:
+    def __init__(self, runner, sizes: list[int], capture: Callable = capture_cuda) -> None:
+        if runner.attention_backend == "torch":
+            raise ValueError("decode graphs need an attention kernel that reads block tables (triton or native)")
+        self.runner = runner
+        self.sizes = sizes
+        self._capture = capture
+        device = runner.device
+        max_batch = sizes[-1]
+        self.width = -(-runner.max_positions // runner.block_size)  # block-table columns
+        self.spare_block = runner.num_blocks  # the block past the scheduler's, see memory.py
+        # ids, positions, slots, context lengths, then the block tables: one buffer, one copy per step.
+        self._numel = 4 * max_batch + max_batch * self.width
+        pinned = device.type == "cuda"
+        self._host = torch.zeros(self._numel, dtype=torch.long, pin_memory=pinned)
+        self._device = torch.zeros(self._numel, dtype=torch.long, device=device)
+        ids, pos, slots, ctx = self._device[: 4 * max_batch].view(4, max_batch)
+        self.ids, self.positions, self.slots, self.ctx_lens = ids, pos, slots, ctx
+        self.tables = self._device[4 * max_batch :].view(max_batch, self.width)
+        self.graphs: dict[int, Captured] = {}
+
+    def capture_all(self) -> None:
+        start = time.monotonic()
+        before = torch.cuda.memory_reserved() if self.runner.device.type == "cuda" else 0
+        pool = torch.cuda.graph_pool_handle() if self.runner.device.type == "cuda" else None
+        self._fill([], [], [])  # every row a padded one: captures read valid, harmless inputs
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
+            self.graphs[size] = self._capture(lambda size=size: self._forward(size), pool)
+        used = (torch.cuda.memory_reserved() - before) if self.runner.device.type == "cuda" else 0
+        log.info("captured decode graphs for %d batch sizes (%d..%d) in %.1f s, %.1f MiB",
+                 len(self.sizes), self.sizes[0], self.sizes[-1], time.monotonic() - start, used / 2**20)
+
+    def fits(self, batch: int) -> bool:
+        return bucket_for(batch, self.sizes) is not None
+
+    def run(self, decodes: list[SeqSpan], input_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """Hidden states [len(decodes), hidden] of a decode-only step."""
+        size = bucket_for(len(decodes), self.sizes)
+        self._fill(decodes, input_ids, positions)
+        return self.graphs[size].replay()[: len(decodes)]
+
+    def _fill(self, decodes: list[SeqSpan], input_ids: list[int], positions: list[int]) -> None:
+        """Padded rows write only the spare block's first slot; their block-table rows may hold stale
+        block ids, which they only read from (their output is dropped)."""
+        max_batch, block_size = self.sizes[-1], self.runner.block_size
+        count = len(decodes)
+        pad = max_batch - count
+        slots = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(decodes, positions)]
+        head = self._host[: 4 * max_batch].view(4, max_batch)
+        head.copy_(torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
+                                 slots + [self.spare_block * block_size] * pad, [p + 1 for p in positions] + [1] * pad]))
+        if count:
+            used = [-(-(p + 1) // block_size) for p in positions]
+            widest = max(used)
+            rows = [s.block_table[:n] + [0] * (widest - n) for s, n in zip(decodes, used)]
+            self._host[4 * max_batch :].view(max_batch, self.width)[:count, :widest] = torch.tensor(rows)
+        numel = 4 * max_batch + count * self.width
+        self._device[:numel].copy_(self._host[:numel], non_blocking=True)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        runner = self.runner
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:size], num_decode_tokens=size, decode_block_tables=self.tables[:size],
+            decode_mask=None, decode_ctx_lens=self.ctx_lens[:size], sliding_window=runner.config.sliding_window,
+            prefill_token_index=None, prefill_valid_index=None, prefill_block_tables=None, prefill_mask=None,
+            num_prefills=0, max_prefill_q=0, prefill_is_fresh_single=False, backend=runner.attention_backend,
+        )
+        pos = self.positions[:size]
+        ctx = ForwardContext(meta, runner.cos[pos].unsqueeze(1), runner.sin[pos].unsqueeze(1))
+        with forward_context(ctx):
+            return runner.model(self.ids[:size])
