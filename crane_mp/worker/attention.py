@@ -256,7 +256,7 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     from crane_mp.worker.kernels import triton_attention as kernels
 
     num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     window = meta.sliding_window or 0
     num_decodes = meta.num_decode_tokens
     if num_decodes:

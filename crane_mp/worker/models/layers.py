@@ -6,12 +6,14 @@ reproducing its intermediate roundings. On CPU, norms and SiLU*mul run as fused 
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from crane_mp.config import native_kernels_disabled
 from crane_mp.worker.attention import paged_attention
 from crane_mp.worker.forward_context import get_forward_context
 from crane_mp.worker.kernels import cpu_isa
@@ -21,8 +23,23 @@ from crane_mp.worker.rope import apply_rope
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-def native_ops(x: torch.Tensor) -> bool:
-    return cpu_isa.native_ops(x.device)
+def fused_ops(x: torch.Tensor):
+    """The fused kernels for x's device, all with one contract: the C++ ops on CPUs that build them
+    (torch.ops.crane_mp), Triton on CUDA (kernels/triton_elementwise.py), else None (torch ops)."""
+    if x.is_cuda:
+        return _triton_elementwise()
+    return torch.ops.crane_mp if cpu_isa.native_ops(x.device) else None
+
+
+@functools.cache
+def _triton_elementwise():
+    if native_kernels_disabled():
+        return None
+    try:
+        from crane_mp.worker.kernels import triton_elementwise
+    except ImportError:
+        return None
+    return triton_elementwise
 
 
 class RMSNorm(nn.Module):
@@ -37,12 +54,13 @@ class RMSNorm(nn.Module):
         """norm(x); with `residual`: adds x to it first and returns (norm(residual + x), residual + x).
 
         The fused CPU kernel updates both tensors in place, so callers pass tensors they own."""
+        ops = fused_ops(x)
         if residual is None:
-            if native_ops(x):
-                return torch.ops.crane_mp.rms_norm(x.contiguous(), self.weight, self.eps)
+            if ops is not None:
+                return ops.rms_norm(x.contiguous(), self.weight, self.eps)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        if native_ops(x):
-            torch.ops.crane_mp.add_rms_norm_(x, residual, self.weight, self.eps)
+        if ops is not None:
+            ops.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         residual = residual + x
         return F.rms_norm(residual, (x.shape[-1],), self.weight, self.eps), residual
@@ -67,8 +85,9 @@ class GatedMLP(nn.Module):
             gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
             if lora is not None and self.lora_gate_up_proj:
                 gate_up = lora.apply(x, gate_up, self.lora_gate_up_proj)
-            if self.act is F.silu and native_ops(gate_up):
-                hidden = torch.ops.crane_mp.silu_and_mul(gate_up)
+            ops = fused_ops(gate_up)
+            if self.act is F.silu and ops is not None:
+                hidden = ops.silu_and_mul(gate_up)
             else:
                 gate, up = gate_up.split(self.intermediate_size, dim=-1)
                 hidden = self.act(gate) * up
@@ -127,9 +146,10 @@ class PagedSelfAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (H + 2 * KH) * D]
         if ctx.lora is not None and self.lora_qkv_proj:
             qkv = ctx.lora.apply(x, qkv, self.lora_qkv_proj)
-        if native_ops(qkv):
+        ops = fused_ops(qkv)
+        if ops is not None and (not qkv.is_cuda or ops.supports_head_dim(self.head_dim)):
             # q/k norm, rope and the KV-cache write in one pass over qkv.
-            q = torch.ops.crane_mp.qkv_rope_cache(
+            q = ops.qkv_rope_cache(
                 qkv, ctx.cos, ctx.sin, self.qk_norm_weight, _QK_NORM_CODES[self.qk_norm_position], self.eps,
                 ctx.attn.slot_mapping, self.k_cache, self.v_cache, self.num_heads,
             )
