@@ -87,7 +87,7 @@ def decode_seconds(runner: ModelRunner, batch: int, context: int, steps: int, fi
             if runner.decode_graphs is not None and runner.decode_graphs.fits(batch):
                 hidden = runner.decode_graphs.run(decodes, ids, positions)
             else:
-                hidden = runner._forward(decodes, [], ids, positions, None)
+                hidden = runner.forward(decodes, [], ids, positions, None)
             ids = runner.model.compute_logits(hidden).argmax(dim=-1).tolist()
         if step >= 2:
             times.append(time.perf_counter() - start)

@@ -31,8 +31,8 @@ from crane_mp.protocol import (
 from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.decode_graphs import DecodeGraphs, capture_cuda
 from crane_mp.worker.forward_context import ForwardContext, LoraBatch, forward_context, lora_batch
-from crane_mp.worker.host_buffers import device_longs
 from crane_mp.worker.grammar import GrammarEngine
+from crane_mp.worker.host_buffers import device_longs
 from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.rope import rope_tables
@@ -234,7 +234,7 @@ class ModelRunner:
         if self.decode_graphs is not None and not prefills and lora is None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(decodes, input_ids, positions)
         else:
-            hidden = self._forward(decodes, prefills, input_ids, positions, lora)
+            hidden = self.forward(decodes, prefills, input_ids, positions, lora)
         for req_id, row, count in score_rows:
             prompt_logprobs.append(self._score_prompt(req_id, hidden[row : row + count]))
         for req_id, row, count in sum_rows:
@@ -260,8 +260,9 @@ class ModelRunner:
             logprobs = logprobs + [None] * len(embedded_ids) if logprobs else []
         return sampled_ids + embedded_ids, tokens + [_PLACEHOLDER_TOKEN] * len(embedded_ids), logprobs
 
-    def _forward(self, decodes: list[SeqSpan], prefills: list[SeqSpan], input_ids: list[int], positions: list[int],
-                 lora: LoraBatch | None) -> torch.Tensor:
+    def forward(self, decodes: list[SeqSpan], prefills: list[SeqSpan], input_ids: list[int], positions: list[int],
+                lora: LoraBatch | None = None) -> torch.Tensor:
+        """Eager forward of one step's tokens (decode-first layout); returns hidden states [T, hidden]."""
         meta = build_metadata(
             decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window,
             self.attention_backend,
@@ -325,7 +326,7 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         self.allocate_kv_cache(num_blocks)
         span = SeqSpan(0, num_tokens, list(range(num_blocks)))
-        hidden = self._forward([], [span], [0] * num_tokens, list(range(num_tokens)), None)
+        hidden = self.forward([], [span], [0] * num_tokens, list(range(num_tokens)), None)
         logits = self.model.compute_logits(hidden[:num_seqs])
         worst = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                                 frequency_penalty=0.1, presence_penalty=0.1, logprobs=20, logit_bias={0: 1.0},

@@ -28,12 +28,12 @@ for qtype in sorted(TRITON_TYPES):
             # The interpreter narrows to bf16 by truncation (GPUs round to nearest): one bf16 step apart.
             tol = 1e-6 if dtype == torch.float32 else 2 ** -7
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-7, msg=T(qtype).name)
-from crane_mp.worker.quantized.triton_dequant import FUSED_MAX_ROWS, triton_quantized_matmul
+from crane_mp.worker.quantized.triton_dequant import triton_quantized_matmul
 for qtype in sorted(TRITON_TYPES):
     cols = cols_for(qtype)[1]
     data = quantized(qtype, 70, cols, seed=3)  # 70 outputs: a partial tile of 64
     weight = reference(data, qtype, cols)
-    for rows in (1, 5, FUSED_MAX_ROWS):
+    for rows in (1, 5, 16, 37):  # one partial row tile, one full, three tiles
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
         for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
             got = triton_quantized_matmul(x.to(dtype), torch.from_numpy(data.copy()), qtype, cols)

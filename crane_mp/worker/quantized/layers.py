@@ -2,8 +2,8 @@
 
 A fused projection (q/k/v, gate/up) may mix types (a Q4_K_M file stores some attn_v rows in Q6_K):
 each part keeps its own type and the outputs are concatenated. On CPU with native kernels the matmul
-dequantizes inside the kernel (kernels/gguf_matmul.cpp), and so does CUDA for up to 16 rows of input
-(decode steps; triton_dequant.py). Elsewhere a slab of rows is dequantized at a time (on CUDA by one
+dequantizes inside the kernel (kernels/gguf_matmul.cpp), and so does CUDA for up to 64 rows of input
+(decode batches; triton_dequant.py). Elsewhere a slab of rows is dequantized at a time (on CUDA by one
 Triton launch, else with torch ops) and multiplied, never a whole layer at once.
 """
 

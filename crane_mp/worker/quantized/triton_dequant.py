@@ -130,19 +130,22 @@ def triton_dequantize(weight: torch.Tensor, qtype: int, elements: int, dtype: to
 
 
 # Tile of the fused matmul: 16 rows of x (tl.dot's minimum), 64 output features, 128 inputs per step.
-FUSED_MAX_ROWS = 16
+# Up to FUSED_MAX_ROWS rows (decode batches) each weight tile is decoded once per 16 rows, from cache
+# after the first; past that (prefill) a dequantized slab through cuBLAS is cheaper.
+FUSED_MAX_ROWS = 64
+_TILE_M = 16
 _TILE_N = 64
 _TILE_K = 128
 
 
 def triton_quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    """x [M, K] (M <= FUSED_MAX_ROWS, contiguous rows) @ dequantize(weight [N, row_bytes]).T -> [M, N]."""
+    """x [M, K] (contiguous rows) @ dequantize(weight [N, row_bytes]).T -> [M, N]."""
     layout = LAYOUTS[qtype]
     rows, cols = x.shape[0], weight.shape[0]
     out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
-    _matmul_kernel[(1, triton.cdiv(cols, _TILE_N))](
+    _matmul_kernel[(triton.cdiv(rows, _TILE_M), triton.cdiv(cols, _TILE_N))](
         x, weight, out, rows, cols, in_features, weight.shape[1], x.stride(0), out.stride(0), QTYPE=int(qtype),
-        QK=layout.block, BLOCK_BYTES=layout.bytes, BLOCK_M=FUSED_MAX_ROWS, BLOCK_N=_TILE_N, BLOCK_K=_TILE_K,
+        QK=layout.block, BLOCK_BYTES=layout.bytes, BLOCK_M=_TILE_M, BLOCK_N=_TILE_N, BLOCK_K=_TILE_K,
         UPCAST=INTERPRETED,
     )
     return out
