@@ -18,7 +18,7 @@ from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.host_buffers import device_bools, device_floats, device_longs
 from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.penalties import PenaltyTable
-from crane_mp.worker.seeded_noise import exponential_noise, row_keys
+from crane_mp.worker.seeded_noise import row_keys, uniform_from_keys
 
 
 @dataclass(slots=True)
@@ -36,8 +36,9 @@ class SamplingState:
 
 class Sampler:
     """Samples a batch with a fixed number of device ops whatever its size: every processor works on
-    all rows that use it at once (one scatter for biases, one gather for penalties), and seeded rows
-    draw counter-based noise (seeded_noise.py) instead of stepping a generator per row."""
+    all rows that use it at once (one scatter for biases, one gather for penalties), and a draw inverts
+    each row's CDF at one uniform per row, a seeded row's counter-based (seeded_noise.py) instead of
+    stepping a generator per row."""
 
     def __init__(self, vocab_size: int, device: torch.device, grammars: GrammarEngine | None = None) -> None:
         self.vocab_size = vocab_size
@@ -96,11 +97,10 @@ class Sampler:
 
         logits = self._apply_processors(logits, states)
         if all(p.greedy for p in params):
-            tokens = argmax_rows(logits)
+            token_list = argmax_rows(logits).tolist()
         else:
-            tokens = self._draw(logits, states)
-        token_list = tokens.tolist()
-        logprobs = self._gather_logprobs(raw_logprobs, tokens, params) if want_logprobs else []
+            token_list = self._draw(logits, states)
+        logprobs = self._gather_logprobs(raw_logprobs, token_list, params) if want_logprobs else []
         return token_list, logprobs
 
     def _apply_processors(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -121,7 +121,7 @@ class Sampler:
                     and not (state.matcher is not None and state.matcher.is_stopped())):
                 rows += [row] * len(state.suppress_ids)
                 ids += state.suppress_ids
-                values += [float("-inf")] * len(state.suppress_ids)
+                values += [-_SUPPRESSED] * len(state.suppress_ids)
             if state.penalty_row is not None:
                 penalised.append(row)
         if rows:
@@ -129,60 +129,108 @@ class Sampler:
                               device_floats(values, self.device), accumulate=True)
         if penalised:
             index = device_longs(penalised, self.device)
-            columns = device_floats([[states[r].params.repetition_penalty, states[r].params.frequency_penalty,
-                                      states[r].params.presence_penalty] for r in penalised], self.device)
             table_rows = device_longs([states[r].penalty_row for r in penalised], self.device)
-            penalised_logits = self.penalties.apply(logits.index_select(0, index), table_rows, columns[:, 0:1],
-                                                    columns[:, 1:2], columns[:, 2:3])
+            picked = [states[r].params for r in penalised]
+            penalised_logits = self.penalties.apply(
+                logits.index_select(0, index), table_rows,
+                self._column([p.repetition_penalty for p in picked], 1.0),
+                self._column([p.frequency_penalty for p in picked], 0.0),
+                self._column([p.presence_penalty for p in picked], 0.0),
+            )
             logits.index_copy_(0, index, penalised_logits)
         return logits
 
-    def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        params = [s.params for s in states]
-        greedy = device_bools([p.greedy for p in params], self.device)
-        temperature = device_floats([1.0 if p.greedy else p.temperature for p in params], self.device)
-        greedy_tokens = argmax_rows(logits)
-        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    def _column(self, values: list[float], neutral: float) -> torch.Tensor | None:
+        """A [rows, 1] column of one penalty, or None where every row leaves it at its neutral value."""
+        if all(v == neutral for v in values):
+            return None
+        return device_floats(values, self.device)[:, None]
 
+    def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
+        """Draw one token per row: greedy rows take the argmax; the others invert their (truncated)
+        distribution's CDF at one uniform per row, seeded rows' uniform a function of seed and position."""
+        params = [s.params for s in states]
+        temperature = device_floats([1.0 if p.greedy else p.temperature for p in params], self.device)
+        probs = torch.softmax(logits / temperature[:, None], dim=-1)
         if any(p.min_p > 0 for p in params):
             min_p = device_floats([p.min_p for p in params], self.device)
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        if any(0 < p.top_k < self.vocab_size or p.top_p < 1.0 for p in params):
-            probs = self._top_k_top_p(probs, params)
+            probs = probs * (probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True))
+        uniform = self._uniforms(states)
+        truncated = [row for row, p in enumerate(params) if not p.greedy and self._truncates(p)]
+        plain = [row for row, p in enumerate(params) if not p.greedy and not self._truncates(p)]
+        greedy = [row for row, p in enumerate(params) if p.greedy]
 
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; a seeded row's noise is its own.
-        seeded = [row for row, p in enumerate(params) if p.seed is not None and not p.greedy]
+        parts, covered = [], None
+        if greedy:
+            parts.append((greedy, argmax_rows(logits if len(greedy) == len(params) else self._rows(logits, greedy))))
+        if plain:
+            parts.append((plain, _invert_cdf(self._rows(probs, plain), self._rows(uniform, plain))))
+        if truncated:
+            tokens, covered = self._draw_truncated(probs, uniform, truncated, params, _CANDIDATES)
+            parts.append((truncated, tokens))
+        rows = [row for part_rows, _ in parts for row in part_rows]
+        drawn = torch.cat([tokens for _, tokens in parts] + ([covered.long()] if covered is not None else []))
+        values = drawn.tolist()  # the step's wait on the device
+        out = [0] * len(params)
+        for row, token in zip(rows, values):
+            out[row] = token
+        if covered is not None:
+            # Rare: a flat distribution whose top_p mass reaches past the candidates; redo those rows whole.
+            redo = [row for row, ok in zip(truncated, values[len(rows):]) if not ok]
+            if redo:
+                tokens, _ = self._draw_truncated(probs, uniform, redo, params, self.vocab_size)
+                for row, token in zip(redo, tokens.tolist()):
+                    out[row] = token
+        return out
+
+    def _truncates(self, p: SamplingParams) -> bool:
+        return 0 < p.top_k < self.vocab_size or p.top_p < 1.0
+
+    def _rows(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return x if len(rows) == x.shape[0] else x.index_select(0, device_longs(rows, self.device))
+
+    def _uniforms(self, states: list[SamplingState]) -> torch.Tensor:
+        """One uniform in [0, 1) per row: a seeded row's from its seed and output position, the others'
+        from the sampler's generator."""
+        seeded = [row for row, s in enumerate(states) if s.params.seed is not None]
+        keys = row_keys([states[r].params.seed for r in seeded], [states[r].num_output_tokens for r in seeded],
+                        self.device) if seeded else None
         if len(seeded) == len(states):
-            noise = exponential_noise(self._keys(states, seeded), self.vocab_size)
-        else:
-            noise = torch.empty_like(probs).exponential_(generator=self._shared_generator)
-            if seeded:
-                noise.index_copy_(0, device_longs(seeded, self.device),
-                                  exponential_noise(self._keys(states, seeded), self.vocab_size))
-        sampled = argmax_rows(probs / noise)
-        return torch.where(greedy, greedy_tokens, sampled)
+            return uniform_from_keys(keys)
+        uniform = torch.rand(len(states), generator=self._shared_generator, device=self.device)
+        if seeded:
+            uniform.index_copy_(0, device_longs(seeded, self.device), uniform_from_keys(keys))
+        return uniform
 
-    def _keys(self, states: list[SamplingState], rows: list[int]) -> torch.Tensor:
-        return row_keys([states[r].params.seed for r in rows], [states[r].num_output_tokens for r in rows], self.device)
-
-    def _top_k_top_p(self, probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        top_k = device_longs([p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params],
-                             self.device)
-        top_p = device_floats([p.top_p for p in params], self.device)
-        ranks = torch.arange(self.vocab_size, device=self.device)[None, :]
-        drop = ranks >= top_k[:, None]
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        # Renormalise after top-k, then keep the smallest prefix whose mass reaches top_p (at least one token).
-        sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)
-        return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    def _draw_truncated(self, probs: torch.Tensor, uniform: torch.Tensor, rows: list[int],
+                        params: list[SamplingParams], candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """top_k, then top_p on the renormalised mass (vLLM's order), among each row's `candidates` most
+        likely tokens: a partial sort instead of a sort of the vocabulary. Returns the tokens and whether
+        each row's kept set fits in the candidates (top_p rows of very flat distributions may not)."""
+        picked = [params[r] for r in rows]
+        top_k = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in picked]
+        count = min(self.vocab_size, max([candidates] + top_k))
+        row_probs = self._rows(probs, rows)
+        # Sorted, most likely first; a whole row sorts faster than a top-k of all of it.
+        values, ids = row_probs.sort(dim=-1, descending=True) if count == self.vocab_size else row_probs.topk(count)
+        k_limit = device_longs([k or count for k in top_k], self.device)
+        has_top_k = device_bools([k > 0 for k in top_k], self.device)
+        top_p = device_floats([p.top_p for p in picked], self.device)
+        values = values * (torch.arange(count, device=self.device)[None, :] < k_limit[:, None])
+        # Renormalise after top_k (without one, by the whole row's mass), keep the smallest prefix whose
+        # mass reaches top_p (at least one token).
+        mass = torch.where(has_top_k, values.sum(dim=-1), row_probs.sum(dim=-1))[:, None]
+        normalised = values / mass
+        reached = normalised.cumsum(dim=-1)
+        kept = normalised * (reached - normalised < top_p[:, None])
+        covered = has_top_k | (reached[:, -1] >= top_p) | (count == self.vocab_size)
+        index = _invert_cdf(kept, self._rows(uniform, rows))
+        return ids.gather(1, index[:, None]).squeeze(1), covered
 
     def _gather_logprobs(
-        self, raw_logprobs: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+        self, raw_logprobs: torch.Tensor, tokens: list[int], params: list[SamplingParams]
     ) -> list[TokenLogprobs | None]:
-        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        chosen = raw_logprobs.gather(1, device_longs(tokens, self.device)[:, None]).squeeze(1).tolist()
         max_top = max(p.logprobs or 0 for p in params)
         top_values, top_ids = (raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None))
         out: list[TokenLogprobs | None] = []
@@ -195,6 +243,25 @@ class Sampler:
             values = top_values[row, :n].tolist() if n else []
             out.append(TokenLogprobs(chosen[row], ids, values))
         return out
+
+
+# What min_tokens subtracts from a stop token's logit: finite, so penalties applied after it stay
+# arithmetic (-inf * 0 is NaN), yet its probability is exactly 0.
+_SUPPRESSED = 1e30
+
+# Candidates a top_k/top_p row draws from before falling back to its whole vocabulary. A partial sort
+# of 256 over a 152k vocabulary costs ~4 % of a full sort on CPU, and holds the top_p set of all but
+# very flat distributions.
+_CANDIDATES = 256
+
+
+def _invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Index i per row with cdf[i - 1] <= u * total < cdf[i]: a draw from the row's (unnormalised)
+    distribution that never lands on a zero-probability entry."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

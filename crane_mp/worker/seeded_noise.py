@@ -1,6 +1,6 @@
-"""Counter-based sampling noise for seeded requests: a pure function of (seed, output position, token id).
+"""Counter-based randomness for seeded requests: a pure function of (seed, output position).
 
-Every seeded row of a batch gets its noise from one set of integer ops, so a seeded request draws the
+Every seeded row of a batch gets its uniform from one set of integer ops, so a seeded request draws the
 same tokens whatever else is batched with it, after preemption and resume too, with no per-row
 generator call. The mixer is a 32-bit xorshift-multiply hash (the "lowbias32" family); its multipliers
 are below 2**31 so every product of 32-bit lanes fits in int64 without overflow, on CPU and GPU alike.
@@ -13,7 +13,6 @@ import torch
 from crane_mp.worker.host_buffers import device_longs
 
 _LOW32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B1  # spreads consecutive token ids over the 32-bit space before mixing
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -34,9 +33,6 @@ def row_keys(seeds: list[int], positions: list[int], device: torch.device) -> to
     return _mix32(_mix32(lo ^ _mix32(hi)) ^ pos)
 
 
-def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) samples [rows, vocab] (float32), independent across rows, positions and token ids."""
-    token = torch.arange(vocab_size, dtype=torch.int64, device=keys.device) * _GOLDEN
-    bits = _mix32((keys[:, None] + token[None, :]) & _LOW32)
-    uniform = ((bits >> 8).float() + 0.5) * 2.0**-24  # in (0, 1): log never sees 0
-    return uniform.log_().neg_()
+def uniform_from_keys(keys: torch.Tensor) -> torch.Tensor:
+    """One float32 uniform in [0, 1) per key (24 random bits: every float32 step of the interval)."""
+    return (_mix32(keys) >> 8).float() * 2.0**-24

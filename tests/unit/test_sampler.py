@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import torch
 
 from crane_mp.protocol import SamplingParams
 from crane_mp.worker.sampler import Sampler
-from crane_mp.worker.seeded_noise import exponential_noise, row_keys
+from crane_mp.worker.seeded_noise import row_keys, uniform_from_keys
 
 VOCAB = 50
 CPU = torch.device("cpu")
@@ -131,17 +132,45 @@ def test_temperature_changes_the_spread():
     assert len(hot_seen) > 10
 
 
-def test_seeded_noise_is_a_function_of_seed_and_position():
-    keys = row_keys([7, 7, 8, -(2**63), 2**63 - 1], [0, 1, 0, 0, 0], CPU)
-    noise = exponential_noise(keys, 4096)
-    again = exponential_noise(row_keys([7], [0], CPU), 4096)
-    assert torch.equal(noise[0], again[0])
-    for a, b in [(0, 1), (0, 2), (3, 4)]:
-        assert not torch.equal(noise[a], noise[b])
-    # Exp(1): mean 1, all positive and finite; neighbouring token ids uncorrelated.
-    assert bool(torch.isfinite(noise).all()) and bool((noise > 0).all())
-    assert abs(noise.mean().item() - 1.0) < 0.03
-    assert abs(torch.corrcoef(torch.stack([noise[0, :-1], noise[0, 1:]]))[0, 1].item()) < 0.05
+def test_seeded_uniforms_are_a_function_of_seed_and_position():
+    seeds = [7, 7, 8, -(2**63), 2**63 - 1]
+    uniform = uniform_from_keys(row_keys(seeds, [0, 1, 0, 0, 0], CPU))
+    assert len(set(uniform.tolist())) == 5
+    assert uniform_from_keys(row_keys([7], [0], CPU)).item() == uniform[0].item()
+    many = uniform_from_keys(row_keys([3] * 20000, list(range(20000)), CPU))
+    assert float(many.min()) >= 0.0 and float(many.max()) < 1.0
+    assert abs(many.mean().item() - 0.5) < 0.01 and abs(many.var().item() - 1 / 12) < 0.003
+    assert abs(torch.corrcoef(torch.stack([many[:-1], many[1:]]))[0, 1].item()) < 0.03
+
+
+def test_draws_follow_the_truncated_distribution_also_past_the_candidates():
+    """Empirical frequencies against vLLM's definitions: top_k, renormalise, top_p; and a flat row whose
+    top_p set is wider than the candidate partial sort (the fallback to the whole vocabulary)."""
+    vocab = 200
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(1, vocab, generator=gen) * 1.5
+    flat = torch.randn(1, vocab, generator=gen) * 0.05  # nearly uniform, no ties: top_p 0.9 keeps ~180 tokens,
+    # more than the 64 candidates
+    cases = [(logits, SamplingParams(temperature=0.7, top_k=20, top_p=0.8)),
+             (flat, SamplingParams(temperature=1.0, top_p=0.9))]
+    sampler = Sampler(vocab, CPU)
+    for row_logits, p in cases:
+        probs = torch.softmax(row_logits[0] / p.temperature, -1)
+        ordered, order = probs.sort(descending=True)
+        if p.top_k:
+            ordered = ordered[: p.top_k]
+        ordered = ordered / ordered.sum()
+        keep = (ordered.cumsum(0) - ordered) < p.top_p
+        want = torch.zeros(vocab)
+        want[order[: len(ordered)][keep]] = ordered[keep] / ordered[keep].sum()
+        st = states(sampler, *[msgspec.structs.replace(p, seed=row) for row in range(100)])  # deterministic rows
+        counts = torch.zeros(vocab)
+        for _ in range(200):
+            for token in draw(sampler, row_logits.repeat(100, 1), st):
+                counts[token] += 1
+        assert set(counts.nonzero().flatten().tolist()) <= set(want.nonzero().flatten().tolist())
+        total_variation = 0.5 * (counts / counts.sum() - want).abs().sum().item()
+        assert total_variation < 0.06, total_variation  # ~0.04 expected from 20,000 draws
 
 
 def reference_processors(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
@@ -151,9 +180,9 @@ def reference_processors(logits: torch.Tensor, params: list[SamplingParams], out
     for row, (p, generated) in enumerate(zip(params, outputs)):
         for token, bias in (p.logit_bias or {}).items():
             out[row, token] += bias
-        if len(generated) < p.min_tokens:
+        if len(generated) < p.min_tokens:  # the sampler's finite stand-in for -inf
             for token in list(p.stop_token_ids) + list(eos):
-                out[row, token] = float("-inf")
+                out[row, token] -= 1e30
         if p.uses_penalties:
             for token in set(prompt) | set(generated):
                 value = out[row, token]
