@@ -34,6 +34,8 @@ _DEFAULT_CUDA_LIMIT = MemoryLimit(fraction=0.9)
 # The CPU warm-up step (its memory is estimated, not measured).
 _CPU_WARMUP_TOKENS = 128
 _CPU_WARMUP_SEQS = 8
+# Allocator rounding and per-graph bookkeeping in the decode graphs' pool.
+_GRAPH_POOL_SLACK = 32 << 20
 # Float32 [sequences, vocabulary] buffers alive at the sampler's peak (logits, log-softmax, probabilities,
 # sorted values and int64 order, cumulative sums, noise), in bytes per logit.
 _SAMPLER_BYTES_PER_LOGIT = 48
@@ -61,6 +63,14 @@ def _activation_estimate_per_token(cfg: ModelConfig) -> int:
 def cuda_graphs_wanted(config: EngineConfig, device: torch.device, runner: ModelRunner) -> bool:
     """Decode graphs need CUDA and an attention kernel that reads block tables itself."""
     return config.cuda_graphs and device.type == "cuda" and runner.attention_backend == "triton"
+
+
+def graph_pool_bytes(runner: ModelRunner, sizes: list[int], cfg: ModelConfig) -> int:
+    """Memory the decode graphs' pool will hold: the measured peak of an eager decode step of the largest
+    bucket (graphs of smaller buckets reuse it), plus every graph's output, which stays allocated."""
+    peak = measure_activation_bytes(lambda _: runner.profile_decode(sizes[-1]), runner.device, 0)
+    outputs = sum(sizes) * cfg.hidden_size * runner.dtype.itemsize
+    return int(1.25 * peak) + outputs + _GRAPH_POOL_SLACK
 
 
 class PhaseTimer:
@@ -116,19 +126,18 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     profile_tokens = min(config.max_num_batched_tokens, max_model_len)
     profile_seqs = min(config.max_num_seqs, profile_tokens)
 
-    def profile(full: bool) -> None:
+    def profile(full: bool) -> int:
         if full:
-            runner.profile_step(profile_tokens, profile_seqs)
-        else:
-            runner.profile_step(min(profile_tokens, _CPU_WARMUP_TOKENS), min(profile_seqs, _CPU_WARMUP_SEQS))
+            return runner.profile_step(profile_tokens, profile_seqs)
+        return runner.profile_step(min(profile_tokens, _CPU_WARMUP_TOKENS), min(profile_seqs, _CPU_WARMUP_SEQS))
 
     estimate = (profile_tokens * _activation_estimate_per_token(model_config)
                 + profile_seqs * model_config.vocab_size * _SAMPLER_BYTES_PER_LOGIT)
     activation_bytes = measure_activation_bytes(profile, device, estimate)
     timer.done("warm-up")
-    # Decode graphs keep a memory pool of their own, no larger than the largest step's activations.
     graphs = cuda_graphs_wanted(config, device, runner)
-    reserved_bytes = activation_bytes if graphs else 0
+    graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
+    reserved_bytes = graph_pool_bytes(runner, graph_sizes, model_config) if graphs else 0
     limit = config.memory_limit or (_DEFAULT_CUDA_LIMIT if device.type == "cuda" else None)
     kv_plan = plan_kv_blocks(
         limit=limit,
@@ -147,7 +156,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     runner.allocate_kv_cache(kv_plan.num_blocks)
     timer.done("kv cache")
     if graphs:
-        runner.enable_decode_graphs(graph_batch_sizes(config.max_num_seqs))
+        runner.enable_decode_graphs(graph_sizes)
         timer.done("cuda graphs")
     # Everything allocated so far (torch, transformers, the model) lives for the whole run: keep the
     # cyclic GC from rescanning it in the middle of decode steps.

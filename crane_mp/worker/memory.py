@@ -111,8 +111,9 @@ def device_free_memory(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def measure_activation_bytes(profile: Callable[[bool], None], device: torch.device, estimate_bytes: int) -> int:
-    """Peak memory of the largest step, `profile(True)`, above what was allocated before it.
+def measure_activation_bytes(profile: Callable[[bool], int], device: torch.device, estimate_bytes: int) -> int:
+    """Peak memory of the largest step, `profile(True)`, above what was allocated before it, less the
+    bytes the profile returns (its scratch KV cache, live through the peak but not an activation).
 
     CUDA reports its allocator's peak; CPU allocations are not tracked, so there we use the estimate
     and run a small step, `profile(False)`, only as a warm-up (a full-budget one costs seconds of start-up).
@@ -121,8 +122,8 @@ def measure_activation_bytes(profile: Callable[[bool], None], device: torch.devi
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        profile(True)
+        scratch = profile(True)
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
+        return max(0, torch.cuda.max_memory_allocated(device) - before - scratch)
     profile(False)
     return estimate_bytes

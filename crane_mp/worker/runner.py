@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -317,27 +319,50 @@ class ModelRunner:
         mirror.num_prompt_scored = start + count
         return PromptLogprobs(req_id, start, chosen, top_ids, top_values)
 
-    @torch.inference_mode()
-    def profile_step(self, num_tokens: int, num_seqs: int) -> None:
-        """The largest step, to measure peak memory: a forward over `num_tokens` fresh prompt tokens (a
-        scratch KV cache), then sampling `num_seqs` rows with every sampling processor on."""
+    @contextmanager
+    def _scratch_kv_cache(self, num_blocks: int) -> Iterator[None]:
+        """A throw-away KV cache of `num_blocks` for a profiling step; the real one is put back after.
+        Its bytes (scratch_kv_bytes) are not activations: the profiles return them to be left out."""
         saved = [(a.k_cache, a.v_cache) for a in self.model.attention_layers()]
         saved_blocks = self.num_blocks
-        num_blocks = -(-num_tokens // self.block_size)
         self.allocate_kv_cache(num_blocks)
-        span = SeqSpan(0, num_tokens, list(range(num_blocks)))
-        hidden = self.forward([], [span], [0] * num_tokens, list(range(num_tokens)), None)
-        logits = self.model.compute_logits(hidden[:num_seqs])
+        try:
+            yield
+        finally:
+            for attn, (k, v) in zip(self.model.attention_layers(), saved):
+                attn.k_cache, attn.v_cache = k, v
+            self.num_blocks = saved_blocks
+
+    def scratch_kv_bytes(self, num_blocks: int) -> int:
+        return (num_blocks + 1) * self.block_size * self.kv_bytes_per_token()
+
+    @torch.inference_mode()
+    def profile_decode(self, num_seqs: int) -> int:
+        """An eager decode step of `num_seqs` one-key sequences: what a captured decode graph allocates
+        in its pool. Returns the scratch KV cache's bytes."""
+        with self._scratch_kv_cache(num_seqs):
+            self.forward([SeqSpan(0, 1, [seq]) for seq in range(num_seqs)], [], [0] * num_seqs, [0] * num_seqs)
+        return self.scratch_kv_bytes(num_seqs)
+
+    @torch.inference_mode()
+    def profile_step(self, num_tokens: int, num_seqs: int) -> int:
+        """The largest step, to measure peak memory: a forward over `num_tokens` fresh prompt tokens (a
+        scratch KV cache), then sampling `num_seqs` rows with every sampling processor on. Returns the
+        scratch KV cache's bytes."""
+        num_blocks = -(-num_tokens // self.block_size)
         worst = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                                 frequency_penalty=0.1, presence_penalty=0.1, logprobs=20, logit_bias={0: 1.0},
                                 seed=row if row % 2 else None) for row in range(num_seqs)]
-        states = [self.sampler.new_state(p, [0], self.config.eos_token_ids) for p in worst]
-        self.sampler.sample(logits, states)
-        for state in states:
-            self.sampler.release(state)
-        for attn, (k, v) in zip(self.model.attention_layers(), saved):
-            attn.k_cache, attn.v_cache = k, v
-        self.num_blocks = saved_blocks
+        # Sampling inside: the scratch cache stays live through every peak, so leaving it out is exact.
+        with self._scratch_kv_cache(num_blocks):
+            span = SeqSpan(0, num_tokens, list(range(num_blocks)))
+            hidden = self.forward([], [span], [0] * num_tokens, list(range(num_tokens)))
+            logits = self.model.compute_logits(hidden[:num_seqs])
+            states = [self.sampler.new_state(p, [0], self.config.eos_token_ids) for p in worst]
+            self.sampler.sample(logits, states)
+            for state in states:
+                self.sampler.release(state)
+        return self.scratch_kv_bytes(num_blocks)
 
 
 # The token an embedding request "samples": it only ends the request (its max_tokens is 1).

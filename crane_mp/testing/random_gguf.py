@@ -1,0 +1,97 @@
+"""A GGUF file of any shape with random quantized weights, written straight as quantized blocks: an
+8B-shape Q4_K_M (4.7 GB) in seconds, for memory and speed checks that no small model can stand in for.
+
+Run: python -m crane_mp.testing.random_gguf --out qwen3-8b-q4_k_m.gguf [--shape 8b|small] [--type Q4_K_M]
+
+Every block gets random quant bits and a fixed small scale (so weights stay in a trained model's range
+and the forward pass stays finite); norms are ones. Metadata and tensor names are make_gguf's, and the
+tokenizer is a small trained one (8192 tokens) padded to the model's vocabulary, as llama.cpp pads.
+The text it generates means nothing; what it costs in memory and time is an 8B model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from transformers import AutoModelForCausalLM
+
+from crane_mp.testing.make_gguf import GGUF_ARCH, _write_hparams, _write_tokenizer, gguf_name, pick_type
+from crane_mp.testing.make_model import _config_json, build_config
+from crane_mp.testing.tokenizer import write_json, write_tokenizer
+
+SHAPES = {
+    "8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+           "tie_word_embeddings": False},
+    "small": {"tie_word_embeddings": False},
+}
+_TOKENIZER_VOCAB = 8192
+# Offsets of each block's float16 scale fields, and the value they get: weights of a few hundredths.
+_SCALES = {T.Q8_0: ((0,), 2e-4), T.Q4_K: ((0, 2), 1e-4), T.Q6_K: ((208,), 1.5e-5)}
+_ROWS_PER_CHUNK = 1024
+
+
+def random_blocks(rows: int, cols: int, qtype: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row_bytes]: random bits with every block's scales set to a small finite value."""
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = cols // block_elems
+    out = np.empty((rows, blocks * block_bytes), dtype=np.uint8)
+    offsets, scale = _SCALES[qtype]
+    scale_bytes = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    for start in range(0, rows, _ROWS_PER_CHUNK):
+        chunk = rng.integers(0, 256, size=(min(_ROWS_PER_CHUNK, rows - start), blocks, block_bytes), dtype=np.uint8)
+        for offset in offsets:
+            chunk[:, :, offset : offset + 2] = scale_bytes
+        out[start : start + chunk.shape[0]] = chunk.reshape(chunk.shape[0], -1)
+    return out
+
+
+def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch: str = "qwen3", seed: int = 0) -> Path:
+    out = Path(out)
+    config = build_config(arch, "small", dtype="bfloat16", overrides=SHAPES[shape])
+    with tempfile.TemporaryDirectory() as tmp:
+        ids = write_tokenizer(arch, min(_TOKENIZER_VOCAB, config.vocab_size), config.max_position_embeddings, Path(tmp))
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = ids.bos, ids.eos, ids.pad
+        config_json = _config_json(config)
+        write_json(Path(tmp) / "config.json", config_json)
+        writer = gguf.GGUFWriter(str(out), GGUF_ARCH[config.model_type])
+        writer.add_name(f"random-{arch}-{shape}")
+        _write_hparams(writer, config_json, qtype)
+        _write_tokenizer(writer, Path(tmp), config_json)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    rng = np.random.default_rng(seed)
+    for hf_name, meta in sorted(skeleton.state_dict().items()):
+        name = gguf_name(hf_name)
+        if meta.ndim == 1:
+            writer.add_tensor(name, np.ones(meta.shape, dtype=np.float32))
+            continue
+        rows, cols = meta.shape
+        chosen = pick_type(name, cols, qtype)
+        if chosen not in _SCALES:
+            raise ValueError(f"{name}: random blocks are written for Q8_0, Q4_K and Q6_K only, not {T(chosen).name}")
+        writer.add_tensor(name, random_blocks(rows, cols, chosen, rng), raw_dtype=chosen)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    parser.add_argument("--type", default="Q4_K_M", choices=["Q4_K_M", "Q4_K", "Q6_K", "Q8_0"])
+    args = parser.parse_args(argv)
+    print(random_gguf(args.out, args.shape, args.type))
+
+
+if __name__ == "__main__":
+    main()

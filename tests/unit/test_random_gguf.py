@@ -1,0 +1,35 @@
+"""The random-weight GGUF writer used for 8B-shape memory checks: its files load as llama.cpp's do,
+keep their quantized types in memory, and run."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from crane_mp.config import EngineConfig
+from crane_mp.engine import LLMEngine
+from crane_mp.protocol import SamplingParams
+from crane_mp.testing.random_gguf import random_blocks, random_gguf
+from crane_mp.worker.quantized.formats import dequantize
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K])
+def test_random_blocks_decode_to_small_finite_weights(qtype):
+    import torch
+
+    data = random_blocks(40, 512, qtype, np.random.default_rng(0))
+    weights = dequantize(torch.from_numpy(data), qtype, 512)
+    assert bool(torch.isfinite(weights).all())
+    assert 0.001 < weights.std().item() < 0.1 and weights.abs().max().item() < 0.5
+
+
+def test_a_small_random_q4_k_m_file_loads_quantized_and_generates(tmp_path):
+    path = random_gguf(tmp_path / "small.gguf", "small", "Q4_K_M")
+    reader = gguf.GGUFReader(str(path))
+    assert {T(t.tensor_type).name for t in reader.tensors} == {"F32", "Q4_K", "Q6_K"}
+    engine = LLMEngine(EngineConfig(model_path=str(path), max_model_len=128, force_cpu=True))
+    assert engine.worker.kv_plan.weights_bytes <= 1.05 * engine.worker.weights_file_bytes
+    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0]) == 4 and all(0 <= t < engine.worker.model_config.vocab_size for t in out[0])
