@@ -109,7 +109,9 @@ def test_the_largest_step_under_the_tightest_limit_stays_under_it(model_dir):
     probe = engine(model_dir, "bfloat16", max_num_batched_tokens=2048)
     plan = probe.worker.kv_plan
     block_bytes = plan.kv_bytes_per_token * 16
-    tight = plan.weights_bytes + plan.activation_bytes + plan.reserved_bytes + (128 + 2) * block_bytes
+    # One sequence of the model's 2048 tokens (128 blocks), the spare block, and a few blocks of slack for
+    # a second measurement of the activations coming out slightly higher.
+    tight = plan.weights_bytes + plan.activation_bytes + plan.reserved_bytes + (128 + 8) * block_bytes
     del probe
     gc.collect()
     torch.cuda.empty_cache()
