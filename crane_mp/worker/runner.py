@@ -103,6 +103,7 @@ class ModelRunner:
             attn.v_cache = _zeroed(shape, self.dtype, self.device)
         self.num_blocks = num_blocks
 
+    @torch.inference_mode()
     def enable_decode_graphs(self, sizes: list[int], capture=capture_cuda) -> None:
         """Capture decode forwards for these batch sizes (after the KV cache is allocated: graphs keep
         its addresses)."""
