@@ -170,11 +170,16 @@ def make_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", name:
         chosen = pick_type(name, w.shape[1], qtype)
         data = quantize(w, chosen)
         writer.add_tensor(name, data, raw_dtype=None if chosen in (T.F32, T.F16) else chosen)
+    finish(writer)
+    return out
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
+    """Write header, metadata and the added tensors, and close the file."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from transformers import AutoModelForCausalLM
 
-from crane_mp.testing.make_gguf import GGUF_ARCH, _write_hparams, _write_tokenizer, gguf_name, pick_type
+from crane_mp.testing.make_gguf import GGUF_ARCH, _write_hparams, _write_tokenizer, finish, gguf_name, pick_type
 from crane_mp.testing.make_model import _config_json, build_config
 from crane_mp.testing.tokenizer import write_json, write_tokenizer
 
@@ -77,10 +77,7 @@ def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch:
         if chosen not in _SCALES:
             raise ValueError(f"{name}: random blocks are written for Q8_0, Q4_K and Q6_K only, not {T(chosen).name}")
         writer.add_tensor(name, random_blocks(rows, cols, chosen, rng), raw_dtype=chosen)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return out
 
 

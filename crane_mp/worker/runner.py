@@ -250,7 +250,7 @@ class ModelRunner:
             pooled.append(self._pool(req_id, hidden[sample_rows[req_id]]))
         if not sampled_ids:
             return embedded_ids, [_PLACEHOLDER_TOKEN] * len(embedded_ids), []
-        rows = torch.tensor([sample_rows[r] for r in sampled_ids], dtype=torch.long, device=self.device)
+        rows = device_longs([sample_rows[r] for r in sampled_ids], self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, vocab]
         states = [self.requests[r].sampling for r in sampled_ids]
         if self.fault_token is not None:

@@ -4,15 +4,12 @@ cached context, GQA groups, padded head dims, sliding windows, split decode. Ski
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
-# The interpreter is chosen when kernels are decorated, so the checks run in a fresh interpreter.
 _CHECK = """
 import torch
 from crane_mp.worker.attention import SeqSpan, build_metadata, paged_attention
@@ -70,11 +67,7 @@ print("checked", cases)
 
 
 def test_triton_paged_attention_equals_the_torch_path_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=900,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "checked 5" in run.stdout
+    assert "checked 5" in run_interpreted(_CHECK)
 
 
 _ENGINE_CHECK = """
@@ -105,8 +98,4 @@ def test_engine_with_triton_attention_gives_the_torch_paths_greedy_tokens(tmp_pa
     from crane_mp.testing.make_model import make_model
 
     model_dir = make_model("qwen3", "tiny", tmp_path / "qwen3", seed=4)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _ENGINE_CHECK, str(model_dir)], capture_output=True, text=True,
-                         env=env, timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "engine ok" in run.stdout
+    assert "engine ok" in run_interpreted(_ENGINE_CHECK, str(model_dir))

@@ -4,15 +4,12 @@ type they serve. Skipped where Triton is not installed."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
-# The interpreter is chosen when kernels are decorated, so the check runs in a fresh interpreter.
 _CHECK = """
 import gguf, numpy as np, torch
 from gguf import GGMLQuantizationType as T
@@ -45,8 +42,4 @@ print("checked", len(TRITON_TYPES))
 
 
 def test_triton_dequantize_equals_gguf_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=900,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "checked 8" in run.stdout
+    assert "checked 8" in run_interpreted(_CHECK)

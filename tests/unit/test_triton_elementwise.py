@@ -4,15 +4,12 @@ model falls back to. Skipped without Triton."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
-# The interpreter is chosen when kernels are decorated, so the checks run in a fresh interpreter.
 _CHECK = """
 import torch
 import torch.nn.functional as F
@@ -67,8 +64,4 @@ print("checked")
 
 
 def test_triton_elementwise_kernels_equal_the_torch_ops_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=900,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "checked" in run.stdout
+    assert "checked" in run_interpreted(_CHECK)
