@@ -3,8 +3,9 @@ replayed each step, so a decode step costs a few host microseconds instead of hu
 
 A graph replays fixed kernels on fixed addresses, so every input of a decode forward lives in a static
 device buffer: token ids, positions, KV slots, block tables (one row per sequence, as wide as the
-longest sequence allowed) and context lengths. A step writes them into one pinned host buffer, copies
-that in one go, pads the batch to its bucket and replays. Padded rows read and write only the KV cache's
+longest sequence allowed) and context lengths. A step writes them into one pinned host buffer, block
+tables only as wide as this batch's longest context, copies that in one go, widens the tables on the
+device, pads the batch to its bucket and replays. Padded rows read and write only the KV cache's
 spare block (see memory.py), so they never touch a live sequence. Attention must read block tables and
 context lengths directly (the Triton and native kernels), not a per-step gathered copy.
 
@@ -76,14 +77,18 @@ class DecodeGraphs:
         max_batch = sizes[-1]
         self.width = -(-runner.max_positions // runner.block_size)  # block-table columns
         self.spare_block = runner.num_blocks  # the block past the scheduler's, see memory.py
-        # ids, positions, slots, context lengths, then the block tables: one buffer, one copy per step.
-        self._numel = 4 * max_batch + max_batch * self.width
+        # ids, positions, slots, context lengths, then this step's block tables packed [count, widest]:
+        # one buffer, one copy per step; the tables are then widened on the device into their static
+        # [max_batch, width] buffer (a 32k-token model has 2k columns, mostly unused).
+        numel = 4 * max_batch + max_batch * self.width
         pinned = device.type == "cuda"
-        self._host = torch.zeros(self._numel, dtype=torch.long, pin_memory=pinned)
-        self._device = torch.zeros(self._numel, dtype=torch.long, device=device)
-        ids, pos, slots, ctx = self._device[: 4 * max_batch].view(4, max_batch)
+        self._host = torch.zeros(numel, dtype=torch.long, pin_memory=pinned)
+        self._staged = torch.zeros(numel, dtype=torch.long, device=device)
+        ids, pos, slots, ctx = self._staged[: 4 * max_batch].view(4, max_batch)
         self.ids, self.positions, self.slots, self.ctx_lens = ids, pos, slots, ctx
-        self.tables = self._device[4 * max_batch :].view(max_batch, self.width)
+        self.tables = torch.zeros(max_batch, self.width, dtype=torch.long, device=device)
+        # The pinned buffer is rewritten only once the GPU has copied it out (steps need not sync).
+        self._copied = torch.cuda.Event() if pinned else None
         self.graphs: dict[int, Captured] = {}
 
     def capture_all(self) -> None:
@@ -113,16 +118,22 @@ class DecodeGraphs:
         count = len(decodes)
         pad = max_batch - count
         slots = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(decodes, positions)]
+        used = [-(-(p + 1) // block_size) for p in positions]
+        widest = max(used, default=0)
+        if self._copied is not None:
+            self._copied.synchronize()
         head = self._host[: 4 * max_batch].view(4, max_batch)
         head.copy_(torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
                                  slots + [self.spare_block * block_size] * pad, [p + 1 for p in positions] + [1] * pad]))
+        numel = 4 * max_batch + count * widest
         if count:
-            used = [-(-(p + 1) // block_size) for p in positions]
-            widest = max(used)
             rows = [s.block_table[:n] + [0] * (widest - n) for s, n in zip(decodes, used)]
-            self._host[4 * max_batch :].view(max_batch, self.width)[:count, :widest] = torch.tensor(rows)
-        numel = 4 * max_batch + count * self.width
-        self._device[:numel].copy_(self._host[:numel], non_blocking=True)
+            self._host[4 * max_batch : numel] = torch.tensor(rows).view(-1)
+        self._staged[:numel].copy_(self._host[:numel], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if count:
+            self.tables[:count, :widest].copy_(self._staged[4 * max_batch : numel].view(count, widest))
 
     def _forward(self, size: int) -> torch.Tensor:
         runner = self.runner

@@ -22,8 +22,6 @@ import triton.language as tl
 from crane_mp.worker.kernels.triton_common import INTERPRETED, dot
 
 _DECODE_TILE = 64  # keys per inner iteration of decode
-_PREFILL_BLOCK_M = 64  # query rows per prefill program
-_PREFILL_BLOCK_N = 64  # keys per prefill inner iteration
 _MAX_SPLITS = 16
 
 
@@ -156,6 +154,13 @@ def _prefill_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
+def _prefill_tiles(dtype: torch.dtype) -> tuple[int, int]:
+    """(query rows per program, keys per inner iteration). float32 operands take the FMA path, not
+    tensor cores: 64x64 tiles spill registers and overflow sm86/sm89 shared memory (99 KiB) at head
+    dim 128, 32x32 do neither (tests/unit/test_triton_compile.py checks every launch)."""
+    return (32, 32) if dtype == torch.float32 else (64, 64)
+
+
 def _precision(dtype: torch.dtype) -> str:
     # float32 checkpoints are compared token for token with the CPU path: no TF32 rounding of q and k.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -207,12 +212,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     the cache. Sequence p's queries are rows [q_start[p], q_start[p] + q_len[p]) of q and out [T, H, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_cache.shape[2]
-    grid = (block_tables.shape[0], triton.cdiv(max_q, _PREFILL_BLOCK_M), num_heads)
+    block_m, block_n = _prefill_tiles(q.dtype)
+    grid = (block_tables.shape[0], triton.cdiv(max_q, block_m), num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, q_start, q_len, ctx_before,
         scale, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=_PREFILL_BLOCK_M, BLOCK_N=_PREFILL_BLOCK_N, PRECISION=_precision(q.dtype), UPCAST=INTERPRETED,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype), UPCAST=INTERPRETED,
     )

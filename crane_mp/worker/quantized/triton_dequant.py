@@ -129,13 +129,16 @@ def triton_dequantize(weight: torch.Tensor, qtype: int, elements: int, dtype: to
     return out
 
 
-# Tile of the fused matmul: 16 rows of x (tl.dot's minimum), 64 output features, 128 inputs per step.
-# Up to FUSED_MAX_ROWS rows (decode batches) each weight tile is decoded once per 16 rows, from cache
-# after the first; past that (prefill) a dequantized slab through cuBLAS is cheaper.
+# Tile of the fused matmul: 16 rows of x (tl.dot's minimum), 32 output features, 64 inputs per step.
+# Decoding a 64x128 weight tile spills registers for most formats (checked by compiling every format,
+# tests/unit/test_triton_compile.py); 32 features also give an 8B model's 4096-wide projections 128
+# programs, enough to keep an H100's 132 SMs streaming weights at batch 1. Up to FUSED_MAX_ROWS rows
+# (decode batches) each weight tile is decoded once per 16 rows, from cache after the first; past
+# that (prefill) a dequantized slab through cuBLAS is cheaper.
 FUSED_MAX_ROWS = 64
 _TILE_M = 16
-_TILE_N = 64
-_TILE_K = 128
+_TILE_N = 32
+_TILE_K = 64
 
 
 def triton_quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
