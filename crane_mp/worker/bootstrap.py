@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ import torch
 
 from crane_mp.config import EngineConfig, MemoryLimit
 from crane_mp.gguf_file import describe_types, resolve_model_source
-from crane_mp.worker.decode_graphs import graph_batch_sizes
+from crane_mp.worker.decode_graphs import graph_batch_sizes, static_buffer_bytes, table_width
 from crane_mp.worker.device import select_device, select_dtype
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.kernels.cpu_isa import native_ops
@@ -19,6 +18,7 @@ from crane_mp.worker.loader import file_tensor_bytes, load_model, weight_bytes
 from crane_mp.worker.lora import load_adapters
 from crane_mp.worker.memory import (
     KVPlan,
+    allocated_bytes,
     device_free_memory,
     device_total_memory,
     measure_activation_bytes,
@@ -34,8 +34,9 @@ _DEFAULT_CUDA_LIMIT = MemoryLimit(fraction=0.9)
 # The CPU warm-up step (its memory is estimated, not measured).
 _CPU_WARMUP_TOKENS = 128
 _CPU_WARMUP_SEQS = 8
-# Allocator rounding and per-graph bookkeeping in the decode graphs' pool.
-_GRAPH_POOL_SLACK = 32 << 20
+# Allocator rounding and per-graph bookkeeping in the decode graphs' pool, and cuBLAS's workspace for
+# the capture stream (32 MiB on Hopper).
+_GRAPH_POOL_SLACK = 64 << 20
 # Float32 [sequences, vocabulary] buffers alive at the sampler's peak (logits, log-softmax, probabilities,
 # sorted values and int64 order, cumulative sums, noise), in bytes per logit.
 _SAMPLER_BYTES_PER_LOGIT = 48
@@ -66,11 +67,13 @@ def cuda_graphs_wanted(config: EngineConfig, device: torch.device, runner: Model
 
 
 def graph_pool_bytes(runner: ModelRunner, sizes: list[int], cfg: ModelConfig) -> int:
-    """Memory the decode graphs' pool will hold: the measured peak of an eager decode step of the largest
-    bucket (graphs of smaller buckets reuse it), plus every graph's output, which stays allocated."""
+    """Memory the decode graphs will hold: the measured peak of an eager decode step of the largest
+    bucket (graphs of smaller buckets reuse it in their pool), every graph's output, which stays
+    allocated, and their static input buffers."""
     peak = measure_activation_bytes(lambda _: runner.profile_decode(sizes[-1]), runner.device, 0)
     outputs = sum(sizes) * cfg.hidden_size * runner.dtype.itemsize
-    return int(1.25 * peak) + outputs + _GRAPH_POOL_SLACK
+    inputs = static_buffer_bytes(sizes[-1], table_width(runner.max_positions, runner.block_size))
+    return int(1.25 * peak) + outputs + inputs + _GRAPH_POOL_SLACK
 
 
 class PhaseTimer:
@@ -121,6 +124,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     runner = ModelRunner(model, config.block_size, max_model_len, device, grammars=grammars)
 
     weights_bytes = weight_bytes(model)
+    # What else the device already holds for good (rope tables, grammar and sampler tensors).
+    resident_bytes = allocated_bytes(device, beyond=weights_bytes)
     # The largest step: a full token budget of prompt, then sampling for every sequence at once with
     # every processor on (the [sequences, vocabulary] temporaries of top-p, penalties and logprobs).
     profile_tokens = min(config.max_num_batched_tokens, max_model_len)
@@ -151,6 +156,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         max_total_tokens=config.max_total_tokens,
         reserved_bytes=reserved_bytes,
         free_bytes=device_free_memory(device),
+        resident_bytes=resident_bytes,
     )
     log.info("memory plan: %s", kv_plan.describe())
     runner.allocate_kv_cache(kv_plan.num_blocks)
@@ -158,10 +164,6 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     if graphs:
         runner.enable_decode_graphs(graph_sizes)
         timer.done("cuda graphs")
-    # Everything allocated so far (torch, transformers, the model) lives for the whole run: keep the
-    # cyclic GC from rescanning it in the middle of decode steps.
-    gc.collect()
-    gc.freeze()
     return LoadedWorker(
         runner, model_config, kv_plan, device, dtype, max_model_len, source.format, describe_types(weight_types),
         file_tensor_bytes(source),

@@ -57,13 +57,33 @@ class Captured:
         return self.output
 
 
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
 def capture_cuda(forward: Callable[[], torch.Tensor], pool) -> Captured:
-    forward()  # compiles the Triton kernels and settles the allocator before capture
+    """Every graph is captured on one side stream, warmed up on it first: that compiles the Triton kernels
+    and gives cuBLAS its workspace for the stream outside the graphs' pool (memory.py's slack counts it)."""
+    device = torch.cuda.current_device()
+    stream = _capture_streams.setdefault(device, torch.cuda.Stream())
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         output = forward()
     return Captured(graph, output)
+
+
+def table_width(max_positions: int, block_size: int) -> int:
+    """Block-table columns of the longest sequence allowed."""
+    return -(-max_positions // block_size)
+
+
+def static_buffer_bytes(max_batch: int, width: int) -> int:
+    """Device memory of DecodeGraphs' static inputs: the staged copy (ids, positions, slots, context
+    lengths and packed tables) and the widened block tables, all int64."""
+    return (4 * max_batch + 2 * max_batch * width) * 8
 
 
 class DecodeGraphs:
@@ -75,7 +95,7 @@ class DecodeGraphs:
         self._capture = capture
         device = runner.device
         max_batch = sizes[-1]
-        self.width = -(-runner.max_positions // runner.block_size)  # block-table columns
+        self.width = table_width(runner.max_positions, runner.block_size)
         self.spare_block = runner.num_blocks  # the block past the scheduler's, see memory.py
         # ids, positions, slots, context lengths, then this step's block tables packed [count, widest]:
         # one buffer, one copy per step; the tables are then widened on the device into their static

@@ -29,7 +29,7 @@ class KVPlan:
     limit_bytes: int
     weights_bytes: int
     activation_bytes: int
-    reserved_bytes: int = 0  # decode graphs' memory pool and sampler state
+    reserved_bytes: int = 0  # decode graphs (pool, inputs) and other resident tensors (rope tables...)
     bound: str = "limit"  # what sized the cache: limit, free memory, max_num_seqs or max_total_tokens
 
     def describe(self) -> str:
@@ -64,11 +64,15 @@ def plan_kv_blocks(
     max_total_tokens: int | None,
     reserved_bytes: int = 0,
     free_bytes: int | None = None,
+    resident_bytes: int = 0,
 ) -> KVPlan:
     """Pure sizing rule. Without a limit (the CPU default) the KV cache may use a quarter of host RAM.
 
     `free_bytes`: what the device can still hand out now, with the weights loaded (CUDA). One block
     beyond the plan's is always allocated: padded rows of a replayed decode graph write there.
+    `reserved_bytes`: memory still to be allocated besides the KV cache (decode graphs).
+    `resident_bytes`: memory already held besides the weights (rope tables, sampler and grammar
+    tensors): counted against the limit, already missing from `free_bytes`.
 
     The caller clamps max_model_len to max_total_tokens when that is set.
 
@@ -79,7 +83,7 @@ def plan_kv_blocks(
     else:
         limit_bytes = int(0.25 * total_bytes) + weights_bytes
     block_bytes = kv_bytes_per_token * block_size
-    budget = limit_bytes - weights_bytes - activation_bytes - reserved_bytes - block_bytes
+    budget = limit_bytes - weights_bytes - resident_bytes - activation_bytes - reserved_bytes - block_bytes
     bound = "limit"
     if free_bytes is not None and free_bytes - activation_bytes - reserved_bytes - block_bytes < budget:
         budget = free_bytes - activation_bytes - reserved_bytes - block_bytes
@@ -87,7 +91,8 @@ def plan_kv_blocks(
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = max(0, budget // block_bytes)
     if num_blocks < blocks_per_seq:
-        needs = (f"activations ({_size(activation_bytes)}), reserved memory ({_size(reserved_bytes)}) and the KV "
+        held = reserved_bytes + resident_bytes
+        needs = (f"activations ({_size(activation_bytes)}), reserved memory ({_size(held)}) and the KV "
                  f"cache of one {max_model_len}-token sequence ({_size(blocks_per_seq * block_bytes)})")
         if bound == "limit":
             raise MemoryBudgetError(f"memory limit {_size(limit_bytes)} cannot hold the weights "
@@ -99,7 +104,7 @@ def plan_kv_blocks(
     if max_total_tokens is not None and num_blocks > max(blocks_per_seq, max_total_tokens // block_size):
         num_blocks, bound = max(blocks_per_seq, max_total_tokens // block_size), "max_total_tokens"
     return KVPlan(num_blocks, kv_bytes_per_token, num_blocks * block_bytes, limit_bytes, weights_bytes,
-                  activation_bytes, reserved_bytes, bound)
+                  activation_bytes, reserved_bytes + resident_bytes, bound)
 
 
 def device_free_memory(device: torch.device) -> int | None:
@@ -109,6 +114,22 @@ def device_free_memory(device: torch.device) -> int | None:
         return None
     torch.cuda.synchronize(device)
     return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def allocated_bytes(device: torch.device, beyond: int) -> int:
+    """What torch has allocated on a CUDA device beyond `beyond` bytes (0 on CPU, where nothing is tracked)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.memory_allocated(device) - beyond)
+
+
+def enforce_limit(device: torch.device, limit_bytes: int) -> None:
+    """Make the limit hold at run time: torch's allocator refuses to grow past it (an allocation that
+    would is a failed request, see runner.py, not memory taken from the host's other GPU users). For
+    the worker process, which has the device to itself: the cap is process-wide."""
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / device_total_memory(device)), device)
 
 
 def measure_activation_bytes(profile: Callable[[bool], int], device: torch.device, estimate_bytes: int) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from crane_mp.worker.host_buffers import device_longs
+
 
 class PenaltyTable:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
@@ -30,8 +32,8 @@ class PenaltyTable:
         row = self._free.pop()
         self.counts[row].zero_()
         self.seen[row].zero_()
-        ids = torch.tensor([t for t in prompt_ids if 0 <= t < self.vocab_size], dtype=torch.long)
-        self.seen[row].index_fill_(0, ids.to(self.device), 1.0)
+        ids = device_longs([t for t in prompt_ids if 0 <= t < self.vocab_size], self.device)
+        self.seen[row].index_fill_(0, ids, 1.0)
         return row
 
     def release(self, row: int) -> None:

@@ -7,6 +7,7 @@ and the launcher stops the server.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -25,7 +26,7 @@ from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
 from crane_mp.worker.device import device_label
 from crane_mp.worker.kernels.cpu_isa import describe as describe_isa
 from crane_mp.worker.lora import load_adapter, uninstall
-from crane_mp.worker.memory import MemoryBudgetError
+from crane_mp.worker.memory import MemoryBudgetError, enforce_limit
 from crane_mp.worker.model_config import UnsupportedModelError
 
 log = logging.getLogger("crane_mp.worker")
@@ -94,6 +95,12 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
         # A configuration the operator must change: one clear line, no traceback.
         log.error("cannot start the model: %s", err)
         raise SystemExit(1) from None
+    enforce_limit(loaded.device, loaded.kv_plan.limit_bytes)
+    # Everything allocated so far (torch, transformers, the model) lives as long as this process: keep
+    # the cyclic GC from rescanning it in the middle of decode steps. Only here: an engine built inside
+    # someone else's process (LLMEngine) must stay collectable.
+    gc.collect()
+    gc.freeze()
     ctx = zmq.Context()
     plans = make_socket(ctx, zmq.PULL, addresses.worker_inbox, bind=False)
     results = make_socket(ctx, zmq.PUSH, addresses.scheduler_inbox, bind=False)

@@ -305,20 +305,22 @@ class ModelRunner:
         top_n = mirror.sampling.params.prompt_logprobs
         start = mirror.num_prompt_scored
         count = hidden.shape[0]
-        targets = torch.tensor(mirror.token_ids[start : start + count], dtype=torch.long, device=self.device)
+        targets = device_longs(mirror.token_ids[start : start + count], self.device)
         chosen, top_ids, top_values = [], [], []
-        for lo in range(0, count, 256):  # bounded [rows, vocab] buffers for long prompts
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[lo : lo + 256]).float(), dim=-1)
-            chosen += logprobs.gather(1, targets[lo : lo + 256, None]).squeeze(1).tolist()
-            if top_n:
-                values, ids = logprobs.topk(top_n, dim=-1)
-                top_ids += ids.tolist()
-                top_values += values.tolist()
-            else:
-                top_ids += [[] for _ in range(logprobs.shape[0])]
-                top_values += [[] for _ in range(logprobs.shape[0])]
+        for lo in range(0, count, _SCORE_CHUNK):
+            scores, ids = self._score_chunk(hidden[lo : lo + _SCORE_CHUNK], targets[lo : lo + _SCORE_CHUNK], top_n)
+            for row_scores, row_ids in zip(scores.tolist(), ids.tolist()):
+                chosen.append(row_scores[0])
+                top_values.append(row_scores[1:])
+                top_ids.append(row_ids)
         mirror.num_prompt_scored = start + count
         return PromptLogprobs(req_id, start, chosen, top_ids, top_values)
+
+    def _score_chunk(self, hidden: torch.Tensor, targets: torch.Tensor, top_n: int) -> tuple[torch.Tensor, ...]:
+        """[rows, 1 + top_n] float32 logprobs (each row's target first, then its top_n), [rows, top_n] ids."""
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
+        values, ids = logprobs.topk(top_n, dim=-1)
+        return torch.cat([logprobs.gather(1, targets[:, None]), values], dim=1), ids
 
     @contextmanager
     def _scratch_kv_cache(self, num_blocks: int) -> Iterator[None]:
@@ -363,9 +365,14 @@ class ModelRunner:
             self.sampler.sample(logits, states)
             for state in states:
                 self.sampler.release(state)
+            del logits
+            rows = min(num_tokens, _SCORE_CHUNK)  # prompt logprobs: a [rows, vocabulary] chunk at a time
+            self._score_chunk(hidden[:rows], torch.zeros(rows, dtype=torch.long, device=self.device), 20)
         return self.scratch_kv_bytes(num_blocks)
 
 
+# Prompt tokens scored per [rows, vocabulary] pass: bounded buffers for long prompts.
+_SCORE_CHUNK = 256
 # The token an embedding request "samples": it only ends the request (its max_tokens is 1).
 _PLACEHOLDER_TOKEN = 0
 

@@ -230,18 +230,17 @@ class Sampler:
     def _gather_logprobs(
         self, raw_logprobs: torch.Tensor, tokens: list[int], params: list[SamplingParams]
     ) -> list[TokenLogprobs | None]:
-        chosen = raw_logprobs.gather(1, device_longs(tokens, self.device)[:, None]).squeeze(1).tolist()
         max_top = max(p.logprobs or 0 for p in params)
-        top_values, top_ids = (raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None))
+        top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)
+        chosen = raw_logprobs.gather(1, device_longs(tokens, self.device)[:, None])
+        # Two reads of the device for the whole batch: each row's chosen logprob then its top values; the ids.
+        scores, ids = torch.cat([chosen, top_values], dim=1).tolist(), top_ids.tolist()
         out: list[TokenLogprobs | None] = []
-        for row, p in enumerate(params):
+        for row_scores, row_ids, p in zip(scores, ids, params):
             if p.logprobs is None:
                 out.append(None)
                 continue
-            n = p.logprobs
-            ids = top_ids[row, :n].tolist() if n else []
-            values = top_values[row, :n].tolist() if n else []
-            out.append(TokenLogprobs(chosen[row], ids, values))
+            out.append(TokenLogprobs(row_scores[0], row_ids[: p.logprobs], row_scores[1 : 1 + p.logprobs]))
         return out
 
 

@@ -55,6 +55,20 @@ def test_preemption_is_lossless(model_dir):
     assert tight.scheduler.num_free_blocks == tight.worker.kv_plan.num_blocks
 
 
+def test_penalties_survive_preemption_and_their_table_stays_at_its_profiled_size(model_dir):
+    """A preempted request keeps its penalty row; preempted requests resume before new ones are admitted,
+    so the table never holds more than max_num_seqs rows, the size the memory plan profiled."""
+    penalised = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+                               frequency_penalty=0.4, presence_penalty=0.3)
+    batch = prompts(20, seed=7)
+    reference = engine(model_dir).generate(batch, penalised)
+    tight = engine(model_dir, max_num_seqs=8, max_total_tokens=128)
+    profiled_rows = tight.worker.runner.sampler.penalties.counts.shape[0]
+    assert tight.generate(batch, penalised) == reference
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.worker.runner.sampler.penalties.counts.shape[0] == profiled_rows
+
+
 def test_seeded_sampling_is_batch_independent(model_dir):
     eng = engine(model_dir)
     batch = prompts(10, seed=3)

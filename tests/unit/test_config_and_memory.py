@@ -84,6 +84,16 @@ def test_free_device_memory_below_the_limit_shrinks_the_cache():
     assert plan(free_bytes=64 * GIB).bound == "limit"  # plenty free: the limit decides
 
 
+def test_resident_tensors_count_against_the_limit_but_are_already_out_of_free_memory():
+    resident = GIB // 8  # rope tables, sampler and grammar tensors, allocated before planning
+    by_limit = plan(resident_bytes=resident)
+    assert by_limit.num_blocks == plan(reserved_bytes=resident).num_blocks
+    assert by_limit.reserved_bytes == resident
+    free = GIB  # measured with the resident tensors already allocated: not subtracted twice
+    by_free = plan(limit=MemoryLimit(num_bytes=8 * GIB), free_bytes=free, resident_bytes=resident)
+    assert by_free.num_blocks == plan(limit=MemoryLimit(num_bytes=8 * GIB), free_bytes=free).num_blocks
+
+
 def test_blocks_capped_by_what_sequences_could_use_and_by_max_total_tokens():
     assert (plan(max_num_seqs=2).num_blocks, plan(max_num_seqs=2).bound) == (2 * 256 + 1, "max_num_seqs")
     assert (plan(max_total_tokens=8192).num_blocks, plan(max_total_tokens=8192).bound) == (512, "max_total_tokens")

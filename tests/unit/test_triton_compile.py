@@ -16,7 +16,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 
-from tests.triton_compile import SHARED_MEMORY_LIMIT, compile_launch, nvidia_backend_available, recorded_launches  # noqa: E402
+from tests.triton_compile import (  # noqa: E402
+    SHARED_MEMORY_LIMIT,
+    compile_launch,
+    nvidia_backend_available,
+    recorded_launches,
+)
 
 if not nvidia_backend_available():
     pytest.skip("Triton's NVIDIA backend (ptxas, cuobjdump) is not installed", allow_module_level=True)
