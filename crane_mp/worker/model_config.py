@@ -104,15 +104,35 @@ def _rope(hf_config: Any) -> tuple[float, dict[str, Any]]:
     return theta, params
 
 
+def _sliding_window(hf_config: Any, arch: str) -> int | None:
+    """The attention window of every layer, or None. Qwen2/Qwen3 window only the layers from
+    max_window_layers on (transformers' layer_types lists them); a model mixing windowed and full
+    layers is refused rather than served with the wrong attention."""
+    window = getattr(hf_config, "sliding_window", None)
+    if arch not in ("qwen2", "qwen3"):
+        return window
+    if window is None or not getattr(hf_config, "use_sliding_window", False):
+        return None
+    layer_types = getattr(hf_config, "layer_types", None) or [
+        "sliding_attention" if i >= getattr(hf_config, "max_window_layers", 0) else "full_attention"
+        for i in range(hf_config.num_hidden_layers)
+    ]
+    kinds = set(layer_types)
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return window
+    raise UnsupportedModelError(f"{arch} with a sliding window on some layers only (layer_types {sorted(kinds)}, "
+                                "max_window_layers) is not supported: every layer must use the same attention")
+
+
 def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Path | None = None) -> ModelConfig:
     """Build our config from a loaded transformers config object."""
     arch = detect_arch(hf_config, model_type)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     theta, rope_params = _rope(hf_config)
-    sliding_window = getattr(hf_config, "sliding_window", None)
-    if arch in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
-        sliding_window = None
+    sliding_window = _sliding_window(hf_config, arch)
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     return ModelConfig(
         arch=arch,

@@ -15,6 +15,12 @@ import triton.language as tl
 
 
 @triton.jit
+def _inverse_rms(sum_of_squares, dim, eps):
+    """1 / sqrt(mean + eps), each step rounded once as on the CPU (tl.sqrt and / are approximate on GPUs)."""
+    return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_of_squares, dim) + eps))
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, dim, stride_x, stride_r, stride_o, eps,
                      ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -26,7 +32,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, dim, stride_x, st
         stored = total.to(residual_ptr.dtype.element_ty)
         tl.store(residual_ptr + row * stride_r + cols, stored, mask=mask)
         x = stored.to(tl.float32)  # normalise the residual as stored, as the unfused ops would
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / dim + eps)
+    inv = _inverse_rms(tl.sum(x * x, 0), dim.to(tl.float32), eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -60,14 +66,14 @@ def _qkv_rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, norm_ptr, slot_ptr, k_cach
         x = tl.load(row + head * HEAD_DIM + d).to(tl.float32)
         x_partner = tl.load(row + head * HEAD_DIM + partner).to(tl.float32)
         if NORM == 1:  # before rope (Qwen3)
-            inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / HEAD_DIM + eps)
+            inv = _inverse_rms(tl.sum(x * x, 0), HEAD_DIM * 1.0, eps)
             x = x * inv * tl.load(norm_ptr + head * HEAD_DIM + d).to(tl.float32)
             x_partner = x_partner * inv * tl.load(norm_ptr + head * HEAD_DIM + partner).to(tl.float32)
         cos = tl.load(cos_ptr + token * stride_rope + d).to(tl.float32)
         sin = tl.load(sin_ptr + token * stride_rope + d).to(tl.float32)
         y = x * cos + x_partner * sin
         if NORM == 2:  # after rope (Hunyuan)
-            inv = 1.0 / tl.sqrt(tl.sum(y * y, 0) / HEAD_DIM + eps)
+            inv = _inverse_rms(tl.sum(y * y, 0), HEAD_DIM * 1.0, eps)
             y = y * inv * tl.load(norm_ptr + head * HEAD_DIM + d).to(tl.float32)
         if head < num_heads:
             tl.store(q_ptr + (token * num_heads + head) * HEAD_DIM + d, y.to(q_ptr.dtype.element_ty))
