@@ -16,9 +16,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 
-from tests.triton_compile import (  # noqa: E402
+from crane_mp.testing.triton_compile import (  # noqa: E402
     SHARED_MEMORY_LIMIT,
+    attention_launches,
     compile_launch,
+    elementwise_launches,
+    gguf_launches,
     nvidia_backend_available,
     recorded_launches,
 )
@@ -32,50 +35,20 @@ ATTENTION_SHAPES = ((32, 8, 128), (8, 2, 64), (28, 4, 128), (16, 16, 64))
 
 
 def _attention_launches() -> None:
-    from crane_mp.worker.kernels import triton_attention as kernels
-
     for dtype in (torch.bfloat16, torch.float32):  # float16 compiles as bfloat16 does
-        for heads, kv_heads, head_dim in ATTENTION_SHAPES:
-            cache = torch.empty(8, 16, kv_heads, head_dim, dtype=dtype)
-            tables = torch.zeros(4, 8, dtype=torch.int32)
-            lengths = torch.zeros(4, dtype=torch.int32)
-            q = torch.empty(4, heads, head_dim, dtype=dtype)
-            for splits in (1, 16):
-                workspace = kernels.decode_workspace(4, heads, head_dim, splits, "cpu")
-                kernels.paged_decode(q, cache, cache, tables, lengths, torch.empty_like(q), 0.1, 0, splits, workspace)
-            chunk = torch.empty(100, heads, head_dim, dtype=dtype)
-            kernels.paged_prefill(chunk, cache, cache, tables, lengths, lengths, lengths, 100, torch.empty_like(chunk),
-                                  0.1, 4096)
+        for shape in ATTENTION_SHAPES:
+            attention_launches(dtype, *shape)
 
 
 def _elementwise_launches() -> None:
-    from crane_mp.worker.kernels import triton_elementwise as kernels
-
     for dtype in DTYPES:
-        for hidden in (512, 4096, 8192):
-            x = torch.empty(3, hidden, dtype=dtype)
-            kernels.rms_norm(x, torch.empty(hidden, dtype=dtype), 1e-6)
-            kernels.add_rms_norm_(x, torch.empty_like(x), torch.empty(hidden, dtype=dtype), 1e-6)
-        kernels.silu_and_mul(torch.empty(3, 2 * 14336, dtype=dtype))
-        for heads, kv_heads, head_dim in ATTENTION_SHAPES:
-            cache = torch.empty(8, 16, kv_heads, head_dim, dtype=dtype)
-            qkv = torch.empty(5, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
-            rope = torch.empty(5, head_dim, dtype=dtype)
-            for norm_position in (0, 1, 2):
-                kernels.qkv_rope_cache(qkv, rope, rope, torch.empty(heads + kv_heads, head_dim, dtype=dtype),
-                                       norm_position, 1e-6, torch.zeros(5, dtype=torch.int64), cache, cache, heads)
+        for hidden, shape in zip((4096, 512, 3584, 8192), ATTENTION_SHAPES):
+            elementwise_launches(dtype, hidden, 14336, *shape)
 
 
 def _gguf_launches() -> None:
-    from crane_mp.worker.quantized import triton_dequant as kernels
-    from crane_mp.worker.quantized.formats import LAYOUTS
-
     for dtype in DTYPES:
-        for qtype in sorted(kernels.TRITON_TYPES):
-            layout = LAYOUTS[qtype]
-            weight = torch.empty(64, 4096 // layout.block * layout.bytes, dtype=torch.uint8)
-            kernels.triton_dequantize(weight, qtype, 4096, dtype)
-            kernels.triton_quantized_matmul(torch.empty(8, 4096, dtype=dtype), weight, qtype, 4096)
+        gguf_launches(dtype)
 
 
 FAMILIES = {"attention": _attention_launches, "elementwise": _elementwise_launches, "gguf": _gguf_launches}

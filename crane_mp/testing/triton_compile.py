@@ -1,0 +1,133 @@
+"""Compile Triton kernels for NVIDIA GPUs on a machine without one: what the interpreter tests cannot
+see (tl.dot shapes, dtype rules, shared memory, register spills) is decided by Triton's compiler and
+ptxas, which both ship in Triton's wheel.
+
+`recorded_launches` runs the kernels' Python wrappers with CPU tensors and records each launch
+instead of running it (the *_launches functions drive the wrappers as a model's forward pass does);
+`compile_launch` builds that launch as Triton's JIT would on the GPU (the same argument
+specialisation: alignment, integers equal to 1) for a given compute capability. Used by
+tests/unit/test_triton_compile.py and benchmarks/triton_resources.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+# Largest dynamic shared memory one block may use (CUDA programming guide, compute capabilities).
+SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+_CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def nvidia_backend_available() -> bool:
+    return os.access(_CUOBJDUMP, os.X_OK) and "nvidia" in triton.backends.backends
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: JITFunction
+    args: tuple
+    kwargs: dict
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+
+@dataclass(frozen=True)
+class Compiled:
+    shared_bytes: int
+    num_warps: int
+    registers: int
+    stack_bytes: int  # per thread; non-zero means registers spilled to local memory
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Within the block, kernel launches append a Launch to the yielded list and run nothing."""
+    launches: list[Launch] = []
+    original = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append(Launch(self, args, kwargs))
+
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original
+
+
+def compile_launch(launch: Launch, capability: int) -> Compiled:
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    bind = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
+    bound, specialization, options = bind(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = launch.kernel._pack_args(backend, launch.kwargs, bound, specialization,
+                                                                     options)
+    kernel = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
+                            options=options.__dict__)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([_CUOBJDUMP, "-res-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    assert found, usage
+    return Compiled(kernel.metadata.shared, kernel.metadata.num_warps, int(found[1]), int(found[2]))
+
+
+def attention_launches(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Decode (one split and the most splits, with its merge) and prefill over a paged cache."""
+    from crane_mp.worker.kernels import triton_attention as kernels
+
+    cache = torch.empty(8, 16, kv_heads, head_dim, dtype=dtype)
+    tables = torch.zeros(4, 8, dtype=torch.int32)
+    lengths = torch.zeros(4, dtype=torch.int32)
+    q = torch.empty(4, heads, head_dim, dtype=dtype)
+    for splits in (1, 16):
+        workspace = kernels.decode_workspace(4, heads, head_dim, splits, "cpu")
+        kernels.paged_decode(q, cache, cache, tables, lengths, torch.empty_like(q), 0.1, 0, splits, workspace)
+    chunk = torch.empty(100, heads, head_dim, dtype=dtype)
+    kernels.paged_prefill(chunk, cache, cache, tables, lengths, lengths, lengths, 100, torch.empty_like(chunk), 0.1,
+                          4096)
+
+
+def elementwise_launches(dtype: torch.dtype, hidden: int, intermediate: int, heads: int, kv_heads: int,
+                         head_dim: int) -> None:
+    """RMSNorm (alone and with the residual add), SiLU*mul, and q/k norm + rope + KV write (no norm,
+    before rope, after rope)."""
+    from crane_mp.worker.kernels import triton_elementwise as kernels
+
+    x = torch.empty(3, hidden, dtype=dtype)
+    kernels.rms_norm(x, torch.empty(hidden, dtype=dtype), 1e-6)
+    kernels.add_rms_norm_(x, torch.empty_like(x), torch.empty(hidden, dtype=dtype), 1e-6)
+    kernels.silu_and_mul(torch.empty(3, 2 * intermediate, dtype=dtype))
+    cache = torch.empty(8, 16, kv_heads, head_dim, dtype=dtype)
+    qkv = torch.empty(5, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    rope = torch.empty(5, head_dim, dtype=dtype)
+    for norm_position in (0, 1, 2):
+        kernels.qkv_rope_cache(qkv, rope, rope, torch.empty(heads + kv_heads, head_dim, dtype=dtype), norm_position,
+                               1e-6, torch.zeros(5, dtype=torch.int64), cache, cache, heads)
+
+
+def gguf_launches(dtype: torch.dtype, in_features: int = 4096) -> None:
+    """Slab dequantization and the fused decode matmul, for every GGUF format with Triton kernels."""
+    from crane_mp.worker.quantized import triton_dequant as kernels
+    from crane_mp.worker.quantized.formats import LAYOUTS
+
+    for qtype in sorted(kernels.TRITON_TYPES):
+        layout = LAYOUTS[qtype]
+        weight = torch.empty(64, in_features // layout.block * layout.bytes, dtype=torch.uint8)
+        kernels.triton_dequantize(weight, qtype, in_features, dtype)
+        kernels.triton_quantized_matmul(torch.empty(8, in_features, dtype=dtype), weight, qtype, in_features)
