@@ -37,9 +37,6 @@ _CPU_WARMUP_SEQS = 8
 # Allocator rounding and per-graph bookkeeping in the decode graphs' pool, and cuBLAS's workspace for
 # the capture stream (32 MiB on Hopper).
 _GRAPH_POOL_SLACK = 64 << 20
-# Float32 [sequences, vocabulary] buffers alive at the sampler's peak (logits, log-softmax, probabilities,
-# sorted values and int64 order, cumulative sums, noise), in bytes per logit.
-_SAMPLER_BYTES_PER_LOGIT = 48
 
 
 @dataclass(slots=True)
@@ -137,7 +134,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         return runner.profile_step(min(profile_tokens, _CPU_WARMUP_TOKENS), min(profile_seqs, _CPU_WARMUP_SEQS))
 
     estimate = (profile_tokens * _activation_estimate_per_token(model_config)
-                + profile_seqs * model_config.vocab_size * _SAMPLER_BYTES_PER_LOGIT)
+                + runner.sampler.peak_bytes(profile_seqs))
     activation_bytes = measure_activation_bytes(profile, device, estimate)
     timer.done("warm-up")
     graphs = cuda_graphs_wanted(config, device, runner)

@@ -88,20 +88,70 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, states: list[SamplingState]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [N, vocab] (any float dtype); returns one token id per row and logprobs where asked.
-        Reading the sampled ids back is the step's only wait on the device."""
-        logits = logits.float()
+        """logits: [N, vocab] (any float dtype; float32 rows may be processed in place); returns one token
+        id per row and logprobs where asked. Rows go through in passes of at most rows_per_pass(), so the [rows, vocabulary]
+        temporaries stay bounded whatever the batch; reading the sampled ids back once is the step's
+        only wait on the device (and a rare second one, see _redo)."""
         params = [s.params for s in states]
-        want_logprobs = any(p.logprobs is not None for p in params)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        greedy_only = all(p.greedy for p in params)
+        max_top = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+        uniform = None if greedy_only else self._uniforms(states)
+        step = max(1, len(states)) if greedy_only and max_top < 0 else self.rows_per_pass()
+        tokens, checked_rows, checks, scores, top_ids = [], [], [], [], []
+        for lo in range(0, len(states), step):
+            rows = slice(lo, lo + step)
+            pass_tokens, truncated, covered, pass_scores = self._sample_pass(
+                logits[rows], states[rows], None if uniform is None else uniform[rows], max_top)
+            tokens.append(pass_tokens)
+            if covered is not None:
+                checked_rows += [lo + row for row in truncated]
+                checks.append(covered.long())
+            if pass_scores is not None:
+                scores.append(pass_scores[0])
+                top_ids.append(pass_scores[1])
+        values = torch.cat(tokens + checks).tolist()  # the step's wait on the device
+        token_list = values[: len(states)]
+        redo = [row for row, ok in zip(checked_rows, values[len(states):]) if not ok]
+        redone = self._redo(logits, states, uniform, redo, max_top >= 0) if redo else {}
+        for row, (token, _) in redone.items():
+            token_list[row] = token
+        if max_top < 0:
+            return token_list, []
+        return token_list, self._logprobs(torch.cat(scores).tolist(), torch.cat(top_ids).tolist(), params, redone)
 
-        logits = self._apply_processors(logits, states)
+    def rows_per_pass(self) -> int:
+        return max(8, _PASS_BYTES // (self.vocab_size * _PASS_BYTES_PER_LOGIT))
+
+    def peak_bytes(self, rows: int) -> int:
+        """Device memory a sample() of `rows` rows with every processor on may hold at its peak: one pass's
+        temporaries, the float32 logits, and a penalty-table row per row (memory plan estimate on CPU)."""
+        pass_rows = min(rows, self.rows_per_pass())
+        return (pass_rows * _PASS_BYTES_PER_LOGIT + rows * 4) * self.vocab_size + rows * PenaltyTable.row_bytes(
+            self.vocab_size)
+
+    def _sample_pass(
+        self, logits: torch.Tensor, states: list[SamplingState], uniform: torch.Tensor | None, max_top: int
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Device tokens of these rows in row order; the rows drawn among candidates and whether each
+        draw is final (None: all are); with logprobs wanted (max_top >= 0), [rows, 1 + max_top] float32
+        scores (each row's sampled token's logprob first, then its top values) and [rows, max_top] ids."""
+        params = [s.params for s in states]
+        work = logits.float()
+        if work.data_ptr() == logits.data_ptr() and any(not p.greedy and self._truncates(p) for p in params):
+            work = work.clone()  # processors work in place, and _redo may read the caller's logits again
+        raw_logprobs = torch.log_softmax(work, dim=-1) if max_top >= 0 else None
+        work = self._apply_processors(work, states)
+        truncated: list[int] = []
+        covered = None
         if all(p.greedy for p in params):
-            token_list = argmax_rows(logits).tolist()
+            tokens = argmax_rows(work)
         else:
-            token_list = self._draw(logits, states)
-        logprobs = self._gather_logprobs(raw_logprobs, token_list, params) if want_logprobs else []
-        return token_list, logprobs
+            tokens, truncated, covered = self._draw(work, params, uniform)
+        if raw_logprobs is None:
+            return tokens, truncated, covered, None
+        top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)
+        scores = torch.cat([raw_logprobs.gather(1, tokens[:, None]), top_values], dim=1)
+        return tokens, truncated, covered, (scores, top_ids)
 
     def _apply_processors(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         constrained = [row for row, state in enumerate(states) if state.matcher is not None]
@@ -146,42 +196,55 @@ class Sampler:
             return None
         return device_floats(values, self.device)[:, None]
 
-    def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
-        """Draw one token per row: greedy rows take the argmax; the others invert their (truncated)
-        distribution's CDF at one uniform per row, seeded rows' uniform a function of seed and position."""
-        params = [s.params for s in states]
+    def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, then min_p (greedy rows keep temperature 1: only their argmax is used)."""
         temperature = device_floats([1.0 if p.greedy else p.temperature for p in params], self.device)
         probs = torch.softmax(logits / temperature[:, None], dim=-1)
         if any(p.min_p > 0 for p in params):
             min_p = device_floats([p.min_p for p in params], self.device)
             probs = probs * (probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True))
-        uniform = self._uniforms(states)
+        return probs
+
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams],
+              uniform: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """One token per row, in row order: greedy rows take the argmax; the others invert their
+        (truncated) distribution's CDF at the row's uniform. Rows with top_k/top_p draw among candidates:
+        returns them and whether each draw is final."""
+        probs = self._probs(logits, params)
         truncated = [row for row, p in enumerate(params) if not p.greedy and self._truncates(p)]
         plain = [row for row, p in enumerate(params) if not p.greedy and not self._truncates(p)]
         greedy = [row for row, p in enumerate(params) if p.greedy]
-
         parts, covered = [], None
         if greedy:
             parts.append((greedy, argmax_rows(logits if len(greedy) == len(params) else self._rows(logits, greedy))))
         if plain:
             parts.append((plain, _invert_cdf(self._rows(probs, plain), self._rows(uniform, plain))))
         if truncated:
-            tokens, covered = self._draw_truncated(probs, uniform, truncated, params, _CANDIDATES)
-            parts.append((truncated, tokens))
-        rows = [row for part_rows, _ in parts for row in part_rows]
-        drawn = torch.cat([tokens for _, tokens in parts] + ([covered.long()] if covered is not None else []))
-        values = drawn.tolist()  # the step's wait on the device
-        out = [0] * len(params)
-        for row, token in zip(rows, values):
-            out[row] = token
-        if covered is not None:
-            # Rare: a flat distribution whose top_p mass reaches past the candidates; redo those rows whole.
-            redo = [row for row, ok in zip(truncated, values[len(rows):]) if not ok]
-            if redo:
-                tokens, _ = self._draw_truncated(probs, uniform, redo, params, self.vocab_size)
-                for row, token in zip(redo, tokens.tolist()):
-                    out[row] = token
-        return out
+            drawn, covered = self._draw_truncated(probs, uniform, truncated, params, _CANDIDATES)
+            parts.append((truncated, drawn))
+        if len(parts) == 1:
+            return parts[0][1], truncated, covered
+        tokens = torch.empty(len(params), dtype=torch.long, device=self.device)
+        for rows, drawn in parts:
+            tokens.index_copy_(0, device_longs(rows, self.device), drawn)
+        return tokens, truncated, covered
+
+    def _redo(self, logits: torch.Tensor, states: list[SamplingState], uniform: torch.Tensor, rows: list[int],
+              want_logprobs: bool) -> dict[int, tuple[int, float | None]]:
+        """Rare: a flat distribution whose top_p mass reaches past the candidates. Those rows draw again
+        from their whole vocabulary (same uniform); returns row -> (token, its logprob if wanted)."""
+        index = device_longs(rows, self.device)
+        work = logits.index_select(0, index).float()
+        raw_logprobs = torch.log_softmax(work, dim=-1) if want_logprobs else None
+        picked = [states[r] for r in rows]
+        params = [s.params for s in picked]
+        probs = self._probs(self._apply_processors(work, picked), params)
+        tokens, _ = self._draw_truncated(probs, uniform.index_select(0, index), list(range(len(rows))), params,
+                                         self.vocab_size)
+        chosen = [None] * len(rows)
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        return dict(zip(rows, zip(tokens.tolist(), chosen)))
 
     def _truncates(self, p: SamplingParams) -> bool:
         return 0 < p.top_k < self.vocab_size or p.top_p < 1.0
@@ -227,26 +290,28 @@ class Sampler:
         index = _invert_cdf(kept, self._rows(uniform, rows))
         return ids.gather(1, index[:, None]).squeeze(1), covered
 
-    def _gather_logprobs(
-        self, raw_logprobs: torch.Tensor, tokens: list[int], params: list[SamplingParams]
-    ) -> list[TokenLogprobs | None]:
-        max_top = max(p.logprobs or 0 for p in params)
-        top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)
-        chosen = raw_logprobs.gather(1, device_longs(tokens, self.device)[:, None])
-        # Two reads of the device for the whole batch: each row's chosen logprob then its top values; the ids.
-        scores, ids = torch.cat([chosen, top_values], dim=1).tolist(), top_ids.tolist()
+    @staticmethod
+    def _logprobs(scores: list[list[float]], ids: list[list[int]], params: list[SamplingParams],
+                  redone: dict[int, tuple[int, float | None]]) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = []
-        for row_scores, row_ids, p in zip(scores, ids, params):
+        for row, (row_scores, row_ids, p) in enumerate(zip(scores, ids, params)):
             if p.logprobs is None:
                 out.append(None)
                 continue
-            out.append(TokenLogprobs(row_scores[0], row_ids[: p.logprobs], row_scores[1 : 1 + p.logprobs]))
+            chosen = redone[row][1] if row in redone else row_scores[0]
+            out.append(TokenLogprobs(chosen, row_ids[: p.logprobs], row_scores[1 : 1 + p.logprobs]))
         return out
 
 
 # What min_tokens subtracts from a stop token's logit: finite, so penalties applied after it stay
 # arithmetic (-inf * 0 is NaN), yet its probability is exactly 0.
 _SUPPRESSED = 1e30
+
+# A sampling pass's float32 [rows, vocabulary] temporaries (raw logprobs, processed logits,
+# probabilities, masks, candidates) take about _PASS_BYTES_PER_LOGIT bytes per logit; passes take as
+# many rows as keep them under _PASS_BYTES (36 rows at a 152k vocabulary, all of a batch at 8k).
+_PASS_BYTES = 256 << 20
+_PASS_BYTES_PER_LOGIT = 48
 
 # Candidates a top_k/top_p row draws from before falling back to its whole vocabulary. A partial sort
 # of 256 over a 152k vocabulary costs ~4 % of a full sort on CPU, and holds the top_p set of all but

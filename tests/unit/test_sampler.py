@@ -144,13 +144,12 @@ def test_seeded_uniforms_are_a_function_of_seed_and_position():
 
 
 def test_draws_follow_the_truncated_distribution_also_past_the_candidates():
-    """Empirical frequencies against vLLM's definitions: top_k, renormalise, top_p; and a flat row whose
-    top_p set is wider than the candidate partial sort (the fallback to the whole vocabulary)."""
+    """Empirical frequencies against vLLM's definitions: top_k, renormalise, top_p, for a peaked row and
+    a flat one whose top_p set holds most of the vocabulary."""
     vocab = 200
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(1, vocab, generator=gen) * 1.5
-    flat = torch.randn(1, vocab, generator=gen) * 0.05  # nearly uniform, no ties: top_p 0.9 keeps ~180 tokens,
-    # more than the 64 candidates
+    flat = torch.randn(1, vocab, generator=gen) * 0.05  # nearly uniform, no ties: top_p 0.9 keeps ~180 tokens
     cases = [(logits, SamplingParams(temperature=0.7, top_k=20, top_p=0.8)),
              (flat, SamplingParams(temperature=1.0, top_p=0.9))]
     sampler = Sampler(vocab, CPU)
@@ -228,3 +227,50 @@ def test_penalty_rows_are_reused_after_release_and_the_table_grows():
     logits = torch.zeros(1, VOCAB)
     assert sampler._apply_processors(logits.clone(), [reused])[0, 2].item() == 0.0  # no counts carried over
     assert sampler._apply_processors(logits.clone(), [first[1]])[0, 2].item() == -1.0
+
+
+def test_passes_and_the_whole_vocabulary_redo_match_one_pass(monkeypatch):
+    """A batch split into passes (bounded [rows, vocabulary] memory) draws what one pass draws; flat top_p
+    rows whose kept set is wider than the candidates draw again from the whole vocabulary (from the
+    caller's logits, which passes with such rows leave as they were), their logprob taken for the token
+    finally drawn."""
+    vocab = 1000
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, vocab, generator=gen) * 3
+    flat_rows = [2, 5]
+    for row in flat_rows:  # top_p 0.95 keeps ~950 tokens, past the 256 candidates
+        logits[row] = torch.randn(vocab, generator=gen) * 0.01
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.9, top_k=30, logprobs=0),
+              SamplingParams(temperature=1.0, top_p=0.95, logprobs=3), SamplingParams(temperature=0.7, seed=4),
+              SamplingParams(temperature=0.8, min_p=0.1, repetition_penalty=1.2),
+              SamplingParams(temperature=1.0, top_p=0.95, seed=9, logprobs=1), SamplingParams(temperature=0.0)]
+    redone: list[list[int]] = []
+
+    def run(rows_per_pass: int | None):
+        torch.manual_seed(0)  # both samplers' unseeded rows draw the same uniforms
+        sampler = Sampler(vocab, CPU)
+        original = sampler._redo
+        monkeypatch.setattr(sampler, "_redo", lambda *a: redone.append(list(a[3])) or original(*a))
+        if rows_per_pass:
+            monkeypatch.setattr(sampler, "rows_per_pass", lambda: rows_per_pass)
+        before = logits.clone()
+        out = sampler.sample(logits, states(sampler, *params))
+        assert torch.equal(logits, before)
+        return out
+
+    tokens, logprobs = run(None)
+    assert (tokens, logprobs) == run(2)
+    assert redone == [flat_rows, flat_rows]
+    # The seeded flat row, from the definitions: sort the whole row, keep the top_p prefix, invert its CDF.
+    ordered, order = torch.softmax(logits[5], -1).sort(descending=True)
+    kept = ordered * ((ordered.cumsum(0) - ordered) < 0.95)
+    cdf = kept.cumsum(0)
+    u = uniform_from_keys(row_keys([9], [0], CPU))[0]
+    assert tokens[5] == order[torch.searchsorted(cdf, u * cdf[-1], right=True)].item()
+    raw = torch.log_softmax(logits, -1)
+    for row, lp in enumerate(logprobs):
+        if params[row].logprobs is None:
+            assert lp is None
+            continue
+        assert math.isclose(lp.logprob, raw[row, tokens[row]].item(), rel_tol=1e-5, abs_tol=1e-6)
+        assert lp.top_token_ids == raw[row].topk(params[row].logprobs).indices.tolist()
