@@ -307,14 +307,20 @@ class ModelRunner:
         count = hidden.shape[0]
         targets = device_longs(mirror.token_ids[start : start + count], self.device)
         chosen, top_ids, top_values = [], [], []
-        for lo in range(0, count, _SCORE_CHUNK):
-            scores, ids = self._score_chunk(hidden[lo : lo + _SCORE_CHUNK], targets[lo : lo + _SCORE_CHUNK], top_n)
+        step = self._score_rows()
+        for lo in range(0, count, step):
+            scores, ids = self._score_chunk(hidden[lo : lo + step], targets[lo : lo + step], top_n)
             for row_scores, row_ids in zip(scores.tolist(), ids.tolist()):
                 chosen.append(row_scores[0])
                 top_values.append(row_scores[1:])
                 top_ids.append(row_ids)
         mirror.num_prompt_scored = start + count
         return PromptLogprobs(req_id, start, chosen, top_ids, top_values)
+
+    def _score_rows(self) -> int:
+        """Prompt tokens scored per pass: [rows, vocabulary] logits, their float32 copy and log-softmax
+        (10 bytes per logit) under _SCORE_BYTES: 77 rows at a 152k vocabulary."""
+        return max(16, min(256, _SCORE_BYTES // (10 * self.config.vocab_size)))
 
     def _score_chunk(self, hidden: torch.Tensor, targets: torch.Tensor, top_n: int) -> tuple[torch.Tensor, ...]:
         """[rows, 1 + top_n] float32 logprobs (each row's target first, then its top_n), [rows, top_n] ids."""
@@ -366,13 +372,13 @@ class ModelRunner:
             for state in states:
                 self.sampler.release(state)
             del logits
-            rows = min(num_tokens, _SCORE_CHUNK)  # prompt logprobs: a [rows, vocabulary] chunk at a time
+            rows = min(num_tokens, self._score_rows())  # prompt logprobs: one pass of scoring
             self._score_chunk(hidden[:rows], torch.zeros(rows, dtype=torch.long, device=self.device), 20)
         return self.scratch_kv_bytes(num_blocks)
 
 
-# Prompt tokens scored per [rows, vocabulary] pass: bounded buffers for long prompts.
-_SCORE_CHUNK = 256
+# Bytes of one prompt-scoring pass's [rows, vocabulary] buffers: bounded whatever the prompt's length.
+_SCORE_BYTES = 112 << 20
 # The token an embedding request "samples": it only ends the request (its max_tokens is 1).
 _PLACEHOLDER_TOKEN = 0
 

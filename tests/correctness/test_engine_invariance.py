@@ -128,7 +128,7 @@ def test_overlap_and_prefix_cache_never_change_greedy_tokens_even_under_preempti
     assert roomy.scheduler.prefix_cache_hits >= 10 * (len(shared) // 16 * 16)  # the shared prefix really hit
 
 
-def test_prompt_logprobs_match_a_full_forward_and_survive_chunking(model_dir):
+def test_prompt_logprobs_match_a_full_forward_and_survive_chunking(model_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     prompt = prompts(1, seed=7)[0] + prompts(1, seed=8)[0]
@@ -136,8 +136,11 @@ def test_prompt_logprobs_match_a_full_forward_and_survive_chunking(model_dir):
     with torch.inference_mode():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
     expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    for budget in (2048, 5):  # whole prompt in one step, and in 5-token chunks
+    # The whole prompt in one step, in 5-token chunks, and in one step scored 3 rows per pass.
+    for budget, score_rows in ((2048, None), (5, None), (2048, 3)):
         eng = engine(model_dir, max_num_seqs=4, max_num_batched_tokens=budget)
+        if score_rows:
+            monkeypatch.setattr(eng.worker.runner, "_score_rows", lambda: score_rows)
         req = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))
         scored = []
         while eng.has_work:
