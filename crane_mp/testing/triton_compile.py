@@ -92,8 +92,8 @@ def attention_launches(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: 
     from crane_mp.worker.kernels import triton_attention as kernels
 
     cache = torch.empty(8, 16, kv_heads, head_dim, dtype=dtype)
-    tables = torch.zeros(4, 8, dtype=torch.int32)
-    lengths = torch.zeros(4, dtype=torch.int32)
+    tables = torch.zeros(4, 8, dtype=torch.long)  # int64, as attention.py and decode_graphs.py pass them
+    lengths = torch.zeros(4, dtype=torch.long)
     q = torch.empty(4, heads, head_dim, dtype=dtype)
     for splits in (1, 16):
         workspace = kernels.decode_workspace(4, heads, head_dim, splits, "cpu")

@@ -124,12 +124,15 @@ def allocated_bytes(device: torch.device, beyond: int) -> int:
     return max(0, torch.cuda.memory_allocated(device) - beyond)
 
 
-def enforce_limit(device: torch.device, limit_bytes: int) -> None:
+def enforce_limit(device: torch.device, plan: KVPlan) -> None:
     """Make the limit hold at run time: torch's allocator refuses to grow past it (an allocation that
-    would is a failed request, see runner.py, not memory taken from the host's other GPU users). For
-    the worker process, which has the device to itself: the cap is process-wide."""
+    would is a failed request, see runner.py, not memory taken from the host's other GPU users). The
+    plan counts allocated bytes, the cap the allocator's reserved segments, which add rounding and
+    fragmentation: the cap sits a quarter of the activations (at least 256 MiB) above the limit.
+    For the worker process, which has the device to itself: the cap is process-wide."""
     if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / device_total_memory(device)), device)
+        cap = plan.limit_bytes + max(256 << 20, plan.activation_bytes // 4)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / device_total_memory(device)), device)
 
 
 def measure_activation_bytes(profile: Callable[[bool], int], device: torch.device, estimate_bytes: int) -> int:

@@ -95,7 +95,7 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
         # A configuration the operator must change: one clear line, no traceback.
         log.error("cannot start the model: %s", err)
         raise SystemExit(1) from None
-    enforce_limit(loaded.device, loaded.kv_plan.limit_bytes)
+    enforce_limit(loaded.device, loaded.kv_plan)
     # Everything allocated so far (torch, transformers, the model) lives as long as this process: keep
     # the cyclic GC from rescanning it in the middle of decode steps. Only here: an engine built inside
     # someone else's process (LLMEngine) must stay collectable.

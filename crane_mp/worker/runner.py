@@ -368,7 +368,7 @@ class ModelRunner:
             hidden = self.forward([], [span], [0] * num_tokens, list(range(num_tokens)))
             logits = self.model.compute_logits(hidden[:num_seqs])
             states = [self.sampler.new_state(p, [0], self.config.eos_token_ids) for p in worst]
-            self.sampler.sample(logits, states)
+            self.sampler.profile(logits, states)
             for state in states:
                 self.sampler.release(state)
             del logits

@@ -96,7 +96,9 @@ class Sampler:
         greedy_only = all(p.greedy for p in params)
         max_top = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         uniform = None if greedy_only else self._uniforms(states)
-        step = max(1, len(states)) if greedy_only and max_top < 0 else self.rows_per_pass()
+        # A plain argmax needs no [rows, vocabulary] temporaries beyond the float32 logits: one pass.
+        plain = greedy_only and max_top < 0 and not any(_processed(s) for s in states)
+        step = max(1, len(states)) if plain else self.rows_per_pass()
         tokens, checked_rows, checks, scores, top_ids = [], [], [], [], []
         for lo in range(0, len(states), step):
             rows = slice(lo, lo + step)
@@ -112,12 +114,21 @@ class Sampler:
         values = torch.cat(tokens + checks).tolist()  # the step's wait on the device
         token_list = values[: len(states)]
         redo = [row for row, ok in zip(checked_rows, values[len(states):]) if not ok]
-        redone = self._redo(logits, states, uniform, redo, max_top >= 0) if redo else {}
+        redone: dict[int, tuple[int, float | None]] = {}
+        for lo in range(0, len(redo), self.rows_per_pass()):
+            redone.update(self._redo(logits, states, uniform, redo[lo : lo + self.rows_per_pass()], max_top >= 0))
         for row, (token, _) in redone.items():
             token_list[row] = token
         if max_top < 0:
             return token_list, []
         return token_list, self._logprobs(torch.cat(scores).tolist(), torch.cat(top_ids).tolist(), params, redone)
+
+    def profile(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
+        """The sampler's largest footprint, for the memory plan: sample() these rows, then one pass of them
+        redone over the whole vocabulary (what flat top_p rows cost at run time)."""
+        self.sample(logits, states)
+        rows = list(range(min(len(states), self.rows_per_pass())))
+        self._redo(logits, states, self._uniforms(states), rows, want_logprobs=True)
 
     def rows_per_pass(self) -> int:
         return max(8, _PASS_BYTES // (self.vocab_size * _PASS_BYTES_PER_LOGIT))
@@ -317,6 +328,12 @@ _PASS_BYTES_PER_LOGIT = 48
 # of 256 over a 152k vocabulary costs ~4 % of a full sort on CPU, and holds the top_p set of all but
 # very flat distributions.
 _CANDIDATES = 256
+
+
+def _processed(state: SamplingState) -> bool:
+    """Whether a row's logits go through a processor before the draw (each makes [rows, vocabulary]
+    temporaries)."""
+    return bool(state.bias_ids or state.suppress_ids or state.penalty_row is not None or state.matcher is not None)
 
 
 def _invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
