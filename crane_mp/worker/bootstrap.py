@@ -98,6 +98,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     else:
         model_config = load_model_config(source.model_dir, config.model_type)
     device = select_device(config.force_cpu)
+    allocated_before = allocated_bytes(device)  # others' tensors in this process (an in-process engine)
     dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
     timer.done("config")
     native_ops(device)  # builds or loads the CPU kernels now, so that their time is reported on its own
@@ -121,8 +122,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     runner = ModelRunner(model, config.block_size, max_model_len, device, grammars=grammars)
 
     weights_bytes = weight_bytes(model)
-    # What else the device already holds for good (rope tables, grammar and sampler tensors).
-    resident_bytes = allocated_bytes(device, beyond=weights_bytes)
+    # What else this engine already holds for good (rope tables, grammar and sampler tensors).
+    resident_bytes = max(0, allocated_bytes(device) - allocated_before - weights_bytes)
     # The largest step: a full token budget of prompt, then sampling for every sequence at once with
     # every processor on (the [sequences, vocabulary] temporaries of top-p, penalties and logprobs).
     profile_tokens = min(config.max_num_batched_tokens, max_model_len)

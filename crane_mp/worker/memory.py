@@ -116,12 +116,12 @@ def device_free_memory(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def allocated_bytes(device: torch.device, beyond: int) -> int:
-    """What torch has allocated on a CUDA device beyond `beyond` bytes (0 on CPU, where nothing is tracked)."""
+def allocated_bytes(device: torch.device) -> int:
+    """What torch has allocated on a CUDA device (0 on CPU, where nothing is tracked)."""
     if device.type != "cuda":
         return 0
     torch.cuda.synchronize(device)
-    return max(0, torch.cuda.memory_allocated(device) - beyond)
+    return torch.cuda.memory_allocated(device)
 
 
 def enforce_limit(device: torch.device, plan: KVPlan) -> None:
