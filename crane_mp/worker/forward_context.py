@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from crane_mp.worker.attention import AttentionMetadata
+from crane_mp.worker.host_buffers import device_longs
 
 
 @dataclass(slots=True)
@@ -49,7 +50,7 @@ def lora_batch(row_ids: list[int], device: torch.device) -> LoraBatch | None:
     groups = []
     for lora_id in sorted(used):
         rows = [i for i, r in enumerate(row_ids) if r == lora_id]
-        groups.append((lora_id, torch.tensor(rows, dtype=torch.long, device=device)))
+        groups.append((lora_id, device_longs(rows, device)))
     return LoraBatch(groups)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
+from crane_mp.worker.host_buffers import device_longs
 
 log = logging.getLogger("crane_mp.worker")
 
@@ -68,7 +69,7 @@ class GrammarEngine:
         (20 ms for 32 rows of a 150k vocabulary). Not through llguidance.torch either: its
         torch.compile'd kernel costs seconds of import and a compiler on CPU."""
         words = (self.vocab_size + 31) // 32
-        bitmask = torch.empty(len(rows), words, dtype=torch.int32)
+        bitmask = torch.empty(len(rows), words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
                                                words * 4, len(rows))
         width = logits.shape[1]
@@ -82,4 +83,4 @@ class GrammarEngine:
         if len(rows) == logits.shape[0]:
             logits.add_(penalty)
         else:
-            logits.index_add_(0, torch.tensor(rows, dtype=torch.long, device=self.device), penalty)
+            logits.index_add_(0, device_longs(rows, self.device), penalty)
