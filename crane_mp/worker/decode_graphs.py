@@ -64,7 +64,9 @@ def capture_cuda(forward: Callable[[], torch.Tensor], pool) -> Captured:
     """Every graph is captured on one side stream, warmed up on it first: that compiles the Triton kernels
     and gives cuBLAS its workspace for the stream outside the graphs' pool (memory.py's slack counts it)."""
     device = torch.cuda.current_device()
-    stream = _capture_streams.setdefault(device, torch.cuda.Stream())
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream()
+    stream = _capture_streams[device]
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         forward()

@@ -89,9 +89,9 @@ class Sampler:
         self, logits: torch.Tensor, states: list[SamplingState]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [N, vocab] (any float dtype; float32 rows may be processed in place); returns one token
-        id per row and logprobs where asked. Rows go through in passes of at most rows_per_pass(), so the [rows, vocabulary]
-        temporaries stay bounded whatever the batch; reading the sampled ids back once is the step's
-        only wait on the device (and a rare second one, see _redo)."""
+        id per row and logprobs where asked. Rows go through in passes of at most rows_per_pass(), so
+        the [rows, vocabulary] temporaries stay bounded whatever the batch; reading the sampled ids
+        back once is the step's only wait on the device (and a rare second one, see _redo)."""
         params = [s.params for s in states]
         greedy_only = all(p.greedy for p in params)
         max_top = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
@@ -136,9 +136,8 @@ class Sampler:
     def peak_bytes(self, rows: int) -> int:
         """Device memory a sample() of `rows` rows with every processor on may hold at its peak: one pass's
         temporaries, the float32 logits, and a penalty-table row per row (memory plan estimate on CPU)."""
-        pass_rows = min(rows, self.rows_per_pass())
-        return (pass_rows * _PASS_BYTES_PER_LOGIT + rows * 4) * self.vocab_size + rows * PenaltyTable.row_bytes(
-            self.vocab_size)
+        temporaries = (min(rows, self.rows_per_pass()) * _PASS_BYTES_PER_LOGIT + rows * 4) * self.vocab_size
+        return temporaries + rows * PenaltyTable.row_bytes(self.vocab_size)
 
     def _sample_pass(
         self, logits: torch.Tensor, states: list[SamplingState], uniform: torch.Tensor | None, max_top: int

@@ -132,7 +132,7 @@ def triton_dequantize(weight: torch.Tensor, qtype: int, elements: int, dtype: to
 # Tile of the fused matmul: 16 rows of x (tl.dot's minimum), 32 output features, 64 inputs per step.
 # Decoding a 64x128 weight tile spills registers for most formats (checked by compiling every format,
 # tests/unit/test_triton_compile.py); 32 features also give an 8B model's 4096-wide projections 128
-# programs, enough to keep an H100's 132 SMs streaming weights at batch 1. Up to FUSED_MAX_ROWS rows
+# programs instead of 64, still one per SM of an H100 (split-K would add more). Up to FUSED_MAX_ROWS rows
 # (decode batches) each weight tile is decoded once per 16 rows, from cache after the first; past
 # that (prefill) a dequantized slab through cuBLAS is cheaper.
 FUSED_MAX_ROWS = 64
