@@ -30,7 +30,20 @@ _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia"
 
 
 def nvidia_backend_available() -> bool:
-    return os.access(_CUOBJDUMP, os.X_OK) and "nvidia" in triton.backends.backends
+    """Triton's NVIDIA backend is installed and its JIT binds arguments as this module expects (the
+    binding goes through Triton internals that may change between releases)."""
+    if not (os.access(_CUOBJDUMP, os.X_OK) and "nvidia" in triton.backends.backends):
+        return False
+    try:
+        _source(Launch(_probe_kernel, (torch.empty(4),), {"BLOCK": 4}), GPUTarget("cuda", 90, 32))
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return False
+    return True
+
+
+@triton.jit
+def _probe_kernel(x_ptr, BLOCK: triton.language.constexpr):
+    triton.language.store(x_ptr + triton.language.arange(0, BLOCK), 0.0)
 
 
 @dataclass(frozen=True)
@@ -68,15 +81,20 @@ def recorded_launches():
         JITFunction.run = original
 
 
-def compile_launch(launch: Launch, capability: int) -> Compiled:
-    target = GPUTarget("cuda", capability, 32)
+def _source(launch: Launch, target: GPUTarget) -> tuple[ASTSource, dict]:
+    """The launch's source and compile options, specialised as Triton's JIT does at a kernel call."""
     backend = make_backend(target)
     bind = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
     bound, specialization, options = bind(*launch.args, **launch.kwargs)
     options, signature, constexprs, attrs = launch.kernel._pack_args(backend, launch.kwargs, bound, specialization,
                                                                      options)
-    kernel = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
-                            options=options.__dict__)
+    return ASTSource(launch.kernel, signature, constexprs, attrs), options.__dict__
+
+
+def compile_launch(launch: Launch, capability: int) -> Compiled:
+    target = GPUTarget("cuda", capability, 32)
+    source, options = _source(launch, target)
+    kernel = triton.compile(source, target=target, options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()

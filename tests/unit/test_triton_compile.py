@@ -27,7 +27,8 @@ from crane_mp.testing.triton_compile import (  # noqa: E402
 )
 
 if not nvidia_backend_available():
-    pytest.skip("Triton's NVIDIA backend (ptxas, cuobjdump) is not installed", allow_module_level=True)
+    pytest.skip("Triton's NVIDIA backend (ptxas, cuobjdump) is not installed, or this Triton release binds "
+                "kernel arguments differently (crane_mp/testing/triton_compile.py)", allow_module_level=True)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (query heads, KV heads, head dim): Llama-3/Qwen3-8B, the benchmark model, Qwen2.5-7B (group 7), MHA.
