@@ -24,6 +24,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+import crane_mp.worker.kernels.triton_common  # noqa: F401 - the kernels' compile settings, set before any compile
+
 # Largest dynamic shared memory one block may use (CUDA programming guide, compute capabilities).
 SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
