@@ -81,20 +81,26 @@ gen = torch.Generator().manual_seed(0)
 prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (3, 40, 75, 18, 9, 52)]
 greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 outputs = {}
-for backend in ("torch", "triton"):
+for backend, fused in (("torch", False), ("triton", False), ("triton", True)):
     os.environ["CRANE_MP_ATTENTION"] = backend
+    if fused:  # the layers call the Triton elementwise kernels, as they do on CUDA
+        from crane_mp.worker.kernels import triton_elementwise
+        from crane_mp.worker.models import layers
+        layers.fused_ops = lambda x: triton_elementwise
     engine = LLMEngine(EngineConfig(model_path=model_dir, dtype="float32", force_cpu=True, max_num_seqs=6,
                                     max_num_batched_tokens=32, max_total_tokens=128))
     assert engine.worker.runner.attention_backend == backend
-    outputs[backend] = engine.generate(prompts, greedy)
+    outputs[backend, fused] = engine.generate(prompts, greedy)
     assert engine.scheduler.num_preemptions > 0
-assert outputs["triton"] == outputs["torch"], outputs
+assert outputs["triton", False] == outputs["torch", False], outputs
+assert outputs["triton", True] == outputs["torch", False], outputs
 print("engine ok")
 """
 
 
 def test_engine_with_triton_attention_gives_the_torch_paths_greedy_tokens(tmp_path):
-    """Chunked prefill (32-token budget), decodes beside chunks, and preemption under a 128-token cache."""
+    """Chunked prefill (32-token budget), decodes beside chunks, and preemption under a 128-token cache;
+    then also with the layers calling the Triton elementwise kernels (norms, SiLU*mul, rope + KV write)."""
     from crane_mp.testing.make_model import make_model
 
     model_dir = make_model("qwen3", "tiny", tmp_path / "qwen3", seed=4)
