@@ -9,7 +9,9 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import requests
@@ -60,6 +62,25 @@ class Server:
 
     def stats(self) -> dict:
         return requests.get(self.url + "/v1/stats", timeout=10).json()
+
+    @contextmanager
+    def paused(self, name: str = "worker") -> Iterator[None]:
+        """One of the server's processes frozen (SIGSTOP) until the block ends: no step completes
+        meanwhile, so a test acts on a running request however fast the machine makes tokens."""
+        proc = psutil.Process(self.pids[name])
+        proc.suspend()
+        try:
+            yield
+        finally:
+            proc.resume()
+
+    def wait_idle(self, timeout: float = 60) -> dict:
+        """The scheduler's stats once nothing runs or waits (an abort lands within a step)."""
+        deadline = time.monotonic() + timeout
+        while (stats := self.stats())["num_running"] or stats["num_waiting"]:
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+        return stats
 
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:

@@ -99,10 +99,14 @@ def test_overload_sheds_with_429_and_every_accepted_request_completes(model_dir,
         async def burst():
             connector = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=connector) as session:
-                # Long enough that the first ones are still running when the last ones arrive.
                 bodies = [{"prompt": f"load {i}", "max_tokens": 400, "ignore_eos": True, "stream": i % 2 == 0}
                           for i in range(300)]
-                return await asyncio.gather(*(_post(session, srv.url + "/v1/completions", b) for b in bodies))
+                with srv.paused("worker"):  # nothing finishes before the queue overflows, on any machine
+                    posts = [asyncio.ensure_future(_post(session, srv.url + "/v1/completions", b)) for b in bodies]
+                    for first_done in asyncio.as_completed(posts):
+                        if (await first_done)[0] == 429:
+                            break
+                return await asyncio.gather(*posts)
 
         rss_before = [p.memory_info().rss for p in procs]
         results = asyncio.run(burst())
@@ -205,20 +209,18 @@ def test_openai_ids_abort_and_request_timeout(model_dir, tmp_path):
                 body = {"prompt": "long", "max_tokens": 1900, "ignore_eos": True, "stream": True}
                 async with session.post(srv.url + "/v1/completions", json=body) as r:
                     first = json.loads((await r.content.readline())[6:])
-                    aborted = await session.post(srv.url + "/abort_request", json={"rid": first["id"]})
-                    assert aborted.status == 200
+                    with srv.paused("worker"):  # still running when the abort lands
+                        aborted = await session.post(srv.url + "/abort_request", json={"rid": first["id"]})
+                        assert aborted.status == 200
                     rest = (await r.read()).decode()
-                # Nearly the whole window at one token per step through three processes takes
-                # seconds on any machine; the 1 s limit ends it.
-                timed = await _post(session, srv.url + "/v1/completions",
-                                    {"prompt": "long", "max_tokens": 1900, "ignore_eos": True})
-                return rest, timed
+                with srv.paused("worker"):  # no token at all within the 1 s limit
+                    return rest, await _post(session, srv.url + "/v1/completions",
+                                             {"prompt": "long", "max_tokens": 1900, "ignore_eos": True})
 
         rest, (status, _, text) = asyncio.run(scenario())
         assert '"finish_reason":"abort"' in rest.replace(" ", "") and rest.endswith("data: [DONE]\n\n")
         assert status == 408 and "--request-timeout" in json.loads(text)["error"]["message"]
-        stats = srv.stats()
-        assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+        srv.wait_idle()  # the timed-out request was aborted in the engine too
     finally:
         log = stopped_cleanly(srv)
     assert "prompt=long" in log  # --log-requests

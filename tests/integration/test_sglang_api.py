@@ -91,7 +91,8 @@ def test_abort_request_ends_a_running_stream_and_frees_blocks(server):
     reader = threading.Thread(target=consume)
     reader.start()
     assert first_chunk.wait(60)
-    assert requests.post(server.url + "/abort_request", json={"rid": "my-request-1"}).json()["success"]
+    with server.paused("worker"):  # still running when the abort lands
+        assert requests.post(server.url + "/abort_request", json={"rid": "my-request-1"}).json()["success"]
     reader.join(10)
     assert not reader.is_alive()
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
@@ -191,12 +192,12 @@ def test_prefix_cache_reports_cached_tokens_and_flush_drops_it(server):
     assert hits and float(hits[0].split()[-1]) >= 64
     assert "vllm:prefix_cache_queries_total" in metrics
 
-    # Far more tokens than the engine makes while one flush request travels: still running when it lands.
     streaming = {**body, "stream": True, "sampling_params": {**body["sampling_params"], "max_new_tokens": 1900}}
     with requests.post(server.url + "/generate", json=streaming, stream=True, timeout=60) as resp:
         lines = resp.iter_lines(chunk_size=1)  # kept: a closed iterator would close the connection
         next(line for line in lines if line)  # the request is running now
-        refused = requests.post(server.url + "/flush_cache")
+        with server.paused("worker"):  # and still running when the flush lands
+            refused = requests.post(server.url + "/flush_cache")
         assert refused.status_code == 400 and not refused.json()["success"]
     flush_when_idle(server)  # once the stream's abort has reached the engine
     assert gen(server, body).json()["meta_info"]["cached_tokens"] == 0
