@@ -155,8 +155,14 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         reserved_bytes=reserved_bytes,
         free_bytes=device_free_memory(device),
         resident_bytes=resident_bytes,
+        fit_model_len=not config.max_model_len,
     )
     log.info("memory plan: %s", kv_plan.describe())
+    if kv_plan.max_model_len < max_model_len:
+        log.warning("max_model_len lowered from the model's %d to %d tokens, what the memory plan holds for one "
+                    "sequence; --max-seq-len sets it (lower: more concurrent sequences; higher: raise "
+                    "--gpu-memory-limit)", max_model_len, kv_plan.max_model_len)
+        max_model_len = runner.max_positions = kv_plan.max_model_len
     runner.allocate_kv_cache(kv_plan.num_blocks)
     timer.done("kv cache")
     if graphs:

@@ -21,6 +21,12 @@ class MemoryBudgetError(RuntimeError):
     """The memory limit cannot hold the weights plus one full-length sequence."""
 
 
+# With --max-seq-len unset, a model's own context that does not fit is lowered to what does, down to
+# this many tokens (SGLang does the same; a Qwen3-8B at 40,960 tokens needs 5.6 GiB of KV for one
+# sequence, more than an 8 GiB limit leaves beside its Q4_K_M weights). Below it, start-up fails.
+MIN_FITTED_MODEL_LEN = 2048
+
+
 @dataclass(frozen=True, slots=True)
 class KVPlan:
     num_blocks: int
@@ -31,6 +37,7 @@ class KVPlan:
     activation_bytes: int
     reserved_bytes: int = 0  # decode graphs (pool, inputs) and other resident tensors (rope tables...)
     bound: str = "limit"  # what sized the cache: limit, free memory, max_num_seqs or max_total_tokens
+    max_model_len: int = 0  # the longest sequence served: the caller's, or lowered to fit (fit_model_len)
 
     def describe(self) -> str:
         return (f"KV cache {_size(self.kv_budget_bytes)} ({self.num_blocks} blocks, bound by {self.bound}); "
@@ -65,6 +72,7 @@ def plan_kv_blocks(
     reserved_bytes: int = 0,
     free_bytes: int | None = None,
     resident_bytes: int = 0,
+    fit_model_len: bool = False,
 ) -> KVPlan:
     """Pure sizing rule. Without a limit (the CPU default) the KV cache may use a quarter of host RAM.
 
@@ -74,7 +82,9 @@ def plan_kv_blocks(
     `resident_bytes`: memory already held besides the weights (rope tables, sampler and grammar
     tensors): counted against the limit, already missing from `free_bytes`.
 
-    The caller clamps max_model_len to max_total_tokens when that is set.
+    The caller clamps max_model_len to max_total_tokens when that is set. With `fit_model_len` (the
+    operator did not choose max_model_len), a max_model_len the budget cannot hold is lowered to what it
+    can, down to MIN_FITTED_MODEL_LEN.
 
     Never more blocks than every running sequence could fill at full length: memory past that is waste.
     """
@@ -90,6 +100,8 @@ def plan_kv_blocks(
         bound = "free memory"
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = max(0, budget // block_bytes)
+    if num_blocks < blocks_per_seq and fit_model_len and num_blocks * block_size >= min(max_model_len, MIN_FITTED_MODEL_LEN):
+        max_model_len, blocks_per_seq = num_blocks * block_size, num_blocks
     if num_blocks < blocks_per_seq:
         held = reserved_bytes + resident_bytes
         needs = (f"activations ({_size(activation_bytes)}), reserved memory ({_size(held)}) and the KV "
@@ -104,7 +116,7 @@ def plan_kv_blocks(
     if max_total_tokens is not None and num_blocks > max(blocks_per_seq, max_total_tokens // block_size):
         num_blocks, bound = max(blocks_per_seq, max_total_tokens // block_size), "max_total_tokens"
     return KVPlan(num_blocks, kv_bytes_per_token, num_blocks * block_bytes, limit_bytes, weights_bytes,
-                  activation_bytes, reserved_bytes + resident_bytes, bound)
+                  activation_bytes, reserved_bytes + resident_bytes, bound, max_model_len)
 
 
 def device_free_memory(device: torch.device) -> int | None:

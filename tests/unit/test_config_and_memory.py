@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from crane_mp.config import EngineConfig, MemoryLimit, parse_memory_limit
-from crane_mp.worker.memory import MemoryBudgetError, plan_kv_blocks
+from crane_mp.worker.memory import MIN_FITTED_MODEL_LEN, MemoryBudgetError, plan_kv_blocks
 
 GIB = 1 << 30
 
@@ -104,6 +104,21 @@ def test_limit_too_small_for_one_sequence_fails_clearly():
         plan(limit=MemoryLimit(num_bytes=GIB + GIB // 4 + 1000))
 
 
+def test_a_model_length_the_operator_did_not_choose_is_lowered_to_what_fits():
+    # 2 GiB limit: 3/4 GiB of KV after weights and activations, 767 blocks of 16 beside the spare one.
+    fitted = plan(max_model_len=40960, fit_model_len=True)
+    assert fitted.max_model_len == fitted.num_blocks * 16 == (3 * GIB // 4 // BLOCK - 1) * 16
+    assert fitted.kv_budget_bytes + BLOCK <= 2 * GIB - GIB - GIB // 4
+    assert plan(fit_model_len=True).max_model_len == 4096  # fits as it is: unchanged
+    with pytest.raises(MemoryBudgetError, match="one 40960-token sequence"):  # the operator's own choice
+        plan(max_model_len=40960)
+    # 2,048 tokens and the spare block: the least a lowered length may be
+    with pytest.raises(MemoryBudgetError, match="one 40960-token sequence"):
+        plan(max_model_len=40960, fit_model_len=True, limit=MemoryLimit(num_bytes=GIB + GIB // 4 + (2048 + 15) * 64 * 1024))
+    assert plan(max_model_len=40960, fit_model_len=True,
+                limit=MemoryLimit(num_bytes=GIB + GIB // 4 + (2048 + 16) * 64 * 1024)).max_model_len == MIN_FITTED_MODEL_LEN
+
+
 def test_default_concurrency_follows_a_lowered_step_budget(tmp_path):
     from crane_mp.cli import parse_args
     from crane_mp.testing.make_model import make_model
@@ -132,3 +147,24 @@ def test_qwen2_windows_only_the_layers_from_max_window_layers_on(max_window_laye
         assert model_config_from_hf(hf).sliding_window == expected
     hf.use_sliding_window = False
     assert model_config_from_hf(hf).sliding_window is None
+
+
+def test_an_engine_serves_at_the_model_length_its_memory_limit_holds(tmp_path):
+    from crane_mp.engine import LLMEngine
+    from crane_mp.protocol import SamplingParams
+    from crane_mp.testing.make_model import make_model
+
+    model = str(make_model("qwen3", "tiny", tmp_path / "m", overrides={"max_position_embeddings": 16384}))
+    roomy = LLMEngine(EngineConfig(model_path=model, max_num_seqs=4))
+    plan = roomy.worker.kv_plan
+    assert roomy.worker.max_model_len == plan.max_model_len == 16384
+    # Room for 4,000 tokens of KV beside the spare block: the model's 16,384 are lowered to 3,984.
+    limit = plan.weights_bytes + plan.activation_bytes + plan.reserved_bytes + 4000 * plan.kv_bytes_per_token
+    tight = LLMEngine(EngineConfig(model_path=model, max_num_seqs=4, memory_limit=MemoryLimit(num_bytes=limit)))
+    assert tight.worker.max_model_len == tight.worker.kv_plan.max_model_len == 3984
+    assert tight.scheduler.config.max_model_len == 3984
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert tight.generate([[5] * 3900], params) == roomy.generate([[5] * 3900], params)
+    with pytest.raises(MemoryBudgetError, match="one 16384-token sequence"):  # chosen by the operator: kept
+        LLMEngine(EngineConfig(model_path=model, max_num_seqs=4, max_model_len=16384,
+                               memory_limit=MemoryLimit(num_bytes=limit)))
