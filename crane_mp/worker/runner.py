@@ -364,10 +364,11 @@ class ModelRunner:
                                 seed=row if row % 2 else None) for row in range(num_seqs)]
         # Sampling inside: the scratch cache stays live through every peak, so leaving it out is exact.
         with self._scratch_kv_cache(num_blocks):
+            # Penalty rows first: when serving, the sampler's table is live through every forward.
+            states = [self.sampler.new_state(p, [0], self.config.eos_token_ids) for p in worst]
             span = SeqSpan(0, num_tokens, list(range(num_blocks)))
             hidden = self.forward([], [span], [0] * num_tokens, list(range(num_tokens)))
             logits = self.model.compute_logits(hidden[:num_seqs])
-            states = [self.sampler.new_state(p, [0], self.config.eos_token_ids) for p in worst]
             self.sampler.profile(logits, states)
             for state in states:
                 self.sampler.release(state)

@@ -168,3 +168,25 @@ def test_an_engine_serves_at_the_model_length_its_memory_limit_holds(tmp_path):
     with pytest.raises(MemoryBudgetError, match="one 16384-token sequence"):  # chosen by the operator: kept
         LLMEngine(EngineConfig(model_path=model, max_num_seqs=4, max_model_len=16384,
                                memory_limit=MemoryLimit(num_bytes=limit)))
+
+
+def test_the_profiled_step_holds_every_penalty_row_through_its_forward(tmp_path):
+    """Serving keeps the sampler's penalty table (8 bytes per logit per request) allocated through
+    every prefill, so the measured peak must include it beside the forward's temporaries."""
+    from crane_mp.engine import LLMEngine
+    from crane_mp.testing.make_model import make_model
+    from crane_mp.worker.penalties import PenaltyTable
+
+    model = str(make_model("qwen3", "tiny", tmp_path / "m"))
+    runner = LLMEngine(EngineConfig(model_path=model, max_num_seqs=16, max_num_batched_tokens=64)).worker.runner
+    runner.sampler.penalties = PenaltyTable(runner.config.vocab_size, runner.device)
+    rows_at_forward = []
+    forward = runner.forward
+
+    def recording_forward(*args, **kwargs):
+        rows_at_forward.append(runner.sampler.penalties.counts.shape[0])
+        return forward(*args, **kwargs)
+
+    runner.forward = recording_forward
+    runner.profile_step(64, 16)
+    assert rows_at_forward and rows_at_forward[0] >= 16
