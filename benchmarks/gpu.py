@@ -73,9 +73,14 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device, max_posit
     return model.eval(), config
 
 
+def blocks_per_seq(context: int, steps: int) -> int:
+    """KV blocks of a sequence through decode_seconds: its two warm-up steps write positions up to context + steps."""
+    return -(-(context + steps + 1) // BLOCK_SIZE)
+
+
 def decode_seconds(runner: ModelRunner, batch: int, context: int, steps: int, first_block: int) -> list[float]:
     """Seconds per decode step of `batch` sequences that each hold `context` keys, for `steps` steps."""
-    per_seq = -(-(context + steps) // BLOCK_SIZE)
+    per_seq = blocks_per_seq(context, steps)
     tables = [list(range(first_block + s * per_seq, first_block + (s + 1) * per_seq)) for s in range(batch)]
     ids = [1] * batch
     times = []
@@ -114,8 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     model, config = random_model(args.shape, dtype, device, max_positions)
     runner = ModelRunner(model, BLOCK_SIZE, max_positions, device)
     kv_per_token = runner.kv_bytes_per_token()
-    per_seq = -(-(args.context + args.steps) // BLOCK_SIZE)
-    wanted = max(args.batches) * per_seq
+    wanted = max(args.batches) * blocks_per_seq(args.context, args.steps)
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         fits = int(free * args.kv_fraction) // (kv_per_token * BLOCK_SIZE)
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| batch | context | tok/s | ITL p50 ms | ITL mean ms | roofline tok/s | of roofline |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for batch in args.batches:
-        context = min(args.context, runner.num_blocks // batch * BLOCK_SIZE - args.steps)
+        context = min(args.context, runner.num_blocks // batch * BLOCK_SIZE - args.steps - 1)
         if context < 1:
             print(f"| {batch} | - | KV cache too small for this batch | | | | |")
             continue

@@ -44,6 +44,24 @@ def engine(model_dir, dtype="float32", **kwargs) -> LLMEngine:
     return LLMEngine(EngineConfig(model_path=model_dir, dtype=dtype, max_model_len=2048, max_num_seqs=16, **kwargs))
 
 
+def greedy_with_gaps(eng: LLMEngine, batch: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+    """Each prompt's greedy tokens and, step by step, the gap between its two best logits."""
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=2)
+    ids = [eng.add_request(prompt, params) for prompt in batch]
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    gaps: dict[int, list[float]] = {i: [] for i in ids}
+    while eng.has_work:
+        for out in eng.step():
+            tokens[out.rid].extend(out.new_token_ids)
+            gaps[out.rid].extend(lp.top_logprobs[0] - lp.top_logprobs[1] for lp in out.logprobs)
+    return [tokens[i] for i in ids], [gaps[i] for i in ids]
+
+
+def stable_steps(*gap_lists: list[float]) -> int:
+    """Steps before the first whose top-2 gap, in any of the runs, is a near tie."""
+    return next((step for step, gaps in enumerate(zip(*gap_lists)) if min(gaps) < NEAR_TIE), len(gap_lists[0]))
+
+
 def hf_greedy(hf, prompt, steps):
     """transformers' greedy tokens, and the first step whose top-2 logit gap is too small to be stable."""
     out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=steps, do_sample=False,
@@ -66,6 +84,7 @@ def test_greedy_tokens_equal_transformers(model_dir, dtype):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).cuda().eval()
+    hf.generation_config.eos_token_id = None  # all 32 tokens, as ours with ignore_eos
     for prompt, tokens in zip(prompts(LONG), ours):
         want, unstable = hf_greedy(hf, prompt, 32)
         if dtype == "float32":
@@ -77,15 +96,24 @@ def test_greedy_tokens_equal_transformers(model_dir, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_on_and_off_and_every_attention_backend_agree(model_dir, dtype, monkeypatch):
     batch = prompts(LONG + [3, 64, 250, 31, 2, 90, 5], seed=1)  # 13 sequences: between graph buckets
-    graphs = engine(model_dir, dtype).generate(batch, GREEDY)
-    eager = engine(model_dir, dtype, cuda_graphs=False).generate(batch, GREEDY)
+    graphs, graph_gaps = greedy_with_gaps(engine(model_dir, dtype), batch)
+    assert all(len(tokens) == GREEDY.max_tokens for tokens in graphs)
+    eager = greedy_with_gaps(engine(model_dir, dtype, cuda_graphs=False), batch)
     monkeypatch.setenv("CRANE_MP_ATTENTION", "torch")
-    torch_path = engine(model_dir, dtype, cuda_graphs=False).generate(batch, GREEDY)
-    for other in (eager, torch_path):
+    torch_path = greedy_with_gaps(engine(model_dir, dtype, cuda_graphs=False), batch)
+    for tokens, gaps in (eager, torch_path):
         if dtype == "float32":
-            assert other == graphs
-        else:  # padding to a bucket changes splits and GEMM shapes, hence bf16 roundings: a near tie may flip
-            assert sum(a == b for a, b in zip(other, graphs)) >= len(batch) - 2
+            assert tokens == graphs
+            continue
+        # bf16: padding to a bucket, split counts and kernels change roundings, so the runs agree up to
+        # their first near tie. bf16 logits of ~20 step by 0.125: on CPU this model ties within 4 steps
+        # on most prompts, leaving 89 of the 416 steps comparable.
+        compared = 0
+        for ours, theirs, our_gaps, their_gaps in zip(graphs, tokens, graph_gaps, gaps):
+            stable = stable_steps(our_gaps, their_gaps)
+            assert ours[:stable] == theirs[:stable]
+            compared += stable
+        assert compared >= len(batch)
 
 
 def test_preemption_and_chunked_prefill_keep_greedy_tokens(model_dir):
