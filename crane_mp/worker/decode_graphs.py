@@ -144,13 +144,16 @@ class DecodeGraphs:
         widest = max(used, default=0)
         if self._copied is not None:
             self._copied.synchronize()
-        head = self._host[: 4 * max_batch].view(4, max_batch)
-        head.copy_(torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
-                                 slots + [self.spare_block * block_size] * pad, [p + 1 for p in positions] + [1] * pad]))
+        # Written through numpy, row by row: building a [count, widest] tensor from nested lists takes
+        # 3 ms at 256 sequences of 2k tokens, longer than an 8B decode step on an H100; this takes 0.5 ms.
+        host = self._host.numpy()
+        host[: 4 * max_batch] = input_ids + [0] * pad + positions + [0] * pad + slots + \
+            [self.spare_block * block_size] * pad + [p + 1 for p in positions] + [1] * pad
         numel = 4 * max_batch + count * widest
-        if count:
-            rows = [s.block_table[:n] + [0] * (widest - n) for s, n in zip(decodes, used)]
-            self._host[4 * max_batch : numel] = torch.tensor(rows).view(-1)
+        tables = host[4 * max_batch : numel].reshape(count, widest)
+        for row, span, n in zip(tables, decodes, used):
+            row[:n] = span.block_table[:n]
+            row[n:] = 0
         self._staged[:numel].copy_(self._host[:numel], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
