@@ -36,3 +36,19 @@ def select_dtype(requested: str, checkpoint_dtype: str | None, device: torch.dev
 def device_label(device: torch.device) -> str:
     """crane-oai's spelling, reported by /model_info: Cuda(0) or Cpu."""
     return f"Cuda({device.index or 0})" if device.type == "cuda" else "Cpu"
+
+
+# Launch errors after which a CUDA context is unusable, as Triton words them ("Triton Error [CUDA]: ...");
+# torch's own say "CUDA error: ...".
+_STICKY_CUDA_ERRORS = ("illegal memory access", "misaligned address", "unspecified launch failure",
+                       "illegal instruction", "device-side assert", "hardware stack error")
+
+
+def is_device_fault(err: BaseException) -> bool:
+    """Errors after which the device's state is unknown: the server stops rather than go on. Not an
+    out-of-memory error, nor a kernel that fails to compile or launch: those leave the device usable."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(err, accelerator_error):
+        return True
+    text = str(err)
+    return "CUDA error" in text or any(phrase in text for phrase in _STICKY_CUDA_ERRORS)

@@ -32,6 +32,7 @@ from crane_mp.protocol import (
 )
 from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.decode_graphs import DecodeGraphs, capture_cuda
+from crane_mp.worker.device import is_device_fault
 from crane_mp.worker.forward_context import ForwardContext, LoraBatch, forward_context, lora_batch
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.host_buffers import device_longs
@@ -155,7 +156,7 @@ class ModelRunner:
             try:
                 self._run(scheduled, result)
             except Exception as err:
-                if _is_engine_fault(err):
+                if is_device_fault(err):
                     raise
                 for req_id, progress in saved.items():  # the batch's prompt scores and sums are redone too
                     self.requests[req_id].restore(progress)
@@ -171,7 +172,7 @@ class ModelRunner:
             try:
                 self._run([sched], result)
             except Exception as err:
-                if _is_engine_fault(err):
+                if is_device_fault(err):
                     raise
                 self._fail(sched.req_id, err)
         return result
@@ -393,9 +394,3 @@ def default_attention_backend(device: torch.device) -> str:
 
 def _advances_before_sampling(params) -> bool:
     return params.prompt_logprobs is not None or params.pooling == "mean"
-
-
-def _is_engine_fault(err: Exception) -> bool:
-    """Errors after which the device's state is unknown: stop the server rather than go on."""
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    return (accelerator_error is not None and isinstance(err, accelerator_error)) or "CUDA error" in str(err)

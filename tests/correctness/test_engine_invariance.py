@@ -180,3 +180,21 @@ def test_a_request_that_raises_in_the_worker_fails_alone(model_dir, monkeypatch,
     assert sum(len(p.logprobs) for p in prompt_scores) == len(batch[0]) - 1
     assert eng.scheduler.num_free_blocks == eng.worker.kv_plan.num_blocks
     assert not eng.worker.runner.failed and not eng.worker.runner.requests
+
+
+@pytest.mark.parametrize("message", ["CUDA error: an illegal memory access was encountered",
+                                     "Triton Error [CUDA]: an illegal memory access was encountered",
+                                     "Triton Error [CUDA]: misaligned address"])
+def test_a_device_fault_is_no_one_requests_fault_and_stops_the_engine(model_dir, monkeypatch, message):
+    eng = engine(model_dir, overlap_schedule=False)
+    runner = eng.worker.runner
+
+    def device_fault(req_ids):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(runner, "fault_token", 7)
+    monkeypatch.setattr(runner, "_inject_fault", device_fault)
+    eng.add_request([1, 2, 3], GREEDY)
+    with pytest.raises(RuntimeError, match="CUDA"):  # not retried request by request on a dead context
+        eng.step()
+    assert not runner.failed

@@ -82,6 +82,42 @@ def test_matmul_equals_dequantize_then_matmul(qtype, path, monkeypatch):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale, msg=f"batch {batch} shape {rows}x{cols}")
 
 
+class FailingKernels:
+    """Stands in for the Triton GGUF module on a GPU where its kernels raise `err`."""
+
+    FUSED_MAX_ROWS = 64
+
+    def __init__(self, err: Exception) -> None:
+        self.err = err
+
+    def triton_quantized_matmul(self, *args):
+        raise self.err
+
+    def triton_dequantize(self, *args):
+        raise self.err
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_but_out_of_memory_and_device_faults_propagate(monkeypatch):
+    from crane_mp.worker.quantized import layers
+
+    monkeypatch.setattr(layers, "_native", lambda x: False)
+    monkeypatch.setattr(layers, "_triton_state", {})
+    data = quantized(T.Q8_0, 40, 256)
+    weight, x = torch.from_numpy(data.copy()), torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    for err in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")):
+        monkeypatch.setattr(layers, "_triton_kernels", lambda w, q, err=err: FailingKernels(err))
+        with pytest.raises(type(err)):
+            quantized_matmul(x, weight, T.Q8_0, 256)
+        assert not layers._triton_state  # still Triton's to run once memory is back
+    compile_error = FailingKernels(RuntimeError("out of resource: shared memory, Required: 240000"))
+    monkeypatch.setattr(layers, "_triton_kernels",
+                        lambda w, q: None if layers._triton_state.get("failed") else compile_error)
+    got = quantized_matmul(x, weight, T.Q8_0, 256)
+    assert layers._triton_state["failed"]
+    torch.testing.assert_close(got, x @ reference(data, T.Q8_0, 256).T, rtol=1e-4, atol=1e-4)
+
+
 @native
 @pytest.mark.parametrize("batch", [1, 9])
 def test_bf16_activations_return_bf16(batch):

@@ -14,6 +14,7 @@ import logging
 import torch
 from torch import nn
 
+from crane_mp.worker.device import is_device_fault
 from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.quantized.formats import dequantize
 
@@ -44,6 +45,10 @@ def _triton_kernels(weight: torch.Tensor, qtype: int):
 
 
 def _triton_failed(err: Exception) -> None:
+    """A compile or launch error on an untested GPU/Triton pairing: torch ops from now on. Running out
+    of memory is not the kernel's fault, and after a device fault nothing runs: those propagate."""
+    if isinstance(err, torch.OutOfMemoryError) or is_device_fault(err):
+        raise err
     _triton_state["failed"] = True
     log.warning("Triton GGUF kernel failed (%s); using torch ops", str(err).splitlines()[0][:200])
 
@@ -53,7 +58,7 @@ def _dequantize_slab(weight: torch.Tensor, qtype: int, in_features: int, dtype: 
     if kernels is not None:
         try:
             return kernels.triton_dequantize(weight, qtype, in_features, dtype)
-        except Exception as err:  # a compile or launch error on an untested GPU/Triton pairing
+        except Exception as err:
             _triton_failed(err)
     return dequantize(weight, qtype, in_features).to(dtype)
 
