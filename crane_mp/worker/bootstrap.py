@@ -15,7 +15,7 @@ from crane_mp.worker.device import select_device, select_dtype
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.loader import file_tensor_bytes, load_model, weight_bytes
-from crane_mp.worker.lora import load_adapters
+from crane_mp.worker.lora import adapter_bytes, adapter_dtype, load_adapters
 from crane_mp.worker.memory import (
     KVPlan,
     allocated_bytes,
@@ -141,6 +141,9 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     graphs = cuda_graphs_wanted(config, device, runner)
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
     reserved_bytes = graph_pool_bytes(runner, graph_sizes, model_config) if graphs else 0
+    if config.lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank
+        reserved_bytes += (config.max_loras - len(config.lora_modules)) * adapter_bytes(
+            model_config, config.max_lora_rank, adapter_dtype(dtype, device))
     limit = config.memory_limit or (_DEFAULT_CUDA_LIMIT if device.type == "cuda" else None)
     kv_plan = plan_kv_blocks(
         limit=limit,

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.layers import CausalLM
 
 # PEFT target module -> (our projection, part index within it); parts are laid out in this order.
@@ -132,12 +133,28 @@ def uninstall(model: CausalLM, lora_id: int) -> None:
             getattr(module, f"lora_{projection}").pop(lora_id, None)
 
 
+def adapter_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """On CPU the matrices stay float32 whatever the model's dtype (bf16 GEMMs this small run at half
+    the speed)."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
+def adapter_bytes(config: ModelConfig, rank: int, dtype: torch.dtype) -> int:
+    """What an adapter of this rank adapting every projection of every layer takes (build_adapter's
+    layout: A^T [in, parts * r] and a block-diagonal B^T [parts * r, out] per fused projection)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_size = config.num_attention_heads * config.head_dim
+    per_layer = sum(len(parts) * rank * (in_features + sum(parts)) for in_features, parts in (
+        (hidden, (q_size, config.kv_size, config.kv_size)), (q_size, (hidden,)),
+        (hidden, (inter, inter)), (inter, (hidden,))))
+    return config.num_hidden_layers * per_layer * dtype.itemsize
+
+
 def load_adapter(model: CausalLM, lora_id: int, name: str, path: str, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> int:
-    """Read, check and install one adapter under `lora_id`; returns the bytes it takes. On CPU the
-    matrices stay float32 whatever the model's dtype (bf16 GEMMs this small run at half the speed)."""
+    """Read, check and install one adapter under `lora_id`; returns the bytes it takes."""
     config, tensors = read_adapter(path, name, max_rank)
-    adapter = build_adapter(model, config, tensors, name, torch.float32 if device.type == "cpu" else dtype, device)
+    adapter = build_adapter(model, config, tensors, name, adapter_dtype(dtype, device), device)
     install(model, lora_id, adapter)
     return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in adapter.values())
 

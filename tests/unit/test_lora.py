@@ -133,3 +133,39 @@ def test_the_scheduler_hands_out_fresh_ids_and_guards_unloads():
     assert again.lora_id == 3  # never the id of the adapter it replaces: no stale prefix-cache hits
     table.finish_load(again, ok=False)
     assert table.ids == {1} and table.pending == {}
+
+
+def full_adapter(cfg, rank: int) -> dict[str, torch.Tensor]:
+    """Every projection of every layer adapted at `rank`."""
+    q_size = cfg.num_attention_heads * cfg.head_dim
+    shapes = {"self_attn.q_proj": (cfg.hidden_size, q_size), "self_attn.k_proj": (cfg.hidden_size, cfg.kv_size),
+              "self_attn.v_proj": (cfg.hidden_size, cfg.kv_size), "self_attn.o_proj": (q_size, cfg.hidden_size),
+              "mlp.gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "mlp.up_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "mlp.down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for module, (fan_in, fan_out) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank)
+    return tensors
+
+
+def test_the_memory_plan_holds_room_for_every_adapter_that_may_still_be_loaded(tmp_path):
+    from crane_mp.config import EngineConfig
+    from crane_mp.engine import LLMEngine
+    from crane_mp.worker.lora import adapter_bytes, load_adapter
+
+    path = make_model("qwen3", "tiny", tmp_path / "m", seed=2)
+    write_adapter(tmp_path / "full", {"r": 8}, full_adapter(load_model_config(path), 8))
+    base = LLMEngine(EngineConfig(model_path=str(path), max_num_seqs=4, dtype="float32"))
+    cfg = base.worker.model_config
+    taken = load_adapter(base.worker.runner.model, 1, "full", str(tmp_path / "full"), 8, torch.float32,
+                         torch.device("cpu"))
+    assert taken == adapter_bytes(cfg, 8, torch.float32)  # the estimate is what the largest adapter takes
+    lora = LLMEngine(EngineConfig(model_path=str(path), max_num_seqs=4, dtype="float32", max_loras=3,
+                                  max_lora_rank=8, lora_modules=(("full", str(tmp_path / "full")),)))
+    # One adapter loaded at start, two more may come: their bytes are set aside.
+    extra = lora.worker.kv_plan.reserved_bytes - base.worker.kv_plan.reserved_bytes
+    assert extra == 2 * adapter_bytes(cfg, 8, torch.float32)
