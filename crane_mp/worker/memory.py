@@ -100,8 +100,9 @@ def plan_kv_blocks(
         bound = "free memory"
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = max(0, budget // block_bytes)
-    if num_blocks < blocks_per_seq and fit_model_len and num_blocks * block_size >= min(max_model_len, MIN_FITTED_MODEL_LEN):
-        max_model_len, blocks_per_seq = num_blocks * block_size, num_blocks
+    fitted_len = num_blocks * block_size
+    if num_blocks < blocks_per_seq and fit_model_len and fitted_len >= min(max_model_len, MIN_FITTED_MODEL_LEN):
+        max_model_len, blocks_per_seq = fitted_len, num_blocks
     if num_blocks < blocks_per_seq:
         held = reserved_bytes + resident_bytes
         needs = (f"activations ({_size(activation_bytes)}), reserved memory ({_size(held)}) and the KV "

@@ -113,10 +113,12 @@ def test_a_model_length_the_operator_did_not_choose_is_lowered_to_what_fits():
     with pytest.raises(MemoryBudgetError, match="one 40960-token sequence"):  # the operator's own choice
         plan(max_model_len=40960)
     # 2,048 tokens and the spare block: the least a lowered length may be
+    def kv_room(tokens: int) -> MemoryLimit:
+        return MemoryLimit(num_bytes=GIB + GIB // 4 + tokens * 64 * 1024)
+
     with pytest.raises(MemoryBudgetError, match="one 40960-token sequence"):
-        plan(max_model_len=40960, fit_model_len=True, limit=MemoryLimit(num_bytes=GIB + GIB // 4 + (2048 + 15) * 64 * 1024))
-    assert plan(max_model_len=40960, fit_model_len=True,
-                limit=MemoryLimit(num_bytes=GIB + GIB // 4 + (2048 + 16) * 64 * 1024)).max_model_len == MIN_FITTED_MODEL_LEN
+        plan(max_model_len=40960, fit_model_len=True, limit=kv_room(2048 + 15))
+    assert plan(max_model_len=40960, fit_model_len=True, limit=kv_room(2048 + 16)).max_model_len == MIN_FITTED_MODEL_LEN
 
 
 def test_default_concurrency_follows_a_lowered_step_budget(tmp_path):
