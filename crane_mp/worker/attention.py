@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from crane_mp.worker.device import num_sms
 from crane_mp.worker.host_buffers import device_longs
 
 
@@ -260,7 +261,7 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     window = meta.sliding_window or 0
     num_decodes = meta.num_decode_tokens
     if num_decodes:
-        splits = kernels.decode_splits(num_decodes, k_cache.shape[2], _num_sms(q.device))
+        splits = kernels.decode_splits(num_decodes, k_cache.shape[2], num_sms(q.device))
         workspace = kernels.decode_workspace(num_decodes, num_heads, head_dim, splits, q.device)
         kernels.paged_decode(q[:num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens,
                              out[:num_decodes], scale, window, splits, workspace)
@@ -268,15 +269,3 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         kernels.paged_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_q_start,
                               meta.prefill_q_len, meta.prefill_ctx_before, meta.max_prefill_q, out, scale, window)
     return out.view(num_tokens, num_heads * head_dim)
-
-
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter (tests): a few splits, as on a small GPU
-        return 4
-    index = device.index or 0
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]

@@ -38,6 +38,20 @@ def device_label(device: torch.device) -> str:
     return f"Cuda({device.index or 0})" if device.type == "cuda" else "Cpu"
 
 
+_SM_COUNTS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors, which size the split kernels' grids. Off CUDA (Triton's interpreter in
+    tests) 4, as on a small GPU, so that the split paths run there."""
+    if device.type != "cuda":
+        return 4
+    index = device.index or 0
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
 # Launch errors after which a CUDA context is unusable, as Triton words them ("Triton Error [CUDA]: ...");
 # torch's own say "CUDA error: ...".
 _STICKY_CUDA_ERRORS = ("illegal memory access", "misaligned address", "unspecified launch failure",

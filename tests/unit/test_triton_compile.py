@@ -72,3 +72,22 @@ def test_kernels_compile_within_the_sm_budget(family, capability):
         if capability == 90 and built.stack_bytes:
             problems.append(f"{where}: spills ({built.registers} registers, {built.stack_bytes} stack bytes)")
     assert not problems, "\n".join(problems)
+
+
+def test_fused_gguf_matmul_fits_the_programs_per_sm_its_grid_is_sized_for():
+    """k_splits sizes the decode matmul's grid for _PROGRAMS_PER_SM programs an SM; for the formats of
+    Q8_0 and Q4_K_M files the registers must allow that many (65,536 an SM on sm90). A tile whose start
+    the compiler cannot prove aligned to BLOCK_K loads scales per element and needs ~3x the registers."""
+    from gguf import GGMLQuantizationType as T
+
+    from crane_mp.worker.quantized.triton_dequant import _PROGRAMS_PER_SM
+
+    with recorded_launches() as launches:
+        gguf_launches(torch.bfloat16)
+    matmuls = [launch for launch in launches
+               if launch.name == "_matmul_kernel" and launch.kwargs["QTYPE"] in (T.Q8_0, T.Q4_K, T.Q6_K)]
+    assert len(matmuls) == 3
+    for launch in matmuls:
+        built = compile_launch(launch, 90)
+        per_program = built.registers * built.num_warps * 32
+        assert per_program * _PROGRAMS_PER_SM <= 65536, (T(launch.kwargs["QTYPE"]).name, built)

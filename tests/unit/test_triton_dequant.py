@@ -30,10 +30,11 @@ for qtype in sorted(TRITON_TYPES):
     cols = cols_for(qtype)[1]
     data = quantized(qtype, 70, cols, seed=3)  # 70 outputs: a partial tile of 64
     weight = reference(data, qtype, cols)
-    for rows in (1, 5, 16, 37):  # one partial row tile, one full, three tiles
+    # One partial row tile, one full, three tiles; K split as sized for 4 SMs, not split, split unevenly.
+    for rows, splits in ((1, None), (5, 1), (16, None), (37, 5)):
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
         for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
-            got = triton_quantized_matmul(x.to(dtype), torch.from_numpy(data.copy()), qtype, cols)
+            got = triton_quantized_matmul(x.to(dtype), torch.from_numpy(data.copy()), qtype, cols, splits)
             want = x.to(dtype).float() @ weight.to(dtype).float().T
             assert got.dtype == dtype and got.shape == (rows, 70)
             torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * cols ** 0.5, msg=T(qtype).name)
@@ -43,3 +44,19 @@ print("checked", len(TRITON_TYPES))
 
 def test_triton_dequantize_equals_gguf_in_the_interpreter():
     assert "checked 8" in run_interpreted(_CHECK)
+
+
+def test_k_splits_fill_the_sms_with_whole_tiles():
+    from crane_mp.worker.quantized.triton_dequant import k_splits
+
+    # An 8B model's 4096x4096 projection at batch 1 on an H100: 128 output tiles, 64 K tiles of 64.
+    assert k_splits(128, 64, 132) == 5  # 13 tiles a chunk, the last 12
+    assert k_splits(128 * 4, 64, 132) == 2  # batch 64: four row tiles
+    assert k_splits(4 * 132, 64, 132) == 1  # already four programs an SM
+    assert k_splits(152064 // 32, 64, 132) == 1  # the LM head
+    assert k_splits(1, 3, 132) == 3  # never more chunks than K tiles
+    for programs in range(1, 300, 7):
+        for k_tiles in range(1, 200, 13):
+            splits = k_splits(programs, k_tiles, 132)
+            chunk = -(-k_tiles // splits)
+            assert 1 <= splits <= k_tiles and (splits - 1) * chunk < k_tiles  # no empty chunk

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
+from crane_mp.worker.device import num_sms
 from crane_mp.worker.kernels.triton_common import INTERPRETED, dot
 from crane_mp.worker.quantized.formats import LAYOUTS
 
@@ -95,23 +96,28 @@ def _dequant_kernel(w_ptr, out_ptr, n_elements, K, row_bytes, QTYPE: tl.constexp
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om, QTYPE: tl.constexpr,
-                   QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    """out[M, N] = x[M, K] @ W[N, K].T with W decoded tile by tile in registers: the quantized bytes are
-    the only weight traffic (decode steps, a few rows of x, are bound by it)."""
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om, stride_os, chunk_tiles,
+                   QTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """out[s, M, N] = x[M, K] @ W[N, K].T over the s-th chunk of chunk_tiles K tiles, s the third grid
+    axis, with W decoded tile by tile in registers: the quantized bytes are the only weight traffic
+    (decode steps, a few rows of x, are bound by it)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    # Chunks of whole tiles: the compiler then knows every tile starts at a multiple of BLOCK_K and loads
+    # a GGUF block's scales once per tile, not per element (214 registers instead of 64 for Q4_K).
+    k_begin = tl.program_id(2) * chunk_tiles * BLOCK_K
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, tl.minimum(k_begin + chunk_tiles * BLOCK_K, K), BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = _values(w_ptr, rn[:, None], rk[None, :], row_bytes, n_mask[:, None] & k_mask[None, :], QTYPE, QK,
                     BLOCK_BYTES)
         acc += dot(x, tl.trans(w.to(x.dtype)), "ieee", UPCAST)
+    out_ptr += tl.program_id(2).to(tl.int64) * stride_os
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -131,24 +137,45 @@ def triton_dequantize(weight: torch.Tensor, qtype: int, elements: int, dtype: to
 
 # Tile of the fused matmul: 16 rows of x (tl.dot's minimum), 32 output features, 64 inputs per step.
 # Decoding a 64x128 weight tile spills registers for most formats (checked by compiling every format,
-# tests/unit/test_triton_compile.py); 32 features also give an 8B model's 4096-wide projections 128
-# programs instead of 64, still one per SM of an H100 (split-K would add more). Up to FUSED_MAX_ROWS rows
-# (decode batches) each weight tile is decoded once per 16 rows, from cache after the first; past
-# that (prefill) a dequantized slab through cuBLAS is cheaper.
+# tests/unit/test_triton_compile.py). Up to FUSED_MAX_ROWS rows (decode batches) each weight tile is
+# decoded once per 16 rows, from cache after the first; past that (prefill) a dequantized slab through
+# cuBLAS is cheaper.
 FUSED_MAX_ROWS = 64
 _TILE_M = 16
 _TILE_N = 32
 _TILE_K = 64
+# Programs wanted per SM: one, as an 8B model's 4096-wide projections give at batch 1, keeps too few
+# weight loads in flight to stream memory. Q8_0, Q4_K and Q6_K need <=102 registers a thread, so four
+# 4-warp programs fit (benchmarks/RESULTS.md; tests/unit/test_triton_compile.py holds it).
+_PROGRAMS_PER_SM = 4
 
 
-def triton_quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    """x [M, K] (contiguous rows) @ dequantize(weight [N, row_bytes]).T -> [M, N]."""
+def k_splits(programs: int, k_tiles: int, sms: int) -> int:
+    """How many chunks of whole K tiles each output tile's inputs are split into, so that the grid
+    keeps about _PROGRAMS_PER_SM programs on every SM."""
+    wanted = max(1, min(k_tiles, -(-_PROGRAMS_PER_SM * sms // max(1, programs))))
+    chunk_tiles = -(-k_tiles // wanted)
+    return -(-k_tiles // chunk_tiles)
+
+
+def triton_quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int,
+                            splits: int | None = None) -> torch.Tensor:
+    """x [M, K] (contiguous rows) @ dequantize(weight [N, row_bytes]).T -> [M, N]. `splits`: K chunks,
+    by default as k_splits sizes them for the device; partial sums are added in float32."""
     layout = LAYOUTS[qtype]
     rows, cols = x.shape[0], weight.shape[0]
-    out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
-    _matmul_kernel[(triton.cdiv(rows, _TILE_M), triton.cdiv(cols, _TILE_N))](
-        x, weight, out, rows, cols, in_features, weight.shape[1], x.stride(0), out.stride(0), QTYPE=int(qtype),
-        QK=layout.block, BLOCK_BYTES=layout.bytes, BLOCK_M=_TILE_M, BLOCK_N=_TILE_N, BLOCK_K=_TILE_K,
-        UPCAST=INTERPRETED,
+    grid_m, grid_n, k_tiles = triton.cdiv(rows, _TILE_M), triton.cdiv(cols, _TILE_N), triton.cdiv(in_features, _TILE_K)
+    if splits is None:
+        splits = k_splits(grid_m * grid_n, k_tiles, num_sms(x.device))
+    chunk_tiles = triton.cdiv(k_tiles, splits)
+    splits = triton.cdiv(k_tiles, chunk_tiles)
+    if splits == 1:
+        out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(splits, rows, cols, dtype=torch.float32, device=x.device)
+    _matmul_kernel[(grid_m, grid_n, splits)](
+        x, weight, out, rows, cols, in_features, weight.shape[1], x.stride(0), out.stride(-2),
+        out.stride(0) if splits > 1 else 0, chunk_tiles, QTYPE=int(qtype), QK=layout.block, BLOCK_BYTES=layout.bytes,
+        BLOCK_M=_TILE_M, BLOCK_N=_TILE_N, BLOCK_K=_TILE_K, UPCAST=INTERPRETED,
     )
-    return out
+    return out if splits == 1 else out.sum(0).to(x.dtype)
