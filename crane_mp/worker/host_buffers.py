@@ -7,16 +7,17 @@ building a step never blocks on the GPU. On CPU the tensor is simply made where 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
-def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def device_tensor(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
+        return torch.as_tensor(values, dtype=dtype)  # an array is not copied
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def device_longs(values: list[int], device: torch.device) -> torch.Tensor:
+def device_longs(values: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:
     return device_tensor(values, torch.long, device)
 
 
