@@ -12,9 +12,12 @@ import torch
 
 
 def device_tensor(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.as_tensor(values, dtype=dtype)  # an array of that dtype is not copied
     if device.type == "cpu":
-        return torch.as_tensor(values, dtype=dtype)  # an array is not copied
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return host
+    # torch.tensor(ndarray, pin_memory=True) refuses numpy input, so pin a copy of the host tensor; the
+    # copy also frees the caller to reuse its array while the transfer is in flight.
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def device_longs(values: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:

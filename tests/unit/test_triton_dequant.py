@@ -30,7 +30,8 @@ for qtype in sorted(TRITON_TYPES):
     cols = cols_for(qtype)[1]
     data = quantized(qtype, 70, cols, seed=3)  # 70 outputs: a partial tile of 64
     weight = reference(data, qtype, cols)
-    # One partial row tile, one full, three tiles; K split as sized for 4 SMs, not split, split unevenly.
+    # One partial row tile, one full, three tiles; K split as sized for 4 SMs, or not split, or 5 asked:
+    # K=544 gives 5 chunks, the last a partial tile; K=768 gives 4 even chunks of 3 tiles.
     for rows, splits in ((1, None), (5, 1), (16, None), (37, 5)):
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
         for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
