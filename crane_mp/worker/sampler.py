@@ -339,9 +339,19 @@ def _invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Index i per row with cdf[i - 1] <= u * total < cdf[i]: a draw from the row's (unnormalised)
     distribution that never lands on a zero-probability entry."""
     cdf = probs.cumsum(dim=-1)
+    if probs.device.type != "cpu":
+        cdf = flat_at_zeros(probs, cdf)
     total = cdf[:, -1:]
     target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def flat_at_zeros(probs: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
+    """The CDF made flat across zero-probability entries and never decreasing. CPU cumsum adds left to
+    right, so it already is; CUDA's single-row scan (CUB) groups its sums by thread, so at a thread's
+    first entry a zero can step the sum an ulp up (a drawable zero) or down (which searchsorted cannot
+    take)."""
+    return torch.where(probs > 0, cdf, torch.zeros_like(cdf)).cummax(dim=-1).values
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -274,3 +274,23 @@ def test_passes_and_the_whole_vocabulary_redo_match_one_pass(monkeypatch):
             continue
         assert math.isclose(lp.logprob, raw[row, tokens[row]].item(), rel_tol=1e-5, abs_tol=1e-6)
         assert lp.top_token_ids == raw[row].topk(params[row].logprobs).indices.tolist()
+
+
+def test_a_cdf_summed_out_of_order_never_draws_a_zero_probability_entry():
+    """CUDA's one-row scan can step the CDF an ulp across a zero entry, up or down; flat_at_zeros
+    undoes that, so every target lands on an entry with probability."""
+    from crane_mp.worker.sampler import flat_at_zeros
+
+    probs = torch.tensor([[0.25, 0.0, 0.25, 0.0, 0.0, 0.5, 0.0]])
+    exact = probs.cumsum(-1)
+    ulp = 2.0 ** -24
+    skewed = exact + torch.tensor([[0.0, ulp, 0.0, -ulp, ulp, 0.0, -ulp]])  # as thread boundaries may
+    cdf = flat_at_zeros(probs, skewed)
+    assert torch.all(cdf[:, 1:] >= cdf[:, :-1])
+    zeros = (probs == 0).nonzero()[:, 1]
+    assert torch.equal(cdf[0, zeros], cdf[0, zeros - 1])
+    targets = torch.cat([skewed[0], skewed[0] - ulp, torch.linspace(0, 0.999, 101)]).clamp(0, cdf[0, -1] - ulp)
+    drawn = torch.searchsorted(cdf.expand(len(targets), -1).contiguous(), targets[:, None], right=True)
+    assert torch.all(probs[0, drawn.squeeze(1)] > 0)
+    unflattened = torch.searchsorted(skewed.expand(len(targets), -1).contiguous(), targets[:, None], right=True)
+    assert torch.any(probs[0, unflattened.squeeze(1)] == 0)  # what the skew does without the fix
