@@ -12,7 +12,9 @@ import sys
 
 from crane_mp.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     LOG_FORMATS,
+    QUANTIZED_ACTIVATIONS,
     TASKS,
     TOOL_CALL_PARSERS,
     EngineConfig,
@@ -119,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8080)
     p.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is available")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage; auto: 16-bit on CPU (bf16 with native bf16 math, else f16), the "
+                        "compute dtype on CUDA")
+    p.add_argument("--quantized-activations", default="int8", choices=QUANTIZED_ACTIVATIONS,
+                   help="GGUF matmuls on CPU: int8 activations with integer dot products (llama.cpp's scheme), "
+                        "or float (exact, slower)")
     p.add_argument("--max-concurrent", type=_positive_int,
                    help="ceiling on running sequences; the KV-cache budget limits them first (default: 256, "
                         "or --max-num-batched-tokens if that is lower)")
@@ -221,6 +229,8 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             model_type=args.model_type,
             model_format=source.format,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            quantized_activations=args.quantized_activations,
             force_cpu=args.cpu,
             block_size=args.block_size,
             max_num_seqs=args.max_concurrent,

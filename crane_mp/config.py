@@ -15,6 +15,10 @@ from crane_mp.logs import LogSettings
 from crane_mp.pooling import Pooling
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# How CPU matmuls on GGUF-quantized weights treat activations: int8 blocks with integer dot products
+# (llama.cpp's scheme, the default), or float (exact; what the transformers comparisons use).
+QUANTIZED_ACTIVATIONS = ("int8", "float")
 LOG_FORMATS = ("text", "json")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")  # frontend/tool_calls.py
 TASKS = ("auto", "generate", "embed")
@@ -60,6 +64,8 @@ class EngineConfig:
     model_type: str = "auto"
     model_format: str = "auto"  # auto | safetensors | gguf (gguf_file.resolve_model_source)
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto: 16-bit on CPU, the compute dtype on CUDA (worker/device.py)
+    quantized_activations: str = "int8"  # GGUF matmuls on CPU, see QUANTIZED_ACTIVATIONS
     force_cpu: bool = False
     block_size: int = 16
     max_num_seqs: int = 256  # a ceiling; the KV budget bounds concurrency first
@@ -86,6 +92,11 @@ class EngineConfig:
         # Messages name the crane-launch flag too: the CLI reports them as they are.
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype (--dtype) must be one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError("quantized_activations (--quantized-activations) must be one of "
+                             f"{', '.join(QUANTIZED_ACTIVATIONS)}")
         for name, flag in (("block_size", "--block-size"), ("max_num_seqs", "--max-concurrent"),
                            ("max_num_batched_tokens", "--max-num-batched-tokens")):
             if getattr(self, name) < 1:

@@ -1,5 +1,5 @@
-"""GGUF model files: find them, open them (memory-mapped, through the gguf package), check them, read
-their hyper-parameters.
+"""GGUF model files: find them, read their headers (gguf_header.py), check them, read their
+hyper-parameters.
 
 Every problem with a file becomes one GGUFFileError whose message names the file and what is wrong:
 crane-launch checks a file before it starts any process (a bad file exits at once with that line),
@@ -8,12 +8,16 @@ and the worker and frontend raise the same messages. No torch here: the launcher
 
 from __future__ import annotations
 
-import re
+import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from crane_mp.gguf_header import BigEndianFile, HeaderError, StringArray, read_header
 
 # general.architecture -> (our architecture, transformers' model_type). llama.cpp files Mistral
 # (before Mistral 3) as "llama", which our Llama model serves.
@@ -75,33 +79,6 @@ def resolve_model_source(path: str | Path, fmt: str = "auto") -> ModelSource:
     if fmt == "gguf":
         raise FileNotFoundError(f"{path} holds no .gguf file")
     raise FileNotFoundError(f"{path} is not a model directory (no config.json with safetensors, no .gguf file)")
-
-
-def open_gguf(path: Path):
-    """A memory-mapped gguf.GGUFReader; any parse failure (magic, version, truncation) -> GGUFFileError."""
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError, EOFError, OSError) as err:
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", detail)
-        if unknown:
-            raise GGUFFileError(
-                f"{path}: a tensor has type id {unknown.group(1)}, which is no GGML type crane-mp knows "
-                f"(supported: {', '.join(sorted(set(SERVED_TYPES.values())))})"
-            ) from None
-        raise GGUFFileError(f"{path}: not a readable GGUF file (truncated or corrupt?): {detail}") from None
-
-
-def metadata(reader) -> dict[str, Any]:
-    """Scalar and string metadata as Python values (the big tokenizer arrays are left out)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in ("tokens", "token_type", "merges", "scores"):
-            continue
-        out[key] = field.contents()
-    return out
 
 
 def _arch(meta: dict[str, Any], path: Path) -> str:
@@ -225,10 +202,9 @@ class GGUFContents:
 
 
 def check_gguf(path: Path) -> GGUFContents:
-    """Open and validate a GGUF file without reading its tensor data. Raises GGUFFileError (one line)
-    on anything we cannot serve. Parsing a 150K-token vocabulary costs the gguf reader seconds and
-    ~0.5 GB of small arrays: the result is kept per file (size, mtime) so a process parses it once,
-    and the reader is dropped on return, before any weights load."""
+    """Open and validate a GGUF file without reading its tensor data (or its vocabulary: gguf_header.py).
+    Raises GGUFFileError (one line) on anything we cannot serve. The result is kept per file (size,
+    mtime), so a process reads a header once."""
     path = Path(path)
     stat = path.stat() if path.is_file() else None
     return _check(str(path), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1)
@@ -236,32 +212,42 @@ def check_gguf(path: Path) -> GGUFContents:
 
 @lru_cache(maxsize=4)
 def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
+    from gguf import GGML_QUANT_SIZES
+
     path = Path(name)
-    reader = open_gguf(path)
-    if reader.byte_order != "I":
-        raise GGUFFileError(f"{path}: a big-endian GGUF file; crane-mp serves little-endian files only")
-    meta = metadata(reader)
-    dims_of = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}  # ggml: fastest first
+    try:
+        header = read_header(path)
+    except BigEndianFile:
+        raise GGUFFileError(f"{path}: a big-endian GGUF file; crane-mp serves little-endian files only") from None
+    except (HeaderError, OSError) as err:
+        raise GGUFFileError(f"{path}: not a readable GGUF file (truncated or corrupt?): {err}") from None
+    meta = {key: value for key, value in header.metadata.items() if not isinstance(value, (StringArray, np.ndarray))}
+    dims_of = {t.name: tuple(reversed(t.dims)) for t in header.tensors}  # ggml: fastest first
     shape = read_shape(meta, dims_of, path)
     expected = expected_shapes(shape)
     types: Counter = Counter()
     infos: dict[str, TensorInfo] = {}
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
+        qtype = _tensor_type(tensor.type_id, path)
         dims = dims_of[tensor.name]
         want = expected.get(tensor.name)
         if want is None:
             raise GGUFFileError(f"{path}: unexpected tensor {tensor.name} for architecture {shape.gguf_arch}")
         if dims != want:
             raise GGUFFileError(f"{path}: tensor {tensor.name} has shape {list(dims)}, the metadata implies {list(want)}")
-        qtype = int(tensor.tensor_type)
         if qtype not in SERVED_TYPES:
             supported = ", ".join(sorted(set(SERVED_TYPES.values())))
             raise GGUFFileError(
-                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which crane-mp cannot serve "
+                f"{path}: tensor {tensor.name} has type {qtype.name}, which crane-mp cannot serve "
                 f"(supported: {supported})"
             )
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        n_bytes = math.prod(dims) // block * block_bytes
+        if tensor.offset + n_bytes > header.file_size:
+            raise GGUFFileError(f"{path}: not a readable GGUF file (truncated or corrupt?): the data of tensor "
+                                f"{tensor.name} runs past the end of the file")
         types[SERVED_TYPES[qtype]] += 1
-        infos[tensor.name] = TensorInfo(tensor.name, qtype, dims, int(tensor.data_offset), int(tensor.n_bytes))
+        infos[tensor.name] = TensorInfo(tensor.name, int(qtype), dims, tensor.offset, n_bytes)
     required = ["token_embd.weight", "output_norm.weight"] + [
         f"blk.{i}.{name}.weight" for i in range(shape.layers) for name in _REQUIRED_PER_LAYER
     ]
@@ -269,6 +255,18 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
     if missing:
         raise GGUFFileError(f"{path}: {len(missing)} required tensors are missing, e.g. {missing[0]}")
     return GGUFContents(shape, meta, types, infos)
+
+
+def _tensor_type(type_id: int, path: Path):
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(type_id)
+    except ValueError:
+        raise GGUFFileError(
+            f"{path}: a tensor has type id {type_id}, which is no GGML type crane-mp knows "
+            f"(supported: {', '.join(sorted(set(SERVED_TYPES.values())))})"
+        ) from None
 
 
 def describe_types(types: Counter) -> str:

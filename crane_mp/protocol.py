@@ -305,3 +305,5 @@ class WorkerReady(msgspec.Struct):
     weight_types: str = ""  # a GGUF file's tensor types, e.g. "Q4_K x 169, Q6_K x 29, F32 x 57"
     weights_file_bytes: int = 0  # bytes of tensor data in the model file(s)
     hidden_size: int = 0  # the width of an embedding
+    kv_cache_dtype: str = ""  # the KV cache's storage, e.g. "float16"
+    quantized_activations: str = "n/a"  # GGUF matmuls: "int8" or "float" activations; "n/a" without GGUF

@@ -120,6 +120,8 @@ async def server_info(request: web.Request) -> web.Response:
         "weights_bytes": info.weights_bytes,
         "weights_file_bytes": info.weights_file_bytes,
         "kv_bytes_per_token": info.kv_bytes_per_token,
+        "kv_cache_dtype": info.kv_cache_dtype,
+        "quantized_activations": info.quantized_activations,
         "kv_budget_bytes": info.kv_budget_bytes,
         "stats": {
             "total_requests": stats.total_requests,

@@ -211,8 +211,8 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     if k is not None:
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if meta.backend == "triton":
         return _triton_attention(q, k_cache, v_cache, meta, scale)
     outputs = []
@@ -227,8 +227,8 @@ def paged_attention(
     elif num_decodes:
         # Each KV head serves its group of query heads as a small batch of queries: no K/V repeat.
         qd = q[:num_decodes].view(num_decodes, kv_heads, num_heads // kv_heads, head_dim)
-        kd = _gather(k_cache, meta.decode_block_tables)
-        vd = _gather(v_cache, meta.decode_block_tables)
+        kd = _gather(k_cache, meta.decode_block_tables).to(q.dtype)
+        vd = _gather(v_cache, meta.decode_block_tables).to(q.dtype)
         out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         outputs.append(out.reshape(num_decodes, num_heads * head_dim))
 
@@ -237,8 +237,8 @@ def paged_attention(
         if meta.prefill_is_fresh_single:
             if k is None:  # already in the cache: read this prefill's rows back
                 slots = meta.slot_mapping[num_decodes:]
-                kp = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
-                vp = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
+                kp = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots).to(q.dtype)
+                vp = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots).to(q.dtype)
             else:
                 kp, vp = k[num_decodes:], v[num_decodes:]
             # 4-D inputs: with 3-D ones SDPA falls back to its math backend (5-10x slower on CPU).
@@ -250,8 +250,9 @@ def paged_attention(
         else:
             batch, max_q = meta.num_prefills, meta.max_prefill_q
             qs = qp.index_select(0, meta.prefill_token_index).view(batch, max_q, num_heads, head_dim)
-            kp = _gather(k_cache, meta.prefill_block_tables)
-            vp = _gather(v_cache, meta.prefill_block_tables)
+            # Gathered in the cache's dtype (half the bytes of a float copy when it is 16-bit), then widened.
+            kp = _gather(k_cache, meta.prefill_block_tables).to(q.dtype)
+            vp = _gather(v_cache, meta.prefill_block_tables).to(q.dtype)
             out = F.scaled_dot_product_attention(
                 qs.transpose(1, 2), kp, vp, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True
             )  # [B, H, max_q, D]

@@ -11,9 +11,9 @@ import torch
 from crane_mp.config import EngineConfig, MemoryLimit
 from crane_mp.gguf_file import describe_types, resolve_model_source
 from crane_mp.worker.decode_graphs import graph_batch_sizes, static_buffer_bytes, table_width
-from crane_mp.worker.device import select_device, select_dtype
+from crane_mp.worker.device import select_device, select_dtype, select_kv_dtype
 from crane_mp.worker.grammar import GrammarEngine
-from crane_mp.worker.kernels.cpu_isa import native_ops
+from crane_mp.worker.kernels.cpu_isa import int8_matmuls, native_ops
 from crane_mp.worker.loader import file_tensor_bytes, load_model, weight_bytes
 from crane_mp.worker.lora import adapter_bytes, adapter_dtype, load_adapters
 from crane_mp.worker.memory import (
@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 
 # Without --gpu-memory-limit a GPU host may give the engine most of the device.
 _DEFAULT_CUDA_LIMIT = MemoryLimit(fraction=0.9)
-# The CPU warm-up step (its memory is estimated, not measured).
-_CPU_WARMUP_TOKENS = 128
-_CPU_WARMUP_SEQS = 8
+# The CPU warm-up step (its memory is estimated, not measured): only to run every code path once
+# (kernel libraries, thread pools, first allocations), so it is tiny: at 8B a token costs ~0.1 s.
+_CPU_WARMUP_TOKENS = 4
+_CPU_WARMUP_SEQS = 2
 # Allocator rounding and per-graph bookkeeping in the decode graphs' pool, and cuBLAS's workspace for
 # the capture stream (32 MiB on Hopper).
 _GRAPH_POOL_SLACK = 64 << 20
@@ -50,6 +51,7 @@ class LoadedWorker:
     model_format: str
     weight_types: str
     weights_file_bytes: int
+    quantized_activations: str  # "int8" or "float" for a GGUF model, "n/a" otherwise
 
 
 def _activation_estimate_per_token(cfg: ModelConfig) -> int:
@@ -103,8 +105,9 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     timer.done("config")
     native_ops(device)  # builds or loads the CPU kernels now, so that their time is reported on its own
     timer.done("kernels")
+    int8 = int8_matmuls(device, config.quantized_activations)
     model, weight_types = load_model(model_config, source, dtype, device, progress, config.task == "embed",
-                                     lora=config.lora)
+                                     lora=config.lora, int8_activations=int8)
     if config.lora_modules:
         lora_bytes = load_adapters(model, config.lora_modules, config.max_lora_rank, dtype, device)
         names = ", ".join(name for name, _ in config.lora_modules)
@@ -119,7 +122,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
             max_model_len = capacity
     grammars = GrammarEngine(config.model_path, config.model_format, model_config.vocab_size,
                              list(model_config.eos_token_ids), device)
-    runner = ModelRunner(model, config.block_size, max_model_len, device, grammars=grammars)
+    runner = ModelRunner(model, config.block_size, max_model_len, device, grammars=grammars,
+                         kv_dtype=select_kv_dtype(config.kv_cache_dtype, dtype, device))
 
     weights_bytes = weight_bytes(model)
     # What else this engine already holds for good (rope tables, grammar and sampler tensors).
@@ -173,5 +177,5 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         timer.done("cuda graphs")
     return LoadedWorker(
         runner, model_config, kv_plan, device, dtype, max_model_len, source.format, describe_types(weight_types),
-        file_tensor_bytes(source),
+        file_tensor_bytes(source), ("int8" if int8 else "float") if source.format == "gguf" else "n/a",
     )

@@ -1,4 +1,4 @@
-"""Device and dtype choice.
+"""Device, compute dtype and KV-cache dtype choice.
 
 On CUDA, 16-bit weights are kept and float32 checkpoints run in bf16. On CPU the choice follows the
 instruction-set tier (kernels/cpu_isa.py): from measurement on a 2-core Sapphire Rapids host
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from crane_mp.worker.kernels.cpu_isa import cpu_dtype
+from crane_mp.worker.kernels.cpu_isa import cpu_dtype, native_bf16
 
 _NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,6 +31,21 @@ def select_dtype(requested: str, checkpoint_dtype: str | None, device: torch.dev
     if ckpt == torch.float32:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return ckpt
+
+
+def select_kv_dtype(requested: str, compute: torch.dtype, device: torch.device) -> torch.dtype:
+    """--kv-cache-dtype. auto on CPU is 16-bit whatever the compute dtype (bf16 where bf16 math is native,
+    else float16, which F16C converts in one instruction): half the bytes of a float32 cache, so the
+    same memory limit holds twice the context, and decode attention reads half the bytes. The CUDA
+    kernels read the cache in the compute dtype, so there auto is that and nothing else is accepted."""
+    if device.type == "cpu":
+        if requested == "auto":
+            return torch.bfloat16 if native_bf16() else torch.float16
+        return _NAMES[requested]
+    if requested not in ("auto", str(compute).removeprefix("torch.")):
+        raise ValueError(f"--kv-cache-dtype {requested}: on CUDA the KV cache is kept in the compute dtype "
+                         f"({str(compute).removeprefix('torch.')}); use auto")
+    return compute
 
 
 def device_label(device: torch.device) -> str:

@@ -49,13 +49,14 @@ def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, t
 
 def load_model(
     config: ModelConfig, source: ModelSource, dtype: torch.dtype, device: torch.device, progress: bool = True,
-    embed_only: bool = False, lora: bool = False,
+    embed_only: bool = False, lora: bool = False, int8_activations: bool = False,
 ) -> tuple[CausalLM, Counter]:
     """The model with its weights, and the file's tensor types (GGUF only; empty for safetensors).
     `embed_only`: an embedding model, served without logits, may lack the lm_head. `lora`: LoRA
-    adapters will be applied (no activation fused into a packed projection)."""
+    adapters will be applied (no activation fused into a packed projection). `int8_activations`: GGUF
+    matmuls on 8-bit activations (cpu_isa.int8_matmuls)."""
     if source.format == "gguf":
-        model, types = load_gguf_model(config, source.gguf_file, dtype, device, progress)
+        model, types = load_gguf_model(config, source.gguf_file, dtype, device, progress, int8_activations)
     else:
         model = load_safetensors_model(config, source.model_dir, dtype, device, progress, embed_only)
         types = Counter()

@@ -53,6 +53,8 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
         weight_types=loaded.weight_types,
         weights_file_bytes=loaded.weights_file_bytes,
         hidden_size=loaded.model_config.hidden_size,
+        kv_cache_dtype=str(loaded.runner.kv_dtype).removeprefix("torch."),
+        quantized_activations=loaded.quantized_activations,
     )
 
 

@@ -75,6 +75,7 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM, block_size: int, max_positions: int, device: torch.device,
         attention_backend: str | None = None, grammars: GrammarEngine | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -82,6 +83,7 @@ class ModelRunner:
         self.device = device
         self.max_positions = max_positions
         self.dtype = model.model.norm.weight.dtype
+        self.kv_dtype = kv_dtype or self.dtype  # the cache's storage (device.select_kv_dtype)
         self.cos, self.sin = rope_tables(self.config, max_positions, self.dtype, device)
         self.grammars = grammars
         self.sampler = Sampler(self.config.vocab_size, device, grammars)
@@ -100,8 +102,8 @@ class ModelRunner:
         cfg = self.config
         shape = (num_blocks + 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         for attn in self.model.attention_layers():
-            attn.k_cache = _zeroed(shape, self.dtype, self.device)
-            attn.v_cache = _zeroed(shape, self.dtype, self.device)
+            attn.k_cache = _zeroed(shape, self.kv_dtype, self.device)
+            attn.v_cache = _zeroed(shape, self.kv_dtype, self.device)
         self.num_blocks = num_blocks
 
     @torch.inference_mode()
@@ -114,7 +116,7 @@ class ModelRunner:
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.config
-        return 2 * cfg.num_hidden_layers * cfg.kv_size * self.dtype.itemsize
+        return 2 * cfg.num_hidden_layers * cfg.kv_size * self.kv_dtype.itemsize
 
     # ---- one step -------------------------------------------------------------------------------
 

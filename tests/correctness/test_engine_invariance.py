@@ -138,7 +138,8 @@ def test_prompt_logprobs_match_a_full_forward_and_survive_chunking(model_dir, mo
     expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     # The whole prompt in one step, in 5-token chunks, and in one step scored 3 rows per pass.
     for budget, score_rows in ((2048, None), (5, None), (2048, 3)):
-        eng = engine(model_dir, max_num_seqs=4, max_num_batched_tokens=budget)
+        # Compared at float32 precision: a float32 KV cache (the 16-bit default rounds keys and values).
+        eng = engine(model_dir, max_num_seqs=4, max_num_batched_tokens=budget, kv_cache_dtype="float32")
         if score_rows:
             monkeypatch.setattr(eng.worker.runner, "_score_rows", lambda: score_rows)
         req = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))

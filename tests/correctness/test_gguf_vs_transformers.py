@@ -57,7 +57,9 @@ def gguf_files(checkpoints, tmp_path_factory):
 
 
 def ours(path) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(model_path=str(path), dtype="float32", max_model_len=128, seed=0))
+    """Float activations: the exact path (8-bit ones change tokens the way llama.cpp's do)."""
+    engine = LLMEngine(EngineConfig(model_path=str(path), dtype="float32", max_model_len=128, seed=0,
+                                    quantized_activations="float"))
     return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
 
 

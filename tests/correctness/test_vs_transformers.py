@@ -52,7 +52,10 @@ def checkpoints(tmp_path_factory):
 
 
 def load_pair(path):
-    engine = LLMEngine(EngineConfig(model_path=str(path), dtype="float32", force_cpu=True, max_num_seqs=32))
+    """A float32 KV cache: logits are compared at float32 precision (the 16-bit default rounds keys and
+    values; its kernels are checked in tests/unit)."""
+    engine = LLMEngine(EngineConfig(model_path=str(path), dtype="float32", force_cpu=True, max_num_seqs=32,
+                                    kv_cache_dtype="float32"))
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     return engine, hf
 

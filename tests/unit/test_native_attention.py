@@ -19,14 +19,17 @@ def test_kernels_build_for_the_cpu_tier_in_use():
     assert kernel_isa() == cpu_isa(), "the native CPU kernels failed to build for this tier (see the log warning)"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (4, 4, 16), (6, 1, 32), (4, 2, 40)])
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                                (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (4, 4, 16), (6, 1, 32), (4, 2, 40), (8, 2, 128)])
 @pytest.mark.parametrize("window", [None, 7])
-def test_native_decode_matches_torch_path(dtype, heads, kv_heads, head_dim, window):
+def test_native_decode_matches_torch_path(dtype, cache_dtype, heads, kv_heads, head_dim, window):
+    """The kernel reads the cache in its own dtype (16-bit beside float32 queries: the CPU default)."""
     gen = torch.Generator().manual_seed(heads * head_dim)
     block_size, num_blocks = 4, 64
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
     order = torch.randperm(num_blocks, generator=gen).tolist()
     lengths = [1, 5, 16, 23]
     spans, start = [], 0

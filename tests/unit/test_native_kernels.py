@@ -26,10 +26,13 @@ def test_argmax_rows_matches_torch_including_ties(vocab):
     assert torch.ops.crane_mp.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                                (torch.bfloat16, torch.float16)])
 @pytest.mark.parametrize("norm_position", [0, 1, 2])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (4, 4, 32), (6, 1, 128)])
-def test_qkv_rope_cache_equals_the_unfused_ops(dtype, norm_position, heads, kv_heads, head_dim):
+def test_qkv_rope_cache_equals_the_unfused_ops(dtype, cache_dtype, norm_position, heads, kv_heads, head_dim):
+    """Keys and values land in the cache in its own dtype, rounded once from float."""
     gen = torch.Generator().manual_seed(heads + norm_position)
     tokens, num_blocks, block_size, eps = 5, 4, 4, 1e-6
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
@@ -37,7 +40,7 @@ def test_qkv_rope_cache_equals_the_unfused_ops(dtype, norm_position, heads, kv_h
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     weight = (torch.rand(heads + kv_heads, head_dim, generator=gen) + 0.5).to(dtype)
     slots = torch.tensor([9, 0, 15, 4, 3])
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
 
     q = torch.ops.crane_mp.qkv_rope_cache(
@@ -55,10 +58,11 @@ def test_qkv_rope_cache_equals_the_unfused_ops(dtype, norm_position, heads, kv_h
     if norm_position == 2:
         qk = norm(qk)
     v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    assert q.dtype == dtype and k_cache.dtype == cache_dtype
     torch.testing.assert_close(q.float(), qk[:, :heads], **tolerance(dtype))
     flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
-    torch.testing.assert_close(flat_k[slots].float(), qk[:, heads:], **tolerance(dtype))
-    assert torch.equal(flat_v[slots], v)
+    torch.testing.assert_close(flat_k[slots].float(), qk[:, heads:], **tolerance(cache_dtype))
+    assert torch.equal(flat_v[slots], v.to(cache_dtype))  # one rounding, to nearest even
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots] = False
     assert not flat_k[untouched].any() and not flat_v[untouched].any()

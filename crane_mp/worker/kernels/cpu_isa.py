@@ -1,5 +1,5 @@
 """Which CPU instructions crane-mp may use, and every choice that follows from it: the CPU dtype,
-oneDNN's bf16 weight packing, our AMX GEMM, and native kernel or portable torch op.
+oneDNN's bf16 weight packing, our AMX GEMM, native kernel or portable torch op, int8 GGUF matmuls.
 
 Tiers (config.CPU_ISAS), each containing the one before:
 
@@ -74,6 +74,12 @@ def kernel_isa() -> str | None:
 def native_ops(device: torch.device) -> bool:
     """Run the fused C++ kernels (norms, rope + KV write, decode attention, argmax) on this device?"""
     return device.type == "cpu" and kernel_isa() is not None
+
+
+def int8_matmuls(device: torch.device, quantized_activations: str) -> bool:
+    """GGUF matmuls quantize activations to 8 bits and use integer dot products (kernels/gguf_int8.cpp),
+    as --quantized-activations int8 asks, wherever the native kernels run; else float activations."""
+    return quantized_activations == "int8" and native_ops(device)
 
 
 @lru_cache(maxsize=1)

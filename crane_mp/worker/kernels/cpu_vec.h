@@ -1,5 +1,6 @@
 // Helpers shared by the CPU kernels: widening and narrowing between a tensor's storage type and
-// float (vectorised for bfloat16), RMS-normalising a float row, and parallel grain sizes.
+// float (vectorised for bfloat16 and float16), the KV cache's dtypes, RMS-normalising a float row,
+// and parallel grain sizes.
 //
 // Every kernel is compiled once per instruction-set tier with explicit flags (loader.py): the
 // __AVX512F__ / __AVX512BF16__ / __AVX2__ branches below are chosen at compile time, never by
@@ -11,7 +12,9 @@
 // casts do.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <cmath>
@@ -54,6 +57,16 @@ inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
   }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<c10::Half>(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -102,6 +115,29 @@ inline void narrow<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t 
   }
 #endif
   for (; i < n; ++i) dst[i] = c10::BFloat16(bfloat16_bits(src[i]), c10::BFloat16::from_bits());
+}
+
+// Rounds to nearest even, as c10's Half conversion does.
+template <>
+inline void narrow<c10::Half>(const float* src, c10::Half* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+}
+
+// Calls f(T{}) with T the C++ type of a KV cache dtype: float, c10::BFloat16 or c10::Half.
+template <typename F>
+inline void dispatch_kv(c10::ScalarType type, F&& f) {
+  switch (type) {
+    case c10::ScalarType::Float: f(float{}); return;
+    case c10::ScalarType::BFloat16: f(c10::BFloat16{}); return;
+    case c10::ScalarType::Half: f(c10::Half{}); return;
+    default: TORCH_CHECK(false, "a KV cache of dtype ", type, " is not supported");
+  }
 }
 
 // x = x / rms(x) * weight, in place, all float.

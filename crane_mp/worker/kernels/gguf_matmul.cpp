@@ -24,51 +24,11 @@
 #include <immintrin.h>
 
 #include "cpu_vec.h"
+#include "gguf_blocks.h"
 
 namespace {
 
-// ggml's type ids (GGMLQuantizationType in the gguf package).
-enum QType : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
-                       Q6_K = 14, BF16 = 30 };
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-struct Layout {
-  int64_t block;  // elements per block
-  int64_t bytes;  // bytes per block
-};
-
-Layout layout_of(int64_t qtype) {
-  switch (qtype) {
-    case F32: return {1, 4};
-    case F16: return {1, 2};
-    case BF16: return {1, 2};
-    case Q4_0: return {32, 18};
-    case Q4_1: return {32, 20};
-    case Q5_0: return {32, 22};
-    case Q5_1: return {32, 24};
-    case Q8_0: return {32, 34};
-    case Q4_K: return {256, 144};
-    case Q5_K: return {256, 176};
-    case Q6_K: return {256, 210};
-  }
-  TORCH_CHECK(false, "gguf_linear: unsupported GGML type ", qtype);
-}
-
-// The 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K super-block.
-inline void k_scale_min(const uint8_t* s, int j, float& scale, float& min) {
-  if (j < 4) {
-    scale = s[j] & 63;
-    min = s[j + 4] & 63;
-  } else {
-    scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
+using namespace crane_mp::gguf;
 
 void dequantize_row_vec(int64_t qtype, const uint8_t* row, float* y, int64_t K);
 
@@ -364,15 +324,6 @@ GemvFn vector_gemv_for(int64_t qtype, int64_t rows) {
     case 4: return vector_gemv<4>(qtype);
   }
   return nullptr;
-}
-
-void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
-              "gguf weights must be a contiguous CPU uint8 [N, row_bytes] tensor");
-  const Layout lay = layout_of(qtype);
-  TORCH_CHECK(K > 0, "gguf weights need at least one column");
-  TORCH_CHECK(K % lay.block == 0 && w.size(1) == K / lay.block * lay.bytes, "gguf weight rows of ", w.size(1),
-              " bytes do not hold ", K, " elements of type ", qtype);
 }
 
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {

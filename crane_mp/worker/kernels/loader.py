@@ -32,14 +32,14 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "paged_decode_attention.cpp", "fused_elementwise.cpp", "qkv_rope_cache.cpp", "argmax.cpp", "amx_linear.cpp",
-        "gguf_matmul.cpp",
+        "gguf_matmul.cpp", "gguf_int8.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name("cpu_vec.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "gguf_blocks.h")]
 
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
-_AVX512_BF16 = [*_AVX512, "-mavx512bf16"]
+_AVX512_BF16 = [*_AVX512, "-mavx512bf16", "-mavx512vnni"]
 TIER_FLAGS = {
     "avx2": _AVX2,
     "avx512": _AVX512,

@@ -4,8 +4,8 @@
 // each row is loaded once, converted to float once, and used G times. Scores live in a per-task
 // float buffer; softmax and the weighted sum of V rows are exact float32 math.
 //
-//   q            [B, H, D]          (float32 or bfloat16, contiguous)
-//   k/v_cache    [NB, BS, KH, D]    same dtype as q
+//   q            [B, H, D]          (float32, bfloat16 or float16, contiguous)
+//   k/v_cache    [NB, BS, KH, D]    the cache's own dtype (float32, bfloat16 or float16), read as stored
 //   block_tables [B, MAXB] int64    key j of sequence b sits in block_tables[b][j / BS], row j % BS
 //   ctx_lens     [B] int64          keys 0 .. ctx_lens[b]-1 (window: only the last `window` of them)
 //   out          [B, H, D]          same dtype as q
@@ -60,11 +60,12 @@ inline const float* as_float_row(const scalar_t* row, float* buffer, int64_t D) 
 // scores[j] = scale * q . k_j for `count` key rows `stride` apart. The generic version widens the
 // rows to float first; bfloat16 rows with AVX512-BF16 go straight into dot-product instructions
 // (exact products, float accumulation), 16 keys at a time.
-template <typename scalar_t, int64_t HEAD_DIM>
-inline void key_scores(const scalar_t* q, const float* q_float, const scalar_t* rows, int64_t stride, int64_t count,
+template <typename scalar_t, typename cache_t, int64_t HEAD_DIM>
+inline void key_scores(const scalar_t* q, const float* q_float, const cache_t* rows, int64_t stride, int64_t count,
                        int64_t D, float scale, float* tile, float* scores) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && HEAD_DIM > 0 && HEAD_DIM % 32 == 0) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> && HEAD_DIM > 0 &&
+                HEAD_DIM % 32 == 0) {
     constexpr int64_t kPairs = HEAD_DIM / 32;
     __m512bh qv[kPairs];
     for (int64_t c = 0; c < kPairs; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
@@ -75,7 +76,7 @@ inline void key_scores(const scalar_t* q, const float* q_float, const scalar_t* 
       for (int64_t i = 0; i < 16; ++i) {
         acc[i] = _mm512_setzero_ps();
         if (i >= m) continue;
-        const scalar_t* k = rows + (i0 + i) * stride;
+        const cache_t* k = rows + (i0 + i) * stride;
         for (int64_t c = 0; c < kPairs; ++c)
           acc[i] = _mm512_dpbf16_ps(acc[i], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
       }
@@ -122,11 +123,11 @@ inline void value_rows_bf16(const c10::BFloat16* rows, int64_t stride, int64_t c
 #endif
 
 // acc[g] += sum_i p[g][i] * v_i over a block's `count` value rows, for the G query heads of a task.
-template <typename scalar_t, int64_t HEAD_DIM>
-inline void value_rows(const scalar_t* rows, int64_t stride, int64_t count, const float* p, int64_t p_stride,
+template <typename cache_t, int64_t HEAD_DIM>
+inline void value_rows(const cache_t* rows, int64_t stride, int64_t count, const float* p, int64_t p_stride,
                        int64_t G, int64_t D, float* tile, float* acc) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16> && HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
     constexpr int GB = HEAD_DIM <= 64 ? 4 : 2;  // 16 accumulator registers
     int64_t g = 0;
     for (; g + GB <= G; g += GB)
@@ -138,7 +139,7 @@ inline void value_rows(const scalar_t* rows, int64_t stride, int64_t count, cons
   // Float rows are read in place (stride apart); others are widened once into the tile (D apart).
   const float* first = tile;
   int64_t row_step = D;
-  if constexpr (std::is_same_v<scalar_t, float>) {
+  if constexpr (std::is_same_v<cache_t, float>) {
     first = rows;
     row_step = stride;
   } else {
@@ -156,7 +157,7 @@ inline void value_rows(const scalar_t* rows, int64_t stride, int64_t count, cons
 }
 
 // HEAD_DIM > 0 fixes the head size at compile time (fully unrolled, vectorised loops); 0 = any size.
-template <typename scalar_t, int64_t HEAD_DIM>
+template <typename scalar_t, typename cache_t, int64_t HEAD_DIM>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& ctx_lens, at::Tensor& out,
                            double scale, int64_t window) {
@@ -166,8 +167,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t G = H / KH;
   const int64_t MAXB = block_tables.size(1);
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const cache_t* kp = k_cache.data_ptr<cache_t>();
+  const cache_t* vp = v_cache.data_ptr<cache_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
@@ -189,8 +190,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t stride = KH * D;
       // Blocks are scattered over the cache, out of the hardware prefetcher's sight: fetch the next
       // block's rows while this one is processed.
-      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-      auto for_each_block = [&](const scalar_t* base, auto&& body) {
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(cache_t));
+      auto for_each_block = [&](const cache_t* base, auto&& body) {
         for (int64_t pos = first, j = 0; pos < len;) {
           const int64_t off = pos % BS, count = std::min(BS - off, len - pos);
           const int64_t next = pos + count;
@@ -198,7 +199,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
             const char* ahead = reinterpret_cast<const char*>(base + (bt[b * MAXB + next / BS] * BS * KH + kh) * D);
             const int64_t ahead_rows = std::min(BS, len - next);
             for (int64_t i = 0; i < ahead_rows; ++i)
-              for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(ahead + i * stride * sizeof(scalar_t) + byte);
+              for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(ahead + i * stride * sizeof(cache_t) + byte);
           }
           body(j, count, base + ((bt[b * MAXB + pos / BS] * BS + off) * KH + kh) * D);
           pos = next;
@@ -206,9 +207,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         }
       };
 
-      for_each_block(kp, [&](int64_t j0, int64_t count, const scalar_t* rows) {
+      for_each_block(kp, [&](int64_t j0, int64_t count, const cache_t* rows) {
         for (int64_t g = 0; g < G; ++g)
-          key_scores<scalar_t, HEAD_DIM>(q_task + g * D, qf.data() + g * D, rows, stride, count, D, fscale,
+          key_scores<scalar_t, cache_t, HEAD_DIM>(q_task + g * D, qf.data() + g * D, rows, stride, count, D, fscale,
                                          tile.data(), scores.data() + g * n + j0);
       });
 
@@ -228,8 +229,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       }
 
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_block(vp, [&](int64_t j0, int64_t count, const scalar_t* rows) {
-        value_rows<scalar_t, HEAD_DIM>(rows, stride, count, scores.data() + j0, n, G, D, tile.data(), acc.data());
+      for_each_block(vp, [&](int64_t j0, int64_t count, const cache_t* rows) {
+        value_rows<cache_t, HEAD_DIM>(rows, stride, count, scores.data() + j0, n, G, D, tile.data(), acc.data());
       });
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / denom[g];
@@ -248,12 +249,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
   at::Tensor out = at::empty_like(q);
   const at::Tensor tables = block_tables.contiguous(), lens = ctx_lens.contiguous();
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "keys and values must share one cache dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    switch (q.size(2)) {
-      case 64: decode_attention_impl<scalar_t, 64>(q, k_cache, v_cache, tables, lens, out, scale, window); break;
-      case 128: decode_attention_impl<scalar_t, 128>(q, k_cache, v_cache, tables, lens, out, scale, window); break;
-      default: decode_attention_impl<scalar_t, 0>(q, k_cache, v_cache, tables, lens, out, scale, window);
-    }
+    crane_mp::dispatch_kv(k_cache.scalar_type(), [&](auto tag) {
+      using cache_t = decltype(tag);
+      switch (q.size(2)) {
+        case 64: decode_attention_impl<scalar_t, cache_t, 64>(q, k_cache, v_cache, tables, lens, out, scale, window); break;
+        case 128: decode_attention_impl<scalar_t, cache_t, 128>(q, k_cache, v_cache, tables, lens, out, scale, window); break;
+        default: decode_attention_impl<scalar_t, cache_t, 0>(q, k_cache, v_cache, tables, lens, out, scale, window);
+      }
+    });
   });
   return out;
 }

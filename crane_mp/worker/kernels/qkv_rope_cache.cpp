@@ -8,14 +8,15 @@
 //   qk_norm_weight [H + KH, D] or none     per-head norm weights, queries' rows then keys'
 //   qk_norm_position                       0: no norm, 1: before rope (Qwen3), 2: after rope (Hunyuan)
 //   slot_mapping   [T] int64               flat KV slot of each token
-//   k/v_cache      [NB, BS, KH, D]
-//   -> q           [T, H, D]
+//   k/v_cache      [NB, BS, KH, D]         in the cache's own dtype (float32, bfloat16 or float16)
+//   -> q           [T, H, D]               in qkv's dtype
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -26,7 +27,7 @@ using crane_mp::narrow;
 using crane_mp::rms_norm_row;
 using crane_mp::widen;
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void qkv_rope_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const float* norm_w,
                          int64_t norm_position, float eps, const at::Tensor& slot_mapping, at::Tensor& k_cache,
                          at::Tensor& v_cache, at::Tensor& q_out, int64_t H) {
@@ -36,12 +37,12 @@ void qkv_rope_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at:
   const scalar_t* cp = cos.data_ptr<scalar_t>();
   const scalar_t* sp = sin.data_ptr<scalar_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  scalar_t* kc = k_cache.data_ptr<scalar_t>();
-  scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  cache_t* kc = k_cache.data_ptr<cache_t>();
+  cache_t* vc = v_cache.data_ptr<cache_t>();
   scalar_t* qo = q_out.data_ptr<scalar_t>();
 
   at::parallel_for(0, T, crane_mp::parallel_grain(row_width), [&](int64_t begin, int64_t end) {
-    std::vector<float> c(D), s(D), x(D), y(D);
+    std::vector<float> c(D), s(D), x(D), y(D), v(KH * D);
     for (int64_t t = begin; t < end; ++t) {
       widen(cp + t * D, c.data(), D);
       widen(sp + t * D, s.data(), D);
@@ -55,10 +56,18 @@ void qkv_rope_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at:
 #pragma omp simd
         for (int64_t d = half; d < D; ++d) y[d] = x[d] * c[d] + x[d - half] * s[d];
         if (norm_position == 2) rms_norm_row(y.data(), norm_w + h * D, D, eps);
-        scalar_t* dst = h < H ? qo + (t * H + h) * D : kc + (slot * KH + (h - H)) * D;
-        narrow(y.data(), dst, D);
+        if (h < H) {
+          narrow(y.data(), qo + (t * H + h) * D, D);
+        } else {
+          narrow(y.data(), kc + (slot * KH + (h - H)) * D, D);
+        }
       }
-      std::memcpy(vc + slot * KH * D, row + (H + KH) * D, KH * D * sizeof(scalar_t));
+      if constexpr (std::is_same_v<scalar_t, cache_t>) {
+        std::memcpy(vc + slot * KH * D, row + (H + KH) * D, KH * D * sizeof(scalar_t));
+      } else {
+        widen(row + (H + KH) * D, v.data(), KH * D);
+        narrow(v.data(), vc + slot * KH * D, KH * D);
+      }
     }
   });
 }
@@ -73,7 +82,7 @@ at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   const int64_t T = qkv.size(0), KH = k_cache.size(2), D = k_cache.size(3);
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (num_heads + 2 * KH) * D, "qkv width does not match the heads");
   TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && slot_mapping.numel() == T, "one rope row per token");
-  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && k_cache.scalar_type() == qkv.scalar_type());
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type(), "rope tables must be in qkv's dtype");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type());
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -89,8 +98,11 @@ at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   at::Tensor q = at::empty({T, num_heads, D}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "qkv_rope_cache", [&] {
     if (!norm_w.empty()) widen(qk_norm_weight->data_ptr<scalar_t>(), norm_w.data(), norm_w.size());
-    qkv_rope_cache_impl<scalar_t>(qkv, cos, sin, norm_w.data(), qk_norm_position, static_cast<float>(eps),
-                                  slot_mapping, k_cache, v_cache, q, num_heads);
+    crane_mp::dispatch_kv(k_cache.scalar_type(), [&](auto tag) {
+      qkv_rope_cache_impl<scalar_t, decltype(tag)>(qkv, cos, sin, norm_w.data(), qk_norm_position,
+                                                   static_cast<float>(eps), slot_mapping, k_cache, v_cache, q,
+                                                   num_heads);
+    });
   });
   return q;
 }

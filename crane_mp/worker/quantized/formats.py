@@ -34,6 +34,9 @@ LAYOUTS: dict[int, BlockLayout] = {
     T.Q6_K: BlockLayout(256, 210),
 }
 
+# Types whose CPU matmuls may run on 8-bit activations (kernels/gguf_int8.cpp); float types never do.
+INT8_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
     """[..., 2] uint8 -> [..., 1] float32."""

@@ -63,16 +63,33 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *tail).transpose(1, 2).reshape(rows.shape).contiguous()
 
 
-class _Tensors:
-    """The file's tensors as owned torch row-byte tensors, copied out of a read-only mapping of the
-    file on demand. Once a tensor is copied its file pages are dropped from this process
-    (MADV_DONTNEED), so loading holds the model once, not once more as mapped file pages."""
+# Linux 5.14+: fault a mapping's pages in for reading, without copying private pages (MAP_POPULATE on a
+# writable private mapping would copy all of them). Not in Python's mmap module yet.
+_MADV_POPULATE_READ = 22
 
-    def __init__(self, path: Path, infos: dict[str, TensorInfo], permute_heads: dict[str, int]) -> None:
+
+class _Tensors:
+    """The file's tensors as torch row-byte tensors.
+
+    On CPU (`in_place`) they are views of one private, copy-on-write mapping of the file: GGUF blocks
+    are what the kernels read, so the weights cost neither a copy nor load time, and their pages are
+    the page cache's (shared with any other process serving the file). The mapping lives as long as
+    any tensor viewing it. Otherwise (CUDA), and for rows that must be reordered (llama.cpp's permuted
+    q/k), a tensor is copied out and its file pages are dropped from this process (MADV_DONTNEED), so
+    loading holds the model once, not once more as mapped file pages."""
+
+    def __init__(self, path: Path, infos: dict[str, TensorInfo], permute_heads: dict[str, int],
+                 in_place: bool) -> None:
         self.infos = infos
         self.permute_heads = permute_heads
+        self.in_place = in_place
         with open(path, "rb") as file:
-            self.mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            self.mapping = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if in_place:
+            try:  # the first forward pass would fault every page in, one at a time
+                self.mapping.madvise(_MADV_POPULATE_READ)
+            except OSError:
+                self.mapping.madvise(mmap.MADV_WILLNEED)
 
     def qtype(self, name: str) -> int:
         return self.infos[name].qtype
@@ -81,12 +98,14 @@ class _Tensors:
         """[rows, row_bytes] uint8 (a 1-D tensor is one row)."""
         info = self.infos[name]
         rows = info.dims[0] if len(info.dims) > 1 else 1
-        raw = np.frombuffer(self.mapping, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
-        out = torch.from_numpy(raw.reshape(rows, -1).copy())
+        heads = self.permute_heads.get(name.split(".")[-2]) if name.startswith("blk.") else None
+        raw = np.frombuffer(self.mapping, dtype=np.uint8, count=info.n_bytes, offset=info.offset).reshape(rows, -1)
+        if self.in_place and heads is None:
+            return torch.from_numpy(raw)  # holds the mapping open
+        out = torch.from_numpy(raw.copy())
         del raw
         start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
         self.mapping.madvise(mmap.MADV_DONTNEED, start, info.offset + info.n_bytes - start)
-        heads = self.permute_heads.get(name.split(".")[-2]) if name.startswith("blk.") else None
         if heads is not None:
             out = _unpermute(out if len(info.dims) > 1 else out.view(-1, LAYOUTS[info.qtype].bytes), heads)
             out = out.reshape(rows, -1)
@@ -97,7 +116,11 @@ class _Tensors:
         return dequantize(self.rows(name), self.qtype(name), dims[-1]).reshape(dims).to(dtype)
 
     def close(self) -> None:
-        self.mapping.close()
+        """Unmaps the file unless tensors still view it (then it goes with the last of them)."""
+        try:
+            self.mapping.close()
+        except BufferError:
+            pass
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -106,18 +129,21 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def load_gguf_model(
-    config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device, progress: bool = True
+    config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device, progress: bool = True,
+    int8: bool = False,
 ) -> tuple[CausalLM, Counter]:
-    """Returns the model and the file's tensor types (a Counter of type names) for the start-up log."""
+    """Returns the model and the file's tensor types (a Counter of type names) for the start-up log.
+    `int8`: quantized projections take 8-bit activations (cpu_isa.int8_matmuls decided)."""
     contents = check_gguf(path)
     gc.collect()  # the reader's parse of the vocabulary, before the weights arrive
     shape = contents.shape
     permute = shape.gguf_arch in PERMUTED_QK_ARCHS
     model = build_meta_model(config, dtype)
-    tensors = _Tensors(path, contents.tensors, {"attn_q": shape.heads, "attn_k": shape.kv_heads} if permute else {})
+    tensors = _Tensors(path, contents.tensors, {"attn_q": shape.heads, "attn_k": shape.kv_heads} if permute else {},
+                       in_place=device.type == "cpu")
     try:
         with tqdm(total=len(contents.tensors), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
-            loaded = _fill(model, tensors, config, dtype, device, bar)
+            loaded = _fill(model, tensors, config, dtype, device, bar, int8)
     finally:
         tensors.close()
     missing = model.expected_weights() - loaded
@@ -127,7 +153,7 @@ def load_gguf_model(
 
 
 def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-          bar: tqdm) -> set[str]:
+          bar: tqdm, int8: bool) -> set[str]:
     """Swap in quantized layers for what stays quantized, allocate the rest, load it; returns the
     parameter names filled (as CausalLM.load_weights does)."""
     consumed: set[str] = set()
@@ -139,7 +165,7 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
             continue  # already in the compute dtype: a plain (packable) nn.Linear, same bytes
         linear = model.get_submodule(ours)
         parts = [(tensors.qtype(n), tensors.rows(n).to(device)) for n in names]
-        _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias))
+        _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias, int8))
         consumed.update(names)
         bar.update(len(names))
     embed_type = tensors.qtype("token_embd.weight")

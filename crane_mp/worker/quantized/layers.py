@@ -2,7 +2,9 @@
 
 A fused projection (q/k/v, gate/up) may mix types (a Q4_K_M file stores some attn_v rows in Q6_K):
 each part keeps its own type and the outputs are concatenated. On CPU with native kernels the matmul
-dequantizes inside the kernel (kernels/gguf_matmul.cpp), and so does CUDA for up to 64 rows of input
+quantizes the activations to 8 bits and takes integer dot products with the weight blocks
+(kernels/gguf_int8.cpp, the default), or with float activations dequantizes inside the kernel
+(kernels/gguf_matmul.cpp: exact, slower); CUDA dequantizes in its kernel for up to 64 rows of input
 (decode batches; triton_dequant.py). Elsewhere a slab of rows is dequantized at a time (on CUDA by one
 Triton launch, else with torch ops) and multiplied, never a whole layer at once.
 """
@@ -16,7 +18,7 @@ from torch import nn
 
 from crane_mp.worker.device import is_device_fault
 from crane_mp.worker.kernels.cpu_isa import native_ops
-from crane_mp.worker.quantized.formats import dequantize
+from crane_mp.worker.quantized.formats import INT8_TYPES, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +65,13 @@ def _dequantize_slab(weight: torch.Tensor, qtype: int, in_features: int, dtype: 
     return dequantize(weight, qtype, in_features).to(dtype)
 
 
-def quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    """x [M, K] @ dequantize(weight).T -> [M, N] in x's dtype, float32 accumulation on CPU."""
+def quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int,
+                     int8: bool = False) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight).T -> [M, N] in x's dtype, float32 accumulation on CPU. `int8`: the
+    caller chose 8-bit activations (cpu_isa.int8_matmuls), which quantized types then get."""
     if _native(x):
+        if int8 and qtype in INT8_TYPES:
+            return torch.ops.crane_mp.gguf_linear_int8(x, weight, qtype, in_features)
         return torch.ops.crane_mp.gguf_linear(x, weight, qtype, in_features)
     rows = weight.shape[0]
     if rows == 0:
@@ -91,11 +97,14 @@ def dequantize_rows(weight: torch.Tensor, qtype: int, in_features: int) -> torch
 
 
 class GGUFLinear(nn.Module):
-    """y = x @ W.T (+ bias), W given as row groups [(ggml type, uint8 [rows, row_bytes]), ...]."""
+    """y = x @ W.T (+ bias), W given as row groups [(ggml type, uint8 [rows, row_bytes]), ...]; `int8`:
+    8-bit activations (chosen once, at load, by cpu_isa.int8_matmuls)."""
 
-    def __init__(self, in_features: int, parts: list[tuple[int, torch.Tensor]], bias: nn.Parameter | None) -> None:
+    def __init__(self, in_features: int, parts: list[tuple[int, torch.Tensor]], bias: nn.Parameter | None,
+                 int8: bool = False) -> None:
         super().__init__()
         self.in_features = in_features
+        self.int8 = int8
         self.qtypes = [qtype for qtype, _ in parts]
         self.out_features = 0
         for index, (_, weight) in enumerate(parts):
@@ -108,14 +117,15 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        outs = [quantized_matmul(flat, weight, qtype, self.in_features) for qtype, weight in self.weights()]
+        outs = [quantized_matmul(flat, weight, qtype, self.in_features, self.int8) for qtype, weight in self.weights()]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, types={self.qtypes}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, types={self.qtypes}, "
+                f"int8={self.int8}")
 
 
 class GGUFEmbedding(nn.Module):

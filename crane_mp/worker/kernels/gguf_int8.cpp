@@ -1,0 +1,423 @@
+// Matmuls on GGUF-quantized weights with 8-bit activations (CPU), the scheme llama.cpp computes with:
+//
+//   gguf_linear_int8(x [M, K] float32|bf16, w [N, row_bytes] uint8, qtype, K) -> [M, N] in x's dtype
+//   gguf_quantize_activations(x [M, K] float32, qtype) -> (q int8 [M, K], d float32 [M, K / B],
+//                                                          sums int16 [M, K / 16])           (tests)
+//
+// Activations are quantized once per call, in blocks the size of the weight type's: 256 for the
+// K-quants (llama.cpp's Q8_K), 32 for the others (Q8_0). A block keeps one float scale d = amax / 127,
+// its values round(x * 127 / amax) in [-127, 127], and the sum of every 16 values (the K-quants'
+// mins and Q6_K's -32 offset, Q4_1/Q5_1's offsets, are applied through these sums). Since activation
+// and weight blocks line up, each block's dot product is an exact integer sum (unsigned 4-6 bit
+// weights times signed bytes, pairs into int16, then int32, scaled by the weight's integer sub-block
+// scales), turned into float once per block. That is several times the arithmetic per instruction of
+// widening every weight to float, and what keeps decode bound by the weights' bytes.
+//
+// Up to 4 activation rows share each decoded weight block. Rows of the weight are split across
+// threads in tiles small enough to stay in L2 while every group of 4 activation rows passes over
+// them, so prefill reads each weight from DRAM once too; nothing is dequantized to float.
+// int16 sums never saturate: a pair of products is at most 2 * 63 * 127 (6-bit weights) or
+// 2 * 128 * 127 (8-bit, through the sign trick) < 32767. With AVX512-VNNI (the avx512_bf16 and amx
+// tiers) byte products go into int32 in one instruction; the integer results are the same.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#if !defined(__AVX2__)
+#error "gguf_int8.cpp is built per tier, every tier has AVX2 (loader.py)"
+#endif
+#include <immintrin.h>
+
+#include "gguf_blocks.h"
+
+namespace {
+
+using namespace crane_mp::gguf;
+
+bool k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
+
+bool int8_type(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: return true;
+  }
+  return false;
+}
+
+// ---- activations ------------------------------------------------------------------------------
+
+struct Acts {
+  const int8_t* q;       // [M, K]
+  const float* d;        // [M, nb]
+  const int16_t* sums;   // [M, K / 16]
+  int64_t K;
+  int64_t nb;            // blocks per row
+};
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline float hmax(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// Divisions through intrinsics: -ffast-math may not turn them into reciprocals, and the tests'
+// reference quantizer (float32 division, round half to even) must see the same values.
+inline float divide(float a, float b) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b))); }
+
+// One row of K floats into `block`-sized blocks of int8 values, their scales and 16-value sums.
+void quantize_row(const float* x, int64_t K, int64_t block, int8_t* q, float* d, int16_t* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / block; ++b) {
+    const float* xb = x + b * block;
+    __m256 vmax = _mm256_setzero_ps();
+    for (int64_t i = 0; i < block; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+    const float amax = hmax(vmax);
+    d[b] = divide(amax, 127.0f);
+    const __m256 iscale = _mm256_set1_ps(amax > 0.0f ? divide(127.0f, amax) : 0.0f);
+    for (int64_t i = 0; i < block; i += 32) {
+      // cvtps rounds half to even (the default MXCSR mode); packs saturate, never needed past +-127.
+      __m256i v[4];
+      for (int j = 0; j < 4; ++j) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * j), iscale));
+      const __m256i words = _mm256_packs_epi32(v[0], v[1]), words2 = _mm256_packs_epi32(v[2], v[3]);
+      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * block + i), bytes);
+    }
+  }
+  for (int64_t g = 0; g < K / 16; ++g) {
+    int sum = 0;
+    for (int i = 0; i < 16; ++i) sum += q[g * 16 + i];
+    sums[g] = static_cast<int16_t>(sum);
+  }
+}
+
+// ---- integer dot products ---------------------------------------------------------------------
+
+// 8 int32 lanes, each the sum of 4 adjacent products u[i] * s[i] (u unsigned, s signed bytes).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// Signed by signed: |w| * (s with w's sign).
+inline __m256i dot_s8s8(__m256i w, __m256i s) {
+  return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w));
+}
+
+inline __m256i low4() { return _mm256_set1_epi8(0x0F); }
+
+inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// 16 bytes of packed nibbles -> 32 values 0..15: low nibbles are elements 0-15, high ones 16-31.
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4());
+}
+
+// Q5_0/Q5_1's 32 fifth bits (a little-endian uint32, bit l for element l) -> 0x10 in byte l where set.
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// pshufb masks that broadcast one 16-bit word of each 128-bit lane to the whole lane: kWord[j]
+// picks word j in both lanes; kWordPair[s] picks word 2s in the low lane and 2s + 1 in the high one.
+struct WordMasks {
+  alignas(32) uint8_t word[8][32];
+  alignas(32) uint8_t pair[4][32];
+  constexpr WordMasks() : word{}, pair{} {
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 32; ++i) word[j][i] = static_cast<uint8_t>(2 * j + (i & 1));
+    for (int s = 0; s < 4; ++s)
+      for (int i = 0; i < 32; ++i) pair[s][i] = static_cast<uint8_t>(4 * s + (i < 16 ? 0 : 2) + (i & 1));
+  }
+};
+constexpr WordMasks kMasks;
+
+// Each kernel: one weight row against activation rows m0 .. m0 + MR - 1; out[m] = row . x[m0 + m].
+
+// Types with 32-element blocks and signed values (Q8_0, Q4_0 as q - 8, Q5_0 as q - 16).
+template <int MR, int64_t kType>
+void dot_signed32(const uint8_t* row, const Acts& a, int64_t m0, float* out) {
+  constexpr int64_t kBytes = kType == Q8_0 ? 34 : (kType == Q4_0 ? 18 : 22);
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const int8_t* x = a.q + m0 * a.K;
+  const float* dx = a.d + m0 * a.nb;
+  for (int64_t b = 0; b < a.nb; ++b, row += kBytes) {
+    __m256i w;
+    if constexpr (kType == Q8_0) {
+      w = load(row + 2);
+    } else if constexpr (kType == Q4_0) {
+      w = _mm256_sub_epi8(nibbles32(row + 2), _mm256_set1_epi8(8));
+    } else {
+      w = _mm256_sub_epi8(_mm256_or_si256(nibbles32(row + 6), fifth_bits(row + 2)), _mm256_set1_epi8(16));
+    }
+    const __m256i wabs = _mm256_sign_epi8(w, w);
+    const float dw = half_to_float(row);
+    for (int m = 0; m < MR; ++m) {
+      const __m256i p = dot_u8s8(wabs, _mm256_sign_epi8(load(x + m * a.K + 32 * b), w));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[m * a.nb + b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = hsum(acc[m]);
+}
+
+// Q4_1, Q5_1: unsigned values q with weight d * q + min; the mins meet the activations' block sums.
+template <int MR, int64_t kType>
+void dot_offset32(const uint8_t* row, const Acts& a, int64_t m0, float* out) {
+  constexpr int64_t kBytes = kType == Q4_1 ? 20 : 24;
+  __m256 acc[MR];
+  float offsets[MR] = {};
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const int8_t* x = a.q + m0 * a.K;
+  const float* dx = a.d + m0 * a.nb;
+  const int16_t* sx = a.sums + m0 * (a.K / 16);
+  for (int64_t b = 0; b < a.nb; ++b, row += kBytes) {
+    const __m256i u = kType == Q4_1 ? nibbles32(row + 4) : _mm256_or_si256(nibbles32(row + 8), fifth_bits(row + 4));
+    const float dw = half_to_float(row), mw = half_to_float(row + 2);
+    for (int m = 0; m < MR; ++m) {
+      const float da = dx[m * a.nb + b];
+      const __m256i p = dot_u8s8(u, load(x + m * a.K + 32 * b));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * da), acc[m]);
+      const int16_t* s = sx + m * (a.K / 16) + 2 * b;
+      offsets[m] += mw * da * static_cast<float>(s[0] + s[1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = hsum(acc[m]) + offsets[m];
+}
+
+// Q4_K/Q5_K's 12 bytes of 6-bit scales and mins -> 8 scale bytes and 8 min bytes (as 64-bit halves).
+// Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same for
+// the mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibbles) and of mins 4-7 (high nibbles).
+inline void k_scales_mins(const uint8_t* packed, __m128i& scales, __m128i& mins) {
+  uint32_t w[3];
+  std::memcpy(w, packed, 12);
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  const uint32_t s_lo = w[0] & kLow6, s_hi = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);
+  const uint32_t m_lo = w[1] & kLow6, m_hi = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);
+  scales = _mm_set_epi32(0, 0, static_cast<int>(s_hi), static_cast<int>(s_lo));
+  mins = _mm_set_epi32(0, 0, static_cast<int>(m_hi), static_cast<int>(m_lo));
+}
+
+// Q4_K/Q5_K: 8 sub-blocks of 32, each with a 6-bit scale and min; weight = d * s_j * q - dmin * m_j.
+template <int MR, bool kFive>
+void dot_qk(const uint8_t* row, const Acts& a, int64_t m0, float* out) {
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const int8_t* x = a.q + m0 * a.K;
+  const float* dx = a.d + m0 * a.nb;
+  const int16_t* sx = a.sums + m0 * (a.K / 16);
+  for (int64_t b = 0; b < a.nb; ++b, row += kFive ? 176 : 144) {
+    const float d = half_to_float(row), dmin = half_to_float(row + 2);
+    __m128i scale_bytes, min_bytes;
+    k_scales_mins(row + 4, scale_bytes, min_bytes);
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scale_bytes));  // words 0-7, both lanes
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(min_bytes, min_bytes));  // m_j at words 2j, 2j+1
+    const uint8_t* q = row + (kFive ? 48 : 16);
+    __m256i high = kFive ? load(row + 16) : _mm256_setzero_si256();
+    __m256i isum[MR];
+    for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = load(q + 32 * c);
+      __m256i lo = _mm256_and_si256(raw, low4()), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4());
+      if constexpr (kFive) {  // bit 2c of each qh byte for sub-block 2c, bit 2c + 1 for 2c + 1
+        const __m256i one = _mm256_set1_epi8(1), two = _mm256_set1_epi8(2);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(high, one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(high, two), 3));
+        high = _mm256_srli_epi16(high, 2);
+      }
+      const __m256i s_lo = _mm256_shuffle_epi8(scales, load(kMasks.word[2 * c]));
+      const __m256i s_hi = _mm256_shuffle_epi8(scales, load(kMasks.word[2 * c + 1]));
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xs = x + m * a.K + 256 * b + 64 * c;
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(xs)), s_lo));
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(xs + 32)), s_hi));
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const float da = dx[m * a.nb + b];
+      const __m256i min_sums = _mm256_madd_epi16(mins, load(sx + m * (a.K / 16) + 16 * b));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * da), acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sums), _mm256_set1_ps(-dmin * da), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = hsum(acc[m]);
+}
+
+// Q6_K: 16 sub-blocks of 16 with signed 8-bit scales; weight = d * s_j * (q - 32), q 6-bit unsigned.
+template <int MR>
+void dot_q6_k(const uint8_t* row, const Acts& a, int64_t m0, float* out) {
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const int8_t* x = a.q + m0 * a.K;
+  const float* dx = a.d + m0 * a.nb;
+  const int16_t* sx = a.sums + m0 * (a.K / 16);
+  const __m256i low2 = _mm256_set1_epi8(3);
+  for (int64_t b = 0; b < a.nb; ++b, row += 210) {
+    const float d = half_to_float(row + 208);
+    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192)));
+    __m256i isum[MR];
+    for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i half_scales = h == 0 ? _mm256_permute2x128_si256(scales, scales, 0x00)
+                                         : _mm256_permute2x128_si256(scales, scales, 0x11);
+      const uint8_t* ql = row + 64 * h;
+      const __m256i hb = load(row + 128 + 32 * h), l0 = load(ql), l1 = load(ql + 32);
+      __m256i q[4];
+      q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4()), _mm256_slli_epi16(_mm256_and_si256(hb, low2), 4));
+      q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4()),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), low2), 4));
+      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4()),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), low2), 4));
+      q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4()),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), low2), 4));
+      for (int s = 0; s < 4; ++s) {
+        const __m256i sc = _mm256_shuffle_epi8(half_scales, load(kMasks.pair[s]));
+        for (int m = 0; m < MR; ++m) {
+          const __m256i p = _mm256_maddubs_epi16(q[s], load(x + m * a.K + 256 * b + 128 * h + 32 * s));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(p, sc));
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      // The -32 of every value: 32 * sum_j s_j * (sum of sub-block j's activations).
+      const __m256i offset = _mm256_madd_epi16(scales, load(sx + m * (a.K / 16) + 16 * b));
+      isum[m] = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(offset, 5));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * dx[m * a.nb + b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = hsum(acc[m]);
+}
+
+using DotFn = void (*)(const uint8_t*, const Acts&, int64_t, float*);
+
+template <int MR>
+DotFn dot_for(int64_t qtype) {
+  switch (qtype) {
+    case Q8_0: return dot_signed32<MR, Q8_0>;
+    case Q4_0: return dot_signed32<MR, Q4_0>;
+    case Q5_0: return dot_signed32<MR, Q5_0>;
+    case Q4_1: return dot_offset32<MR, Q4_1>;
+    case Q5_1: return dot_offset32<MR, Q5_1>;
+    case Q4_K: return dot_qk<MR, false>;
+    case Q5_K: return dot_qk<MR, true>;
+    case Q6_K: return dot_q6_k<MR>;
+  }
+  TORCH_CHECK(false, "gguf_linear_int8: no integer kernel for GGML type ", qtype);
+}
+
+// ---- driver -----------------------------------------------------------------------------------
+
+// Activation rows per kernel call: 4 rows' accumulators and operands fill the 16 vector registers.
+constexpr int64_t kRowGroup = 4;
+// Weight rows a thread walks before the next group of activation rows: ~128 KB, resident in L2
+// while every group passes over them.
+constexpr int64_t kTileBytes = 128 * 1024;
+
+struct QuantizedActs {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> sums;
+};
+
+Acts quantize(const at::Tensor& x, int64_t block, QuantizedActs& buffers) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / block;
+  buffers.q.resize(std::max<size_t>(buffers.q.size(), M * K));
+  buffers.d.resize(std::max<size_t>(buffers.d.size(), M * nb));
+  buffers.sums.resize(std::max<size_t>(buffers.sums.size(), M * (K / 16)));
+  const float* xs = x.data_ptr<float>();
+  int8_t* q = buffers.q.data();
+  float* d = buffers.d.data();
+  int16_t* sums = buffers.sums.data();
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row(xs + m * K, K, block, q + m * K, d + m * nb, sums + m * (K / 16));
+  });
+  return {q, d, sums, K, nb};
+}
+
+at::Tensor as_float(const at::Tensor& x, int64_t K, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x must be [M, ", K, "]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
+  return x.to(at::kFloat).contiguous();
+}
+
+int64_t block_of(int64_t qtype) {
+  TORCH_CHECK(int8_type(qtype), "no 8-bit activation scheme for GGML type ", qtype);
+  return k_quant(qtype) ? 256 : 32;
+}
+
+at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K) {
+  check_weight(w, qtype, K);
+  const int64_t block = block_of(qtype);
+  const at::Tensor x = as_float(x_in, K, "gguf_linear_int8");
+  const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out.to(x_in.scalar_type());
+  // Kept per calling thread across calls: a fresh buffer would be page-faulted in on every call.
+  thread_local QuantizedActs buffers;
+  const Acts acts = quantize(x, block, buffers);
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  float* ys = out.data_ptr<float>();
+  const DotFn full = dot_for<kRowGroup>(qtype);
+  const DotFn tail[kRowGroup] = {nullptr, dot_for<1>(qtype), dot_for<2>(qtype), dot_for<3>(qtype)};
+  // One tile per thread at least, so a small matrix still spreads over every core.
+  const int64_t threads = at::get_num_threads();
+  const int64_t tile = std::max<int64_t>(1, std::min(kTileBytes / row_bytes, (N + threads - 1) / threads));
+  at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
+    float dots[kRowGroup];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+      for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
+        const int64_t rows = std::min(kRowGroup, M - m0);
+        const DotFn fn = rows == kRowGroup ? full : tail[rows];
+        for (int64_t n = n0; n < n1; ++n) {
+          fn(src + n * row_bytes, acts, m0, dots);
+          for (int64_t m = 0; m < rows; ++m) ys[(m0 + m) * N + n] = dots[m];
+        }
+      }
+    }
+  });
+  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_activations(const at::Tensor& x_in, int64_t qtype) {
+  const int64_t block = block_of(qtype);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % block == 0, "x must be [M, K] with K a multiple of ", block);
+  const at::Tensor x = as_float(x_in, x_in.size(1), "gguf_quantize_activations");
+  const int64_t M = x.size(0), K = x.size(1);
+  QuantizedActs buffers;
+  const Acts acts = quantize(x, block, buffers);
+  const auto opts = x.options();
+  at::Tensor q = at::empty({M, K}, opts.dtype(at::kChar)), d = at::empty({M, K / block}, opts);
+  at::Tensor sums = at::empty({M, K / 16}, opts.dtype(at::kShort));
+  std::memcpy(q.data_ptr(), acts.q, M * K);
+  std::memcpy(d.data_ptr(), acts.d, M * (K / block) * sizeof(float));
+  std::memcpy(sums.data_ptr(), acts.sums, M * (K / 16) * sizeof(int16_t));
+  return {q, d, sums};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
+  m.def("gguf_linear_int8(Tensor x, Tensor w, int qtype, int K) -> Tensor", &gguf_linear_int8);
+  m.def("gguf_quantize_activations(Tensor x, int qtype) -> (Tensor, Tensor, Tensor)", &gguf_quantize_activations);
+}

@@ -1,0 +1,126 @@
+"""The 8-bit-activation GGUF matmul against a numpy reference of the same scheme: activations quantized
+as llama.cpp does (blocks of 256 for the K-quants, 32 otherwise; d = amax / 127, values rounded half to
+even), then dequantized weights times dequantized activations in float64. The integer dot products are
+exact, so the kernel must equal it up to float rounding, for every type, odd shapes and 1 to 64 rows,
+at the tier this process runs (CI runs the suite again under CRANE_MP_ISA=avx2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from crane_mp.worker.kernels.cpu_isa import kernel_isa
+from tests.unit.test_gguf_kernels import quantized, reference
+
+pytestmark = pytest.mark.skipif(kernel_isa() is None, reason="native kernels disabled or not built")
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+def activation_block(qtype: int) -> int:
+    return 256 if qtype in K_QUANTS else 32
+
+
+def quantize_reference(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float32 [M, K] -> (int8 values [M, K], float32 scales [M, K / block], int16 sums of 16 [M, K / 16])."""
+    rows, cols = x.shape
+    blocks = x.reshape(rows, cols // block, block)
+    amax = np.abs(blocks).max(axis=-1)
+    scales = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    values = np.rint(blocks * inverse[..., None]).astype(np.int8).reshape(rows, cols)
+    sums = values.reshape(rows, cols // 16, 16).astype(np.int32).sum(-1).astype(np.int16)
+    return values, scales, sums
+
+
+def activations(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Activations with outlier channels and an all-zero row, as hidden states have."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 4.0, (1, cols)).astype(np.float32)
+    x[:, rng.integers(0, cols, 3)] *= 30
+    if rows > 2:
+        x[1] = 0
+    return x
+
+
+def cols_for(qtype: int) -> list[int]:
+    return [256, 768] if qtype in K_QUANTS else [96, 544]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
+def test_activation_quantization_equals_reference(qtype):
+    block = activation_block(qtype)
+    for cols in cols_for(qtype):
+        x = activations(9, cols, seed=cols)
+        q, d, sums = torch.ops.crane_mp.gguf_quantize_activations(torch.from_numpy(x), qtype)
+        want_q, want_d, want_sums = quantize_reference(x, block)
+        np.testing.assert_array_equal(q.numpy(), want_q)
+        np.testing.assert_array_equal(d.numpy(), want_d)
+        np.testing.assert_array_equal(sums.numpy(), want_sums)
+        assert np.abs(want_q.astype(np.int32)).max() == 127
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
+def test_int8_matmul_equals_integer_reference(qtype):
+    block = activation_block(qtype)
+    for rows, cols in [(37, cols_for(qtype)[0]), (301, cols_for(qtype)[1])]:
+        data = quantized(qtype, rows, cols, seed=rows)
+        weight = torch.from_numpy(data.copy())
+        dense = reference(data, qtype, cols).double().numpy()
+        for batch in (1, 2, 3, 4, 5, 7, 17, 64):
+            x = activations(batch, cols, seed=batch)
+            values, scales, _ = quantize_reference(x, block)
+            x_q = values.astype(np.float64) * np.repeat(scales.astype(np.float64), block, axis=1)
+            want = x_q @ dense.T
+            got = torch.ops.crane_mp.gguf_linear_int8(torch.from_numpy(x), weight, qtype, cols)
+            assert got.shape == (batch, rows) and got.dtype == torch.float32
+            # Float rounding of the block scales and sums: relative to the products' magnitudes.
+            magnitude = np.abs(x_q) @ np.abs(dense).T
+            err = np.abs(got.double().numpy() - want)
+            assert (err <= 2e-6 * magnitude + 1e-30).all(), f"{T(qtype).name} batch {batch} {rows}x{cols}: {err.max()}"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
+def test_int8_matmul_is_close_to_the_float_matmul(qtype):
+    """What 8-bit activations cost: a small error against float activations, not a different answer."""
+    cols = cols_for(qtype)[1]
+    data = quantized(qtype, 64, cols, seed=7)
+    weight = torch.from_numpy(data.copy())
+    x = torch.from_numpy(activations(6, cols, seed=11))
+    exact = x.double() @ reference(data, qtype, cols).double().T
+    got = torch.ops.crane_mp.gguf_linear_int8(x, weight, qtype, cols).double()
+    relative = (got - exact).norm() / exact.norm()
+    assert relative < 0.05, relative  # outlier channels coarsen 256-wide blocks most
+
+
+def test_bf16_activations_return_bf16():
+    data = quantized(T.Q4_K, 40, 256)
+    x = torch.from_numpy(activations(3, 256, seed=2))
+    got = torch.ops.crane_mp.gguf_linear_int8(x.bfloat16(), torch.from_numpy(data.copy()), T.Q4_K, 256)
+    want = torch.ops.crane_mp.gguf_linear_int8(x.bfloat16().float(), torch.from_numpy(data.copy()), T.Q4_K, 256)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want.bfloat16())
+
+
+def test_many_tiles_under_inference_mode():
+    """Enough weight rows for several tiles per thread, prefill-sized batches, inference tensors."""
+    data = quantized(T.Q4_K, 2048, 1024, seed=5)
+    x = activations(70, 1024, seed=3)
+    values, scales, _ = quantize_reference(x, 256)
+    want = (values.astype(np.float64) * np.repeat(scales, 256, axis=1)) @ reference(data, T.Q4_K, 1024).double().numpy().T
+    with torch.inference_mode():
+        got = torch.ops.crane_mp.gguf_linear_int8(torch.from_numpy(x), torch.from_numpy(data.copy()), T.Q4_K, 1024)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_bad_inputs_are_errors_not_crashes():
+    with pytest.raises(RuntimeError, match="do not hold"):
+        torch.ops.crane_mp.gguf_linear_int8(torch.randn(1, 256), torch.zeros(4, 100, dtype=torch.uint8), T.Q4_K, 256)
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.crane_mp.gguf_linear_int8(torch.randn(2, 128), torch.zeros(4, 144, dtype=torch.uint8), T.Q4_K, 256)
+    with pytest.raises(RuntimeError, match="no 8-bit activation scheme"):
+        torch.ops.crane_mp.gguf_linear_int8(torch.randn(1, 32), torch.zeros(4, 64, dtype=torch.uint8), T.F16, 32)
