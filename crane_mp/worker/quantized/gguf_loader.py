@@ -3,14 +3,13 @@
 The model is built on the meta device; every projection with a quantized part becomes a GGUFLinear
 (and a quantized token table a GGUFEmbedding) holding the file's blocks; only what is left (norms,
 biases, float matrices) is then allocated and filled through the model's own `load_weights`, under
-Hugging Face names. Tensors are copied out of the memory-mapped file one at a time, so loading never
-holds a second copy of the model.
+Hugging Face names. On CPU the quantized weights are the file's bytes, read once into memory; the
+float tensors (norms, biases) are a few MB besides.
 """
 
 from __future__ import annotations
 
 import gc
-import mmap
 from collections import Counter
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from crane_mp.gguf_file import PERMUTED_QK_ARCHS, TensorInfo, check_gguf
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
+from crane_mp.worker.quantized.file_reader import read_range
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
 from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
 
@@ -63,33 +63,19 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *tail).transpose(1, 2).reshape(rows.shape).contiguous()
 
 
-# Linux 5.14+: fault a mapping's pages in for reading, without copying private pages (MAP_POPULATE on a
-# writable private mapping would copy all of them). Not in Python's mmap module yet.
-_MADV_POPULATE_READ = 22
-
-
 class _Tensors:
-    """The file's tensors as torch row-byte tensors.
+    """The file's tensors as torch row-byte tensors in anonymous memory (file_reader.py says why not
+    a mapping). On CPU the whole tensor data is read at once into one array that the model's weights
+    view (GGUF blocks are what the kernels read: nothing is converted); for CUDA each tensor is read
+    on its own and then copied to the device, so the host holds one tensor at a time."""
 
-    On CPU (`in_place`) they are views of one private, copy-on-write mapping of the file: GGUF blocks
-    are what the kernels read, so the weights cost neither a copy nor load time, and their pages are
-    the page cache's (shared with any other process serving the file). The mapping lives as long as
-    any tensor viewing it. Otherwise (CUDA), and for rows that must be reordered (llama.cpp's permuted
-    q/k), a tensor is copied out and its file pages are dropped from this process (MADV_DONTNEED), so
-    loading holds the model once, not once more as mapped file pages."""
-
-    def __init__(self, path: Path, infos: dict[str, TensorInfo], permute_heads: dict[str, int],
-                 in_place: bool) -> None:
+    def __init__(self, path: Path, infos: dict[str, TensorInfo], permute_heads: dict[str, int], whole: bool) -> None:
+        self.path = path
         self.infos = infos
         self.permute_heads = permute_heads
-        self.in_place = in_place
-        with open(path, "rb") as file:
-            self.mapping = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        if in_place:
-            try:  # the first forward pass would fault every page in, one at a time
-                self.mapping.madvise(_MADV_POPULATE_READ)
-            except OSError:
-                self.mapping.madvise(mmap.MADV_WILLNEED)
+        self.start = min(info.offset for info in infos.values())
+        end = max(info.offset + info.n_bytes for info in infos.values())
+        self.arena = read_range(path, self.start, end - self.start) if whole else None
 
     def qtype(self, name: str) -> int:
         return self.infos[name].qtype
@@ -98,29 +84,20 @@ class _Tensors:
         """[rows, row_bytes] uint8 (a 1-D tensor is one row)."""
         info = self.infos[name]
         rows = info.dims[0] if len(info.dims) > 1 else 1
+        if self.arena is not None:
+            raw = self.arena[info.offset - self.start : info.offset - self.start + info.n_bytes]
+        else:
+            raw = read_range(self.path, info.offset, info.n_bytes)
+        out = torch.from_numpy(raw).view(rows, -1)
         heads = self.permute_heads.get(name.split(".")[-2]) if name.startswith("blk.") else None
-        raw = np.frombuffer(self.mapping, dtype=np.uint8, count=info.n_bytes, offset=info.offset).reshape(rows, -1)
-        if self.in_place and heads is None:
-            return torch.from_numpy(raw)  # holds the mapping open
-        out = torch.from_numpy(raw.copy())
-        del raw
-        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
-        self.mapping.madvise(mmap.MADV_DONTNEED, start, info.offset + info.n_bytes - start)
         if heads is not None:
-            out = _unpermute(out if len(info.dims) > 1 else out.view(-1, LAYOUTS[info.qtype].bytes), heads)
-            out = out.reshape(rows, -1)
+            out.copy_(_unpermute(out if len(info.dims) > 1 else out.view(-1, LAYOUTS[info.qtype].bytes), heads)
+                      .view(rows, -1))
         return out
 
     def floats(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         dims = self.infos[name].dims
         return dequantize(self.rows(name), self.qtype(name), dims[-1]).reshape(dims).to(dtype)
-
-    def close(self) -> None:
-        """Unmaps the file unless tensors still view it (then it goes with the last of them)."""
-        try:
-            self.mapping.close()
-        except BufferError:
-            pass
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -140,12 +117,9 @@ def load_gguf_model(
     permute = shape.gguf_arch in PERMUTED_QK_ARCHS
     model = build_meta_model(config, dtype)
     tensors = _Tensors(path, contents.tensors, {"attn_q": shape.heads, "attn_k": shape.kv_heads} if permute else {},
-                       in_place=device.type == "cpu")
-    try:
-        with tqdm(total=len(contents.tensors), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
-            loaded = _fill(model, tensors, config, dtype, device, bar, int8)
-    finally:
-        tensors.close()
+                       whole=device.type == "cpu")
+    with tqdm(total=len(contents.tensors), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
+        loaded = _fill(model, tensors, config, dtype, device, bar, int8)
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"{path}: no tensor for {len(missing)} weights, e.g. {sorted(missing)[:3]}")
