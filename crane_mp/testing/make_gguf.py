@@ -77,7 +77,10 @@ def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
     return gguf.quants.quantize(w.astype(np.float32), qtype)
 
 
-def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: dict) -> None:
+def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: dict, printable_padding: bool = False) -> None:
+    """The tokenizer of model_dir, padded to the model's vocabulary: with unused tokens, as llama.cpp
+    pads, or (`printable_padding`) with ordinary tokens that each decode to a word of their own, so
+    that every id a random-weight model samples prints something."""
     data = json.loads((model_dir / "tokenizer.json").read_text())
     tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     vocab = dict(data["model"]["vocab"])
@@ -89,7 +92,9 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: dict) -> 
     for text, idx in vocab.items():
         tokens[idx] = text
     for idx, text in enumerate(tokens):
-        if text is None:
+        if text is None and printable_padding:
+            tokens[idx] = f"\u0120w{idx}"  # " w<id>" in byte-level BPE's alphabet; no merge reaches it
+        elif text is None:
             tokens[idx] = f"[PAD{idx}]"
             specials[idx] = gguf.TokenType.UNUSED
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]

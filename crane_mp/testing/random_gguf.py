@@ -1,12 +1,13 @@
 """A GGUF file of any shape with random quantized weights, written straight as quantized blocks: an
 8B-shape Q4_K_M (4.7 GB) in seconds, for memory and speed checks that no small model can stand in for.
 
-Run: python -m crane_mp.testing.random_gguf --out qwen3-8b-q4_k_m.gguf [--shape 8b|small] [--type Q4_K_M]
+Run: python -m crane_mp.testing.random_gguf --out qwen3-8b-q4_k_m.gguf [--shape 8b|1.7b|small] [--type Q4_K_M]
 
 Every block gets random quant bits and a fixed small scale (so weights stay in a trained model's range
 and the forward pass stays finite); norms are ones. Metadata and tensor names are make_gguf's, and the
-tokenizer is a small trained one (8192 tokens) padded to the model's vocabulary, as llama.cpp pads.
-The text it generates means nothing; what it costs in memory and time is an 8B model's.
+tokenizer is a small trained one (8192 tokens) padded to the model's vocabulary with tokens that
+each print a word of their own (" w12345"), so a streaming client sees text for every token the
+model samples. The text means nothing; what it costs in memory and time is an 8B model's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ SHAPES = {
     "8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
            "tie_word_embeddings": False},
+    "1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+             "tie_word_embeddings": False},
     "small": {"tie_word_embeddings": False},
 }
 _TOKENIZER_VOCAB = 8192
@@ -63,7 +67,7 @@ def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch:
         writer = gguf.GGUFWriter(str(out), GGUF_ARCH[config.model_type])
         writer.add_name(f"random-{arch}-{shape}")
         _write_hparams(writer, config_json, qtype)
-        _write_tokenizer(writer, Path(tmp), config_json)
+        _write_tokenizer(writer, Path(tmp), config_json, printable_padding=True)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     rng = np.random.default_rng(seed)

@@ -33,3 +33,21 @@ def test_a_small_random_q4_k_m_file_loads_quantized_and_generates(tmp_path):
     assert engine.worker.kv_plan.weights_bytes <= 1.05 * engine.worker.weights_file_bytes
     out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0]) == 4 and all(0 <= t < engine.worker.model_config.vocab_size for t in out[0])
+
+
+def test_every_token_of_a_random_file_prints(tmp_path, monkeypatch):
+    """Random weights sample ids anywhere in the vocabulary, past the trained tokenizer's 8192 too (as in
+    the 8B shape's 151,936): each must decode to text, or a streaming client sees nothing until the end
+    (and measures no TTFT)."""
+    from crane_mp.model_tokenizer import load_tokenizer
+    from crane_mp.testing import random_gguf as module
+
+    monkeypatch.setitem(module.SHAPES, "small", {"tie_word_embeddings": False, "vocab_size": 8192 + 512})
+    path = random_gguf(tmp_path / "small.gguf", "small", "Q4_K_M")
+    tokenizer = load_tokenizer(str(path))
+    vocab = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokenizer) == len(vocab)
+    assert len(vocab) == 8192 + 512
+    for token_id in (100, 5000, 8192, len(vocab) - 1):
+        assert tokenizer.decode([token_id], skip_special_tokens=True).strip(), token_id
+    assert tokenizer.decode([len(vocab) - 1]) == f" w{len(vocab) - 1}"
