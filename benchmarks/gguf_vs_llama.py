@@ -1,11 +1,19 @@
-"""crane-mp against llama.cpp's llama-server on the same GGUF files, side by side in one run.
+"""crane-mp against llama.cpp's llama-server on the same GGUF files, one server at a time, in one run.
 
-    python benchmarks/gguf_vs_llama.py FILE.gguf [FILE.gguf ...] [--llama-server PATH] [--concurrency 1 32]
+    python -m crane_mp.testing.random_gguf --out /models/qwen3-8b-q4_k_m.gguf     # 5.1 GB, ~30 s
+    python benchmarks/gguf_vs_llama.py /models/qwen3-8b-q4_k_m.gguf [more.gguf ...] [--concurrency 1 4 16]
 
-For each file and each concurrency: start crane-launch on the file, measure with serving.py's load
-generator (streaming /v1/completions, 128-token id prompts, 128 output tokens, EOS ignored), stop it;
-then the same for llama-server (-np 32, same threads, OMP_WAIT_POLICY=PASSIVE as ../shared/peers
-advises). Prints one JSON line per measurement and a table at the end. Nothing else should run.
+Each server is started the way its users start it: crane-mp with the user's own command
+(`crane-launch --model-path FILE --gpu-memory-limit 8G`), llama-server with `-c 16384 -np 16` and
+the same threads (`-t N -tb N`, OMP_WAIT_POLICY=PASSIVE as ../shared/peers advises). For each:
+ready time (start to /health 200), prefill of a --prefill-len prompt (server-side: the client's TTFT
+of a 1-token request), output tok/s and TTFT/TPOT at each concurrency (serving.py's load generator:
+streaming /v1/completions, token-id prompts, EOS ignored), and the server's resident memory after
+the load (crane-mp: the worker process). The machine's DRAM read bandwidth is measured in the same
+run, before each server (a 2 GiB torch.sum on the same threads), so every decode figure states its
+fraction of the roofline: weight bytes streamed per decode step (the file's tensors less the token
+table, which is looked up, not streamed) times steps per second (1 / TPOT), over the bandwidth.
+Prints one JSON line per measurement and a table. Nothing else should run meanwhile.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -21,13 +30,53 @@ import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
 from serving import run_load  # noqa: E402
+
+from crane_mp.gguf_file import check_gguf  # noqa: E402
 
 DEFAULT_LLAMA = Path.home() / "peers/llama/build/bin/llama-server"
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+def dram_read_gbs(threads: int) -> float:
+    """Best of 5 sums over 2 GiB of float32 (far past any cache) on `threads` threads."""
+    torch.set_num_threads(threads)
+    x = torch.ones(1 << 29)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    del x
+    return round((1 << 31) / best / 1e9, 1)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def streamed_bytes(path: Path) -> int:
+    """Weight bytes a decode step reads: every tensor but the token table."""
+    tensors = check_gguf(path).tensors
+    return sum(info.n_bytes for name, info in tensors.items() if name != "token_embd.weight")
+
+
+def start(server: str, path: Path, port: int, args) -> subprocess.Popen:
+    if server == "crane-mp":
+        cmd = [sys.executable, "-m", "crane_mp", "--model-path", str(path), "--gpu-memory-limit", args.memory_limit,
+               "--port", str(port), *args.crane_args]
+        env = dict(os.environ)
+    else:
+        cmd = [str(args.llama_server), "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-c",
+               str(args.llama_context), "-np", str(max(args.concurrency)), "-t", str(args.threads), "-tb",
+               str(args.threads), "--no-webui"]
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -36,64 +85,97 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
             if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
                 return
         except OSError:
-            time.sleep(0.3)
+            time.sleep(0.1)
     proc.kill()
     raise SystemExit("server not ready")
 
 
-def start(server: str, path: Path, port: int, args) -> subprocess.Popen:
-    if server == "crane-mp":
-        cmd = [sys.executable, "-m", "crane_mp", "--model-path", str(path), "--port", str(port),
-               "--max-concurrent", "32", *args.crane_args]
-        env = dict(os.environ)
-    else:
-        cmd = [str(args.llama_server), "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-c", "16384",
-               "-np", "32", "-t", str(args.threads), "-tb", str(args.threads), "--no-webui"]
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+def resident_bytes(proc: subprocess.Popen) -> int:
+    """The largest resident set among the server and its children (crane-mp's worker holds the model)."""
+    root = psutil.Process(proc.pid)
+    return max(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+
+def load(url: str, concurrency: int, requests: int, prompt_len: int, output_len: int, seed: int, llama: bool):
+    return asyncio.run(run_load(SimpleNamespace(
+        url=url, concurrency=concurrency, request_rate=None, seed=seed, vocab=8000, num_requests=requests,
+        prompt_len=prompt_len, output_len=output_len, new_connection=llama, extra_body=None,
+    )))
+
+
+def measure(server: str, path: Path, args) -> list[dict]:
+    url = f"http://127.0.0.1:{args.port}"
+    bandwidth = dram_read_gbs(args.threads)
+    weights = streamed_bytes(path)
+    began = time.monotonic()
+    proc = start(server, path, args.port, args)
+    rows = []
+    try:
+        wait_ready(url, proc)
+        ready = time.monotonic() - began
+        base = {"server": server, "file": path.name, "dram_gbs": bandwidth, "ready_s": round(ready, 1)}
+        prefill = load(url, 1, 2, args.prefill_len, 1, 1000, server == "llama-server")
+        rows.append({**base, "bench": "prefill", "prompt_len": args.prefill_len,
+                     "prefill_tok_s": round(args.prefill_len / (prefill["ttft_p50_ms"] / 1e3), 1),
+                     "ttft_p50_ms": prefill["ttft_p50_ms"], "errors": prefill["errors"]})
+        print(json.dumps(rows[-1]), flush=True)
+        for concurrency in args.concurrency:
+            result = load(url, concurrency, max(args.min_requests, args.waves * concurrency), args.prompt_len,
+                          args.output_len, concurrency, server == "llama-server")
+            steps_per_s = 1e3 / result["tpot_p50_ms"] if result["tpot_p50_ms"] else 0.0
+            rows.append({**base, **result, "bench": "decode",
+                         "roofline": round(weights * steps_per_s / (bandwidth * 1e9), 3),
+                         "rss_gib": round(resident_bytes(proc) / 2**30, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return rows
+
+
+def machine() -> str:
+    flags = ""
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "avx_vnni")
+                flags = " ".join(f for f in line.split(":")[1].split() if f in wanted)
+                break
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return f"{model}, {os.cpu_count()} CPUs, flags: {flags}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA)
-    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 32])
-    parser.add_argument("--requests-per-stream", type=int, default=2)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=8000, help="prompt token ids are drawn below this")
+    parser.add_argument("--llama-context", type=int, default=16384, help="llama-server -c (split over its slots)")
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--waves", type=int, default=2, help="requests per stream at each concurrency")
+    parser.add_argument("--min-requests", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=48)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--memory-limit", default="8G", help="crane-mp's --gpu-memory-limit")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--port", type=int, default=8311)
     parser.add_argument("--servers", nargs="+", default=["crane-mp", "llama-server"])
     parser.add_argument("--crane-args", nargs=argparse.REMAINDER, default=[], help="extra crane-launch flags (last)")
     args = parser.parse_args()
-    rows = []
-    for path in args.files:
-        for server in args.servers:
-            proc = start(server, path, args.port, args)
-            url = f"http://127.0.0.1:{args.port}"
-            try:
-                wait_ready(url, proc)
-                for concurrency in args.concurrency:
-                    load = SimpleNamespace(
-                        url=url, concurrency=concurrency, request_rate=None, seed=0, vocab=args.vocab,
-                        num_requests=max(4, concurrency * args.requests_per_stream), prompt_len=args.prompt_len,
-                        output_len=args.output_len, new_connection=server == "llama-server",
-                    )
-                    result = asyncio.run(run_load(load))
-                    result.update(server=server, file=path.name)
-                    print(json.dumps(result), flush=True)
-                    rows.append(result)
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-    print(f"\n{'file':<28} {'server':<13} {'C':>3} {'tok/s':>8} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} {'errors':>6}")
+    print(json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d")}), flush=True)
+    rows = [row for path in args.files for server in args.servers for row in measure(server, path, args)]
+    print(f"\n{'file':<26} {'server':<12} {'ready s':>7} {'prefill tok/s':>13} {'C':>3} {'tok/s':>7} "
+          f"{'TTFT p50':>9} {'TPOT p50':>9} {'roofline':>8} {'RSS GiB':>7} {'errors':>6}")
     for r in rows:
-        print(f"{r['file']:<28} {r['server']:<13} {r['concurrency']:>3} {r['output_tok_s']:>8} {r['ttft_p50_ms']:>12} "
-              f"{r['itl_p50_ms']:>11} {r['errors']:>6}")
+        if r["bench"] == "prefill":
+            print(f"{r['file']:<26} {r['server']:<12} {r['ready_s']:>7} {r['prefill_tok_s']:>13}")
+        else:
+            print(f"{r['file']:<26} {r['server']:<12} {'':>7} {'':>13} {r['concurrency']:>3} {r['output_tok_s']:>7} "
+                  f"{r['ttft_p50_ms']:>9} {r['tpot_p50_ms']:>9} {r['roofline']:>8} {r['rss_gib']:>7} {r['errors']:>6}")
 
 
 if __name__ == "__main__":

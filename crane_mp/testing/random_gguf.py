@@ -6,8 +6,10 @@ Run: python -m crane_mp.testing.random_gguf --out qwen3-8b-q4_k_m.gguf [--shape 
 Every block gets random quant bits and a fixed small scale (so weights stay in a trained model's range
 and the forward pass stays finite); norms are ones. Metadata and tensor names are make_gguf's, and the
 tokenizer is a small trained one (8192 tokens) padded to the model's vocabulary with tokens that
-each print a word of their own (" w12345"), so a streaming client sees text for every token the
-model samples. The text means nothing; what it costs in memory and time is an 8B model's.
+each print a word of their own (" w12345"), and the output rows of the tokens that print nothing
+alone (special tokens, lone bytes of a multi-byte character) are zero, so greedy decoding never picks
+them: a streaming client sees text for every token. The text means nothing; what it costs in memory
+and time is an 8B model's.
 """
 
 from __future__ import annotations
@@ -56,11 +58,21 @@ def random_blocks(rows: int, cols: int, qtype: int, rng: np.random.Generator) ->
     return out
 
 
+def silent_token_ids(tokenizer_json: Path) -> list[int]:
+    """Ids that print nothing on their own: special tokens, and byte-level pieces of a character (a
+    lone byte 0x80-0xFF, half of a CJK character): a stream of them shows a client no text at all."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    return [i for i in range(tokenizer.get_vocab_size()) if not tokenizer.decode([i]).strip("\ufffd ")]
+
+
 def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch: str = "qwen3", seed: int = 0) -> Path:
     out = Path(out)
     config = build_config(arch, "small", dtype="bfloat16", overrides=SHAPES[shape])
     with tempfile.TemporaryDirectory() as tmp:
         ids = write_tokenizer(arch, min(_TOKENIZER_VOCAB, config.vocab_size), config.max_position_embeddings, Path(tmp))
+        silent = silent_token_ids(Path(tmp) / "tokenizer.json")
         config.bos_token_id, config.eos_token_id, config.pad_token_id = ids.bos, ids.eos, ids.pad
         config_json = _config_json(config)
         write_json(Path(tmp) / "config.json", config_json)
@@ -80,7 +92,12 @@ def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch:
         chosen = pick_type(name, cols, qtype)
         if chosen not in _SCALES:
             raise ValueError(f"{name}: random blocks are written for Q8_0, Q4_K and Q6_K only, not {T(chosen).name}")
-        writer.add_tensor(name, random_blocks(rows, cols, chosen, rng), raw_dtype=chosen)
+        blocks = random_blocks(rows, cols, chosen, rng)
+        if hf_name == ("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"):
+            per_block = blocks.reshape(rows, -1, gguf.GGML_QUANT_SIZES[chosen][1])
+            for offset in _SCALES[chosen][0]:  # zero rows: their logit 0 is never the largest of random ones
+                per_block[silent, :, offset : offset + 2] = 0
+        writer.add_tensor(name, blocks, raw_dtype=chosen)
     finish(writer)
     return out
 

@@ -51,3 +51,13 @@ def test_every_token_of_a_random_file_prints(tmp_path, monkeypatch):
     for token_id in (100, 5000, 8192, len(vocab) - 1):
         assert tokenizer.decode([token_id], skip_special_tokens=True).strip(), token_id
     assert tokenizer.decode([len(vocab) - 1]) == f" w{len(vocab) - 1}"
+    silent = [i for i in range(len(vocab)) if not tokenizer.decode([i], skip_special_tokens=True).strip("\ufffd ")]
+    assert 100 < len(silent) < 1000  # special tokens and pieces of characters, all below 8192
+    output = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "output.weight")
+    rows = gguf.quants.dequantize(output.data, output.tensor_type).reshape(len(vocab), -1)
+    assert not rows[silent].any() and rows[8192:].any(axis=1).all()  # logit 0: never above random ones
+    engine = LLMEngine(EngineConfig(model_path=str(path), max_model_len=128, force_cpu=True))
+    prompts = [[5, 6, 7], [100, 2000, 30, 4], list(range(40, 90))]
+    for tokens in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)):
+        for token in tokens:  # greedy never lands on a token that prints nothing alone
+            assert tokenizer.decode([token], skip_special_tokens=True).strip("\ufffd "), token
