@@ -93,7 +93,7 @@ class Launcher:
         info = msgspec.msgpack.decode(self._await(worker_conn, "the worker was loading the model"), type=WorkerReady)
         sched_cfg = scheduler_config(
             cfg.engine, info.num_blocks, info.max_model_len, tuple(info.eos_token_ids), on_cpu=info.device == "Cpu",
-            max_queue=cfg.max_queue,
+            max_queue=cfg.max_queue, prefill_seconds_per_token=info.prefill_seconds_per_token,
         )
         sched_conn = self._spawn(
             "scheduler", scheduler_main, sched_cfg, self.addresses, cfg.num_frontends, cfg.engine.overlap_schedule,

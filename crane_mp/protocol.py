@@ -172,6 +172,7 @@ class StepResult(msgspec.Struct, array_like=True, tag=True):
     failed_req_ids: list[int] = []
     errors: list[str] = []
     pooled: list[PooledOutput] = []  # embedding requests whose prompt completed (their token is a placeholder)
+    seconds: float = 0.0  # the worker's time on this step (forward and sampling): the scheduler's pacing
 
 
 # ---- frontend -> scheduler ----------------------------------------------------------------------
@@ -306,4 +307,5 @@ class WorkerReady(msgspec.Struct):
     weights_file_bytes: int = 0  # bytes of tensor data in the model file(s)
     hidden_size: int = 0  # the width of an embedding
     kv_cache_dtype: str = ""  # the KV cache's storage, e.g. "float16"
+    prefill_seconds_per_token: float = 0.0  # CPU: the warm-up step's time per token (0: unknown)
     quantized_activations: str = "n/a"  # GGUF matmuls: "int8" or "float" activations; "n/a" without GGUF

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from crane_mp.config import EngineConfig
 from crane_mp.protocol import ErrorKind, FinishReason, NewRequest, ScheduledRequest, StepPlan, StepResult, TokenOutput
 from crane_mp.scheduler.block_pool import BlockPool, chain_keys
+from crane_mp.scheduler.pacing import PrefillPace
 from crane_mp.scheduler.request import Request, RequestStatus
 
 
@@ -55,15 +56,23 @@ class SchedulerConfig:
     max_queue: int | None = None  # requests waiting for a running slot beyond which new ones are refused
     lora_modules: tuple[tuple[str, str], ...] = ()  # the adapters loaded at start (ids 1, 2, ...)
     max_loras: int = 8
+    # Prompt tokens per step are paced to about this many seconds (pacing.py); 0: only the token budget.
+    prefill_step_seconds: float = 0.0
+    prefill_seconds_per_token: float = 0.0  # the pace's first estimate (the worker's warm-up)
 
     def __post_init__(self) -> None:
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError("the KV cache must hold at least one max_model_len sequence")
 
 
+# A CPU step's share of prompt work: long enough that weights streamed per step stay a small part of
+# it (0.2 s at 8B on two cores), short enough that a burst's first request streams within seconds.
+CPU_PREFILL_STEP_SECONDS = 3.0
+
+
 def scheduler_config(
     engine: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: tuple[int, ...], on_cpu: bool,
-    max_queue: int | None = None,
+    max_queue: int | None = None, prefill_seconds_per_token: float = 0.0,
 ) -> SchedulerConfig:
     """The scheduler's config from the engine's and the facts the worker reported at start-up."""
     return SchedulerConfig(
@@ -78,11 +87,18 @@ def scheduler_config(
         lora_modules=engine.lora_modules,
         max_loras=engine.max_loras,
         max_queue=max_queue,
+        prefill_step_seconds=CPU_PREFILL_STEP_SECONDS if on_cpu else 0.0,
+        prefill_seconds_per_token=prefill_seconds_per_token,
     )
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def _decodes(req: Request, num_tokens: int) -> bool:
+    """The step computes `req`'s one newest token (a decode row), not a chunk of its prompt."""
+    return num_tokens == 1 and req.num_computed_tokens + 1 == req.num_tokens
 
 
 class Scheduler:
@@ -98,6 +114,8 @@ class Scheduler:
         self.watermark_blocks = max(1, config.num_blocks // 100)
         self._step_id = 0
         self._finished_for_worker: list[int] = []
+        self.pace = PrefillPace(config.prefill_step_seconds, config.prefill_seconds_per_token)
+        self._prompt_tokens: dict[int, int] = {}  # step id -> prompt tokens planned, until its result
         self._num_registered: dict[int, int] = {}  # req id -> leading blocks already in the cache
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
@@ -158,6 +176,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plan one step; None when there is nothing to compute."""
         budget = self.config.max_num_batched_tokens
+        prompt_budget = self.pace.token_cap(self.config.block_size) or budget  # decode rows are never paced
         new_requests: list[NewRequest] = []
         scheduled: list[ScheduledRequest] = []
         preempted: list[int] = []
@@ -176,22 +195,23 @@ class Scheduler:
             if req.num_computed_tokens == req.num_tokens:
                 req.num_pending += 1  # the worker samples the next token in this step
 
-        running_plan = self._fit_running(budget, preempted)
-        if not any(req.num_computed_tokens + n == req.num_tokens and n == 1 for req, n in running_plan):
+        running_plan = self._fit_running(budget, prompt_budget, preempted)
+        if not any(_decodes(req, n) for req, n in running_plan):
             # No stream is decoding yet (an idle server, or only prefills): a first small chunk lets
             # the first requests start streaming after a quarter of a full step instead of after it.
             budget = max(self.config.block_size, budget // 4)
         for req, num_tokens in running_plan:
+            prompt_budget -= 0 if _decodes(req, num_tokens) else num_tokens
             plan(req, num_tokens)
             budget -= num_tokens
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while self.waiting and min(budget, prompt_budget) > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
             if not self._may_sample(req):
                 break  # its last token is still coming back; it finishes on that update
             hits = self._cache_hits(req)
             num_cached = len(hits) * self.config.block_size
-            num_tokens = min(req.num_tokens - num_cached, budget)
+            num_tokens = min(req.num_tokens - num_cached, budget, prompt_budget)
             needed = (
                 _blocks_for(num_cached + num_tokens, self.config.block_size) - len(hits)
                 + self.pool.num_evictable(hits)
@@ -203,12 +223,14 @@ class Scheduler:
             self._admit(req, hits)
             plan(req, num_tokens)
             budget -= num_tokens
+            prompt_budget -= num_tokens
 
         finished = self._finished_for_worker
         self._finished_for_worker = []
         if not scheduled and not finished and not preempted:
             return None
         self._step_id += 1
+        self._prompt_tokens[self._step_id] = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)
         return StepPlan(self._step_id, new_requests, scheduled, preempted, finished)
 
     def _may_sample(self, req: Request) -> bool:
@@ -257,23 +279,26 @@ class Scheduler:
         req.block_ids.extend(new_blocks)
         return list(req.block_ids) if req.blocks_reset else new_blocks
 
-    def _running_demand(self, budget: int) -> list[tuple[Request, int, int]]:
-        """(request, tokens, new blocks) for each running request this step; decodes first, then prefills."""
+    def _running_demand(self, budget: int, prompt_budget: int) -> list[tuple[Request, int, int]]:
+        """(request, tokens, new blocks) for each running request this step; decodes first, then prefills
+        (within `prompt_budget` too)."""
         demand = []
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
-            num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            num_tokens = min(remaining, budget if remaining == 1 else min(budget, prompt_budget))
             samples = req.num_computed_tokens + num_tokens == req.num_tokens
             if num_tokens == 0 or (samples and not self._may_sample(req)):
                 continue
             total = _blocks_for(req.num_computed_tokens + num_tokens, self.config.block_size)
             demand.append((req, num_tokens, total - len(req.block_ids)))
             budget -= num_tokens
+            prompt_budget -= 0 if _decodes(req, num_tokens) else num_tokens
         return demand
 
-    def _fit_running(self, budget: int, preempted: list[int]) -> list[tuple[Request, int]]:
+    def _fit_running(self, budget: int, prompt_budget: int, preempted: list[int]) -> list[tuple[Request, int]]:
         """Preempt the longest-output running requests until the rest fit in the free blocks."""
         while True:
-            demand = self._running_demand(budget)
+            demand = self._running_demand(budget, prompt_budget)
             if sum(blocks for _, _, blocks in demand) <= self.pool.num_free_blocks:
                 return [(req, num_tokens) for req, num_tokens, _ in demand]
             victim = max(self.running, key=lambda r: (len(r.output_ids), r.arrival_time))
@@ -301,6 +326,7 @@ class Scheduler:
 
     def update(self, result: StepResult) -> list[TokenOutput]:
         """Apply the worker's sampled tokens; finish requests by token id and length."""
+        self.pace.observe(self._prompt_tokens.pop(result.step_id, 0), result.seconds)
         outputs: dict[int, TokenOutput] = {}
         for req_id, message in zip(result.failed_req_ids, result.errors):
             out = self.fail_request(req_id, message)

@@ -52,6 +52,7 @@ class LoadedWorker:
     weight_types: str
     weights_file_bytes: int
     quantized_activations: str  # "int8" or "float" for a GGUF model, "n/a" otherwise
+    prefill_seconds_per_token: float  # CPU: the warm-up step's time per token; 0 on CUDA
 
 
 def _activation_estimate_per_token(cfg: ModelConfig) -> int:
@@ -140,7 +141,10 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
 
     estimate = (profile_tokens * _activation_estimate_per_token(model_config)
                 + runner.sampler.peak_bytes(profile_seqs))
+    warm_up_started = time.monotonic()
     activation_bytes = measure_activation_bytes(profile, device, estimate)
+    # The scheduler's first estimate of a prompt token's cost (scheduler/pacing.py); CUDA is not paced.
+    seconds_per_token = (time.monotonic() - warm_up_started) / min(profile_tokens, _CPU_WARMUP_TOKENS)
     timer.done("warm-up")
     graphs = cuda_graphs_wanted(config, device, runner)
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
@@ -178,4 +182,5 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     return LoadedWorker(
         runner, model_config, kv_plan, device, dtype, max_model_len, source.format, describe_types(weight_types),
         file_tensor_bytes(source), ("int8" if int8 else "float") if source.format == "gguf" else "n/a",
+        seconds_per_token if device.type == "cpu" else 0.0,
     )

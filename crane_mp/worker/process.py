@@ -55,6 +55,7 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
         hidden_size=loaded.model_config.hidden_size,
         kv_cache_dtype=str(loaded.runner.kv_dtype).removeprefix("torch."),
         quantized_activations=loaded.quantized_activations,
+        prefill_seconds_per_token=loaded.prefill_seconds_per_token,
     )
 
 

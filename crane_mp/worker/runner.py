@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -148,6 +149,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
         self._apply_plan(plan)
         scheduled = [s for s in plan.scheduled if s.req_id not in self.failed]
         result = StepResult(plan.step_id, [], [])
@@ -165,6 +167,7 @@ class ModelRunner:
                 result = self._run_one_by_one(plan.step_id, scheduled)
         result.failed_req_ids, self._newly_failed = self._newly_failed, []
         result.errors = [self.failed[req_id] for req_id in result.failed_req_ids]
+        result.seconds = time.perf_counter() - started
         return result
 
     def _run_one_by_one(self, step_id: int, scheduled: list[ScheduledRequest]) -> StepResult:

@@ -141,6 +141,40 @@ def test_decodes_keep_running_while_a_long_prompt_prefills():
     assert by_id == {short.req_id: 1, long.req_id: 7}  # the decode is served first, the prefill takes the rest
 
 
+def test_paced_prompts_take_what_fits_a_step_beside_running_decodes_and_the_pace_follows_the_worker():
+    """A slow model (CPU): prompt tokens per step are capped to the target step time at the current
+    pace, decodes are never capped, and the pace follows the step times the worker reports."""
+    sched = make_scheduler(max_num_batched_tokens=64, max_model_len=64, max_num_seqs=8,
+                           prefill_step_seconds=3.0, prefill_seconds_per_token=0.25)  # 12 prompt tokens a step
+    reqs = make_requests(3, prompt_len=10, max_tokens=6)
+    for req in reqs:
+        sched.add_request(req)
+    worker = FakeWorker()
+    plans, first_token_step = [], {}
+    while sched.has_work:
+        plan = sched.schedule()
+        plans.append(plan)
+        result = worker.execute(plan)
+        prompt_tokens = sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
+        result.seconds = 0.25 * prompt_tokens + 0.05 * len(plan.scheduled)
+        for out in sched.update(result):
+            first_token_step.setdefault(out.rid, len(plans))
+    for plan in plans:
+        assert sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1) <= 12
+    # The first request streams after its own prompt, not after all three (30 tokens: 3 steps at least).
+    assert first_token_step[reqs[0].req_id] == 1 and first_token_step[reqs[2].req_id] >= 3
+    assert sched.num_free_blocks == sched.config.num_blocks
+    assert 0.25 < sched.pace.seconds_per_token < 0.3  # 0.25 s a prompt token, plus the rows' cost
+
+
+def test_unpaced_scheduler_admits_every_prompt_of_a_burst_in_one_step():
+    sched = make_scheduler(max_num_batched_tokens=64, max_model_len=64)
+    for req in make_requests(3, prompt_len=5, max_tokens=2):
+        sched.add_request(req)
+    assert len(sched.schedule().new_requests) == 3
+    assert sched.pace.token_cap(4) is None
+
+
 def test_preemption_is_lossless_and_lowers_then_restores_the_cap():
     # 12 blocks of 4 tokens = 48 KV tokens for 4 requests that each want 6 + 20 tokens: preemption must happen.
     reqs = make_requests(4, prompt_len=6, max_tokens=20)

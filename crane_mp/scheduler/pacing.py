@@ -1,0 +1,39 @@
+"""How many prompt tokens one step may compute, so that a step lasts about a target time (CPU).
+
+On a CPU a large model computes prompts slowly: an 8B model on two cores takes ~0.1 s per prompt
+token, so a 512-token chunk is a 50 s step, through which every running stream stalls and every
+request that arrived meanwhile waits. Paced, each step takes the prompt tokens that fit its target
+time: the first request of a burst streams after its own prompt, not after everyone's, and running
+streams advance between chunks. The pace (seconds per prompt token) starts from the worker's warm-up
+and follows the step times the worker reports. A small model's pace allows the whole token budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Steps with fewer prompt tokens say more about the weights' bandwidth than about prompt cost.
+_MIN_OBSERVED_TOKENS = 8
+_SMOOTHING = 0.3
+
+
+@dataclass(slots=True)
+class PrefillPace:
+    target_seconds: float  # a step's prompt share; 0 turns pacing off (CUDA: steps are short)
+    seconds_per_token: float  # current estimate; 0 = unknown, no limit until a step says
+
+    def token_cap(self, block_size: int) -> int | None:
+        """Prompt tokens a step may take (at least a block), or None for no limit."""
+        if self.target_seconds <= 0 or self.seconds_per_token <= 0:
+            return None
+        return max(block_size, int(self.target_seconds / self.seconds_per_token))
+
+    def observe(self, prompt_tokens: int, seconds: float) -> None:
+        """A finished step that computed `prompt_tokens` prompt tokens in `seconds`."""
+        if self.target_seconds <= 0 or prompt_tokens < _MIN_OBSERVED_TOKENS or seconds <= 0:
+            return
+        measured = seconds / prompt_tokens
+        if self.seconds_per_token <= 0:
+            self.seconds_per_token = measured
+        else:
+            self.seconds_per_token += _SMOOTHING * (measured - self.seconds_per_token)
