@@ -1,6 +1,7 @@
 """crane-launch serving a Q4_K_M GGUF file on its own (tokenizer and template from its metadata):
-greedy tokens equal transformers reading the same file, weights stay at the file's size, and the
-start-up log names the file's types."""
+with float activations greedy tokens equal transformers reading the same file, with the default
+8-bit ones they stream too; weights stay at the file's size, and the start-up log names the file's
+types, the KV cache's dtype and the activations."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def gguf_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(gguf_path, tmp_path_factory):
-    srv = Server(gguf_path, log_path=tmp_path_factory.mktemp("log") / "server.log")
+    srv = Server(gguf_path, "--quantized-activations", "float", log_path=tmp_path_factory.mktemp("log") / "server.log")
     yield srv
     assert srv.stop() == 0
 
@@ -54,9 +55,26 @@ def test_weights_stay_quantized_and_are_reported(server, gguf_path):
     assert 0 < info["weights_bytes"] <= 1.15 * info["weights_file_bytes"]
     assert info["weights_file_bytes"] <= gguf_path.stat().st_size
     assert requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"] == "tiny-qwen3-Q4_K_M"
+    assert info["quantized_activations"] == "float" and info["kv_cache_dtype"] in ("float16", "bfloat16")
     log = server.log_path.read_text()
-    assert "weights: format=gguf" in log and "types: Q4_K x" in log
+    assert "weights: format=gguf" in log and "types: Q4_K x" in log and "activations=float" in log
 
+
+def test_default_int8_activations_serve_the_same_file(gguf_path, tmp_path):
+    """The default path (8-bit activations, Q4_K repacked): it says so, keeps about the file's size
+    (repacked Q4_K rows take 2.8% more), and generates."""
+    srv = Server(gguf_path, log_path=tmp_path / "int8.log")
+    try:
+        info = requests.get(srv.url + "/server_info", timeout=10).json()
+        assert info["quantized_activations"] == "int8"
+        assert 0 < info["weights_bytes"] <= 1.05 * info["weights_file_bytes"]
+        body = {"prompt": PROMPTS[1], "max_tokens": NUM_TOKENS, "min_tokens": NUM_TOKENS, "temperature": 0,
+                "return_token_ids": True, "stream": False}
+        tokens = requests.post(srv.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+        assert len(tokens) == NUM_TOKENS
+        assert "activations=int8" in srv.log_path.read_text()
+    finally:
+        assert srv.stop() == 0
 
 def test_chat_uses_the_template_from_the_file(server, gguf_path):
     messages = [{"role": "user", "content": "hi"}]

@@ -124,3 +124,33 @@ def test_bad_inputs_are_errors_not_crashes():
         torch.ops.crane_mp.gguf_linear_int8(torch.randn(2, 128), torch.zeros(4, 144, dtype=torch.uint8), T.Q4_K, 256)
     with pytest.raises(RuntimeError, match="no 8-bit activation scheme"):
         torch.ops.crane_mp.gguf_linear_int8(torch.randn(1, 32), torch.zeros(4, 64, dtype=torch.uint8), T.F16, 32)
+
+
+@pytest.mark.parametrize("rows, cols", [(40, 256), (304, 768)])
+def test_q4_k_rows_repacked_by_eight_give_the_row_kernel_results(rows, cols):
+    """The repacked layout changes the order of the integer sums, not their value: same outputs up to
+    float rounding, for every batch size (1-4 row groups and their tails)."""
+    from crane_mp.worker.quantized.formats import Q4_K_X8
+
+    weight = torch.from_numpy(quantized(T.Q4_K, rows, cols, seed=rows).copy())
+    packed = torch.ops.crane_mp.gguf_repack_q4_k_x8(weight, cols)
+    assert packed.shape == (rows, cols // 256 * 148)
+    for batch in (1, 2, 3, 4, 5, 9, 64):
+        x = torch.from_numpy(activations(batch, cols, seed=batch))
+        want = torch.ops.crane_mp.gguf_linear_int8(x, weight, T.Q4_K, cols)
+        got = torch.ops.crane_mp.gguf_linear_int8(x, packed, Q4_K_X8, cols)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_only_whole_groups_of_eight_rows_are_repacked():
+    from crane_mp.worker.quantized.formats import Q4_K_X8
+    from crane_mp.worker.quantized.layers import kernel_layout
+
+    odd = torch.from_numpy(quantized(T.Q4_K, 12, 256).copy())
+    with pytest.raises(RuntimeError, match="groups of 8"):
+        torch.ops.crane_mp.gguf_repack_q4_k_x8(odd, 256)
+    assert kernel_layout(T.Q4_K, odd, 256, int8=True) == (T.Q4_K, odd)
+    whole = torch.from_numpy(quantized(T.Q4_K, 16, 256).copy())
+    assert kernel_layout(T.Q4_K, whole, 256, int8=False)[0] == T.Q4_K
+    assert kernel_layout(T.Q4_K, whole, 256, int8=True)[0] == Q4_K_X8
+    assert kernel_layout(T.Q6_K, whole, 256, int8=True)[0] == T.Q6_K

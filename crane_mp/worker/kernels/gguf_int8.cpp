@@ -34,35 +34,23 @@
 #include <immintrin.h>
 
 #include "gguf_blocks.h"
+#include "gguf_int8.h"
 
 namespace {
 
 using namespace crane_mp::gguf;
+using namespace crane_mp::int8;
 
-bool k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
+bool k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == kQ4KX8; }
 
 bool int8_type(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: return true;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: case kQ4KX8: return true;
   }
   return false;
 }
 
 // ---- activations ------------------------------------------------------------------------------
-
-struct Acts {
-  const int8_t* q;       // [M, K]
-  const float* d;        // [M, nb]
-  const int16_t* sums;   // [M, K / 16]
-  int64_t K;
-  int64_t nb;            // blocks per row
-};
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
 
 inline float hmax(__m256 v) {
   const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -74,8 +62,8 @@ inline float hmax(__m256 v) {
 // reference quantizer (float32 division, round half to even) must see the same values.
 inline float divide(float a, float b) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b))); }
 
-// One row of K floats into `block`-sized blocks of int8 values, their scales and 16-value sums.
-void quantize_row(const float* x, int64_t K, int64_t block, int8_t* q, float* d, int16_t* sums) {
+// One row of K floats into `block`-sized blocks of int8 values, their scales and 16- and 32-value sums.
+void quantize_row(const float* x, int64_t K, int64_t block, int8_t* q, float* d, int16_t* sums, int16_t* sums32) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < K / block; ++b) {
@@ -99,38 +87,10 @@ void quantize_row(const float* x, int64_t K, int64_t block, int8_t* q, float* d,
     for (int i = 0; i < 16; ++i) sum += q[g * 16 + i];
     sums[g] = static_cast<int16_t>(sum);
   }
+  for (int64_t g = 0; g < K / 32; ++g) sums32[g] = static_cast<int16_t>(sums[2 * g] + sums[2 * g + 1]);
 }
 
 // ---- integer dot products ---------------------------------------------------------------------
-
-// 8 int32 lanes, each the sum of 4 adjacent products u[i] * s[i] (u unsigned, s signed bytes).
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-// Signed by signed: |w| * (s with w's sign).
-inline __m256i dot_s8s8(__m256i w, __m256i s) {
-  return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w));
-}
-
-inline __m256i low4() { return _mm256_set1_epi8(0x0F); }
-
-// Weight bytes are requested this far ahead of the block being decoded: the hardware prefetcher alone
-// left a third of the DRAM bandwidth unused with two threads streaming rows (benchmarks/gguf_kernels.py).
-constexpr int64_t kPrefetchDistance = 1024;
-
-// Prefetch the cache lines of the block kBytes long that lies kPrefetchDistance past `block`.
-template <int64_t kBytes>
-inline void prefetch_ahead(const uint8_t* block) {
-  const char* ahead = reinterpret_cast<const char*>(block) + kPrefetchDistance;
-  for (int64_t line = 0; line < kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-}
-
-inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 // 16 bytes of packed nibbles -> 32 values 0..15: low nibbles are elements 0-15, high ones 16-31.
 inline __m256i nibbles32(const uint8_t* p) {
@@ -354,6 +314,7 @@ struct QuantizedActs {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> sums;
+  std::vector<int16_t> sums32;
 };
 
 Acts quantize(const at::Tensor& x, int64_t block, QuantizedActs& buffers) {
@@ -361,14 +322,18 @@ Acts quantize(const at::Tensor& x, int64_t block, QuantizedActs& buffers) {
   buffers.q.resize(std::max<size_t>(buffers.q.size(), M * K));
   buffers.d.resize(std::max<size_t>(buffers.d.size(), M * nb));
   buffers.sums.resize(std::max<size_t>(buffers.sums.size(), M * (K / 16)));
+  buffers.sums32.resize(std::max<size_t>(buffers.sums32.size(), M * (K / 32)));
   const float* xs = x.data_ptr<float>();
   int8_t* q = buffers.q.data();
   float* d = buffers.d.data();
   int16_t* sums = buffers.sums.data();
+  int16_t* sums32 = buffers.sums32.data();
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / K), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) quantize_row(xs + m * K, K, block, q + m * K, d + m * nb, sums + m * (K / 16));
+    for (int64_t m = begin; m < end; ++m) {
+      quantize_row(xs + m * K, K, block, q + m * K, d + m * nb, sums + m * (K / 16), sums32 + m * (K / 32));
+    }
   });
-  return {q, d, sums, K, nb};
+  return {q, d, sums, sums32, K, nb};
 }
 
 at::Tensor as_float(const at::Tensor& x, int64_t K, const char* op) {
@@ -382,8 +347,36 @@ int64_t block_of(int64_t qtype) {
   return k_quant(qtype) ? 256 : 32;
 }
 
+void check_int8_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
+  if (qtype != kQ4KX8) return check_weight(w, qtype, K);
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "gguf weights must be a contiguous CPU uint8 [N, row_bytes] tensor");
+  TORCH_CHECK(K > 0 && K % 256 == 0 && w.size(0) % 8 == 0 && w.size(1) == K / 256 * (kQ4KX8Bytes / 8),
+              "repacked Q4_K weights of shape ", w.sizes(), " do not hold ", K, " columns in groups of 8 rows");
+}
+
+// One tile's output rows [n0, n1) for activation rows m0 .. m0 + rows - 1, row-major GGUF weights.
+void rows_tile(const uint8_t* src, int64_t row_bytes, const DotFn fn, const Acts& acts, int64_t m0, int64_t rows,
+               int64_t n0, int64_t n1, int64_t N, float* ys) {
+  float dots[kRowGroup];
+  for (int64_t n = n0; n < n1; ++n) {
+    fn(src + n * row_bytes, acts, m0, dots);
+    for (int64_t m = 0; m < rows; ++m) ys[(m0 + m) * N + n] = dots[m];
+  }
+}
+
+// The same over weights repacked eight rows at a time (n0, n1 multiples of 8).
+void groups_tile(const uint8_t* src, int64_t row_bytes, const Acts& acts, int64_t m0, int64_t rows, int64_t n0,
+                 int64_t n1, int64_t N, float* ys) {
+  float dots[kRowGroup * 8];
+  for (int64_t n = n0; n < n1; n += 8) {
+    dot_q4_k_x8(src + n * row_bytes, acts, m0, rows, dots);
+    for (int64_t m = 0; m < rows; ++m) std::memcpy(ys + (m0 + m) * N + n, dots + m * 8, 8 * sizeof(float));
+  }
+}
+
 at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K) {
-  check_weight(w, qtype, K);
+  check_int8_weight(w, qtype, K);
   const int64_t block = block_of(qtype);
   const at::Tensor x = as_float(x_in, K, "gguf_linear_int8");
   const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
@@ -394,21 +387,23 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   const Acts acts = quantize(x, block, buffers);
   const uint8_t* src = w.data_ptr<uint8_t>();
   float* ys = out.data_ptr<float>();
-  const DotFn full = dot_for<kRowGroup>(qtype);
-  const DotFn tail[kRowGroup] = {nullptr, dot_for<1>(qtype), dot_for<2>(qtype), dot_for<3>(qtype)};
-  // One tile per thread at least, so a small matrix still spreads over every core.
-  const int64_t threads = at::get_num_threads();
-  const int64_t tile = std::max<int64_t>(1, std::min(kTileBytes / row_bytes, (N + threads - 1) / threads));
+  const bool grouped = qtype == kQ4KX8;
+  const DotFn full = grouped ? nullptr : dot_for<kRowGroup>(qtype);
+  const DotFn tail[kRowGroup] = {nullptr, grouped ? nullptr : dot_for<1>(qtype), grouped ? nullptr : dot_for<2>(qtype),
+                                 grouped ? nullptr : dot_for<3>(qtype)};
+  // One tile per thread at least, so a small matrix still spreads over every core; whole groups of 8.
+  const int64_t threads = at::get_num_threads(), unit = grouped ? 8 : 1;
+  const int64_t per_thread = (N / unit + threads - 1) / threads;
+  const int64_t tile = unit * std::max<int64_t>(1, std::min(kTileBytes / (row_bytes * unit), per_thread));
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
-    float dots[kRowGroup];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
       for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
         const int64_t rows = std::min(kRowGroup, M - m0);
-        const DotFn fn = rows == kRowGroup ? full : tail[rows];
-        for (int64_t n = n0; n < n1; ++n) {
-          fn(src + n * row_bytes, acts, m0, dots);
-          for (int64_t m = 0; m < rows; ++m) ys[(m0 + m) * N + n] = dots[m];
+        if (grouped) {
+          groups_tile(src, row_bytes, acts, m0, rows, n0, n1, N, ys);
+        } else {
+          rows_tile(src, row_bytes, rows == kRowGroup ? full : tail[rows], acts, m0, rows, n0, n1, N, ys);
         }
       }
     }

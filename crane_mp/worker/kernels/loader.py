@@ -32,10 +32,10 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "paged_decode_attention.cpp", "fused_elementwise.cpp", "qkv_rope_cache.cpp", "argmax.cpp", "amx_linear.cpp",
-        "gguf_matmul.cpp", "gguf_int8.cpp",
+        "gguf_matmul.cpp", "gguf_int8.cpp", "gguf_repack.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "gguf_blocks.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "gguf_blocks.h", "gguf_int8.h")]
 
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]

@@ -16,20 +16,22 @@ from pathlib import Path
 
 import numpy as np
 
-_CHUNK = 64 << 20
+_CHUNK = 16 << 20
 _READERS = 4
 
 
-def read_range(path: Path, offset: int, length: int) -> np.ndarray:
-    """File bytes [offset, offset + length) as a new uint8 array."""
-    out = np.empty(length, dtype=np.uint8)
+def read_ranges(path: Path, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
+    """File bytes [offset, offset + length) for each (offset, length), as new uint8 arrays."""
+    out = [np.empty(length, dtype=np.uint8) for _, length in ranges]
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_SEQUENTIAL)
-        view = memoryview(out)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
-        def read_chunk(start: int) -> None:
+        def read_chunk(job: tuple[int, int]) -> None:
+            index, start = job
+            offset, length = ranges[index]
+            view = memoryview(out[index])
             end = min(length, start + _CHUNK)
             while start < end:
                 count = os.preadv(fd, [view[start:end]], offset + start)
@@ -37,8 +39,9 @@ def read_range(path: Path, offset: int, length: int) -> np.ndarray:
                     raise EOFError(f"{path} ends before byte {offset + end}")
                 start += count
 
+        jobs = [(i, start) for i, (_, length) in enumerate(ranges) for start in range(0, length, _CHUNK)]
         with ThreadPoolExecutor(_READERS) as pool:  # preadv releases the GIL
-            list(pool.map(read_chunk, range(0, length, _CHUNK)))
+            list(pool.map(read_chunk, jobs))
     finally:
         os.close(fd)
     return out

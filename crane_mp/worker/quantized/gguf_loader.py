@@ -23,9 +23,9 @@ from crane_mp.gguf_file import PERMUTED_QK_ARCHS, TensorInfo, check_gguf
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
-from crane_mp.worker.quantized.file_reader import read_range
+from crane_mp.worker.quantized.file_reader import read_ranges
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
-from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
+from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear, kernel_layout
 
 # GGUF tensor names -> Hugging Face module names (testing/make_gguf.py writes files by the same tables).
 LAYER_NAMES = {
@@ -65,17 +65,19 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 class _Tensors:
     """The file's tensors as torch row-byte tensors in anonymous memory (file_reader.py says why not
-    a mapping). On CPU the whole tensor data is read at once into one array that the model's weights
-    view (GGUF blocks are what the kernels read: nothing is converted); for CUDA each tensor is read
-    on its own and then copied to the device, so the host holds one tensor at a time."""
+    a mapping). On CPU every tensor is read at once, each into its own array, which the model's
+    weights then are (GGUF blocks are what the kernels read) or which is dropped once converted; for
+    CUDA each tensor is read on its own and copied to the device, so the host holds one at a time."""
 
     def __init__(self, path: Path, infos: dict[str, TensorInfo], permute_heads: dict[str, int], whole: bool) -> None:
         self.path = path
         self.infos = infos
         self.permute_heads = permute_heads
-        self.start = min(info.offset for info in infos.values())
-        end = max(info.offset + info.n_bytes for info in infos.values())
-        self.arena = read_range(path, self.start, end - self.start) if whole else None
+        self.read: dict[str, np.ndarray] = {}
+        if whole:
+            names = list(infos)
+            arrays = read_ranges(path, [(infos[n].offset, infos[n].n_bytes) for n in names])
+            self.read = dict(zip(names, arrays))
 
     def qtype(self, name: str) -> int:
         return self.infos[name].qtype
@@ -84,10 +86,9 @@ class _Tensors:
         """[rows, row_bytes] uint8 (a 1-D tensor is one row)."""
         info = self.infos[name]
         rows = info.dims[0] if len(info.dims) > 1 else 1
-        if self.arena is not None:
-            raw = self.arena[info.offset - self.start : info.offset - self.start + info.n_bytes]
-        else:
-            raw = read_range(self.path, info.offset, info.n_bytes)
+        raw = self.read.pop(name, None)
+        if raw is None:
+            [raw] = read_ranges(self.path, [(info.offset, info.n_bytes)])
         out = torch.from_numpy(raw).view(rows, -1)
         heads = self.permute_heads.get(name.split(".")[-2]) if name.startswith("blk.") else None
         if heads is not None:
@@ -138,7 +139,9 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
         if all(_FLOAT_DTYPES.get(tensors.qtype(n)) == dtype for n in names):
             continue  # already in the compute dtype: a plain (packable) nn.Linear, same bytes
         linear = model.get_submodule(ours)
-        parts = [(tensors.qtype(n), tensors.rows(n).to(device)) for n in names]
+        shared = ours == "lm_head" and config.tie_word_embeddings  # the token table reads these rows too
+        parts = [kernel_layout(tensors.qtype(n), tensors.rows(n).to(device), linear.in_features, int8 and not shared)
+                 for n in names]
         _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias, int8))
         consumed.update(names)
         bar.update(len(names))

@@ -1,0 +1,60 @@
+// What the 8-bit-activation GGUF kernels share: quantized activation rows, vector helpers, and the
+// Q4_K kernel on rows repacked eight at a time (gguf_repack.cpp), which gguf_int8.cpp's driver calls.
+#pragma once
+
+#include <cstdint>
+
+#include <immintrin.h>
+
+namespace crane_mp::int8 {
+
+// Activation rows quantized in blocks (gguf_int8.cpp): values, one scale per block, sums of 16 and 32.
+struct Acts {
+  const int8_t* q;        // [M, K]
+  const float* d;         // [M, nb]
+  const int16_t* sums;    // [M, K / 16]
+  const int16_t* sums32;  // [M, K / 32]
+  int64_t K;
+  int64_t nb;  // blocks per row
+};
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+inline __m256i low4() { return _mm256_set1_epi8(0x0F); }
+
+// 8 int32 lanes, each the sum of 4 adjacent products u[i] * s[i] (u unsigned, s signed bytes).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// Weight bytes are requested this far ahead of the block being decoded: the hardware prefetcher alone
+// left a fifth to a third of the DRAM bandwidth unused with two threads streaming weights.
+constexpr int64_t kPrefetchDistance = 1024;
+
+// Prefetch the cache lines of the block kBytes long that lies kPrefetchDistance past `block`.
+template <int64_t kBytes>
+inline void prefetch_ahead(const uint8_t* block) {
+  const char* ahead = reinterpret_cast<const char*>(block) + kPrefetchDistance;
+  for (int64_t line = 0; line < kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
+// Q4_K rows repacked eight at a time (gguf_repack.cpp): our own type id, beyond ggml's, and the
+// bytes of one super-block of eight rows.
+constexpr int64_t kQ4KX8 = 0x10000 + 12;
+constexpr int64_t kQ4KX8Bytes = 1184;
+
+// Eight repacked rows (one group) against activation rows m0 .. m0 + rows - 1 (rows <= 4):
+// out[m * 8 + r] = row r . x[m0 + m].
+void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
+
+}  // namespace crane_mp::int8
