@@ -1,66 +1,92 @@
-"""Quantized matmul kernels (kernels/gguf_matmul.cpp) against float32 matmuls of the same shapes.
+"""Quantized matmul kernels at the size people run, weights streamed from DRAM.
 
-    python benchmarks/gguf_kernels.py [--types Q8_0 Q4_K Q6_K] [--rows 1 4 8 32 128]
+    python benchmarks/gguf_kernels.py [--types Q4_K Q6_K Q8_0] [--rows 1 4 16 64]
 
-For each Qwen3-0.6B projection shape: microseconds per call, weight GB/s (what bounds decode), and
-the float32 torch matmul on a dense copy of the weight for reference. Prints one JSON line per row.
+For each Qwen3-8B projection shape and type: milliseconds per call, weight GB/s (what bounds decode)
+and GFLOP/s (what bounds batched steps and prompts) of the float-activation kernel (gguf_matmul.cpp),
+the 8-bit one on GGUF's rows (gguf_int8.cpp) and, for Q4_K, on rows repacked eight at a time
+(gguf_repack.cpp). Calls rotate over three copies of each matrix (more than any L3), and the DRAM
+read bandwidth (2 GiB torch.sum) is measured first. Prints one JSON line per row count.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
-import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from crane_mp.testing import kquants
+from crane_mp.testing.random_gguf import random_blocks
 from crane_mp.worker.kernels.cpu_isa import describe, kernel_isa
+from crane_mp.worker.quantized.formats import Q4_K_X8
 
-SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-_K = {"Q4_K": kquants.quantize_q4_k, "Q5_K": kquants.quantize_q5_k, "Q6_K": kquants.quantize_q6_k}
-
-
-def quantize(w: np.ndarray, name: str) -> np.ndarray:
-    return _K[name](w) if name in _K else gguf.quants.quantize(w, T[name])
+SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096)}
+_COPIES = 3
 
 
-def bench(fn, min_time: float = 0.3) -> float:
+def per_call(fn, weights: list[torch.Tensor], min_time: float = 0.3) -> float:
+    """Median over 5 runs of the mean seconds per call, rotating over `weights`."""
+    fn(weights[0])
+    runs = []
+    for _ in range(5):
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < min_time / 5 or calls < 2:
+            fn(weights[calls % len(weights)])
+            calls += 1
+        runs.append((time.perf_counter() - start) / calls)
+    return statistics.median(runs)
+
+
+def dram_gbs() -> float:
+    x = torch.ones(1 << 29)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return round((1 << 31) / best / 1e9, 1)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
     fn()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < min_time:
-        fn()
-        calls += 1
-    return (time.perf_counter() - start) / calls
+    return time.perf_counter() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_K", "Q6_K"])
-    parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 128])
+    parser.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     args = parser.parse_args()
     if kernel_isa() is None:
         raise SystemExit("native kernels are not built (CRANE_MP_NO_NATIVE_KERNELS set, or no compiler)")
     isa, kernels = describe(torch.device("cpu"))
+    print(json.dumps({"bench": "dram", "read_gbs": dram_gbs(), "isa": f"{isa}/{kernels}"}), flush=True)
     rng = np.random.default_rng(0)
+    ops = torch.ops.crane_mp
     for qname in args.types:
         qtype = T[qname]
-        for shape_name, (n, k) in SHAPES.items():
-            dense = rng.standard_normal((n, k)).astype(np.float32)
-            weight = torch.from_numpy(quantize(dense, qname))
-            dense_t = torch.from_numpy(dense)
+        for shape in args.shapes:
+            n, k = SHAPES[shape]
+            weights = [torch.from_numpy(random_blocks(n, k, qtype, rng)) for _ in range(_COPIES)]
+            repacked = [ops.gguf_repack_q4_k_x8(w, k) for w in weights] if qtype == T.Q4_K else None
             for m in args.rows:
-                x = torch.randn(m, k)
-                ours = bench(lambda: torch.ops.crane_mp.gguf_linear(x, weight, qtype, k))
-                ref = bench(lambda: x @ dense_t.T)
-                print(json.dumps({
-                    "bench": "gguf_kernels", "isa": f"{isa}/{kernels}", "type": qname, "shape": shape_name, "N": n,
-                    "K": k, "M": m, "us": round(ours * 1e6, 1), "weight_GB_s": round(weight.numel() / ours / 1e9, 2),
-                    "fp32_dense_us": round(ref * 1e6, 1), "vs_fp32": round(ref / ours, 2),
-                }), flush=True)
+                x = torch.randn(m, k) * 0.1
+                times = {
+                    "float": per_call(lambda w: ops.gguf_linear(x, w, qtype, k), weights),
+                    "int8": per_call(lambda w: ops.gguf_linear_int8(x, w, qtype, k), weights),
+                }
+                if repacked is not None:
+                    times["int8_x8"] = per_call(lambda w: ops.gguf_linear_int8(x, w, Q4_K_X8, k), repacked)
+                row = {"bench": "gguf_kernels", "isa": f"{isa}/{kernels}", "type": qname, "shape": shape, "N": n,
+                       "K": k, "M": m}
+                for name, seconds in times.items():
+                    row[f"{name}_ms"] = round(seconds * 1e3, 3)
+                    row[f"{name}_weight_gbs"] = round(weights[0].numel() / seconds / 1e9, 1)
+                    row[f"{name}_gflops"] = round(2 * m * n * k / seconds / 1e9, 1)
+                print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ On a CPU a large model computes prompts slowly: an 8B model on two cores takes ~
 token, so a 512-token chunk is a 50 s step, through which every running stream stalls and every
 request that arrived meanwhile waits. Paced, each step takes the prompt tokens that fit its target
 time: the first request of a burst streams after its own prompt, not after everyone's, and running
-streams advance between chunks. The pace (seconds per prompt token) starts from the worker's warm-up
-and follows the step times the worker reports. A small model's pace allows the whole token budget.
+streams advance between chunks. A prompt alone is not paced (smaller chunks would only re-read the
+weights more often). The pace (seconds per prompt token) starts from the worker's warm-up and follows
+the step times the worker reports. A small model's pace allows the whole token budget.
 """
 
 from __future__ import annotations

@@ -176,7 +176,9 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plan one step; None when there is nothing to compute."""
         budget = self.config.max_num_batched_tokens
-        prompt_budget = self.pace.token_cap(self.config.block_size) or budget  # decode rows are never paced
+        # Paced only while others wait or stream (decode rows never are): a prompt alone goes at full speed.
+        contended = len(self.running) + len(self.waiting) > 1
+        prompt_budget = (self.pace.token_cap(self.config.block_size) if contended else None) or budget
         new_requests: list[NewRequest] = []
         scheduled: list[ScheduledRequest] = []
         preempted: list[int] = []

@@ -167,6 +167,14 @@ def test_paced_prompts_take_what_fits_a_step_beside_running_decodes_and_the_pace
     assert 0.25 < sched.pace.seconds_per_token < 0.3  # 0.25 s a prompt token, plus the rows' cost
 
 
+def test_a_prompt_alone_is_not_paced():
+    sched = make_scheduler(max_num_batched_tokens=64, max_model_len=64, prefill_step_seconds=3.0,
+                           prefill_seconds_per_token=0.25)
+    [req] = make_requests(1, prompt_len=40, max_tokens=2)
+    sched.add_request(req)
+    assert [s.num_new_tokens for s in sched.schedule().scheduled] == [16]  # the idle server's quarter budget
+
+
 def test_unpaced_scheduler_admits_every_prompt_of_a_burst_in_one_step():
     sched = make_scheduler(max_num_batched_tokens=64, max_model_len=64)
     for req in make_requests(3, prompt_len=5, max_tokens=2):
