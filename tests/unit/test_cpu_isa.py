@@ -76,6 +76,31 @@ def test_each_tier_and_compiler_builds_under_its_own_name():
     assert build_name("avx2", "gcc13_1_0", "c++ 13.1.0") != names["avx2"]
 
 
+@pytest.mark.parametrize("tier", ["avx512", "amx"])  # the amx flags hold every other tier's, avx512 none
+def test_kernels_compile_for_tiers_this_cpu_cannot_run(tier, tmp_path):
+    """A tier above this CPU's is never built here, yet another machine will build it: every source
+    must at least compile with that tier's flags (the intrinsics its #if branches use)."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    from crane_mp.worker.kernels import loader
+
+    if loader.compiler_identity() is None:
+        pytest.skip("no C++ compiler")
+    if cpu_isa_cap() is not None:
+        pytest.skip("a capped run (CI's second pass) repeats the uncapped one's compiles")
+    if cpu_isa.host_isa() is not None and rank(cpu_isa.host_isa()) >= rank(tier):
+        pytest.skip(f"this CPU builds and runs {tier} itself")
+    includes = [f"-I{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
+    for source in loader._SOURCES:
+        cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-O0", "-w", *loader.TIER_FLAGS[tier], "-fopenmp",
+               *includes, "-c", str(source), "-o", str(tmp_path / "kernel.o")]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, f"{source.name} for {tier}: {run.stderr[-2000:]}"
+
+
 def test_kernel_cache_falls_back_to_a_private_temporary_directory(monkeypatch, tmp_path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
