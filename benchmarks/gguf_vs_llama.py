@@ -4,7 +4,8 @@
     python benchmarks/gguf_vs_llama.py /models/qwen3-8b-q4_k_m.gguf [more.gguf ...] [--concurrency 1 4 16]
 
 Each server is started the way its users start it: crane-mp with the user's own command
-(`crane-launch --model-path FILE --gpu-memory-limit 8G`), llama-server with `-c 16384 -np 16` and
+(`crane-launch --model-path FILE --gpu-memory-limit 8G`; 3 GiB above the weights for a file that 8G
+cannot hold, such as an 8B Q8_0), llama-server with `-c 16384 -np 16` and
 the same threads (`-t N -tb N`, OMP_WAIT_POLICY=PASSIVE as ../shared/peers advises). For each:
 ready time (start to /health 200), prefill of a --prefill-len prompt (server-side: the client's TTFT
 of a 1-token request), output tok/s and TTFT/TPOT at each concurrency (serving.py's load generator:
@@ -65,7 +66,8 @@ def streamed_bytes(path: Path) -> int:
 
 def start(server: str, path: Path, port: int, args) -> subprocess.Popen:
     if server == "crane-mp":
-        cmd = [sys.executable, "-m", "crane_mp", "--model-path", str(path), "--gpu-memory-limit", args.memory_limit,
+        limit = args.memory_limit or f"{max(8, -(-streamed_bytes(path) // 2**30) + 3)}G"
+        cmd = [sys.executable, "-m", "crane_mp", "--model-path", str(path), "--gpu-memory-limit", limit,
                "--port", str(port), *args.crane_args]
         env = dict(os.environ)
     else:
@@ -160,7 +162,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=48)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--prefill-len", type=int, default=512)
-    parser.add_argument("--memory-limit", default="8G", help="crane-mp's --gpu-memory-limit")
+    parser.add_argument("--memory-limit", help="crane-mp's --gpu-memory-limit (default: 8G, or the weights + 3 GiB)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--port", type=int, default=8311)
     parser.add_argument("--servers", nargs="+", default=["crane-mp", "llama-server"])

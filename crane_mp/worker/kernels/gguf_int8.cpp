@@ -6,8 +6,8 @@
 //
 // Activations are quantized once per call, in blocks the size of the weight type's: 256 for the
 // K-quants (llama.cpp's Q8_K), 32 for the others (Q8_0). A block keeps one float scale d = amax / 127,
-// its values round(x * 127 / amax) in [-127, 127], and the sum of every 16 values (the K-quants'
-// mins and Q6_K's -32 offset, Q4_1/Q5_1's offsets, are applied through these sums). Since activation
+// its values round(x * 127 / amax) in [-127, 127], and the sums of every 16 and 32 values (the
+// K-quants' mins and Q6_K's -32 offset, Q4_1/Q5_1's offsets, are applied through these sums). Since activation
 // and weight blocks line up, each block's dot product is an exact integer sum (unsigned 4-6 bit
 // weights times signed bytes, pairs into int16, then int32, scaled by the weight's integer sub-block
 // scales), turned into float once per block. That is several times the arithmetic per instruction of
@@ -15,7 +15,8 @@
 //
 // Up to 4 activation rows share each decoded weight block. Rows of the weight are split across
 // threads in tiles small enough to stay in L2 while every group of 4 activation rows passes over
-// them, so prefill reads each weight from DRAM once too; nothing is dequantized to float.
+// them, so prefill reads each weight from DRAM once too; nothing is dequantized to float. Q4_K rows
+// repacked eight at a time (gguf_repack.cpp, type kQ4KX8) go through the same tiles, a group at a time.
 // int16 sums never saturate: a pair of products is at most 2 * 63 * 127 (6-bit weights) or
 // 2 * 128 * 127 (8-bit, through the sign trick) < 32767. With AVX512-VNNI (the avx512_bf16 and amx
 // tiers) byte products go into int32 in one instruction; the integer results are the same.

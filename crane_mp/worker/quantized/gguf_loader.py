@@ -9,7 +9,6 @@ float tensors (norms, biases) are a few MB besides.
 
 from __future__ import annotations
 
-import gc
 from collections import Counter
 from pathlib import Path
 
@@ -113,7 +112,6 @@ def load_gguf_model(
     """Returns the model and the file's tensor types (a Counter of type names) for the start-up log.
     `int8`: quantized projections take 8-bit activations (cpu_isa.int8_matmuls decided)."""
     contents = check_gguf(path)
-    gc.collect()  # the reader's parse of the vocabulary, before the weights arrive
     shape = contents.shape
     permute = shape.gguf_arch in PERMUTED_QK_ARCHS
     model = build_meta_model(config, dtype)
