@@ -6,6 +6,7 @@ Tiers (config.CPU_ISAS), each containing the one before:
     avx2         AVX2, FMA, F16C                      Haswell and later, every Zen
     avx512       + AVX-512 F/BW/VL/DQ                 Skylake-SP, Cascade Lake, Ice Lake
     avx512_bf16  + AVX512-BF16 (native bf16 math)     Cooper Lake, Zen 4/5, Sapphire Rapids
+                 and AVX512-VNNI (byte dot products)
     amx          + AMX-BF16 tiles the OS grants us    Sapphire Rapids and later
 
 The host's tier comes from CPUID (torch's cpuinfo: right under an emulator too, unlike
@@ -38,7 +39,7 @@ def host_isa() -> str | None:
         return None
     if not cpu._is_avx512_supported():  # torch's check: AVX-512 F, BW, VL and DQ together
         return "avx2"
-    if not cpu._is_avx512_bf16_supported():
+    if not cpu._is_avx512_bf16_supported() or not cpu._is_vnni_supported():  # the tier's kernels use both
         return "avx512"
     if cpu._is_amx_tile_supported() and cpu._init_amx():  # _init_amx asks Linux for the tile state
         return "amx"
