@@ -124,7 +124,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     grammars = GrammarEngine(config.model_path, config.model_format, model_config.vocab_size,
                              list(model_config.eos_token_ids), device)
     runner = ModelRunner(model, config.block_size, max_model_len, device, grammars=grammars,
-                         kv_dtype=select_kv_dtype(config.kv_cache_dtype, dtype, device))
+                         kv_dtype=select_kv_dtype(config.kv_cache_dtype, dtype, device, config.task == "embed"))
 
     weights_bytes = weight_bytes(model)
     # What else this engine already holds for good (rope tables, grammar and sampler tensors).

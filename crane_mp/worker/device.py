@@ -33,12 +33,16 @@ def select_dtype(requested: str, checkpoint_dtype: str | None, device: torch.dev
     return ckpt
 
 
-def select_kv_dtype(requested: str, compute: torch.dtype, device: torch.device) -> torch.dtype:
+def select_kv_dtype(requested: str, compute: torch.dtype, device: torch.device, embedding: bool = False) -> torch.dtype:
     """--kv-cache-dtype. auto on CPU is 16-bit whatever the compute dtype (bf16 where bf16 math is native,
     else float16, which F16C converts in one instruction): half the bytes of a float32 cache, so the
-    same memory limit holds twice the context, and decode attention reads half the bytes. The CUDA
-    kernels read the cache in the compute dtype, so there auto is that and nothing else is accepted."""
+    same memory limit holds twice the context, and decode attention reads half the bytes. An embedding
+    model only reads its cache within one prompt: auto keeps the compute dtype there, so embeddings equal
+    the reference's at its precision. The CUDA kernels read the cache in the compute dtype, so there
+    auto is that and nothing else is accepted."""
     if device.type == "cpu":
+        if requested == "auto" and embedding:
+            return compute
         if requested == "auto":
             return torch.bfloat16 if native_bf16() else torch.float16
         return _NAMES[requested]

@@ -26,7 +26,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = Server(model_dir, "--api-key", KEY, "--max-request-bytes", "200000",
+    # float32 KV: the scoring test compares logprobs with transformers' float32 to 1e-4.
+    srv = Server(model_dir, "--api-key", KEY, "--max-request-bytes", "200000", "--kv-cache-dtype", "float32",
                  log_path=tmp_path_factory.mktemp("log") / "server.log")
     yield srv
     assert srv.stop() == 0
