@@ -11,7 +11,7 @@ import torch
 from crane_mp.config import EngineConfig, MemoryLimit
 from crane_mp.gguf_file import describe_types, resolve_model_source
 from crane_mp.worker.decode_graphs import graph_batch_sizes, static_buffer_bytes, table_width
-from crane_mp.worker.device import select_device, select_dtype, select_kv_dtype
+from crane_mp.worker.device import prefer_huge_pages, select_device, select_dtype, select_kv_dtype
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.kernels.cpu_isa import int8_matmuls, native_ops
 from crane_mp.worker.loader import file_tensor_bytes, load_model, weight_bytes
@@ -94,6 +94,7 @@ class PhaseTimer:
 
 def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer | None = None) -> LoadedWorker:
     timer = timer or PhaseTimer()
+    prefer_huge_pages()
     torch.manual_seed(config.seed)
     source = resolve_model_source(config.model_path, config.model_format)
     if source.format == "gguf":

@@ -8,11 +8,22 @@ per token at 1 row, while emulated bf16 is several times slower than float32.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from crane_mp.worker.kernels.cpu_isa import cpu_dtype, native_bf16
 
 _NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def prefer_huge_pages() -> None:
+    """Large CPU tensors (weights repacked at load, the KV cache) in 2 MiB pages: every decode step
+    streams them, and the hardware prefetchers stop at each 4 KiB page boundary (repacked Q4_K rows
+    streamed 19% faster at one row, same process). torch's allocator reads this variable at its first
+    large allocation; an operator's own setting (0 turns it off) wins. Weights read from a GGUF file
+    are numpy arrays, which numpy already places in huge pages."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def select_device(force_cpu: bool) -> torch.device:

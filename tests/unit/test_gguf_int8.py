@@ -126,24 +126,26 @@ def test_bad_inputs_are_errors_not_crashes():
         torch.ops.crane_mp.gguf_linear_int8(torch.randn(1, 32), torch.zeros(4, 64, dtype=torch.uint8), T.F16, 32)
 
 
-@pytest.mark.parametrize("rows, cols", [(40, 256), (304, 768)])
-def test_q4_k_rows_repacked_by_eight_give_the_row_kernel_results(rows, cols):
+@pytest.mark.parametrize("qtype, rows, cols", [(T.Q4_K, 40, 256), (T.Q4_K, 304, 768), (T.Q8_0, 40, 32),
+                                               (T.Q8_0, 304, 800)])
+def test_rows_repacked_by_eight_give_the_row_kernel_results(qtype, rows, cols):
     """The repacked layout changes the order of the integer sums, not their value: same outputs up to
     float rounding, for every batch size (1-4 row groups and their tails)."""
-    from crane_mp.worker.quantized.formats import Q4_K_X8
+    from crane_mp.worker.quantized.formats import Q4_K_X8, Q8_0_X8
 
-    weight = torch.from_numpy(quantized(T.Q4_K, rows, cols, seed=rows).copy())
-    packed = torch.ops.crane_mp.gguf_repack_q4_k_x8(weight, cols)
-    assert packed.shape == (rows, cols // 256 * 148)
+    weight = torch.from_numpy(quantized(qtype, rows, cols, seed=rows).copy())
+    repack, packed_type = {T.Q4_K: ("gguf_repack_q4_k_x8", Q4_K_X8), T.Q8_0: ("gguf_repack_q8_0_x8", Q8_0_X8)}[qtype]
+    packed = getattr(torch.ops.crane_mp, repack)(weight, cols)
+    assert packed.shape == (rows, cols // 256 * 148 if qtype == T.Q4_K else cols // 32 * 34)
     for batch in (1, 2, 3, 4, 5, 9, 64):
         x = torch.from_numpy(activations(batch, cols, seed=batch))
-        want = torch.ops.crane_mp.gguf_linear_int8(x, weight, T.Q4_K, cols)
-        got = torch.ops.crane_mp.gguf_linear_int8(x, packed, Q4_K_X8, cols)
+        want = torch.ops.crane_mp.gguf_linear_int8(x, weight, qtype, cols)
+        got = torch.ops.crane_mp.gguf_linear_int8(x, packed, packed_type, cols)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_only_whole_groups_of_eight_rows_are_repacked():
-    from crane_mp.worker.quantized.formats import Q4_K_X8
+    from crane_mp.worker.quantized.formats import Q4_K_X8, Q8_0_X8
     from crane_mp.worker.quantized.layers import kernel_layout
 
     odd = torch.from_numpy(quantized(T.Q4_K, 12, 256).copy())
@@ -154,3 +156,7 @@ def test_only_whole_groups_of_eight_rows_are_repacked():
     assert kernel_layout(T.Q4_K, whole, 256, int8=False)[0] == T.Q4_K
     assert kernel_layout(T.Q4_K, whole, 256, int8=True)[0] == Q4_K_X8
     assert kernel_layout(T.Q6_K, whole, 256, int8=True)[0] == T.Q6_K
+    q8 = torch.from_numpy(quantized(T.Q8_0, 16, 64).copy())
+    assert kernel_layout(T.Q8_0, q8, 64, int8=True)[0] == Q8_0_X8
+    with pytest.raises(RuntimeError, match="groups of 8"):
+        torch.ops.crane_mp.gguf_repack_q8_0_x8(q8[:12].contiguous(), 64)

@@ -15,8 +15,8 @@
 //
 // Up to 4 activation rows share each decoded weight block. Rows of the weight are split across
 // threads in tiles small enough to stay in L2 while every group of 4 activation rows passes over
-// them, so prefill reads each weight from DRAM once too; nothing is dequantized to float. Q4_K rows
-// repacked eight at a time (gguf_repack.cpp, type kQ4KX8) go through the same tiles, a group at a time.
+// them, so prefill reads each weight from DRAM once too; nothing is dequantized to float. Q4_K and
+// Q8_0 rows repacked eight at a time (gguf_repack.cpp) go through the same tiles, a group at a time.
 // int16 sums never saturate: a pair of products is at most 2 * 63 * 127 (6-bit weights) or
 // 2 * 128 * 127 (8-bit, through the sign trick) < 32767. With AVX512-VNNI (the avx512_bf16 and amx
 // tiers) byte products go into int32 in one instruction; the integer results are the same.
@@ -46,9 +46,19 @@ bool k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == 
 
 bool int8_type(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: case kQ4KX8: return true;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: case kQ4KX8: case kQ8_0X8:
+      return true;
   }
   return false;
+}
+
+using GroupDotFn = void (*)(const uint8_t*, const Acts&, int64_t, int64_t, float*);
+
+// The kernel of a repacked type; nullptr for GGUF's own rows.
+GroupDotFn group_dot(int64_t qtype) {
+  if (qtype == kQ4KX8) return dot_q4_k_x8;
+  if (qtype == kQ8_0X8) return dot_q8_0_x8;
+  return nullptr;
 }
 
 // ---- activations ------------------------------------------------------------------------------
@@ -349,11 +359,13 @@ int64_t block_of(int64_t qtype) {
 }
 
 void check_int8_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
-  if (qtype != kQ4KX8) return check_weight(w, qtype, K);
+  if (group_dot(qtype) == nullptr) return check_weight(w, qtype, K);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "gguf weights must be a contiguous CPU uint8 [N, row_bytes] tensor");
-  TORCH_CHECK(K > 0 && K % 256 == 0 && w.size(0) % 8 == 0 && w.size(1) == K / 256 * (kQ4KX8Bytes / 8),
-              "repacked Q4_K weights of shape ", w.sizes(), " do not hold ", K, " columns in groups of 8 rows");
+  const bool q4_k = qtype == kQ4KX8;
+  const int64_t block = q4_k ? 256 : 32, group_bytes = q4_k ? kQ4KX8Bytes : kQ8_0X8Bytes;
+  TORCH_CHECK(K > 0 && K % block == 0 && w.size(0) % 8 == 0 && w.size(1) == K / block * (group_bytes / 8),
+              "repacked weights of shape ", w.sizes(), " do not hold ", K, " columns in groups of 8 rows");
 }
 
 // One tile's output rows [n0, n1) for activation rows m0 .. m0 + rows - 1, row-major GGUF weights.
@@ -367,11 +379,11 @@ void rows_tile(const uint8_t* src, int64_t row_bytes, const DotFn fn, const Acts
 }
 
 // The same over weights repacked eight rows at a time (n0, n1 multiples of 8).
-void groups_tile(const uint8_t* src, int64_t row_bytes, const Acts& acts, int64_t m0, int64_t rows, int64_t n0,
-                 int64_t n1, int64_t N, float* ys) {
+void groups_tile(const uint8_t* src, int64_t row_bytes, const GroupDotFn fn, const Acts& acts, int64_t m0,
+                 int64_t rows, int64_t n0, int64_t n1, int64_t N, float* ys) {
   float dots[kRowGroup * 8];
   for (int64_t n = n0; n < n1; n += 8) {
-    dot_q4_k_x8(src + n * row_bytes, acts, m0, rows, dots);
+    fn(src + n * row_bytes, acts, m0, rows, dots);
     for (int64_t m = 0; m < rows; ++m) std::memcpy(ys + (m0 + m) * N + n, dots + m * 8, 8 * sizeof(float));
   }
 }
@@ -388,7 +400,8 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   const Acts acts = quantize(x, block, buffers);
   const uint8_t* src = w.data_ptr<uint8_t>();
   float* ys = out.data_ptr<float>();
-  const bool grouped = qtype == kQ4KX8;
+  const GroupDotFn group_fn = group_dot(qtype);
+  const bool grouped = group_fn != nullptr;
   const DotFn full = grouped ? nullptr : dot_for<kRowGroup>(qtype);
   const DotFn tail[kRowGroup] = {nullptr, grouped ? nullptr : dot_for<1>(qtype), grouped ? nullptr : dot_for<2>(qtype),
                                  grouped ? nullptr : dot_for<3>(qtype)};
@@ -402,7 +415,7 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
       for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
         const int64_t rows = std::min(kRowGroup, M - m0);
         if (grouped) {
-          groups_tile(src, row_bytes, acts, m0, rows, n0, n1, N, ys);
+          groups_tile(src, row_bytes, group_fn, acts, m0, rows, n0, n1, N, ys);
         } else {
           rows_tile(src, row_bytes, rows == kRowGroup ? full : tail[rows], acts, m0, rows, n0, n1, N, ys);
         }

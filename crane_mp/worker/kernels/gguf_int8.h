@@ -1,5 +1,5 @@
 // What the 8-bit-activation GGUF kernels share: quantized activation rows, vector helpers, and the
-// Q4_K kernel on rows repacked eight at a time (gguf_repack.cpp), which gguf_int8.cpp's driver calls.
+// kernels on rows repacked eight at a time (gguf_repack.cpp), which gguf_int8.cpp's driver calls.
 #pragma once
 
 #include <cstdint>
@@ -28,14 +28,16 @@ inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const
 
 inline __m256i low4() { return _mm256_set1_epi8(0x0F); }
 
-// 8 int32 lanes, each the sum of 4 adjacent products u[i] * s[i] (u unsigned, s signed bytes).
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
+// acc + 8 int32 lanes, each the sum of 4 adjacent products u[i] * s[i] (u unsigned, s signed bytes).
+inline __m256i dot_u8s8_add(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+  return _mm256_dpbusd_epi32(acc, u, s);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
+
+inline __m256i dot_u8s8(__m256i u, __m256i s) { return dot_u8s8_add(_mm256_setzero_si256(), u, s); }
 
 // Weight bytes are requested this far ahead of the block being decoded: the hardware prefetcher alone
 // left a fifth to a third of the DRAM bandwidth unused with two threads streaming weights.
@@ -48,13 +50,16 @@ inline void prefetch_ahead(const uint8_t* block) {
   for (int64_t line = 0; line < kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
 }
 
-// Q4_K rows repacked eight at a time (gguf_repack.cpp): our own type id, beyond ggml's, and the
-// bytes of one super-block of eight rows.
+// Rows repacked eight at a time (gguf_repack.cpp): our own type ids, beyond ggml's, and the bytes
+// of one block of eight rows.
 constexpr int64_t kQ4KX8 = 0x10000 + 12;
 constexpr int64_t kQ4KX8Bytes = 1184;
+constexpr int64_t kQ8_0X8 = 0x10000 + 8;
+constexpr int64_t kQ8_0X8Bytes = 272;
 
 // Eight repacked rows (one group) against activation rows m0 .. m0 + rows - 1 (rows <= 4):
 // out[m * 8 + r] = row r . x[m0 + m].
 void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
+void dot_q8_0_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 
 }  // namespace crane_mp::int8

@@ -1,24 +1,29 @@
-// Q4_K weights repacked eight rows at a time, and their 8-bit-activation kernel (CPU):
+// GGUF weights repacked eight rows at a time, and their 8-bit-activation kernels (CPU):
 //
 //   gguf_repack_q4_k_x8(w [N, K / 256 * 144] uint8, K) -> [N, K / 256 * 148] uint8   (N a multiple of 8)
+//   gguf_repack_q8_0_x8(w [N, K / 32 * 34] uint8, K)   -> [N, K / 32 * 34] uint8
 //
-// In GGUF's layout each row's super-blocks follow one another, so a kernel sums each row's products
-// across vector lanes and scales every 32 of them apart: a multiply per 32 weights besides the
-// products, and a horizontal sum per row. Repacked, the eight rows' super-block b lie together, their
-// quants interleaved 4 bytes a row: one 32-byte load holds 4 positions of all eight rows, each
-// 32-bit lane stays one output row, the products of a whole 32-element sub-block add up in 16-bit
-// lanes (8 x 2 x 15 x 127 < 32767) before one multiply applies the eight rows' scales, and eight
-// outputs are stored at once. Per weight that is about half the multiplies of the row kernel, which
-// is what bounds batched steps and prompts.
+// In GGUF's layout each row's blocks follow one another, so a kernel sums each row's products
+// across vector lanes and scales every block apart: a multiply per 32 weights besides the products,
+// and a horizontal sum per row. Repacked, the eight rows' block b lie together, their quants
+// interleaved 4 bytes a row: one 32-byte load holds 4 positions of all eight rows, each 32-bit lane
+// stays one output row, the eight rows' scales apply in one multiply, and eight outputs are stored
+// at once. That is what bounds batched steps and prompts.
 //
-// Super-block b of a group of eight rows (1184 bytes):
+// Q4_K, super-block b of a group of eight rows (1184 bytes; 32 more than the rows' own 1152, 2.8%:
+// unpacked, the scales cost a few instructions a group):
 //     0   d[8]            float16, each row's scale of scales
 //    16   dmin[8]         float16
 //    32   scales[8][8]    uint8 [sub-block j][row r], the 6-bit scales unpacked
 //    96   mins[8][8]      uint8, likewise
-//   160   qs[4][8][8][4]  [sub-block pair c][position group k][row r]: row r's GGUF bytes
-//                         qs[32c + 4k .. 32c + 4k + 3] (low nibbles: sub-block 2c, high: 2c + 1)
-// 32 bytes more than the rows' own 1152 (2.8%): unpacked, the scales cost a few instructions a group.
+//   160   qs[8][4][8][4]  [sub-block j][position group k][row r][i]: low nibble element 32j + 4k + i
+//                         of row r, high nibble element 32j + 16 + 4k + i
+// Both nibbles of a byte belong to one sub-block, so a sub-block's products add up in 16-bit lanes
+// (16 products of at most 15 x 127 per lane < 32767) before one multiply applies its scale.
+//
+// Q8_0, a group of eight rows with nb = K / 32 blocks (8 x nb x 34 bytes, as the rows' own):
+//     0             qs[nb][8][8][4]  [block b][position group k][row r][i]: element 32b + 4k + i of row r
+//     nb * 256      d[nb][8]         float16
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -53,47 +58,73 @@ inline __m256i paired(const uint8_t* first, const uint8_t* second) {
 }
 
 template <int MR>
-void dot_x8(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
-  __m256 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+void q4_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
+  // The running sums stay in memory: kept in registers with the 8 sub-block sums and the operands
+  // they would outnumber the 16 vector registers, and the compiler would spill inside the hot loop.
+  alignas(32) float acc[MR][8] = {};
   const int8_t* x = a.q + m0 * a.K;
   const float* dx = a.d + m0 * a.nb;
   const int16_t* sx = a.sums32 + m0 * (a.K / 32);
   const __m256i mask = low4();
   for (int64_t b = 0; b < a.nb; ++b, group += kQ4KX8Bytes) {
     prefetch_ahead<kQ4KX8Bytes>(group);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16)));
-    __m256i isum[MR], msum[MR];
-    for (int m = 0; m < MR; ++m) isum[m] = msum[m] = _mm256_setzero_si256();
-    for (int p = 0; p < 4; ++p) {  // sum_j min_j * (sum of sub-block j's activations), two j at a time
-      const __m256i mins = paired(group + 96 + 16 * p, group + 104 + 16 * p);
-      for (int m = 0; m < MR; ++m)
-        msum[m] = _mm256_add_epi32(msum[m], _mm256_madd_epi16(mins, broadcast32(sx + m * (a.K / 32) + 8 * b + 2 * p)));
-    }
+    __m256i isum[MR];
+    for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
     const uint8_t* qs = group + 160;
-    for (int c = 0; c < 4; ++c) {
-      __m256i lo_sum[MR], hi_sum[MR];
-      for (int m = 0; m < MR; ++m) lo_sum[m] = hi_sum[m] = _mm256_setzero_si256();
-      for (int k = 0; k < 8; ++k) {
-        const __m256i raw = load(qs + (8 * c + k) * 32);
+    for (int j = 0; j < 8; ++j) {
+      __m256i sum[MR];
+      for (int m = 0; m < MR; ++m) sum[m] = _mm256_setzero_si256();
+      for (int k = 0; k < 4; ++k) {
+        const __m256i raw = load(qs + (4 * j + k) * 32);
         const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
         for (int m = 0; m < MR; ++m) {
-          const int8_t* xs = x + m * a.K + 256 * b + 64 * c + 4 * k;
-          lo_sum[m] = _mm256_add_epi16(lo_sum[m], _mm256_maddubs_epi16(lo, broadcast32(xs)));
-          hi_sum[m] = _mm256_add_epi16(hi_sum[m], _mm256_maddubs_epi16(hi, broadcast32(xs + 32)));
+          const int8_t* xs = x + m * a.K + 256 * b + 32 * j + 4 * k;
+          sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, broadcast32(xs)));
+          sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, broadcast32(xs + 16)));
         }
       }
-      const __m256i s_lo = in_both_halves(group + 32 + 16 * c), s_hi = in_both_halves(group + 40 + 16 * c);
-      for (int m = 0; m < MR; ++m)
-        isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(lo_sum[m], s_lo),
-                                                             _mm256_madd_epi16(hi_sum[m], s_hi)));
+      const __m256i scale = in_both_halves(group + 32 + 8 * j);
+      for (int m = 0; m < MR; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(sum[m], scale));
     }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16)));
     for (int m = 0; m < MR; ++m) {
+      __m256i msum = _mm256_setzero_si256();  // sum_j min_j * (sum of sub-block j's activations), two j at a time
+      for (int p = 0; p < 4; ++p)
+        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(paired(group + 96 + 16 * p, group + 104 + 16 * p),
+                                                        broadcast32(sx + m * (a.K / 32) + 8 * b + 2 * p)));
       const __m256 da = _mm256_set1_ps(dx[m * a.nb + b]);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, da), acc[m]);
-      acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[m]), _mm256_mul_ps(dmin, da), acc[m]);
+      __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, da), _mm256_load_ps(acc[m]));
+      _mm256_store_ps(acc[m], _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, da), sum));
     }
+  }
+  for (int m = 0; m < MR; ++m) std::memcpy(out + 8 * m, acc[m], sizeof(acc[m]));
+}
+
+// Q8_0: signed bytes, so each product goes through the sign trick (|w| times x with w's sign) and
+// each 32-bit lane sums its 4 products at once; one float multiply per block and row.
+template <int MR>
+void q8_0_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const int8_t* x = a.q + m0 * a.K;
+  const float* dx = a.d + m0 * a.nb;
+  const uint8_t* scales = group + a.nb * 256;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* qs = group + 256 * b;
+    prefetch_ahead<256>(qs);
+    if (b % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(scales + 16 * b + 256), _MM_HINT_T0);
+    __m256i isum[MR];
+    for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k) {
+      const __m256i w = load(qs + 32 * k);
+      const __m256i wabs = _mm256_abs_epi8(w);
+      for (int m = 0; m < MR; ++m)
+        isum[m] = dot_u8s8_add(isum[m], wabs, _mm256_sign_epi8(broadcast32(x + m * a.K + 32 * b + 4 * k), w));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * b)));
+    for (int m = 0; m < MR; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, _mm256_set1_ps(dx[m * a.nb + b])), acc[m]);
   }
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
 }
@@ -119,8 +150,36 @@ at::Tensor gguf_repack_q4_k_x8(const at::Tensor& w, int64_t K) {
             block[32 + 8 * j + r] = static_cast<uint8_t>(scale);
             block[96 + 8 * j + r] = static_cast<uint8_t>(min);
           }
-          for (int c = 0; c < 4; ++c)
-            for (int k = 0; k < 8; ++k) std::memcpy(block + 160 + ((8 * c + k) * 8 + r) * 4, row + 16 + 32 * c + 4 * k, 4);
+          const uint8_t* qs = row + 16;  // element e: byte 32 * (e / 64) + e % 32, high nibble when e % 64 >= 32
+          const auto nibble = [qs](int e) { return (qs[32 * (e / 64) + e % 32] >> (e % 64 >= 32 ? 4 : 0)) & 0xF; };
+          for (int j = 0; j < 8; ++j)
+            for (int k = 0; k < 4; ++k)
+              for (int i = 0; i < 4; ++i) {
+                const int e = 32 * j + 4 * k + i;
+                block[160 + ((4 * j + k) * 8 + r) * 4 + i] = static_cast<uint8_t>(nibble(e) | nibble(e + 16) << 4);
+              }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor gguf_repack_q8_0_x8(const at::Tensor& w, int64_t K) {
+  check_weight(w, Q8_0, K);
+  TORCH_CHECK(w.size(0) % 8 == 0, "gguf_repack_q8_0_x8: rows come in groups of 8, got ", w.size(0));
+  const int64_t N = w.size(0), nb = K / 32, row_bytes = w.size(1);
+  at::Tensor out = at::empty_like(w);
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      uint8_t* group = dst + g * 8 * row_bytes;
+      for (int64_t r = 0; r < 8; ++r) {
+        const uint8_t* row = src + (g * 8 + r) * row_bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+          std::memcpy(group + nb * 256 + 16 * b + 2 * r, row + 34 * b, 2);
+          for (int k = 0; k < 8; ++k) std::memcpy(group + 256 * b + (8 * k + r) * 4, row + 34 * b + 2 + 4 * k, 4);
         }
       }
     }
@@ -132,10 +191,19 @@ at::Tensor gguf_repack_q4_k_x8(const at::Tensor& w, int64_t K) {
 
 void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
   switch (rows) {
-    case 1: return dot_x8<1>(group, a, m0, out);
-    case 2: return dot_x8<2>(group, a, m0, out);
-    case 3: return dot_x8<3>(group, a, m0, out);
-    default: return dot_x8<4>(group, a, m0, out);
+    case 1: return q4_k_x8_rows<1>(group, a, m0, out);
+    case 2: return q4_k_x8_rows<2>(group, a, m0, out);
+    case 3: return q4_k_x8_rows<3>(group, a, m0, out);
+    default: return q4_k_x8_rows<4>(group, a, m0, out);
+  }
+}
+
+void dot_q8_0_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
+  switch (rows) {
+    case 1: return q8_0_x8_rows<1>(group, a, m0, out);
+    case 2: return q8_0_x8_rows<2>(group, a, m0, out);
+    case 3: return q8_0_x8_rows<3>(group, a, m0, out);
+    default: return q8_0_x8_rows<4>(group, a, m0, out);
   }
 }
 
@@ -143,4 +211,5 @@ void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, 
 
 TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
   m.def("gguf_repack_q4_k_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q4_k_x8);
+  m.def("gguf_repack_q8_0_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q8_0_x8);
 }
