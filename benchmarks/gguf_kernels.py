@@ -4,8 +4,8 @@
 
 For each Qwen3-8B projection shape and type: milliseconds per call, weight GB/s (what bounds decode)
 and GFLOP/s (what bounds batched steps and prompts) of the float-activation kernel (gguf_matmul.cpp),
-the 8-bit one on GGUF's rows (gguf_int8.cpp) and, for Q4_K, on rows repacked eight at a time
-(gguf_repack.cpp). Calls rotate over three copies of each matrix (more than any L3), and the DRAM
+the 8-bit one on GGUF's rows (gguf_int8.cpp) and, for Q4_K and Q8_0, on rows repacked eight at a time
+(gguf_repack.cpp) as the server loads them. Calls rotate over three copies of each matrix (more than any L3), and the DRAM
 read bandwidth (2 GiB torch.sum) is measured first. Prints one JSON line per row count.
 """
 
@@ -21,8 +21,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from crane_mp.testing.random_gguf import random_blocks
+from crane_mp.worker.device import prefer_huge_pages
 from crane_mp.worker.kernels.cpu_isa import describe, kernel_isa
-from crane_mp.worker.quantized.formats import Q4_K_X8
+from crane_mp.worker.quantized.layers import kernel_layout
 
 SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096)}
 _COPIES = 3
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     args = parser.parse_args()
+    prefer_huge_pages()  # repacked weights in the pages the server gives them
     if kernel_isa() is None:
         raise SystemExit("native kernels are not built (CRANE_MP_NO_NATIVE_KERNELS set, or no compiler)")
     isa, kernels = describe(torch.device("cpu"))
@@ -71,7 +73,9 @@ def main() -> None:
         for shape in args.shapes:
             n, k = SHAPES[shape]
             weights = [torch.from_numpy(random_blocks(n, k, qtype, rng)) for _ in range(_COPIES)]
-            repacked = [ops.gguf_repack_q4_k_x8(w, k) for w in weights] if qtype == T.Q4_K else None
+            layouts = [kernel_layout(qtype, w, k, int8=True) for w in weights]
+            packed_type = layouts[0][0]
+            repacked = [w for _, w in layouts] if packed_type != qtype else None
             for m in args.rows:
                 x = torch.randn(m, k) * 0.1
                 times = {
@@ -79,7 +83,7 @@ def main() -> None:
                     "int8": per_call(lambda w: ops.gguf_linear_int8(x, w, qtype, k), weights),
                 }
                 if repacked is not None:
-                    times["int8_x8"] = per_call(lambda w: ops.gguf_linear_int8(x, w, Q4_K_X8, k), repacked)
+                    times["int8_x8"] = per_call(lambda w: ops.gguf_linear_int8(x, w, packed_type, k), repacked)
                 row = {"bench": "gguf_kernels", "isa": f"{isa}/{kernels}", "type": qname, "shape": shape, "N": n,
                        "K": k, "M": m}
                 for name, seconds in times.items():

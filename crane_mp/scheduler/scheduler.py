@@ -182,8 +182,11 @@ class Scheduler:
         new_requests: list[NewRequest] = []
         scheduled: list[ScheduledRequest] = []
         preempted: list[int] = []
+        prompt_tokens = 0  # planned so far (decode rows are not prompt work)
 
         def plan(req: Request, num_tokens: int) -> None:
+            nonlocal prompt_tokens
+            prompt_tokens += 0 if _decodes(req, num_tokens) else num_tokens
             new_blocks = self._grow_blocks(req, req.num_computed_tokens + num_tokens)
             if not req.known_to_worker:
                 new_requests.append(NewRequest(req.req_id, req.prompt_ids, req.sampling))
@@ -203,17 +206,16 @@ class Scheduler:
             # the first requests start streaming after a quarter of a full step instead of after it.
             budget = max(self.config.block_size, budget // 4)
         for req, num_tokens in running_plan:
-            prompt_budget -= 0 if _decodes(req, num_tokens) else num_tokens
             plan(req, num_tokens)
             budget -= num_tokens
 
-        while self.waiting and min(budget, prompt_budget) > 0 and len(self.running) < self.max_running:
+        while self.waiting and min(budget, prompt_budget - prompt_tokens) > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
             if not self._may_sample(req):
                 break  # its last token is still coming back; it finishes on that update
             hits = self._cache_hits(req)
             num_cached = len(hits) * self.config.block_size
-            num_tokens = min(req.num_tokens - num_cached, budget, prompt_budget)
+            num_tokens = min(req.num_tokens - num_cached, budget, prompt_budget - prompt_tokens)
             needed = (
                 _blocks_for(num_cached + num_tokens, self.config.block_size) - len(hits)
                 + self.pool.num_evictable(hits)
@@ -225,14 +227,13 @@ class Scheduler:
             self._admit(req, hits)
             plan(req, num_tokens)
             budget -= num_tokens
-            prompt_budget -= num_tokens
 
         finished = self._finished_for_worker
         self._finished_for_worker = []
         if not scheduled and not finished and not preempted:
             return None
         self._step_id += 1
-        self._prompt_tokens[self._step_id] = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)
+        self._prompt_tokens[self._step_id] = prompt_tokens
         return StepPlan(self._step_id, new_requests, scheduled, preempted, finished)
 
     def _may_sample(self, req: Request) -> bool:
