@@ -126,17 +126,24 @@ def test_bad_inputs_are_errors_not_crashes():
         torch.ops.crane_mp.gguf_linear_int8(torch.randn(1, 32), torch.zeros(4, 64, dtype=torch.uint8), T.F16, 32)
 
 
-@pytest.mark.parametrize("qtype, rows, cols", [(T.Q4_K, 40, 256), (T.Q4_K, 304, 768), (T.Q8_0, 40, 32),
-                                               (T.Q8_0, 304, 800)])
+@pytest.mark.parametrize("qtype, rows, cols", [(T.Q4_K, 40, 256), (T.Q4_K, 304, 768), (T.Q6_K, 40, 256),
+                                               (T.Q6_K, 304, 768), (T.Q8_0, 40, 32), (T.Q8_0, 304, 800)])
 def test_rows_repacked_by_eight_give_the_row_kernel_results(qtype, rows, cols):
     """The repacked layout changes the order of the integer sums, not their value: same outputs up to
     float rounding, for every batch size (1-4 row groups and their tails)."""
-    from crane_mp.worker.quantized.formats import Q4_K_X8, Q8_0_X8
+    from crane_mp.worker.quantized.formats import Q4_K_X8, Q6_K_X8, Q8_0_X8
 
     weight = torch.from_numpy(quantized(qtype, rows, cols, seed=rows).copy())
-    repack, packed_type = {T.Q4_K: ("gguf_repack_q4_k_x8", Q4_K_X8), T.Q8_0: ("gguf_repack_q8_0_x8", Q8_0_X8)}[qtype]
+    if qtype == T.Q6_K:  # signed scales, as llama.cpp's quantizer writes them, down to -128
+        scales = weight.view(-1, 210)[:, 192:208].view(torch.int8)
+        scales[:, ::3] = -scales[:, ::3]
+        scales[::7, 5] = -128
+    repack, packed_type, row_bytes = {T.Q4_K: ("gguf_repack_q4_k_x8", Q4_K_X8, cols // 256 * 148),
+                                      T.Q6_K: ("gguf_repack_q6_k_x8", Q6_K_X8, cols // 256 * 210),
+                                      T.Q8_0: ("gguf_repack_q8_0_x8", Q8_0_X8, cols // 32 * 34)}[qtype]
     packed = getattr(torch.ops.crane_mp, repack)(weight, cols)
-    assert packed.shape == (rows, cols // 256 * 148 if qtype == T.Q4_K else cols // 32 * 34)
+    assert packed.shape == (rows, row_bytes)
+    assert not torch.equal(packed, weight)
     for batch in (1, 2, 3, 4, 5, 9, 64):
         x = torch.from_numpy(activations(batch, cols, seed=batch))
         want = torch.ops.crane_mp.gguf_linear_int8(x, weight, qtype, cols)
@@ -155,7 +162,8 @@ def test_only_whole_groups_of_eight_rows_are_repacked():
     whole = torch.from_numpy(quantized(T.Q4_K, 16, 256).copy())
     assert kernel_layout(T.Q4_K, whole, 256, int8=False)[0] == T.Q4_K
     assert kernel_layout(T.Q4_K, whole, 256, int8=True)[0] == Q4_K_X8
-    assert kernel_layout(T.Q6_K, whole, 256, int8=True)[0] == T.Q6_K
+    q5 = torch.from_numpy(quantized(T.Q5_K, 16, 256).copy())
+    assert kernel_layout(T.Q5_K, q5, 256, int8=True)[0] == T.Q5_K
     q8 = torch.from_numpy(quantized(T.Q8_0, 16, 64).copy())
     assert kernel_layout(T.Q8_0, q8, 64, int8=True)[0] == Q8_0_X8
     with pytest.raises(RuntimeError, match="groups of 8"):

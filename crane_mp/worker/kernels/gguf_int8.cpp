@@ -15,8 +15,8 @@
 //
 // Up to 4 activation rows share each decoded weight block. Rows of the weight are split across
 // threads in tiles small enough to stay in L2 while every group of 4 activation rows passes over
-// them, so prefill reads each weight from DRAM once too; nothing is dequantized to float. Q4_K and
-// Q8_0 rows repacked eight at a time (gguf_repack.cpp) go through the same tiles, a group at a time.
+// them, so prefill reads each weight from DRAM once too; nothing is dequantized to float. Q4_K,
+// Q6_K and Q8_0 rows repacked eight at a time (gguf_repack.cpp) go through the same tiles, a group at a time.
 // int16 sums never saturate: a pair of products is at most 2 * 63 * 127 (6-bit weights) or
 // 2 * 128 * 127 (8-bit, through the sign trick) < 32767. With AVX512-VNNI (the avx512_bf16 and amx
 // tiers) byte products go into int32 in one instruction; the integer results are the same.
@@ -42,11 +42,13 @@ namespace {
 using namespace crane_mp::gguf;
 using namespace crane_mp::int8;
 
-bool k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == kQ4KX8; }
+bool k_quant(int64_t qtype) {
+  return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == kQ4KX8 || qtype == kQ6KX8;
+}
 
 bool int8_type(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: case kQ4KX8: case kQ8_0X8:
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: case kQ4KX8: case kQ8_0X8: case kQ6KX8:
       return true;
   }
   return false;
@@ -58,6 +60,7 @@ using GroupDotFn = void (*)(const uint8_t*, const Acts&, int64_t, int64_t, float
 GroupDotFn group_dot(int64_t qtype) {
   if (qtype == kQ4KX8) return dot_q4_k_x8;
   if (qtype == kQ8_0X8) return dot_q8_0_x8;
+  if (qtype == kQ6KX8) return dot_q6_k_x8;
   return nullptr;
 }
 
@@ -362,8 +365,8 @@ void check_int8_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
   if (group_dot(qtype) == nullptr) return check_weight(w, qtype, K);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "gguf weights must be a contiguous CPU uint8 [N, row_bytes] tensor");
-  const bool q4_k = qtype == kQ4KX8;
-  const int64_t block = q4_k ? 256 : 32, group_bytes = q4_k ? kQ4KX8Bytes : kQ8_0X8Bytes;
+  const int64_t block = k_quant(qtype) ? 256 : 32;
+  const int64_t group_bytes = qtype == kQ4KX8 ? kQ4KX8Bytes : (qtype == kQ6KX8 ? kQ6KX8Bytes : kQ8_0X8Bytes);
   TORCH_CHECK(K > 0 && K % block == 0 && w.size(0) % 8 == 0 && w.size(1) == K / block * (group_bytes / 8),
               "repacked weights of shape ", w.sizes(), " do not hold ", K, " columns in groups of 8 rows");
 }

@@ -56,10 +56,13 @@ constexpr int64_t kQ4KX8 = 0x10000 + 12;
 constexpr int64_t kQ4KX8Bytes = 1184;
 constexpr int64_t kQ8_0X8 = 0x10000 + 8;
 constexpr int64_t kQ8_0X8Bytes = 272;
+constexpr int64_t kQ6KX8 = 0x10000 + 14;
+constexpr int64_t kQ6KX8Bytes = 1680;
 
 // Eight repacked rows (one group) against activation rows m0 .. m0 + rows - 1 (rows <= 4):
 // out[m * 8 + r] = row r . x[m0 + m].
 void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 void dot_q8_0_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
+void dot_q6_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 
 }  // namespace crane_mp::int8

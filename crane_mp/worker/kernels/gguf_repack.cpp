@@ -2,6 +2,7 @@
 //
 //   gguf_repack_q4_k_x8(w [N, K / 256 * 144] uint8, K) -> [N, K / 256 * 148] uint8   (N a multiple of 8)
 //   gguf_repack_q8_0_x8(w [N, K / 32 * 34] uint8, K)   -> [N, K / 32 * 34] uint8
+//   gguf_repack_q6_k_x8(w [N, K / 256 * 210] uint8, K) -> [N, K / 256 * 210] uint8
 //
 // In GGUF's layout each row's blocks follow one another, so a kernel sums each row's products
 // across vector lanes and scales every block apart: a multiply per 32 weights besides the products,
@@ -20,6 +21,17 @@
 //                         of row r, high nibble element 32j + 16 + 4k + i
 // Both nibbles of a byte belong to one sub-block, so a sub-block's products add up in 16-bit lanes
 // (16 products of at most 15 x 127 per lane < 32767) before one multiply applies its scale.
+//
+// Q6_K, super-block b of a group of eight rows (1680 bytes, as the rows' own):
+//     0   d[8]            float16
+//    16   scales[16][8]   int8 [sub-block j][row r]
+//   144   q[2][8][3][8][4] [half h][position group k][t][row r][i], t picking which bits of element
+//                         e = 128h + 4k + i (e + 32s for s = 0..3) the byte holds: t = 0 the low 4 bits
+//                         of e (low nibble) and e + 64 (high), t = 1 those of e + 32 and e + 96, t = 2
+//                         the top 2 bits of e, e + 32, e + 64, e + 96 (bits 0-1, 2-3, 4-5, 6-7), as
+//                         GGUF packs them (ql, ql + 32 and qh), now per row 4 bytes at a time.
+// Values are 0-63 (the -32 goes through the activations' 16-sums), so two products summed by maddubs
+// and two such sums stay below 32767 before a multiply by the sub-block's signed scale widens them.
 //
 // Q8_0, a group of eight rows with nb = K / 32 blocks (8 x nb x 34 bytes, as the rows' own):
 //     0             qs[nb][8][8][4]  [block b][position group k][row r][i]: element 32b + 4k + i of row r
@@ -129,6 +141,72 @@ void q8_0_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + 8 * m, acc[m]);
 }
 
+// Sixteen sub-blocks' int8 scales of eight rows -> for sub-block j, each 32-bit lane holding its row's
+// scale in both halves (`both[j]`), and for the pair 2p, 2p + 1 the first's scale in the low half and
+// the second's in the high one (`pairs[p]`).
+inline void signed_scales(const uint8_t* scales, __m256i* both, __m256i* pairs) {
+  for (int p = 0; p < 8; ++p) {
+    const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * p)));
+    // 64-bit quarters: rows 0-3 of sub-block 2p, of 2p + 1, rows 4-7 of 2p, of 2p + 1
+    const __m256i v = _mm256_permute4x64_epi64(words, 0xD8);
+    both[2 * p] = _mm256_unpacklo_epi16(v, v);
+    both[2 * p + 1] = _mm256_unpackhi_epi16(v, v);
+    pairs[p] = _mm256_unpacklo_epi16(v, _mm256_srli_si256(v, 8));
+  }
+}
+
+template <int MR>
+void q6_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
+  alignas(32) float acc[MR][8] = {};
+  const int8_t* x = a.q + m0 * a.K;
+  const float* dx = a.d + m0 * a.nb;
+  const int16_t* sx = a.sums + m0 * (a.K / 16);
+  const __m256i mask = low4(), top = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < a.nb; ++b, group += kQ6KX8Bytes) {
+    prefetch_ahead<kQ6KX8Bytes>(group);
+    __m256i scales[16], pairs[8];
+    signed_scales(group + 16, scales, pairs);
+    __m256i isum[MR];
+    for (int m = 0; m < MR; ++m) {
+      // The -32 of every value: 32 * sum_j s_j * (sum of sub-block j's activations), two j at a time.
+      __m256i offset = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p)
+        offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[p], broadcast32(sx + m * (a.K / 16) + 16 * b + 2 * p)));
+      isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+    }
+    const uint8_t* qs = group + 144;
+    for (int h = 0; h < 2; ++h) {
+      for (int k = 0; k < 8; k += 2) {  // two position groups' products share a 16-bit sum
+        __m256i q[2][4];
+        for (int u = 0; u < 2; ++u) {
+          const uint8_t* p = qs + (h * 8 + k + u) * 96;
+          const __m256i lo = load(p), hi = load(p + 32), top2 = load(p + 64);
+          q[u][0] = _mm256_or_si256(_mm256_and_si256(lo, mask), _mm256_and_si256(_mm256_slli_epi16(top2, 4), top));
+          q[u][1] = _mm256_or_si256(_mm256_and_si256(hi, mask), _mm256_and_si256(_mm256_slli_epi16(top2, 2), top));
+          q[u][2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), mask), _mm256_and_si256(top2, top));
+          q[u][3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(hi, 4), mask),
+                                    _mm256_and_si256(_mm256_srli_epi16(top2, 2), top));
+        }
+        for (int s = 0; s < 4; ++s) {
+          const __m256i scale = scales[8 * h + 2 * s + k / 4];
+          for (int m = 0; m < MR; ++m) {
+            const int8_t* xs = x + m * a.K + 256 * b + 128 * h + 32 * s + 4 * k;
+            const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(q[0][s], broadcast32(xs)),
+                                                 _mm256_maddubs_epi16(q[1][s], broadcast32(xs + 4)));
+            isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(sum, scale));
+          }
+        }
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
+    for (int m = 0; m < MR; ++m) {
+      const __m256 da = _mm256_set1_ps(dx[m * a.nb + b]);
+      _mm256_store_ps(acc[m], _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, da), _mm256_load_ps(acc[m])));
+    }
+  }
+  for (int m = 0; m < MR; ++m) std::memcpy(out + 8 * m, acc[m], sizeof(acc[m]));
+}
+
 at::Tensor gguf_repack_q4_k_x8(const at::Tensor& w, int64_t K) {
   check_weight(w, Q4_K, K);
   TORCH_CHECK(w.size(0) % 8 == 0, "gguf_repack_q4_k_x8: rows come in groups of 8, got ", w.size(0));
@@ -187,6 +265,35 @@ at::Tensor gguf_repack_q8_0_x8(const at::Tensor& w, int64_t K) {
   return out;
 }
 
+at::Tensor gguf_repack_q6_k_x8(const at::Tensor& w, int64_t K) {
+  check_weight(w, Q6_K, K);
+  TORCH_CHECK(w.size(0) % 8 == 0, "gguf_repack_q6_k_x8: rows come in groups of 8, got ", w.size(0));
+  const int64_t N = w.size(0), nb = K / 256, row_bytes = w.size(1);
+  at::Tensor out = at::empty_like(w);
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* block = dst + (g * nb + b) * kQ6KX8Bytes;
+        for (int64_t r = 0; r < 8; ++r) {
+          const uint8_t* row = src + (g * 8 + r) * row_bytes + b * 210;  // ql[128], qh[64], scales[16], d
+          std::memcpy(block + 2 * r, row + 208, 2);
+          for (int j = 0; j < 16; ++j) block[16 + 8 * j + r] = row[192 + j];
+          for (int h = 0; h < 2; ++h)
+            for (int k = 0; k < 8; ++k) {
+              uint8_t* p = block + 144 + (h * 8 + k) * 96 + 4 * r;
+              std::memcpy(p, row + 64 * h + 4 * k, 4);
+              std::memcpy(p + 32, row + 64 * h + 32 + 4 * k, 4);
+              std::memcpy(p + 64, row + 128 + 32 * h + 4 * k, 4);
+            }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
@@ -207,9 +314,19 @@ void dot_q8_0_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, 
   }
 }
 
+void dot_q6_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
+  switch (rows) {
+    case 1: return q6_k_x8_rows<1>(group, a, m0, out);
+    case 2: return q6_k_x8_rows<2>(group, a, m0, out);
+    case 3: return q6_k_x8_rows<3>(group, a, m0, out);
+    default: return q6_k_x8_rows<4>(group, a, m0, out);
+  }
+}
+
 }  // namespace crane_mp::int8
 
 TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
   m.def("gguf_repack_q4_k_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q4_k_x8);
   m.def("gguf_repack_q8_0_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q8_0_x8);
+  m.def("gguf_repack_q6_k_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q6_k_x8);
 }

@@ -19,7 +19,7 @@ from torch import nn
 
 from crane_mp.worker.device import is_device_fault
 from crane_mp.worker.kernels.cpu_isa import native_ops
-from crane_mp.worker.quantized.formats import INT8_TYPES, Q4_K_X8, Q8_0_X8, dequantize
+from crane_mp.worker.quantized.formats import INT8_TYPES, Q4_K_X8, Q6_K_X8, Q8_0_X8, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +93,13 @@ def quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_featu
 
 # The types the 8-bit-activation kernels read repacked, with their repacking op's name.
 _REPACKED = {GGMLQuantizationType.Q4_K: (Q4_K_X8, "gguf_repack_q4_k_x8"),
+             GGMLQuantizationType.Q6_K: (Q6_K_X8, "gguf_repack_q6_k_x8"),
              GGMLQuantizationType.Q8_0: (Q8_0_X8, "gguf_repack_q8_0_x8")}
 
 
 def kernel_layout(qtype: int, weight: torch.Tensor, in_features: int, int8: bool) -> tuple[int, torch.Tensor]:
-    """(type, rows) as the chosen kernel reads them: for 8-bit activations, Q4_K and Q8_0 rows repacked
-    eight at a time (kernels/gguf_repack.cpp: 1.3-1.7x in batched steps and prompts); any other type,
+    """(type, rows) as the chosen kernel reads them: for 8-bit activations, Q4_K, Q6_K and Q8_0 rows
+    repacked eight at a time (kernels/gguf_repack.cpp: 1.3-1.7x in batched steps and prompts); any other type,
     or a row count that is no multiple of 8, as the file has them."""
     if int8 and qtype in _REPACKED and weight.shape[0] % 8 == 0 and weight.device.type == "cpu":
         packed_type, op = _REPACKED[qtype]
