@@ -19,11 +19,14 @@ class FinishReason(enum.IntEnum):
 
 
 class ErrorKind(enum.IntEnum):
-    """Why a request ended with FinishReason.ERROR; the frontend answers with the matching status."""
+    """Why a request ended with FinishReason.ERROR; frontend/errors.py maps each to its HTTP status."""
 
     INVALID = 0  # the request can never run (400)
     OVERLOADED = 1  # --max-queue requests already wait (429)
     INTERNAL = 2  # processing this request raised in the scheduler or worker (500)
+    # Set by the frontend itself, never sent:
+    TIMEOUT = 3  # open past --request-timeout (408)
+    UNAVAILABLE = 4  # the scheduler or worker is gone (503)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

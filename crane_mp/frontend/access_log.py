@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     from crane_mp.frontend.generation import Generation
 
 log = logging.getLogger("crane_mp.access")
-# Routes that start generations: the load-shedding gate counts them.
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"})
 # Probes and scrapes: logged at debug level only, they would drown everything else.
 _QUIET_PATHS = frozenset({"/health", "/metrics"})
 _CLIENT_ID = re.compile(r"[\x21-\x7e]{1,128}")
@@ -81,8 +79,9 @@ def request_id_of(request: web.Request) -> str:
     return header if _CLIENT_ID.fullmatch(header) else uuid.uuid4().hex
 
 
-def make_access_middleware(state):
-    """The middleware, bound to the frontend's state (its config, load counter and tokenizer)."""
+def make_access_middleware(state, generation_paths: frozenset[str]):
+    """The middleware, bound to the frontend's state (its config, load counter and tokenizer);
+    requests to `generation_paths` pass the load-shedding gate."""
     config = state.config
     # Past running slots plus the queue, the scheduler would refuse anyway: shed before parsing.
     gate = config.engine.max_num_seqs + config.max_queue
@@ -93,7 +92,7 @@ def make_access_middleware(state):
         """Outermost: the error middleware inside it has turned every error into a response."""
         record = RequestRecord(request_id_of(request), keep_prompts=config.log_requests)
         request[REQUEST_ID] = record.request_id
-        counted = request.path in GENERATION_PATHS
+        counted = request.path in generation_paths
         if counted and state.in_flight >= gate:
             state.metrics.request_rejected()
             response = error_response(429, f"the server is overloaded: {state.in_flight} requests in progress "

@@ -7,18 +7,11 @@ import hmac
 
 from aiohttp import web
 
-from crane_mp.frontend import (
-    embedding_routes,
-    lora_routes,
-    management_routes,
-    openai_routes,
-    openapi,
-    sglang_routes,
-    tokenize_routes,
-)
+from crane_mp.frontend import openapi
 from crane_mp.frontend.access_log import add_request_id_header, make_access_middleware
+from crane_mp.frontend.api_routes import ROUTES
 from crane_mp.frontend.errors import ApiError, error_middleware
-from crane_mp.frontend.management_routes import OPEN_PATHS
+from crane_mp.frontend.routing import generation_paths, open_paths
 from crane_mp.frontend.state import STATE, FrontendState
 
 
@@ -26,11 +19,15 @@ from crane_mp.frontend.state import STATE, FrontendState
 _APP_BODY_LIMIT = 1 << 20
 
 
+_OPEN_PATHS = open_paths(ROUTES)
+
+
 @web.middleware
 async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """--api-key: every route but /health needs `Authorization: Bearer <key>` (constant-time compare)."""
+    """--api-key: every route but the open ones (/health) needs `Authorization: Bearer <key>`
+    (constant-time compare)."""
     key = request.app[STATE].config.api_key
-    if key and request.path not in OPEN_PATHS:
+    if key and request.path not in _OPEN_PATHS:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
@@ -51,15 +48,10 @@ async def body_limit_middleware(request: web.Request, handler) -> web.StreamResp
 
 
 def create_app(state: FrontendState) -> web.Application:
-    middlewares = [make_access_middleware(state), error_middleware, api_key_middleware, body_limit_middleware]
+    access = make_access_middleware(state, generation_paths(ROUTES))
+    middlewares = [access, error_middleware, api_key_middleware, body_limit_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=_APP_BODY_LIMIT)
     app[STATE] = state
     app.on_response_prepare.append(add_request_id_header)
-    app.add_routes(management_routes.routes)
-    app.add_routes(openai_routes.routes)
-    app.add_routes(embedding_routes.routes)
-    app.add_routes(lora_routes.routes)
-    app.add_routes(tokenize_routes.routes)
-    app.add_routes(openapi.routes)
-    app.add_routes(sglang_routes.routes)
+    app.add_routes(route.aiohttp_route() for route in [*ROUTES, *openapi.api.routes])
     return app

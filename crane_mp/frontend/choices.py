@@ -14,9 +14,8 @@ from typing import AsyncIterator
 
 import msgspec
 
-from crane_mp.frontend.engine_client import EngineDeadError
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.generation import Delta, Generation, GenerationError, start_generation
+from crane_mp.frontend.errors import ApiError, EngineDeadError, GenerationError
+from crane_mp.frontend.generation import Delta, Generation, start_generation
 from crane_mp.frontend.state import FrontendState
 from crane_mp.protocol import SamplingParams, TokenLogprobs
 
@@ -100,8 +99,6 @@ async def collect(gens: list[Generation]) -> list[Collected]:
     tasks = [asyncio.ensure_future(one(gen)) for gen in gens]
     try:
         return await asyncio.gather(*tasks)
-    except GenerationError as err:
-        raise ApiError(err.status, str(err)) from err
     finally:
         for task in tasks:
             task.cancel()
@@ -110,11 +107,8 @@ async def collect(gens: list[Generation]) -> list[Collected]:
 async def admitted(gens: list[Generation]) -> None:
     """Before a stream answers 200: wait until the scheduler accepted every generation, so a refusal
     (429 queue full, 400) is still an HTTP status and not an event inside a 200 stream."""
-    try:
-        for gen in gens:
-            await gen.admitted()
-    except GenerationError as err:
-        raise ApiError(err.status, str(err)) from err
+    for gen in gens:
+        await gen.admitted()
 
 
 async def merged_deltas(gens: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:

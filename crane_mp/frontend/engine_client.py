@@ -19,6 +19,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from crane_mp.frontend.errors import EngineDeadError
 from crane_mp.frontend.metrics import Metrics
 from crane_mp.ipc import Addresses, encode, frontend_decoder, make_socket
 from crane_mp.protocol import (
@@ -40,13 +41,6 @@ from crane_mp.protocol import (
 )
 
 log = logging.getLogger("crane_mp.frontend")
-_ERROR_STATUS = {ErrorKind.INVALID: 400, ErrorKind.OVERLOADED: 429, ErrorKind.INTERNAL: 500}
-TIMEOUT_STATUS = 408
-
-
-class EngineDeadError(RuntimeError):
-    """The scheduler or worker is gone; nothing more will arrive."""
-
 
 @dataclass(slots=True)
 class RequestStream:
@@ -59,7 +53,7 @@ class RequestStream:
     finish_reason: int | None = None
     stop_token_id: int | None = None
     error: str | None = None
-    error_status: int = 0  # the HTTP status that fits the error (503 once the engine is gone)
+    error_kind: ErrorKind = ErrorKind.INTERNAL  # why, with `error`
     admitted: bool = False  # the scheduler accepted the request (or it already finished)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -88,12 +82,12 @@ class RequestStream:
             self.embedding = out.embedding
         self.admitted = True
         if out.finish_reason is not None:
-            self.finish(out.finish_reason, out.error, _ERROR_STATUS.get(out.error_kind, 500))
+            self.finish(out.finish_reason, out.error, ErrorKind(out.error_kind))
             self.stop_token_id, self.queue_time = out.stop_token_id, out.queue_time
         self.changed.set()
 
-    def finish(self, reason: int, error: str | None = None, status: int = 0) -> None:
-        self.finish_reason, self.error, self.error_status = reason, error, status if error else 0
+    def finish(self, reason: int, error: str | None = None, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
+        self.finish_reason, self.error, self.error_kind = reason, error, kind
         if self.deadline is not None:
             self.deadline.cancel()
         self.changed.set()
@@ -169,7 +163,7 @@ class EngineClient:
         if stream is None or stream.finished:
             return
         stream.finish(FinishReason.ERROR, f"the request timed out after {self.request_timeout:g} s "
-                                          "(--request-timeout)", TIMEOUT_STATUS)
+                                          "(--request-timeout)", ErrorKind.TIMEOUT)
         if not self.dead:
             self.to_scheduler.send(encode(AbortRequest(rid)), zmq.NOBLOCK)
 
@@ -205,7 +199,7 @@ class EngineClient:
         """The engine died: end every open stream with an error so no client hangs."""
         self.dead = reason
         for stream in list(self.streams.values()):
-            stream.finish(FinishReason.ERROR, reason, 503)
+            stream.finish(FinishReason.ERROR, reason, ErrorKind.UNAVAILABLE)
         for future in self.replies.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))

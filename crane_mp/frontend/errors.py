@@ -1,10 +1,15 @@
-"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the matching HTTP status."""
+"""Every error the frontend answers: OpenAI's shape {"error": {"message", "type", "param", "code"}}, and
+the one map from why a request failed (protocol.ErrorKind) to its HTTP status."""
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
+from typing import Iterator
 
 from aiohttp import web
+
+from crane_mp.protocol import ErrorKind
 
 log = logging.getLogger("crane_mp.frontend")
 
@@ -24,12 +29,42 @@ REQUEST_ID = web.RequestKey("request_id", str)  # set by the access middleware
 RETRY_AFTER_SECONDS = 1
 
 
+_KIND_STATUS = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.OVERLOADED: 429,
+    ErrorKind.INTERNAL: 500,
+    ErrorKind.TIMEOUT: 408,
+    ErrorKind.UNAVAILABLE: 503,
+}
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+
+
+class GenerationError(ApiError):
+    """A request the engine ended with an error: its status follows from why (`kind`)."""
+
+    def __init__(self, message: str, kind: ErrorKind) -> None:
+        super().__init__(_KIND_STATUS.get(kind, 500), message)
+        self.kind = kind
+
+
+class EngineDeadError(RuntimeError):
+    """The scheduler or worker is gone; nothing more will arrive."""
+
+
+@contextmanager
+def engine_answer() -> Iterator[None]:
+    """Around a control request to the engine: no answer in time, or no engine, is a 503."""
+    try:
+        yield
+    except (TimeoutError, EngineDeadError) as err:
+        raise ApiError(503, f"the engine did not answer: {err or 'timeout'}") from err
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

@@ -15,18 +15,12 @@ from typing import AsyncIterator
 from crane_mp.frontend.access_log import current_record
 from crane_mp.frontend.detokenizer import Detokenizer
 from crane_mp.frontend.engine_client import EngineClient, RequestStream
-from crane_mp.protocol import FinishReason, PromptLogprobs, SamplingParams, TokenLogprobs
+from crane_mp.frontend.errors import GenerationError
+from crane_mp.protocol import ErrorKind, FinishReason, PromptLogprobs, SamplingParams, TokenLogprobs
 
 FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
-
-
-class GenerationError(RuntimeError):
-    """The request ended with an error; `status` is the HTTP status that fits: 400 refused as invalid,
-    429 too many waiting, 408 timed out, 500 its processing raised, 503 the engine is gone."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
+# How the metrics name a request that ended with an error, by why.
+_ERROR_FINISH_NAMES = {ErrorKind.TIMEOUT: "timeout", ErrorKind.OVERLOADED: "rejected"}
 
 
 @dataclass(slots=True)
@@ -114,11 +108,11 @@ class Generation:
     def error(self) -> GenerationError:
         stream = self.stream
         self.done = True  # the engine has finished with it (refused, failed, timed out: already aborted)
-        self.finish_name = {408: "timeout", 429: "rejected"}.get(stream.error_status, "error")
+        self.finish_name = _ERROR_FINISH_NAMES.get(stream.error_kind, "error")
         message = stream.error
-        if stream.error_status == 500 and self.request_id:
+        if stream.error_kind == ErrorKind.INTERNAL and self.request_id:
             message += f" (request id {self.request_id})"
-        return GenerationError(message, stream.error_status or 500)
+        return GenerationError(message, stream.error_kind)
 
     async def admitted(self) -> None:
         """Wait until the scheduler accepted the request; raises GenerationError if it refused it."""

@@ -12,18 +12,17 @@ from aiohttp import web
 
 from crane_mp import __version__
 from crane_mp.frontend.choices import collect, open_choices
-from crane_mp.frontend.engine_client import EngineDeadError
-from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.errors import ApiError, EngineDeadError, engine_answer
 from crane_mp.frontend.http import json_response
+from crane_mp.frontend.routing import RouteTable
 from crane_mp.frontend.state import STATE, FrontendState
 from crane_mp.protocol import EngineStats, SamplingParams
 
-routes = web.RouteTableDef()
+api = RouteTable()
+
+
 # Open without a key: liveness probes and load balancers must not need the secret.
-OPEN_PATHS = frozenset({"/health"})
-
-
-@routes.get("/health")
+@api.add("get", "/health", open=True, errors=("503",), summary="Liveness and readiness")
 async def health(request: web.Request) -> web.Response:
     """Liveness and readiness: 200 once the whole pipeline is ready, 503 while starting or draining."""
     state = request.app[STATE]
@@ -34,31 +33,23 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def _stats(state: FrontendState) -> EngineStats:
-    try:
+    with engine_answer():
         return await state.client.control("stats", timeout=5.0)
-    except (TimeoutError, EngineDeadError) as err:
-        raise ApiError(503, f"the engine did not answer: {err or 'timeout'}") from err
 
 
-@routes.get("/v1/stats")
+@api.add("get", "/v1/stats", requires=FrontendState.require_ready, errors=("503",), summary="Engine counters")
 async def stats(request: web.Request) -> web.Response:
     """Engine counters from the scheduler: running/waiting sequences, KV blocks, totals, decode rate."""
-    state = request.app[STATE]
-    state.require_ready()
-    snapshot = await _stats(state)
+    snapshot = await _stats(request.app[STATE])
     return json_response({f: getattr(snapshot, f) for f in snapshot.__struct_fields__ if f != "token"})
 
 
-@routes.post("/flush_cache")
-@routes.get("/flush_cache")
+@api.add("post", "/flush_cache", requires=FrontendState.require_ready, summary="Drop cached prefixes")
+@api.add("get", "/flush_cache", requires=FrontendState.require_ready)
 async def flush_cache(request: web.Request) -> web.Response:
     """Drop the prefix cache. Refused with 400 while requests are queued or running, as SGLang does."""
-    state = request.app[STATE]
-    state.require_ready()
-    try:
-        reply = await state.client.control("flush_cache", timeout=5.0)
-    except (TimeoutError, EngineDeadError) as err:
-        raise ApiError(503, f"the engine did not answer: {err or 'timeout'}") from err
+    with engine_answer():
+        reply = await request.app[STATE].client.control("flush_cache", timeout=5.0)
     if not reply.ok:
         return json_response({"success": False, "message": f"Cache not flushed: {reply.message}."}, status=400)
     return json_response({"success": True, "message": "Cache flushed."})
@@ -79,8 +70,8 @@ def _model_info(state: FrontendState) -> dict[str, Any]:
     }
 
 
-@routes.get("/model_info")
-@routes.get("/get_model_info")
+@api.add("get", "/model_info", summary="Model metadata")
+@api.add("get", "/get_model_info")
 async def model_info(request: web.Request) -> web.Response:
     return json_response(_model_info(request.app[STATE]))
 
@@ -103,11 +94,11 @@ def _server_args(state: FrontendState) -> dict[str, Any]:
     }
 
 
-@routes.get("/server_info")
-@routes.get("/get_server_info")
+@api.add("get", "/server_info", requires=FrontendState.require_ready, errors=("503",),
+         summary="Server arguments and live engine stats")
+@api.add("get", "/get_server_info", requires=FrontendState.require_ready)
 async def server_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    state.require_ready()
     stats = await _stats(state)
     info = state.engine_info
     return json_response({
@@ -138,12 +129,12 @@ async def server_info(request: web.Request) -> web.Response:
     })
 
 
-@routes.get("/health_generate")
+@api.add("get", "/health_generate", requires=FrontendState.require_ready, errors=("503",),
+         summary="Deep health check: one generated token")
 async def health_generate(request: web.Request) -> web.Response:
     """Deep check: one generated token through frontend, scheduler and worker within
     --health-generate-timeout seconds (30), else 503."""
     state = request.app[STATE]
-    state.require_ready()
     params = SamplingParams(temperature=0.0, ignore_eos=True)
     async with open_choices(state, [[0]], 1, params, [1], [], True) as gens:
         try:
@@ -153,7 +144,7 @@ async def health_generate(request: web.Request) -> web.Response:
     return json_response({"status": "ok", "tokens": len(outs[0].token_ids)})
 
 
-@routes.get("/metrics")
+@api.add("get", "/metrics", summary="Prometheus metrics")
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     stats = None

@@ -1,7 +1,7 @@
 """OpenAI response bodies and stream chunks, built from what the generations produced: no I/O here, so
 every shape is testable without a server (tests/unit/test_openai_responses.py).
 
-A chat answer that offered tools is read for tool calls (tool_calls.py): content and `tool_calls`
+A chat answer that offered tools is read for tool calls (tools/parser.py): content and `tool_calls`
 apart, `finish_reason: "tool_calls"` when the model stopped after calling.
 """
 
@@ -15,7 +15,8 @@ import numpy as np
 
 from crane_mp.frontend.generation import Delta
 from crane_mp.frontend.logprobs_format import TokenText, chat_logprobs, completion_logprobs
-from crane_mp.frontend.tool_calls import ToolCallParser, ToolFormat, parse_tool_calls
+from crane_mp.frontend.tools.formats import ToolFormat
+from crane_mp.frontend.tools.parser import ToolCallParser, parse_tool_calls
 from crane_mp.protocol import PromptLogprobs
 
 

@@ -4,31 +4,32 @@ from __future__ import annotations
 
 import time
 import uuid
-from contextlib import aclosing
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from aiohttp import web
 
-from crane_mp.frontend.choices import admitted, collect, merged_deltas, open_choices, resolve_max_tokens
-from crane_mp.frontend.errors import ApiError, error_body
-from crane_mp.frontend.generation import Generation, GenerationError
+from crane_mp.frontend.choices import Collected
+from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.generation import Delta, Generation
 from crane_mp.frontend.logprobs_format import scored_prompt_positions
-from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, json_response, resolve_model, sse_event
-from crane_mp.frontend.openai_schemas import decode_body, prompt_inputs, stop_strings
+from crane_mp.frontend.http import json_response, resolve_model
+from crane_mp.frontend.openai_schemas import prompt_inputs, stop_strings
+from crane_mp.frontend.pipeline import Plan, prompt_ids, serve
+from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.frontend.sglang_schemas import AbortBody, SGLangGenerateRequest, SGLangSamplingParams
 from crane_mp.frontend.state import STATE, FrontendState
 
-routes = web.RouteTableDef()
+api = RouteTable()
 
 
 async def _prompts(state: FrontendState, req: SGLangGenerateRequest) -> tuple[list[list[int]], bool]:
     """Token ids per prompt, and whether the request was a batch (answered with a list)."""
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids", "text")
-    limit = state.engine_info.max_model_len
     if req.text is not None:
         texts = [req.text] if isinstance(req.text, str) else req.text
-        return [await state.tokenizer.encode(t, limit - 1, "text") for t in texts], isinstance(req.text, list)
+        return [await prompt_ids(state, t, "text") for t in texts], isinstance(req.text, list)
     batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
     return prompt_inputs(req.input_ids, state.engine_info.vocab_size, "input_ids"), batch
 
@@ -67,25 +68,49 @@ def _logprob_info(state: FrontendState, req: SGLangGenerateRequest, gen: Generat
     return info
 
 
-@routes.post("/generate")
-async def generate(request: web.Request) -> web.StreamResponse:
+@api.add("post", "/generate", body=SGLangGenerateRequest, requires=FrontendState.require_generative,
+         generation=True, errors=GENERATION_ERRORS, summary="SGLang native generation (SSE when stream=true)")
+async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.StreamResponse:
     state = request.app[STATE]
-    state.require_generative()
-    req = decode_body(await request.read(), SGLangGenerateRequest)
     _, lora_id = resolve_model(state, req.model)
     sp = req.sampling_params or SGLangSamplingParams()
     prompts, batch = await _prompts(state, req)
     lora_ids = _lora_ids(state, req.lora_path, len(prompts), lora_id)
-    # max_new_tokens=0 scores the input (with return_logprob): the engine still makes one token.
-    max_tokens = [resolve_max_tokens(state, len(p), max(sp.max_new_tokens, 1), "input_ids") for p in prompts]
     logprobs = req.top_logprobs_num if req.return_logprob else None
     wants_input = req.return_logprob and req.logprob_start_len >= 0
     params = sp.to_sampling(state.engine_info.vocab_size, logprobs, req.top_logprobs_num if wants_input else None)
     params = await state.grammars.constrain(params, sp.constraint(), state.engine_info)
     names = _request_names(req.rid, len(prompts), sp.n)
-    async with open_choices(state, prompts, sp.n, params, max_tokens, stop_strings(sp.stop), sp.skip_special_tokens,
-                            discard_output=sp.max_new_tokens == 0, names=names, lora_ids=lora_ids) as gens:
-        return await _generate_response(request, req, sp, prompts, batch, names, gens)
+    # max_new_tokens=0 scores the input (with return_logprob).
+    plan = Plan(prompts, params, sp.max_new_tokens, "input_ids", sp.n, stop_strings(sp.stop), sp.skip_special_tokens,
+                names=names, lora_ids=lora_ids)
+    started = time.monotonic()
+
+    def result(gens: list[Generation], index: int, text: str, ids: list[int], logprobs_list, finish) -> dict[str, Any]:
+        gen = gens[index]
+        meta = {"id": names[index], "prompt_tokens": gen.prompt_tokens, "completion_tokens": len(ids),
+                "cached_tokens": gen.cached_tokens, "finish_reason": finish,
+                "e2e_latency": round(time.monotonic() - started, 6)}
+        if req.return_logprob:
+            meta.update(_logprob_info(state, req, gen, prompts[index // sp.n], ids, logprobs_list))
+        body = {"text": text, "output_ids": ids, "meta_info": meta}
+        if batch or sp.n > 1:
+            body["index"] = index
+        return body
+
+    def render(gens: list[Generation]):
+        if req.stream:
+            return SGLangStream(len(gens), lambda *args: result(gens, *args))
+
+        def body(outs: list[Collected]) -> Any:
+            bodies = [result(gens, i, o.text, o.token_ids, o.logprobs,
+                             _finish_reason(o.finish_reason, o.stop_reason, len(o.token_ids)))
+                      for i, o in enumerate(outs)]
+            return bodies if batch or sp.n > 1 else bodies[0]
+
+        return body
+
+    return await serve(request, state, plan, render)
 
 
 def _lora_ids(state: FrontendState, lora_path: str | list[str | None] | None, num_prompts: int,
@@ -114,62 +139,37 @@ def _request_names(rid: str | list[str] | None, num_prompts: int, n: int) -> lis
     return [name for name in per_prompt for _ in range(n)]
 
 
-async def _generate_response(request, req: SGLangGenerateRequest, sp: SGLangSamplingParams, prompts, batch: bool,
-                             names: list[str], gens: list[Generation]) -> web.StreamResponse:
-    state = request.app[STATE]
-    started = time.monotonic()
+@dataclass(slots=True)
+class SGLangStream:
+    """SGLang's framing: every chunk carries the output so far (text and ids)."""
 
-    def result(index: int, text: str, ids: list[int], logprobs_list, finish) -> dict[str, Any]:
-        gen = gens[index]
-        meta = {"id": names[index], "prompt_tokens": gen.prompt_tokens, "completion_tokens": len(ids),
-                "cached_tokens": gen.cached_tokens, "finish_reason": finish,
-                "e2e_latency": round(time.monotonic() - started, 6)}
-        if req.return_logprob:
-            meta.update(_logprob_info(state, req, gen, prompts[index // sp.n], ids, logprobs_list))
-        body = {"text": text, "output_ids": ids, "meta_info": meta}
-        if batch or sp.n > 1:
-            body["index"] = index
-        return body
+    count: int
+    result: Callable[..., dict[str, Any]]
+    texts: list[str] = field(init=False)
+    ids: list[list[int]] = field(init=False)
+    logprobs: list[list] = field(init=False)
 
-    if req.stream:
-        return await _stream(request, gens, result)
-    outs = await collect(gens)
-    bodies = [result(i, o.text, o.token_ids, o.logprobs, _finish_reason(o.finish_reason, o.stop_reason, len(o.token_ids)))
-              for i, o in enumerate(outs)]
-    return json_response(bodies if batch or sp.n > 1 else bodies[0])
+    def __post_init__(self) -> None:
+        self.texts = [""] * self.count
+        self.ids = [[] for _ in range(self.count)]
+        self.logprobs = [[] for _ in range(self.count)]
 
+    def chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+        self.texts[index] += delta.text
+        self.ids[index] += delta.token_ids
+        self.logprobs[index] += delta.logprobs
+        finish = _finish_reason(delta.finish_reason, delta.stop_reason, len(self.ids[index]))
+        return [self.result(index, self.texts[index], self.ids[index], self.logprobs[index], finish)]
 
-async def _stream(request: web.Request, gens: list[Generation], result) -> web.StreamResponse:
-    """SGLang's framing: every chunk carries the output so far (text and ids), then [DONE]."""
-    await admitted(gens)
-    response = web.StreamResponse(headers=SSE_HEADERS)
-    await response.prepare(request)
-    texts = [""] * len(gens)
-    ids: list[list[int]] = [[] for _ in gens]
-    logprobs: list[list] = [[] for _ in gens]
-    try:
-        async with aclosing(merged_deltas(gens)) as deltas:
-            async for index, delta in deltas:
-                texts[index] += delta.text
-                ids[index] += delta.token_ids
-                logprobs[index] += delta.logprobs
-                finish = _finish_reason(delta.finish_reason, delta.stop_reason, len(ids[index]))
-                payload = result(index, texts[index], ids[index], logprobs[index], finish)
-                await response.write(sse_event(payload))
-    except GenerationError as err:
-        await response.write(sse_event(error_body(err.status, str(err))))
-    await response.write(SSE_DONE)
-    await response.write_eof()
-    return response
+    def closing(self) -> list[dict[str, Any]]:
+        return []
 
 
-@routes.post("/abort_request")
-async def abort_request(request: web.Request) -> web.Response:
+@api.add("post", "/abort_request", body=AbortBody, requires=FrontendState.require_ready, errors=("400", "413"),
+         summary="Abort a /generate request by its rid")
+async def abort_request(request: web.Request, body: AbortBody) -> web.Response:
     """Abort by the client's name for a request: an SGLang rid, an OpenAI response id (chatcmpl-...,
     cmpl-...) or an X-Request-Id, whichever frontend serves it. Unknown or finished ones are a no-op
     success."""
-    state = request.app[STATE]
-    state.require_ready()
-    body = decode_body(await request.read(), AbortBody)
-    await state.client.abort_named(body.rid)
+    await request.app[STATE].client.abort_named(body.rid)
     return json_response({"success": True, "rid": body.rid})

@@ -65,12 +65,17 @@ class FrontendState:
         if self.engine_info is None:
             raise ApiError(503, "the server is starting; the model is not loaded yet")
 
-
     def require_generative(self) -> None:
         """Generation routes: a 400 on a server started for embeddings (its model may have no lm_head)."""
         self.require_ready()
         if self.config.engine.task == "embed":
             raise ApiError(400, "this server serves an embedding model (--task embed): use /v1/embeddings")
+
+    def require_embedding(self) -> None:
+        """/v1/embeddings: a 400 on a server started to generate text."""
+        self.require_ready()
+        if self.config.engine.task != "embed":
+            raise ApiError(400, "this server generates text; serve an embedding model with --task embed")
 
 
 STATE = web.AppKey("state", FrontendState)

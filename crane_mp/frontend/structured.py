@@ -151,6 +151,6 @@ def to_grammar(constraint: Constraint) -> str:
             raise
         except Exception as err:  # the GBNF converter raises whatever its parser hit
             raise ValueError(f"cannot read the grammar as GBNF/EBNF or Lark: {err}") from None
-    if kind == "lark":  # tool calling's own grammars (tool_calls.py), already Lark
+    if kind == "lark":  # tool calling's own grammars (tools/forcing.py), already Lark
         return LLMatcher.grammar_from_lark(source)
     raise ValueError(f"unknown constraint kind {kind!r}")

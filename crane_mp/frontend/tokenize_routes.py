@@ -10,10 +10,11 @@ from aiohttp import web
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.fields import TokenId
 from crane_mp.frontend.http import check_model, json_response
-from crane_mp.frontend.openai_schemas import ChatMessage, chat_messages, decode_body
-from crane_mp.frontend.state import STATE
+from crane_mp.frontend.openai_schemas import ChatMessage, chat_messages
+from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
+from crane_mp.frontend.state import STATE, FrontendState
 
-routes = web.RouteTableDef()
+api = RouteTable()
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -34,12 +35,12 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     tokens: list[TokenId]
 
 
-@routes.post("/tokenize")
-@routes.post("/v1/tokenize")
-async def tokenize(request: web.Request) -> web.Response:
+# Ready first: the context window bounds how much text is tokenized.
+@api.add("post", "/tokenize", body=TokenizeRequest, requires=FrontendState.require_ready)
+@api.add("post", "/v1/tokenize", body=TokenizeRequest, requires=FrontendState.require_ready, errors=GENERATION_ERRORS,
+         summary="Text or chat messages to token ids")
+async def tokenize(request: web.Request, req: TokenizeRequest) -> web.Response:
     state = request.app[STATE]
-    state.require_ready()  # the context window bounds how much text is tokenized
-    req = decode_body(await request.read(), TokenizeRequest)
     check_model(state, req.model)
     sources = [x is not None for x in (req.prompt, req.text, req.messages)]
     if sum(sources) != 1:
@@ -58,11 +59,10 @@ async def tokenize(request: web.Request) -> web.Response:
     return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": limit})
 
 
-@routes.post("/detokenize")
-@routes.post("/v1/detokenize")
-async def detokenize(request: web.Request) -> web.Response:
+@api.add("post", "/detokenize", body=DetokenizeRequest)
+@api.add("post", "/v1/detokenize", body=DetokenizeRequest, errors=("400", "404", "413"), summary="Token ids to text")
+async def detokenize(request: web.Request, req: DetokenizeRequest) -> web.Response:
     state = request.app[STATE]
-    req = decode_body(await request.read(), DetokenizeRequest)
     check_model(state, req.model)
     # The model's vocabulary, as /openapi.json states it (ids past the tokenizer's own decode to nothing).
     vocab = state.engine_info.vocab_size if state.engine_info else len(state.tokenizer.tokenizer)

@@ -17,7 +17,7 @@ from jinja2 import Environment, TemplateSyntaxError, meta
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.logprobs_format import TokenText
 from crane_mp.frontend.openai_schemas import check_nesting
-from crane_mp.frontend.tool_calls import MARKER_TEXTS
+from crane_mp.frontend.tools.formats import MARKER_TEXTS
 from crane_mp.model_tokenizer import load_tokenizer
 
 # Below this many characters encoding is faster than a thread hand-off.

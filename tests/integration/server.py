@@ -36,7 +36,11 @@ class Server:
         # Own session: teardown can kill every process the server started, whatever happened.
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=None if env is None else {**os.environ, **env})
-        self.pids = self._wait_ready() if wait else {}
+        try:
+            self.pids = self._wait_ready() if wait else {}
+        except BaseException:
+            self.kill_all()  # the caller never gets this Server to clean up
+            raise
 
     def _wait_ready(self, timeout: float = 120) -> dict[str, int]:
         deadline = time.monotonic() + timeout

@@ -9,7 +9,7 @@ import json
 import msgspec
 import pytest
 
-from crane_mp.frontend import openai_routes
+from crane_mp.frontend import pipeline
 from crane_mp.frontend.fields import INT64_MAX
 from crane_mp.testing.make_model import make_model
 from tests.unit.frontend_harness import start_frontend, stop_frontend
@@ -144,7 +144,7 @@ async def test_every_request_is_unregistered_however_it_ends(frontend, monkeypat
     # A failure after registration (a bug while building the response).
     async def broken(*args):
         raise RuntimeError("bug")
-    monkeypatch.setattr(openai_routes, "_completion_response", broken)
+    monkeypatch.setattr(pipeline, "collect", broken)
     assert (await client.post("/v1/completions", json={"prompt": "hi", "n": 2})).status == 500
     assert set(fake.aborts[-2:]) == {req.rid for req in fake.requests[-2:]}
     monkeypatch.undo()

@@ -14,7 +14,7 @@ from crane_mp.frontend.openai_responses import (
     completion_choice,
     usage,
 )
-from crane_mp.frontend.tool_calls import FORMATS
+from crane_mp.frontend.tools.formats import FORMATS
 from crane_mp.protocol import PromptLogprobs, TokenLogprobs
 
 BASE = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m"}

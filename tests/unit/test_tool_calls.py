@@ -12,14 +12,9 @@ from llguidance import LLMatcher
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.openai_schemas import NamedFunction, NamedToolChoice
 from crane_mp.frontend.structured import to_grammar
-from crane_mp.frontend.tool_calls import (
-    FORMATS,
-    ToolCallParser,
-    check_tools,
-    forced_call_constraint,
-    parse_tool_calls,
-    tool_format,
-)
+from crane_mp.frontend.tools.forcing import forced_call_constraint
+from crane_mp.frontend.tools.formats import FORMATS, check_tools, tool_format
+from crane_mp.frontend.tools.parser import ToolCallParser, parse_tool_calls
 from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
 from crane_mp.testing.make_model import make_model
 

@@ -1,0 +1,98 @@
+"""The one generation pipeline every API adapter ends in.
+
+An adapter (OpenAI chat and completions, SGLang /generate, embeddings) turns its body into a `Plan`:
+token ids per prompt (through `prompt_ids`, which holds the prompt-room rule), sampling, how many
+samples, the output budget, stop strings and names. `serve` then does what every API shares: each
+prompt's max_tokens within the context window, submission, admission before a stream answers 200,
+streaming through the one SSE writer or collecting for one JSON body, aborts when the client leaves,
+and errors as HTTP statuses (errors.py). What differs per API is only its `Renderer`.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from aiohttp import web
+
+from crane_mp.frontend.choices import Collected, admitted, collect, merged_deltas, open_choices, resolve_max_tokens
+from crane_mp.frontend.errors import GenerationError, error_body
+from crane_mp.frontend.generation import Delta, Generation
+from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, json_response, sse_event
+from crane_mp.frontend.state import FrontendState
+from crane_mp.protocol import SamplingParams
+
+
+async def prompt_ids(state: FrontendState, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
+    """A prompt as token ids: text is tokenized and must leave room for one output token (a 400 naming
+    `param` otherwise); token ids are used as given (no BOS added), their length checked by `serve`."""
+    if not isinstance(prompt, str):
+        return prompt
+    return await state.tokenizer.encode(prompt, state.engine_info.max_model_len - 1, param, add_special_tokens)
+
+
+@dataclass(slots=True)
+class Plan:
+    """What one API request asks of the engine. `max_tokens`: the output budget asked for (None: all the
+    room the context window leaves); 0 scores the prompt alone, the engine making one token that no
+    one sees. `param`: the body field the prompts came from, which a too-long prompt's 400 names."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    max_tokens: int | None
+    param: str
+    n: int = 1
+    stop: list[str] | None = None
+    skip_special_tokens: bool = True
+    names: str | list[str] | None = None  # what /abort_request may call the generations
+    lora_ids: list[int] | None = None  # per prompt, where prompts use different adapters
+
+
+class EventStream(Protocol):
+    """A streamed response's shape: `chunks` per delta, then `closing` (e.g. a usage chunk), each
+    payload one SSE event."""
+
+    def chunks(self, index: int, delta: Delta) -> list[Any]: ...
+
+    def closing(self) -> list[Any]: ...
+
+
+# A response body from every choice's collected output.
+BodyMaker = Callable[[list[Collected]], Any]
+
+
+async def serve(request: web.Request, state: FrontendState, plan: Plan,
+                render: Callable[[list[Generation]], EventStream | BodyMaker]) -> web.StreamResponse:
+    """Run `plan` and answer with what `render(generations)` gives: an event stream, or the maker of one
+    JSON body."""
+    hidden = plan.max_tokens == 0
+    requested = 1 if hidden else plan.max_tokens
+    budgets = [resolve_max_tokens(state, len(prompt), requested, plan.param) for prompt in plan.prompts]
+    async with open_choices(state, plan.prompts, plan.n, plan.params, budgets, plan.stop or [],
+                            plan.skip_special_tokens, discard_output=hidden, names=plan.names,
+                            lora_ids=plan.lora_ids) as gens:
+        rendered = render(gens)
+        if callable(rendered):
+            return json_response(rendered(await collect(gens)))
+        return await _write_sse(request, gens, rendered)
+
+
+async def _write_sse(request: web.Request, gens: list[Generation], renderer: EventStream) -> web.StreamResponse:
+    """200 once every generation is admitted (a refusal is still an HTTP status), then the renderer's
+    events as deltas arrive and `data: [DONE]`; a failure after the 200 is an error event."""
+    await admitted(gens)
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    try:
+        async with aclosing(merged_deltas(gens)) as deltas:
+            async for index, delta in deltas:
+                for payload in renderer.chunks(index, delta):
+                    await response.write(sse_event(payload))
+        for payload in renderer.closing():
+            await response.write(sse_event(payload))
+    except GenerationError as err:
+        await response.write(sse_event(error_body(err.status, str(err))))
+    await response.write(SSE_DONE)
+    await response.write_eof()
+    return response
