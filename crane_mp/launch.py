@@ -92,7 +92,7 @@ class Launcher:
             self._await(conn, "the frontend was binding its port")
         info = msgspec.msgpack.decode(self._await(worker_conn, "the worker was loading the model"), type=WorkerReady)
         sched_cfg = scheduler_config(
-            cfg.engine, info.num_blocks, info.max_model_len, tuple(info.eos_token_ids), on_cpu=info.device == "Cpu",
+            cfg.engine, info.num_blocks, info.max_model_len, tuple(info.eos_token_ids), on_cpu=info.device_type == "cpu",
             max_queue=cfg.max_queue, prefill_seconds_per_token=info.prefill_seconds_per_token,
         )
         sched_conn = self._spawn(

@@ -301,7 +301,7 @@ class WorkerReady(msgspec.Struct):
     vocab_size: int
     eos_token_ids: list[int]
     arch: str
-    device: str  # crane-oai's label: "Cuda(0)" or "Cpu"
+    device: str  # crane-oai's label, for people: "Cuda(0)" or "Cpu"
     dtype: str
     isa: str  # the CPU tier in use (worker/kernels/cpu_isa.py), e.g. "avx2"
     kernel_isa: str  # the tier our native CPU kernels run at, or "portable" (torch ops)
@@ -309,6 +309,7 @@ class WorkerReady(msgspec.Struct):
     weight_types: str = ""  # a GGUF file's tensor types, e.g. "Q4_K x 169, Q6_K x 29, F32 x 57"
     weights_file_bytes: int = 0  # bytes of tensor data in the model file(s)
     hidden_size: int = 0  # the width of an embedding
+    device_type: str = "cpu"  # torch's device type ("cpu", "cuda"): what code decides on
     kv_cache_dtype: str = ""  # the KV cache's storage, e.g. "float16"
     prefill_seconds_per_token: float = 0.0  # CPU: the warm-up step's time per token (0: unknown)
     quantized_activations: str = "n/a"  # GGUF matmuls: "int8" or "float" activations; "n/a" without GGUF

@@ -46,6 +46,7 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
         eos_token_ids=list(loaded.model_config.eos_token_ids),
         arch=loaded.model_config.arch,
         device=device_label(loaded.device),
+        device_type=loaded.device.type,
         dtype=str(loaded.dtype).removeprefix("torch."),
         isa=isa,
         kernel_isa=kernel_isa,
