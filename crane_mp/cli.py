@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests allowed to wait for a running slot; beyond it a request gets 429 with Retry-After")
     p.add_argument("--request-timeout", type=_seconds, default=0.0,
                    help="end a request that waited and ran longer than this many seconds with an error; 0 = never")
-    p.add_argument("--num-frontends", type=_positive_int, default=default_num_frontends(),
+    # No default here: it depends on the host's cores, and the flags page is generated from this parser.
+    p.add_argument("--num-frontends", type=_positive_int,
                    help="HTTP frontend processes sharing the port (SO_REUSEPORT); default: one per 8 cores, at most 4")
     p.add_argument("--shutdown-grace", type=_seconds, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
@@ -210,6 +211,8 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         cpu_isa_cap()
     except ValueError as err:
         parser.error(str(err))
+    if args.num_frontends is None:
+        args.num_frontends = default_num_frontends()
     if args.num_frontends > 1 and args.port == 0:
         parser.error("argument --port: several frontends need one known port, not 0")
     _pick_model_layer(args, sources)
