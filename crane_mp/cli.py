@@ -25,7 +25,7 @@ from crane_mp.config import (
 from crane_mp.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
 from crane_mp.pooling import POOLING_METHODS, Pooling, sentence_transformers_pooling
 from crane_mp.settings import SettingsError, resolve, settable_actions, unknown_env_names
-from crane_mp.worker.model_config import MODEL_TYPE_ALIASES
+from crane_mp.worker.models.registry import MODEL_TYPE_ALIASES
 
 
 def _int_at_least(minimum: int):

@@ -1,5 +1,5 @@
 """GGUF model files: find them, read their headers (gguf_header.py), check them, read their
-hyper-parameters.
+hyper-parameters. Which architectures a file may declare: worker/models/registry.py.
 
 Every problem with a file becomes one GGUFFileError whose message names the file and what is wrong:
 crane-launch checks a file before it starts any process (a bad file exits at once with that line),
@@ -18,17 +18,8 @@ from typing import Any
 import numpy as np
 
 from crane_mp.gguf_header import BigEndianFile, HeaderError, StringArray, read_header
+from crane_mp.worker.models.registry import GGUF_ARCHITECTURES, GGUF_LAYER_NAMES
 
-# general.architecture -> (our architecture, transformers' model_type). llama.cpp files Mistral
-# (before Mistral 3) as "llama", which our Llama model serves.
-GGUF_ARCHITECTURES = {
-    "llama": ("llama", "llama"),
-    "qwen2": ("qwen2", "qwen2"),
-    "qwen3": ("qwen3", "qwen3"),
-    "hunyuan-dense": ("hunyuan", "hunyuan_v1_dense"),
-}
-# Architectures whose q/k rows llama.cpp's converter permutes for its interleaved rope.
-PERMUTED_QK_ARCHS = frozenset({"llama"})
 # Types served (worker/quantized/formats.py and kernels/gguf_matmul.cpp); ggml's ids.
 SERVED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
                 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -174,10 +165,6 @@ def expected_shapes(shape: GGUFShape) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-_REQUIRED_PER_LAYER = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                       "ffn_down")
-
-
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
     """Where one tensor's bytes lie in the file."""
@@ -249,7 +236,7 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
         types[SERVED_TYPES[qtype]] += 1
         infos[tensor.name] = TensorInfo(tensor.name, int(qtype), dims, tensor.offset, n_bytes)
     required = ["token_embd.weight", "output_norm.weight"] + [
-        f"blk.{i}.{name}.weight" for i in range(shape.layers) for name in _REQUIRED_PER_LAYER
+        f"blk.{i}.{name}.weight" for i in range(shape.layers) for name in GGUF_LAYER_NAMES
     ]
     missing = [name for name in required if name not in infos]
     if missing:
@@ -267,6 +254,16 @@ def _tensor_type(type_id: int, path: Path):
             f"{path}: a tensor has type id {type_id}, which is no GGML type crane-mp knows "
             f"(supported: {', '.join(sorted(set(SERVED_TYPES.values())))})"
         ) from None
+
+
+def rope_freq_factors(path: Path, infos: dict[str, TensorInfo]) -> list[float]:
+    """Llama 3's rope scaling, which llama.cpp stores as a per-frequency divisor tensor (F32)."""
+    info = infos["rope_freqs.weight"]
+    if SERVED_TYPES[info.qtype] != "F32":
+        raise ValueError(f"{path}: rope_freqs.weight must be F32")
+    with open(path, "rb") as file:
+        file.seek(info.offset)
+        return np.frombuffer(file.read(info.n_bytes), dtype="<f4").astype(float).tolist()
 
 
 def describe_types(types: Counter) -> str:

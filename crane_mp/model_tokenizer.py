@@ -3,18 +3,22 @@ spells which bytes) both need it: loaded the same way in every process, so token
 
 from __future__ import annotations
 
-from crane_mp.gguf_file import resolve_model_source
+from crane_mp.gguf_file import ModelSource, resolve_model_source
 
 # Any of these beside a GGUF file is a tokenizer the user chose over the file's metadata.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(model_path: str, model_format: str = "auto"):
+    """The tokenizer of the model at --model-path/--format (the frontend's entry: it resolves the path)."""
+    return source_tokenizer(resolve_model_source(model_path, model_format))
+
+
+def source_tokenizer(source: ModelSource):
     """The model's tokenizer: its files, or for a GGUF file without them, the one transformers builds
     from the file's tokenizer.ggml.* metadata (vocabulary, merges, token types, special ids, template)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    source = resolve_model_source(model_path, model_format)
     if source.format != "gguf" or any((source.model_dir / name).is_file() for name in _TOKENIZER_FILES):
         return AutoTokenizer.from_pretrained(str(source.model_dir))
     # The generic fast tokenizer, not AutoTokenizer: that one first reads the file's config through the

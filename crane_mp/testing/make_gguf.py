@@ -20,33 +20,17 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from safetensors.numpy import load_file
 
-from crane_mp.gguf_file import GGUF_ARCHITECTURES, PERMUTED_QK_ARCHS
 from crane_mp.testing import kquants
-from crane_mp.worker.quantized.gguf_loader import GLOBAL_NAMES, LAYER_NAMES, QK_NORMS
+from crane_mp.worker.models.registry import ARCHITECTURES, PERMUTED_QK_ARCHS, gguf_name
 
-# Our model types -> general.architecture; llama.cpp writes (pre-v3) Mistral as "llama".
-GGUF_ARCH = {hf_type: arch for arch, (_, hf_type) in GGUF_ARCHITECTURES.items()} | {"mistral": "llama"}
-
-_LAYER_NAMES = {hf: short for short, hf in LAYER_NAMES.items()} | {
-    hf: short for pair in QK_NORMS.values() for hf, short in zip(pair, ("attn_q_norm", "attn_k_norm"))
-}
-_GLOBAL_NAMES = {hf: name for name, hf in GLOBAL_NAMES.items()}
+# transformers' model types -> the general.architecture llama.cpp writes ("llama" for pre-v3 Mistral).
+GGUF_ARCH = {arch.hf_model_type: arch.gguf_arch for arch in ARCHITECTURES.values()}
 
 MIXES = {"Q4_K_M": (T.Q4_K, T.Q6_K), "Q5_K_M": (T.Q5_K, T.Q6_K)}
 _QUANTIZERS = {T.Q4_K: kquants.quantize_q4_k, T.Q5_K: kquants.quantize_q5_k, T.Q6_K: kquants.quantize_q6_k}
 _BLOCK = {T.Q8_0: 32, T.Q4_0: 32, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256, T.F32: 1, T.F16: 1, T.BF16: 1}
 _FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 15, "Q4_K_M": 15, "Q5_K": 17, "Q5_K_M": 17,
                "Q6_K": 18, "BF16": 32}
-
-
-def gguf_name(hf_name: str) -> str:
-    stem, _, kind = hf_name.rpartition(".")
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{kind}"
-    parts = stem.split(".")
-    if parts[:2] == ["model", "layers"]:
-        return f"blk.{parts[2]}.{_LAYER_NAMES['.'.join(parts[3:])]}.{kind}"
-    raise ValueError(f"no GGUF name for {hf_name}")
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:

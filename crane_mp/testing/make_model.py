@@ -19,26 +19,36 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from crane_mp.testing.tokenizer import write_json, write_tokenizer
+from crane_mp.worker.models.registry import ARCHITECTURES
 
 
 @dataclass(frozen=True)
 class _Arch:
-    model_type: str
-    architecture: str
+    """How our random checkpoints of one registry architecture are configured; its names come from registry.py."""
+
+    name: str
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
     extra: tuple[tuple[str, Any], ...] = ()
 
+    @property
+    def model_type(self) -> str:
+        return ARCHITECTURES[self.name].hf_model_type
 
-ARCHS: dict[str, _Arch] = {
-    "llama": _Arch("llama", "LlamaForCausalLM", 500000.0, 1e-5, False),
-    "qwen2": _Arch("qwen2", "Qwen2ForCausalLM", 1000000.0, 1e-6, False, (("use_sliding_window", False),)),
+    @property
+    def architecture(self) -> str:
+        return ARCHITECTURES[self.name].hf_classes[0]
+
+
+ARCHS: dict[str, _Arch] = {arch.name: arch for arch in (
+    _Arch("llama", 500000.0, 1e-5, False),
+    _Arch("qwen2", 1000000.0, 1e-6, False, (("use_sliding_window", False),)),
     # Qwen3 at 0.6B-4B ties its embeddings; our models are far smaller still.
-    "qwen3": _Arch("qwen3", "Qwen3ForCausalLM", 1000000.0, 1e-6, True, (("use_sliding_window", False),)),
-    "mistral": _Arch("mistral", "MistralForCausalLM", 1000000.0, 1e-5, False, (("sliding_window", None),)),
-    "hunyuan": _Arch("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", 10000.0, 1e-5, True),
-}
+    _Arch("qwen3", 1000000.0, 1e-6, True, (("use_sliding_window", False),)),
+    _Arch("mistral", 1000000.0, 1e-5, False, (("sliding_window", None),)),
+    _Arch("hunyuan", 10000.0, 1e-5, True),
+)}
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -122,8 +122,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         if capacity < max_model_len:
             log.info("max_model_len lowered from %d to --max-total-tokens %d", max_model_len, capacity)
             max_model_len = capacity
-    grammars = GrammarEngine(config.model_path, config.model_format, model_config.vocab_size,
-                             list(model_config.eos_token_ids), device)
+    grammars = GrammarEngine(source, model_config.vocab_size, list(model_config.eos_token_ids), device)
     runner = ModelRunner(model, config.block_size, max_model_len, device, grammars=grammars,
                          kv_dtype=select_kv_dtype(config.kv_cache_dtype, dtype, device, config.task == "embed"))
 

@@ -14,7 +14,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
+from crane_mp.gguf_file import ModelSource
+from crane_mp.model_tokenizer import grammar_tokenizer, source_tokenizer
 from crane_mp.worker.host_buffers import device_longs
 
 log = logging.getLogger("crane_mp.worker")
@@ -30,10 +31,8 @@ class GrammarEngine:
     """Matchers for constrained requests. The tokenizer view is built on the first one (a second or so
     for a 150k vocabulary, once per server), so servers that never constrain never pay for it."""
 
-    def __init__(self, model_path: str, model_format: str, vocab_size: int, eos_token_ids: list[int],
-                 device: torch.device) -> None:
-        self.model_path = model_path
-        self.model_format = model_format
+    def __init__(self, source: ModelSource, vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
+        self.source = source  # as the worker resolved it for the weights: the tokenizer comes from the same place
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
@@ -49,7 +48,7 @@ class GrammarEngine:
         if pristine is None:
             if self._tokenizer is None:
                 log.info("loading the tokenizer for structured output (once)")
-                hf_tokenizer = load_tokenizer(self.model_path, self.model_format)
+                hf_tokenizer = source_tokenizer(self.source)
                 self._tokenizer = grammar_tokenizer(hf_tokenizer, self.vocab_size, self.eos_token_ids)
                 self._executor = llguidance.LLExecutor()
             pristine = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)

@@ -15,7 +15,7 @@ from crane_mp.gguf_file import ModelSource, check_gguf
 from crane_mp.worker.cpu_packing import pack_linear_weights, spare_copies_fit
 from crane_mp.worker.kernels.cpu_isa import pack_bf16_weights
 from crane_mp.worker.model_config import ModelConfig
-from crane_mp.worker.models import build_meta_model, materialize
+from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.quantized.gguf_loader import load_gguf_model
 

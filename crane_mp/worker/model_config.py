@@ -1,6 +1,7 @@
 """ModelConfig: the architecture facts our model code needs, read once from a Hugging Face config.
 
 transformers is used here only to parse config.json (and rope parameters); model code never sees an HF object.
+The architecture facts come from models/registry.py; no torch here, and nothing from the loaders or models.
 """
 
 from __future__ import annotations
@@ -11,25 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# --model-type spellings (crane-oai's included) -> our architecture names.
-MODEL_TYPE_ALIASES = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen25": "qwen2",
-    "qwen3": "qwen3",
-    "hunyuan": "hunyuan",
-    "hunyuan_v1_dense": "hunyuan",
-    "hunyuan-dense": "hunyuan",
-}
-
-_ARCHITECTURE_CLASSES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "HunYuanDenseV1ForCausalLM": "hunyuan",
-}
+from crane_mp.gguf_file import SERVED_TYPES, check_gguf, rope_freq_factors
+from crane_mp.worker.models.registry import ARCHITECTURES, GGUF_ARCHITECTURES, HF_CLASSES, MODEL_TYPE_ALIASES, supported
 
 
 class UnsupportedModelError(ValueError):
@@ -71,13 +55,12 @@ def detect_arch(hf_config: Any, model_type: str = "auto") -> str:
             raise UnsupportedModelError(f"unknown --model-type {model_type!r}")
         return MODEL_TYPE_ALIASES[model_type]
     for name in getattr(hf_config, "architectures", None) or []:
-        if name in _ARCHITECTURE_CLASSES:
-            return _ARCHITECTURE_CLASSES[name]
+        if name in HF_CLASSES:
+            return HF_CLASSES[name]
     arch = MODEL_TYPE_ALIASES.get(getattr(hf_config, "model_type", ""))
     if arch is None:
-        supported = ", ".join(sorted(set(_ARCHITECTURE_CLASSES.values())))
         raise UnsupportedModelError(
-            f"model_type {getattr(hf_config, 'model_type', None)!r} is not supported (supported: {supported})"
+            f"model_type {getattr(hf_config, 'model_type', None)!r} is not supported (supported: {supported()})"
         )
     return arch
 
@@ -105,11 +88,11 @@ def _rope(hf_config: Any) -> tuple[float, dict[str, Any]]:
 
 
 def _sliding_window(hf_config: Any, arch: str) -> int | None:
-    """The attention window of every layer, or None. Qwen2/Qwen3 window only the layers from
-    max_window_layers on (transformers' layer_types lists them); a model mixing windowed and full
-    layers is refused rather than served with the wrong attention."""
+    """The attention window of every layer, or None. Architectures marked `window_by_layer` (Qwen2,
+    Qwen3) window only the layers from max_window_layers on (transformers' layer_types lists them); a
+    model mixing windowed and full layers is refused rather than served with the wrong attention."""
     window = getattr(hf_config, "sliding_window", None)
-    if arch not in ("qwen2", "qwen3"):
+    if not ARCHITECTURES[arch].window_by_layer:
         return window
     if window is None or not getattr(hf_config, "use_sliding_window", False):
         return None
@@ -176,11 +159,9 @@ def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:
     Llama 3's rope scaling comes from its rope_freqs tensor."""
     from transformers import AutoConfig
 
-    from crane_mp.gguf_file import GGUF_ARCHITECTURES, SERVED_TYPES, check_gguf
-
     contents = check_gguf(path)
     shape, meta, names = contents.shape, contents.meta, contents.tensors
-    arch, hf_type = GGUF_ARCHITECTURES[shape.gguf_arch]
+    arch = GGUF_ARCHITECTURES[shape.gguf_arch]
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     # A 16-bit float file runs like a 16-bit checkpoint; a quantized one computes in float32 (auto dtype).
@@ -188,7 +169,7 @@ def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:
     float_kind = matrix_types & {"F16", "BF16"} if matrix_types <= {"F16", "BF16", "F32"} else set()
     rope_parameters = {"rope_theta": shape.rope_base, "rope_type": "default", **shape.rope_scaling}
     hf_config = AutoConfig.for_model(
-        hf_type,
+        arch.hf_model_type,
         vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim, rms_norm_eps=shape.rms_eps, max_position_embeddings=shape.context,
@@ -197,11 +178,9 @@ def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=eos[0] if eos else None,
         use_sliding_window=False, sliding_window=None,
     )
-    config = model_config_from_hf(hf_config, arch if model_type == "auto" else model_type)
+    config = model_config_from_hf(hf_config, arch.name if model_type == "auto" else model_type)
     dtype = ("bfloat16" if "BF16" in float_kind else "float16") if float_kind else "float32"
     replace = {"eos_token_ids": tuple(dict.fromkeys(int(i) for i in eos)), "torch_dtype": dtype}
     if "rope_freqs.weight" in names:
-        from crane_mp.worker.quantized.gguf_loader import rope_freq_factors
-
         replace["rope_parameters"] = {**config.rope_parameters, "freq_factors": rope_freq_factors(path, names)}
     return dataclasses.replace(config, **replace)

@@ -71,7 +71,7 @@ def test_wide_float32_copy_computes_the_bf16_gemm(rows):
 def test_pack_linear_weights_counts_modules(tmp_path):
     path = make_model("llama", "tiny", tmp_path / "l", dtype="bfloat16")
     config = load_model_config(path)
-    from crane_mp.worker.models import build_model
+    from crane_mp.worker.models.build import build_model
 
     model = build_model(config).to(torch.bfloat16)
     layers = config.num_hidden_layers

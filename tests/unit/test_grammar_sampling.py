@@ -12,6 +12,7 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
+from crane_mp.gguf_file import resolve_model_source
 from crane_mp.model_tokenizer import load_tokenizer
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
@@ -38,7 +39,7 @@ def tokenizer(model_dir):
 
 @pytest.fixture()
 def grammars(model_dir):
-    return GrammarEngine(str(model_dir), "auto", 512, list(EOS_IDS), CPU)
+    return GrammarEngine(resolve_model_source(model_dir), 512, list(EOS_IDS), CPU)
 
 
 def run(sampler: Sampler, states, steps: int, seed: int = 0) -> list[list[int]]:

@@ -3,8 +3,8 @@
 The model is built on the meta device; every projection with a quantized part becomes a GGUFLinear
 (and a quantized token table a GGUFEmbedding) holding the file's blocks; only what is left (norms,
 biases, float matrices) is then allocated and filled through the model's own `load_weights`, under
-Hugging Face names. On CPU the quantized weights are the file's bytes, read once into memory; the
-float tensors (norms, biases) are a few MB besides.
+Hugging Face names (models/registry.py maps them). On CPU the quantized weights are the file's bytes,
+read once into memory; the float tensors (norms, biases) are a few MB besides.
 """
 
 from __future__ import annotations
@@ -18,23 +18,15 @@ from gguf import GGMLQuantizationType
 from torch import nn
 from tqdm import tqdm
 
-from crane_mp.gguf_file import PERMUTED_QK_ARCHS, TensorInfo, check_gguf
+from crane_mp.gguf_file import TensorInfo, check_gguf
 from crane_mp.worker.model_config import ModelConfig
-from crane_mp.worker.models import build_meta_model, materialize
+from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
+from crane_mp.worker.models.registry import PERMUTED_QK_ARCHS, hf_name
 from crane_mp.worker.quantized.file_reader import read_ranges
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
 from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear, kernel_layout
 
-# GGUF tensor names -> Hugging Face module names (testing/make_gguf.py writes files by the same tables).
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-QK_NORMS = {"qwen3": ("self_attn.q_norm", "self_attn.k_norm"),
-             "hunyuan": ("self_attn.query_layernorm", "self_attn.key_layernorm")}
-GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Float matrices in the compute dtype load as plain weights; any other type (F16 under float32
 # compute, say) stays in the file's bytes, as quantized types do, so memory never exceeds the file.
 _FLOAT_DTYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
@@ -42,18 +34,6 @@ _FLOAT_DTYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F
 # Our fused projections and the GGUF tensors that fill them, in row order.
 _FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
           "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
-
-
-def hf_name(gguf_name: str, arch: str) -> str:
-    stem, _, kind = gguf_name.rpartition(".")
-    if stem in GLOBAL_NAMES:
-        return f"{GLOBAL_NAMES[stem]}.{kind}"
-    _, layer, short = stem.split(".")
-    if short in ("attn_q_norm", "attn_k_norm"):
-        module = QK_NORMS[arch][0 if short == "attn_q_norm" else 1]
-    else:
-        module = LAYER_NAMES[short]
-    return f"model.layers.{layer}.{module}.{kind}"
 
 
 def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
@@ -163,13 +143,3 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
                 bar.update(1)
 
     return model.load_weights(float_weights())
-
-
-def rope_freq_factors(path: Path, infos: dict[str, TensorInfo]) -> list[float]:
-    """Llama 3's rope scaling, which llama.cpp stores as a per-frequency divisor tensor (F32)."""
-    info = infos["rope_freqs.weight"]
-    if info.qtype != GGMLQuantizationType.F32:
-        raise ValueError(f"{path}: rope_freqs.weight must be F32")
-    with open(path, "rb") as file:
-        file.seek(info.offset)
-        return np.frombuffer(file.read(info.n_bytes), dtype="<f4").astype(float).tolist()

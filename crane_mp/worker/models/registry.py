@@ -1,0 +1,104 @@
+"""The architectures crane-mp serves: one row each, the only table a new architecture is added to.
+
+Torch-free and importing nothing of crane_mp (the launcher reads it): names, tensor-name maps and config rules only.
+build.py turns a row's `model_class` into the model; model_config.py and gguf_file.py read the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """One served architecture: how checkpoints and GGUF files name it, and the rules that differ by it."""
+
+    name: str  # ours: ModelConfig.arch, a --model-type choice
+    model_class: str  # "module.Class" under crane_mp.worker.models
+    hf_classes: tuple[str, ...]  # config.json "architectures" entries served as this architecture
+    hf_model_type: str  # transformers' model_type (config.json "model_type")
+    gguf_arch: str  # general.architecture llama.cpp's converter writes for it
+    # Files whose general.architecture is gguf_arch are served as this row (False where llama.cpp
+    # files the architecture under another row's name, as it does Mistral before v3 under "llama").
+    reads_gguf: bool = True
+    # llama.cpp's converter permutes the q/k rows of this GGUF architecture for its interleaved rope.
+    gguf_permuted_qk: bool = False
+    # Per-head query/key RMSNorm modules under a layer (Hugging Face names), or None. Where the norm
+    # sits (before or after rope) is the model class's `qk_norm_position`.
+    qk_norms: tuple[str, str] | None = None
+    # transformers windows only the layers from max_window_layers on (layer_types lists them), and
+    # only when use_sliding_window is set; otherwise `sliding_window` applies to every layer.
+    window_by_layer: bool = False
+    model_type_aliases: tuple[str, ...] = ()  # further --model-type spellings (crane-oai's)
+
+
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
+    Architecture("llama", "llama.LlamaForCausalLM", ("LlamaForCausalLM",), "llama", "llama",
+                 gguf_permuted_qk=True),
+    Architecture("mistral", "llama.LlamaForCausalLM", ("MistralForCausalLM",), "mistral", "llama",
+                 reads_gguf=False, gguf_permuted_qk=True),
+    Architecture("qwen2", "qwen2.Qwen2ForCausalLM", ("Qwen2ForCausalLM",), "qwen2", "qwen2",
+                 window_by_layer=True, model_type_aliases=("qwen25",)),
+    Architecture("qwen3", "qwen3.Qwen3ForCausalLM", ("Qwen3ForCausalLM",), "qwen3", "qwen3",
+                 qk_norms=("self_attn.q_norm", "self_attn.k_norm"), window_by_layer=True),
+    Architecture("hunyuan", "hunyuan.HunYuanDenseForCausalLM", ("HunYuanDenseV1ForCausalLM",), "hunyuan_v1_dense",
+                 "hunyuan-dense", qk_norms=("self_attn.query_layernorm", "self_attn.key_layernorm")),
+)}
+
+# Lookups, all derived from the rows above.
+HF_CLASSES = {hf: arch.name for arch in ARCHITECTURES.values() for hf in arch.hf_classes}
+# --model-type spellings: our names, transformers' model types, llama.cpp's architectures, aliases.
+MODEL_TYPE_ALIASES = {
+    spelling: arch.name
+    for arch in ARCHITECTURES.values()
+    for spelling in (arch.name, arch.hf_model_type, *((arch.gguf_arch,) if arch.reads_gguf else ()),
+                     *arch.model_type_aliases)
+}
+GGUF_ARCHITECTURES = {arch.gguf_arch: arch for arch in ARCHITECTURES.values() if arch.reads_gguf}
+PERMUTED_QK_ARCHS = frozenset(arch.gguf_arch for arch in ARCHITECTURES.values() if arch.gguf_permuted_qk)
+
+# GGUF tensor names -> Hugging Face module names, the same for every architecture but the q/k norms
+# (the GGUF loader reads files by these tables, testing/make_gguf.py writes them). Every layer of a
+# GGUF file must hold the weights of GGUF_LAYER_NAMES (gguf_file.py checks).
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GGUF_QK_NORM_NAMES = ("attn_q_norm", "attn_k_norm")
+GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def supported() -> str:
+    """Our architecture names, for error messages."""
+    return ", ".join(sorted(ARCHITECTURES))
+
+
+def hf_name(gguf_name: str, arch: str) -> str:
+    """A GGUF tensor name -> its Hugging Face checkpoint name under architecture `arch` (ours)."""
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem in GGUF_GLOBAL_NAMES:
+        return f"{GGUF_GLOBAL_NAMES[stem]}.{kind}"
+    _, layer, short = stem.split(".")
+    if short in GGUF_QK_NORM_NAMES:
+        module = ARCHITECTURES[arch].qk_norms[GGUF_QK_NORM_NAMES.index(short)]
+    else:
+        module = GGUF_LAYER_NAMES[short]
+    return f"model.layers.{layer}.{module}.{kind}"
+
+
+_GGUF_GLOBAL_BY_HF = {hf: short for short, hf in GGUF_GLOBAL_NAMES.items()}
+_GGUF_LAYER_BY_HF = {hf: short for short, hf in GGUF_LAYER_NAMES.items()} | {
+    hf: short for arch in ARCHITECTURES.values() for hf, short in zip(arch.qk_norms or (), GGUF_QK_NORM_NAMES)
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    """A Hugging Face checkpoint name -> its GGUF tensor name (hf_name's inverse, for any architecture)."""
+    stem, _, kind = hf_name.rpartition(".")
+    if stem in _GGUF_GLOBAL_BY_HF:
+        return f"{_GGUF_GLOBAL_BY_HF[stem]}.{kind}"
+    parts = stem.split(".")
+    if parts[:2] == ["model", "layers"]:
+        return f"blk.{parts[2]}.{_GGUF_LAYER_BY_HF['.'.join(parts[3:])]}.{kind}"
+    raise ValueError(f"no GGUF name for {hf_name}")

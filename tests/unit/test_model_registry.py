@@ -1,0 +1,150 @@
+"""models/registry.py is the one architecture table: every lookup (--model-type, config.json classes,
+GGUF architectures and tensor names, the model class) comes from its rows; what reads it stays
+torch-free; and crane_mp's import graph has no circle through the config, the loaders and the models."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from crane_mp.gguf_file import GGUFFileError, read_shape
+from crane_mp.testing.make_gguf import GGUF_ARCH
+from crane_mp.testing.make_model import ARCHS, build_config
+from crane_mp.worker.model_config import UnsupportedModelError, detect_arch, model_config_from_hf
+from crane_mp.worker.models.build import model_class
+from crane_mp.worker.models.layers import CausalLM
+from crane_mp.worker.models.registry import (
+    ARCHITECTURES,
+    GGUF_ARCHITECTURES,
+    HF_CLASSES,
+    MODEL_TYPE_ALIASES,
+    PERMUTED_QK_ARCHS,
+    gguf_name,
+    hf_name,
+)
+
+PACKAGE = Path(__file__).resolve().parents[2] / "crane_mp"
+
+
+def test_the_lookups_are_the_ones_the_four_tables_held():
+    assert MODEL_TYPE_ALIASES == {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen25": "qwen2",
+                                  "qwen3": "qwen3", "hunyuan": "hunyuan", "hunyuan_v1_dense": "hunyuan",
+                                  "hunyuan-dense": "hunyuan"}
+    assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                          "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan"}
+    assert {gguf: (arch.name, arch.hf_model_type) for gguf, arch in GGUF_ARCHITECTURES.items()} == {
+        "llama": ("llama", "llama"), "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"),
+        "hunyuan-dense": ("hunyuan", "hunyuan_v1_dense")}
+    assert PERMUTED_QK_ARCHS == {"llama"}
+    assert GGUF_ARCH == {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                         "hunyuan_v1_dense": "hunyuan-dense"}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_every_architecture_round_trips_its_names(arch):
+    row = ARCHITECTURES[arch]
+    hf_config = SimpleNamespace(architectures=list(row.hf_classes), model_type=row.hf_model_type)
+    assert detect_arch(hf_config) == arch
+    assert detect_arch(SimpleNamespace(architectures=None, model_type=row.hf_model_type)) == arch
+    assert MODEL_TYPE_ALIASES[arch] == arch
+    # A GGUF file names the architecture, or (Mistral) one served by the same class, q/k rows alike.
+    served = GGUF_ARCHITECTURES[row.gguf_arch]
+    assert served is row if row.reads_gguf else served.model_class == row.model_class
+    assert (row.gguf_arch in PERMUTED_QK_ARCHS) == row.gguf_permuted_qk
+    assert GGUF_ARCH[row.hf_model_type] == row.gguf_arch
+    assert arch in ARCHS  # make_model can write one
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_every_architecture_has_a_model_class_with_its_qk_norms(arch):
+    cls = model_class(arch)
+    assert issubclass(cls, CausalLM)
+    row = ARCHITECTURES[arch]
+    assert (cls.attention_class.qk_norm_position is not None) == (row.qk_norms is not None)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_every_checkpoint_tensor_round_trips_through_its_gguf_name(arch):
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(build_config(arch, "tiny", overrides={"tie_word_embeddings": False}))
+    names = [name for name in hf.state_dict() if "rotary_emb" not in name]
+    assert any("norm" in name for name in names)
+    for name in names:
+        assert hf_name(gguf_name(name), arch) == name
+
+
+def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
+    unknown = SimpleNamespace(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2' is not supported \(supported: "
+                                                    r"hunyuan, llama, mistral, qwen2, qwen3\)"):
+        model_config_from_hf(unknown)
+    with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
+                                            r"hunyuan-dense, llama, qwen2, qwen3\)"):
+        read_shape({"general.architecture": "gpt2"}, {}, tmp_path / "m.gguf")
+
+
+def test_the_launcher_side_reads_the_registry_without_torch():
+    code = ("import sys\n"
+            "import crane_mp.cli, crane_mp.gguf_file, crane_mp.worker.model_config, crane_mp.worker.models.registry\n"
+            "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+            "assert not heavy, heavy\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """crane_mp modules `module` imports anywhere in its file (functions and TYPE_CHECKING included)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.startswith("crane_mp")}
+
+
+def test_no_import_circle_outside_the_frontend():
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for name in _imports(path, module):
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            # importing a.b.c runs a and a.b first
+            targets.update(".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2))
+        graph[module] = {t for t in targets if t in modules and t != module}
+    # frontend/'s own circle (access_log <-> generation) is being taken apart on its own branch.
+    graph = {m: {t for t in ts if not t.startswith("crane_mp.frontend")}
+             for m, ts in graph.items() if not m.startswith("crane_mp.frontend")}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycle = path[path.index(target):] + [target] if target in path else [module, target]
+                raise AssertionError(" -> ".join(cycle))
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
