@@ -16,15 +16,12 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from crane_mp.frontend.errors import REQUEST_ID, error_response
+from crane_mp.frontend.generation import Generation
 from crane_mp.frontend.heap import HeapTrimmer
-
-if TYPE_CHECKING:
-    from crane_mp.frontend.generation import Generation
 
 log = logging.getLogger("crane_mp.access")
 # Probes and scrapes: logged at debug level only, they would drown everything else.

@@ -1,5 +1,6 @@
 """Several generations behind one response: every prompt times `n`, in OpenAI's choice order.
 
+Each is submitted here and registered with the access record of the HTTP request being served.
 Choice index = prompt index * n + sample index. Non-streaming collects them concurrently;
 streaming merges their deltas as they come. Leaving early (client gone) aborts every one: every
 delta iterator is closed explicitly (aclosing), not whenever the garbage collector gets to it.
@@ -14,8 +15,11 @@ from typing import AsyncIterator
 
 import msgspec
 
+from crane_mp.frontend.access_log import current_record
+from crane_mp.frontend.detokenizer import Detokenizer
+from crane_mp.frontend.engine_client import EngineClient
 from crane_mp.frontend.errors import ApiError, EngineDeadError, GenerationError
-from crane_mp.frontend.generation import Delta, Generation, start_generation
+from crane_mp.frontend.generation import Delta, Generation
 from crane_mp.frontend.state import FrontendState
 from crane_mp.protocol import SamplingParams, TokenLogprobs
 
@@ -39,6 +43,31 @@ def resolve_max_tokens(state: FrontendState, num_prompt_tokens: int, requested: 
                             f"{num_prompt_tokens} tokens", param)
     room = limit - num_prompt_tokens
     return room if requested is None else min(requested, room)
+
+
+async def start_generation(
+    client: EngineClient,
+    backend,
+    input_ids: list[int],
+    sampling: SamplingParams,
+    stop: list[str],
+    skip_special_tokens: bool = True,
+    discard_output: bool = False,
+    names: list[str] | None = None,
+) -> Generation:
+    """Submit one request. `names`: what the client may call it in /abort_request; the access log
+    of the HTTP request being served (if any) records it."""
+    rid = client.new_rid()
+    record = current_record()
+    names = list(names or [])
+    if record is not None:
+        names.append(record.request_id)
+    stream = await client.submit(rid, input_ids, sampling, names)
+    gen = Generation(client, stream, Detokenizer(backend, input_ids, stop, skip_special_tokens), discard_output)
+    if record is not None:
+        gen.request_id = record.request_id
+        record.add(gen, input_ids)
+    return gen
 
 
 @asynccontextmanager

@@ -2,7 +2,8 @@
 
 `Generation.deltas()` yields text deltas as tokens arrive (coalesced when the consumer is slow) and
 ends with the finish; a matched stop string aborts the engine request at once. If iteration stops
-early (client gone, cancelled), the request is aborted so its KV blocks come back.
+early (client gone, cancelled), the request is aborted so its KV blocks come back. Nothing here knows
+the HTTP request: access_log.py records generations and imports this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from crane_mp.frontend.access_log import current_record
 from crane_mp.frontend.detokenizer import Detokenizer
 from crane_mp.frontend.engine_client import EngineClient, RequestStream
 from crane_mp.frontend.errors import GenerationError
-from crane_mp.protocol import ErrorKind, FinishReason, PromptLogprobs, SamplingParams, TokenLogprobs
+from crane_mp.protocol import ErrorKind, FinishReason, PromptLogprobs, TokenLogprobs
 
 FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 # How the metrics name a request that ended with an error, by why.
@@ -154,28 +154,3 @@ class Generation:
 
     def _logprobs(self, first: int, count: int) -> list[TokenLogprobs | None]:
         return self.stream.logprobs[first : first + count] if self.stream.logprobs else []
-
-
-async def start_generation(
-    client: EngineClient,
-    backend,
-    input_ids: list[int],
-    sampling: SamplingParams,
-    stop: list[str],
-    skip_special_tokens: bool = True,
-    discard_output: bool = False,
-    names: list[str] | None = None,
-) -> Generation:
-    """Submit one request. `names`: what the client may call it in /abort_request; the access log
-    of the HTTP request being served (if any) records it."""
-    rid = client.new_rid()
-    record = current_record()
-    names = list(names or [])
-    if record is not None:
-        names.append(record.request_id)
-    stream = await client.submit(rid, input_ids, sampling, names)
-    gen = Generation(client, stream, Detokenizer(backend, input_ids, stop, skip_special_tokens), discard_output)
-    if record is not None:
-        gen.request_id = record.request_id
-        record.add(gen, input_ids)
-    return gen
