@@ -76,6 +76,7 @@ def test_each_tier_and_compiler_builds_under_its_own_name():
     assert build_name("avx2", "gcc13_1_0", "c++ 13.1.0") != names["avx2"]
 
 
+@pytest.mark.slow  # every native source compiled once per tier: a minute and a half each on two cores
 @pytest.mark.parametrize("tier", ["avx512", "amx"])  # the amx flags hold every other tier's, avx512 none
 def test_kernels_compile_for_tiers_this_cpu_cannot_run(tier, tmp_path):
     """A tier above this CPU's is never built here, yet another machine will build it: every source

@@ -98,6 +98,7 @@ print("engine ok")
 """
 
 
+@pytest.mark.slow  # a whole engine run through the interpreter, twice: over a minute
 def test_engine_with_triton_attention_gives_the_torch_paths_greedy_tokens(tmp_path):
     """Chunked prefill (32-token budget), decodes beside chunks, and preemption under a 128-token cache;
     then also with the layers calling the Triton elementwise kernels (norms, SiLU*mul, rope + KV write)."""

@@ -43,6 +43,9 @@ print("checked", len(TRITON_TYPES))
 """
 
 
+# Every served type, both dtypes and the matmul through the interpreter: over a minute on two cores.
+# tests/gpu runs the same kernels on a device.
+@pytest.mark.slow
 def test_triton_dequantize_equals_gguf_in_the_interpreter():
     assert "checked 8" in run_interpreted(_CHECK)
 
