@@ -1,13 +1,11 @@
 """models/registry.py is the one architecture table: every lookup (--model-type, config.json classes,
 GGUF architectures and tensor names, the model class) comes from its rows; what reads it stays
-torch-free; and crane_mp's import graph has no circle through the config, the loaders and the models."""
+torch-free (test_import_graph.py checks that no import circle is left)."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,7 +28,6 @@ from crane_mp.worker.models.registry import (
     hf_name,
 )
 
-PACKAGE = Path(__file__).resolve().parents[2] / "crane_mp"
 
 
 def test_the_lookups_are_the_ones_the_four_tables_held():
@@ -97,54 +94,3 @@ def test_the_launcher_side_reads_the_registry_without_torch():
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-
-
-def _imports(path: Path, module: str) -> set[str]:
-    """crane_mp modules `module` imports anywhere in its file (functions and TYPE_CHECKING included)."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
-    return {name for name in found if name.startswith("crane_mp")}
-
-
-def test_no_import_circle_outside_the_frontend():
-    modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph = {}
-    for module, path in modules.items():
-        targets = set()
-        for name in _imports(path, module):
-            while name and name not in modules:
-                name = name.rpartition(".")[0]
-            # importing a.b.c runs a and a.b first
-            targets.update(".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2))
-        graph[module] = {t for t in targets if t in modules and t != module}
-    # frontend/'s own circle (access_log <-> generation) is being taken apart on its own branch.
-    graph = {m: {t for t in ts if not t.startswith("crane_mp.frontend")}
-             for m, ts in graph.items() if not m.startswith("crane_mp.frontend")}
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = 1
-        for target in sorted(graph[module]):
-            if state.get(target) == 1:
-                cycle = path[path.index(target):] + [target] if target in path else [module, target]
-                raise AssertionError(" -> ".join(cycle))
-            if target not in state:
-                visit(target, path + [target])
-        state[module] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
