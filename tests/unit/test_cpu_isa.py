@@ -14,7 +14,7 @@ from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.cpu_packing import PackedLinear
-from crane_mp.worker.kernels import cpu_isa
+from crane_mp.worker.kernels import cpu_isa, loader
 from crane_mp.worker.kernels.loader import build_name, kernel_cache_dir
 from crane_mp.worker.model_config import load_model_config
 from tests.model_helpers import load_checkpoint, prefill_logits
@@ -86,8 +86,6 @@ def test_kernels_compile_for_tiers_this_cpu_cannot_run(tier, tmp_path):
 
     from torch.utils.cpp_extension import include_paths
 
-    from crane_mp.worker.kernels import loader
-
     if loader.compiler_identity() is None:
         pytest.skip("no C++ compiler")
     if cpu_isa_cap() is not None:
@@ -111,6 +109,18 @@ def test_kernel_cache_falls_back_to_a_private_temporary_directory(monkeypatch, t
     assert fallback.parent == type(fallback)(tempfile.gettempdir())
     monkeypatch.setenv("CRANE_MP_CACHE", str(tmp_path / "cache"))
     assert kernel_cache_dir() == tmp_path / "cache" / "kernels"
+
+
+def test_kernels_build_from_copies_every_checkout_shares(tmp_path):
+    """torch's build file names the sources by path: builds read copies inside the build directory, so
+    two checkouts of the same sources sharing one cache do not recompile each other's build."""
+    sources = loader._staged_sources(tmp_path)
+    assert sources == [str(tmp_path / "src" / p.name) for p in loader._SOURCES]
+    for path in loader._SOURCES + loader._HEADERS:
+        assert (tmp_path / "src" / path.name).read_bytes() == path.read_bytes()
+    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "src").iterdir()}
+    loader._staged_sources(tmp_path)  # unchanged sources are not rewritten (ninja would rebuild)
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "src").iterdir()} == stamps
 
 
 def test_explicit_bf16_serves_on_this_tier(tmp_path):

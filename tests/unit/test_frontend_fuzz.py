@@ -105,6 +105,7 @@ def test_every_body_the_document_allows_is_accepted(request, path):
     assert running[2].client.streams == {}
 
 
+@pytest.mark.slow  # 300 generated bodies through the whole frontend: the full run's hardening check
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_extreme_values_in_any_field_are_refused_cleanly(running, embedding_running, data):

@@ -66,6 +66,7 @@ print("checked", cases)
 """
 
 
+@pytest.mark.slow  # the Triton kernel interpreted with numpy: ~20 s; tests/gpu runs it compiled
 def test_triton_paged_attention_equals_the_torch_path_in_the_interpreter():
     assert "checked 5" in run_interpreted(_CHECK)
 

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -95,6 +96,19 @@ def kernel_cache_dir() -> Path | None:
     return fallback
 
 
+def _staged_sources(build_dir: Path) -> list[str]:
+    """The sources as copies inside the build directory. torch writes their paths into its build file,
+    so building from the package's own files would recompile everything whenever another checkout of
+    the same sources (a second clone, a wheel, a CI copy) used the shared cache in between."""
+    staged = build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    for path in _SOURCES + _HEADERS:
+        target = staged / path.name
+        if not target.exists() or target.read_bytes() != path.read_bytes():
+            shutil.copyfile(path, target)
+    return [str(staged / path.name) for path in _SOURCES]
+
+
 def build_kernels(tier: str) -> bool:
     """Build (or find in the cache) the kernels for `tier` and register them as torch.ops.crane_mp.*.
 
@@ -116,7 +130,7 @@ def build_kernels(tier: str) -> bool:
             (build_dir / "lock").unlink(missing_ok=True)
             load(
                 name=build_dir.name,
-                sources=[str(p) for p in _SOURCES],
+                sources=_staged_sources(build_dir),
                 extra_cflags=[*_COMMON_FLAGS, *TIER_FLAGS[tier]],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
