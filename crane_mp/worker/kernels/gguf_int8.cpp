@@ -261,7 +261,6 @@ void dot_q6_k(const uint8_t* row, const Acts& a, int64_t m0, float* out) {
   const int8_t* x = a.q + m0 * a.K;
   const float* dx = a.d + m0 * a.nb;
   const int16_t* sx = a.sums + m0 * (a.K / 16);
-  const __m256i low2 = _mm256_set1_epi8(3);
   for (int64_t b = 0; b < a.nb; ++b, row += 210) {
     prefetch_ahead<210>(row);
     const float d = half_to_float(row + 208);
@@ -272,15 +271,8 @@ void dot_q6_k(const uint8_t* row, const Acts& a, int64_t m0, float* out) {
       const __m256i half_scales = h == 0 ? _mm256_permute2x128_si256(scales, scales, 0x00)
                                          : _mm256_permute2x128_si256(scales, scales, 0x11);
       const uint8_t* ql = row + 64 * h;
-      const __m256i hb = load(row + 128 + 32 * h), l0 = load(ql), l1 = load(ql + 32);
       __m256i q[4];
-      q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4()), _mm256_slli_epi16(_mm256_and_si256(hb, low2), 4));
-      q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4()),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), low2), 4));
-      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4()),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), low2), 4));
-      q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4()),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), low2), 4));
+      q6_k_values(load(ql), load(ql + 32), load(row + 128 + 32 * h), q);
       for (int s = 0; s < 4; ++s) {
         const __m256i sc = _mm256_shuffle_epi8(half_scales, load(kMasks.pair[s]));
         for (int m = 0; m < MR; ++m) {

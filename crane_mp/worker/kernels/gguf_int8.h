@@ -28,6 +28,18 @@ inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const
 
 inline __m256i low4() { return _mm256_set1_epi8(0x0F); }
 
+// Q6_K's 6-bit values from GGUF's packing, 32 bytes of each part: `lo` (ql) holds the low 4 bits of
+// values 0 (low nibbles) and 2 (high), `hi` (ql + 32) those of values 1 and 3, `top` (qh) the top 2
+// bits of values 0-3 (bits 0-1, 2-3, 4-5, 6-7). q[s] = value s of each byte position, 0-63.
+inline void q6_k_values(__m256i lo, __m256i hi, __m256i top, __m256i q[4]) {
+  const __m256i top2 = _mm256_set1_epi8(0x30);
+  q[0] = _mm256_or_si256(_mm256_and_si256(lo, low4()), _mm256_and_si256(_mm256_slli_epi16(top, 4), top2));
+  q[1] = _mm256_or_si256(_mm256_and_si256(hi, low4()), _mm256_and_si256(_mm256_slli_epi16(top, 2), top2));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), low4()), _mm256_and_si256(top, top2));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(hi, 4), low4()),
+                         _mm256_and_si256(_mm256_srli_epi16(top, 2), top2));
+}
+
 // acc + 8 int32 lanes, each the sum of 4 adjacent products u[i] * s[i] (u unsigned, s signed bytes).
 inline __m256i dot_u8s8_add(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)

@@ -161,7 +161,6 @@ void q6_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
   const int8_t* x = a.q + m0 * a.K;
   const float* dx = a.d + m0 * a.nb;
   const int16_t* sx = a.sums + m0 * (a.K / 16);
-  const __m256i mask = low4(), top = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < a.nb; ++b, group += kQ6KX8Bytes) {
     prefetch_ahead<kQ6KX8Bytes>(group);
     __m256i scales[16], pairs[8];
@@ -180,12 +179,7 @@ void q6_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
         __m256i q[2][4];
         for (int u = 0; u < 2; ++u) {
           const uint8_t* p = qs + (h * 8 + k + u) * 96;
-          const __m256i lo = load(p), hi = load(p + 32), top2 = load(p + 64);
-          q[u][0] = _mm256_or_si256(_mm256_and_si256(lo, mask), _mm256_and_si256(_mm256_slli_epi16(top2, 4), top));
-          q[u][1] = _mm256_or_si256(_mm256_and_si256(hi, mask), _mm256_and_si256(_mm256_slli_epi16(top2, 2), top));
-          q[u][2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), mask), _mm256_and_si256(top2, top));
-          q[u][3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(hi, 4), mask),
-                                    _mm256_and_si256(_mm256_srli_epi16(top2, 2), top));
+          q6_k_values(load(p), load(p + 32), load(p + 64), q[u]);
         }
         for (int s = 0; s < 4; ++s) {
           const __m256i scale = scales[8 * h + 2 * s + k / 4];
