@@ -288,7 +288,7 @@ def sampling_params(
     req, vocab_size: int, logprobs: int | None = None, prompt_logprobs: int | None = None, lora_id: int = 0
 ) -> SamplingParams:
     """The engine's SamplingParams from a decoded request (ranges were checked while decoding; here the
-    limits of the served model). max_tokens is set per prompt by start_choices."""
+    limits of the served model). max_tokens is set per prompt by pipeline.serve."""
     keys = (req.logit_bias or {}).keys()
     # The schema's pattern ends in `$`, which Python (not JSON Schema) also lets match before a final "\n".
     if not all(key.isascii() and key.isdigit() for key in keys):

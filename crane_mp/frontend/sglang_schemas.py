@@ -57,7 +57,7 @@ class SGLangSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
 
     def to_sampling(self, vocab_size: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams (ranges were checked while decoding; here the served model's
-        vocabulary). max_tokens is set per prompt by open_choices."""
+        vocabulary). max_tokens is set per prompt by pipeline.serve."""
         stop_ids = list(self.stop_token_ids or [])
         check_token_ids(stop_ids, vocab_size, "stop_token_ids")
         return SamplingParams(
