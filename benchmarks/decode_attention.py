@@ -14,7 +14,7 @@ import time
 import torch
 
 from crane_mp.worker.attention import SeqSpan, build_metadata, paged_attention
-from crane_mp.worker.kernels.cpu_isa import describe
+from crane_mp.worker.platforms import platform_for
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     q = torch.randn(args.batch, heads, head_dim).to(dtype)
     spans = [SeqSpan(args.context - 1, 1, list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)))
              for b in range(args.batch)]
-    print(f"tiers (cpu, kernels): {describe(torch.device('cpu'))}, torch capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"tiers (cpu, kernels): {platform_for('cpu').describe()}, torch capability {torch.backends.cpu.get_cpu_capability()}")
     for native in (False, True):
         meta = build_metadata(spans, [], block, torch.device("cpu"), dtype, None, "native" if native else "torch")
         for _ in range(20):

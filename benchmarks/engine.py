@@ -23,7 +23,6 @@ from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.kernels.cpu_isa import describe as describe_isa
 
 
 def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -103,7 +102,7 @@ def main() -> None:
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
             "dtype": str(engine.worker.dtype).removeprefix("torch."),
-            "isa": "/".join(describe_isa(engine.worker.device)),
+            "isa": "/".join(engine.worker.platform.describe()),
             "threads": torch.get_num_threads(),
             "crane_tok_s": round(tokens / bench_engine(engine, prompts, args.output_len), 1),
         }

@@ -22,8 +22,8 @@ from gguf import GGMLQuantizationType as T
 
 from crane_mp.testing.random_gguf import random_blocks
 from crane_mp.worker.device import prefer_huge_pages
-from crane_mp.worker.kernels.cpu_isa import describe, kernel_isa
-from crane_mp.worker.quantized.layers import kernel_layout
+from crane_mp.worker.kernels.cpu_isa import kernel_isa
+from crane_mp.worker.platforms import platform_for
 
 SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096)}
 _COPIES = 3
@@ -64,7 +64,8 @@ def main() -> None:
     prefer_huge_pages()  # repacked weights in the pages the server gives them
     if kernel_isa() is None:
         raise SystemExit("native kernels are not built (CRANE_MP_NO_NATIVE_KERNELS set, or no compiler)")
-    isa, kernels = describe(torch.device("cpu"))
+    platform = platform_for("cpu")
+    isa, kernels = platform.describe()
     print(json.dumps({"bench": "dram", "read_gbs": dram_gbs(), "isa": f"{isa}/{kernels}"}), flush=True)
     rng = np.random.default_rng(0)
     ops = torch.ops.crane_mp
@@ -73,7 +74,7 @@ def main() -> None:
         for shape in args.shapes:
             n, k = SHAPES[shape]
             weights = [torch.from_numpy(random_blocks(n, k, qtype, rng)) for _ in range(_COPIES)]
-            layouts = [kernel_layout(qtype, w, k, int8=True) for w in weights]
+            layouts = [platform.gguf.layout(qtype, w, k, int8=True) for w in weights]
             packed_type = layouts[0][0]
             repacked = [w for _, w in layouts] if packed_type != qtype else None
             for m in args.rows:

@@ -25,6 +25,7 @@ from crane_mp.worker.decode_graphs import graph_batch_sizes
 from crane_mp.worker.loader import weight_bytes
 from crane_mp.worker.model_config import model_config_from_hf
 from crane_mp.worker.models.build import build_meta_model, materialize
+from crane_mp.worker.platforms import platform_for
 from crane_mp.worker.runner import ModelRunner
 
 SHAPES = {
@@ -59,7 +60,7 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device, max_posit
     hf_config = Qwen3Config(**SHAPES[shape], max_position_embeddings=max_positions, rms_norm_eps=1e-6,
                             use_sliding_window=False)
     config = model_config_from_hf(hf_config)
-    model = build_meta_model(config, dtype)
+    model = build_meta_model(config, dtype, platform_for(device))
     materialize(model, device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
     max_positions = args.context + args.steps + BLOCK_SIZE
     model, config = random_model(args.shape, dtype, device, max_positions)
-    runner = ModelRunner(model, BLOCK_SIZE, max_positions, device)
+    runner = ModelRunner(model, BLOCK_SIZE, max_positions, platform_for(device))
     kv_per_token = runner.kv_bytes_per_token()
     wanted = max(args.batches) * blocks_per_seq(args.context, args.steps)
     if device.type == "cuda":

@@ -16,6 +16,7 @@ import time
 import torch
 
 from crane_mp.protocol import SamplingParams
+from crane_mp.worker.platforms import platform_for
 from crane_mp.worker.sampler import Sampler
 
 CONFIGS = {
@@ -39,7 +40,7 @@ def main() -> None:
     print("| vocab | " + " | ".join(CONFIGS) + " |")
     print("| --- " * (len(CONFIGS) + 1) + "|")
     for vocab in args.vocab:
-        sampler = Sampler(vocab, device)
+        sampler = Sampler(vocab, platform_for(device))
         logits = torch.randn(args.rows, vocab, generator=torch.Generator().manual_seed(0)).mul_(6).to(device)
         cells = []
         for params in CONFIGS.values():

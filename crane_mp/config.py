@@ -64,7 +64,7 @@ class EngineConfig:
     model_type: str = "auto"
     model_format: str = "auto"  # auto | safetensors | gguf (gguf_file.resolve_model_source)
     dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto: 16-bit on CPU, the compute dtype on CUDA (worker/device.py)
+    kv_cache_dtype: str = "auto"  # auto: 16-bit on CPU, the compute dtype on CUDA (worker/platforms/)
     quantized_activations: str = "int8"  # GGUF matmuls on CPU, see QUANTIZED_ACTIVATIONS
     force_cpu: bool = False
     block_size: int = 16

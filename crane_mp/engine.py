@@ -23,7 +23,7 @@ class LLMEngine:
         self.worker: LoadedWorker = load_worker(config, progress)
         self.scheduler = Scheduler(scheduler_config(
             config, self.worker.kv_plan.num_blocks, self.worker.max_model_len,
-            self.worker.model_config.eos_token_ids, on_cpu=self.worker.device.type == "cpu",
+            self.worker.model_config.eos_token_ids, on_cpu=self.worker.platform.on_cpu,
             prefill_seconds_per_token=self.worker.prefill_seconds_per_token,
         ))
         self.overlap = config.overlap_schedule

@@ -13,8 +13,9 @@ from crane_mp.worker.loader import load_model
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.runner import ModelRunner
+from crane_mp.worker.platforms import platform_for
 
-CPU = torch.device("cpu")
+CPU = platform_for("cpu")  # what the worker is handed on a CPU host
 
 
 def prefill_logits(model: CausalLM, prompt: list[int], block_size: int = 16) -> torch.Tensor:
@@ -22,7 +23,8 @@ def prefill_logits(model: CausalLM, prompt: list[int], block_size: int = 16) -> 
     runner = ModelRunner(model, block_size, len(prompt) + block_size, CPU)
     num_blocks = -(-len(prompt) // block_size)
     runner.allocate_kv_cache(num_blocks)
-    meta = build_metadata([], [SeqSpan(0, len(prompt), list(range(num_blocks)))], block_size, CPU, runner.dtype)
+    meta = build_metadata([], [SeqSpan(0, len(prompt), list(range(num_blocks)))], block_size, CPU.device,
+                          runner.dtype)
     pos = torch.arange(len(prompt))
     with torch.inference_mode(), forward_context(ForwardContext(meta, runner.cos[pos, None], runner.sin[pos, None])):
         return model.compute_logits(model(torch.tensor(prompt))).float()

@@ -8,29 +8,20 @@ from dataclasses import dataclass
 
 import torch
 
-from crane_mp.config import EngineConfig, MemoryLimit
+from crane_mp.config import EngineConfig
 from crane_mp.gguf_file import describe_types, resolve_model_source
 from crane_mp.worker.decode_graphs import graph_batch_sizes, static_buffer_bytes, table_width
-from crane_mp.worker.device import prefer_huge_pages, select_device, select_dtype, select_kv_dtype
+from crane_mp.worker.device import prefer_huge_pages
 from crane_mp.worker.grammar import GrammarEngine
-from crane_mp.worker.kernels.cpu_isa import int8_matmuls, native_ops
 from crane_mp.worker.loader import file_tensor_bytes, load_model, weight_bytes
-from crane_mp.worker.lora import adapter_bytes, adapter_dtype, load_adapters
-from crane_mp.worker.memory import (
-    KVPlan,
-    allocated_bytes,
-    device_free_memory,
-    device_total_memory,
-    measure_activation_bytes,
-    plan_kv_blocks,
-)
+from crane_mp.worker.lora import adapter_bytes, load_adapters
+from crane_mp.worker.memory import KVPlan, plan_kv_blocks
 from crane_mp.worker.model_config import ModelConfig, load_gguf_config, load_model_config
+from crane_mp.worker.platforms import Platform, select_platform
 from crane_mp.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
-# Without --gpu-memory-limit a GPU host may give the engine most of the device.
-_DEFAULT_CUDA_LIMIT = MemoryLimit(fraction=0.9)
 # The CPU warm-up step (its memory is estimated, not measured): only to run every code path once
 # (kernel libraries, thread pools, first allocations), so it is tiny: at 8B a token costs ~0.1 s.
 _CPU_WARMUP_TOKENS = 4
@@ -45,7 +36,7 @@ class LoadedWorker:
     runner: ModelRunner
     model_config: ModelConfig
     kv_plan: KVPlan
-    device: torch.device
+    platform: Platform
     dtype: torch.dtype
     max_model_len: int
     model_format: str
@@ -54,6 +45,10 @@ class LoadedWorker:
     quantized_activations: str  # "int8" or "float" for a GGUF model, "n/a" otherwise
     prefill_seconds_per_token: float  # CPU: the warm-up step's time per token; 0 on CUDA
 
+    @property
+    def device(self) -> torch.device:
+        return self.platform.device
+
 
 def _activation_estimate_per_token(cfg: ModelConfig) -> int:
     # Live float32 tensors of one layer at its widest point (MLP gate/up + output, attention q/k/v/out).
@@ -61,16 +56,11 @@ def _activation_estimate_per_token(cfg: ModelConfig) -> int:
     return widths * 4
 
 
-def cuda_graphs_wanted(config: EngineConfig, device: torch.device, runner: ModelRunner) -> bool:
-    """Decode graphs need CUDA and an attention kernel that reads block tables itself."""
-    return config.cuda_graphs and device.type == "cuda" and runner.attention_backend == "triton"
-
-
 def graph_pool_bytes(runner: ModelRunner, sizes: list[int], cfg: ModelConfig) -> int:
     """Memory the decode graphs will hold: the measured peak of an eager decode step of the largest
     bucket (graphs of smaller buckets reuse it in their pool), every graph's output, which stays
     allocated, and their static input buffers."""
-    peak = measure_activation_bytes(lambda _: runner.profile_decode(sizes[-1]), runner.device, 0)
+    peak = runner.platform.measure_activation_bytes(lambda _: runner.profile_decode(sizes[-1]), 0)
     outputs = sum(sizes) * cfg.hidden_size * runner.dtype.itemsize
     inputs = static_buffer_bytes(sizes[-1], table_width(runner.max_positions, runner.block_size))
     return int(1.25 * peak) + outputs + inputs + _GRAPH_POOL_SLACK
@@ -101,17 +91,16 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         model_config = load_gguf_config(source.gguf_file, config.model_type)
     else:
         model_config = load_model_config(source.model_dir, config.model_type)
-    device = select_device(config.force_cpu)
-    allocated_before = allocated_bytes(device)  # others' tensors in this process (an in-process engine)
-    dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
     timer.done("config")
-    native_ops(device)  # builds or loads the CPU kernels now, so that their time is reported on its own
+    platform = select_platform(config.force_cpu)  # builds or loads the CPU kernels: reported on their own
     timer.done("kernels")
-    int8 = int8_matmuls(device, config.quantized_activations)
-    model, weight_types = load_model(model_config, source, dtype, device, progress, config.task == "embed",
+    allocated_before = platform.allocated_bytes()  # others' tensors in this process (an in-process engine)
+    dtype = platform.compute_dtype(config.dtype, model_config.torch_dtype)
+    int8 = platform.int8_matmuls(config.quantized_activations)
+    model, weight_types = load_model(model_config, source, dtype, platform, progress, config.task == "embed",
                                      lora=config.lora, int8_activations=int8)
     if config.lora_modules:
-        lora_bytes = load_adapters(model, config.lora_modules, config.max_lora_rank, dtype, device)
+        lora_bytes = load_adapters(model, config.lora_modules, config.max_lora_rank, dtype, platform)
         names = ", ".join(name for name, _ in config.lora_modules)
         log.info("LoRA adapters: %s (%.1f MiB)", names, lora_bytes / 2**20)
     timer.done("weights")
@@ -122,13 +111,13 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         if capacity < max_model_len:
             log.info("max_model_len lowered from %d to --max-total-tokens %d", max_model_len, capacity)
             max_model_len = capacity
-    grammars = GrammarEngine(source, model_config.vocab_size, list(model_config.eos_token_ids), device)
-    runner = ModelRunner(model, config.block_size, max_model_len, device, grammars=grammars,
-                         kv_dtype=select_kv_dtype(config.kv_cache_dtype, dtype, device, config.task == "embed"))
+    grammars = GrammarEngine(source, model_config.vocab_size, list(model_config.eos_token_ids), platform)
+    runner = ModelRunner(model, config.block_size, max_model_len, platform, grammars=grammars,
+                         kv_dtype=platform.kv_dtype(config.kv_cache_dtype, dtype, config.task == "embed"))
 
     weights_bytes = weight_bytes(model)
     # What else this engine already holds for good (rope tables, grammar and sampler tensors).
-    resident_bytes = max(0, allocated_bytes(device) - allocated_before - weights_bytes)
+    resident_bytes = max(0, platform.allocated_bytes() - allocated_before - weights_bytes)
     # The largest step: a full token budget of prompt, then sampling for every sequence at once with
     # every processor on (the [sequences, vocabulary] temporaries of top-p, penalties and logprobs).
     profile_tokens = min(config.max_num_batched_tokens, max_model_len)
@@ -142,20 +131,19 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     estimate = (profile_tokens * _activation_estimate_per_token(model_config)
                 + runner.sampler.peak_bytes(profile_seqs))
     warm_up_started = time.monotonic()
-    activation_bytes = measure_activation_bytes(profile, device, estimate)
+    activation_bytes = platform.measure_activation_bytes(profile, estimate)
     # The scheduler's first estimate of a prompt token's cost (scheduler/pacing.py); CUDA is not paced.
     seconds_per_token = (time.monotonic() - warm_up_started) / min(profile_tokens, _CPU_WARMUP_TOKENS)
     timer.done("warm-up")
-    graphs = cuda_graphs_wanted(config, device, runner)
+    graphs = platform.cuda_graphs(config.cuda_graphs, runner.attention_backend)
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
     reserved_bytes = graph_pool_bytes(runner, graph_sizes, model_config) if graphs else 0
     if config.lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank
         reserved_bytes += (config.max_loras - len(config.lora_modules)) * adapter_bytes(
-            model_config, config.max_lora_rank, adapter_dtype(dtype, device))
-    limit = config.memory_limit or (_DEFAULT_CUDA_LIMIT if device.type == "cuda" else None)
+            model_config, config.max_lora_rank, platform.lora_dtype(dtype))
     kv_plan = plan_kv_blocks(
-        limit=limit,
-        total_bytes=device_total_memory(device),
+        limit=config.memory_limit or platform.default_memory_limit,
+        total_bytes=platform.total_memory(),
         weights_bytes=weights_bytes,
         activation_bytes=activation_bytes,
         kv_bytes_per_token=runner.kv_bytes_per_token(),
@@ -164,7 +152,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         max_num_seqs=config.max_num_seqs,
         max_total_tokens=config.max_total_tokens,
         reserved_bytes=reserved_bytes,
-        free_bytes=device_free_memory(device),
+        free_bytes=platform.free_memory(),
         resident_bytes=resident_bytes,
         fit_model_len=not config.max_model_len,
     )
@@ -180,7 +168,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         runner.enable_decode_graphs(graph_sizes)
         timer.done("cuda graphs")
     return LoadedWorker(
-        runner, model_config, kv_plan, device, dtype, max_model_len, source.format, describe_types(weight_types),
+        runner, model_config, kv_plan, platform, dtype, max_model_len, source.format, describe_types(weight_types),
         file_tensor_bytes(source), ("int8" if int8 else "float") if source.format == "gguf" else "n/a",
-        seconds_per_token if device.type == "cpu" else 0.0,
+        seconds_per_token if platform.on_cpu else 0.0,
     )

@@ -103,7 +103,7 @@ class DecodeGraphs:
         # one buffer, one copy per step; the tables are then widened on the device into their static
         # [max_batch, width] buffer (a 32k-token model has 2k columns, mostly unused).
         numel = 4 * max_batch + max_batch * self.width
-        pinned = device.type == "cuda"
+        pinned = runner.platform.pinned
         self._host = torch.zeros(numel, dtype=torch.long, pin_memory=pinned)
         self._staged = torch.zeros(numel, dtype=torch.long, device=device)
         ids, pos, slots, ctx = self._staged[: 4 * max_batch].view(4, max_batch)
@@ -115,12 +115,13 @@ class DecodeGraphs:
 
     def capture_all(self) -> None:
         start = time.monotonic()
-        before = torch.cuda.memory_reserved() if self.runner.device.type == "cuda" else 0
-        pool = torch.cuda.graph_pool_handle() if self.runner.device.type == "cuda" else None
+        platform = self.runner.platform
+        before = platform.reserved_bytes()
+        pool = platform.graph_pool()
         self._fill([], [], [])  # every row a padded one: captures read valid, harmless inputs
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
             self.graphs[size] = self._capture(lambda size=size: self._forward(size), pool)
-        used = (torch.cuda.memory_reserved() - before) if self.runner.device.type == "cuda" else 0
+        used = platform.reserved_bytes() - before
         log.info("captured decode graphs for %d batch sizes (%d..%d) in %.1f s, %.1f MiB",
                  len(self.sizes), self.sizes[0], self.sizes[-1], time.monotonic() - start, used / 2**20)
 

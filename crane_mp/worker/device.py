@@ -1,20 +1,12 @@
-"""Device, compute dtype and KV-cache dtype choice.
-
-On CUDA, 16-bit weights are kept and float32 checkpoints run in bf16. On CPU the choice follows the
-instruction-set tier (kernels/cpu_isa.py): from measurement on a 2-core Sapphire Rapids host
-(benchmarks/RESULTS.md), bf16 GEMMs on AMX run ~5x faster than float32 at 32 rows and about the same
-per token at 1 row, while emulated bf16 is several times slower than float32.
-"""
+"""Process-wide device facts that need no platform: huge pages for large host tensors, the GPU's
+multiprocessor count (sizes the Triton kernels' grids) and which errors leave a device unusable.
+What runs where is the platform's (platforms/)."""
 
 from __future__ import annotations
 
 import os
 
 import torch
-
-from crane_mp.worker.kernels.cpu_isa import cpu_dtype, native_bf16
-
-_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def prefer_huge_pages() -> None:
@@ -24,48 +16,6 @@ def prefer_huge_pages() -> None:
     large allocation; an operator's own setting (0 turns it off) wins. Weights read from a GGUF file
     are numpy arrays, which numpy already places in huge pages."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
-def select_device(force_cpu: bool) -> torch.device:
-    if not force_cpu and torch.cuda.is_available():
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
-
-
-def select_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    ckpt = _NAMES.get(checkpoint_dtype or "", torch.float32)
-    wanted = None if requested == "auto" else _NAMES[requested]
-    if device.type == "cpu":
-        return cpu_dtype(wanted, ckpt)
-    if wanted is not None:
-        return wanted
-    if ckpt == torch.float32:
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return ckpt
-
-
-def select_kv_dtype(requested: str, compute: torch.dtype, device: torch.device, embedding: bool = False) -> torch.dtype:
-    """--kv-cache-dtype. auto on CPU is 16-bit whatever the compute dtype (bf16 where bf16 math is native,
-    else float16, which F16C converts in one instruction): half the bytes of a float32 cache, so the
-    same memory limit holds twice the context, and decode attention reads half the bytes. An embedding
-    model only reads its cache within one prompt: auto keeps the compute dtype there, so embeddings equal
-    the reference's at its precision. The CUDA kernels read the cache in the compute dtype, so there
-    auto is that and nothing else is accepted."""
-    if device.type == "cpu":
-        if requested == "auto" and embedding:
-            return compute
-        if requested == "auto":
-            return torch.bfloat16 if native_bf16() else torch.float16
-        return _NAMES[requested]
-    if requested not in ("auto", str(compute).removeprefix("torch.")):
-        raise ValueError(f"--kv-cache-dtype {requested}: on CUDA the KV cache is kept in the compute dtype "
-                         f"({str(compute).removeprefix('torch.')}); use auto")
-    return compute
-
-
-def device_label(device: torch.device) -> str:
-    """crane-oai's spelling, reported by /model_info: Cuda(0) or Cpu."""
-    return f"Cuda({device.index or 0})" if device.type == "cuda" else "Cpu"
 
 
 _SM_COUNTS: dict[int, int] = {}

@@ -17,6 +17,7 @@ import torch
 from crane_mp.gguf_file import ModelSource
 from crane_mp.model_tokenizer import grammar_tokenizer, source_tokenizer
 from crane_mp.worker.host_buffers import device_longs
+from crane_mp.worker.platforms import Platform
 
 log = logging.getLogger("crane_mp.worker")
 
@@ -31,11 +32,12 @@ class GrammarEngine:
     """Matchers for constrained requests. The tokenizer view is built on the first one (a second or so
     for a 150k vocabulary, once per server), so servers that never constrain never pay for it."""
 
-    def __init__(self, source: ModelSource, vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
+    def __init__(self, source: ModelSource, vocab_size: int, eos_token_ids: list[int], platform: Platform) -> None:
         self.source = source  # as the worker resolved it for the weights: the tokenizer comes from the same place
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.device = device
+        self.platform = platform
+        self.device = device = platform.device
         self._tokenizer = None
         self._executor = None
         self._pristine: OrderedDict[str, object] = OrderedDict()
@@ -68,11 +70,11 @@ class GrammarEngine:
         (20 ms for 32 rows of a 150k vocabulary). Not through llguidance.torch either: its
         torch.compile'd kernel costs seconds of import and a compiler on CPU."""
         words = (self.vocab_size + 31) // 32
-        bitmask = torch.empty(len(rows), words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        bitmask = torch.empty(len(rows), words, dtype=torch.int32, pin_memory=self.platform.pinned)
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
                                                words * 4, len(rows))
         width = logits.shape[1]
-        if self.device.type == "cpu":
+        if self.platform.on_cpu:  # the logits are on the host: unpack there
             allowed = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=width,
                                                      bitorder="little"))
         else:

@@ -13,7 +13,7 @@ import torch
 
 def device_tensor(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     host = torch.as_tensor(values, dtype=dtype)  # an array of that dtype is not copied
-    if device.type == "cpu":
+    if host.device == device:  # used on the host: nothing to copy
         return host
     # torch.tensor(ndarray, pin_memory=True) refuses numpy input, so pin a copy of the host tensor; the
     # copy also frees the caller to reuse its array while the transfer is in flight.

@@ -13,10 +13,10 @@ from tqdm import tqdm
 
 from crane_mp.gguf_file import ModelSource, check_gguf
 from crane_mp.worker.cpu_packing import pack_linear_weights, spare_copies_fit
-from crane_mp.worker.kernels.cpu_isa import pack_bf16_weights
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
+from crane_mp.worker.platforms import Platform
 from crane_mp.worker.quantized.gguf_loader import load_gguf_model
 
 
@@ -48,30 +48,31 @@ def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, t
 
 
 def load_model(
-    config: ModelConfig, source: ModelSource, dtype: torch.dtype, device: torch.device, progress: bool = True,
+    config: ModelConfig, source: ModelSource, dtype: torch.dtype, platform: Platform, progress: bool = True,
     embed_only: bool = False, lora: bool = False, int8_activations: bool = False,
 ) -> tuple[CausalLM, Counter]:
     """The model with its weights, and the file's tensor types (GGUF only; empty for safetensors).
     `embed_only`: an embedding model, served without logits, may lack the lm_head. `lora`: LoRA
     adapters will be applied (no activation fused into a packed projection). `int8_activations`: GGUF
-    matmuls on 8-bit activations (cpu_isa.int8_matmuls)."""
+    matmuls on 8-bit activations (Platform.int8_matmuls)."""
     if source.format == "gguf":
-        model, types = load_gguf_model(config, source.gguf_file, dtype, device, progress, int8_activations)
+        model, types = load_gguf_model(config, source.gguf_file, dtype, platform, progress, int8_activations)
     else:
-        model = load_safetensors_model(config, source.model_dir, dtype, device, progress, embed_only)
+        model = load_safetensors_model(config, source.model_dir, dtype, platform, progress, embed_only)
         types = Counter()
-    if pack_bf16_weights(dtype, device):
+    if platform.pack_bf16_weights(dtype):
         pack_linear_weights(model, spare=spare_copies_fit(model, psutil.virtual_memory().total),
                             fuse_activation=not lora)
     return model.eval(), types
 
 
 def load_safetensors_model(
-    config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device, progress: bool = True,
+    config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, platform: Platform, progress: bool = True,
     embed_only: bool = False,
 ) -> CausalLM:
     """Build the model without initialising it (meta device), then fill every parameter from the checkpoint."""
-    model = build_meta_model(config, dtype)
+    model = build_meta_model(config, dtype, platform)
+    device = platform.device
     materialize(model, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.layers import CausalLM
+from crane_mp.worker.platforms import Platform
 
 # PEFT target module -> (our projection, part index within it); parts are laid out in this order.
 _TARGETS = {
@@ -133,12 +134,6 @@ def uninstall(model: CausalLM, lora_id: int) -> None:
             getattr(module, f"lora_{projection}").pop(lora_id, None)
 
 
-def adapter_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """On CPU the matrices stay float32 whatever the model's dtype (bf16 GEMMs this small run at half
-    the speed)."""
-    return torch.float32 if device.type == "cpu" else dtype
-
-
 def adapter_bytes(config: ModelConfig, rank: int, dtype: torch.dtype) -> int:
     """What an adapter of this rank adapting every projection of every layer takes (build_adapter's
     layout: A^T [in, parts * r] and a block-diagonal B^T [parts * r, out] per fused projection)."""
@@ -151,16 +146,16 @@ def adapter_bytes(config: ModelConfig, rank: int, dtype: torch.dtype) -> int:
 
 
 def load_adapter(model: CausalLM, lora_id: int, name: str, path: str, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> int:
+                 platform: Platform) -> int:
     """Read, check and install one adapter under `lora_id`; returns the bytes it takes."""
     config, tensors = read_adapter(path, name, max_rank)
-    adapter = build_adapter(model, config, tensors, name, adapter_dtype(dtype, device), device)
+    adapter = build_adapter(model, config, tensors, name, platform.lora_dtype(dtype), platform.device)
     install(model, lora_id, adapter)
     return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in adapter.values())
 
 
 def load_adapters(model: CausalLM, modules: tuple[tuple[str, str], ...], max_rank: int,
-                  dtype: torch.dtype, device: torch.device) -> int:
+                  dtype: torch.dtype, platform: Platform) -> int:
     """Load --lora-modules (adapter i gets id i + 1); returns the bytes they take."""
-    return sum(load_adapter(model, index + 1, name, path, max_rank, dtype, device)
+    return sum(load_adapter(model, index + 1, name, path, max_rank, dtype, platform)
                for index, (name, path) in enumerate(modules))

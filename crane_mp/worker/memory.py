@@ -3,16 +3,13 @@ memory set aside for decode graphs and sampler state.
 
 On CUDA the limit is a cap on what the engine allocates, and the plan also never counts on more than
 the device has free after the weights are loaded (other processes, the CUDA context), so a limit
-larger than what is free shrinks the cache instead of running out of memory mid-serving.
+larger than what is free shrinks the cache instead of running out of memory mid-serving. The
+device's own figures (total, free, peak) are the platform's to measure (platforms/).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
-import psutil
-import torch
 
 from crane_mp.config import MemoryLimit
 
@@ -43,12 +40,6 @@ class KVPlan:
         return (f"KV cache {_size(self.kv_budget_bytes)} ({self.num_blocks} blocks, bound by {self.bound}); "
                 f"weights {_size(self.weights_bytes)}, activations {_size(self.activation_bytes)}, "
                 f"reserved {_size(self.reserved_bytes)}, limit {_size(self.limit_bytes)}")
-
-
-def device_total_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    return psutil.virtual_memory().total
 
 
 def _size(num_bytes: int) -> str:
@@ -118,49 +109,3 @@ def plan_kv_blocks(
         num_blocks, bound = max(blocks_per_seq, max_total_tokens // block_size), "max_total_tokens"
     return KVPlan(num_blocks, kv_bytes_per_token, num_blocks * block_bytes, limit_bytes, weights_bytes,
                   activation_bytes, reserved_bytes + resident_bytes, bound, max_model_len)
-
-
-def device_free_memory(device: torch.device) -> int | None:
-    """Bytes the device can still hand out: free memory plus what torch's allocator holds unused.
-    None on CPU, where the limit alone decides."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
-def allocated_bytes(device: torch.device) -> int:
-    """What torch has allocated on a CUDA device (0 on CPU, where nothing is tracked)."""
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def enforce_limit(device: torch.device, plan: KVPlan) -> None:
-    """Make the limit hold at run time: torch's allocator refuses to grow past it (an allocation that
-    would is a failed request, see runner.py, not memory taken from the host's other GPU users). The
-    plan counts allocated bytes, the cap the allocator's reserved segments, which add rounding and
-    fragmentation: the cap sits a quarter of the activations (at least 256 MiB) above the limit.
-    For the worker process, which has the device to itself: the cap is process-wide."""
-    if device.type == "cuda":
-        cap = plan.limit_bytes + max(256 << 20, plan.activation_bytes // 4)
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / device_total_memory(device)), device)
-
-
-def measure_activation_bytes(profile: Callable[[bool], int], device: torch.device, estimate_bytes: int) -> int:
-    """Peak memory of the largest step, `profile(True)`, above what was allocated before it, less the
-    bytes the profile returns (its scratch KV cache, live through the peak but not an activation).
-
-    CUDA reports its allocator's peak; CPU allocations are not tracked, so there we use the estimate
-    and run a small step, `profile(False)`, only as a warm-up (a full-budget one costs seconds of start-up).
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        scratch = profile(True)
-        torch.cuda.synchronize(device)
-        return max(0, torch.cuda.max_memory_allocated(device) - before - scratch)
-    profile(False)
-    return estimate_bytes

@@ -23,10 +23,8 @@ from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.logs import LogSettings, configure_logging
 from crane_mp.protocol import DropLora, LoadLora, LoraLoaded, ShutdownWorker, StepPlan, WorkerReady
 from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
-from crane_mp.worker.device import device_label
-from crane_mp.worker.kernels.cpu_isa import describe as describe_isa
 from crane_mp.worker.lora import load_adapter, uninstall
-from crane_mp.worker.memory import MemoryBudgetError, enforce_limit
+from crane_mp.worker.memory import MemoryBudgetError
 from crane_mp.worker.model_config import UnsupportedModelError
 
 log = logging.getLogger("crane_mp.worker")
@@ -34,7 +32,7 @@ log = logging.getLogger("crane_mp.worker")
 
 def worker_ready(loaded: LoadedWorker) -> WorkerReady:
     plan = loaded.kv_plan
-    isa, kernel_isa = describe_isa(loaded.device)
+    isa, kernel_isa = loaded.platform.describe()
     return WorkerReady(
         num_blocks=plan.num_blocks,
         block_size=loaded.runner.block_size,
@@ -45,8 +43,8 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
         vocab_size=loaded.model_config.vocab_size,
         eos_token_ids=list(loaded.model_config.eos_token_ids),
         arch=loaded.model_config.arch,
-        device=device_label(loaded.device),
-        device_type=loaded.device.type,
+        device=loaded.platform.label(),
+        device_type=loaded.platform.name,
         dtype=str(loaded.dtype).removeprefix("torch."),
         isa=isa,
         kernel_isa=kernel_isa,
@@ -65,7 +63,7 @@ def _load_adapter(loaded: LoadedWorker, config: EngineConfig, message: LoadLora)
     adapter = message.adapter
     try:
         load_adapter(loaded.runner.model, adapter.lora_id, adapter.name, adapter.path, config.max_lora_rank,
-                     loaded.dtype, loaded.device)
+                     loaded.dtype, loaded.platform)
     except Exception as err:  # noqa: BLE001 - the adapter's fault, reported to the client that asked
         log.warning("LoRA adapter %r from %s not loaded: %s", adapter.name, adapter.path, err)
         return LoraLoaded(message.token, message.frontend_id, adapter, str(err) or type(err).__name__)
@@ -99,7 +97,7 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
         # A configuration the operator must change: one clear line, no traceback.
         log.error("cannot start the model: %s", err)
         raise SystemExit(1) from None
-    enforce_limit(loaded.device, loaded.kv_plan)
+    loaded.platform.enforce_limit(loaded.kv_plan)
     # Everything allocated so far (torch, transformers, the model) lives as long as this process: keep
     # the cyclic GC from rescanning it in the middle of decode steps. Only here: an engine built inside
     # someone else's process (LLMEngine) must stay collectable.

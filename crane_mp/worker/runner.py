@@ -12,8 +12,6 @@ it propagates and stops the server.
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,21 +35,12 @@ from crane_mp.worker.device import is_device_fault
 from crane_mp.worker.forward_context import ForwardContext, LoraBatch, forward_context, lora_batch
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.host_buffers import device_longs
-from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.models.layers import CausalLM
+from crane_mp.worker.platforms import Platform
 from crane_mp.worker.rope import rope_tables
 from crane_mp.worker.sampler import Sampler, SamplingState
 
 log = logging.getLogger("crane_mp.worker")
-
-
-def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor. On CPU, anonymous memory the kernel hands out zeroed page by page as it
-    is first touched: a large KV cache costs neither start-up time nor RAM until it is used."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * dtype.itemsize
-    return torch.frombuffer(mmap.mmap(-1, max(num_bytes, 1)), dtype=torch.uint8)[:num_bytes].view(dtype).view(shape)
 
 
 @dataclass(slots=True)
@@ -74,25 +63,24 @@ class RequestMirror:
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, block_size: int, max_positions: int, device: torch.device,
+        self, model: CausalLM, block_size: int, max_positions: int, platform: Platform,
         attention_backend: str | None = None, grammars: GrammarEngine | None = None,
         kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
         self.block_size = block_size
-        self.device = device
+        self.platform = platform
+        self.device = platform.device
         self.max_positions = max_positions
         self.dtype = model.model.norm.weight.dtype
-        self.kv_dtype = kv_dtype or self.dtype  # the cache's storage (device.select_kv_dtype)
-        self.cos, self.sin = rope_tables(self.config, max_positions, self.dtype, device)
+        self.kv_dtype = kv_dtype or self.dtype  # the cache's storage (Platform.kv_dtype)
+        self.cos, self.sin = rope_tables(self.config, max_positions, self.dtype, self.device)
         self.grammars = grammars
-        self.sampler = Sampler(self.config.vocab_size, device, grammars)
+        self.sampler = Sampler(self.config.vocab_size, platform, grammars)
         self.requests: dict[int, RequestMirror] = {}
         self.num_blocks = 0
-        self.attention_backend = attention_backend or attention_backend_override() or default_attention_backend(device)
-        if self.attention_backend == "native" and not native_ops(device):
-            raise ValueError("the native attention kernel runs only on CPUs that build crane-mp's C++ kernels")
+        self.attention_backend = platform.attention_backend(attention_backend or attention_backend_override())
         self.failed: dict[int, str] = {}  # req id -> error, until the scheduler finishes the request
         self._newly_failed: list[int] = []
         self.fault_token = fault_injection_token()
@@ -103,8 +91,8 @@ class ModelRunner:
         cfg = self.config
         shape = (num_blocks + 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         for attn in self.model.attention_layers():
-            attn.k_cache = _zeroed(shape, self.kv_dtype, self.device)
-            attn.v_cache = _zeroed(shape, self.kv_dtype, self.device)
+            attn.k_cache = self.platform.zeros(shape, self.kv_dtype)
+            attn.v_cache = self.platform.zeros(shape, self.kv_dtype)
         self.num_blocks = num_blocks
 
     @torch.inference_mode()
@@ -388,13 +376,6 @@ class ModelRunner:
 _SCORE_BYTES = 112 << 20
 # The token an embedding request "samples": it only ends the request (its max_tokens is 1).
 _PLACEHOLDER_TOKEN = 0
-
-
-def default_attention_backend(device: torch.device) -> str:
-    """Triton kernels on CUDA, the C++ decode kernel on CPUs that build it, else portable torch."""
-    if device.type == "cuda":
-        return "triton"
-    return "native" if native_ops(device) else "torch"
 
 
 def _advances_before_sampling(params) -> bool:

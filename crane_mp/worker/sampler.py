@@ -16,8 +16,8 @@ import torch
 from crane_mp.protocol import SamplingParams, TokenLogprobs
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.host_buffers import device_bools, device_floats, device_longs
-from crane_mp.worker.kernels.cpu_isa import native_ops
 from crane_mp.worker.penalties import PenaltyTable
+from crane_mp.worker.platforms import Platform
 from crane_mp.worker.seeded_noise import row_keys, uniform_from_keys
 
 
@@ -40,9 +40,10 @@ class Sampler:
     each row's CDF at one uniform per row, a seeded row's counter-based (seeded_noise.py) instead of
     stepping a generator per row."""
 
-    def __init__(self, vocab_size: int, device: torch.device, grammars: GrammarEngine | None = None) -> None:
+    def __init__(self, vocab_size: int, platform: Platform, grammars: GrammarEngine | None = None) -> None:
         self.vocab_size = vocab_size
-        self.device = device
+        self.platform = platform
+        self.device = device = platform.device
         self.grammars = grammars
         self.penalties = PenaltyTable(vocab_size, device)
         self._shared_generator = torch.Generator(device=device)
@@ -154,7 +155,7 @@ class Sampler:
         truncated: list[int] = []
         covered = None
         if all(p.greedy for p in params):
-            tokens = argmax_rows(work)
+            tokens = self.platform.argmax_rows(work)
         else:
             tokens, truncated, covered = self._draw(work, params, uniform)
         if raw_logprobs is None:
@@ -226,9 +227,10 @@ class Sampler:
         greedy = [row for row, p in enumerate(params) if p.greedy]
         parts, covered = [], None
         if greedy:
-            parts.append((greedy, argmax_rows(logits if len(greedy) == len(params) else self._rows(logits, greedy))))
+            parts.append((greedy, self.platform.argmax_rows(
+                logits if len(greedy) == len(params) else self._rows(logits, greedy))))
         if plain:
-            parts.append((plain, _invert_cdf(self._rows(probs, plain), self._rows(uniform, plain))))
+            parts.append((plain, self._invert_cdf(self._rows(probs, plain), self._rows(uniform, plain))))
         if truncated:
             drawn, covered = self._draw_truncated(probs, uniform, truncated, params, _CANDIDATES)
             parts.append((truncated, drawn))
@@ -258,6 +260,16 @@ class Sampler:
 
     def _truncates(self, p: SamplingParams) -> bool:
         return 0 < p.top_k < self.vocab_size or p.top_p < 1.0
+
+    def _invert_cdf(self, probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """Index i per row with cdf[i - 1] <= u * total < cdf[i]: a draw from the row's (unnormalised)
+        distribution that never lands on a zero-probability entry."""
+        cdf = probs.cumsum(dim=-1)
+        if not self.platform.ordered_cumsum:
+            cdf = flat_at_zeros(probs, cdf)
+        total = cdf[:, -1:]
+        target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
     def _rows(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return x if len(rows) == x.shape[0] else x.index_select(0, device_longs(rows, self.device))
@@ -297,7 +309,7 @@ class Sampler:
         reached = normalised.cumsum(dim=-1)
         kept = normalised * (reached - normalised < top_p[:, None])
         covered = has_top_k | (reached[:, -1] >= top_p) | (count == self.vocab_size)
-        index = _invert_cdf(kept, self._rows(uniform, rows))
+        index = self._invert_cdf(kept, self._rows(uniform, rows))
         return ids.gather(1, index[:, None]).squeeze(1), covered
 
     @staticmethod
@@ -335,27 +347,9 @@ def _processed(state: SamplingState) -> bool:
     return bool(state.bias_ids or state.suppress_ids or state.penalty_row is not None or state.matcher is not None)
 
 
-def _invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Index i per row with cdf[i - 1] <= u * total < cdf[i]: a draw from the row's (unnormalised)
-    distribution that never lands on a zero-probability entry."""
-    cdf = probs.cumsum(dim=-1)
-    if probs.device.type != "cpu":
-        cdf = flat_at_zeros(probs, cdf)
-    total = cdf[:, -1:]
-    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
-
-
 def flat_at_zeros(probs: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
     """The CDF made flat across zero-probability entries and never decreasing. CPU cumsum adds left to
     right, so it already is; CUDA's single-row scan (CUB) groups its sums by thread, so at a thread's
     first entry a zero can step the sum an ulp up (a drawable zero) or down (which searchsorted cannot
     take)."""
     return torch.where(probs > 0, cdf, torch.zeros_like(cdf)).cummax(dim=-1).values
-
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax of a [N, V] float32 tensor; the native CPU kernel is ~15x faster than torch's."""
-    if native_ops(x.device):
-        return torch.ops.crane_mp.argmax_rows(x.contiguous())
-    return x.argmax(dim=-1)

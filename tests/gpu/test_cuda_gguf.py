@@ -12,7 +12,6 @@ from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_gguf import make_gguf
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.quantized import layers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -36,7 +35,7 @@ def test_cuda_gguf_greedy_matches_cpu_in_float32(gguf_files, qtype):
     assert cuda.worker.device.type == "cuda"
     assert cuda.generate(prompts, params) == cpu.generate(prompts, params)
     assert cuda.worker.kv_plan.weights_bytes <= 1.05 * cuda.worker.weights_file_bytes
-    assert not layers._triton_state.get("failed"), "the Triton dequantizer fell back to torch ops"
+    assert not cuda.worker.platform.gguf.failed, "the Triton dequantizer fell back to torch ops"
 
 
 def test_triton_dequantize_on_the_device_equals_the_torch_ops():

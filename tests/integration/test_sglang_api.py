@@ -10,11 +10,10 @@ import time
 import psutil
 import pytest
 import requests
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.kernels import cpu_isa
+from crane_mp.worker.platforms import platform_for
 from tests.integration.server import Server
 
 
@@ -113,7 +112,7 @@ def test_management_routes(server):
         assert info["prefix_cache"] is True and info["overlap_schedule"] is True
         assert info["stats"]["kv_blocks_total"] > 0 and info["stats"]["completed_requests"] >= 0
         # The worker's CPU tier, as this process computes it (same CPU, same CRANE_MP_ISA).
-        assert (info["isa"], info["kernel_isa"]) == cpu_isa.describe(torch.device("cpu"))
+        assert (info["isa"], info["kernel_isa"]) == platform_for("cpu").describe()
     assert requests.get(server.url + "/health").json() == {"status": "ok"}
     assert requests.get(server.url + "/health_generate").status_code == 200
     assert requests.post(server.url + "/flush_cache").status_code == 200

@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import json, torch, crane_mp
-from crane_mp.worker.kernels import cpu_isa
-tiers = cpu_isa.describe(torch.device("cpu"))  # builds the kernels
+from crane_mp.worker.platforms import platform_for
+tiers = platform_for("cpu").describe()  # builds the kernels
 argmax = torch.ops.crane_mp.argmax_rows(torch.tensor([[1.0, 3.0, 2.0]])).tolist()
 print(json.dumps({"file": crane_mp.__file__, "tiers": tiers, "argmax": argmax}))
 """

@@ -17,6 +17,7 @@ from crane_mp.worker.cpu_packing import PackedLinear
 from crane_mp.worker.kernels import cpu_isa, loader
 from crane_mp.worker.kernels.loader import build_name, kernel_cache_dir
 from crane_mp.worker.model_config import load_model_config
+from crane_mp.worker.platforms import platform_for
 from tests.model_helpers import load_checkpoint, prefill_logits
 
 CPU = torch.device("cpu")
@@ -43,8 +44,8 @@ def test_tier_in_use_never_exceeds_the_host_or_the_cap():
         return
     assert rank(isa) == (rank(host) if cap is None else min(rank(host), rank(cap)))
     assert kernels is None or rank(kernels) <= rank(isa)
-    assert cpu_isa.describe(CPU) == (isa, kernels or "portable")
-    assert cpu_isa.describe(torch.device("cuda"))[1] == "n/a"  # a GPU worker builds no CPU kernels
+    assert platform_for(CPU).describe() == (isa, kernels or "portable")
+    assert platform_for("cuda").describe()[1] == "n/a"  # a GPU worker builds no CPU kernels
 
 
 @pytest.mark.parametrize("tier", CPU_ISAS)
@@ -56,8 +57,8 @@ def test_dtype_and_packing_follow_the_tier(monkeypatch, tier):
     assert cpu_isa.cpu_dtype(None, torch.float32) == torch.float32
     assert cpu_isa.cpu_dtype(torch.bfloat16, torch.float32) == torch.bfloat16  # explicit is honoured
     # oneDNN's bf16 reorder raises below AVX-512 BW/VL/DQ: never asked for there.
-    assert cpu_isa.pack_bf16_weights(torch.bfloat16, CPU) == (tier != "avx2" and torch.backends.mkldnn.is_available())
-    assert not cpu_isa.pack_bf16_weights(torch.float32, CPU)
+    assert cpu_isa.pack_bf16_weights(torch.bfloat16) == (tier != "avx2" and torch.backends.mkldnn.is_available())
+    assert not cpu_isa.pack_bf16_weights(torch.float32)
 
 
 def test_explicit_bf16_without_native_bf16_says_so_in_one_line(monkeypatch, caplog):
@@ -130,7 +131,7 @@ def test_explicit_bf16_serves_on_this_tier(tmp_path):
     config = load_model_config(path)
     models = {dtype: load_checkpoint(config, path, dtype) for dtype in (torch.bfloat16, torch.float32)}
     packed = any(isinstance(m, PackedLinear) for m in models[torch.bfloat16].modules())
-    assert packed == cpu_isa.pack_bf16_weights(torch.bfloat16, CPU)
+    assert packed == cpu_isa.pack_bf16_weights(torch.bfloat16)
     exact, rounded = (prefill_logits(models[dtype], list(range(3, 40))) for dtype in (torch.float32, torch.bfloat16))
     assert (rounded - exact).norm() / exact.norm() < 0.05  # bf16 weights and activations: ~1.5% here
     margin = exact.max(-1).values - exact.gather(1, rounded.argmax(-1, keepdim=True)).squeeze(1)

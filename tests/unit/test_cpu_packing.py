@@ -12,11 +12,12 @@ from crane_mp.testing.make_model import make_model
 from crane_mp.worker.cpu_packing import WIDE_ROWS, PackedEmbedding, PackedLinear, pack_linear_weights
 from crane_mp.worker.kernels.cpu_isa import amx_gemm, pack_bf16_weights
 from crane_mp.worker.loader import weight_bytes
+from crane_mp.worker.platforms import platform_for
+from crane_mp.worker.platforms.cpu import CpuPlatform
 from crane_mp.worker.model_config import load_model_config
 from tests.model_helpers import load_checkpoint, prefill_logits
 
-CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(not pack_bf16_weights(torch.bfloat16, CPU), reason="this CPU tier packs no bf16 weights")
+pytestmark = pytest.mark.skipif(not pack_bf16_weights(torch.bfloat16), reason="this CPU tier packs no bf16 weights")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])  # tied head (stays plain) and untied head with biases
@@ -24,7 +25,7 @@ def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
     path = make_model(arch, "tiny", tmp_path / arch, dtype="bfloat16")
     config = load_model_config(path)
     packed = load_checkpoint(config, path, torch.bfloat16)
-    monkeypatch.setattr("crane_mp.worker.loader.pack_bf16_weights", lambda dtype, device: False)
+    monkeypatch.setattr(CpuPlatform, "pack_bf16_weights", lambda self, dtype: False)
     plain = load_checkpoint(config, path, torch.bfloat16)
     assert any(isinstance(m, PackedLinear) for m in packed.modules())
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
@@ -48,7 +49,7 @@ def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
         assert torch.equal(outputs[0], outputs[1])
 
 
-@pytest.mark.skipif(amx_gemm() or not pack_bf16_weights(torch.bfloat16, torch.device("cpu")),
+@pytest.mark.skipif(amx_gemm() or not pack_bf16_weights(torch.bfloat16),
                     reason="the float32 copy serves oneDNN-packed bf16 weights only")
 @pytest.mark.parametrize("rows", [WIDE_ROWS - 1, WIDE_ROWS, 300])
 def test_wide_float32_copy_computes_the_bf16_gemm(rows):
@@ -73,7 +74,7 @@ def test_pack_linear_weights_counts_modules(tmp_path):
     config = load_model_config(path)
     from crane_mp.worker.models.build import build_model
 
-    model = build_model(config).to(torch.bfloat16)
+    model = build_model(config, platform_for("cpu")).to(torch.bfloat16)
     layers = config.num_hidden_layers
     assert pack_linear_weights(model) == 4 * layers + 1  # qkv, o, gate_up, down per layer + untied head
 

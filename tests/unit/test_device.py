@@ -1,4 +1,4 @@
-"""Device-level choices made once at start-up: the KV cache's dtype and huge pages for large tensors."""
+"""Device-level choices made once at start-up: the platform, the KV cache's dtype and huge pages for large tensors."""
 
 from __future__ import annotations
 
@@ -7,22 +7,23 @@ import os
 import pytest
 import torch
 
-from crane_mp.worker.device import prefer_huge_pages, select_kv_dtype
+from crane_mp.worker.device import prefer_huge_pages
 from crane_mp.worker.kernels.cpu_isa import native_bf16
+from crane_mp.worker.platforms import platform_for
 
-CPU = torch.device("cpu")
+CPU = platform_for("cpu")
 
 
 def test_auto_kv_cache_on_cpu_is_16_bit_whatever_the_compute_dtype():
     sixteen = torch.bfloat16 if native_bf16() else torch.float16
-    assert select_kv_dtype("auto", torch.float32, CPU) == sixteen
-    assert select_kv_dtype("auto", torch.bfloat16, CPU) == sixteen
+    assert CPU.kv_dtype("auto", torch.float32) == sixteen
+    assert CPU.kv_dtype("auto", torch.bfloat16) == sixteen
 
 
 def test_an_embedding_model_keeps_its_compute_dtype_and_explicit_choices_win():
-    assert select_kv_dtype("auto", torch.float32, CPU, embedding=True) == torch.float32
-    assert select_kv_dtype("float32", torch.float32, CPU) == torch.float32
-    assert select_kv_dtype("float16", torch.float32, CPU, embedding=True) == torch.float16
+    assert CPU.kv_dtype("auto", torch.float32, embedding=True) == torch.float32
+    assert CPU.kv_dtype("float32", torch.float32) == torch.float32
+    assert CPU.kv_dtype("float16", torch.float32, embedding=True) == torch.float16
 
 
 @pytest.mark.parametrize("preset, expected", [(None, "1"), ("0", "0")])

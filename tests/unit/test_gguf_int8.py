@@ -153,7 +153,9 @@ def test_rows_repacked_by_eight_give_the_row_kernel_results(qtype, rows, cols):
 
 def test_only_whole_groups_of_eight_rows_are_repacked():
     from crane_mp.worker.quantized.formats import Q4_K_X8, Q8_0_X8
-    from crane_mp.worker.quantized.layers import kernel_layout
+    from crane_mp.worker.quantized.matmul import NativeGGUF
+
+    kernel_layout = NativeGGUF().layout
 
     odd = torch.from_numpy(quantized(T.Q4_K, 12, 256).copy())
     with pytest.raises(RuntimeError, match="groups of 8"):

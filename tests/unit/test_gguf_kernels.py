@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType as T
 from crane_mp.testing import kquants
 from crane_mp.worker.kernels.cpu_isa import kernel_isa
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
-from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear, quantized_matmul
+from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
+from crane_mp.worker.quantized.matmul import NativeGGUF, TorchGGUF, TritonGGUF
 
 _K_QUANTIZERS = {T.Q4_K: kquants.quantize_q4_k, T.Q5_K: kquants.quantize_q5_k, T.Q6_K: kquants.quantize_q6_k}
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
@@ -63,11 +64,9 @@ def test_native_dequantize_equals_gguf(qtype):
         torch.testing.assert_close(ours, reference(data, qtype, cols), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("path", [pytest.param("native", marks=native), "portable"])
+@pytest.mark.parametrize("kernels", [pytest.param(NativeGGUF, marks=native), TorchGGUF], ids=["native", "portable"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
-def test_matmul_equals_dequantize_then_matmul(qtype, path, monkeypatch):
-    if path == "portable":
-        monkeypatch.setattr("crane_mp.worker.quantized.layers._native", lambda x: False)
+def test_matmul_equals_dequantize_then_matmul(qtype, kernels):
     rng = np.random.default_rng(3)
     for rows, cols in [(37, cols_for(qtype)[0]), (301, cols_for(qtype)[1])]:
         data = quantized(qtype, rows, cols, seed=rows)
@@ -76,7 +75,7 @@ def test_matmul_equals_dequantize_then_matmul(qtype, path, monkeypatch):
         for batch in (1, 2, 4, 5, 17, 64):
             x = torch.from_numpy(rng.standard_normal((batch, cols)).astype(np.float32))
             want = (x.double() @ dense.T).float()
-            got = quantized_matmul(x, weight, qtype, cols)
+            got = kernels().matmul(x, weight, qtype, cols)
             assert got.shape == (batch, rows) and got.dtype == torch.float32
             scale = want.abs().max().item()
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale, msg=f"batch {batch} shape {rows}x{cols}")
@@ -86,6 +85,7 @@ class FailingKernels:
     """Stands in for the Triton GGUF module on a GPU where its kernels raise `err`."""
 
     FUSED_MAX_ROWS = 64
+    TRITON_TYPES = frozenset({T.Q8_0})
 
     def __init__(self, err: Exception) -> None:
         self.err = err
@@ -97,25 +97,22 @@ class FailingKernels:
         raise self.err
 
 
-def test_a_kernel_that_fails_to_compile_falls_back_but_out_of_memory_and_device_faults_propagate(monkeypatch):
-    from crane_mp.worker.quantized import layers
-
-    monkeypatch.setattr(layers, "_native", lambda x: False)
-    monkeypatch.setattr(layers, "_triton_state", {})
+@pytest.mark.parametrize("batch", [3, 65])  # the fused decode kernel, then the per-slab dequantizer
+def test_a_kernel_that_fails_to_compile_falls_back_but_out_of_memory_and_device_faults_propagate(batch):
     data = quantized(T.Q8_0, 40, 256)
-    weight, x = torch.from_numpy(data.copy()), torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    weight = torch.from_numpy(data.copy())
+    x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(0))
     for err in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
                 RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")):
-        monkeypatch.setattr(layers, "_triton_kernels", lambda w, q, err=err: FailingKernels(err))
+        kernels = TritonGGUF(FailingKernels(err))
         with pytest.raises(type(err)):
-            quantized_matmul(x, weight, T.Q8_0, 256)
-        assert not layers._triton_state  # still Triton's to run once memory is back
-    compile_error = FailingKernels(RuntimeError("out of resource: shared memory, Required: 240000"))
-    monkeypatch.setattr(layers, "_triton_kernels",
-                        lambda w, q: None if layers._triton_state.get("failed") else compile_error)
-    got = quantized_matmul(x, weight, T.Q8_0, 256)
-    assert layers._triton_state["failed"]
+            kernels.matmul(x, weight, T.Q8_0, 256)
+        assert not kernels.failed  # still Triton's to run once memory is back
+    kernels = TritonGGUF(FailingKernels(RuntimeError("out of resource: shared memory, Required: 240000")))
+    got = kernels.matmul(x, weight, T.Q8_0, 256)
+    assert kernels.failed
     torch.testing.assert_close(got, x @ reference(data, T.Q8_0, 256).T, rtol=1e-4, atol=1e-4)
+    assert kernels.matmul(x, weight, T.Q8_0, 256).equal(got)  # the torch ops from then on
 
 
 @native
@@ -134,7 +131,7 @@ def test_linear_with_mixed_parts_and_bias_matches_dense():
     parts = [(T.Q4_K, quantized(T.Q4_K, 16, 256, 0)), (T.Q6_K, quantized(T.Q6_K, 8, 256, 1)),
              (T.Q8_0, quantized(T.Q8_0, 8, 256, 2))]
     bias = torch.nn.Parameter(torch.randn(32))
-    layer = GGUFLinear(256, [(t, torch.from_numpy(d.copy())) for t, d in parts], bias)
+    layer = GGUFLinear(256, [(t, torch.from_numpy(d.copy())) for t, d in parts], bias, TorchGGUF())
     dense = torch.cat([reference(d, t, 256) for t, d in parts])
     x = torch.randn(3, 5, 256)
     torch.testing.assert_close(layer(x), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
@@ -143,7 +140,7 @@ def test_linear_with_mixed_parts_and_bias_matches_dense():
 def test_embedding_dequantizes_only_looked_up_rows():
     data = quantized(T.Q6_K, 50, 256)
     table = reference(data, T.Q6_K, 256)
-    embed = GGUFEmbedding(T.Q6_K, torch.from_numpy(data.copy()), 256, torch.float32)
+    embed = GGUFEmbedding(T.Q6_K, torch.from_numpy(data.copy()), 256, torch.float32, TorchGGUF())
     ids = torch.tensor([0, 49, 7, 7])
     torch.testing.assert_close(embed(ids), table[ids], rtol=1e-6, atol=1e-7)
 

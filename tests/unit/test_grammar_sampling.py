@@ -18,8 +18,9 @@ from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.sampler import Sampler
+from crane_mp.worker.platforms import platform_for
 
-CPU = torch.device("cpu")
+CPU_PLATFORM = platform_for("cpu")
 EOS = 507  # the tiny model's <|im_end|>; <|endoftext|> (505) ends generation too
 EOS_IDS = (507, 505)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -39,7 +40,7 @@ def tokenizer(model_dir):
 
 @pytest.fixture()
 def grammars(model_dir):
-    return GrammarEngine(resolve_model_source(model_dir), 512, list(EOS_IDS), CPU)
+    return GrammarEngine(resolve_model_source(model_dir), 512, list(EOS_IDS), CPU_PLATFORM)
 
 
 def run(sampler: Sampler, states, steps: int, seed: int = 0) -> list[list[int]]:
@@ -62,7 +63,7 @@ def test_constrained_rows_follow_their_grammar_beside_a_free_row(grammars, token
     params = [SamplingParams(seed=1, grammar=LLMatcher.grammar_from_json_schema(SCHEMA)),
               SamplingParams(seed=2, grammar=LLMatcher.grammar_from_regex(r"(yes|no)-[0-9]{2,3}")),
               SamplingParams(seed=3)]
-    sampler = Sampler(512, CPU, grammars)
+    sampler = Sampler(512, CPU_PLATFORM, grammars)
     states = [sampler.new_state(p, [1, 2], EOS_IDS) for p in params]
     outputs = run(sampler, states, 200)
 
@@ -72,7 +73,7 @@ def test_constrained_rows_follow_their_grammar_beside_a_free_row(grammars, token
     assert re.fullmatch(r"(yes|no)-[0-9]{2,3}", tokenizer.decode(regex_out[:-1]))
 
     # The free row draws exactly what it draws alone: its noise is a function of its seed and position.
-    sampler = Sampler(512, CPU)
+    sampler = Sampler(512, CPU_PLATFORM)
     alone = sampler.new_state(SamplingParams(seed=3), [1, 2], EOS_IDS)
     reference = []
     generator = torch.Generator().manual_seed(0)
@@ -89,7 +90,7 @@ def test_choice_grammar_is_cached_and_every_request_gets_its_own_matcher(grammar
     first = grammars.new_matcher(grammar)
     second = grammars.new_matcher(grammar)
     assert first is not second and len(grammars._pristine) == 1
-    sampler = Sampler(512, CPU, grammars)
+    sampler = Sampler(512, CPU_PLATFORM, grammars)
     states = [sampler.new_state(SamplingParams(seed=s, grammar=grammar), [1], EOS_IDS) for s in range(6)]
     outputs = run(sampler, states, 20, seed=4)
     assert {tokenizer.decode(out[:-1]) for out in outputs} <= {"red", "green", "blue"}
@@ -97,14 +98,14 @@ def test_choice_grammar_is_cached_and_every_request_gets_its_own_matcher(grammar
 
 def test_a_complete_grammar_overrides_min_tokens(grammars):
     params = SamplingParams(temperature=0.0, min_tokens=50, grammar=LLMatcher.grammar_from_regex("ok"))
-    sampler = Sampler(512, CPU, grammars)
+    sampler = Sampler(512, CPU_PLATFORM, grammars)
     out = run(sampler, [sampler.new_state(params, [1], EOS_IDS)], 10)[0]
     assert out[-1] in EOS_IDS and len(out) <= 3  # "ok" then EOS, though min_tokens asked for 50
 
 
 def test_greedy_takes_the_best_allowed_token(grammars):
     grammar = LLMatcher.grammar_from_regex("[0-9]+")
-    sampler = Sampler(512, CPU, grammars)
+    sampler = Sampler(512, CPU_PLATFORM, grammars)
     state = sampler.new_state(SamplingParams(temperature=0.0, grammar=grammar), [1], EOS_IDS)
     logits = torch.zeros(1, 512)
     digit_ids = list(range(15, 25))  # byte-level tokens of "0".."9" in the tiny vocabulary
@@ -116,4 +117,4 @@ def test_greedy_takes_the_best_allowed_token(grammars):
 
 def test_a_request_without_an_engine_for_grammars_is_refused():
     with pytest.raises(ValueError, match="structured output"):
-        Sampler(512, CPU).new_state(SamplingParams(grammar=LLMatcher.grammar_from_regex("a")), [1], EOS_IDS)
+        Sampler(512, CPU_PLATFORM).new_state(SamplingParams(grammar=LLMatcher.grammar_from_regex("a")), [1], EOS_IDS)

@@ -162,7 +162,7 @@ def test_the_memory_plan_holds_room_for_every_adapter_that_may_still_be_loaded(t
     base = LLMEngine(EngineConfig(model_path=str(path), max_num_seqs=4, dtype="float32"))
     cfg = base.worker.model_config
     taken = load_adapter(base.worker.runner.model, 1, "full", str(tmp_path / "full"), 8, torch.float32,
-                         torch.device("cpu"))
+                         base.worker.platform)
     assert taken == adapter_bytes(cfg, 8, torch.float32)  # the estimate is what the largest adapter takes
     lora = LLMEngine(EngineConfig(model_path=str(path), max_num_seqs=4, dtype="float32", max_loras=3,
                                   max_lora_rank=8, lora_modules=(("full", str(tmp_path / "full")),)))

@@ -10,9 +10,11 @@ import torch
 from crane_mp.protocol import SamplingParams
 from crane_mp.worker.sampler import Sampler
 from crane_mp.worker.seeded_noise import row_keys, uniform_from_keys
+from crane_mp.worker.platforms import platform_for
 
 VOCAB = 50
 CPU = torch.device("cpu")
+CPU_PLATFORM = platform_for(CPU)
 
 
 def states(sampler: Sampler, *params: SamplingParams, prompt: list[int] | None = None, eos=(1,)):
@@ -32,7 +34,7 @@ def peaked_logits(rows: int, seed: int = 0) -> torch.Tensor:
 
 def test_greedy_is_argmax_and_logprobs_are_raw():
     logits = peaked_logits(3)
-    sampler = Sampler(VOCAB, CPU)
+    sampler = Sampler(VOCAB, CPU_PLATFORM)
     p = SamplingParams(temperature=0.0, logprobs=3)
     tokens, logprobs = sampler.sample(logits.clone(), states(sampler, p, p, p))
     assert tokens == logits.argmax(-1).tolist()
@@ -44,13 +46,13 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
 
 
 def test_no_logprobs_unless_asked():
-    sampler = Sampler(VOCAB, CPU)
+    sampler = Sampler(VOCAB, CPU_PLATFORM)
     _, logprobs = sampler.sample(peaked_logits(2), states(sampler, SamplingParams(temperature=0.0), SamplingParams()))
     assert logprobs == []
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
-    sampler = Sampler(VOCAB, CPU)
+    sampler = Sampler(VOCAB, CPU_PLATFORM)
     seeded = SamplingParams(temperature=1.0, seed=1234)
     logits = peaked_logits(1, seed=3) / 3  # flat enough that sampling really varies
     seq_alone, seq_batched = [], []
@@ -65,7 +67,7 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 
 
 def test_top_k_top_p_min_p_restrict_the_support():
-    sampler = Sampler(VOCAB, CPU)
+    sampler = Sampler(VOCAB, CPU_PLATFORM)
     logits = torch.linspace(0, 5, VOCAB)[None, :].repeat(4, 1)  # token 49 most likely, then 48, ...
     params = [
         SamplingParams(temperature=1.0, top_k=3),
@@ -88,7 +90,7 @@ def test_top_k_top_p_min_p_restrict_the_support():
 
 
 def test_penalties_follow_vllm_definitions():
-    sampler = Sampler(VOCAB, CPU)
+    sampler = Sampler(VOCAB, CPU_PLATFORM)
     logits = torch.zeros(1, VOCAB)
     logits[0, 5] = 2.0  # in the prompt, positive
     logits[0, 6] = -2.0  # in the prompt, negative
@@ -104,7 +106,7 @@ def test_penalties_follow_vllm_definitions():
 
 
 def test_logit_bias_and_min_tokens_suppression():
-    sampler = Sampler(VOCAB, CPU)
+    sampler = Sampler(VOCAB, CPU_PLATFORM)
     logits = peaked_logits(1)
     favourite = int(logits.argmin())
     st = states(sampler, SamplingParams(temperature=0.0, logit_bias={favourite: 100.0}))
@@ -122,7 +124,7 @@ def test_logit_bias_and_min_tokens_suppression():
 
 
 def test_temperature_changes_the_spread():
-    sampler = Sampler(VOCAB, CPU)
+    sampler = Sampler(VOCAB, CPU_PLATFORM)
     logits = peaked_logits(1, seed=5) / 3
     cold = states(sampler, SamplingParams(temperature=0.05, seed=1))
     hot = states(sampler, SamplingParams(temperature=5.0, seed=1))
@@ -152,7 +154,7 @@ def test_draws_follow_the_truncated_distribution_also_past_the_candidates():
     flat = torch.randn(1, vocab, generator=gen) * 0.05  # nearly uniform, no ties: top_p 0.9 keeps ~180 tokens
     cases = [(logits, SamplingParams(temperature=0.7, top_k=20, top_p=0.8)),
              (flat, SamplingParams(temperature=1.0, top_p=0.9))]
-    sampler = Sampler(vocab, CPU)
+    sampler = Sampler(vocab, CPU_PLATFORM)
     for row_logits, p in cases:
         probs = torch.softmax(row_logits[0] / p.temperature, -1)
         ordered, order = probs.sort(descending=True)
@@ -201,7 +203,7 @@ def test_batched_processors_equal_a_row_by_row_reference_across_steps():
                        logit_bias={4: 1.0, 9: 0.5}),
         SamplingParams(temperature=0.0, repetition_penalty=0.8),
     ]
-    sampler = Sampler(VOCAB, CPU)
+    sampler = Sampler(VOCAB, CPU_PLATFORM)
     st = states(sampler, *params, prompt=[5, 6, 6, 12])
     outputs: list[list[int]] = [[] for _ in params]
     for _ in range(6):
@@ -215,7 +217,7 @@ def test_batched_processors_equal_a_row_by_row_reference_across_steps():
 
 
 def test_penalty_rows_are_reused_after_release_and_the_table_grows():
-    sampler = Sampler(VOCAB, CPU)
+    sampler = Sampler(VOCAB, CPU_PLATFORM)
     penalised = SamplingParams(temperature=0.0, frequency_penalty=1.0)
     first = states(sampler, *[penalised] * 9)  # more than the first allocation of 8 rows
     assert len({s.penalty_row for s in first}) == 9
@@ -248,7 +250,7 @@ def test_passes_and_the_whole_vocabulary_redo_match_one_pass(monkeypatch):
 
     def run(rows_per_pass: int | None):
         torch.manual_seed(0)  # both samplers' unseeded rows draw the same uniforms
-        sampler = Sampler(vocab, CPU)
+        sampler = Sampler(vocab, CPU_PLATFORM)
         original = sampler._redo
         monkeypatch.setattr(sampler, "_redo", lambda *a: redone.append(list(a[3])) or original(*a))
         if rows_per_pass:

@@ -86,8 +86,8 @@ for backend, fused in (("torch", False), ("triton", False), ("triton", True)):
     os.environ["CRANE_MP_ATTENTION"] = backend
     if fused:  # the layers call the Triton elementwise kernels, as they do on CUDA
         from crane_mp.worker.kernels import triton_elementwise
-        from crane_mp.worker.models import layers
-        layers.fused_ops = lambda x: triton_elementwise
+        from crane_mp.worker.platforms import platform_for
+        platform_for("cpu").elementwise = triton_elementwise
     engine = LLMEngine(EngineConfig(model_path=model_dir, dtype="float32", force_cpu=True, max_num_seqs=6,
                                     max_num_batched_tokens=32, max_total_tokens=128))
     assert engine.worker.runner.attention_backend == backend

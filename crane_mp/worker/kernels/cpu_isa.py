@@ -1,5 +1,6 @@
-"""Which CPU instructions crane-mp may use, and every choice that follows from it: the CPU dtype,
-oneDNN's bf16 weight packing, our AMX GEMM, native kernel or portable torch op, int8 GGUF matmuls.
+"""Which CPU instructions crane-mp may use, and the choices that follow from it: the CPU dtype, oneDNN's
+bf16 weight packing, our AMX GEMM, and the tier our native kernels run at (platforms/cpu.py hands them
+out, or the portable torch ops).
 
 Tiers (config.CPU_ISAS), each containing the one before:
 
@@ -72,17 +73,6 @@ def kernel_isa() -> str | None:
     return None
 
 
-def native_ops(device: torch.device) -> bool:
-    """Run the fused C++ kernels (norms, rope + KV write, decode attention, argmax) on this device?"""
-    return device.type == "cpu" and kernel_isa() is not None
-
-
-def int8_matmuls(device: torch.device, quantized_activations: str) -> bool:
-    """GGUF matmuls quantize activations to 8 bits and use integer dot products (kernels/gguf_int8.cpp),
-    as --quantized-activations int8 asks, wherever the native kernels run; else float activations."""
-    return quantized_activations == "int8" and native_ops(device)
-
-
 @lru_cache(maxsize=1)
 def amx_gemm() -> bool:
     """Our AMX bf16 GEMM (kernels/amx_linear.cpp) is built and allowed to run."""
@@ -94,13 +84,10 @@ def native_bf16() -> bool:
     return _at_least(cpu_isa(), "avx512_bf16")
 
 
-def pack_bf16_weights(dtype: torch.dtype, device: torch.device) -> bool:
+def pack_bf16_weights(dtype: torch.dtype) -> bool:
     """Pack bf16 linear weights at load (cpu_packing.py), for our AMX GEMM or else oneDNN, whose bf16
     reorder needs AVX-512 BW/VL/DQ (it raises on an AVX2-only CPU)."""
-    return (
-        device.type == "cpu" and dtype == torch.bfloat16 and _at_least(cpu_isa(), "avx512")
-        and torch.backends.mkldnn.is_available()
-    )
+    return dtype == torch.bfloat16 and _at_least(cpu_isa(), "avx512") and torch.backends.mkldnn.is_available()
 
 
 def cpu_dtype(requested: torch.dtype | None, checkpoint: torch.dtype) -> torch.dtype:
@@ -114,10 +101,3 @@ def cpu_dtype(requested: torch.dtype | None, checkpoint: torch.dtype) -> torch.d
         log.warning("--dtype %s on this CPU (isa=%s) runs through slower emulated ops; --dtype float32 is "
                     "faster here", name, cpu_isa() or "below_avx2")
     return requested
-
-
-def describe(device: torch.device) -> tuple[str, str]:
-    """(CPU tier, kernel tier) as the start-up log and /server_info name them, e.g. ("amx", "amx").
-    A CUDA worker never builds the CPU kernels: its kernel tier is "n/a"."""
-    kernels = (kernel_isa() or "portable") if device.type == "cpu" else "n/a"
-    return cpu_isa() or "below_avx2", kernels

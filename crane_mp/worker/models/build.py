@@ -9,6 +9,7 @@ from torch import nn
 
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.registry import ARCHITECTURES
+from crane_mp.worker.platforms import Platform
 
 
 def model_class(arch: str) -> type[nn.Module]:
@@ -17,19 +18,20 @@ def model_class(arch: str) -> type[nn.Module]:
     return getattr(importlib.import_module(f"crane_mp.worker.models.{module}"), name)
 
 
-def build_model(config: ModelConfig) -> nn.Module:
-    """Instantiate the (uninitialised) model for `config.arch` on the current default device and dtype."""
-    return model_class(config.arch)(config)
+def build_model(config: ModelConfig, platform: Platform) -> nn.Module:
+    """Instantiate the (uninitialised) model for `config.arch` on the current default device and dtype,
+    its layers calling `platform`'s kernels."""
+    return model_class(config.arch)(config, platform)
 
 
-def build_meta_model(config: ModelConfig, dtype: torch.dtype) -> nn.Module:
+def build_meta_model(config: ModelConfig, dtype: torch.dtype, platform: Platform) -> nn.Module:
     """The model on the meta device (no memory, no initialisation), its parameters typed `dtype`;
     loaders then allocate what they fill."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            return build_model(config)
+            return build_model(config, platform)
     finally:
         torch.set_default_dtype(previous)
 

@@ -6,13 +6,14 @@ import torch
 
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.layers import CausalLM, PagedSelfAttention, RMSNorm
+from crane_mp.worker.platforms import Platform
 
 
 class HunYuanDenseAttention(PagedSelfAttention):
     qk_norm_position = "after_rope"
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, platform: Platform) -> None:
+        super().__init__(config, platform)
         self.query_layernorm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.key_layernorm = RMSNorm(config.head_dim, config.rms_norm_eps)
 

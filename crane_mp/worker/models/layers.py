@@ -1,52 +1,35 @@
 """Building blocks shared by the Llama-family models: RMSNorm, gated MLP, paged self-attention, packed loading.
 
 Float32 numerics follow transformers' reference closely; in 16-bit we prefer fused ops over
-reproducing its intermediate roundings. On CPU, norms and SiLU*mul run as fused C++ kernels.
+reproducing its intermediate roundings. Norms, SiLU*mul and q/k norm + rope + KV write run as the
+platform's fused kernels where it has them (the C++ ops on CPU, Triton on CUDA), handed to each layer
+when it is built.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crane_mp.config import native_kernels_disabled
 from crane_mp.worker.attention import paged_attention
 from crane_mp.worker.forward_context import get_forward_context
-from crane_mp.worker.kernels import cpu_isa
 from crane_mp.worker.model_config import ModelConfig
+from crane_mp.worker.platforms import Platform
 from crane_mp.worker.rope import apply_rope
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-def fused_ops(x: torch.Tensor):
-    """The fused kernels for x's device, all with one contract: the C++ ops on CPUs that build them
-    (torch.ops.crane_mp), Triton on CUDA (kernels/triton_elementwise.py), else None (torch ops)."""
-    if x.is_cuda:
-        return _triton_elementwise()
-    return torch.ops.crane_mp if cpu_isa.native_ops(x.device) else None
-
-
-@functools.cache
-def _triton_elementwise():
-    if native_kernels_disabled():
-        return None
-    try:
-        from crane_mp.worker.kernels import triton_elementwise
-    except ImportError:
-        return None
-    return triton_elementwise
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, ops: Any = None) -> None:
+        """`ops`: the platform's fused kernels (Platform.elementwise), None for torch ops."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -54,7 +37,7 @@ class RMSNorm(nn.Module):
         """norm(x); with `residual`: adds x to it first and returns (norm(residual + x), residual + x).
 
         The fused CPU kernel updates both tensors in place, so callers pass tensors they own."""
-        ops = fused_ops(x)
+        ops = self.ops
         if residual is None:
             if ops is not None:
                 return ops.rms_norm(x.contiguous(), self.weight, self.eps)
@@ -67,8 +50,9 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: Any = None) -> None:
         super().__init__()
+        self.ops = ops
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
@@ -85,9 +69,8 @@ class GatedMLP(nn.Module):
             gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
             if lora is not None and self.lora_gate_up_proj:
                 gate_up = lora.apply(x, gate_up, self.lora_gate_up_proj)
-            ops = fused_ops(gate_up)
-            if self.act is F.silu and ops is not None:
-                hidden = ops.silu_and_mul(gate_up)
+            if self.act is F.silu and self.ops is not None:
+                hidden = self.ops.silu_and_mul(gate_up)
             else:
                 gate, up = gate_up.split(self.intermediate_size, dim=-1)
                 hidden = self.act(gate) * up
@@ -108,8 +91,11 @@ class PagedSelfAttention(nn.Module):
 
     qk_norm_position: str | None = None  # "before_rope" (Qwen3) or "after_rope" (Hunyuan)
 
-    def __init__(self, config: ModelConfig, qkv_bias: bool | None = None, o_bias: bool | None = None) -> None:
+    def __init__(self, config: ModelConfig, platform: Platform, qkv_bias: bool | None = None,
+                 o_bias: bool | None = None) -> None:
         super().__init__()
+        # q/k norm, rope and the KV-cache write in one pass over qkv, where the platform has that kernel.
+        self.fused = platform.elementwise if platform.fused_qkv(config.head_dim) else None
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -146,10 +132,8 @@ class PagedSelfAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (H + 2 * KH) * D]
         if ctx.lora is not None and self.lora_qkv_proj:
             qkv = ctx.lora.apply(x, qkv, self.lora_qkv_proj)
-        ops = fused_ops(qkv)
-        if ops is not None and (not qkv.is_cuda or ops.supports_head_dim(self.head_dim)):
-            # q/k norm, rope and the KV-cache write in one pass over qkv.
-            q = ops.qkv_rope_cache(
+        if self.fused is not None:
+            q = self.fused.qkv_rope_cache(
                 qkv, ctx.cos, ctx.sin, self.qk_norm_weight, _QK_NORM_CODES[self.qk_norm_position], self.eps,
                 ctx.attn.slot_mapping, self.k_cache, self.v_cache, self.num_heads,
             )
@@ -175,12 +159,12 @@ class PagedSelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: PagedSelfAttention) -> None:
+    def __init__(self, config: ModelConfig, attention: PagedSelfAttention, ops: Any) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = GatedMLP(config, ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's
@@ -195,14 +179,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, make_attention) -> None:
+    def __init__(self, config: ModelConfig, make_attention, platform: Platform) -> None:
         super().__init__()
         # Given its weight, nn.Embedding skips its random init (1.5-2 s of torch's init path, even on meta).
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, make_attention(config)) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, make_attention(config, platform), platform.elementwise)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, platform.elementwise)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Returns the last layer's output before the final norm, which compute_logits applies to the
@@ -231,10 +216,10 @@ class CausalLM(nn.Module):
     # Checkpoint-name fragments renamed to ours before loading (e.g. Hunyuan's query_layernorm).
     renamed_weights: dict[str, str] = {}
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, platform: Platform) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.attention_class)
+        self.model = DecoderModel(config, self.attention_class, platform)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

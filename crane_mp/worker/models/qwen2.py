@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.layers import CausalLM, PagedSelfAttention
+from crane_mp.worker.platforms import Platform
 
 
 class Qwen2Attention(PagedSelfAttention):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config, qkv_bias=True, o_bias=False)
+    def __init__(self, config: ModelConfig, platform: Platform) -> None:
+        super().__init__(config, platform, qkv_bias=True, o_bias=False)
 
 
 class Qwen2ForCausalLM(CausalLM):

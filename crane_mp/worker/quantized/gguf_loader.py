@@ -23,9 +23,10 @@ from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.models.registry import PERMUTED_QK_ARCHS, hf_name
+from crane_mp.worker.platforms import Platform
 from crane_mp.worker.quantized.file_reader import read_ranges
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
-from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear, kernel_layout
+from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
 
 # Float matrices in the compute dtype load as plain weights; any other type (F16 under float32
 # compute, say) stays in the file's bytes, as quantized types do, so memory never exceeds the file.
@@ -86,29 +87,30 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def load_gguf_model(
-    config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device, progress: bool = True,
+    config: ModelConfig, path: Path, dtype: torch.dtype, platform: Platform, progress: bool = True,
     int8: bool = False,
 ) -> tuple[CausalLM, Counter]:
     """Returns the model and the file's tensor types (a Counter of type names) for the start-up log.
-    `int8`: quantized projections take 8-bit activations (cpu_isa.int8_matmuls decided)."""
+    `int8`: quantized projections take 8-bit activations (Platform.int8_matmuls decided)."""
     contents = check_gguf(path)
     shape = contents.shape
     permute = shape.gguf_arch in PERMUTED_QK_ARCHS
-    model = build_meta_model(config, dtype)
+    model = build_meta_model(config, dtype, platform)
     tensors = _Tensors(path, contents.tensors, {"attn_q": shape.heads, "attn_k": shape.kv_heads} if permute else {},
-                       whole=device.type == "cpu")
+                       whole=platform.reads_weights_in_place)
     with tqdm(total=len(contents.tensors), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
-        loaded = _fill(model, tensors, config, dtype, device, bar, int8)
+        loaded = _fill(model, tensors, config, dtype, platform, bar, int8)
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"{path}: no tensor for {len(missing)} weights, e.g. {sorted(missing)[:3]}")
     return model, contents.types
 
 
-def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.dtype, platform: Platform,
           bar: tqdm, int8: bool) -> set[str]:
     """Swap in quantized layers for what stays quantized, allocate the rest, load it; returns the
     parameter names filled (as CausalLM.load_weights does)."""
+    device, kernels = platform.device, platform.gguf
     consumed: set[str] = set()
     groups = {f"model.layers.{i}.{ours}": [f"blk.{i}.{part}.weight" for part in parts]
               for i in range(config.num_hidden_layers) for ours, parts in _FUSED.items()}
@@ -118,15 +120,15 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
             continue  # already in the compute dtype: a plain (packable) nn.Linear, same bytes
         linear = model.get_submodule(ours)
         shared = ours == "lm_head" and config.tie_word_embeddings  # the token table reads these rows too
-        parts = [kernel_layout(tensors.qtype(n), tensors.rows(n).to(device), linear.in_features, int8 and not shared)
+        parts = [kernels.layout(tensors.qtype(n), tensors.rows(n).to(device), linear.in_features, int8 and not shared)
                  for n in names]
-        _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias, int8))
+        _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias, kernels, int8))
         consumed.update(names)
         bar.update(len(names))
     embed_type = tensors.qtype("token_embd.weight")
     if _FLOAT_DTYPES.get(embed_type) != dtype:
         table = model.lm_head.qweight_0 if config.tie_word_embeddings else tensors.rows("token_embd.weight").to(device)
-        _replace(model, "model.embed_tokens", GGUFEmbedding(embed_type, table, config.hidden_size, dtype))
+        _replace(model, "model.embed_tokens", GGUFEmbedding(embed_type, table, config.hidden_size, dtype, kernels))
         if "token_embd.weight" not in consumed:
             consumed.add("token_embd.weight")
             bar.update(1)

@@ -1,0 +1,38 @@
+"""The device a worker runs on and every choice that follows from it, made once.
+
+`select_platform` (the worker's bootstrap) is where a device is chosen; `platform_for` gives the same
+object for a torch.device (tests, benchmarks). The Platform is handed to what the worker builds
+(loaders, layers, runner, sampler, grammar engine), which call it instead of testing the device:
+vLLM's platforms and dispatch-once custom ops are the model.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from crane_mp.worker.platforms.base import Platform
+from crane_mp.worker.platforms.cpu import CpuPlatform
+from crane_mp.worker.platforms.cuda import CudaPlatform
+
+
+def select_platform(force_cpu: bool) -> Platform:
+    """CUDA device 0 when there is one and --device cpu was not asked for, else the CPU."""
+    if not force_cpu and torch.cuda.is_available():
+        return platform_for(torch.device("cuda", 0))
+    return platform_for(torch.device("cpu"))
+
+
+def platform_for(device: torch.device | str) -> Platform:
+    device = torch.device(device)
+    return _platform(device.type, device.index or 0)
+
+
+@functools.cache
+def _platform(kind: str, index: int) -> Platform:
+    if kind == "cpu":
+        return CpuPlatform()
+    if kind == "cuda":
+        return CudaPlatform(index)
+    raise ValueError(f"no platform for device type {kind!r}")

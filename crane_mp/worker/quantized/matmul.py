@@ -1,0 +1,122 @@
+"""The three ways a GGUF-quantized weight is multiplied, one class each; the worker's platform picks one
+at start-up (platforms/) and the quantized layers call it, never asking which device they are on.
+
+- TorchGGUF: portable. A slab of rows is dequantized at a time with torch ops and multiplied, never
+  a whole layer at once.
+- NativeGGUF: CPUs that build crane-mp's kernels. With 8-bit activations the matmul quantizes them
+  per block and takes integer dot products with the weight blocks (kernels/gguf_int8.cpp, the
+  default), reading Q4_K, Q6_K and Q8_0 rows repacked eight at a time (kernels/gguf_repack.cpp); with
+  float activations it dequantizes inside the kernel (kernels/gguf_matmul.cpp: exact, slower).
+- TritonGGUF: CUDA. Up to 64 rows of input (decode batches) dequantize inside one kernel
+  (triton_dequant.py); larger ones dequantize a slab per Triton launch. A kernel that fails to compile
+  or launch on an untested GPU/Triton pairing hands over to the torch ops, with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from gguf import GGMLQuantizationType
+
+from crane_mp.worker.device import is_device_fault
+from crane_mp.worker.quantized.formats import INT8_TYPES, Q4_K_X8, Q6_K_X8, Q8_0_X8, dequantize
+
+log = logging.getLogger(__name__)
+
+# Rows dequantized per slab: bounds the temporary to a few MB on any model.
+_SLAB_ELEMENTS = 1 << 22
+
+# The types the 8-bit-activation kernels read repacked, with their repacking op's name.
+_REPACKED = {GGMLQuantizationType.Q4_K: (Q4_K_X8, "gguf_repack_q4_k_x8"),
+             GGMLQuantizationType.Q6_K: (Q6_K_X8, "gguf_repack_q6_k_x8"),
+             GGMLQuantizationType.Q8_0: (Q8_0_X8, "gguf_repack_q8_0_x8")}
+
+
+class TorchGGUF:
+    """Dequantize with torch ops, a slab of rows at a time, and multiply."""
+
+    def layout(self, qtype: int, weight: torch.Tensor, in_features: int, int8: bool) -> tuple[int, torch.Tensor]:
+        """(type, rows) as this kernel reads them: as the file has them."""
+        return qtype, weight
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int,
+               int8: bool = False) -> torch.Tensor:
+        """x [M, K] @ dequantize(weight).T -> [M, N] in x's dtype. `int8`: the platform chose 8-bit
+        activations, which only the native kernels take."""
+        rows = weight.shape[0]
+        if rows == 0:
+            return x.new_empty(x.shape[0], 0)
+        slab = max(1, _SLAB_ELEMENTS // max(1, in_features))
+        parts = [x @ self.dequantize_slab(weight[start : start + slab], qtype, in_features, x.dtype).T
+                 for start in range(0, rows, slab)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def dequantize_slab(self, weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(weight, qtype, in_features).to(dtype)
+
+    def dequantize_rows(self, weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+        """float32 [rows, in_features] (embedding lookups)."""
+        return self.dequantize_slab(weight, qtype, in_features, torch.float32)
+
+
+class NativeGGUF(TorchGGUF):
+    """crane-mp's C++ kernels (torch.ops.crane_mp), float32 accumulation."""
+
+    def layout(self, qtype: int, weight: torch.Tensor, in_features: int, int8: bool) -> tuple[int, torch.Tensor]:
+        """For 8-bit activations, Q4_K, Q6_K and Q8_0 rows repacked eight at a time (1.3-1.7x in batched
+        steps and prompts); any other type, or a row count that is no multiple of 8, as the file has them."""
+        if int8 and qtype in _REPACKED and weight.shape[0] % 8 == 0:
+            packed_type, op = _REPACKED[qtype]
+            return packed_type, getattr(torch.ops.crane_mp, op)(weight, in_features)
+        return qtype, weight
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int,
+               int8: bool = False) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16):  # the kernels' activation types
+            return super().matmul(x, weight, qtype, in_features)
+        if int8 and qtype in INT8_TYPES:
+            return torch.ops.crane_mp.gguf_linear_int8(x, weight, qtype, in_features)
+        return torch.ops.crane_mp.gguf_linear(x, weight, qtype, in_features)
+
+    def dequantize_rows(self, weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+        return torch.ops.crane_mp.gguf_dequantize(weight, qtype, in_features)
+
+
+class TritonGGUF(TorchGGUF):
+    """triton_dequant.py's kernels for the types they decode, the torch ops for the rest and after a
+    kernel failed once (they have not yet run on every GPU)."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels  # the triton_dequant module
+        self.failed = False
+
+    def _for(self, qtype: int):
+        return None if self.failed or qtype not in self.kernels.TRITON_TYPES else self.kernels
+
+    def _fall_back(self, err: Exception) -> None:
+        """A compile or launch error: torch ops from now on. Running out of memory is not the kernel's
+        fault, and after a device fault nothing runs: those propagate."""
+        if isinstance(err, torch.OutOfMemoryError) or is_device_fault(err):
+            raise err
+        self.failed = True
+        log.warning("Triton GGUF kernel failed (%s); using torch ops", str(err).splitlines()[0][:200])
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int,
+               int8: bool = False) -> torch.Tensor:
+        kernels = self._for(qtype)
+        if kernels is not None and 0 < weight.shape[0] and x.shape[0] <= kernels.FUSED_MAX_ROWS:
+            try:  # decode: the weight's bytes bound the step, so they are read once, dequantized in place
+                return kernels.triton_quantized_matmul(x.contiguous(), weight, qtype, in_features)
+            except Exception as err:
+                self._fall_back(err)
+        return super().matmul(x, weight, qtype, in_features)
+
+    def dequantize_slab(self, weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+        kernels = self._for(qtype)
+        if kernels is not None:
+            try:
+                return kernels.triton_dequantize(weight, qtype, in_features, dtype)
+            except Exception as err:
+                self._fall_back(err)
+        return super().dequantize_slab(weight, qtype, in_features, dtype)

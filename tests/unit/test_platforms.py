@@ -1,0 +1,101 @@
+"""The platform: chosen once per device, and the only thing layers, runner and sampler ask about it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from crane_mp.gguf_file import ModelSource
+from crane_mp.testing.make_model import make_model
+from crane_mp.worker.kernels import cpu_isa
+from crane_mp.worker.loader import load_model
+from crane_mp.worker.model_config import load_model_config
+from crane_mp.worker.platforms import platform_for, select_platform
+from crane_mp.worker.platforms.cpu import CpuPlatform
+from crane_mp.worker.quantized.matmul import TorchGGUF
+from tests.model_helpers import prefill_logits
+
+
+def test_one_platform_per_device():
+    cpu = platform_for("cpu")
+    assert select_platform(force_cpu=True) is cpu
+    assert platform_for(torch.device("cpu")) is cpu
+    assert platform_for("cuda") is platform_for(torch.device("cuda", 0))
+    assert platform_for("cuda").name == "cuda" and cpu.name == "cpu"
+    with pytest.raises(ValueError, match="no platform"):
+        platform_for("meta")
+
+
+def test_cuda_keeps_its_cache_in_the_compute_dtype_and_has_no_cpu_kernels():
+    cuda = platform_for("cuda")
+    assert cuda.kv_dtype("auto", torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ValueError, match="use auto"):
+        cuda.kv_dtype("float16", torch.bfloat16)
+    assert cuda.attention_backend(None) == "triton" and cuda.attention_backend("torch") == "torch"
+    with pytest.raises(ValueError, match="native attention"):
+        cuda.attention_backend("native")
+    assert not cuda.int8_matmuls("int8") and not cuda.pack_bf16_weights(torch.bfloat16)
+    assert cuda.lora_dtype(torch.bfloat16) == torch.bfloat16 and platform_for("cpu").lora_dtype(torch.bfloat16) == torch.float32
+    assert (cuda.label(), platform_for("cpu").label()) == ("Cuda(0)", "Cpu")
+
+
+def test_without_native_kernels_the_cpu_platform_hands_out_torch_ops(monkeypatch):
+    monkeypatch.setattr(cpu_isa, "kernel_isa", lambda: None)
+    portable = CpuPlatform()
+    assert portable.elementwise is None and type(portable.gguf) is TorchGGUF
+    assert not portable.fused_qkv(128) and not portable.int8_matmuls("int8")
+    assert portable.attention_backend(None) == "torch"
+    with pytest.raises(ValueError, match="native attention"):
+        portable.attention_backend("native")
+    assert portable.describe()[1] == "portable"
+    assert portable.argmax_rows(torch.tensor([[1.0, 3.0, 2.0], [5.0, 0.0, 5.0]])).tolist() == [1, 0]
+
+
+class RecordingOps:
+    """Elementwise kernels in torch ops that count their calls."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    def rms_norm(self, x, weight, eps):
+        self.calls["rms_norm"] += 1
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def add_rms_norm_(self, x, residual, weight, eps):
+        self.calls["add_rms_norm_"] += 1
+        residual.add_(x)
+        x.copy_(F.rms_norm(residual, (x.shape[-1],), weight, eps))
+
+    def silu_and_mul(self, gate_up):
+        self.calls["silu_and_mul"] += 1
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class RecordingPlatform(CpuPlatform):
+    def __init__(self, ops: RecordingOps) -> None:
+        super().__init__()
+        self.elementwise = ops
+
+    def fused_qkv(self, head_dim: int) -> bool:
+        return False
+
+
+def test_layers_call_the_kernels_their_platform_handed_them(tmp_path):
+    path = make_model("qwen3", "tiny", tmp_path / "q", dtype="float32", seed=3)
+    config = load_model_config(path)
+    ops = RecordingOps()
+
+    def logits(platform):
+        model, _ = load_model(config, ModelSource("safetensors", Path(path)), torch.float32, platform, progress=False)
+        return prefill_logits(model, list(range(3, 30)))
+
+    recorded = logits(RecordingPlatform(ops))
+    layers = config.num_hidden_layers
+    # Each layer: two norms (the first of the first layer has no residual yet), one SiLU*mul; then the final norm.
+    assert ops.calls == Counter(rms_norm=2, add_rms_norm_=2 * layers - 1, silu_and_mul=layers)
+    torch.testing.assert_close(recorded, logits(platform_for("cpu")), rtol=1e-4, atol=1e-4)
