@@ -88,6 +88,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError("must be a positive number of seconds")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="crane-launch", description="Serve a Llama-family model over OpenAI/SGLang APIs.",
@@ -109,8 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters in PEFT's format to serve beside the base model; a request picks one by "
                         "naming it as its model (SGLang: lora_path)")
     p.add_argument("--enable-lora", action="store_true",
-                   help="allow LoRA adapters to be loaded at run time (/v1/load_lora_adapter); implied by "
-                        "--lora-modules")
+                   help="build the model for LoRA adapters; implied by --lora-modules and --enable-runtime-lora")
+    p.add_argument("--enable-runtime-lora", action="store_true",
+                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (404 otherwise), loading only "
+                        "from under --lora-root; guarded by --admin-api-key")
+    p.add_argument("--lora-root", help="the directory run-time adapters may be loaded from (a lora_path resolves "
+                                       "inside it, symlinks followed)")
     p.add_argument("--max-lora-rank", type=_positive_int, default=64, help="largest LoRA rank accepted")
     p.add_argument("--max-loras", type=_positive_int, default=8,
                    help="LoRA adapters loaded at once, at start and through /v1/load_lora_adapter")
@@ -147,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
     p.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE,
                    help="requests allowed to wait for a running slot; beyond it a request gets 429 with Retry-After")
+    p.add_argument("--max-request-generations", type=_positive_int, default=256,
+                   help="most generations one request may start (its prompts times n); more get 400")
+    p.add_argument("--read-timeout", type=_positive_seconds, default=30.0,
+                   help="seconds a request body may take to arrive (408 past it); an idle keep-alive connection "
+                        "is closed after as long")
+    p.add_argument("--write-timeout", type=_positive_seconds, default=60.0,
+                   help="seconds a streaming client may leave its events unread before it is dropped and its "
+                        "request aborted")
     p.add_argument("--request-timeout", type=_seconds, default=0.0,
                    help="end a request that waited and ran longer than this many seconds with an error; 0 = never")
     # No default here: it depends on the host's cores, and the flags page is generated from this parser.
@@ -155,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=_seconds, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
+    p.add_argument("--admin-api-key",
+                   help="the key of the routes that change server state (LoRA load/unload, /flush_cache, "
+                        "/abort_request) instead of --api-key")
     p.add_argument("--max-request-bytes", type=_positive_int,
                    help="largest request body accepted, bigger ones get 413 (default: 512 bytes per token of "
                         "the context window, a batch of 64 full-window token-id prompts; at least 1 MiB)")
@@ -250,6 +272,8 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             max_lora_rank=args.max_lora_rank,
             max_loras=args.max_loras,
             enable_lora=args.enable_lora,
+            runtime_lora=args.enable_runtime_lora,
+            lora_root=args.lora_root,
         )
     except ValueError as err:
         parser.error(str(err))
@@ -265,8 +289,12 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         shutdown_grace=args.shutdown_grace,
         num_frontends=args.num_frontends,
         max_queue=args.max_queue,
+        max_request_generations=args.max_request_generations,
+        read_timeout=args.read_timeout,
+        write_timeout=args.write_timeout,
         request_timeout=args.request_timeout,
         api_key=args.api_key or None,
+        admin_api_key=args.admin_api_key or None,
         max_request_bytes=args.max_request_bytes,
         health_generate_timeout=args.health_generate_timeout,
         tool_call_parser=args.tool_call_parser,
@@ -297,7 +325,7 @@ def _effective_settings(args: argparse.Namespace, sources: dict[str, str], parse
     out = {}
     for dest in settable_actions(parser):
         value = getattr(args, dest)
-        if dest == "api_key" and value:
+        if dest in ("api_key", "admin_api_key") and value:
             value = "(set)"
         elif dest == "gpu_memory_limit" and value is not None:
             value = value.num_bytes if value.num_bytes is not None else value.fraction

@@ -81,12 +81,14 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter directory); adapter i has id i + 1
     max_lora_rank: int = 64
     max_loras: int = 8  # adapters loaded at once (at start and through /v1/load_lora_adapter)
-    enable_lora: bool = False  # adapters may be loaded at run time (implied by lora_modules)
+    enable_lora: bool = False  # the model is built for adapters (implied by lora_modules and runtime_lora)
+    runtime_lora: bool = False  # /v1/load_lora_adapter may load adapters, from under lora_root only
+    lora_root: str | None = None
 
     @property
     def lora(self) -> bool:
         """The model is built for LoRA (no activation fused into a packed projection)."""
-        return self.enable_lora or bool(self.lora_modules)
+        return self.enable_lora or self.runtime_lora or bool(self.lora_modules)
 
     def __post_init__(self) -> None:
         # Messages name the crane-launch flag too: the CLI reports them as they are.
@@ -109,6 +111,9 @@ class EngineConfig:
             raise ValueError(f"{len(self.lora_modules)} LoRA adapters were given but --max-loras is {self.max_loras}")
         if len({name for name, _ in self.lora_modules}) != len(self.lora_modules):
             raise ValueError("LoRA adapter names (--lora-modules) must be distinct")
+        if self.runtime_lora and not (self.lora_root and Path(self.lora_root).is_dir()):
+            raise ValueError("runtime_lora (--enable-runtime-lora) needs lora_root (--lora-root), the directory "
+                             "adapters may be loaded from")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens (--max-num-batched-tokens) must be at least max_num_seqs "
                              "(--max-concurrent): every running sequence decodes one token per step")
@@ -129,8 +134,12 @@ class ServerConfig:
     shutdown_grace: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
     num_frontends: int = 1
     max_queue: int = 1024  # requests waiting for a running slot; more get 429
+    max_request_generations: int = 256  # prompts x n of one request
+    read_timeout: float = 30.0  # seconds a request body may take to arrive; also the keep-alive idle time
+    write_timeout: float = 60.0  # seconds a streaming client may leave its events unread
     request_timeout: float = 0.0  # seconds from submission to the engine to finish; 0 = no limit
     api_key: str | None = None
+    admin_api_key: str | None = None  # guards the routes that change server state; default: api_key
     max_request_bytes: int | None = None  # None: sized to the context window (FrontendState)
     health_generate_timeout: float = 30.0
     tool_call_parser: str = "auto"  # TOOL_CALL_PARSERS; auto: by the model's architecture

@@ -104,6 +104,10 @@ class GGUFShape:
     rope_scaling: dict[str, Any]
 
 
+# The longest context a GGUF file may declare: past any released model's (10M tokens).
+MAX_CONTEXT = 1 << 24
+
+
 def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], path: Path) -> GGUFShape:
     arch = _arch(meta, path)
 
@@ -136,9 +140,16 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
         rope_base=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
     )
-    for name in ("hidden", "layers", "ffn", "heads", "kv_heads", "head_dim", "vocab"):
+    for name in ("hidden", "layers", "ffn", "heads", "kv_heads", "head_dim", "vocab", "context"):
         if getattr(shape, name) <= 0:
             raise GGUFFileError(f"{path}: metadata gives {name} = {getattr(shape, name)}")
+    # Bounded before anything is sized by them (a tiny file may claim a billion layers): every layer
+    # needs its own tensors, and the longest context sizes tables at start-up.
+    if shape.layers * len(GGUF_LAYER_NAMES) + 2 > len(tensor_dims):
+        raise GGUFFileError(f"{path}: metadata gives {shape.layers} layers, but the file holds {len(tensor_dims)} "
+                            f"tensors ({len(GGUF_LAYER_NAMES)} per layer needed)")
+    if shape.context > MAX_CONTEXT:
+        raise GGUFFileError(f"{path}: metadata gives a context of {shape.context} tokens (at most {MAX_CONTEXT})")
     return shape
 
 

@@ -11,6 +11,7 @@ scheduler (which stops the worker) and the worker are stopped in that order; exi
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import multiprocessing as mp
 import os
@@ -160,6 +161,27 @@ def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
 
+def exposure_warnings(config: ServerConfig) -> list[str]:
+    """What an operator should know about who can reach this server and change it."""
+    warnings = []
+    if not _loopback(config.host) and not (config.api_key or config.admin_api_key):
+        warnings.append(f"listening on {config.host} without --api-key: anyone who can reach the port can use "
+                        "this server")
+    engine = config.engine
+    if engine.runtime_lora and not (config.admin_api_key or config.api_key):
+        warnings.append(f"run-time LoRA loading from {engine.lora_root} is open to every client: set --admin-api-key")
+    return warnings
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
 def signal_process(proc: mp.Process, signum: int) -> None:
     try:
         os.kill(proc.pid, signum)
@@ -172,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(config.logs)
     for name in config.unknown_env:
         log.warning("environment variable %s names no crane-launch setting; ignored", name)
+    for warning in exposure_warnings(config):
+        log.warning("%s", warning)
     started = time.monotonic()
     launcher = Launcher(config)
 
@@ -193,13 +217,13 @@ def main(argv: list[str] | None = None) -> None:
             "ready in %.1f s: model=%s arch=%s device=%s dtype=%s kv_dtype=%s activations=%s isa=%s kernels=%s "
             "kv_bytes=%d/token "
             "kv_budget=%.2f GiB blocks=%d (%d tokens) max_concurrent=%d max_queue=%d max_model_len=%d "
-            "prefix_cache=%s overlap=%s frontends=%d listening on http://%s:%d",
+            "prefix_cache=%s overlap=%s runtime_lora=%s frontends=%d listening on http://%s:%d",
             time.monotonic() - started, config.model_name, info.arch, info.device, info.dtype, info.kv_cache_dtype,
             info.quantized_activations, info.isa,
             info.kernel_isa, info.kv_bytes_per_token, info.kv_budget_bytes / gib, info.num_blocks,
             info.num_blocks * info.block_size, config.engine.max_num_seqs, config.max_queue, info.max_model_len,
             _on_off(config.engine.enable_prefix_caching), _on_off(config.engine.overlap_schedule),
-            config.num_frontends, config.host, config.port,
+            _on_off(config.engine.runtime_lora), config.num_frontends, config.host, config.port,
         )
         notify("READY=1\nSTATUS=serving " + config.model_name)
         code = launcher.supervise(Watchdog.from_environment(config))

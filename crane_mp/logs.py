@@ -50,7 +50,7 @@ class JsonFormatter(logging.Formatter):
 def _text_value(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3f}"
-    if isinstance(value, str) and (not value or any(c in value for c in ' "=\n')):
+    if isinstance(value, str) and (not value or not value.isprintable() or any(c in value for c in ' "=')):
         return json.dumps(value, ensure_ascii=False)
     return "-" if value is None else str(value)
 

@@ -117,7 +117,7 @@ class LoraAdapter(msgspec.Struct, array_like=True):
 
 
 class LoadLora(msgspec.Struct, array_like=True, tag=True):
-    """Load an adapter between steps; answered with LoraLoaded (token: the frontend's control request)."""
+    """Load an adapter beside the step loop; answered with LoraLoaded (token: the frontend's control request)."""
 
     token: int
     frontend_id: int

@@ -1,5 +1,4 @@
-"""Per-request bookkeeping around every HTTP request: its id, the load-shedding gate, and one access
-log line when it ends.
+"""Per-request bookkeeping around every HTTP request: its id, and one access log line when it ends.
 
 The request id is the client's `X-Request-Id` (sanitised) or a new one; it is returned in the
 response header, named in internal errors and accepted by /abort_request. Generations started while
@@ -19,9 +18,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from crane_mp.frontend.errors import REQUEST_ID, error_response
+from crane_mp.frontend.errors import REQUEST_ID
 from crane_mp.frontend.generation import Generation
-from crane_mp.frontend.heap import HeapTrimmer
 
 log = logging.getLogger("crane_mp.access")
 # Probes and scrapes: logged at debug level only, they would drown everything else.
@@ -51,7 +49,7 @@ class RequestRecord:
         out: dict[str, object] = {
             "request_id": self.request_id,
             "method": request.method,
-            "route": request.path,
+            "route": logged_path(request),
             "status": status,
             "model": model if gens else None,
             "prompt_tokens": sum(g.prompt_tokens for g in gens),
@@ -76,33 +74,21 @@ def request_id_of(request: web.Request) -> str:
     return header if _CLIENT_ID.fullmatch(header) else uuid.uuid4().hex
 
 
-def make_access_middleware(state, generation_paths: frozenset[str]):
-    """The middleware, bound to the frontend's state (its config, load counter and tokenizer);
-    requests to `generation_paths` pass the load-shedding gate."""
+def make_access_middleware(state):
+    """The middleware, bound to the frontend's state (its config, metrics and tokenizer)."""
     config = state.config
-    # Past running slots plus the queue, the scheduler would refuse anyway: shed before parsing.
-    gate = config.engine.max_num_seqs + config.max_queue
-    trimmer = HeapTrimmer()
 
     @web.middleware
     async def access_middleware(request: web.Request, handler) -> web.StreamResponse:
         """Outermost: the error middleware inside it has turned every error into a response."""
         record = RequestRecord(request_id_of(request), keep_prompts=config.log_requests)
         request[REQUEST_ID] = record.request_id
-        counted = request.path in generation_paths
-        if counted and state.in_flight >= gate:
-            state.metrics.request_rejected()
-            response = error_response(429, f"the server is overloaded: {state.in_flight} requests in progress "
-                                           "(--max-concurrent + --max-queue); retry later")
-            _log(request, record, response.status, state)
-            return response
         token = _current.set(record)
-        state.in_flight += counted
         status = 499  # unless a response comes back: the client went away (the handler was cancelled)
         try:
             response = await handler(request)
             status = response.status
-            if status == 429:  # the scheduler refused it (the queue filled up after the gate)
+            if status == 429:  # shed by the gate (gate.py), or the scheduler's queue was full
                 state.metrics.request_rejected()
             return response
         except web.HTTPException as err:
@@ -110,10 +96,7 @@ def make_access_middleware(state, generation_paths: frozenset[str]):
             raise
         finally:
             _current.reset(token)
-            state.in_flight -= counted
             _log(request, record, status, state)
-            if counted and not state.in_flight:
-                trimmer.on_idle(lambda: not state.in_flight)
 
     return access_middleware
 
@@ -124,7 +107,12 @@ def _log(request: web.Request, record: RequestRecord, status: int, state) -> Non
         return
     decode = state.tokenizer.backend.decode if record.keep_prompts else None
     fields = record.fields(request, status, state.model_name, decode)
-    log.log(level, "%s %s %d", request.method, request.path, status, extra={"fields": fields})
+    log.log(level, "%s %s %d", request.method, logged_path(request), status, extra={"fields": fields})
+
+
+def logged_path(request: web.Request) -> str:
+    """The path as the client sent it, still percent-encoded: a decoded %0a would start a forged line."""
+    return request.rel_url.raw_path
 
 
 async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:

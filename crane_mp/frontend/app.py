@@ -11,7 +11,7 @@ from crane_mp.frontend import openapi
 from crane_mp.frontend.access_log import add_request_id_header, make_access_middleware
 from crane_mp.frontend.api_routes import ROUTES
 from crane_mp.frontend.errors import ApiError, error_middleware
-from crane_mp.frontend.routing import generation_paths, open_paths
+from crane_mp.frontend.routing import admin_paths, open_paths, served_routes
 from crane_mp.frontend.state import STATE, FrontendState
 
 
@@ -20,13 +20,18 @@ _APP_BODY_LIMIT = 1 << 20
 
 
 _OPEN_PATHS = open_paths(ROUTES)
+_ADMIN_PATHS = admin_paths(ROUTES)
 
 
 @web.middleware
 async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """--api-key: every route but the open ones (/health) needs `Authorization: Bearer <key>`
-    (constant-time compare)."""
-    key = request.app[STATE].config.api_key
+    """--api-key: every route but the open ones (/health) needs `Authorization: Bearer <key>`; the
+    routes that change server state need --admin-api-key instead where one is set (constant-time
+    compares)."""
+    config = request.app[STATE].config
+    key = config.api_key
+    if request.path in _ADMIN_PATHS and config.admin_api_key:
+        key = config.admin_api_key
     if key and request.path not in _OPEN_PATHS:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
@@ -48,10 +53,10 @@ async def body_limit_middleware(request: web.Request, handler) -> web.StreamResp
 
 
 def create_app(state: FrontendState) -> web.Application:
-    access = make_access_middleware(state, generation_paths(ROUTES))
+    access = make_access_middleware(state)
     middlewares = [access, error_middleware, api_key_middleware, body_limit_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=_APP_BODY_LIMIT)
     app[STATE] = state
     app.on_response_prepare.append(add_request_id_header)
-    app.add_routes(route.aiohttp_route() for route in [*ROUTES, *openapi.api.routes])
+    app.add_routes(route.aiohttp_route() for route in [*served_routes(ROUTES, state.config), *openapi.api.routes])
     return app

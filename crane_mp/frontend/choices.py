@@ -117,12 +117,14 @@ async def open_choices(
 async def collect(gens: list[Generation]) -> list[Collected]:
     async def one(gen: Generation) -> Collected:
         out = Collected()
+        texts = []  # joined once: `out.text += ...` would copy the whole text for every delta
         async with aclosing(gen.deltas()) as deltas:
             async for delta in deltas:
-                out.text += delta.text
+                texts.append(delta.text)
                 out.token_ids += delta.token_ids
                 out.logprobs += delta.logprobs
                 out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+        out.text = "".join(texts)
         return out
 
     tasks = [asyncio.ensure_future(one(gen)) for gen in gens]

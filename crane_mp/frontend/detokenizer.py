@@ -16,12 +16,20 @@ class Detokenizer:
         self.stream = DecodeStream(ids=prompt_ids[-8:], skip_special_tokens=skip_special_tokens)
         self.stop = [s for s in stop if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.text = ""  # everything decoded so far (up to a stop string)
-        self.num_sent = 0  # characters already returned to the caller
+        # The text so far (up to a stop string) is `sent` joined, then `pending`: only the short unsent
+        # tail is ever rebuilt, so a long output costs linear time (a growing string appended to per
+        # token copies everything before it each time).
+        self.sent: list[str] = []
+        self.pending = ""
         self.matched_stop: str | None = None
         self.num_tokens = 0  # tokens consumed (they stop counting at a matched stop string)
         self.token_ids: list[int] = []
         self.skip_special_tokens = skip_special_tokens
+
+    @property
+    def text(self) -> str:
+        """Everything decoded so far (up to a stop string)."""
+        return "".join(self.sent) + self.pending
 
     def add(self, token_ids: list[int]) -> str:
         """Decode new tokens; returns the text safe to send now.
@@ -31,45 +39,52 @@ class Detokenizer:
         """
         if self.matched_stop is not None:
             return ""
+        # A local string with no other reference grows in place; the attribute is set once at the end.
+        pending, self.pending = self.pending, ""
         for token_id in token_ids:
-            start = len(self.text)
+            start = len(pending)
             piece = self.stream.step(self.backend, token_id)
             self.num_tokens += 1
             self.token_ids.append(token_id)
             if piece:
-                self.text += piece
-                if self.stop and self._find_stop(start):
+                pending += piece
+                if self.stop and self._find_stop(pending, start):
                     return self.flush()
-        safe = len(self.text) - self.holdback
-        if safe <= self.num_sent:
+        self.pending = pending
+        safe = len(pending) - self.holdback
+        if safe <= 0:
             return ""
-        chunk = self.text[self.num_sent : safe]
-        self.num_sent = safe
-        return chunk
+        return self._send(safe)
 
     def finish(self) -> str:
         """At the end of a request: the rest of the text, including bytes of a character the output
         never completed, which a full decode renders as U+FFFD (DecodeStream keeps waiting for them)."""
         if self.matched_stop is None:
             full = self.backend.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
-            if full.startswith(self.text):
-                self.text = full
+            text = self.text
+            if full.startswith(text):
+                self.pending += full[len(text):]
         return self.flush()
 
     def flush(self) -> str:
-        chunk = self.text[self.num_sent :]
-        self.num_sent = len(self.text)
+        return self._send(len(self.pending))
+
+    def _send(self, count: int) -> str:
+        chunk, self.pending = self.pending[:count], self.pending[count:]
+        self.sent.append(chunk)
         return chunk
 
-    def _find_stop(self, start: int) -> bool:
-        # A stop string completed by the new piece starts at most len(stop) - 1 characters before it.
+    def _find_stop(self, pending: str, start: int) -> bool:
+        """Whether a stop string ends in the piece added at `start` of `pending` (the unsent text, which
+        holds at least the holdback's characters before the piece); if so, `pending` is kept up to it.
+        Such a match starts at most len(stop) - 1 characters before the piece."""
         best = None
         for stop in self.stop:
-            index = self.text.find(stop, max(0, start - len(stop) + 1))
+            index = pending.find(stop, max(0, start - len(stop) + 1))
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
         if best is None:
             return False
-        self.text = self.text[: best[0]]
+        self.pending = pending[: best[0]]
         self.matched_stop = best[1]
         return True

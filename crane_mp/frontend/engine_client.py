@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -130,6 +131,16 @@ class EngineClient:
 
     def start(self) -> None:
         self._listener = asyncio.get_running_loop().create_task(self._listen())
+        self._listener.add_done_callback(self._listener_stopped)
+
+    def _listener_stopped(self, task: asyncio.Task) -> None:
+        """Nothing reaches this frontend without the listener: fail what waits (503) and turn /health to
+        503 rather than let every request hang on a healthy-looking server."""
+        if task.cancelled():
+            return
+        err = task.exception()
+        log.error("the engine listener stopped", exc_info=err)
+        self.fail_all(f"this frontend stopped hearing from the engine ({type(err).__name__})")
 
     async def close(self) -> None:
         if self._listener is not None:
@@ -206,7 +217,12 @@ class EngineClient:
 
     async def _listen(self) -> None:
         while True:
-            message = frontend_decoder.decode(await self.from_scheduler.recv())
+            frame = await self.from_scheduler.recv()
+            try:
+                message = frontend_decoder.decode(frame)
+            except msgspec.DecodeError as err:
+                log.warning("dropped a malformed message from the scheduler: %s", err)
+                continue
             if isinstance(message, TokenBatch):
                 for out in message.outputs:
                     stream = self.streams.get(out.rid)

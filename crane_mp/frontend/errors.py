@@ -20,6 +20,7 @@ _TYPES = {
     405: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -100,5 +101,5 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return response
     except Exception:
         request_id = request.get(REQUEST_ID, "")
-        log.exception("unhandled error in %s %s (request id %s)", request.method, request.path, request_id)
+        log.exception("unhandled error in %s %s (request id %s)", request.method, request.rel_url.raw_path, request_id)
         return error_response(500, f"internal server error (request id {request_id})")

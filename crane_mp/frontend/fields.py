@@ -34,7 +34,8 @@ RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
 LogitBias = dict[TokenIdKey, Annotated[float, Meta(ge=-100.0, le=100.0)]]
 NumChoices = Annotated[int, Meta(ge=1, le=16)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
-StopStrings = str | Annotated[list[str], Meta(max_length=16)]
+StopString = Annotated[str, Meta(max_length=256)]
+StopStrings = StopString | Annotated[list[StopString], Meta(max_length=16)]
 
 
 def ids_below_pattern(limit: int) -> str:

@@ -44,8 +44,7 @@ async def stats(request: web.Request) -> web.Response:
     return json_response({f: getattr(snapshot, f) for f in snapshot.__struct_fields__ if f != "token"})
 
 
-@api.add("post", "/flush_cache", requires=FrontendState.require_ready, summary="Drop cached prefixes")
-@api.add("get", "/flush_cache", requires=FrontendState.require_ready)
+@api.add("post", "/flush_cache", requires=FrontendState.require_ready, admin=True, summary="Drop cached prefixes")
 async def flush_cache(request: web.Request) -> web.Response:
     """Drop the prefix cache. Refused with 400 while requests are queued or running, as SGLang does."""
     with engine_answer():

@@ -179,13 +179,14 @@ def _model_card(state: FrontendState) -> dict[str, Any]:
     }
 
 
-def _adapter_card(state: FrontendState, name: str, path: str) -> dict[str, Any]:
-    return {**_model_card(state), "id": name, "root": path, "parent": state.model_name}
+def _adapter_card(state: FrontendState, name: str) -> dict[str, Any]:
+    """Its root is its name: where adapters lie on the server's disk stays in the server's log."""
+    return {**_model_card(state), "id": name, "root": name, "parent": state.model_name}
 
 
 def _model_cards(state: FrontendState) -> dict[str, dict[str, Any]]:
     cards = {state.model_name: _model_card(state)}
-    cards.update((name, _adapter_card(state, name, adapter.path)) for name, adapter in state.adapters.items())
+    cards.update((name, _adapter_card(state, name)) for name in state.adapters)
     return cards
 
 

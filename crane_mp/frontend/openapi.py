@@ -18,7 +18,7 @@ from crane_mp.frontend.api_routes import ROUTES
 from crane_mp.frontend.fields import exactly_one_of, fill_model_limits
 from crane_mp.frontend.http import json_response
 from crane_mp.frontend.openai_schemas import EMBEDDING_INPUT_SCHEMA, PROMPT_SCHEMA
-from crane_mp.frontend.routing import Route, RouteTable
+from crane_mp.frontend.routing import Route, RouteTable, served_routes
 from crane_mp.frontend.sglang_schemas import INPUT_IDS_SCHEMA
 from crane_mp.frontend.state import STATE
 
@@ -59,9 +59,10 @@ def _components(routes: list[Route]) -> tuple[dict, dict]:
 
 
 def build_openapi(vocab_size: int | None = None, max_model_len: int | None = None, model_name: str = "",
-                  hidden_size: int = 0) -> dict:
-    """The document; with the served model's vocabulary, context window and width once they are known."""
-    routes = _documented(ROUTES)
+                  hidden_size: int = 0, config=None) -> dict:
+    """The document (of the routes `config`'s server mounts; every route without one); with the served
+    model's vocabulary, context window and width once they are known."""
+    routes = _documented(ROUTES if config is None else served_routes(ROUTES, config))
     ref_of, components = _components(routes)
     if vocab_size is not None and max_model_len is not None:
         fill_model_limits(components, vocab_size, max_model_len, hidden_size)
@@ -87,5 +88,6 @@ async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
     info = state.engine_info
     if info is None:
-        return json_response(build_openapi(model_name=state.model_name))
-    return json_response(build_openapi(info.vocab_size, info.max_model_len, state.model_name, info.hidden_size))
+        return json_response(build_openapi(model_name=state.model_name, config=state.config))
+    return json_response(build_openapi(info.vocab_size, info.max_model_len, state.model_name, info.hidden_size,
+                                       state.config))

@@ -10,6 +10,8 @@ and errors as HTTP statuses (errors.py). What differs per API is only its `Rende
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -17,11 +19,13 @@ from typing import Any, Callable, Protocol
 from aiohttp import web
 
 from crane_mp.frontend.choices import Collected, admitted, collect, merged_deltas, open_choices, resolve_max_tokens
-from crane_mp.frontend.errors import GenerationError, error_body
+from crane_mp.frontend.errors import ApiError, GenerationError, error_body
 from crane_mp.frontend.generation import Delta, Generation
 from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, json_response, sse_event
 from crane_mp.frontend.state import FrontendState
 from crane_mp.protocol import SamplingParams
+
+log = logging.getLogger("crane_mp.frontend")
 
 
 async def prompt_ids(state: FrontendState, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
@@ -66,6 +70,7 @@ async def serve(request: web.Request, state: FrontendState, plan: Plan,
                 render: Callable[[list[Generation]], EventStream | BodyMaker]) -> web.StreamResponse:
     """Run `plan` and answer with what `render(generations)` gives: an event stream, or the maker of one
     JSON body."""
+    _check_size(state, plan)
     hidden = plan.max_tokens == 0
     requested = 1 if hidden else plan.max_tokens
     budgets = [resolve_max_tokens(state, len(prompt), requested, plan.param) for prompt in plan.prompts]
@@ -75,24 +80,49 @@ async def serve(request: web.Request, state: FrontendState, plan: Plan,
         rendered = render(gens)
         if callable(rendered):
             return json_response(rendered(await collect(gens)))
-        return await _write_sse(request, gens, rendered)
+        return await _write_sse(request, gens, rendered, state.config.write_timeout)
 
 
-async def _write_sse(request: web.Request, gens: list[Generation], renderer: EventStream) -> web.StreamResponse:
+def _check_size(state: FrontendState, plan: Plan) -> None:
+    """Bounded work per request: one request may not fill the queue by itself, nor hold n copies of its
+    prompt's logprobs."""
+    generations, limit = len(plan.prompts) * plan.n, state.config.max_request_generations
+    if generations > limit:
+        raise ApiError(400, f"this request would start {generations} generations ({len(plan.prompts)} prompts x "
+                            f"n={plan.n}); at most {limit} (--max-request-generations)", "n")
+    if plan.n > 1 and plan.params.prompt_logprobs is not None:
+        raise ApiError(400, "prompt logprobs (echo or logprob_start_len) cannot be combined with n > 1", "n")
+
+
+async def _write_sse(request: web.Request, gens: list[Generation], renderer: EventStream,
+                     write_timeout: float) -> web.StreamResponse:
     """200 once every generation is admitted (a refusal is still an HTTP status), then the renderer's
-    events as deltas arrive and `data: [DONE]`; a failure after the 200 is an error event."""
+    events as deltas arrive and `data: [DONE]`; a failure after the 200 is an error event. A client
+    that leaves its events unread for `write_timeout` seconds is dropped: the connection closes and,
+    on the way out of open_choices, its generations are aborted."""
     await admitted(gens)
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
+
+    async def send(data: bytes) -> None:
+        async with asyncio.timeout(write_timeout):
+            await response.write(data)
+
     try:
-        async with aclosing(merged_deltas(gens)) as deltas:
-            async for index, delta in deltas:
-                for payload in renderer.chunks(index, delta):
-                    await response.write(sse_event(payload))
-        for payload in renderer.closing():
-            await response.write(sse_event(payload))
-    except GenerationError as err:
-        await response.write(sse_event(error_body(err.status, str(err))))
-    await response.write(SSE_DONE)
+        try:
+            async with aclosing(merged_deltas(gens)) as deltas:
+                async for index, delta in deltas:
+                    for payload in renderer.chunks(index, delta):
+                        await send(sse_event(payload))
+            for payload in renderer.closing():
+                await send(sse_event(payload))
+        except GenerationError as err:
+            await send(sse_event(error_body(err.status, str(err))))
+        await send(SSE_DONE)
+    except TimeoutError:
+        log.warning("a streaming client read nothing for %g s (--write-timeout); dropped it", write_timeout)
+        if request.transport is not None:
+            request.transport.abort()
+        return response
     await response.write_eof()
     return response

@@ -30,7 +30,9 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, c
     loop = asyncio.get_running_loop()
     state = FrontendState(config, TokenizerService(config.engine.model_path, config.engine.model_format))
     # aiohttp's own access log is off: ours (access_log.py) knows tokens, TTFT and the request id.
-    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
+    # An idle keep-alive connection is closed after --read-timeout (aiohttp's own default is 75 s).
+    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=config.read_timeout)
     await runner.setup()
     # Several frontends share the port; the kernel spreads connections over them. A deep accept queue:
     # with aiohttp's 128, a burst of connections overflows it and clients wait out SYN retries (1 s,

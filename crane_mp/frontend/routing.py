@@ -4,16 +4,20 @@ and its OpenAPI summary and error statuses. The app's router, the gate, the API-
 /openapi.json all read these declarations; nothing else lists routes.
 
 A handler declared with a body type is called as `handler(request, body)` once `requires` passed and
-the body decoded (a 400 otherwise); without one, as `handler(request)`.
+the body decoded (a 400 otherwise); without one, as `handler(request)`. Every POST must be a JSON
+request (json_request_error): what a web page can send another origin without a CORS preflight (a
+form, text/plain, a body of no type) is refused with 415 before the body is read.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
+from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.openai_schemas import decode_body
 from crane_mp.frontend.state import STATE, FrontendState
 
@@ -34,25 +38,58 @@ class Route:
     requires: Callable[[FrontendState], None] | None = None  # e.g. FrontendState.require_ready
     generation: bool = False  # starts generations: counted by the load-shedding gate
     open: bool = False  # served without the API key (probes)
+    admin: bool = False  # changes server state: needs the admin key (--admin-api-key, else --api-key)
+    mounted: Callable[[Any], bool] | None = None  # served only where this holds for the ServerConfig
 
     @property
     def operation_id(self) -> str:
         return self.handler.__name__
 
     def aiohttp_route(self) -> web.RouteDef:
-        handler, body, requires = self.handler, self.body, self.requires
+        handler, body, requires, post = self.handler, self.body, self.requires, self.method == "post"
+        generation = self.generation
 
         async def handle(request: web.Request) -> web.StreamResponse:
+            if post and (problem := json_request_error(request)) is not None:
+                raise ApiError(415, problem)
+            state = request.app[STATE]
             if requires is not None:
-                requires(request.app[STATE])
+                requires(state)
             if body is None:
                 return await handler(request)
-            return await handler(request, decode_body(await request.read(), body))
+            decoded = decode_body(await read_body(request, state.config.read_timeout), body)
+            if not generation:
+                return await handler(request, decoded)
+            async with state.gate.admit():
+                return await handler(request, decoded)
 
         handle.__name__ = handler.__name__
         if self.method == "get":
             return web.get(self.path, handle)  # and HEAD, as aiohttp's own GET routes answer it
         return web.route(self.method.upper(), self.path, handle)
+
+
+async def read_body(request: web.Request, timeout: float) -> bytes:
+    """The whole body within `timeout` seconds: a client that trickles it holds no handler for long."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s (--read-timeout)") from None
+
+
+def json_request_error(request: web.Request) -> str | None:
+    """Why a POST is not a JSON request, or None. The body's declared type must be application/json
+    (vLLM's and SGLang's rule). A request that declares none passes unless a browser sent it (it
+    carries an Origin header): scripts and SDKs that post bare bytes keep working, while a web page's
+    cross-origin POST, which can only be preflight-free without a JSON type, never reaches a handler."""
+    declared = request.headers.get(hdrs.CONTENT_TYPE)
+    if declared is None:
+        return "a browser's request must declare Content-Type: application/json" if hdrs.ORIGIN in request.headers else None
+    media_type = declared.split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        return f"unsupported media type {media_type or declared!r}: only application/json bodies are accepted"
+    return None
 
 
 class RouteTable:
@@ -69,9 +106,14 @@ class RouteTable:
         return declare
 
 
-def generation_paths(routes: list[Route]) -> frozenset[str]:
-    return frozenset(route.path for route in routes if route.generation)
+def served_routes(routes: list[Route], config) -> list[Route]:
+    """The routes this server mounts: a route that is not mounted answers 404, as on a server without it."""
+    return [route for route in routes if route.mounted is None or route.mounted(config)]
 
 
 def open_paths(routes: list[Route]) -> frozenset[str]:
     return frozenset(route.path for route in routes if route.open)
+
+
+def admin_paths(routes: list[Route]) -> frozenset[str]:
+    return frozenset(route.path for route in routes if route.admin)

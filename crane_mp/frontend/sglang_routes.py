@@ -166,7 +166,7 @@ class SGLangStream:
 
 
 @api.add("post", "/abort_request", body=AbortBody, requires=FrontendState.require_ready, errors=("400", "413"),
-         summary="Abort a /generate request by its rid")
+         admin=True, summary="Abort a /generate request by its rid")
 async def abort_request(request: web.Request, body: AbortBody) -> web.Response:
     """Abort by the client's name for a request: an SGLang rid, an OpenAI response id (chatcmpl-...,
     cmpl-...) or an X-Request-Id, whichever frontend serves it. Unknown or finished ones are a no-op

@@ -10,6 +10,7 @@ from aiohttp import web
 from crane_mp.config import ServerConfig
 from crane_mp.frontend.engine_client import EngineClient
 from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.gate import LoadGate
 from crane_mp.frontend.metrics import Metrics
 from crane_mp.frontend.openai_schemas import MAX_BATCH
 from crane_mp.frontend.structured import GrammarCompiler
@@ -28,10 +29,11 @@ class FrontendState:
     metrics: Metrics = field(init=False)
     grammars: GrammarCompiler = field(init=False)
     adapters: dict[str, LoraAdapter] = field(init=False)  # LoRA adapters loaded now, by name
-    in_flight: int = 0  # generation requests being served by this frontend (the load-shedding gate)
+    gate: LoadGate = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.config.model_name)
+        self.gate = LoadGate(self.config.engine.max_num_seqs + self.config.max_queue)
         self.grammars = GrammarCompiler(self.tokenizer)
         modules = self.config.engine.lora_modules
         self.adapters = {name: LoraAdapter(i + 1, name, path) for i, (name, path) in enumerate(modules)}

@@ -14,6 +14,7 @@ import signal
 import time
 from multiprocessing.connection import Connection
 
+import msgspec
 import zmq
 
 from crane_mp.ipc import Addresses, encode, make_socket, scheduler_decoder
@@ -84,7 +85,7 @@ class SchedulerLoop:
                         frame = self.inbox.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self.handle(scheduler_decoder.decode(frame))
+                    self.receive(frame)
                 self._acknowledge()
             if self.steps_in_flight < limit and not stalled:
                 plan = self.scheduler.schedule()
@@ -99,6 +100,21 @@ class SchedulerLoop:
                     self.steps_in_flight += 1
                 elif not self.scheduler.running and not self.steps_in_flight:
                     self.scheduler.check_invariants()
+
+    def receive(self, frame: bytes) -> None:
+        """One inbox frame. The sockets are private to this server's processes, but a frame that is not
+        a message, or names a frontend that does not exist, is dropped with a warning, never a crash."""
+        try:
+            message = scheduler_decoder.decode(frame)
+        except msgspec.DecodeError as err:
+            log.warning("dropped a malformed message on the scheduler's inbox: %s", err)
+            return
+        frontend_id = getattr(message, "frontend_id", 0)
+        if not 0 <= frontend_id < len(self.to_frontends):
+            log.warning("dropped a %s from frontend %d (there are %d)", type(message).__name__, frontend_id,
+                        len(self.to_frontends))
+            return
+        self.handle(message)
 
     def handle(self, message) -> None:
         if isinstance(message, StepResult):

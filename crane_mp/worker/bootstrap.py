@@ -138,7 +138,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     graphs = platform.cuda_graphs(config.cuda_graphs, runner.attention_backend)
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
     reserved_bytes = graph_pool_bytes(runner, graph_sizes, model_config) if graphs else 0
-    if config.lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank
+    if config.runtime_lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank
         reserved_bytes += (config.max_loras - len(config.lora_modules)) * adapter_bytes(
             model_config, config.max_lora_rank, platform.lora_dtype(dtype))
     kv_plan = plan_kv_blocks(

@@ -16,11 +16,14 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import Platform
+
+# Bytes per element of the safetensors dtypes an adapter may hold (anything else counts as 8).
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 # PEFT target module -> (our projection, part index within it); parts are laid out in this order.
 _TARGETS = {
@@ -49,24 +52,61 @@ def _part_sizes(model: CausalLM, projection: str) -> list[int]:
     return [cfg.hidden_size]  # o_proj, down_proj
 
 
-def read_adapter(path: str | Path, name: str, max_rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The adapter's config and tensors; LoraError for anything this server cannot apply exactly."""
+# adapter_config.json is a few hundred bytes; anything far larger is not one.
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_adapter(path: str | Path, name: str, max_rank: int, max_bytes: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The adapter's config and tensors; LoraError for anything this server cannot apply exactly. The
+    tensors are read only once the file's header shows at most `max_bytes` of them (the largest adapter
+    of rank --max-lora-rank this model can have). Messages never quote the files' contents."""
     path = Path(path)
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not config_file.is_file() or not weights_file.is_file():
         raise LoraError(f"LoRA adapter {name!r}: {path} needs adapter_config.json and adapter_model.safetensors")
-    config = json.loads(config_file.read_text())
+    config = _read_config(config_file, name)
     if config.get("peft_type", "LORA") != "LORA":
-        raise LoraError(f"LoRA adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
+        raise LoraError(f"LoRA adapter {name!r}: its peft_type is not LORA")
     for key in _UNSUPPORTED:
         if config.get(key):
             raise LoraError(f"LoRA adapter {name!r}: {key} is not supported")
     if config.get("bias", "none") != "none" or config.get("fan_in_fan_out"):
         raise LoraError(f"LoRA adapter {name!r}: only bias='none' and fan_in_fan_out=false are supported")
-    rank = int(config["r"])
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise LoraError(f"LoRA adapter {name!r}: adapter_config.json needs a positive integer r")
     if rank > max_rank:
         raise LoraError(f"LoRA adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
-    return config, load_file(str(weights_file))
+    return config, _read_tensors(weights_file, name, max_bytes)
+
+
+def _read_config(config_file: Path, name: str) -> dict:
+    if config_file.stat().st_size > _MAX_CONFIG_BYTES:
+        raise LoraError(f"LoRA adapter {name!r}: adapter_config.json is over {_MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(config_file.read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        raise LoraError(f"LoRA adapter {name!r}: adapter_config.json is not valid JSON") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"LoRA adapter {name!r}: adapter_config.json is not a JSON object")
+    return config
+
+
+def _read_tensors(weights_file: Path, name: str, max_bytes: int) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(weights_file), framework="pt", device="cpu") as handle:
+            total = 0
+            for key in handle.keys():
+                tensor = handle.get_slice(key)
+                total += math.prod(tensor.get_shape()) * _ITEM_BYTES.get(tensor.get_dtype(), 8)
+            if total > max_bytes:
+                raise LoraError(f"LoRA adapter {name!r}: its tensors take {total} bytes, more than an adapter of "
+                                f"rank --max-lora-rank for this model can ({max_bytes})")
+            return {key: handle.get_tensor(key) for key in handle.keys()}
+    except LoraError:
+        raise
+    except Exception:  # noqa: BLE001 - safetensors' own errors may quote the header
+        raise LoraError(f"LoRA adapter {name!r}: adapter_model.safetensors is not a readable safetensors file") from None
 
 
 def build_adapter(model: CausalLM, config: dict, tensors: dict[str, torch.Tensor], name: str,
@@ -148,7 +188,7 @@ def adapter_bytes(config: ModelConfig, rank: int, dtype: torch.dtype) -> int:
 def load_adapter(model: CausalLM, lora_id: int, name: str, path: str, max_rank: int, dtype: torch.dtype,
                  platform: Platform) -> int:
     """Read, check and install one adapter under `lora_id`; returns the bytes it takes."""
-    config, tensors = read_adapter(path, name, max_rank)
+    config, tensors = read_adapter(path, name, max_rank, adapter_bytes(model.config, max_rank, torch.float32))
     adapter = build_adapter(model, config, tensors, name, platform.lora_dtype(dtype), platform.device)
     install(model, lora_id, adapter)
     return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in adapter.values())

@@ -1,8 +1,8 @@
 """Worker process: loads the model, reports WorkerReady, then executes StepPlans until told to stop.
 
-Sockets live only here; the runner does the work. A request whose processing raises is failed by
-the runner alone (runner.py); any other exception is an engine fault: the process exits non-zero
-and the launcher stops the server.
+Sockets live only here and in the adapter loader (adapter_loader.py); the runner does the work. A
+request whose processing raises is failed by the runner alone (runner.py); any other exception is an
+engine fault: the process exits non-zero and the launcher stops the server.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from tqdm import tqdm
 from crane_mp.config import EngineConfig
 from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.logs import LogSettings, configure_logging
-from crane_mp.protocol import DropLora, LoadLora, LoraLoaded, ShutdownWorker, StepPlan, WorkerReady
+from crane_mp.protocol import DropLora, LoadLora, ShutdownWorker, StepPlan, WorkerReady
 from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
-from crane_mp.worker.lora import load_adapter, uninstall
+from crane_mp.worker.adapter_loader import AdapterLoader
+from crane_mp.worker.lora import uninstall
 from crane_mp.worker.memory import MemoryBudgetError
 from crane_mp.worker.model_config import UnsupportedModelError
 
@@ -56,19 +57,6 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
         quantized_activations=loaded.quantized_activations,
         prefill_seconds_per_token=loaded.prefill_seconds_per_token,
     )
-
-
-def _load_adapter(loaded: LoadedWorker, config: EngineConfig, message: LoadLora) -> LoraLoaded:
-    """Load a LoRA adapter between steps; a bad one is reported, never raised."""
-    adapter = message.adapter
-    try:
-        load_adapter(loaded.runner.model, adapter.lora_id, adapter.name, adapter.path, config.max_lora_rank,
-                     loaded.dtype, loaded.platform)
-    except Exception as err:  # noqa: BLE001 - the adapter's fault, reported to the client that asked
-        log.warning("LoRA adapter %r from %s not loaded: %s", adapter.name, adapter.path, err)
-        return LoraLoaded(message.token, message.frontend_id, adapter, str(err) or type(err).__name__)
-    log.info("LoRA adapter %r loaded from %s (id %d)", adapter.name, adapter.path, adapter.lora_id)
-    return LoraLoaded(message.token, message.frontend_id, adapter)
 
 
 def _exit_on_signal(signum, frame) -> None:
@@ -110,13 +98,15 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
     ready.send_bytes(encode(worker_ready(loaded)))
     ready.close()
     runner = loaded.runner
+    adapters = AdapterLoader(runner.model, config.max_lora_rank, loaded.dtype, loaded.platform, ctx,
+                             addresses.scheduler_inbox)
     try:
         while True:
             message = worker_decoder.decode(plans.recv())
             if isinstance(message, StepPlan):
                 results.send(encode(runner.execute(message)))
             elif isinstance(message, LoadLora):
-                results.send(encode(_load_adapter(loaded, config, message)))
+                adapters.submit(message)
             elif isinstance(message, DropLora):
                 uninstall(runner.model, message.lora_id)
             elif isinstance(message, ShutdownWorker):

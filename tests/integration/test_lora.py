@@ -5,6 +5,7 @@ hands one adapter's KV to another, and clients pick adapters by model name or SG
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -104,7 +105,8 @@ def test_prefix_cache_and_names(model_dir, adapters, reference, tmp_path):
         models = requests.get(server.url + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == [model_dir.name, "all7", "qv-down"]
         assert all(m["parent"] == model_dir.name for m in models[1:])
-        assert requests.get(server.url + "/v1/models/qv-down").json()["root"] == str(adapters["qv-down"])
+        card = requests.get(server.url + "/v1/models/qv-down").json()
+        assert card["root"] == "qv-down" and str(adapters["qv-down"]) not in json.dumps(card)  # no server paths
 
         body = {"input_ids": PROMPTS[1:], "lora_path": ["qv-down", None],
                 "sampling_params": {"max_new_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True}}
@@ -130,15 +132,27 @@ def test_an_adapter_that_cannot_be_served_stops_the_start_with_one_line(model_di
 
 
 def test_adapters_load_and_unload_at_run_time(model_dir, adapters, reference, tmp_path):
-    server = Server(model_dir, "--enable-lora", "--max-loras", "1", log_path=tmp_path / "log")
+    root = adapters["all7"].parent
+    server = Server(model_dir, "--enable-runtime-lora", "--lora-root", str(root), "--max-loras", "1",
+                    "--admin-api-key", "admin", log_path=tmp_path / "log")
     url = server.url
 
     def post(route: str, body: dict) -> requests.Response:
-        return requests.post(url + route, json=body)
+        return requests.post(url + route, json=body, headers={"Authorization": "Bearer admin"})
 
     try:
+        body = {"lora_name": "all7", "lora_path": "all7"}  # relative to --lora-root
+        assert requests.post(url + "/v1/load_lora_adapter", json=body).status_code == 401  # the admin key's
+        secret = tmp_path / "secret"
+        secret.mkdir()
+        (secret / "adapter_config.json").write_text('{"peft_type": "TOP-SECRET-VALUE"}')
+        (root / "escape").symlink_to(secret)
+        for outside in (str(secret), "../" + secret.name, "escape"):
+            r = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": outside})
+            assert r.status_code == 400 and "--lora-root" in r.text and "TOP-SECRET" not in r.text, r.text
+            assert r.json()["error"]["param"] == "lora_path"
         prompt = PROMPTS[1]
-        loaded = post("/v1/load_lora_adapter", {"lora_name": "all7", "lora_path": str(adapters["all7"])})
+        loaded = post("/v1/load_lora_adapter", body)
         assert loaded.status_code == 200 and "added successfully" in loaded.text
         [result] = asyncio.run(complete_all(url, [("all7", prompt)]))
         assert result["choices"][0]["token_ids"] == reference["all7", tuple(prompt)]
@@ -156,7 +170,7 @@ def test_adapters_load_and_unload_at_run_time(model_dir, adapters, reference, tm
         assert r.status_code == 404
         assert post("/v1/unload_lora_adapter", {"lora_name": "all7"}).status_code == 404
 
-        r = post("/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(tmp_path / "missing")})
+        r = post("/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(root / "missing")})
         assert r.status_code == 400 and "needs adapter_config.json" in r.json()["error"]["message"]
         assert post("/v1/load_lora_adapter", {"lora_name": "qv-down", "lora_path": str(adapters["qv-down"])}).ok
         [result] = asyncio.run(complete_all(url, [("qv-down", prompt)]))
@@ -165,11 +179,13 @@ def test_adapters_load_and_unload_at_run_time(model_dir, adapters, reference, tm
         assert server.stop() == 0
 
 
-def test_a_server_without_lora_refuses_to_load_one(model_dir, adapters, tmp_path):
-    server = Server(model_dir, log_path=tmp_path / "log")
+def test_without_the_opt_in_the_run_time_routes_do_not_exist(model_dir, adapters, tmp_path):
+    server = Server(model_dir, "--lora-modules", f"all7={adapters['all7']}", log_path=tmp_path / "log")
     try:
-        r = requests.post(server.url + "/v1/load_lora_adapter",
-                          json={"lora_name": "all7", "lora_path": str(adapters["all7"])})
-        assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+        for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            r = requests.post(server.url + route, json={"lora_name": "qv", "lora_path": str(adapters["qv-down"])})
+            assert r.status_code == 404, r.text
+            assert route not in requests.get(server.url + "/openapi.json").json()["paths"]
+        assert "all7" in [m["id"] for m in requests.get(server.url + "/v1/models").json()["data"]]
     finally:
         assert server.stop() == 0

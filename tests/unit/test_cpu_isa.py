@@ -112,6 +112,17 @@ def test_kernel_cache_falls_back_to_a_private_temporary_directory(monkeypatch, t
     assert kernel_cache_dir() == tmp_path / "cache" / "kernels"
 
 
+def test_a_cache_others_may_write_is_never_used(monkeypatch, tmp_path):
+    shared = tmp_path / "shared" / "kernels"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)  # anyone could plant a library here
+    monkeypatch.setenv("CRANE_MP_CACHE", str(tmp_path / "shared"))
+    chosen = kernel_cache_dir()
+    assert chosen != shared and chosen.parent == type(chosen)(tempfile.gettempdir())
+    shared.chmod(0o755)
+    assert kernel_cache_dir() == shared
+
+
 def test_kernels_build_from_copies_every_checkout_shares(tmp_path):
     """torch's build file names the sources by path: builds read copies inside the build directory, so
     two checkouts of the same sources sharing one cache do not recompile each other's build."""

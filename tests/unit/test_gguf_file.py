@@ -81,6 +81,8 @@ def test_resolve_model_source(model_dir, good, tmp_path):
         ("shape", "the metadata implies"),
         ("type", "has type Q2_K, which crane-mp cannot serve"),
         ("unknown-type", "has type id 99, which is no GGML type"),
+        ("layers", "metadata gives 1000000000 layers, but the file holds"),
+        ("context", "metadata gives a context of 4000000000 tokens"),
     ],
 )
 def test_bad_files_are_refused_with_one_line(good, tmp_path, case, message):
@@ -91,6 +93,9 @@ def test_bad_files_are_refused_with_one_line(good, tmp_path, case, message):
         path = patched(good, tmp_path, b"GGUF", 0, b"GGML")
     elif case == "arch":
         path = patched(good, tmp_path, b"general.architecture", len("general.architecture") + 4 + 8, b"qwen9")
+    elif case in ("layers", "context"):  # claims sized before anything is built from them
+        key = b"qwen3.block_count" if case == "layers" else b"qwen3.context_length"
+        path = patched(good, tmp_path, key, len(key) + 4, struct.pack("<I", 10**9 if case == "layers" else 4 * 10**9))
     elif case == "shape":  # feed_forward_length 512 -> 640: every ffn tensor disagrees
         path = patched(good, tmp_path, b"qwen3.feed_forward_length", len("qwen3.feed_forward_length") + 4,
                        struct.pack("<I", 640))

@@ -61,7 +61,7 @@ def test_q_and_v_parts_land_in_their_rows_of_the_fused_projection(model, tmp_pat
                PREFIX + "self_attn.v_proj.lora_A.weight": torch.randn(4, cfg.hidden_size),
                PREFIX + "self_attn.v_proj.lora_B.weight": torch.randn(kv_out, 4)}
     write_adapter(tmp_path / "qv", {}, tensors)
-    config, loaded = read_adapter(tmp_path / "qv", "qv", 64)
+    config, loaded = read_adapter(tmp_path / "qv", "qv", 64, 1 << 30)
     built = build_adapter(model, config, loaded, "qv", torch.float32, torch.device("cpu"))
     a_t, b_t = built[(0, "qkv_proj")]
     x = torch.randn(2, cfg.hidden_size)
@@ -81,7 +81,8 @@ def test_q_and_v_parts_land_in_their_rows_of_the_fused_projection(model, tmp_pat
 @pytest.mark.parametrize("config,tensors,message", [
     ({"r": 128}, {}, "rank 128 is above --max-lora-rank 64"),
     ({"use_dora": True}, {}, "use_dora is not supported"),
-    ({"peft_type": "IA3"}, {}, "peft_type 'IA3' is not LORA"),
+    ({"peft_type": "IA3"}, {}, "its peft_type is not LORA"),
+    ({"r": "8"}, {}, "needs a positive integer r"),
     ({"bias": "all"}, {}, "bias='none'"),
     ({}, {"base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(4, 8),
           "base_model.model.model.embed_tokens.lora_B.weight": torch.zeros(8, 4)}, "not a supported target"),
@@ -92,14 +93,29 @@ def test_q_and_v_parts_land_in_their_rows_of_the_fused_projection(model, tmp_pat
 def test_an_adapter_that_cannot_be_applied_is_refused_by_name(model, tmp_path, config, tensors, message):
     write_adapter(tmp_path / "bad", config, tensors or {"x.lora_A.weight": torch.zeros(1)})
     with pytest.raises(LoraError, match=message) as info:
-        config_read, loaded = read_adapter(tmp_path / "bad", "bad", 64)
+        config_read, loaded = read_adapter(tmp_path / "bad", "bad", 64, 1 << 30)
         build_adapter(model, config_read, loaded, "bad", torch.float32, torch.device("cpu"))
     assert "'bad'" in str(info.value)
 
 
 def test_a_missing_adapter_directory_is_named(tmp_path):
     with pytest.raises(LoraError, match="needs adapter_config.json"):
-        read_adapter(tmp_path / "none", "none", 64)
+        read_adapter(tmp_path / "none", "none", 64, 1 << 30)
+
+
+def test_what_is_read_is_capped_and_never_quoted(tmp_path):
+    write_adapter(tmp_path / "big", {"r": 4}, {PREFIX + "self_attn.q_proj.lora_A.weight": torch.zeros(4, 1000)})
+    with pytest.raises(LoraError, match="take 16000 bytes, more than an adapter of rank --max-lora-rank"):
+        read_adapter(tmp_path / "big", "big", 64, 15999)
+    assert read_adapter(tmp_path / "big", "big", 64, 16000)[1][PREFIX + "self_attn.q_proj.lora_A.weight"].shape == (4, 1000)
+    leaky = tmp_path / "leaky"
+    leaky.mkdir()
+    (leaky / "adapter_model.safetensors").write_bytes(b"SECRET-BYTES" * 10)
+    for config in ('{"peft_type": "SECRET-TYPE", "r": 4}', "SECRET-NOT-JSON", '["SECRET-LIST"]', '{"r": 4}'):
+        (leaky / "adapter_config.json").write_text(config)
+        with pytest.raises(LoraError) as info:
+            read_adapter(leaky, "leaky", 64, 1 << 30)
+        assert "SECRET" not in str(info.value) and "'leaky'" in str(info.value)
 
 
 def test_lora_modules_from_a_config_file(tmp_path):
@@ -164,8 +180,13 @@ def test_the_memory_plan_holds_room_for_every_adapter_that_may_still_be_loaded(t
     taken = load_adapter(base.worker.runner.model, 1, "full", str(tmp_path / "full"), 8, torch.float32,
                          base.worker.platform)
     assert taken == adapter_bytes(cfg, 8, torch.float32)  # the estimate is what the largest adapter takes
+    modules = (("full", str(tmp_path / "full")),)
     lora = LLMEngine(EngineConfig(model_path=str(path), max_num_seqs=4, dtype="float32", max_loras=3,
-                                  max_lora_rank=8, lora_modules=(("full", str(tmp_path / "full")),)))
+                                  max_lora_rank=8, lora_modules=modules, runtime_lora=True, lora_root=str(tmp_path)))
     # One adapter loaded at start, two more may come: their bytes are set aside.
     extra = lora.worker.kv_plan.reserved_bytes - base.worker.kv_plan.reserved_bytes
     assert extra == 2 * adapter_bytes(cfg, 8, torch.float32)
+    # Without run-time loading no more can come: nothing is set aside.
+    fixed = LLMEngine(EngineConfig(model_path=str(path), max_num_seqs=4, dtype="float32", max_loras=3,
+                                   max_lora_rank=8, lora_modules=modules))
+    assert fixed.worker.kv_plan.reserved_bytes == base.worker.kv_plan.reserved_bytes

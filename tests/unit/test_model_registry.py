@@ -94,3 +94,15 @@ def test_the_launcher_side_reads_the_registry_without_torch():
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_checkpoint_tensor_of_the_wrong_shape_is_refused_not_broadcast():
+    from crane_mp.worker.models.build import build_model
+    from crane_mp.worker.platforms import platform_for
+
+    config = model_config_from_hf(build_config("llama", "tiny"))
+    model = build_model(config, platform_for("cpu"))
+    row = torch.zeros(config.hidden_size)  # copy_ would spread it over every row of a matrix
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
+        with pytest.raises(ValueError, match=f"'{name}' has shape \\[{config.hidden_size}\\], the model expects"):
+            model.load_weights([(name, row)])

@@ -9,7 +9,7 @@ from crane_mp.frontend.api_routes import ROUTES
 from crane_mp.frontend.errors import GenerationError
 from crane_mp.frontend.openapi import api as openapi_api
 from crane_mp.frontend.openapi import build_openapi
-from crane_mp.frontend.routing import generation_paths, open_paths
+from crane_mp.frontend.routing import admin_paths, open_paths
 from crane_mp.protocol import ErrorKind
 
 
@@ -31,8 +31,9 @@ def test_openapi_documents_every_declared_route_but_aliases():
 
 
 def test_gate_and_key_exemptions_come_from_the_declarations():
-    assert generation_paths(ROUTES) == {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"}
+    assert {route.path for route in ROUTES if route.generation} == {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"}
     assert open_paths(ROUTES) == {"/health"}
+    assert admin_paths(ROUTES) == {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/flush_cache", "/abort_request"}
 
 
 @pytest.mark.parametrize("kind, status", [(ErrorKind.INVALID, 400), (ErrorKind.OVERLOADED, 429),

@@ -470,3 +470,21 @@ def test_the_queue_bound_counts_only_requests_that_must_wait_for_a_slot():
     sched.abort_request(reqs[4].req_id)
     sched.add_request(reqs[5])
     assert len(sched.waiting) == 3
+
+
+def test_a_bad_frame_on_the_inbox_is_dropped_not_a_crash(tmp_path, caplog):
+    from crane_mp.ipc import Addresses, encode
+    from crane_mp.protocol import GenerateRequest, SamplingParams
+    from crane_mp.scheduler.process import SchedulerLoop
+
+    loop = SchedulerLoop(make_scheduler(), Addresses(str(tmp_path)), num_frontends=2)
+    try:
+        loop.receive(b"\x93not a message")
+        for frontend_id in (2, -1, 2**40):
+            loop.receive(encode(GenerateRequest(7, [1, 2, 3], SamplingParams(), frontend_id=frontend_id)))
+        assert not loop.scheduler.has_work and not loop.admitted
+        assert sum("dropped" in r.getMessage() for r in caplog.records) == 4
+        loop.receive(encode(GenerateRequest(8, [1, 2, 3], SamplingParams(), frontend_id=1)))
+        assert loop.scheduler.has_work and list(loop.admitted) == [1]
+    finally:
+        loop.close()

@@ -74,26 +74,34 @@ def build_name(tier: str, compiler_tag: str, compiler_line: str) -> str:
 
 
 def kernel_cache_dir() -> Path | None:
-    """<CRANE_MP_CACHE>/kernels, or a private temporary directory when that is not writable (a
-    service user without a home, a read-only image); None when neither can be used safely."""
+    """<CRANE_MP_CACHE>/kernels, or a private temporary directory when that is not writable or not
+    safely ours (a service user without a home, a read-only image, a shared path); None when neither
+    can be used safely."""
     preferred = cache_root() / "kernels"
     try:
         preferred.mkdir(parents=True, exist_ok=True)
-        if os.access(preferred, os.W_OK | os.X_OK):
+        if os.access(preferred, os.W_OK | os.X_OK) and _owned_by_us(preferred, 0o022):
             return preferred
     except OSError:
         pass
     fallback = Path(tempfile.gettempdir()) / f"crane-mp-kernels-{os.getuid()}"
     try:
         fallback.mkdir(mode=0o700, exist_ok=True)
-        info = fallback.lstat()
+        private = _owned_by_us(fallback, 0o077)
     except OSError:
         return None
-    # Libraries are loaded from here: a directory another user made (or can write) is not ours.
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        log.warning("%s is not a private directory of this user; not building kernels there", fallback)
-        return None
-    return fallback
+    return fallback if private else None
+
+
+def _owned_by_us(path: Path, forbidden_mode: int) -> bool:
+    """Libraries are loaded from the cache: a directory another user owns, or one others may write
+    (`forbidden_mode` bits), could hold a planted library, which would run inside the worker."""
+    info = path.lstat()
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & forbidden_mode:
+        return True
+    log.warning("%s is not this user's own directory (owner uid %d, mode %o); not building kernels there",
+                path, info.st_uid, stat.S_IMODE(info.st_mode))
+    return False
 
 
 def _staged_sources(build_dir: Path) -> list[str]:

@@ -199,6 +199,14 @@ class DecoderModel(nn.Module):
         return x + residual
 
 
+def _fill(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """copy_ would broadcast a tensor of the wrong shape (an [N] row over an [M, N] matrix) in silence."""
+    if target.shape != tensor.shape:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, the model expects "
+                         f"{list(target.shape)}: a checkpoint for another configuration?")
+    target.copy_(tensor)
+
+
 # HF checkpoint names that we store packed into one fused parameter: name -> (fused name, shard index).
 PACKED_WEIGHTS = {
     "q_proj": ("qkv_proj", 0),
@@ -262,12 +270,12 @@ class CausalLM(nn.Module):
                 fused, shard = packed
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
                 offsets = self._shard_offsets(fused)
-                params[target].data[offsets[shard] : offsets[shard + 1]].copy_(tensor)
+                _fill(params[target].data[offsets[shard] : offsets[shard + 1]], tensor, name)
                 loaded.add(f"{target}#{shard}")
                 continue
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
-            params[name].data.copy_(tensor)
+            _fill(params[name].data, tensor, name)
             loaded.add(name)
         for attn in self.attention_layers():
             attn.finalize_weights()
