@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-timeout", type=_positive_seconds, default=60.0,
                    help="seconds a streaming client may leave its events unread before it is dropped and its "
                         "request aborted")
+    p.add_argument("--grammar-timeout", type=_positive_seconds, default=10.0,
+                   help="seconds an output constraint (JSON schema, regex, grammar) may take to compile; "
+                        "400 past it")
     p.add_argument("--request-timeout", type=_seconds, default=0.0,
                    help="end a request that waited and ran longer than this many seconds with an error; 0 = never")
     # No default here: it depends on the host's cores, and the flags page is generated from this parser.
@@ -292,6 +295,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         max_request_generations=args.max_request_generations,
         read_timeout=args.read_timeout,
         write_timeout=args.write_timeout,
+        grammar_timeout=args.grammar_timeout,
         request_timeout=args.request_timeout,
         api_key=args.api_key or None,
         admin_api_key=args.admin_api_key or None,

@@ -137,6 +137,7 @@ class ServerConfig:
     max_request_generations: int = 256  # prompts x n of one request
     read_timeout: float = 30.0  # seconds a request body may take to arrive; also the keep-alive idle time
     write_timeout: float = 60.0  # seconds a streaming client may leave its events unread
+    grammar_timeout: float = 10.0  # seconds an output constraint may take to compile in the frontend
     request_timeout: float = 0.0  # seconds from submission to the engine to finish; 0 = no limit
     api_key: str | None = None
     admin_api_key: str | None = None  # guards the routes that change server state; default: api_key

@@ -130,7 +130,15 @@ class DropLora(msgspec.Struct, array_like=True, tag=True):
     lora_id: int
 
 
-WorkerInbox = StepPlan | ShutdownWorker | LoadLora | DropLora
+class PrepareGrammar(msgspec.Struct, array_like=True, tag=True):
+    """Build the matcher of a constrained request's grammar beside the step loop; answered with
+    GrammarReady, after which the scheduler may schedule the request (its matcher is then a copy)."""
+
+    rid: int
+    grammar: str
+
+
+WorkerInbox = StepPlan | ShutdownWorker | LoadLora | DropLora | PrepareGrammar
 
 
 # ---- worker -> scheduler ------------------------------------------------------------------------
@@ -221,7 +229,14 @@ class LoraLoaded(msgspec.Struct, array_like=True, tag=True):
     error: str = ""
 
 
-SchedulerInbox = GenerateRequest | AbortRequest | AbortNamed | ControlRequest | StepResult | LoraLoaded
+class GrammarReady(msgspec.Struct, array_like=True, tag=True):
+    """The worker's answer to PrepareGrammar: error is empty when the matcher is built."""
+
+    rid: int
+    error: str = ""
+
+
+SchedulerInbox = GenerateRequest | AbortRequest | AbortNamed | ControlRequest | StepResult | LoraLoaded | GrammarReady
 
 
 # ---- scheduler -> frontend ----------------------------------------------------------------------

@@ -29,7 +29,16 @@ _REFINEMENTS = {
     ("CompletionRequest", "prompt"): PROMPT_SCHEMA,
     ("EmbeddingRequest", "input"): EMBEDDING_INPUT_SCHEMA,
     ("SGLangGenerateRequest", "input_ids"): {"anyOf": [INPUT_IDS_SCHEMA, {"type": "null"}], "default": None},
-    ("SGLangGenerateRequest", None): exactly_one_of("text", "input_ids"),
+    # Exactly one input; and prompt logprobs are not copied n times (pipeline._check_size), here and below.
+    ("SGLangGenerateRequest", None): {**exactly_one_of("text", "input_ids"), "not": {
+        "required": ["return_logprob", "logprob_start_len", "sampling_params"],
+        "properties": {"return_logprob": {"const": True}, "logprob_start_len": {"type": "integer", "minimum": 0},
+                       "sampling_params": {"type": "object", "required": ["n"],
+                                           "properties": {"n": {"type": "integer", "minimum": 2}}}}}},
+    ("CompletionRequest", None): {"not": {
+        "required": ["echo", "logprobs", "n"],
+        "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"},
+                       "n": {"type": "integer", "minimum": 2}}}},
     ("TokenizeRequest", None): exactly_one_of("prompt", "text", "messages"),
 }
 _ERROR = {"description": "Error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}

@@ -44,28 +44,44 @@ def _finish_reason(delta_reason: str | None, stop_reason, num_tokens: int) -> di
     return {"type": "abort", "message": "aborted"}
 
 
-def _logprob_triples(values, ids, token_text, with_text):
-    return [[v, i, token_text(i) if with_text else None] for v, i in zip(values, ids)]
+class LogprobInfo:
+    """One generation's meta_info logprob lists. A stream's every chunk carries them whole (SGLang's
+    framing), so they are extended by each chunk's new tokens, never rebuilt: the prompt's once, on
+    the first chunk (prefill has scored it all by then), the output's token by token."""
 
+    def __init__(self, state: FrontendState, req: SGLangGenerateRequest, gen: Generation, prompt: list[int]) -> None:
+        self.token_text, self.with_text = state.tokenizer.token_text, req.return_text_in_logprobs
+        self.top = bool(req.top_logprobs_num)
+        self.req, self.gen, self.prompt = req, gen, prompt
+        self.lists: dict[str, list] | None = None
 
-def _logprob_info(state: FrontendState, req: SGLangGenerateRequest, gen: Generation, prompt: list[int],
-                  output_ids: list[int], output_logprobs) -> dict[str, Any]:
-    token_text, with_text = state.tokenizer.token_text, req.return_text_in_logprobs
-    start = max(0, req.logprob_start_len) if req.logprob_start_len >= 0 else len(prompt)
-    scored = scored_prompt_positions(gen.prompt_logprobs)
-    input_lp, input_top = [], []
-    for pos in range(start, len(prompt)):
-        value, top_ids, top_values = scored.get(pos, (None, [], []))
-        input_lp.append([value, prompt[pos], token_text(prompt[pos]) if with_text else None])
-        input_top.append(_logprob_triples(top_values, top_ids, token_text, with_text) if value is not None else None)
-    output_lp, output_top = [], []
-    for token_id, lp in zip(output_ids, output_logprobs):
-        output_lp.append([lp.logprob if lp else None, token_id, token_text(token_id) if with_text else None])
-        output_top.append(_logprob_triples(lp.top_logprobs, lp.top_token_ids, token_text, with_text) if lp else [])
-    info = {"input_token_logprobs": input_lp, "output_token_logprobs": output_lp}
-    if req.top_logprobs_num:
-        info.update(input_top_logprobs=input_top, output_top_logprobs=output_top)
-    return info
+    def info(self, output_ids: list[int], output_logprobs) -> dict[str, Any]:
+        if self.lists is None:
+            self.lists = {**self._input(), "output_token_logprobs": [], "output_top_logprobs": []}
+        output_lp, output_top = self.lists["output_token_logprobs"], self.lists["output_top_logprobs"]
+        for token_id, lp in zip(output_ids[len(output_lp):], output_logprobs[len(output_lp):]):
+            output_lp.append([lp.logprob if lp else None, token_id, self._text(token_id)])
+            output_top.append(self._triples(lp.top_logprobs, lp.top_token_ids) if lp else [])
+        if self.top:
+            return self.lists
+        return {key: self.lists[key] for key in ("input_token_logprobs", "output_token_logprobs")}
+
+    def _input(self) -> dict[str, list]:
+        prompt, start = self.prompt, self.req.logprob_start_len
+        start = max(0, start) if start >= 0 else len(prompt)
+        scored = scored_prompt_positions(self.gen.prompt_logprobs)
+        input_lp, input_top = [], []
+        for pos in range(start, len(prompt)):
+            value, top_ids, top_values = scored.get(pos, (None, [], []))
+            input_lp.append([value, prompt[pos], self._text(prompt[pos])])
+            input_top.append(self._triples(top_values, top_ids) if value is not None else None)
+        return {"input_token_logprobs": input_lp, "input_top_logprobs": input_top}
+
+    def _text(self, token_id: int) -> str | None:
+        return self.token_text(token_id) if self.with_text else None
+
+    def _triples(self, values, ids) -> list:
+        return [[v, i, self._text(i)] for v, i in zip(values, ids)]
 
 
 @api.add("post", "/generate", body=SGLangGenerateRequest, requires=FrontendState.require_generative,
@@ -85,6 +101,7 @@ async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.Stre
     plan = Plan(prompts, params, sp.max_new_tokens, "input_ids", sp.n, stop_strings(sp.stop), sp.skip_special_tokens,
                 names=names, lora_ids=lora_ids)
     started = time.monotonic()
+    logprob_infos: dict[int, LogprobInfo] = {}
 
     def result(gens: list[Generation], index: int, text: str, ids: list[int], logprobs_list, finish) -> dict[str, Any]:
         gen = gens[index]
@@ -92,7 +109,9 @@ async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.Stre
                 "cached_tokens": gen.cached_tokens, "finish_reason": finish,
                 "e2e_latency": round(time.monotonic() - started, 6)}
         if req.return_logprob:
-            meta.update(_logprob_info(state, req, gen, prompts[index // sp.n], ids, logprobs_list))
+            if index not in logprob_infos:
+                logprob_infos[index] = LogprobInfo(state, req, gen, prompts[index // sp.n])
+            meta.update(logprob_infos[index].info(ids, logprobs_list))
         body = {"text": text, "output_ids": ids, "meta_info": meta}
         if batch or sp.n > 1:
             body["index"] = index

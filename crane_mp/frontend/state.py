@@ -34,7 +34,7 @@ class FrontendState:
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.config.model_name)
         self.gate = LoadGate(self.config.engine.max_num_seqs + self.config.max_queue)
-        self.grammars = GrammarCompiler(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.grammar_timeout)
         modules = self.config.engine.lora_modules
         self.adapters = {name: LoraAdapter(i + 1, name, path) for i, (name, path) in enumerate(modules)}
 

@@ -1,10 +1,12 @@
 """Structured output in the frontend: a request's constraint (JSON schema, JSON object, regex, choice,
 EBNF/GBNF or Lark grammar) -> a grammar in llguidance's form, validated against the served vocabulary.
 
-Validation runs in the tokenizer's thread pool (a large schema takes milliseconds, a pathological one
-longer) and its result is cached by constraint, so a schema sent with every request is checked once.
-The worker builds the same matcher from the text (worker/grammar.py); an invalid constraint is a 400
-here that says what is wrong, never a failure there.
+Validation runs on a thread of its own (a large schema takes a fraction of a second, a pathological
+one longer; llguidance releases the GIL, so the event loop goes on) within --grammar-timeout, and its
+result is cached by constraint, so a schema sent with every request is checked once. A constraint's
+text is at most _MAX_SOURCE_CHARS. The worker builds the same matcher from the text, beside its step
+loop, before the request is scheduled (worker/background.py); an invalid constraint is a 400 here
+that says what is wrong, never a failure there.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +28,8 @@ from crane_mp.protocol import SamplingParams, WorkerReady
 # model pad forever (a well-known failure of grammar-constrained JSON); clients can ask for it.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHED = 512
+# A constraint's text: far above any schema a client writes by hand (a 200 KB one validates in ~0.2 s).
+_MAX_SOURCE_CHARS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +89,11 @@ def one_constraint(found: list[Constraint]) -> Constraint | None:
 class GrammarCompiler:
     """Constraint -> validated llguidance grammar text, cached; the vocabulary view is built on first use."""
 
-    def __init__(self, tokenizer_service) -> None:
+    def __init__(self, tokenizer_service, timeout: float) -> None:
         self.service = tokenizer_service
+        self.timeout = timeout
+        # One thread: a flood of new schemas queues here (and times out), never in the tokenizer's pool.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._tokenizer = None
         self._tokenizer_lock = asyncio.Lock()
         self._cache: OrderedDict[Constraint, str] = OrderedDict()
@@ -103,13 +111,21 @@ class GrammarCompiler:
         if cached is not None:
             self._cache.move_to_end(constraint)
             return cached
+        if len(constraint.source) > _MAX_SOURCE_CHARS:
+            raise ApiError(400, f"{constraint.param} is {len(constraint.source)} characters long; at most "
+                                f"{_MAX_SOURCE_CHARS}", constraint.param)
         loop = asyncio.get_running_loop()
         async with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = await loop.run_in_executor(
                     self.service.pool, grammar_tokenizer, self.service.tokenizer, vocab_size, eos_token_ids
                 )
-        grammar = await loop.run_in_executor(self.service.pool, self._validated, constraint)
+        try:
+            grammar = await asyncio.wait_for(loop.run_in_executor(self._pool, self._validated, constraint),
+                                             self.timeout)
+        except TimeoutError:
+            raise ApiError(400, f"{constraint.param} did not compile within {self.timeout:g} s (--grammar-timeout)",
+                           constraint.param) from None
         self._cache[constraint] = grammar
         if len(self._cache) > _CACHED:
             self._cache.popitem(last=False)

@@ -27,8 +27,10 @@ from crane_mp.protocol import (
     ErrorKind,
     DropLora,
     GenerateRequest,
+    GrammarReady,
     LoadLora,
     LoraLoaded,
+    PrepareGrammar,
     ShutdownWorker,
     StepResult,
     TokenBatch,
@@ -63,6 +65,8 @@ class SchedulerLoop:
         self.last_preemption = -_PREEMPTION_BURST_GAP
         self.preemptions_seen = 0
         self.admitted: dict[int, list[TokenOutput]] = {}  # frontend id -> acknowledgements to send
+        # Constrained requests whose matcher the worker is building (PrepareGrammar): not yet scheduled.
+        self.awaiting_grammar: dict[int, GenerateRequest] = {}
         self.adapters = AdapterTable(scheduler.config.lora_modules, scheduler.config.max_loras)
         self.load_tokens: dict[str, int] = {}  # adapter name -> the control token of its load request
 
@@ -131,12 +135,34 @@ class SchedulerLoop:
         elif isinstance(message, AbortNamed):
             for rid in list(self.named.get(message.name, ())):
                 self.abort(rid)
+            for rid in [rid for rid, waiting in self.awaiting_grammar.items() if message.name in waiting.names]:
+                self.abort(rid)
         elif isinstance(message, ControlRequest):
             self.control(message)
         elif isinstance(message, LoraLoaded):
             self.lora_loaded(message)
+        elif isinstance(message, GrammarReady):
+            self.grammar_ready(message)
 
     def admit(self, message: GenerateRequest) -> None:
+        """Queue a request; a constrained one first waits for the worker to build its grammar's matcher
+        (vLLM's WAITING_FOR_FSM), so that no step stalls building it."""
+        if message.sampling.grammar is not None:
+            self.awaiting_grammar[message.rid] = message
+            self.to_worker.send(encode(PrepareGrammar(message.rid, message.sampling.grammar)))
+            return
+        self._queue(message)
+
+    def grammar_ready(self, message: GrammarReady) -> None:
+        waiting = self.awaiting_grammar.pop(message.rid, None)
+        if waiting is None:  # aborted meanwhile
+            return
+        if message.error:
+            self._end(waiting, FinishReason.ERROR, message.error, ErrorKind.INVALID)
+            return
+        self._queue(waiting)
+
+    def _queue(self, message: GenerateRequest) -> None:
         lora_id = message.sampling.lora_id
         if lora_id and lora_id not in self.adapters.ids:  # unloaded while the request was on its way
             self._refuse(message, "the LoRA adapter this request names is no longer loaded", ErrorKind.INVALID)
@@ -166,11 +192,19 @@ class SchedulerLoop:
         self.admitted.clear()
 
     def _refuse(self, message: GenerateRequest, error: str, kind: ErrorKind) -> None:
-        output = TokenOutput(message.rid, [], len(message.input_ids), 0, FinishReason.ERROR, error=error,
-                             error_kind=kind)
+        self._end(message, FinishReason.ERROR, error, kind)
+
+    def _end(self, message: GenerateRequest, reason: FinishReason, error: str | None = None,
+             kind: ErrorKind = ErrorKind.INTERNAL) -> None:
+        """Finish a request that was never scheduled."""
+        output = TokenOutput(message.rid, [], len(message.input_ids), 0, reason, error=error, error_kind=kind)
         self.to_frontends[message.frontend_id].send(encode(TokenBatch([output])))
 
     def abort(self, rid: int) -> None:
+        waiting = self.awaiting_grammar.pop(rid, None)
+        if waiting is not None:
+            self._end(waiting, FinishReason.ABORT)
+            return
         out = self.scheduler.abort_request(rid)
         if out is not None:
             self.emit([out])

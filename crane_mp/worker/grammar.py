@@ -9,6 +9,7 @@ against the same tokenizer, so building one here does not fail for a user's mist
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -41,27 +42,41 @@ class GrammarEngine:
         self._tokenizer = None
         self._executor = None
         self._pristine: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()  # the cache is filled by the preparing thread, read by the step loop
         self._bits = torch.arange(32, dtype=torch.int32, device=device)
 
+    def prepare(self, grammar: str) -> None:
+        """Build the grammar's pristine matcher into the cache (ValueError for an invalid one). Called
+        off the step loop (PrepareGrammar): construction is what costs, up to a second for a large
+        schema, and llguidance releases the GIL meanwhile."""
+        self._pristine_matcher(grammar)
+
     def new_matcher(self, grammar: str):
+        """A request's own matcher: a copy of the prepared one (built here only if it was evicted
+        from the cache since, or on the in-process engine's path)."""
+        return self._pristine_matcher(grammar).deep_copy()
+
+    def _pristine_matcher(self, grammar: str):
         import llguidance
 
-        pristine = self._pristine.get(grammar)
-        if pristine is None:
+        with self._lock:
+            pristine = self._pristine.get(grammar)
+            if pristine is not None:
+                self._pristine.move_to_end(grammar)
+                return pristine
             if self._tokenizer is None:
                 log.info("loading the tokenizer for structured output (once)")
                 hf_tokenizer = source_tokenizer(self.source)
                 self._tokenizer = grammar_tokenizer(hf_tokenizer, self.vocab_size, self.eos_token_ids)
                 self._executor = llguidance.LLExecutor()
-            pristine = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
-            if pristine.is_error():
-                raise ValueError(f"invalid grammar: {pristine.get_error()}")
+        pristine = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if pristine.is_error():
+            raise ValueError(f"invalid grammar: {pristine.get_error()}")
+        with self._lock:
             self._pristine[grammar] = pristine
             if len(self._pristine) > _CACHED_GRAMMARS:
                 self._pristine.popitem(last=False)
-        else:
-            self._pristine.move_to_end(grammar)
-        return pristine.deep_copy()
+        return pristine
 
     def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
         """Push every token the grammar forbids in `rows` of `logits` [N, vocab] far below any allowed

@@ -1,6 +1,6 @@
 """Worker process: loads the model, reports WorkerReady, then executes StepPlans until told to stop.
 
-Sockets live only here and in the adapter loader (adapter_loader.py); the runner does the work. A
+Sockets live only here and in the background jobs (background.py); the runner does the work. A
 request whose processing raises is failed by the runner alone (runner.py); any other exception is an
 engine fault: the process exits non-zero and the launcher stops the server.
 """
@@ -12,6 +12,7 @@ import logging
 import signal
 import threading
 import time
+from functools import partial
 from multiprocessing.connection import Connection
 
 import psutil
@@ -21,9 +22,9 @@ from tqdm import tqdm
 from crane_mp.config import EngineConfig
 from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.logs import LogSettings, configure_logging
-from crane_mp.protocol import DropLora, LoadLora, ShutdownWorker, StepPlan, WorkerReady
+from crane_mp.protocol import DropLora, LoadLora, PrepareGrammar, ShutdownWorker, StepPlan, WorkerReady
 from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
-from crane_mp.worker.adapter_loader import AdapterLoader
+from crane_mp.worker.background import BackgroundJobs, load_lora, prepare_grammar
 from crane_mp.worker.lora import uninstall
 from crane_mp.worker.memory import MemoryBudgetError
 from crane_mp.worker.model_config import UnsupportedModelError
@@ -98,15 +99,18 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
     ready.send_bytes(encode(worker_ready(loaded)))
     ready.close()
     runner = loaded.runner
-    adapters = AdapterLoader(runner.model, config.max_lora_rank, loaded.dtype, loaded.platform, ctx,
-                             addresses.scheduler_inbox)
+    adapters = BackgroundJobs("lora-loader", ctx, addresses.scheduler_inbox)
+    grammars = BackgroundJobs("grammar-builder", ctx, addresses.scheduler_inbox)
     try:
         while True:
             message = worker_decoder.decode(plans.recv())
             if isinstance(message, StepPlan):
                 results.send(encode(runner.execute(message)))
             elif isinstance(message, LoadLora):
-                adapters.submit(message)
+                adapters.submit(partial(load_lora, runner.model, message, config.max_lora_rank, loaded.dtype,
+                                        loaded.platform))
+            elif isinstance(message, PrepareGrammar):
+                grammars.submit(partial(prepare_grammar, runner.grammars, message))
             elif isinstance(message, DropLora):
                 uninstall(runner.model, message.lora_id)
             elif isinstance(message, ShutdownWorker):

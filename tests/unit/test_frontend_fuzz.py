@@ -46,8 +46,10 @@ def model_dir(tmp_path_factory):
 def running(model_dir, tmp_path_factory):
     """One frontend for the module, driven from a private event loop (hypothesis tests are sync)."""
     loop = asyncio.new_event_loop()
+    # Every batch size times every n the document allows; a server's --max-request-generations may
+    # be lower, which test_frontend_hardening checks.
     client, state, fake = loop.run_until_complete(start_frontend(model_dir, tmp_path_factory.mktemp("run"),
-                                                                 MAX_MODEL_LEN))
+                                                                 MAX_MODEL_LEN, max_request_generations=64 * 16))
     yield loop, client, state, fake
     loop.run_until_complete(stop_frontend(client, state))
     loop.close()

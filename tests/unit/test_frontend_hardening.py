@@ -5,13 +5,14 @@ asked for and load only from under --lora-root, and no path can forge an access-
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import pytest
 
 from crane_mp.config import EngineConfig
 from crane_mp.logs import TextFormatter
-from crane_mp.protocol import TokenOutput
+from crane_mp.protocol import FinishReason, TokenLogprobs, TokenOutput
 from crane_mp.testing.make_model import make_model
 from tests.unit.frontend_harness import start_frontend, stop_frontend
 
@@ -225,3 +226,51 @@ async def test_a_stream_nobody_reads_is_dropped_and_its_request_aborted(frontend
     await asyncio.wait_for(aborted(), 60)
     assert state.client.streams == {}
     writer.close()
+
+
+@pytest.mark.parametrize("server_args", [{"grammar_timeout": 1e-9, "max_request_bytes": 4 << 20}])
+async def test_grammars_compile_within_a_deadline_and_a_size(frontend):
+    client, state, fake = frontend
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}}
+    r = await client.post("/v1/completions", json={"prompt": "hi", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+    body = await r.json()
+    assert r.status == 400 and "--grammar-timeout" in body["error"]["message"], body
+    r = await client.post("/generate", json={"text": "hi", "sampling_params": {"regex": "a" * ((1 << 20) + 1)}})
+    body = await r.json()
+    assert r.status == 400 and body["error"]["param"] == "sampling_params.regex", body
+    assert fake.requests == []
+
+
+async def test_streamed_logprobs_grow_chunk_by_chunk_and_equal_what_was_sampled(frontend):
+    """SGLang's framing repeats the lists whole in every chunk; they are extended, not rebuilt, and the
+    last chunk holds every token's entry once, in order."""
+    client, state, fake = frontend
+    fake.answer = False
+    response = asyncio.ensure_future(client.post("/generate", json={
+        "text": "hi", "stream": True, "return_logprob": True, "top_logprobs_num": 1,
+        "sampling_params": {"max_new_tokens": 6}}))
+
+    async def sent() -> None:
+        while not fake.requests or fake.requests[0].rid not in state.client.streams:
+            await asyncio.sleep(0)
+
+    await asyncio.wait_for(sent(), 30)
+    rid = fake.requests[0].rid
+    stream = state.client.streams[rid]
+    steps = [[300, 301], [302], [303, 304, 305]]
+    done = 0
+    for i, ids in enumerate(steps):
+        logprobs = [TokenLogprobs(-0.5 - done - j, [token], [-0.5 - done - j]) for j, token in enumerate(ids)]
+        done += len(ids)
+        finish = FinishReason.LENGTH if i == len(steps) - 1 else None
+        stream.push(TokenOutput(rid, ids, 2, done, finish, logprobs=logprobs))
+        await asyncio.sleep(0)
+    r = await asyncio.wait_for(response, 30)
+    chunks = [json.loads(line[6:]) for line in (await r.text()).splitlines() if line.startswith("data: {")]
+    lengths = [len(c["meta_info"]["output_token_logprobs"]) for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 6
+    last = chunks[-1]["meta_info"]
+    assert [entry[1] for entry in last["output_token_logprobs"]] == list(range(300, 306))
+    assert [entry[0] for entry in last["output_token_logprobs"]] == [-0.5 - k for k in range(6)]
+    assert [top[0][1] for top in last["output_top_logprobs"]] == list(range(300, 306))

@@ -488,3 +488,41 @@ def test_a_bad_frame_on_the_inbox_is_dropped_not_a_crash(tmp_path, caplog):
         assert loop.scheduler.has_work and list(loop.admitted) == [1]
     finally:
         loop.close()
+
+
+def test_a_constrained_request_waits_for_its_matcher_before_it_is_scheduled(tmp_path):
+    import zmq
+
+    from crane_mp.ipc import Addresses, encode, frontend_decoder, make_socket, worker_decoder
+    from crane_mp.protocol import (AbortRequest, FinishReason, GenerateRequest, GrammarReady, PrepareGrammar,
+                                   SamplingParams)
+    from crane_mp.scheduler.process import SchedulerLoop
+
+    addresses = Addresses(str(tmp_path))
+    loop = SchedulerLoop(make_scheduler(), addresses, num_frontends=1)
+    worker = make_socket(loop.ctx, zmq.PULL, addresses.worker_inbox, bind=False)
+    frontend = make_socket(loop.ctx, zmq.PULL, addresses.frontend_inbox(0), bind=False)
+    try:
+        constrained = SamplingParams(grammar="start: \"a\"")
+        for rid in (1, 2, 3):
+            loop.receive(encode(GenerateRequest(rid, [1, 2, 3], constrained)))
+        assert [worker_decoder.decode(worker.recv()) for _ in range(3)] == [
+            PrepareGrammar(rid, constrained.grammar) for rid in (1, 2, 3)]
+        assert not loop.scheduler.has_work and not loop.admitted  # nothing scheduled, no 200 yet
+
+        loop.receive(encode(GrammarReady(1)))
+        loop.receive(encode(GrammarReady(2, "ValueError: the output constraint could not be compiled")))
+        loop.receive(encode(AbortRequest(3)))
+        loop.receive(encode(GrammarReady(3)))  # late: the request is gone
+        assert loop.scheduler.has_work and list(loop.admitted) == [0] and not loop.awaiting_grammar
+        assert [out.rid for out in loop.admitted[0]] == [1]
+        ended = {}
+        for _ in range(2):
+            [out] = frontend_decoder.decode(frontend.recv()).outputs
+            ended[out.rid] = out
+        assert ended[2].finish_reason == FinishReason.ERROR and "could not be compiled" in ended[2].error
+        assert ended[3].finish_reason == FinishReason.ABORT
+    finally:
+        worker.close()
+        frontend.close()
+        loop.close()
