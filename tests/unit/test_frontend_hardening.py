@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 
 import pytest
 
@@ -228,14 +229,20 @@ async def test_a_stream_nobody_reads_is_dropped_and_its_request_aborted(frontend
     writer.close()
 
 
-@pytest.mark.parametrize("server_args", [{"grammar_timeout": 1e-9, "max_request_bytes": 4 << 20}])
+@pytest.mark.parametrize("server_args", [{"grammar_timeout": 0.05, "max_request_bytes": 4 << 20}])
 async def test_grammars_compile_within_a_deadline_and_a_size(frontend):
     client, state, fake = frontend
+    busy = threading.Event()
+    state.grammars._pool.submit(busy.wait)  # the compiler's one thread is taken by a schema that never ends
     schema = {"type": "object", "properties": {"answer": {"type": "string"}}}
-    r = await client.post("/v1/completions", json={"prompt": "hi", "response_format": {
-        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+    try:
+        r = await client.post("/v1/completions", json={"prompt": "hi", "response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+    finally:
+        busy.set()
     body = await r.json()
     assert r.status == 400 and "--grammar-timeout" in body["error"]["message"], body
+    assert body["error"]["param"] == "response_format.json_schema.schema"
     r = await client.post("/generate", json={"text": "hi", "sampling_params": {"regex": "a" * ((1 << 20) + 1)}})
     body = await r.json()
     assert r.status == 400 and body["error"]["param"] == "sampling_params.regex", body

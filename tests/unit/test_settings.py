@@ -80,3 +80,19 @@ def test_server_config_carries_settings_and_flags_outrank_the_files_demo(tmp_pat
 
 def test_frontend_count_follows_the_cores():
     assert [default_num_frontends(n) for n in (1, 2, 8, 16, 64)] == [1, 1, 1, 2, 4]
+
+
+def test_a_server_open_to_the_network_without_a_key_is_warned_about(tmp_path):
+    from crane_mp.config import EngineConfig, ServerConfig
+    from crane_mp.launch import exposure_warnings
+
+    engine = EngineConfig(model_path="m")
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert exposure_warnings(ServerConfig(engine=engine, model_name="m", host=host)) == []
+    [warning] = exposure_warnings(ServerConfig(engine=engine, model_name="m", host="0.0.0.0"))
+    assert "0.0.0.0 without --api-key" in warning
+    assert exposure_warnings(ServerConfig(engine=engine, model_name="m", host="0.0.0.0", api_key="k")) == []
+    lora = EngineConfig(model_path="m", runtime_lora=True, lora_root=str(tmp_path))
+    [warning] = exposure_warnings(ServerConfig(engine=lora, model_name="m"))
+    assert "run-time LoRA loading" in warning and "--admin-api-key" in warning
+    assert exposure_warnings(ServerConfig(engine=lora, model_name="m", admin_api_key="a")) == []
