@@ -26,6 +26,10 @@ from crane_mp.frontend.state import FrontendState
 from crane_mp.protocol import SamplingParams
 
 log = logging.getLogger("crane_mp.frontend")
+# Prompt logprobs are held in the frontend until the response is built (each entry a few Python
+# objects, ~100 bytes): bounded per request. lm-eval-harness's scoring (a 2k-token context, top 1) takes
+# 4k; the bound is a batch of 64 of those, eight times over.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 21
 
 
 async def prompt_ids(state: FrontendState, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
@@ -90,8 +94,16 @@ def _check_size(state: FrontendState, plan: Plan) -> None:
     if generations > limit:
         raise ApiError(400, f"this request would start {generations} generations ({len(plan.prompts)} prompts x "
                             f"n={plan.n}); at most {limit} (--max-request-generations)", "n")
-    if plan.n > 1 and plan.params.prompt_logprobs is not None:
+    top = plan.params.prompt_logprobs
+    if top is None:
+        return
+    if plan.n > 1:
         raise ApiError(400, "prompt logprobs (echo or logprob_start_len) cannot be combined with n > 1", "n")
+    entries = sum(len(prompt) for prompt in plan.prompts) * (1 + top)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise ApiError(400, f"prompt logprobs for these prompts would hold {entries} entries (prompt tokens x "
+                            f"(1 + top logprobs)); at most {MAX_PROMPT_LOGPROB_ENTRIES}: ask for fewer top "
+                            "logprobs or send fewer prompts per request", plan.param)
 
 
 async def _write_sse(request: web.Request, gens: list[Generation], renderer: EventStream,

@@ -281,3 +281,19 @@ async def test_streamed_logprobs_grow_chunk_by_chunk_and_equal_what_was_sampled(
     assert [entry[1] for entry in last["output_token_logprobs"]] == list(range(300, 306))
     assert [entry[0] for entry in last["output_token_logprobs"]] == [-0.5 - k for k in range(6)]
     assert [top[0][1] for top in last["output_top_logprobs"]] == list(range(300, 306))
+
+
+async def test_prompt_logprobs_held_for_one_request_are_bounded(frontend, monkeypatch):
+    from crane_mp.frontend import pipeline
+
+    # The real bound is a batch of 64 lm-eval contexts of 2k tokens, eight times over; this frontend's
+    # context window is 256 tokens, so the test scales it down with the prompts.
+    monkeypatch.setattr(pipeline, "MAX_PROMPT_LOGPROB_ENTRIES", 64 * 200 * 2)
+    client, state, fake = frontend
+    prompts = [[5] * 200] * 64  # 64 x 200 positions x (1 + 20) entries: above the bound
+    r = await client.post("/v1/completions", json={"prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 1})
+    body = await r.json()
+    assert r.status == 400 and body["error"]["param"] == "prompt" and "entries" in body["error"]["message"], body
+    assert fake.requests == []
+    r = await client.post("/v1/completions", json={"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1})
+    assert r.status == 200
