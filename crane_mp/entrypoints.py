@@ -21,10 +21,10 @@ def scheduler_main(*args) -> None:
     run_scheduler(*args)
 
 
-def frontend_main(config, addresses, frontend_id: int, metrics_dir: str, conn) -> None:
+def frontend_main(config, addresses, frontend_id: int, life: int, metrics_dir: str, conn) -> None:
     # Before prometheus_client is imported: every frontend's metrics go to files that a scrape of
     # any one of them sums (frontend/metrics.py).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     from crane_mp.frontend.process import run_frontend
 
-    run_frontend(config, addresses, frontend_id, conn)
+    run_frontend(config, addresses, frontend_id, life, conn)

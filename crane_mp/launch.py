@@ -3,8 +3,10 @@
 Start-up: worker and frontends start together (weights and tokenizers load in parallel; HTTP
 answers 503 meanwhile); the scheduler starts once the worker reports its KV block count; the
 frontends are handed the engine facts and report ready; then one summary line and systemd's READY=1.
-Supervision: any child dying stops the others and exits non-zero; under systemd's watchdog the
-launcher pings WATCHDOG=1 while the pipeline answers (watchdog.py). SIGTERM/SIGINT drain: the
+Supervision: a frontend that dies is started again (the others keep serving; the scheduler aborts
+what its last life left), at most _FRONTEND_RESTARTS times; the worker or scheduler dying stops the
+others and exits non-zero. Under systemd's watchdog the launcher pings WATCHDOG=1 while the pipeline
+answers (watchdog.py). SIGTERM/SIGINT drain: the
 frontends refuse new work and let in-flight requests finish within --shutdown-grace, then the
 scheduler (which stops the worker) and the worker are stopped in that order; exit 0.
 """
@@ -41,6 +43,10 @@ class ChildDied(RuntimeError):
     pass
 
 
+# Restarts of one frontend before its death is taken for a fault that restarting will not cure.
+_FRONTEND_RESTARTS = 5
+
+
 class Launcher:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -51,6 +57,8 @@ class Launcher:
         self.ctx = mp.get_context("spawn")
         self.procs: dict[str, mp.Process] = {}
         self.stop_requested = False
+        self.info: WorkerReady | None = None  # the engine facts every frontend (and a restarted one) gets
+        self.lives: dict[str, int] = {}  # frontend -> how many times it was started again
 
     def _spawn(self, name: str, target, *args) -> Connection:
         parent, child = self.ctx.Pipe()
@@ -85,10 +93,7 @@ class Launcher:
     def start(self) -> WorkerReady:
         cfg = self.config
         worker_conn = self._spawn("worker", worker_main, cfg.engine, self.addresses, cfg.logs)
-        frontend_conns = [
-            self._spawn(_frontend_name(i, cfg.num_frontends), frontend_main, cfg, self.addresses, i, self.metrics_dir)
-            for i in range(cfg.num_frontends)
-        ]
+        frontend_conns = [self._spawn_frontend(i, 0) for i in range(cfg.num_frontends)]
         for conn in frontend_conns:
             self._await(conn, "the frontend was binding its port")
         info = msgspec.msgpack.decode(self._await(worker_conn, "the worker was loading the model"), type=WorkerReady)
@@ -105,17 +110,46 @@ class Launcher:
             conn.send_bytes(msgspec.msgpack.encode(info))
         for conn in frontend_conns:
             self._await(conn, "the frontend was connecting")
+        self.info = info
         return info
+
+    def _spawn_frontend(self, index: int, life: int) -> Connection:
+        name = _frontend_name(index, self.config.num_frontends)
+        self.lives[name] = life
+        return self._spawn(name, frontend_main, self.config, self.addresses, index, life, self.metrics_dir)
+
+    def _restart_frontend(self, name: str) -> bool:
+        """Start a dead frontend again and wait for it to serve; False when it may not be restarted."""
+        life = self.lives[name] + 1
+        if life > _FRONTEND_RESTARTS:
+            return False
+        index = int(name.rpartition("-")[2]) if "-" in name else 0
+        conn = self._spawn_frontend(index, life)
+        self._await(conn, f"the restarted {name} was binding its port")
+        conn.send_bytes(msgspec.msgpack.encode(self.info))
+        self._await(conn, f"the restarted {name} was connecting")
+        log.info("the %s process serves again (restart %d of at most %d)", name, life, _FRONTEND_RESTARTS)
+        return True
 
     def supervise(self, watchdog: Watchdog | None = None) -> int:
         """Block until a child dies (exit 1) or a stop signal arrives (drain, exit 0)."""
         while not self.stop_requested:
             wait([p.sentinel for p in self.procs.values()], timeout=0.2)
-            for name, proc in self.procs.items():
-                if not proc.is_alive():
+            for name, proc in list(self.procs.items()):
+                if proc.is_alive() or self.stop_requested:
+                    continue
+                if name in self.frontends:
+                    log.error("the %s process exited with code %s; starting it again", name, proc.exitcode)
+                    try:
+                        if self._restart_frontend(name):
+                            continue
+                    except ChildDied as err:
+                        log.error("%s", err)
+                    log.error("the %s process cannot be kept running; stopping the server", name)
+                else:
                     log.error("the %s process exited with code %s; stopping the server", name, proc.exitcode)
-                    self.fail()
-                    return 1
+                self.fail()
+                return 1
             if watchdog is not None:
                 watchdog.tick()
         notify("STOPPING=1")

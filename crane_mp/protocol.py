@@ -236,7 +236,15 @@ class GrammarReady(msgspec.Struct, array_like=True, tag=True):
     error: str = ""
 
 
-SchedulerInbox = GenerateRequest | AbortRequest | AbortNamed | ControlRequest | StepResult | LoraLoaded | GrammarReady
+class FrontendRestarted(msgspec.Struct, array_like=True, tag=True):
+    """A frontend process the launcher started again after it died: the requests its last life sent
+    have no client any more and are aborted. Sent before anything else the new life sends."""
+
+    frontend_id: int
+
+
+SchedulerInbox = (GenerateRequest | AbortRequest | AbortNamed | ControlRequest | StepResult | LoraLoaded
+                  | GrammarReady | FrontendRestarted)
 
 
 # ---- scheduler -> frontend ----------------------------------------------------------------------

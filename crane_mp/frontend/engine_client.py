@@ -31,6 +31,7 @@ from crane_mp.protocol import (
     EngineStats,
     ErrorKind,
     FinishReason,
+    FrontendRestarted,
     GenerateRequest,
     LoraAdapter,
     LoraRegistry,
@@ -110,7 +111,8 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, addresses: Addresses, frontend_id: int, request_timeout: float = 0.0) -> None:
+    def __init__(self, addresses: Addresses, frontend_id: int, request_timeout: float = 0.0, life: int = 0) -> None:
+        """`life`: how many times the launcher restarted this frontend (0: first start)."""
         self.frontend_id = frontend_id
         self.request_timeout = request_timeout
         self.ctx = zmq.asyncio.Context()
@@ -121,9 +123,13 @@ class EngineClient:
         self.from_scheduler = make_socket(self.ctx, zmq.PULL, addresses.frontend_inbox(frontend_id), bind=False)
         self.streams: dict[int, RequestStream] = {}
         self.replies: dict[int, asyncio.Future] = {}
-        # Request ids are unique across frontends: the frontend id sits in the high bits.
-        self._rids = itertools.count((frontend_id << 40) + 1)
-        self._tokens = itertools.count(1)
+        # Request ids are unique across frontends and their lives: the frontend id sits in the high
+        # bits, then the life (a restarted frontend's ids never meet those its last life left running).
+        self._rids = itertools.count((frontend_id << 48) + ((life % 256) << 40) + 1)
+        # So are control tokens: a reply the last life never read may still arrive on this inbox.
+        self._tokens = itertools.count(((life % 256) << 40) + 1)
+        if life:
+            self.to_scheduler.send(encode(FrontendRestarted(frontend_id)))
         self.dead: str | None = None
         self.metrics: Metrics | None = None  # set by the frontend; finished requests report to it
         self.on_adapters: Callable[[list[LoraAdapter]], None] | None = None  # the LoRA list changed

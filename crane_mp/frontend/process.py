@@ -26,7 +26,7 @@ from crane_mp.protocol import WorkerReady
 _ACCEPT_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 
 
-async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, conn: Connection) -> None:
+async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, life: int, conn: Connection) -> None:
     loop = asyncio.get_running_loop()
     state = FrontendState(config, TokenizerService(config.engine.model_path, config.engine.model_format))
     # aiohttp's own access log is off: ours (access_log.py) knows tokens, TTFT and the request id.
@@ -48,7 +48,7 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, c
     except EOFError:  # the launcher stopped during start-up (a signal, or the worker failed): it says why
         await runner.cleanup()
         return
-    state.client = EngineClient(addresses, frontend_id, config.request_timeout)
+    state.client = EngineClient(addresses, frontend_id, config.request_timeout, life)
     state.client.metrics = state.metrics
     state.client.on_adapters = state.set_adapters
     state.client.start()
@@ -72,12 +72,12 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, c
     state.tokenizer.close()
 
 
-def run_frontend(config: ServerConfig, addresses: Addresses, frontend_id: int, conn: Connection) -> None:
+def run_frontend(config: ServerConfig, addresses: Addresses, frontend_id: int, life: int, conn: Connection) -> None:
     configure_logging(config.logs)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how Ctrl-C ends the server
     try:
         import uvloop
     except ImportError:
-        asyncio.run(_serve(config, addresses, frontend_id, conn))
+        asyncio.run(_serve(config, addresses, frontend_id, life, conn))
     else:
-        uvloop.run(_serve(config, addresses, frontend_id, conn))
+        uvloop.run(_serve(config, addresses, frontend_id, life, conn))

@@ -26,6 +26,7 @@ from crane_mp.protocol import (
     ControlRequest,
     ErrorKind,
     DropLora,
+    FrontendRestarted,
     GenerateRequest,
     GrammarReady,
     LoadLora,
@@ -44,6 +45,8 @@ from crane_mp.scheduler.stats import EngineCounters
 log = logging.getLogger("crane_mp.scheduler")
 # Preemptions closer together than this are one burst: one warning, not one per step.
 _PREEMPTION_BURST_GAP = 10.0
+# How long a send waits for a frontend's socket before taking the frontend for gone (see _send).
+_CONNECT_WAIT_MS = 200
 
 
 class SchedulerLoop:
@@ -67,6 +70,7 @@ class SchedulerLoop:
         self.admitted: dict[int, list[TokenOutput]] = {}  # frontend id -> acknowledgements to send
         # Constrained requests whose matcher the worker is building (PrepareGrammar): not yet scheduled.
         self.awaiting_grammar: dict[int, GenerateRequest] = {}
+        self.unreachable: set[int] = set()  # frontends whose socket is gone (died; see _send)
         self.adapters = AdapterTable(scheduler.config.lora_modules, scheduler.config.max_loras)
         self.load_tokens: dict[str, int] = {}  # adapter name -> the control token of its load request
 
@@ -118,6 +122,8 @@ class SchedulerLoop:
             log.warning("dropped a %s from frontend %d (there are %d)", type(message).__name__, frontend_id,
                         len(self.to_frontends))
             return
+        if isinstance(message, (GenerateRequest, ControlRequest, FrontendRestarted)):
+            self.unreachable.discard(frontend_id)  # it speaks: its own socket is connected (it connects first)
         self.handle(message)
 
     def handle(self, message) -> None:
@@ -143,6 +149,8 @@ class SchedulerLoop:
             self.lora_loaded(message)
         elif isinstance(message, GrammarReady):
             self.grammar_ready(message)
+        elif isinstance(message, FrontendRestarted):
+            self.forget_frontend(message.frontend_id)
 
     def admit(self, message: GenerateRequest) -> None:
         """Queue a request; a constrained one first waits for the worker to build its grammar's matcher
@@ -153,6 +161,15 @@ class SchedulerLoop:
             return
         self._queue(message)
 
+    def forget_frontend(self, frontend_id: int) -> None:
+        """A frontend died and was started again: nobody waits for what its last life sent."""
+        orphans = [rid for rid, owner in self.frontend_of.items() if owner == frontend_id]
+        orphans += [rid for rid, waiting in self.awaiting_grammar.items() if waiting.frontend_id == frontend_id]
+        if orphans:
+            log.warning("frontend %d restarted: aborting the %d requests its last life left", frontend_id, len(orphans))
+        for rid in orphans:
+            self.abort(rid)
+        self._announce_adapters()  # the new life knows only the adapters it was started with
     def grammar_ready(self, message: GrammarReady) -> None:
         waiting = self.awaiting_grammar.pop(message.rid, None)
         if waiting is None:  # aborted meanwhile
@@ -188,7 +205,7 @@ class SchedulerLoop:
     def _acknowledge(self) -> None:
         """One empty output per admitted request, batched per frontend: streams answer 200 only then."""
         for frontend_id, outputs in self.admitted.items():
-            self.to_frontends[frontend_id].send(encode(TokenBatch(outputs)))
+            self._send(frontend_id, encode(TokenBatch(outputs)))
         self.admitted.clear()
 
     def _refuse(self, message: GenerateRequest, error: str, kind: ErrorKind) -> None:
@@ -198,7 +215,7 @@ class SchedulerLoop:
              kind: ErrorKind = ErrorKind.INTERNAL) -> None:
         """Finish a request that was never scheduled."""
         output = TokenOutput(message.rid, [], len(message.input_ids), 0, reason, error=error, error_kind=kind)
-        self.to_frontends[message.frontend_id].send(encode(TokenBatch([output])))
+        self._send(message.frontend_id, encode(TokenBatch([output])))
 
     def abort(self, rid: int) -> None:
         waiting = self.awaiting_grammar.pop(rid, None)
@@ -224,18 +241,20 @@ class SchedulerLoop:
         self.last_preemption, self.preemptions_seen = now, count
 
     def control(self, message: ControlRequest) -> None:
-        reply_to = self.to_frontends[message.frontend_id]
+        def reply_to(data: bytes) -> None:
+            self._send(message.frontend_id, data)
+
         if message.kind == "stats":
             age = time.monotonic() - self.step_started if self.steps_in_flight else 0.0
-            reply_to.send(encode(self.counters.snapshot(self.scheduler, message.token, age)))
+            reply_to(encode(self.counters.snapshot(self.scheduler, message.token, age)))
         elif message.kind == "flush_cache":
             ok = self.scheduler.flush_cache()
             detail = "" if ok else "requests are queued or running; flush the cache when the server is idle"
-            reply_to.send(encode(ControlReply(message.token, ok, detail)))
+            reply_to(encode(ControlReply(message.token, ok, detail)))
         elif message.kind in ("load_lora", "unload_lora"):
             self.change_adapters(message)
         else:
-            reply_to.send(encode(ControlReply(message.token, False, f"unknown control request {message.kind!r}")))
+            reply_to(encode(ControlReply(message.token, False, f"unknown control request {message.kind!r}")))
 
     def change_adapters(self, message: ControlRequest) -> None:
         """Load (through the worker, answered when it reports back) or unload a LoRA adapter."""
@@ -250,23 +269,42 @@ class SchedulerLoop:
             adapter = self.adapters.remove(message.name, users)
         except AdapterError as err:
             reply = ControlReply(message.token, False, str(err), err.status)
-            self.to_frontends[message.frontend_id].send(encode(reply))
+            self._send(message.frontend_id, encode(reply))
             return
         self.to_worker.send(encode(DropLora(adapter.lora_id)))
         self._announce_adapters()
-        self.to_frontends[message.frontend_id].send(encode(ControlReply(message.token, True)))
+        self._send(message.frontend_id, encode(ControlReply(message.token, True)))
 
     def lora_loaded(self, message: LoraLoaded) -> None:
         self.adapters.finish_load(message.adapter, not message.error)
         if not message.error:
             self._announce_adapters()
         reply = ControlReply(message.token, not message.error, message.error, 400 if message.error else 0)
-        self.to_frontends[message.frontend_id].send(encode(reply))
+        self._send(message.frontend_id, encode(reply))
 
     def _announce_adapters(self) -> None:
         registry = encode(self.adapters.registry())
-        for socket in self.to_frontends:
-            socket.send(registry)
+        for frontend_id in range(len(self.to_frontends)):
+            self._send(frontend_id, registry)
+
+    def _send(self, frontend_id: int, data: bytes) -> None:
+        """To one frontend. A frontend that died has no socket connected until the launcher has started
+        it again, and a send would block every other frontend's streams meanwhile: past a short wait
+        (a live frontend's socket connects within a millisecond of its first message) it is marked
+        unreachable and what it would have read, which belongs to requests nobody waits for, is dropped
+        until it speaks again."""
+        socket = self.to_frontends[frontend_id]
+        try:
+            socket.send(data, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            pass
+        if frontend_id not in self.unreachable and socket.poll(_CONNECT_WAIT_MS, zmq.POLLOUT):
+            socket.send(data, zmq.NOBLOCK)
+            return
+        if frontend_id not in self.unreachable:
+            log.warning("frontend %d is not connected; dropping what is sent to it until it is back", frontend_id)
+            self.unreachable.add(frontend_id)
 
     def emit(self, outputs: list[TokenOutput]) -> None:
         batches: dict[int, list[TokenOutput]] = {}
@@ -283,7 +321,7 @@ class SchedulerLoop:
                     if not rids:
                         del self.named[name]
         for frontend_id, batch in batches.items():
-            self.to_frontends[frontend_id].send(encode(TokenBatch(batch)))
+            self._send(frontend_id, encode(TokenBatch(batch)))
 
     def close(self) -> None:
         try:  # never block: with the worker gone, a PUSH socket would wait for it forever

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -279,3 +280,26 @@ def test_the_unit_file_passes_systemd_analyze_verify(tmp_path):
     assert "crane-mp.service" not in result.stderr, result.stderr
     stop_timeout = next(int(line.split("=")[1]) for line in text.splitlines() if line.startswith("TimeoutStopSec="))
     assert stop_timeout >= 30 + 15  # the default --shutdown-grace plus the children's stop time
+
+
+@pytest.mark.slow
+def test_a_frontend_that_dies_is_started_again_while_the_other_serves(model_dir, tmp_path):
+    srv = Server(model_dir, "--num-frontends", "2", log_path=tmp_path / "log")
+    try:
+        victim = psutil.Process(srv.pids["frontend-1"])
+        victim.kill()
+        victim.wait(30)
+        for _ in range(4):  # served meanwhile: the kernel sends new connections to the live frontend
+            r = requests.post(srv.url + "/v1/completions", json={"prompt": [11, 12], "max_tokens": 3}, timeout=60)
+            assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 120
+        while "the frontend-1 process serves again" not in srv.log_path.read_text():
+            assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log_path.read_text()
+            time.sleep(0.1)
+        for _ in range(8):
+            r = requests.post(srv.url + "/v1/completions", json={"prompt": [11, 12], "max_tokens": 3}, timeout=60)
+            assert r.status_code == 200, r.text
+        assert requests.get(srv.url + "/health", timeout=30).status_code == 200
+    finally:
+        log = stopped_cleanly(srv)
+    assert "frontend-1 process exited with code -9; starting it again" in log

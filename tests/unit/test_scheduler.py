@@ -526,3 +526,26 @@ def test_a_constrained_request_waits_for_its_matcher_before_it_is_scheduled(tmp_
         worker.close()
         frontend.close()
         loop.close()
+
+
+def test_a_restarted_frontends_old_requests_are_aborted_and_no_one_elses(tmp_path):
+    from crane_mp.ipc import Addresses, encode
+    from crane_mp.protocol import FrontendRestarted, GenerateRequest, SamplingParams
+    from crane_mp.scheduler.process import SchedulerLoop
+
+    import zmq
+
+    from crane_mp.ipc import make_socket
+
+    addresses = Addresses(str(tmp_path))
+    loop = SchedulerLoop(make_scheduler(), addresses, num_frontends=2)
+    worker = make_socket(loop.ctx, zmq.PULL, addresses.worker_inbox, bind=False)  # takes PrepareGrammar
+    try:
+        for rid, frontend_id in ((1, 0), (2, 1), (3, 1)):
+            loop.receive(encode(GenerateRequest(rid, [1, 2, 3], SamplingParams(), frontend_id=frontend_id)))
+        loop.receive(encode(GenerateRequest(4, [1, 2, 3], SamplingParams(grammar='start: "a"'), frontend_id=1)))
+        loop.receive(encode(FrontendRestarted(1)))
+        assert set(loop.scheduler.requests) == {1} and not loop.awaiting_grammar
+    finally:
+        worker.close()
+        loop.close()
