@@ -54,7 +54,8 @@ async def _change(state: FrontendState, kind: str, name: str, path: str = "") ->
 
 
 @api.add("post", "/v1/load_lora_adapter", body=LoadLoraRequest, requires=FrontendState.require_ready,
-         errors=GENERATION_ERRORS, admin=True, mounted=_runtime_lora, summary="Load a LoRA adapter (--enable-runtime-lora)")
+         errors=GENERATION_ERRORS, admin=True, mounted=_runtime_lora,
+         summary="Load a LoRA adapter (--enable-runtime-lora)")
 async def load_lora_adapter(request: web.Request, body: LoadLoraRequest) -> web.Response:
     state = request.app[STATE]
     if body.lora_name in (state.model_name, state.config.engine.model_path):
@@ -64,7 +65,8 @@ async def load_lora_adapter(request: web.Request, body: LoadLoraRequest) -> web.
 
 
 @api.add("post", "/v1/unload_lora_adapter", body=UnloadLoraRequest, requires=FrontendState.require_ready,
-         errors=GENERATION_ERRORS, admin=True, mounted=_runtime_lora, summary="Unload a LoRA adapter (--enable-runtime-lora)")
+         errors=GENERATION_ERRORS, admin=True, mounted=_runtime_lora,
+         summary="Unload a LoRA adapter (--enable-runtime-lora)")
 async def unload_lora_adapter(request: web.Request, body: UnloadLoraRequest) -> web.Response:
     await _change(request.app[STATE], "unload_lora", body.lora_name)
     return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -85,7 +85,9 @@ def json_request_error(request: web.Request) -> str | None:
     cross-origin POST, which can only be preflight-free without a JSON type, never reaches a handler."""
     declared = request.headers.get(hdrs.CONTENT_TYPE)
     if declared is None:
-        return "a browser's request must declare Content-Type: application/json" if hdrs.ORIGIN in request.headers else None
+        if hdrs.ORIGIN in request.headers:
+            return "a browser's request must declare Content-Type: application/json"
+        return None
     media_type = declared.split(";", 1)[0].strip().lower()
     if media_type != "application/json":
         return f"unsupported media type {media_type or declared!r}: only application/json bodies are accepted"

@@ -170,6 +170,7 @@ class SchedulerLoop:
         for rid in orphans:
             self.abort(rid)
         self._announce_adapters()  # the new life knows only the adapters it was started with
+
     def grammar_ready(self, message: GrammarReady) -> None:
         waiting = self.awaiting_grammar.pop(message.rid, None)
         if waiting is None:  # aborted meanwhile

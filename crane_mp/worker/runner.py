@@ -189,7 +189,8 @@ class ModelRunner:
     def _fail(self, req_id: int, err: Exception) -> None:
         log.error("request %d failed in the worker; failing it alone", req_id, exc_info=err)
         # The client learns that it failed; what the exception said (paths, values) stays in this log.
-        self.failed[req_id] = f"internal error in the model worker ({type(err).__name__}); the server log has the details"
+        self.failed[req_id] = (f"internal error in the model worker ({type(err).__name__}); the server log has "
+                               "the details")
         self._newly_failed.append(req_id)
 
     def _forward_and_sample(

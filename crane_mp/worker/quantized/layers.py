@@ -57,4 +57,5 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight.index_select(0, input_ids.reshape(-1))
-        return self.kernels.dequantize_rows(rows, self.qtype, self.dim).to(self.dtype).reshape(*input_ids.shape, self.dim)
+        table = self.kernels.dequantize_rows(rows, self.qtype, self.dim)
+        return table.to(self.dtype).reshape(*input_ids.shape, self.dim)
