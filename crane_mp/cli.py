@@ -161,11 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-generations", type=_positive_int, default=256,
                    help="most generations one request may start (its prompts times n); more get 400")
     p.add_argument("--read-timeout", type=_positive_seconds, default=30.0,
-                   help="seconds a request body may take to arrive (408 past it); an idle keep-alive connection "
-                        "is closed after as long")
+                   help="seconds a request's headers, and then its body, may take to arrive (408 past it); an "
+                        "idle keep-alive connection is closed after as long")
     p.add_argument("--write-timeout", type=_positive_seconds, default=60.0,
                    help="seconds a streaming client may leave its events unread before it is dropped and its "
                         "request aborted")
+    p.add_argument("--max-connections", type=_positive_int, default=1024,
+                   help="open client connections each frontend holds; past it a new connection is answered 503")
     p.add_argument("--grammar-timeout", type=_positive_seconds, default=10.0,
                    help="seconds an output constraint (JSON schema, regex, grammar) may take to compile; "
                         "400 past it")
@@ -295,6 +297,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         max_request_generations=args.max_request_generations,
         read_timeout=args.read_timeout,
         write_timeout=args.write_timeout,
+        max_connections=args.max_connections,
         grammar_timeout=args.grammar_timeout,
         request_timeout=args.request_timeout,
         api_key=args.api_key or None,

@@ -135,8 +135,9 @@ class ServerConfig:
     num_frontends: int = 1
     max_queue: int = 1024  # requests waiting for a running slot; more get 429
     max_request_generations: int = 256  # prompts x n of one request
-    read_timeout: float = 30.0  # seconds a request body may take to arrive; also the keep-alive idle time
+    read_timeout: float = 30.0  # seconds a request's headers, then its body, may take; also keep-alive idle
     write_timeout: float = 60.0  # seconds a streaming client may leave its events unread
+    max_connections: int = 1024  # open client connections per frontend; more are answered 503
     grammar_timeout: float = 10.0  # seconds an output constraint may take to compile in the frontend
     request_timeout: float = 0.0  # seconds from submission to the engine to finish; 0 = no limit
     api_key: str | None = None

@@ -33,7 +33,7 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
         req_id = next(self._ids)
         if sampling.grammar is not None:  # its matcher built now, not inside a step (as the server does)
-            self.worker.runner.grammars.prepare(sampling.grammar)
+            self.worker.runner.grammars.prepare(req_id, sampling.grammar)
         self.scheduler.add_request(Request(req_id, list(prompt_ids), sampling, arrival_time=time.time()))
         return req_id
 

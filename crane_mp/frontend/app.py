@@ -1,5 +1,5 @@
-"""create_app: the aiohttp application with every route and the access-log, error, API-key and
-body-size middlewares (outermost first)."""
+"""create_app: the aiohttp application with every route and the connection, access-log, error, API-key
+and body-size middlewares (outermost first)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ _APP_BODY_LIMIT = 1 << 20
 
 _OPEN_PATHS = open_paths(ROUTES)
 _ADMIN_PATHS = admin_paths(ROUTES)
+
+
+@web.middleware
+async def connection_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """A request's headers arrived: its connection no longer races the header deadline."""
+    request.app[STATE].connections.request_started(request.protocol)
+    return await handler(request)
 
 
 @web.middleware
@@ -54,7 +61,7 @@ async def body_limit_middleware(request: web.Request, handler) -> web.StreamResp
 
 def create_app(state: FrontendState) -> web.Application:
     access = make_access_middleware(state)
-    middlewares = [access, error_middleware, api_key_middleware, body_limit_middleware]
+    middlewares = [connection_middleware, access, error_middleware, api_key_middleware, body_limit_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=_APP_BODY_LIMIT)
     app[STATE] = state
     app.on_response_prepare.append(add_request_id_header)

@@ -5,23 +5,16 @@ thousands of connections would leave the frontend's RSS a tenth higher for good)
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import gc
+
+from crane_mp.heap import malloc_trim
 
 _IDLE_SECONDS = 1.0
 
 
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
 class HeapTrimmer:
     def __init__(self) -> None:
-        self.trim = _malloc_trim()
+        self.trim = malloc_trim()
         self.pending: asyncio.TimerHandle | None = None
 
     def on_idle(self, is_idle) -> None:

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from crane_mp.config import ServerConfig
 from crane_mp.frontend.app import create_app
+from crane_mp.frontend.connections import raise_fd_limit
 from crane_mp.frontend.engine_client import EngineClient
 from crane_mp.frontend.state import FrontendState
 from crane_mp.frontend.tokenizer import TokenizerService
@@ -34,6 +35,8 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, l
     runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None,
                            keepalive_timeout=config.read_timeout)
     await runner.setup()
+    state.connections.attach(runner.server)
+    raise_fd_limit(config.max_connections)
     # Several frontends share the port; the kernel spreads connections over them. A deep accept queue:
     # with aiohttp's 128, a burst of connections overflows it and clients wait out SYN retries (1 s,
     # 3 s) before even a 429 can reach them.
@@ -53,6 +56,9 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, l
     state.client.on_adapters = state.set_adapters
     state.client.start()
     state.engine_info = info
+    vocabulary = None
+    if config.engine.task == "generate":
+        vocabulary = asyncio.create_task(state.grammars.load_vocabulary(info.vocab_size, info.eos_token_ids))
     conn.send_bytes(b"ready")
 
     stop = asyncio.Event()
@@ -68,6 +74,8 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, l
     state.client.fail_all("the server is shutting down")
     await asyncio.sleep(0.05)  # let handlers write their last bytes
     await runner.cleanup()
+    if vocabulary is not None:
+        vocabulary.cancel()
     await state.client.close()
     state.tokenizer.close()
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from crane_mp.config import ServerConfig
+from crane_mp.frontend.connections import ConnectionGuard
 from crane_mp.frontend.engine_client import EngineClient
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.gate import LoadGate
@@ -30,10 +31,12 @@ class FrontendState:
     grammars: GrammarCompiler = field(init=False)
     adapters: dict[str, LoraAdapter] = field(init=False)  # LoRA adapters loaded now, by name
     gate: LoadGate = field(init=False)
+    connections: ConnectionGuard = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.config.model_name)
         self.gate = LoadGate(self.config.engine.max_num_seqs + self.config.max_queue)
+        self.connections = ConnectionGuard(self.config.max_connections, self.config.read_timeout)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.grammar_timeout)
         modules = self.config.engine.lora_modules
         self.adapters = {name: LoraAdapter(i + 1, name, path) for i, (name, path) in enumerate(modules)}

@@ -3,7 +3,8 @@ EBNF/GBNF or Lark grammar) -> a grammar in llguidance's form, validated against 
 
 Validation runs on a thread of its own (a large schema takes a fraction of a second, a pathological
 one longer; llguidance releases the GIL, so the event loop goes on) within --grammar-timeout, and its
-result is cached by constraint, so a schema sent with every request is checked once. A constraint's
+result is cached by constraint, so a schema sent with every request is checked once. The thread runs
+at the lowest CPU priority (priority.py). A constraint's
 text is at most _MAX_SOURCE_CHARS. The worker builds the same matcher from the text, beside its step
 loop, before the request is scheduled (worker/background.py); an invalid constraint is a 400 here
 that says what is wrong, never a failure there.
@@ -22,12 +23,16 @@ import msgspec
 
 from crane_mp.frontend.errors import ApiError
 from crane_mp.model_tokenizer import grammar_tokenizer
+from crane_mp.priority import lower_this_thread
 from crane_mp.protocol import SamplingParams, WorkerReady
 
 # JSON as models write it: one space after ':' and ',' and nowhere else. Free whitespace lets a small
 # model pad forever (a well-known failure of grammar-constrained JSON); clients can ask for it.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Validated grammars kept, by count and by characters (constraint plus grammar text): the schemas a
+# service repeats are a few KB, and a stream of large one-off schemas must not grow the process.
 _CACHED = 512
+_CACHED_CHARS = 1 << 20
 # A constraint's text: far above any schema a client writes by hand (a 200 KB one validates in ~0.2 s).
 _MAX_SOURCE_CHARS = 1 << 20
 
@@ -92,11 +97,13 @@ class GrammarCompiler:
     def __init__(self, tokenizer_service, timeout: float) -> None:
         self.service = tokenizer_service
         self.timeout = timeout
-        # One thread: a flood of new schemas queues here (and times out), never in the tokenizer's pool.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        # One thread: a flood of new schemas queues here (and times out), never in the tokenizer's pool;
+        # at the lowest priority, so that it takes no core from the worker's step (priority.py).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar", initializer=lower_this_thread)
         self._tokenizer = None
         self._tokenizer_lock = asyncio.Lock()
         self._cache: OrderedDict[Constraint, str] = OrderedDict()
+        self._cached_chars = 0
 
     async def constrain(self, params: SamplingParams, constraint: Constraint | None,
                         engine: WorkerReady) -> SamplingParams:
@@ -114,22 +121,35 @@ class GrammarCompiler:
         if len(constraint.source) > _MAX_SOURCE_CHARS:
             raise ApiError(400, f"{constraint.param} is {len(constraint.source)} characters long; at most "
                                 f"{_MAX_SOURCE_CHARS}", constraint.param)
+        await self.load_vocabulary(vocab_size, eos_token_ids)
         loop = asyncio.get_running_loop()
-        async with self._tokenizer_lock:
-            if self._tokenizer is None:
-                self._tokenizer = await loop.run_in_executor(
-                    self.service.pool, grammar_tokenizer, self.service.tokenizer, vocab_size, eos_token_ids
-                )
         try:
             grammar = await asyncio.wait_for(loop.run_in_executor(self._pool, self._validated, constraint),
                                              self.timeout)
         except TimeoutError:
             raise ApiError(400, f"{constraint.param} did not compile within {self.timeout:g} s (--grammar-timeout)",
                            constraint.param) from None
-        self._cache[constraint] = grammar
-        if len(self._cache) > _CACHED:
-            self._cache.popitem(last=False)
+        self._remember(constraint, grammar)
         return grammar
+
+    async def load_vocabulary(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+        """Build llguidance's view of the vocabulary (a second for 150k tokens); the frontend starts it
+        as soon as the engine is ready, so that the first constrained request does not wait for it."""
+        async with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = await asyncio.get_running_loop().run_in_executor(
+                    self.service.pool, grammar_tokenizer, self.service.tokenizer, vocab_size, eos_token_ids
+                )
+
+    def _remember(self, constraint: Constraint, grammar: str) -> None:
+        size = len(constraint.source) + len(grammar)
+        if size > _CACHED_CHARS or constraint in self._cache:
+            return
+        self._cache[constraint] = grammar
+        self._cached_chars += size
+        while len(self._cache) > _CACHED or self._cached_chars > _CACHED_CHARS:
+            evicted, text = self._cache.popitem(last=False)
+            self._cached_chars -= len(evicted.source) + len(text)
 
     def _validated(self, constraint: Constraint) -> str:
         from llguidance import LLMatcher

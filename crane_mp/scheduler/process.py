@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
+from crane_mp.heap import malloc_trim
 from crane_mp.ipc import Addresses, encode, make_socket, scheduler_decoder
 from crane_mp.logs import LogSettings, configure_logging
 from crane_mp.protocol import (
@@ -78,6 +79,8 @@ class SchedulerLoop:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         stalled = False
+        trim = malloc_trim()
+        served_since_trim = False  # a quiet second after serving: give the heap's free pages back
         while True:
             # Plan ahead only once a stream has produced tokens: the steps before that are long
             # prefills, and a plan made at once would miss the rest of a burst still arriving.
@@ -95,6 +98,10 @@ class SchedulerLoop:
                         break
                     self.receive(frame)
                 self._acknowledge()
+                served_since_trim = True
+            elif served_since_trim and trim is not None and not self.scheduler.has_work and not self.steps_in_flight:
+                trim(0)
+                served_since_trim = False
             if self.steps_in_flight < limit and not stalled:
                 plan = self.scheduler.schedule()
                 self._warn_on_preemption()
@@ -173,28 +180,29 @@ class SchedulerLoop:
 
     def grammar_ready(self, message: GrammarReady) -> None:
         waiting = self.awaiting_grammar.pop(message.rid, None)
-        if waiting is None:  # aborted meanwhile
+        if message.error:  # nothing was prepared
+            if waiting is not None:
+                self._end(waiting, FinishReason.ERROR, message.error, ErrorKind.INVALID)
             return
-        if message.error:
-            self._end(waiting, FinishReason.ERROR, message.error, ErrorKind.INVALID)
-            return
-        self._queue(waiting)
+        if waiting is None or not self._queue(waiting):  # aborted meanwhile, or refused
+            self.scheduler.forget_on_worker(message.rid)
 
-    def _queue(self, message: GenerateRequest) -> None:
+    def _queue(self, message: GenerateRequest) -> bool:
+        """Hand a request to the scheduler; False when it was refused (and answered)."""
         lora_id = message.sampling.lora_id
         if lora_id and lora_id not in self.adapters.ids:  # unloaded while the request was on its way
             self._refuse(message, "the LoRA adapter this request names is no longer loaded", ErrorKind.INVALID)
-            return
+            return False
         try:
             req = Request(message.rid, message.input_ids, message.sampling, arrival_time=message.arrival_time)
             self.scheduler.add_request(req)
         except RequestRejected as err:
             self._refuse(message, str(err), err.kind)
-            return
+            return False
         except Exception:
             log.exception("admitting request %d failed", message.rid)
             self._refuse(message, "internal error while admitting the request", ErrorKind.INTERNAL)
-            return
+            return False
         self.frontend_of[message.rid] = message.frontend_id
         self.admitted.setdefault(message.frontend_id, []).append(TokenOutput(message.rid, [], len(message.input_ids), 0))
         self.counters.on_request(len(message.input_ids))
@@ -202,6 +210,7 @@ class SchedulerLoop:
             self.names_of[message.rid] = message.names
             for name in message.names:
                 self.named.setdefault(name, set()).add(message.rid)
+        return True
 
     def _acknowledge(self) -> None:
         """One empty output per admitted request, batched per frontend: streams answer 200 only then."""

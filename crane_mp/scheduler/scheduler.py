@@ -164,6 +164,11 @@ class Scheduler:
         out.error, out.error_kind = message, ErrorKind.INTERNAL
         return out
 
+    def forget_on_worker(self, req_id: int) -> None:
+        """A request the worker prepared a grammar for ended before it was queued here: the next plan
+        tells the worker to drop what it holds for it."""
+        self._finished_for_worker.append(req_id)
+
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while any request is queued or running."""
         if self.requests:
@@ -413,7 +418,7 @@ class Scheduler:
             self._release_blocks(req)
         self._num_registered.pop(req.req_id, None)
         del self.requests[req.req_id]
-        if req.known_to_worker:
+        if req.known_to_worker or req.sampling.grammar is not None:  # the worker holds its prepared matcher
             self._finished_for_worker.append(req.req_id)
         idle = not self.running and not self.waiting
         self.max_running = self.config.max_num_seqs if idle else min(self.config.max_num_seqs, self.max_running + 1)

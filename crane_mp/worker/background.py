@@ -1,11 +1,12 @@
 """Work the worker does beside its step loop: run-time LoRA loads and grammar matchers. Reading an
 adapter takes from milliseconds to minutes, building a large schema's matcher up to a second; on the
-loop, every stream would stall behind them. Each kind has one daemon thread taking jobs in order and
-answering the scheduler on the thread's own socket (a ZeroMQ socket belongs to one thread).
+loop, every stream would stall behind them. Each kind has one daemon thread, at the lowest CPU priority
+(priority.py), taking jobs in order and answering the scheduler on the thread's own socket (a ZeroMQ
+socket belongs to one thread).
 
 What a job makes is in place before the scheduler hears of it, so no step can use it half-made: an
 adapter is installed (projections look adapters up by id, so installing one beside a running step is
-safe) and a matcher is in the grammar cache, before the answer goes out."""
+safe) and a request's matcher is prepared, before the answer goes out."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import msgspec
 import zmq
 
 from crane_mp.ipc import encode, make_socket
+from crane_mp.priority import lower_this_thread
 from crane_mp.protocol import GrammarReady, LoadLora, LoraLoaded, PrepareGrammar
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.lora import load_adapter
@@ -28,20 +30,24 @@ log = logging.getLogger("crane_mp.worker")
 
 
 class BackgroundJobs:
-    """One daemon thread running jobs in order; each job returns the message sent to the scheduler."""
+    """One daemon thread running jobs in order; each job returns the message sent to the scheduler, or
+    None for none."""
 
     def __init__(self, name: str, ctx: zmq.Context, scheduler_inbox: str) -> None:
         self._ctx, self._address = ctx, scheduler_inbox
-        self._jobs: queue.SimpleQueue[Callable[[], msgspec.Struct]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], msgspec.Struct | None]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def submit(self, job: Callable[[], msgspec.Struct]) -> None:
+    def submit(self, job: Callable[[], msgspec.Struct | None]) -> None:
         self._jobs.put(job)
 
     def _run(self) -> None:
+        lower_this_thread()
         results = make_socket(self._ctx, zmq.PUSH, self._address, bind=False)
         while True:
-            results.send(encode(self._jobs.get()()))
+            answer = self._jobs.get()()
+            if answer is not None:
+                results.send(encode(answer))
 
 
 def load_lora(model: CausalLM, message: LoadLora, max_rank: int, dtype, platform: Platform) -> LoraLoaded:
@@ -59,7 +65,7 @@ def load_lora(model: CausalLM, message: LoadLora, max_rank: int, dtype, platform
 def prepare_grammar(grammars: GrammarEngine, message: PrepareGrammar) -> GrammarReady:
     """Build one grammar's matcher; the frontend validated it, so a failure here is reported, not raised."""
     try:
-        grammars.prepare(message.grammar)
+        grammars.prepare(message.rid, message.grammar)
     except Exception as err:  # noqa: BLE001 - ends the one request, never the worker
         log.warning("request %d: its grammar's matcher could not be built: %s", message.rid, err)
         return GrammarReady(message.rid, f"{type(err).__name__}: the output constraint could not be compiled")

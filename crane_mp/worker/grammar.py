@@ -8,7 +8,6 @@ against the same tokenizer, so building one here does not fail for a user's mist
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 
@@ -20,18 +19,21 @@ from crane_mp.model_tokenizer import grammar_tokenizer, source_tokenizer
 from crane_mp.worker.host_buffers import device_longs
 from crane_mp.worker.platforms import Platform
 
-log = logging.getLogger("crane_mp.worker")
-
-# Pristine matchers kept per grammar text; a request gets a copy (construction is the costly part).
+# Pristine matchers kept per grammar text for the requests that repeat it (construction is the costly
+# part; a request gets a copy). A grammar is kept from its second build on (a stream of one-off schemas
+# keeps nothing), within a bound on the grammars' text: a matcher takes some 70 times its text in memory
+# (14 MB for a 200 KB schema), so 256 KiB of text keeps the few large schemas a service repeats (an
+# agent's tool list), or a hundred small ones.
 _CACHED_GRAMMARS = 256
+_CACHED_GRAMMAR_BYTES = 256 << 10
+_REMEMBERED_GRAMMARS = 4096  # hashes of grammars built once, to notice the second build
 # A forbidden token's logit: finite, so the penalty adds (0 * inf would be NaN), yet so low that its
 # probability is exactly 0 and it stays far below every allowed token after temperature and penalties.
 _FORBIDDEN = 1e30
 
 
 class GrammarEngine:
-    """Matchers for constrained requests. The tokenizer view is built on the first one (a second or so
-    for a 150k vocabulary, once per server), so servers that never constrain never pay for it."""
+    """Matchers for constrained requests, over llguidance's view of the vocabulary (load_vocabulary)."""
 
     def __init__(self, source: ModelSource, vocab_size: int, eos_token_ids: list[int], platform: Platform) -> None:
         self.source = source  # as the worker resolved it for the weights: the tokenizer comes from the same place
@@ -42,19 +44,37 @@ class GrammarEngine:
         self._tokenizer = None
         self._executor = None
         self._pristine: OrderedDict[str, object] = OrderedDict()
-        self._lock = threading.Lock()  # the cache is filled by the preparing thread, read by the step loop
+        self._cached_bytes = 0
+        self._built_once: OrderedDict[int, None] = OrderedDict()
+        # A prepared request's pristine matcher, held from PrepareGrammar until the request's own matcher
+        # is made (or it ends unscheduled), whatever the cache has dropped since.
+        self._prepared: dict[int, object] = {}
+        self._lock = threading.Lock()  # the preparing thread fills both; the step loop reads them
+        self._vocabulary_lock = threading.Lock()
         self._bits = torch.arange(32, dtype=torch.int32, device=device)
 
-    def prepare(self, grammar: str) -> None:
-        """Build the grammar's pristine matcher into the cache (ValueError for an invalid one). Called
-        off the step loop (PrepareGrammar): construction is what costs, up to a second for a large
-        schema, and llguidance releases the GIL meanwhile."""
-        self._pristine_matcher(grammar)
+    def prepare(self, rid: int, grammar: str) -> None:
+        """Build request `rid`'s pristine matcher, and its first mask, off the step loop (ValueError for an
+        invalid grammar). Both are what costs, up to a second and 60 ms for a 200 KB schema; llguidance
+        releases the GIL meanwhile, and a copy inherits the warmed lexer."""
+        pristine = self._pristine_matcher(grammar)
+        pristine.compute_bitmask()
+        with self._lock:
+            self._prepared[rid] = pristine
 
-    def new_matcher(self, grammar: str):
-        """A request's own matcher: a copy of the prepared one (built here only if it was evicted
-        from the cache since, or on the in-process engine's path)."""
-        return self._pristine_matcher(grammar).deep_copy()
+    def new_matcher(self, rid: int | None, grammar: str):
+        """Request `rid`'s own matcher: a copy of its prepared one (built here only on a path that did
+        not prepare it: rid None, or a test's)."""
+        with self._lock:
+            pristine = self._prepared.pop(rid, None) if rid is not None else None
+        if pristine is None:
+            pristine = self._pristine_matcher(grammar)
+        return pristine.deep_copy()
+
+    def forget(self, rid: int) -> None:
+        """The request ended before its matcher was made: its prepared one is not needed."""
+        with self._lock:
+            self._prepared.pop(rid, None)
 
     def _pristine_matcher(self, grammar: str):
         import llguidance
@@ -64,19 +84,44 @@ class GrammarEngine:
             if pristine is not None:
                 self._pristine.move_to_end(grammar)
                 return pristine
-            if self._tokenizer is None:
-                log.info("loading the tokenizer for structured output (once)")
-                hf_tokenizer = source_tokenizer(self.source)
-                self._tokenizer = grammar_tokenizer(hf_tokenizer, self.vocab_size, self.eos_token_ids)
-                self._executor = llguidance.LLExecutor()
+        self.load_vocabulary()
         pristine = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if pristine.is_error():
             raise ValueError(f"invalid grammar: {pristine.get_error()}")
         with self._lock:
-            self._pristine[grammar] = pristine
-            if len(self._pristine) > _CACHED_GRAMMARS:
-                self._pristine.popitem(last=False)
+            if self._built_before(grammar) and len(grammar) <= _CACHED_GRAMMAR_BYTES:
+                self._cache(grammar, pristine)
         return pristine
+
+    def load_vocabulary(self) -> None:
+        """Build llguidance's view of the vocabulary, once (a second for 150k tokens): the worker starts
+        it beside the step loop as soon as it is ready, so that the first constrained request does not
+        wait for it."""
+        import llguidance
+
+        with self._vocabulary_lock:
+            if self._tokenizer is None:
+                hf_tokenizer = source_tokenizer(self.source)
+                self._tokenizer = grammar_tokenizer(hf_tokenizer, self.vocab_size, self.eos_token_ids)
+                self._executor = llguidance.LLExecutor()
+
+    def _built_before(self, grammar: str) -> bool:
+        key = hash(grammar)
+        if key in self._built_once:
+            return True
+        self._built_once[key] = None
+        if len(self._built_once) > _REMEMBERED_GRAMMARS:
+            self._built_once.popitem(last=False)
+        return False
+
+    def _cache(self, grammar: str, pristine) -> None:
+        if grammar in self._pristine:  # built twice at once (the step loop and the preparing thread)
+            return
+        self._pristine[grammar] = pristine
+        self._cached_bytes += len(grammar)
+        while self._cached_bytes > _CACHED_GRAMMAR_BYTES or len(self._pristine) > _CACHED_GRAMMARS:
+            evicted, _ = self._pristine.popitem(last=False)
+            self._cached_bytes -= len(evicted)
 
     def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
         """Push every token the grammar forbids in `rows` of `logits` [N, vocab] far below any allowed

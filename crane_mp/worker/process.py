@@ -20,6 +20,7 @@ import zmq
 from tqdm import tqdm
 
 from crane_mp.config import EngineConfig
+from crane_mp.heap import malloc_trim
 from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.logs import LogSettings, configure_logging
 from crane_mp.protocol import DropLora, LoadLora, PrepareGrammar, ShutdownWorker, StepPlan, WorkerReady
@@ -30,6 +31,9 @@ from crane_mp.worker.memory import MemoryBudgetError
 from crane_mp.worker.model_config import UnsupportedModelError
 
 log = logging.getLogger("crane_mp.worker")
+
+# Quiet this long after its last request ends, the worker returns freed heap pages (heap.py).
+_IDLE_TRIM_MS = 1000
 
 
 def worker_ready(loaded: LoadedWorker) -> WorkerReady:
@@ -101,11 +105,20 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
     runner = loaded.runner
     adapters = BackgroundJobs("lora-loader", ctx, addresses.scheduler_inbox)
     grammars = BackgroundJobs("grammar-builder", ctx, addresses.scheduler_inbox)
+    if runner.grammars is not None and config.task == "generate":
+        grammars.submit(runner.grammars.load_vocabulary)
+    trim = malloc_trim()
+    trim_when_quiet = False  # the last request ended: give its memory back if nothing follows soon
     try:
         while True:
+            if trim_when_quiet and not plans.poll(_IDLE_TRIM_MS):
+                trim(0)
+                trim_when_quiet = False
+                continue
             message = worker_decoder.decode(plans.recv())
             if isinstance(message, StepPlan):
                 results.send(encode(runner.execute(message)))
+                trim_when_quiet = trim is not None and not runner.requests
             elif isinstance(message, LoadLora):
                 adapters.submit(partial(load_lora, runner.model, message, config.max_lora_rank, loaded.dtype,
                                         loaded.platform))

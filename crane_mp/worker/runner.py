@@ -114,6 +114,8 @@ class ModelRunner:
             mirror = self.requests.pop(req_id, None)
             if mirror is not None:
                 self.sampler.release(mirror.sampling)
+            elif self.grammars is not None:  # ended while waiting for its first step
+                self.grammars.forget(req_id)
             self.failed.pop(req_id, None)
         for req_id in plan.preempted_req_ids:
             if req_id in self.requests:
@@ -121,7 +123,7 @@ class ModelRunner:
         eos = self.config.eos_token_ids
         for new in plan.new_requests:
             try:
-                state = self.sampler.new_state(new.sampling, new.prompt_ids, eos)
+                state = self.sampler.new_state(new.sampling, new.prompt_ids, eos, new.req_id)
             except Exception as err:
                 self._fail(new.req_id, err)
                 continue

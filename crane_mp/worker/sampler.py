@@ -49,12 +49,15 @@ class Sampler:
         self._shared_generator = torch.Generator(device=device)
         self._shared_generator.manual_seed(torch.initial_seed() % (2**63))
 
-    def new_state(self, params: SamplingParams, prompt_ids: list[int], eos_ids: tuple[int, ...]) -> SamplingState:
+    def new_state(self, params: SamplingParams, prompt_ids: list[int], eos_ids: tuple[int, ...],
+                  req_id: int | None = None) -> SamplingState:
+        """A request's sampling state; `req_id` names the request whose matcher was prepared
+        (GrammarEngine.prepare), None where none was."""
         state = SamplingState(params)
         if params.grammar is not None:
             if self.grammars is None:
                 raise ValueError("this engine was built without structured output")
-            state.matcher = self.grammars.new_matcher(params.grammar)
+            state.matcher = self.grammars.new_matcher(req_id, params.grammar)
         if params.logit_bias:
             biases = [(t, v) for t, v in params.logit_bias.items() if 0 <= t < self.vocab_size]
             state.bias_ids = [t for t, _ in biases]

@@ -111,6 +111,7 @@ async def start_frontend(model_dir: Path, run_dir: Path, max_model_len: int = 25
     # As the frontend process runs it: a client that goes away cancels its handler.
     client = TestClient(TestServer(create_app(state), handler_cancellation=True))
     await client.start_server()
+    state.connections.attach(client.server.runner.server)
     return client, state, fake
 
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import resource
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -184,6 +187,47 @@ async def test_trickling_uploads_hold_no_place_in_the_gate_and_time_out(model_di
     assert len(fake.requests) == 1
 
 
+async def _connections_open(state, count: int) -> None:
+    while len(state.connections.open) < count:  # the server accepts in its own turn of the loop
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("server_args", [{"max_connections": 2}])
+async def test_connections_past_the_cap_get_503_and_the_others_are_served(frontend):
+    client, state, fake = frontend
+    held = [await asyncio.open_connection(client.server.host, client.server.port) for _ in range(2)]
+    await asyncio.wait_for(_connections_open(state, 2), 30)
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    assert (await asyncio.wait_for(reader.readline(), 30)).startswith(b"HTTP/1.1 503")
+    assert b'"code": 503' in await asyncio.wait_for(reader.read(), 30)  # then the server closes it
+    writer.close()
+    assert state.connections.refused == 1 and len(state.connections.open) == 2
+
+    for _, held_writer in held:
+        held_writer.close()
+    while state.connections.open:
+        await asyncio.sleep(0)
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status == 200
+
+
+@pytest.mark.parametrize("server_args", [{"read_timeout": 0.5}])
+async def test_headers_that_trickle_past_the_read_timeout_get_408(frontend):
+    client, state, fake = frontend
+    slow = []
+    for _ in range(20):
+        reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+        slow.append((reader, writer))
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status == 200
+    for reader, writer in slow:
+        assert (await asyncio.wait_for(reader.readline(), 30)).startswith(b"HTTP/1.1 408")
+        await asyncio.wait_for(reader.read(), 30)  # closed by the server
+        writer.close()
+    assert len(fake.requests) == 1
+
+
 @pytest.mark.parametrize("server_args", [{"write_timeout": 0.2}])
 async def test_a_stream_nobody_reads_is_dropped_and_its_request_aborted(frontend):
     client, state, fake = frontend
@@ -279,3 +323,14 @@ async def test_prompt_logprobs_held_for_one_request_are_bounded(frontend, monkey
     assert fake.requests == []
     r = await client.post("/v1/completions", json={"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1})
     assert r.status == 200
+
+
+def test_the_file_descriptor_limit_is_lifted_for_the_connection_cap():
+    code = ("import resource; from crane_mp.frontend.connections import raise_fd_limit\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard))\n"
+            "raise_fd_limit(1024)\n"
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    soft, hard = map(int, run.stdout.split())
+    assert soft == (1024 + 256 if hard == resource.RLIM_INFINITY else min(1024 + 256, hard))

@@ -87,13 +87,49 @@ def test_constrained_rows_follow_their_grammar_beside_a_free_row(grammars, token
 
 def test_choice_grammar_is_cached_and_every_request_gets_its_own_matcher(grammars, tokenizer):
     grammar = LLMatcher.grammar_from_lark('start: "red" | "green" | "blue"')
-    first = grammars.new_matcher(grammar)
-    second = grammars.new_matcher(grammar)
+    first = grammars.new_matcher(None, grammar)
+    second = grammars.new_matcher(None, grammar)
     assert first is not second and len(grammars._pristine) == 1
     sampler = Sampler(512, CPU_PLATFORM, grammars)
     states = [sampler.new_state(SamplingParams(seed=s, grammar=grammar), [1], EOS_IDS) for s in range(6)]
     outputs = run(sampler, states, 20, seed=4)
     assert {tokenizer.decode(out[:-1]) for out in outputs} <= {"red", "green", "blue"}
+
+
+def test_a_prepared_matcher_is_held_for_its_request_whatever_the_cache_keeps(grammars, monkeypatch):
+    import crane_mp.worker.grammar as grammar_module
+
+    monkeypatch.setattr(grammar_module, "_CACHED_GRAMMAR_BYTES", 200)
+    small = LLMatcher.grammar_from_regex("ab")
+    large = LLMatcher.grammar_from_json_schema(SCHEMA)
+    assert len(small) <= 200 < len(large)
+    grammars.prepare(6, small)
+    assert not grammars._pristine  # built once: not kept past its request
+    grammars.prepare(7, large)
+    grammars.prepare(8, large)
+    grammars.prepare(9, small)
+    assert list(grammars._pristine) == [small]  # repeated and within the cache's bound
+    assert set(grammars._prepared) == {6, 7, 8, 9}
+
+    built = []
+    monkeypatch.setattr(grammar_module.GrammarEngine, "_pristine_matcher", lambda self, g: built.append(g))
+    sampler = Sampler(512, CPU_PLATFORM, grammars)
+    state = sampler.new_state(SamplingParams(seed=1, grammar=large), [1], EOS_IDS, req_id=7)
+    assert built == [] and state.matcher is not None  # a copy of the prepared one: nothing built in the step
+    for rid in (6, 8, 9):  # ended before their first step
+        grammars.forget(rid)
+    assert not grammars._prepared
+
+
+def test_the_matcher_cache_keeps_to_its_byte_budget(grammars, monkeypatch):
+    import crane_mp.worker.grammar as grammar_module
+
+    monkeypatch.setattr(grammar_module, "_CACHED_GRAMMAR_BYTES", 250)  # two of these ~106-byte grammars
+    texts = [LLMatcher.grammar_from_regex(f"{word}[0-9]+") for word in ("alpha", "beta", "gamma", "delta")]
+    for text in texts * 40:
+        grammars.new_matcher(None, text)
+    assert grammars._cached_bytes == sum(map(len, grammars._pristine)) <= 250
+    assert list(grammars._pristine) == texts[2:]  # the most recent
 
 
 def test_a_complete_grammar_overrides_min_tokens(grammars):

@@ -522,6 +522,14 @@ def test_a_constrained_request_waits_for_its_matcher_before_it_is_scheduled(tmp_
             ended[out.rid] = out
         assert ended[2].finish_reason == FinishReason.ERROR and "could not be compiled" in ended[2].error
         assert ended[3].finish_reason == FinishReason.ABORT
+        # The worker prepared rid 3's matcher and never sees it in a plan: the next plan drops it, and one
+        # aborted before its first step is dropped the same way.
+        plan = loop.scheduler.schedule()
+        assert plan.finished_req_ids == [3] and [new.req_id for new in plan.new_requests] == [1]
+        loop.receive(encode(GenerateRequest(4, [1, 2, 3], constrained)))
+        loop.receive(encode(GrammarReady(4)))
+        loop.receive(encode(AbortRequest(4)))
+        assert 4 in loop.scheduler.schedule().finished_req_ids
     finally:
         worker.close()
         frontend.close()
