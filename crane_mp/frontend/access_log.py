@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from crane_mp.frontend.errors import REQUEST_ID
 from crane_mp.frontend.generation import Generation
@@ -120,3 +121,15 @@ async def add_request_id_header(request: web.Request, response: web.StreamRespon
     request_id = request.get(REQUEST_ID)
     if request_id is not None:
         response.headers["X-Request-Id"] = request_id
+
+
+class MalformedRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse (a NUL in a header, a malformed request line) as an error
+    with a traceback, after answering it 400: a client could fill the log with them. One debug line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError) and record.levelno >= logging.ERROR:
+            log.debug("refused a malformed HTTP request: %s", str(error).splitlines()[0] if str(error) else "")
+            return False
+        return True

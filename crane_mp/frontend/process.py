@@ -8,6 +8,7 @@ the engine died: every open request is ended with an error at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from multiprocessing.connection import Connection
 
@@ -15,6 +16,7 @@ import msgspec
 from aiohttp import web
 
 from crane_mp.config import ServerConfig
+from crane_mp.frontend.access_log import MalformedRequests
 from crane_mp.frontend.app import create_app
 from crane_mp.frontend.connections import raise_fd_limit
 from crane_mp.frontend.engine_client import EngineClient
@@ -77,11 +79,13 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, l
     if vocabulary is not None:
         vocabulary.cancel()
     await state.client.close()
+    state.grammars.close()
     state.tokenizer.close()
 
 
 def run_frontend(config: ServerConfig, addresses: Addresses, frontend_id: int, life: int, conn: Connection) -> None:
     configure_logging(config.logs)
+    logging.getLogger("aiohttp.server").addFilter(MalformedRequests())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how Ctrl-C ends the server
     try:
         import uvloop

@@ -132,6 +132,9 @@ class GrammarCompiler:
         self._remember(constraint, grammar)
         return grammar
 
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     async def load_vocabulary(self, vocab_size: int, eos_token_ids: list[int]) -> None:
         """Build llguidance's view of the vocabulary (a second for 150k tokens); the frontend starts it
         as soon as the engine is ready, so that the first constrained request does not wait for it."""

@@ -118,4 +118,5 @@ async def start_frontend(model_dir: Path, run_dir: Path, max_model_len: int = 25
 async def stop_frontend(client: TestClient, state: FrontendState) -> None:
     await client.close()
     await state.client.close()
+    state.grammars.close()
     state.tokenizer.close()

@@ -15,6 +15,7 @@ import threading
 import pytest
 
 from crane_mp.config import EngineConfig
+from crane_mp.frontend.access_log import MalformedRequests
 from crane_mp.logs import TextFormatter
 from crane_mp.protocol import FinishReason, TokenLogprobs, TokenOutput
 from tests.unit.frontend_harness import start_frontend, stop_frontend
@@ -116,6 +117,21 @@ async def test_a_path_cannot_forge_an_access_log_line(frontend, caplog):
 
 
 @pytest.mark.parametrize("server_args", [{"max_request_generations": 4}])
+async def test_a_malformed_request_gets_400_and_no_traceback_in_the_log(frontend, caplog):
+    client, state, fake = frontend
+    server_log = logging.getLogger("aiohttp.server")
+    server_log.addFilter(quiet := MalformedRequests())
+    try:
+        reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Probe: \x00\r\n\r\n")
+        assert b" 400 " in await asyncio.wait_for(reader.readline(), 30)
+        writer.close()
+    finally:
+        server_log.removeFilter(quiet)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert (await client.get("/health")).status == 200
+
+
 async def test_one_request_starts_a_bounded_number_of_generations(frontend):
     client, state, fake = frontend
     r = await client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 3, "max_tokens": 2})
