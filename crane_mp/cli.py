@@ -126,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-loras", type=_positive_int, default=8,
                    help="LoRA adapters loaded at once, at start and through /v1/load_lora_adapter")
     p.add_argument("--pooling", choices=POOLING_METHODS,
-                   help="embeddings: last token or mean of the final hidden states (default: the checkpoint's "
-                        "sentence-transformers setting, else last); implies --task embed unless --task says otherwise")
+                   help="embeddings: last token, mean or first (CLS) token of the final hidden states (default: "
+                        "the checkpoint's sentence-transformers setting, else last); implies --task embed unless "
+                        "--task says otherwise")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8080)
     p.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is available")
@@ -211,7 +212,7 @@ def _task_and_pooling(args, source: ModelSource, parser) -> tuple[str, Pooling]:
     task = args.task if args.task != "auto" else "embed" if declared or args.pooling else "generate"
     pooling = declared or Pooling()
     if args.pooling is not None:
-        pooling = Pooling(args.pooling, pooling.normalize)
+        pooling = Pooling(args.pooling, pooling.normalize, pooling.chat_template)
     return task, pooling
 
 

@@ -35,8 +35,9 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     top_k <= 0 disables top-k; logprobs None returns no logprobs, N >= 0 the sampled token's plus top N;
     prompt_logprobs likewise for every prompt token after the first (echo, scoring). grammar: structured
     output, a grammar in llguidance's JSON form (JSON schema, regex, Lark), validated by the frontend.
-    pooling: an embedding request ("last" token or "mean" of the prompt's final hidden states): the
-    worker returns the pooled vector instead of sampling, and the request ends after its prompt.
+    pooling: an embedding request ("last" token, "mean" of the prompt's final hidden states, or "cls":
+    the first token's): the worker returns the pooled vector instead of sampling, and the request ends
+    after its prompt.
     lora_id: which LoRA adapter computes the request (its KV too: the prefix cache keeps adapters apart).
     """
 
@@ -66,6 +67,12 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def pools_prompt(self) -> bool:
+        """The pooling reads prompt positions before the last (mean: all, CLS: the first): they must be
+        computed, not found in the prefix cache."""
+        return self.pooling in ("mean", "cls")
 
 
 # ---- scheduler -> worker ------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """/v1/embeddings: each input runs through the scheduler as a prompt-only request whose worker step
-returns the pooled final hidden state (--pooling) instead of a token; batched with everything else."""
+returns the pooled final hidden state (--pooling) instead of a token; batched with everything else.
+Texts are tokenized as the checkpoint's sentence-transformers configuration does it (pooling.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ async def embeddings(request: web.Request, req: EmbeddingRequest) -> web.StreamR
     info = state.engine_info
     if req.dimensions is not None and req.dimensions > info.hidden_size:
         raise ApiError(400, f"dimensions must be at most this model's {info.hidden_size}", "dimensions")
-    prompts = [await prompt_ids(state, item, "input")
+    prompts = [await _input_ids(state, item)
                for item in prompt_inputs(req.input, info.vocab_size, "input", MAX_EMBEDDING_INPUTS)]
     params = SamplingParams(temperature=0.0, max_tokens=1, pooling=state.config.pooling.method, lora_id=lora_id)
     plan = Plan(prompts, params, 0, "input", names=f"embd-{uuid.uuid4().hex}")  # the prompt alone: no output
@@ -48,3 +49,12 @@ async def embeddings(request: web.Request, req: EmbeddingRequest) -> web.StreamR
         return body
 
     return await serve(request, state, plan, render)
+
+
+async def _input_ids(state: FrontendState, item: str | list[int]) -> list[int]:
+    """One input's token ids, as sentence-transformers makes them for this checkpoint: a text of a
+    checkpoint saved with the message modality is a user message in the model's chat template."""
+    if isinstance(item, str) and state.config.pooling.chat_template:
+        text = state.tokenizer.render_chat([{"role": "user", "content": item}], False, False, None)
+        return await prompt_ids(state, text, "input", add_special_tokens=False)
+    return await prompt_ids(state, item, "input")

@@ -251,10 +251,10 @@ class Scheduler:
 
     def _cache_hits(self, req: Request) -> list[int]:
         """Cached blocks that start this request, leaving at least one token to compute (its logits).
-        Requests that score their prompt or average it (mean pooling) compute every position, so they
-        look nothing up."""
+        Requests that score their prompt or pool more than its last position (mean, CLS) compute every
+        position, so they look nothing up."""
         params = req.sampling
-        if not self.pool.enable_caching or params.prompt_logprobs is not None or params.pooling == "mean":
+        if not self.pool.enable_caching or params.prompt_logprobs is not None or params.pools_prompt:
             return []
         num_known = req.num_prompt_tokens + len(req.output_ids)
         limit = min(num_known, req.num_tokens - 1) // self.config.block_size

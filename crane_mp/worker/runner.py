@@ -50,7 +50,7 @@ class RequestMirror:
     block_table: list[int]
     sampling: SamplingState
     num_prompt_scored: int = 1  # prompt logprobs are reported for tokens [1, num_prompt_scored) so far
-    pool_sum: torch.Tensor | None = None  # mean pooling: sum of the final hidden states of prompt tokens
+    pool_sum: torch.Tensor | None = None  # mean or CLS pooling: sum of the pooled tokens' final hidden states
     num_pooled: int = 0  # ... of prompt positions [0, num_pooled)
 
     def progress(self) -> tuple:
@@ -226,8 +226,9 @@ class ModelRunner:
                 last = min(end, mirror.num_prompt_tokens - 1)
                 if first < last:
                     score_rows.append((sched.req_id, len(input_ids) - (end - first), last - first))
-            if mirror.sampling.params.pooling == "mean" and mirror.num_pooled < mirror.num_prompt_tokens:
-                first, last = max(start, mirror.num_pooled), min(end, mirror.num_prompt_tokens)
+            if mirror.sampling.params.pools_prompt:
+                pooled_tokens = 1 if mirror.sampling.params.pooling == "cls" else mirror.num_prompt_tokens
+                first, last = max(start, mirror.num_pooled), min(end, pooled_tokens)
                 if first < last:
                     sum_rows.append((sched.req_id, len(input_ids) - (end - first), last - first))
 
@@ -239,7 +240,7 @@ class ModelRunner:
         for req_id, row, count in score_rows:
             prompt_logprobs.append(self._score_prompt(req_id, hidden[row : row + count]))
         for req_id, row, count in sum_rows:
-            self._add_to_mean(req_id, hidden[row : row + count])
+            self._add_to_pool(req_id, hidden[row : row + count])
 
         ready = [s.req_id for s in scheduled if s.req_id in sample_rows]
         sampled_ids = [r for r in ready if self.requests[r].sampling.params.pooling is None]
@@ -274,7 +275,7 @@ class ModelRunner:
         with forward_context(ctx):
             return self.model(ids)  # [T, hidden]
 
-    def _add_to_mean(self, req_id: int, hidden: torch.Tensor) -> None:
+    def _add_to_pool(self, req_id: int, hidden: torch.Tensor) -> None:
         mirror = self.requests[req_id]
         rows = self.model.model.norm(hidden).float().sum(dim=0)
         mirror.pool_sum = rows if mirror.pool_sum is None else mirror.pool_sum + rows
@@ -282,9 +283,10 @@ class ModelRunner:
 
     def _pool(self, req_id: int, last_hidden: torch.Tensor) -> PooledOutput:
         """The embedding of a request whose prompt is complete: the final hidden state (after the
-        model's last norm) of its last token, or the mean over all its tokens."""
+        model's last norm) of its last token, the mean over all its tokens, or its first token's (CLS:
+        the sum of one)."""
         mirror = self.requests[req_id]
-        if mirror.sampling.params.pooling == "mean":
+        if mirror.sampling.params.pools_prompt:
             vector = mirror.pool_sum / mirror.num_pooled
         else:
             vector = self.model.model.norm(last_hidden[None]).float()[0]
@@ -383,4 +385,4 @@ _PLACEHOLDER_TOKEN = 0
 
 
 def _advances_before_sampling(params) -> bool:
-    return params.prompt_logprobs is not None or params.pooling == "mean"
+    return params.prompt_logprobs is not None or params.pools_prompt

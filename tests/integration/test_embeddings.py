@@ -107,3 +107,25 @@ def test_a_text_generation_server_refuses_embeddings(tmp_path):
         assert r.status_code == 400 and "--task embed" in r.json()["error"]["message"]
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.parametrize("mode", ["lasttoken", "mean", "cls"])
+def test_a_checkpoint_saved_by_sentence_transformers_serves_its_vectors(mode, tmp_path):
+    """The installed sentence-transformers builds and saves the checkpoint (its own config spelling);
+    the server detects the pooling and returns what SentenceTransformer.encode returns."""
+    from sentence_transformers import SentenceTransformer, models
+
+    base = make_model("qwen3", "tiny", tmp_path / "base", seed=11)
+    transformer = models.Transformer(str(base))
+    dimension = getattr(transformer, "get_embedding_dimension", None) or transformer.get_word_embedding_dimension
+    pooling = models.Pooling(dimension(), pooling_mode=mode)
+    reference = SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu")
+    reference.save(str(tmp_path / "st"))
+    expected = reference.encode(TEXTS, convert_to_numpy=True)
+    server = Server(tmp_path / "st", log_path=tmp_path / "log")
+    try:
+        body = requests.post(server.url + "/v1/embeddings", json={"input": TEXTS}).json()
+        served = np.array([item["embedding"] for item in body["data"]])
+        np.testing.assert_allclose(served, expected, atol=1e-4)
+    finally:
+        assert server.stop() == 0

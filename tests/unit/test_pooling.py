@@ -39,8 +39,19 @@ def test_the_declared_pooling_is_read(tmp_path):
     write_modules(tmp_path, {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False}, False)
     assert sentence_transformers_pooling(tmp_path) == Pooling("mean", False)
     write_modules(tmp_path, {"pooling_mode_cls_token": True}, True)
-    with pytest.raises(ValueError, match="pooling_mode_cls_token is not supported"):
-        sentence_transformers_pooling(tmp_path)
+    assert sentence_transformers_pooling(tmp_path) == Pooling("cls", True)
+    # sentence-transformers 6 writes one string instead of the booleans.
+    for mode, method in (("lasttoken", "last"), ("mean", "mean"), ("cls", "cls")):
+        write_modules(tmp_path, {"embedding_dimension": 64, "pooling_mode": mode, "include_prompt": True}, False)
+        assert sentence_transformers_pooling(tmp_path) == Pooling(method, False)
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"modality_config": {
+        "text": {"method": "forward"}, "message": {"method": "forward", "format": "structured"}}}))
+    assert sentence_transformers_pooling(tmp_path) == Pooling("cls", False, chat_template=True)
+    for config, named in (({"pooling_mode": "max"}, "pooling max"),
+                          ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, "pooling_mode_max_tokens")):
+        write_modules(tmp_path, config, True)
+        with pytest.raises(ValueError, match=named):
+            sentence_transformers_pooling(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +62,7 @@ def checkpoint(tmp_path_factory):
     return load_checkpoint(load_model_config(path), path, torch.float32), hidden.numpy()
 
 
-@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
 def test_chunked_and_preempted_prompts_pool_like_one_pass(checkpoint, pooling):
     model, hidden = checkpoint
     runner = ModelRunner(model, 16, 128, CPU)
@@ -66,7 +77,7 @@ def test_chunked_and_preempted_prompts_pool_like_one_pass(checkpoint, pooling):
     last = runner.execute(StepPlan(4, [], [ScheduledRequest(7, 16, 24, [5, 6])], [], []))
     [pooled] = last.pooled
     assert pooled.req_id == 7 and last.req_ids == [7]  # a placeholder token ends the request
-    expected = hidden[-1] if pooling == "last" else hidden.mean(axis=0)
+    expected = {"last": hidden[-1], "mean": hidden.mean(axis=0), "cls": hidden[0]}[pooling]
     np.testing.assert_allclose(np.frombuffer(pooled.values, dtype=np.float32), expected, rtol=1e-4, atol=1e-4)
 
 
