@@ -5,7 +5,7 @@ Validation runs on a thread of its own (a large schema takes a fraction of a sec
 one longer; llguidance releases the GIL, so the event loop goes on) within --grammar-timeout, and its
 result is cached by constraint, so a schema sent with every request is checked once. The thread runs
 at the lowest CPU priority (priority.py). A constraint's
-text is at most _MAX_SOURCE_CHARS. The worker builds the same matcher from the text, beside its step
+text is at most _MAX_SOURCE_CHARS; JSON schemas get their open numbers bounded (json_bounds.py). The worker builds the same matcher from the text, beside its step
 loop, before the request is scheduled (worker/background.py); an invalid constraint is a 400 here
 that says what is wrong, never a failure there.
 """
@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.json_bounds import bounded_schema
 from crane_mp.model_tokenizer import grammar_tokenizer
 from crane_mp.priority import lower_this_thread
 from crane_mp.protocol import SamplingParams, WorkerReady
@@ -177,8 +178,8 @@ def to_grammar(constraint: Constraint) -> str:
         options = dict(_JSON_OPTIONS)
         if constraint.whitespace_pattern is not None:
             options.update(whitespace_flexible=True, whitespace_pattern=constraint.whitespace_pattern)
-        schema = source if kind == "json_schema" else '{"type": "object"}'
-        return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        schema = json.loads(source) if kind == "json_schema" else {"type": "object"}
+        return LLMatcher.grammar_from_json_schema(json.dumps(bounded_schema(schema)), defaults=options)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(source)
     if kind == "choice":

@@ -116,7 +116,6 @@ async def test_a_path_cannot_forge_an_access_log_line(frontend, caplog):
     assert "\n" not in line and "\r" not in line and "%0a" in line.lower()
 
 
-@pytest.mark.parametrize("server_args", [{"max_request_generations": 4}])
 async def test_a_malformed_request_gets_400_and_no_traceback_in_the_log(frontend, caplog):
     client, state, fake = frontend
     server_log = logging.getLogger("aiohttp.server")
@@ -132,6 +131,7 @@ async def test_a_malformed_request_gets_400_and_no_traceback_in_the_log(frontend
     assert (await client.get("/health")).status == 200
 
 
+@pytest.mark.parametrize("server_args", [{"max_request_generations": 4}])
 async def test_one_request_starts_a_bounded_number_of_generations(frontend):
     client, state, fake = frontend
     r = await client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 3, "max_tokens": 2})

@@ -1,10 +1,11 @@
 """Forcing a call (tool_choice "required" or a named function): a grammar that admits only calls of the
-offered tools, in the model's own format."""
+offered tools, in the model's own format, their arguments' numbers bounded (json_bounds.py)."""
 
 from __future__ import annotations
 
 import json
 
+from crane_mp.frontend.json_bounds import bounded_schema
 from crane_mp.frontend.structured import Constraint
 from crane_mp.frontend.tools.formats import ToolFormat
 
@@ -23,10 +24,10 @@ def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None,
         parameters = dict(function.get("parameters") or {"type": "object"})
         # References such as "#/$defs/X" resolve from the root of the tool's own schema: keep them there.
         hoisted = {name: parameters.pop(name) for name in ("$defs", "definitions") if name in parameters}
-        schema = {"type": "object", "additionalProperties": False, "required": ["name", key],
-                  "properties": {"name": {"const": function["name"]}, key: parameters}, **hoisted,
-                  "x-guidance": {"lenient": True, "whitespace_flexible": False,
-                                 "item_separator": ", ", "key_separator": ": "}}
+        schema = bounded_schema({"type": "object", "additionalProperties": False, "required": ["name", key],
+                                 "properties": {"name": {"const": function["name"]}, key: parameters}, **hoisted})
+        schema["x-guidance"] = {"lenient": True, "whitespace_flexible": False, "item_separator": ", ",
+                                "key_separator": ": "}
         rules.append(f"obj{len(rules)}: %json {json.dumps(schema)}")
 
     def text(value: str) -> str:
