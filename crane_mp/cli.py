@@ -16,6 +16,7 @@ from crane_mp.config import (
     LOG_FORMATS,
     QUANTIZED_ACTIVATIONS,
     TASKS,
+    REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     EngineConfig,
     ServerConfig,
@@ -191,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5, Qwen3), llama3_json, "
                         "mistral ([TOOL_CALLS]); auto picks by architecture; none refuses tools")
+    p.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+                   help="read chat answers for thinking (<think> ... </think>: Qwen3, DeepSeek-R1) into "
+                        "reasoning_content; auto does when the vocabulary has both tags as tokens; none never")
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
@@ -306,6 +310,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         max_request_bytes=args.max_request_bytes,
         health_generate_timeout=args.health_generate_timeout,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         pooling=pooling,
         settings=_effective_settings(args, sources, parser),
         unknown_env=tuple(unknown_env_names(environ, settable_actions(parser))),

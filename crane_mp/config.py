@@ -21,6 +21,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZED_ACTIVATIONS = ("int8", "float")
 LOG_FORMATS = ("text", "json")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")  # frontend/tools/formats.py
+REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")  # frontend/reasoning.py
 TASKS = ("auto", "generate", "embed")
 # CPU instruction-set tiers, lowest first; each includes the ones before it (worker/kernels/cpu_isa.py).
 CPU_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
@@ -145,6 +146,7 @@ class ServerConfig:
     max_request_bytes: int | None = None  # None: sized to the context window (FrontendState)
     health_generate_timeout: float = 30.0
     tool_call_parser: str = "auto"  # TOOL_CALL_PARSERS; auto: by the model's architecture
+    reasoning_parser: str = "auto"  # REASONING_PARSERS; auto: when the vocabulary has <think> and </think>
     pooling: Pooling = field(default_factory=Pooling)  # how /v1/embeddings pools (engine.task == "embed")
     settings: dict = field(default_factory=dict)  # key -> {"value", "source"}, for /server_info
     unknown_env: tuple[str, ...] = ()  # CRANE_* variables that name no setting (warned at start)

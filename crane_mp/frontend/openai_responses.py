@@ -1,8 +1,10 @@
 """OpenAI response bodies and stream chunks, built from what the generations produced: no I/O here, so
 every shape is testable without a server (tests/unit/test_openai_responses.py).
 
-A chat answer that offered tools is read for tool calls (tools/parser.py): content and `tool_calls`
-apart, `finish_reason: "tool_calls"` when the model stopped after calling.
+A reasoning model's chat answer is split into `reasoning_content` (also sent as `reasoning`, the name
+newer clients read) and `content` (reasoning.py); the content of an answer that offered tools is read
+for tool calls (tools/parser.py): content and `tool_calls` apart, `finish_reason: "tool_calls"` when
+the model stopped after calling.
 """
 
 from __future__ import annotations
@@ -15,18 +17,37 @@ import numpy as np
 
 from crane_mp.frontend.generation import Delta
 from crane_mp.frontend.logprobs_format import TokenText, chat_logprobs, completion_logprobs
+from crane_mp.frontend.reasoning import ReasoningSplitter, reasoning_tokens, split_reasoning
 from crane_mp.frontend.tools.formats import ToolFormat
 from crane_mp.frontend.tools.parser import ToolCallParser, parse_tool_calls
 from crane_mp.protocol import PromptLogprobs
 
 
-def usage(gens: list, n: int) -> dict[str, Any]:
-    """Usage over `gens` (prompt i's samples at [i * n, (i + 1) * n)): each prompt counted once."""
+def usage(gens: list, n: int, reasoning: int | None = None) -> dict[str, Any]:
+    """Usage over `gens` (prompt i's samples at [i * n, (i + 1) * n)): each prompt counted once;
+    `reasoning`: the output tokens spent thinking, where a reasoning parser reads the answers."""
     prompt = sum(g.prompt_tokens for g in gens[::n])
     cached = sum(g.cached_tokens for g in gens[::n])
     completion = sum(g.completion_tokens for g in gens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningReading:
+    """How to read an answer for thinking: the rendered prompt (does it open a think block?) and the
+    `</think>` token, by which thinking tokens are counted."""
+
+    prompt: str
+    end_token: int | None
+
+    def split(self, text: str, token_ids: list[int]) -> tuple[str | None, str, int]:
+        """(reasoning or None, content, thinking tokens) of a whole answer."""
+        reasoning, content = split_reasoning(self.prompt, text)
+        return reasoning, content, reasoning_tokens(token_ids, self.end_token, reasoning is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +63,14 @@ def _finish(reason: str | None, called: bool) -> str | None:
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason, tools: ToolReading | None,
-                logprobs: dict | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
-    """One choice of a whole chat completion."""
+                logprobs: dict | None = None, token_ids: list[int] | None = None,
+                reasoning: str | None = None) -> dict[str, Any]:
+    """One choice of a whole chat completion; `text` is its answer after any `reasoning`."""
     content, calls = (text, None) if tools is None else parse_tool_calls(tools.fmt, text, tools.parallel)
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = message["reasoning"] = reasoning
+        message["content"] = content or None
     if calls:
         message["tool_calls"] = calls
     choice = {"index": index, "message": message, "logprobs": logprobs,
@@ -58,7 +83,9 @@ def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason, t
 @dataclass(slots=True)
 class _ChoiceStream:
     parser: ToolCallParser | None
-    started: bool = False
+    thinking: ReasoningSplitter | None = None
+    reasoning_tokens: int = 0
+    undecided_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -69,6 +96,7 @@ class ChatStream:
     base: dict[str, Any]
     tools: ToolReading | None
     token_text: TokenText | None = None  # set: logprobs are wanted
+    reasoning: ReasoningReading | None = None
     choices: dict[int, _ChoiceStream] = field(default_factory=dict)
 
     def chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
@@ -76,18 +104,28 @@ class ChatStream:
         payloads = []
         if state is None:
             parser = ToolCallParser(self.tools.fmt, self.tools.parallel) if self.tools else None
-            state = self.choices[index] = _ChoiceStream(parser)
+            thinking = ReasoningSplitter.for_prompt(self.reasoning.prompt) if self.reasoning else None
+            state = self.choices[index] = _ChoiceStream(parser, thinking)
             payloads.append(self._chunk(index, {"role": "assistant", "content": ""}))
-        content, calls = delta.text, []
+        reasoning, content, calls = "", delta.text, []
+        if state.thinking is not None:
+            before = state.thinking.state
+            reasoning, content = state.thinking.feed(delta.text)
+            self._count_thinking(state, before, delta.token_ids)
+            if delta.finish_reason:
+                more_reasoning, more_content = state.thinking.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
         if state.parser is not None:
-            content, calls = state.parser.feed(delta.text)
+            content, calls = state.parser.feed(content)
             if delta.finish_reason:
                 rest, more = state.parser.finish()
                 content, calls = content + rest, calls + more
         wants_logprobs = self.token_text is not None and bool(delta.token_ids)
-        if not (content or calls or delta.finish_reason or wants_logprobs):
+        if not (reasoning or content or calls or delta.finish_reason or wants_logprobs):
             return payloads
         body: dict[str, Any] = {}
+        if reasoning:
+            body["reasoning_content"] = body["reasoning"] = reasoning
         if content:
             body["content"] = content
         if calls:
@@ -97,6 +135,25 @@ class ChatStream:
         payloads.append(self._chunk(index, body, logprobs, _finish(delta.finish_reason, called),
                                     delta.stop_reason if delta.finish_reason else None))
         return payloads
+
+    def _count_thinking(self, state: _ChoiceStream, before: str, token_ids: list[int]) -> None:
+        """Count a delta's tokens spent thinking (up to and including `</think>`) as ReasoningReading
+        counts a whole answer's."""
+        splitter = state.thinking
+        if splitter.state == "start":  # a held `<th`: counted once it is known to open a think block
+            state.undecided_tokens += len(token_ids)
+            return
+        if before == "answer" or (before == "start" and splitter.state == "answer" and not splitter.ended):
+            state.undecided_tokens = 0
+            return
+        end = self.reasoning.end_token
+        count = token_ids.index(end) + 1 if end is not None and end in token_ids else len(token_ids)
+        state.reasoning_tokens += count + state.undecided_tokens
+        state.undecided_tokens = 0
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return sum(state.reasoning_tokens for state in self.choices.values())
 
     def _chunk(self, index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

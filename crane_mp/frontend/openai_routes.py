@@ -17,6 +17,7 @@ from crane_mp.frontend.logprobs_format import chat_logprobs, completion_logprobs
 from crane_mp.frontend.openai_responses import (
     ChatStream,
     CompletionStream,
+    ReasoningReading,
     ToolReading,
     chat_choice,
     completion_choice,
@@ -53,18 +54,22 @@ class OpenAIStream:
     base: dict[str, Any]
     chunk: Callable[[int, Delta], list[dict]]
     options: StreamOptions | None
+    reasoning_tokens: Callable[[], int] | None = None  # where answers are read for thinking
 
     def chunks(self, index: int, delta: Delta) -> list[dict]:
         payloads = self.chunk(index, delta)
         if self.options is not None and self.options.continuous_usage_stats:
             for payload in payloads:
-                payload["usage"] = usage(self.gens, self.n)
+                payload["usage"] = self._usage()
         return payloads
 
     def closing(self) -> list[dict]:
         if self.options is not None and self.options.include_usage:
-            return [{**self.base, "choices": [], "usage": usage(self.gens, self.n)}]
+            return [{**self.base, "choices": [], "usage": self._usage()}]
         return []
+
+    def _usage(self) -> dict[str, Any]:
+        return usage(self.gens, self.n, self.reasoning_tokens() if self.reasoning_tokens else None)
 
 
 @api.add("post", "/v1/chat/completions", body=ChatCompletionRequest, requires=FrontendState.require_generative,
@@ -91,6 +96,8 @@ async def chat_completions(request: web.Request, req: ChatCompletionRequest) -> 
                                             state.tokenizer.marker_tokens)
     params = await state.grammars.constrain(params, constraint, state.engine_info)
     reading = ToolReading(fmt, req.parallel_tool_calls) if mode != "none" else None
+    # A constrained answer is the constraint's from its first token (no thinking before it yet).
+    thinking = ReasoningReading(prompt, state.think_end_token) if state.reasoning and constraint is None else None
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     plan = Plan([input_ids], params, requested, "messages", req.n, stop_strings(req.stop), req.skip_special_tokens,
@@ -101,16 +108,23 @@ async def chat_completions(request: web.Request, req: ChatCompletionRequest) -> 
     def render(gens: list[Generation]):
         if req.stream:
             base = {"id": chat_id, "object": "chat.completion.chunk", "created": created, "model": model}
-            stream = ChatStream(base, reading, token_text if req.logprobs else None)
-            return OpenAIStream(gens, req.n, base, stream.chunks, req.stream_options)
+            stream = ChatStream(base, reading, token_text if req.logprobs else None, thinking)
+            counted = (lambda: stream.reasoning_tokens) if thinking else None
+            return OpenAIStream(gens, req.n, base, stream.chunks, req.stream_options, counted)
 
         def body(results: list[Collected]) -> dict[str, Any]:
-            choices = [chat_choice(index, out.text, out.finish_reason, out.stop_reason, reading,
-                                   chat_logprobs(token_text, out.token_ids, out.logprobs) if req.logprobs else None,
-                                   out.token_ids if req.return_token_ids else None)
-                       for index, out in enumerate(results)]
+            choices, thought = [], 0
+            for index, out in enumerate(results):
+                reasoning, text = None, out.text
+                if thinking is not None:
+                    reasoning, text, tokens = thinking.split(out.text, out.token_ids)
+                    thought += tokens
+                choices.append(chat_choice(
+                    index, text, out.finish_reason, out.stop_reason, reading,
+                    chat_logprobs(token_text, out.token_ids, out.logprobs) if req.logprobs else None,
+                    out.token_ids if req.return_token_ids else None, reasoning))
             out = {"id": chat_id, "object": "chat.completion", "created": created, "model": model,
-                   "choices": choices, "usage": usage(gens, req.n)}
+                   "choices": choices, "usage": usage(gens, req.n, thought if thinking else None)}
             if req.return_token_ids:
                 out["prompt_token_ids"] = input_ids
             return out

@@ -1,0 +1,94 @@
+"""Reasoning apart from the answer (frontend/reasoning.py): the split is lossless in every chunking,
+a prompt that opens <think> (DeepSeek-R1's template) makes the answer start thinking, and chat
+completions carry reasoning_content, content and reasoning_tokens, whole and streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from crane_mp.frontend.reasoning import END, START, ReasoningSplitter, reasoning_enabled, split_reasoning
+from crane_mp.protocol import FinishReason, TokenOutput
+
+CASES = [  # (prompt, answer, reasoning, content)
+    ("<|im_start|>assistant\n", "<think>\nweigh it</think>\n\nIt is 4.", "\nweigh it", "\n\nIt is 4."),
+    ("<|im_start|>assistant\n", "It is 4.", None, "It is 4."),  # thinking off: no tag
+    ("<|im_start|>assistant\n<think>\n", "weigh it\n</think>It is 4.", "weigh it\n", "It is 4."),  # R1
+    ("<|im_start|>assistant\n<think>\n", "weigh it, cut off", "weigh it, cut off", ""),
+    ("<|im_start|>assistant\n", "<think>still thinking", "still thinking", ""),
+    ("<|im_start|>assistant\n", "<thin>not a tag</think>", None, "<thin>not a tag</think>"),
+    ("x<think>a</think>y", "<think></think>answer", "", "answer"),
+]
+
+
+@pytest.mark.parametrize("prompt, answer, reasoning, content", CASES)
+def test_the_split_is_lossless_in_every_chunking(prompt, answer, reasoning, content):
+    assert split_reasoning(prompt, answer) == (reasoning, content)
+    opened = answer.startswith(START) and prompt.rfind(START) <= prompt.rfind(END)
+    rebuilt = (START if opened else "") + (reasoning or "") + (END if END in answer and reasoning is not None
+                                                              else "") + content
+    assert rebuilt == answer
+    for seed in range(20):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(1, len(answer)), min(len(answer) - 1, rng.randint(1, 8))))
+        pieces = [answer[a:b] for a, b in zip([0, *cuts], [*cuts, len(answer)])]
+        splitter = ReasoningSplitter.for_prompt(prompt)
+        fed = [splitter.feed(piece) for piece in pieces] + [splitter.finish()]
+        assert "".join(r for r, _ in fed) == (reasoning or "")
+        assert "".join(c for _, c in fed) == content
+
+
+def test_auto_reads_thinking_where_the_vocabulary_has_both_tags():
+    assert reasoning_enabled("auto", {START: 1, END: 2})
+    assert not reasoning_enabled("auto", {START: 1})
+    assert reasoning_enabled("deepseek_r1", {}) and not reasoning_enabled("none", {START: 1, END: 2})
+
+
+def _ids(state, text: str) -> list[int]:
+    return state.tokenizer.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def test_chat_answers_carry_reasoning_apart_and_count_its_tokens(frontend):
+    client, state, fake = frontend
+    assert state.reasoning and state.think_end_token is not None  # the tiny vocabulary has both tags
+    fake.output_ids = _ids(state, "<think>\nsome thought</think>\n\nThe answer.")
+    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}]})
+    body = await r.json()
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == message["reasoning"] == "\nsome thought"
+    assert message["content"] == "\n\nThe answer."
+    thought = fake.output_ids.index(state.think_end_token) + 1
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
+
+
+async def test_streamed_reasoning_adds_up_to_the_whole_answer_and_is_counted(frontend):
+    client, state, fake = frontend
+    fake.answer = False
+    ids = _ids(state, "<think>\nsome thought</think>\n\nThe answer.")
+    body = {"messages": [{"role": "user", "content": "q"}], "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with client.post("/v1/chat/completions", json=body) as r:
+        while not fake.requests:
+            await asyncio.sleep(0)
+        stream = state.client.streams[fake.requests[0].rid]
+        for i, token in enumerate(ids):
+            last = i == len(ids) - 1
+            stream.push(TokenOutput(fake.requests[0].rid, [token], 3, i + 1, FinishReason.STOP if last else None))
+        events = [json.loads(line[6:]) for line in (await r.text()).splitlines()
+                  if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nsome thought"
+    assert "".join(d.get("content", "") for d in deltas) == "\n\nThe answer."
+    assert events[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] == ids.index(state.think_end_token) + 1
+
+
+@pytest.mark.parametrize("server_args", [{"reasoning_parser": "none"}])
+async def test_reasoning_parser_none_leaves_the_answer_whole(frontend):
+    client, state, fake = frontend
+    fake.output_ids = _ids(state, "<think>t</think>a")
+    body = await (await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}]})).json()
+    assert body["choices"][0]["message"]["content"] == "<think>t</think>a"
+    assert "reasoning_content" not in body["choices"][0]["message"]
