@@ -29,6 +29,16 @@ class ErrorKind(enum.IntEnum):
     UNAVAILABLE = 4  # the scheduler or worker is gone (503)
 
 
+class ThinkingBudget(msgspec.Struct, frozen=True, array_like=True):
+    """A reasoning model may think `max_tokens` tokens (after its `<think>`, which the answer opens with
+    or the prompt `opened`); past them the sampler forces `</think>`."""
+
+    max_tokens: int
+    start_token: int
+    end_token: int
+    opened: bool = False
+
+
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """Per-request generation settings. The worker samples with them; the scheduler stops by token id.
 
@@ -59,6 +69,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     grammar: str | None = None
     pooling: str | None = None
     lora_id: int = 0  # the LoRA adapter (EngineConfig.lora_modules[lora_id - 1]); 0: the base model
+    thinking: ThinkingBudget | None = None
 
     @property
     def greedy(self) -> bool:

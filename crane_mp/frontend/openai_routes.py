@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import msgspec
 from aiohttp import web
 
 from crane_mp.frontend.choices import Collected
@@ -34,10 +35,12 @@ from crane_mp.frontend.openai_schemas import (
     tool_dicts,
 )
 from crane_mp.frontend.pipeline import Plan, prompt_ids, serve
+from crane_mp.frontend.reasoning import prompt_opens_thinking
 from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.frontend.state import STATE, FrontendState
 from crane_mp.frontend.tools.forcing import forced_call_constraint
 from crane_mp.frontend.tools.formats import check_tools, tool_format, tool_prompt
+from crane_mp.protocol import ThinkingBudget
 
 api = RouteTable()
 # OpenAI's default output budget for /v1/completions (chat's default is all the room left).
@@ -97,7 +100,12 @@ async def chat_completions(request: web.Request, req: ChatCompletionRequest) -> 
     params = await state.grammars.constrain(params, constraint, state.engine_info)
     reading = ToolReading(fmt, req.parallel_tool_calls) if mode != "none" else None
     # A constrained answer is the constraint's from its first token (no thinking before it yet).
-    thinking = ReasoningReading(prompt, state.think_end_token) if state.reasoning and constraint is None else None
+    split = state.reasoning and req.separate_reasoning and constraint is None
+    thinking = ReasoningReading(prompt, state.think_end_token) if split else None
+    budget = req.thinking_budget if req.thinking_budget is not None else req.max_thinking_tokens
+    if budget is not None and split and None not in (state.think_start_token, state.think_end_token):
+        params = msgspec.structs.replace(params, thinking=ThinkingBudget(
+            budget, state.think_start_token, state.think_end_token, prompt_opens_thinking(prompt)))
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     plan = Plan([input_ids], params, requested, "messages", req.n, stop_strings(req.stop), req.skip_special_tokens,

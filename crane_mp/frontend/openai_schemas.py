@@ -193,6 +193,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang's: false leaves a reasoning model's thinking in content
+    # Tokens a reasoning model may think before `</think>` is forced (llama.cpp's --reasoning-budget);
+    # both spellings clients use.
+    thinking_budget: Count | None = None
+    max_thinking_tokens: Count | None = None
     tools: Annotated[list[Tool], msgspec.Meta(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

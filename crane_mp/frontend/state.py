@@ -14,7 +14,7 @@ from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.gate import LoadGate
 from crane_mp.frontend.metrics import Metrics
 from crane_mp.frontend.openai_schemas import MAX_BATCH
-from crane_mp.frontend.reasoning import END as THINK_END, reasoning_enabled
+from crane_mp.frontend.reasoning import END as THINK_END, START as THINK_START, reasoning_enabled
 from crane_mp.frontend.structured import GrammarCompiler
 from crane_mp.frontend.tokenizer import TokenizerService
 from crane_mp.protocol import LoraAdapter, WorkerReady
@@ -34,6 +34,7 @@ class FrontendState:
     gate: LoadGate = field(init=False)
     connections: ConnectionGuard = field(init=False)
     reasoning: bool = field(init=False)  # answers are read for thinking (--reasoning-parser)
+    think_start_token: int | None = field(init=False)
     think_end_token: int | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -41,7 +42,7 @@ class FrontendState:
         self.gate = LoadGate(self.config.engine.max_num_seqs + self.config.max_queue)
         added = self.tokenizer.tokenizer.get_added_vocab()
         self.reasoning = reasoning_enabled(self.config.reasoning_parser, added)
-        self.think_end_token = added.get(THINK_END)
+        self.think_start_token, self.think_end_token = added.get(THINK_START), added.get(THINK_END)
         self.connections = ConnectionGuard(self.config.max_connections, self.config.read_timeout)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.grammar_timeout)
         modules = self.config.engine.lora_modules

@@ -58,7 +58,6 @@ class GrammarEngine:
         invalid grammar). Both are what costs, up to a second and 60 ms for a 200 KB schema; llguidance
         releases the GIL meanwhile, and a copy inherits the warmed lexer."""
         pristine = self._pristine_matcher(grammar)
-        pristine.compute_bitmask()
         with self._lock:
             self._prepared[rid] = pristine
 
@@ -88,6 +87,8 @@ class GrammarEngine:
         pristine = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if pristine.is_error():
             raise ValueError(f"invalid grammar: {pristine.get_error()}")
+        # Warmed before anyone else sees it (a matcher is not to be used by two threads at once).
+        pristine.compute_bitmask()
         with self._lock:
             if self._built_before(grammar) and len(grammar) <= _CACHED_GRAMMAR_BYTES:
                 self._cache(grammar, pristine)

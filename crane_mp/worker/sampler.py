@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from crane_mp.protocol import SamplingParams, TokenLogprobs
+from crane_mp.protocol import SamplingParams, ThinkingBudget, TokenLogprobs
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.host_buffers import device_bools, device_floats, device_longs
 from crane_mp.worker.penalties import PenaltyTable
@@ -32,6 +32,8 @@ class SamplingState:
     bias_ids: list[int] = field(default_factory=list)  # logit_bias within the vocabulary
     bias_values: list[float] = field(default_factory=list)
     matcher: object | None = None  # llguidance matcher of a constrained request (grammar.py)
+    thinking: bool = False  # inside the answer's think block (params.thinking)
+    thought: int = 0  # tokens written inside it
 
 
 class Sampler:
@@ -62,6 +64,8 @@ class Sampler:
             biases = [(t, v) for t, v in params.logit_bias.items() if 0 <= t < self.vocab_size]
             state.bias_ids = [t for t, _ in biases]
             state.bias_values = [float(v) for _, v in biases]
+        if params.thinking is not None:
+            state.thinking = params.thinking.opened
         if params.min_tokens > 0:
             stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids))
             state.suppress_ids = [t for t in stop_ids if 0 <= t < self.vocab_size]
@@ -83,6 +87,8 @@ class Sampler:
             if state.matcher is not None:
                 # A token the mask allowed always fits; if not, the matcher only allows EOS from now on.
                 state.matcher.consume_token(token)
+            if state.params.thinking is not None:
+                _follow_thinking(state, state.params.thinking, token)
             if state.penalty_row is not None:
                 penalised_rows.append(state.penalty_row)
                 penalised_tokens.append(token)
@@ -186,6 +192,10 @@ class Sampler:
                 rows += [row] * len(state.suppress_ids)
                 ids += state.suppress_ids
                 values += [-_SUPPRESSED] * len(state.suppress_ids)
+            if state.thinking and state.thought >= state.params.thinking.max_tokens:  # the budget is spent
+                rows.append(row)
+                ids.append(state.params.thinking.end_token)
+                values.append(_SUPPRESSED)
             if state.penalty_row is not None:
                 penalised.append(row)
         if rows:
@@ -347,7 +357,19 @@ _CANDIDATES = 256
 def _processed(state: SamplingState) -> bool:
     """Whether a row's logits go through a processor before the draw (each makes [rows, vocabulary]
     temporaries)."""
-    return bool(state.bias_ids or state.suppress_ids or state.penalty_row is not None or state.matcher is not None)
+    return bool(state.bias_ids or state.suppress_ids or state.penalty_row is not None or state.matcher is not None
+                or state.thinking)
+
+
+def _follow_thinking(state: SamplingState, budget: ThinkingBudget, token: int) -> None:
+    """Track the think block: opened by the answer's first token or the prompt, closed by `</think>`."""
+    if state.thinking:
+        if token == budget.end_token:
+            state.thinking = False
+        else:
+            state.thought += 1
+    elif state.num_output_tokens == 1 and token == budget.start_token and not budget.opened:
+        state.thinking = True
 
 
 def flat_at_zeros(probs: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:

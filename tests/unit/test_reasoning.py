@@ -11,7 +11,7 @@ import random
 import pytest
 
 from crane_mp.frontend.reasoning import END, START, ReasoningSplitter, reasoning_enabled, split_reasoning
-from crane_mp.protocol import FinishReason, TokenOutput
+from crane_mp.protocol import FinishReason, ThinkingBudget, TokenOutput
 
 CASES = [  # (prompt, answer, reasoning, content)
     ("<|im_start|>assistant\n", "<think>\nweigh it</think>\n\nIt is 4.", "\nweigh it", "\n\nIt is 4."),
@@ -85,10 +85,23 @@ async def test_streamed_reasoning_adds_up_to_the_whole_answer_and_is_counted(fro
     assert events[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] == ids.index(state.think_end_token) + 1
 
 
-@pytest.mark.parametrize("server_args", [{"reasoning_parser": "none"}])
-async def test_reasoning_parser_none_leaves_the_answer_whole(frontend):
+@pytest.mark.parametrize("server_args, request_fields", [({"reasoning_parser": "none"}, {}),
+                                                          ({}, {"separate_reasoning": False})])
+async def test_an_answer_is_left_whole_where_asked(frontend, request_fields):
     client, state, fake = frontend
     fake.output_ids = _ids(state, "<think>t</think>a")
-    body = await (await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}]})).json()
-    assert body["choices"][0]["message"]["content"] == "<think>t</think>a"
-    assert "reasoning_content" not in body["choices"][0]["message"]
+    body = {"messages": [{"role": "user", "content": "q"}], **request_fields}
+    message = (await (await client.post("/v1/chat/completions", json=body)).json())["choices"][0]["message"]
+    assert message["content"] == "<think>t</think>a" and "reasoning_content" not in message
+
+
+async def test_a_thinking_budget_reaches_the_sampler_with_the_think_tokens(frontend):
+    client, state, fake = frontend
+    for field in ("thinking_budget", "max_thinking_tokens"):
+        body = {"messages": [{"role": "user", "content": "q"}], field: 7}
+        assert (await client.post("/v1/chat/completions", json=body)).status == 200
+        budget = fake.requests[-1].sampling.thinking
+        assert budget == ThinkingBudget(7, state.think_start_token, state.think_end_token, False)
+    body = {"messages": [{"role": "user", "content": "q"}], "thinking_budget": 7, "separate_reasoning": False}
+    await client.post("/v1/chat/completions", json=body)
+    assert fake.requests[-1].sampling.thinking is None  # no reading for thinking: no budget either

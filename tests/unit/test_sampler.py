@@ -7,7 +7,7 @@ import math
 import msgspec
 import torch
 
-from crane_mp.protocol import SamplingParams
+from crane_mp.protocol import SamplingParams, ThinkingBudget
 from crane_mp.worker.sampler import Sampler
 from crane_mp.worker.seeded_noise import row_keys, uniform_from_keys
 from crane_mp.worker.platforms import platform_for
@@ -296,3 +296,24 @@ def test_a_cdf_summed_out_of_order_never_draws_a_zero_probability_entry():
     assert torch.all(probs[0, drawn.squeeze(1)] > 0)
     unflattened = torch.searchsorted(skewed.expand(len(targets), -1).contiguous(), targets[:, None], right=True)
     assert torch.any(probs[0, unflattened.squeeze(1)] == 0)  # what the skew does without the fix
+
+
+def test_a_thinking_budget_forces_the_end_of_thinking_once():
+    think, end = 40, 41
+    sampler = Sampler(VOCAB, CPU_PLATFORM)
+    answer_opens = SamplingParams(seed=1, thinking=ThinkingBudget(3, think, end))
+    prompt_opens = SamplingParams(temperature=0.0, thinking=ThinkingBudget(2, think, end, opened=True))
+    no_think = SamplingParams(seed=2, thinking=ThinkingBudget(0, think, end))
+    st = states(sampler, answer_opens, prompt_opens, no_think)
+    out = [[] for _ in st]
+    for step in range(8):
+        logits = peaked_logits(3, seed=step)
+        logits[:, end] = -50.0  # the model would never close its thinking
+        logits[:, think] = -50.0
+        if step == 0:
+            logits[0, think] = 50.0  # the first answer opens with <think>
+        for row, token in enumerate(draw(sampler, logits, st)):
+            out[row].append(token)
+    assert out[0][0] == think and out[0][4] == end and end not in out[0][5:]  # 3 thoughts, then forced
+    assert out[1][2] == end and end not in out[1][3:]  # the prompt opened it: 2 thoughts
+    assert end not in out[2]  # never thought: nothing forced
