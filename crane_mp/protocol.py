@@ -31,7 +31,9 @@ class ErrorKind(enum.IntEnum):
 
 class ThinkingBudget(msgspec.Struct, frozen=True, array_like=True):
     """A reasoning model may think `max_tokens` tokens (after its `<think>`, which the answer opens with
-    or the prompt `opened`); past them the sampler forces `</think>`."""
+    or the prompt `opened`); past them the sampler forces `</think>`. A grammar (structured output, a
+    forced tool call) constrains only what follows the think block (the frontend sends both only where
+    the prompt opened it)."""
 
     max_tokens: int
     start_token: int

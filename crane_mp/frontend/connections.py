@@ -24,15 +24,17 @@ log = logging.getLogger("crane_mp.frontend")
 _RESERVED_FDS = 256
 
 
-def _raw_response(status: str, message: str) -> bytes:
-    body = ('{"error": {"message": "%s", "type": "service_unavailable", "param": null, "code": %s}}'
-            % (message, status.split()[0])).encode()
+def _raw_response(status: str, kind: str, message: str) -> bytes:
+    body = ('{"error": {"message": "%s", "type": "%s", "param": null, "code": %s}}'
+            % (message, kind, status.split()[0])).encode()
     return (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nRetry-After: 1\r\n"
             b"Connection: close\r\n\r\n%s" % (status.encode(), len(body), body))
 
 
-_TOO_MANY = _raw_response("503 Service Unavailable", "this frontend holds too many open connections; retry")
-_TOO_SLOW = _raw_response("408 Request Timeout", "the request headers did not arrive within --read-timeout")
+_TOO_MANY = _raw_response("503 Service Unavailable", "service_unavailable",
+                          "this frontend holds too many open connections; retry")
+_TOO_SLOW = _raw_response("408 Request Timeout", "timeout_error",
+                          "the request headers did not arrive within --read-timeout")
 
 
 class ConnectionGuard:

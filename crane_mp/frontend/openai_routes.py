@@ -99,15 +99,24 @@ async def chat_completions(request: web.Request, req: ChatCompletionRequest) -> 
                                             state.tokenizer.marker_tokens)
     params = await state.grammars.constrain(params, constraint, state.engine_info)
     reading = ToolReading(fmt, req.parallel_tool_calls) if mode != "none" else None
-    # A constrained answer is the constraint's from its first token (no thinking before it yet).
-    split = state.reasoning and req.separate_reasoning and constraint is None
+    # The sampler follows the think block (its tags must be tokens) for a budget, and for a constraint
+    # after a prompt that opened thinking (R1): the constraint waits until the block ends. Otherwise a
+    # constraint holds from the first token: the answer does not think (as with enable_thinking false).
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    followable = None not in (state.think_start_token, state.think_end_token)
+    opens = prompt_opens_thinking(prompt)
+    split = state.reasoning and req.separate_reasoning and (constraint is None or followable or not opens)
     thinking = ReasoningReading(prompt, state.think_end_token) if split else None
     budget = req.thinking_budget if req.thinking_budget is not None else req.max_thinking_tokens
-    if budget is not None and split and None not in (state.think_start_token, state.think_end_token):
+    if constraint is not None and not opens:
+        budget = None
+    elif budget is None and constraint is not None:  # leave the constrained answer half the room
+        room = state.engine_info.max_model_len - len(input_ids)
+        budget = min(room, requested or room) // 2
+    if split and followable and budget is not None:
         params = msgspec.structs.replace(params, thinking=ThinkingBudget(
-            budget, state.think_start_token, state.think_end_token, prompt_opens_thinking(prompt)))
+            budget, state.think_start_token, state.think_end_token, opens))
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     plan = Plan([input_ids], params, requested, "messages", req.n, stop_strings(req.stop), req.skip_special_tokens,
                 names=chat_id)
     created = int(time.time())

@@ -84,11 +84,12 @@ class Sampler:
         penalised_rows, penalised_tokens = [], []
         for state, token in zip(states, tokens):
             state.num_output_tokens += 1
-            if state.matcher is not None:
+            thought = False
+            if state.params.thinking is not None:
+                thought = _follow_thinking(state, state.params.thinking, token)
+            if state.matcher is not None and not thought:
                 # A token the mask allowed always fits; if not, the matcher only allows EOS from now on.
                 state.matcher.consume_token(token)
-            if state.params.thinking is not None:
-                _follow_thinking(state, state.params.thinking, token)
             if state.penalty_row is not None:
                 penalised_rows.append(state.penalty_row)
                 penalised_tokens.append(token)
@@ -174,7 +175,8 @@ class Sampler:
         return tokens, truncated, covered, (scores, top_ids)
 
     def _apply_processors(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        constrained = [row for row, state in enumerate(states) if state.matcher is not None]
+        # A grammar waits while its answer thinks (a prompt that opened thinking: ThinkingBudget).
+        constrained = [row for row, state in enumerate(states) if state.matcher is not None and not state.thinking]
         if constrained:
             self.grammars.mask(logits, constrained, [states[row].matcher for row in constrained])
         rows: list[int] = []
@@ -361,15 +363,19 @@ def _processed(state: SamplingState) -> bool:
                 or state.thinking)
 
 
-def _follow_thinking(state: SamplingState, budget: ThinkingBudget, token: int) -> None:
-    """Track the think block: opened by the answer's first token or the prompt, closed by `</think>`."""
+def _follow_thinking(state: SamplingState, budget: ThinkingBudget, token: int) -> bool:
+    """Track the think block (opened by the answer's first token or by the prompt, closed by
+    `</think>`); True when `token` belongs to it."""
     if state.thinking:
         if token == budget.end_token:
             state.thinking = False
         else:
             state.thought += 1
-    elif state.num_output_tokens == 1 and token == budget.start_token and not budget.opened:
+        return True
+    if state.num_output_tokens == 1 and token == budget.start_token and not budget.opened:
         state.thinking = True
+        return True
+    return False
 
 
 def flat_at_zeros(probs: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:

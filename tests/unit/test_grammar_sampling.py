@@ -14,7 +14,7 @@ from llguidance import LLMatcher
 
 from crane_mp.gguf_file import resolve_model_source
 from crane_mp.model_tokenizer import load_tokenizer
-from crane_mp.protocol import SamplingParams
+from crane_mp.protocol import SamplingParams, ThinkingBudget
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.sampler import Sampler
@@ -154,3 +154,29 @@ def test_greedy_takes_the_best_allowed_token(grammars):
 def test_a_request_without_an_engine_for_grammars_is_refused():
     with pytest.raises(ValueError, match="structured output"):
         Sampler(512, CPU_PLATFORM).new_state(SamplingParams(grammar=LLMatcher.grammar_from_regex("a")), [1], EOS_IDS)
+
+
+def test_a_grammar_waits_until_the_answer_stops_thinking(grammars, tokenizer):
+    think, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    grammar = LLMatcher.grammar_from_regex("[0-9]+")
+    sampler = Sampler(512, CPU_PLATFORM, grammars)
+    params = [SamplingParams(seed=2, grammar=grammar, thinking=ThinkingBudget(3, think, end, opened=True)),
+              SamplingParams(seed=3, grammar=grammar)]
+    states = [sampler.new_state(p, [1], EOS_IDS) for p in params]
+    outputs: list[list[int]] = [[] for _ in states]
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(40):
+        live = [row for row, out in enumerate(outputs) if not out or out[-1] not in EOS_IDS]
+        if not live:
+            break
+        logits = torch.randn(2, 512, generator=generator) * 4
+        logits[:, end] = -50.0  # only the budget closes the thinking
+        tokens, _ = sampler.sample(logits[live], [states[row] for row in live])
+        sampler.record([states[row] for row in live], tokens)
+        for row, token in zip(live, tokens):
+            outputs[row].append(token)
+    thought, direct = outputs
+    assert thought[3] == end  # the prompt opened the block: 3 free tokens, then the forced </think>
+    assert not re.fullmatch(r"[0-9]*", tokenizer.decode(thought[:3]))  # the grammar waited
+    assert re.fullmatch(r"[0-9]+", tokenizer.decode(thought[4:-1])) and thought[-1] in EOS_IDS
+    assert re.fullmatch(r"[0-9]+", tokenizer.decode(direct[:-1]))

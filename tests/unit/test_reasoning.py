@@ -105,3 +105,22 @@ async def test_a_thinking_budget_reaches_the_sampler_with_the_think_tokens(front
     body = {"messages": [{"role": "user", "content": "q"}], "thinking_budget": 7, "separate_reasoning": False}
     await client.post("/v1/chat/completions", json=body)
     assert fake.requests[-1].sampling.thinking is None  # no reading for thinking: no budget either
+
+
+async def test_a_constrained_answer_thinks_first_only_where_the_prompt_opened_thinking(frontend):
+    client, state, fake = frontend
+    fake.output_ids = _ids(state, 'plan</think>{"a": 1}')
+    opened = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\n"}]
+    body = {"messages": opened, "continue_final_message": True, "add_generation_prompt": False,
+            "response_format": {"type": "json_object"}, "max_tokens": 100}
+    message = (await (await client.post("/v1/chat/completions", json=body)).json())["choices"][0]["message"]
+    assert message["reasoning_content"] == "plan" and json.loads(message["content"]) == {"a": 1}
+    # The grammar waits for </think>; thinking gets half the room unless the request says otherwise.
+    assert fake.requests[-1].sampling.thinking == ThinkingBudget(
+        50, state.think_start_token, state.think_end_token, True)
+
+    body = {"messages": [{"role": "user", "content": "q"}], "response_format": {"type": "json_object"}}
+    fake.output_ids = _ids(state, '{"a": 1}')
+    message = (await (await client.post("/v1/chat/completions", json=body)).json())["choices"][0]["message"]
+    assert json.loads(message["content"]) == {"a": 1}
+    assert fake.requests[-1].sampling.thinking is None  # constrained from the first token: no thinking
