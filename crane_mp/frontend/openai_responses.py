@@ -38,15 +38,15 @@ def usage(gens: list, n: int, reasoning: int | None = None) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class ReasoningReading:
-    """How to read an answer for thinking: the rendered prompt (does it open a think block?) and the
-    `</think>` token, by which thinking tokens are counted."""
+    """How to read an answer for thinking: whether the prompt opened a think block, and the `</think>`
+    token, by which thinking tokens are counted."""
 
-    prompt: str
+    opened: bool
     end_token: int | None
 
     def split(self, text: str, token_ids: list[int]) -> tuple[str | None, str, int]:
         """(reasoning or None, content, thinking tokens) of a whole answer."""
-        reasoning, content = split_reasoning(self.prompt, text)
+        reasoning, content = split_reasoning(self.opened, text)
         return reasoning, content, reasoning_tokens(token_ids, self.end_token, reasoning is not None)
 
 
@@ -84,8 +84,7 @@ def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason, t
 class _ChoiceStream:
     parser: ToolCallParser | None
     thinking: ReasoningSplitter | None = None
-    reasoning_tokens: int = 0
-    undecided_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # with thinking: to count its tokens at the end
 
 
 @dataclass(slots=True)
@@ -104,14 +103,13 @@ class ChatStream:
         payloads = []
         if state is None:
             parser = ToolCallParser(self.tools.fmt, self.tools.parallel) if self.tools else None
-            thinking = ReasoningSplitter.for_prompt(self.reasoning.prompt) if self.reasoning else None
+            thinking = ReasoningSplitter.opening(self.reasoning.opened) if self.reasoning else None
             state = self.choices[index] = _ChoiceStream(parser, thinking)
             payloads.append(self._chunk(index, {"role": "assistant", "content": ""}))
         reasoning, content, calls = "", delta.text, []
         if state.thinking is not None:
-            before = state.thinking.state
+            state.token_ids += delta.token_ids
             reasoning, content = state.thinking.feed(delta.text)
-            self._count_thinking(state, before, delta.token_ids)
             if delta.finish_reason:
                 more_reasoning, more_content = state.thinking.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
@@ -136,24 +134,11 @@ class ChatStream:
                                     delta.stop_reason if delta.finish_reason else None))
         return payloads
 
-    def _count_thinking(self, state: _ChoiceStream, before: str, token_ids: list[int]) -> None:
-        """Count a delta's tokens spent thinking (up to and including `</think>`) as ReasoningReading
-        counts a whole answer's."""
-        splitter = state.thinking
-        if splitter.state == "start":  # a held `<th`: counted once it is known to open a think block
-            state.undecided_tokens += len(token_ids)
-            return
-        if before == "answer" or (before == "start" and splitter.state == "answer" and not splitter.ended):
-            state.undecided_tokens = 0
-            return
-        end = self.reasoning.end_token
-        count = token_ids.index(end) + 1 if end is not None and end in token_ids else len(token_ids)
-        state.reasoning_tokens += count + state.undecided_tokens
-        state.undecided_tokens = 0
-
     @property
     def reasoning_tokens(self) -> int:
-        return sum(state.reasoning_tokens for state in self.choices.values())
+        """Thinking tokens of every choice so far, counted as ReasoningReading counts a whole answer's."""
+        return sum(reasoning_tokens(state.token_ids, self.reasoning.end_token, state.thinking.thought)
+                   for state in self.choices.values())
 
     def _chunk(self, index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

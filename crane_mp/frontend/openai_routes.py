@@ -106,7 +106,7 @@ async def chat_completions(request: web.Request, req: ChatCompletionRequest) -> 
     followable = None not in (state.think_start_token, state.think_end_token)
     opens = prompt_opens_thinking(prompt)
     split = state.reasoning and req.separate_reasoning and (constraint is None or followable or not opens)
-    thinking = ReasoningReading(prompt, state.think_end_token) if split else None
+    thinking = ReasoningReading(opens, state.think_end_token) if split else None
     budget = req.thinking_budget if req.thinking_budget is not None else req.max_thinking_tokens
     if constraint is not None and not opens:
         budget = None

@@ -39,8 +39,9 @@ class ReasoningSplitter:
     ended: bool = False  # </think> was seen
 
     @classmethod
-    def for_prompt(cls, prompt: str) -> ReasoningSplitter:
-        return cls("thinking" if prompt_opens_thinking(prompt) else "start")
+    def opening(cls, opened: bool) -> ReasoningSplitter:
+        """A splitter for an answer whose prompt `opened` a think block (prompt_opens_thinking) or not."""
+        return cls("thinking" if opened else "start")
 
     def feed(self, text: str) -> tuple[str, str]:
         text, self.held = self.held + text, ""
@@ -70,17 +71,17 @@ class ReasoningSplitter:
         return (held, "") if self.state == "thinking" else ("", held)
 
     @property
-    def thinking(self) -> bool:
-        return self.state == "thinking"
+    def thought(self) -> bool:
+        """The answer has thought so far (it is thinking, or its thinking ended)."""
+        return self.state == "thinking" or self.ended
 
 
-def split_reasoning(prompt: str, text: str) -> tuple[str | None, str]:
+def split_reasoning(opened: bool, text: str) -> tuple[str | None, str]:
     """A whole response's (reasoning, content); reasoning None when the response did not think."""
-    splitter = ReasoningSplitter.for_prompt(prompt)
+    splitter = ReasoningSplitter.opening(opened)
     reasoning, content = splitter.feed(text)
     more_reasoning, more_content = splitter.finish()
-    thought = splitter.state == "thinking" or splitter.ended
-    return (reasoning + more_reasoning if thought else None), content + more_content
+    return (reasoning + more_reasoning if splitter.thought else None), content + more_content
 
 
 def reasoning_tokens(token_ids: list[int], end_token: int | None, thought: bool) -> int:

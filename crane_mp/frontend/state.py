@@ -40,7 +40,7 @@ class FrontendState:
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.config.model_name)
         self.gate = LoadGate(self.config.engine.max_num_seqs + self.config.max_queue)
-        added = self.tokenizer.tokenizer.get_added_vocab()
+        added = self.tokenizer.added_vocab
         self.reasoning = reasoning_enabled(self.config.reasoning_parser, added)
         self.think_start_token, self.think_end_token = added.get(THINK_START), added.get(THINK_END)
         self.connections = ConnectionGuard(self.config.max_connections, self.config.read_timeout)

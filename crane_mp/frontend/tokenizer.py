@@ -38,7 +38,7 @@ class TokenizerService:
         # The renderer sets these itself (special tokens included): a kwarg must not replace them.
         self.reserved_variables = _RENDERER_VARIABLES | set(self.tokenizer.special_tokens_map)
         self.template_variables = _template_variables(getattr(self.tokenizer, "chat_template", None))
-        added = self.tokenizer.get_added_vocab()
+        self.added_vocab = added = self.tokenizer.get_added_vocab()
         self.marker_tokens = {text: added[text] for text in MARKER_TEXTS if text in added}  # tool-call markers
 
     @property

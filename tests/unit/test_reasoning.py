@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from crane_mp.frontend.reasoning import END, START, ReasoningSplitter, reasoning_enabled, split_reasoning
+from crane_mp.frontend.reasoning import (END, START, ReasoningSplitter, prompt_opens_thinking, reasoning_enabled,
+                                         split_reasoning)
 from crane_mp.protocol import FinishReason, ThinkingBudget, TokenOutput
 
 CASES = [  # (prompt, answer, reasoning, content)
@@ -26,7 +27,7 @@ CASES = [  # (prompt, answer, reasoning, content)
 
 @pytest.mark.parametrize("prompt, answer, reasoning, content", CASES)
 def test_the_split_is_lossless_in_every_chunking(prompt, answer, reasoning, content):
-    assert split_reasoning(prompt, answer) == (reasoning, content)
+    assert split_reasoning(prompt_opens_thinking(prompt), answer) == (reasoning, content)
     opened = answer.startswith(START) and prompt.rfind(START) <= prompt.rfind(END)
     rebuilt = (START if opened else "") + (reasoning or "") + (END if END in answer and reasoning is not None
                                                               else "") + content
@@ -35,7 +36,7 @@ def test_the_split_is_lossless_in_every_chunking(prompt, answer, reasoning, cont
         rng = random.Random(seed)
         cuts = sorted(rng.sample(range(1, len(answer)), min(len(answer) - 1, rng.randint(1, 8))))
         pieces = [answer[a:b] for a, b in zip([0, *cuts], [*cuts, len(answer)])]
-        splitter = ReasoningSplitter.for_prompt(prompt)
+        splitter = ReasoningSplitter.opening(prompt_opens_thinking(prompt))
         fed = [splitter.feed(piece) for piece in pieces] + [splitter.finish()]
         assert "".join(r for r, _ in fed) == (reasoning or "")
         assert "".join(c for _, c in fed) == content
