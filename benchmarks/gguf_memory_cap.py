@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
+from crane_mp.config import parse_memory_limit
 from crane_mp.testing.random_gguf import random_gguf
 
 HERE = Path(__file__).parent
@@ -38,6 +41,29 @@ def wait_healthy(url: str, proc: subprocess.Popen, seconds: float = 900) -> None
     raise SystemExit("crane-launch did not become healthy")
 
 
+class DevicePeak:
+    """The device's used memory (nvidia-smi, every process on it: on a dedicated GPU, the worker's CUDA
+    context, torch's reserved segments, cuBLAS workspaces and Triton modules) sampled every 0.2 s."""
+
+    def __init__(self) -> None:
+        self.peak_mib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        if shutil.which("nvidia-smi"):
+            self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.2):
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True).stdout.split()
+            if out:
+                self.peak_mib = max(self.peak_mib, int(out[0]))
+
+    def stop(self) -> int:
+        self._stop.set()
+        return self.peak_mib
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, default=Path("/tmp/random-qwen3-8b-q4_k_m.gguf"))
@@ -54,6 +80,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "crane_mp", "--model-path", str(args.gguf), "--gpu-memory-limit", args.limit,
            "--max-concurrent", str(args.streams), "--max-seq-len", str(args.prompt_len + args.output_len + 16),
            "--port", str(args.port), *args.server_args.split()]
+    peak = DevicePeak()
     server = subprocess.Popen(cmd)
     try:
         wait_healthy(url, server)
@@ -68,8 +95,14 @@ def main() -> None:
         results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
         failed = [r for r in results if r.get("first_error")]
         alive = server.poll() is None and urllib.request.urlopen(url + "/health", timeout=5).status == 200
-        print("PASS" if results and not failed and alive else "FAIL",
-              f"({len(results)} runs, errors: {[r['first_error'] for r in failed]}, server up: {alive})")
+        peak_mib = peak.stop()
+        limit = parse_memory_limit(args.limit)
+        limit_mib = limit.num_bytes / 2**20 if limit.num_bytes else None
+        print(f"device memory peak (nvidia-smi): {peak_mib} MiB; limit {limit_mib} MiB")
+        under = limit_mib is None or peak_mib <= limit_mib
+        print("PASS" if results and not failed and alive and under else "FAIL",
+              f"({len(results)} runs, errors: {[r['first_error'] for r in failed]}, server up: {alive}, "
+              f"peak under the limit: {under})")
     finally:
         server.terminate()
         server.wait(60)

@@ -1,0 +1,87 @@
+"""The GGUF decode matmul on CUDA (triton_dequant.py): K split across programs against no split, and
+against dequantizing to a bf16 slab for cuBLAS, on Qwen3-8B's projection shapes.
+
+    python benchmarks/gguf_cuda_splits.py [--types Q4_K Q6_K Q8_0] [--rows 1 8]
+
+Decode reads each quantized weight once per step, so the figure that matters is weight GB/s against
+the device-to-device copy bandwidth measured first (read + write). Each call rotates over three
+copies of the matrix so that L2 (50-60 MB) never holds the one being read. Prints one JSON line per
+(type, shape, rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from crane_mp.testing.random_gguf import random_blocks
+from crane_mp.worker.quantized import triton_dequant
+
+SHAPES = {"qkv": (6144, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+_COPIES = 3
+
+
+def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / (milliseconds(lambda i: dst.copy_(src)) / 1e3)
+
+
+def milliseconds(fn, calls: int = 60) -> float:
+    """Mean over `calls` calls, timed with CUDA events after a warm-up, passing the call number."""
+    for i in range(5):
+        fn(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(calls):
+        fn(i)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    print(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbs": round(bandwidth / 1e9)}))
+    rng = np.random.default_rng(0)
+    for name in args.types:
+        qtype = T[name]
+        for shape, (out_features, in_features) in SHAPES.items():
+            weights = [torch.from_numpy(random_blocks(out_features, in_features, qtype, rng)).cuda()
+                       for _ in range(_COPIES)]
+            nbytes = weights[0].numel()
+            for rows in args.rows:
+                x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda") * 0.1
+                auto = triton_dequant.k_splits(triton_dequant.triton.cdiv(rows, triton_dequant._TILE_M)
+                                               * triton_dequant.triton.cdiv(out_features, triton_dequant._TILE_N),
+                                               triton_dequant.triton.cdiv(in_features, triton_dequant._TILE_K),
+                                               triton_dequant.num_sms(x.device))
+                row = {"type": name, "shape": shape, "rows": rows, "weight_mib": round(nbytes / 2**20, 1),
+                       "auto_splits": auto}
+                for label, splits in (("split", auto), ("no_split", 1)):
+                    ms = milliseconds(lambda i, s=splits: triton_dequant.triton_quantized_matmul(
+                        x, weights[i % _COPIES], qtype, in_features, splits=s))
+                    row[f"{label}_us"] = round(ms * 1e3, 1)
+                    row[f"{label}_of_roofline"] = round(nbytes / (ms / 1e3) / bandwidth, 3)
+                slab_ms = milliseconds(lambda i: x @ triton_dequant.triton_dequantize(
+                    weights[i % _COPIES], qtype, in_features, torch.bfloat16).T)
+                row["dequant_cublas_us"] = round(slab_ms * 1e3, 1)
+                reference = x @ triton_dequant.triton_dequantize(weights[0], qtype, in_features, torch.bfloat16).T
+                for splits in (auto, 1):
+                    got = triton_dequant.triton_quantized_matmul(x, weights[0], qtype, in_features, splits=splits)
+                    row[f"max_rel_err_splits_{splits}"] = float(((got.float() - reference.float()).abs().max()
+                                                                 / reference.float().abs().max()))
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Every GPU check of issue 32 in one run, for a lent GPU machine whose time is counted: tests/gpu, the
+# decode roofline (graphs on and off), the GGUF decode matmul's K splits, and the 8B Q4_K_M under
+# --gpu-memory-limit 8G. Each step has its own time limit so a hang costs only that step; logs go to
+# $OUT (default benchmarks/out/gpu). Wheels the machine lacks (pyzmq, msgspec, gguf, llguidance) are
+# installed from .whl/ when that folder exists.
+#
+#   bash benchmarks/gpu_checks.sh                 # all steps
+#   STEPS="tests memcap" bash benchmarks/gpu_checks.sh
+set -u
+OUT=${OUT:-benchmarks/out/gpu}
+STEPS=${STEPS:-"tests roofline splits memcap"}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-8}
+GGUF=${GGUF:-/tmp/random-qwen3-8b-q4_k_m.gguf}
+log() { echo "== $(date +%T) $*"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+python3 - <<'EOF'
+import torch, triton
+torch.cuda.init()
+a = torch.randn(1024, 1024, device="cuda"); (a @ a).sum().item()
+free, total = torch.cuda.mem_get_info()
+print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}: "
+      f"used outside torch's allocator after a matmul {(total - free - torch.cuda.memory_reserved()) / 2**20:.0f} MiB")
+EOF
+case " $STEPS " in *" memcap "*)
+    [ -f "$GGUF" ] || (python3 -m crane_mp.testing.random_gguf --out "$GGUF.part" >"$OUT/random_gguf.log" 2>&1 \
+                       && mv "$GGUF.part" "$GGUF" &) ;;
+esac
+
+if [[ " $STEPS " == *" tests "* ]]; then
+    log tests/gpu
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -60
+fi
+if [[ " $STEPS " == *" roofline "* ]]; then
+    log "roofline, graphs on"
+    timeout 120 python3 benchmarks/gpu.py --steps 30 2>&1 | tee "$OUT/roofline.log" | tail -30
+    log "roofline, graphs off"
+    timeout 90 python3 benchmarks/gpu.py --steps 30 --batches 1 8 64 --no-cuda-graph 2>&1 | tee -a "$OUT/roofline.log" | tail -30
+fi
+if [[ " $STEPS " == *" splits "* ]]; then
+    log "GGUF decode matmul: K splits"
+    timeout 60 python3 benchmarks/gguf_cuda_splits.py 2>&1 | tee "$OUT/splits.log" | tail -30
+fi
+if [[ " $STEPS " == *" memcap "* ]]; then
+    log "8B Q4_K_M under 8G"
+    for _ in $(seq 90); do [ -f "$GGUF" ] && break; sleep 2; done
+    tail -3 "$OUT/random_gguf.log" 2>/dev/null
+    timeout 180 python3 benchmarks/gguf_memory_cap.py --gguf "$GGUF" --output-len 64 2>&1 | tee "$OUT/memcap.log" | tail -60
+fi
+log done
