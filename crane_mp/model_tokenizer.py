@@ -30,8 +30,11 @@ def source_tokenizer(source: ModelSource):
 def grammar_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
     """llguidance's view of the vocabulary: `vocab_size` is the model's logits width (often padded past
     the tokenizer's last id; those rows are never allowed), and every EOS id the model stops on ends a
-    finished grammar."""
+    finished grammar (llguidance before 1.7 takes one: the first)."""
     from llguidance import LLTokenizer
 
-    backend = hf_tokenizer.backend_tokenizer
-    return LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+    spec = hf_tokenizer.backend_tokenizer.to_str()
+    try:
+        return LLTokenizer(spec, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+    except TypeError:
+        return LLTokenizer(spec, n_vocab=vocab_size, eos_token=eos_token_ids[0] if eos_token_ids else None)

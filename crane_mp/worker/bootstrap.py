@@ -154,6 +154,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         reserved_bytes=reserved_bytes,
         free_bytes=platform.free_memory(),
         resident_bytes=resident_bytes,
+        runtime_bytes=platform.runtime_bytes(activation_bytes),
         fit_model_len=not config.max_model_len,
     )
     log.info("memory plan: %s", kv_plan.describe())

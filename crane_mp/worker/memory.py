@@ -1,10 +1,12 @@
 """KV-cache sizing: how many blocks fit in the memory limit after weights, peak activations and the
 memory set aside for decode graphs and sampler state.
 
-On CUDA the limit is a cap on what the engine allocates, and the plan also never counts on more than
-the device has free after the weights are loaded (other processes, the CUDA context), so a limit
-larger than what is free shrinks the cache instead of running out of memory mid-serving. The
-device's own figures (total, free, peak) are the platform's to measure (platforms/).
+On CUDA the limit bounds the device memory the worker process uses, as nvidia-smi shows it: the
+plan counts what lives outside torch's allocator (the CUDA context, cuBLAS and Triton modules) and the
+allocator's rounding besides the engine's tensors, and never counts on more than the device has free
+after the weights are loaded (other processes), so a limit larger than what is free shrinks the cache
+instead of running out of memory mid-serving. The device's own figures (total, free, peak) are the
+platform's to measure (platforms/).
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ class KVPlan:
     weights_bytes: int
     activation_bytes: int
     reserved_bytes: int = 0  # decode graphs (pool, inputs) and other resident tensors (rope tables...)
+    runtime_bytes: int = 0  # outside the engine's tensors: CUDA context, libraries, allocator slack
     bound: str = "limit"  # what sized the cache: limit, free memory, max_num_seqs or max_total_tokens
     max_model_len: int = 0  # the longest sequence served: the caller's, or lowered to fit (fit_model_len)
 
     def describe(self) -> str:
+        runtime = f"CUDA runtime and allocator slack {_size(self.runtime_bytes)}, " if self.runtime_bytes else ""
         return (f"KV cache {_size(self.kv_budget_bytes)} ({self.num_blocks} blocks, bound by {self.bound}); "
                 f"weights {_size(self.weights_bytes)}, activations {_size(self.activation_bytes)}, "
-                f"reserved {_size(self.reserved_bytes)}, limit {_size(self.limit_bytes)}")
+                f"reserved {_size(self.reserved_bytes)}, {runtime}limit {_size(self.limit_bytes)}")
 
 
 def _size(num_bytes: int) -> str:
@@ -63,6 +67,7 @@ def plan_kv_blocks(
     reserved_bytes: int = 0,
     free_bytes: int | None = None,
     resident_bytes: int = 0,
+    runtime_bytes: int = 0,
     fit_model_len: bool = False,
 ) -> KVPlan:
     """Pure sizing rule. Without a limit (the CPU default) the KV cache may use a quarter of host RAM.
@@ -72,6 +77,8 @@ def plan_kv_blocks(
     `reserved_bytes`: memory still to be allocated besides the KV cache (decode graphs).
     `resident_bytes`: memory already held besides the weights (rope tables, sampler and grammar
     tensors): counted against the limit, already missing from `free_bytes`.
+    `runtime_bytes`: device memory the process uses besides its tensors (CUDA context, libraries, the
+    allocator's rounding and fragmentation): counted against the limit only.
 
     The caller clamps max_model_len to max_total_tokens when that is set. With `fit_model_len` (the
     operator did not choose max_model_len), a max_model_len the budget cannot hold is lowered to what it
@@ -84,7 +91,8 @@ def plan_kv_blocks(
     else:
         limit_bytes = int(0.25 * total_bytes) + weights_bytes
     block_bytes = kv_bytes_per_token * block_size
-    budget = limit_bytes - weights_bytes - resident_bytes - activation_bytes - reserved_bytes - block_bytes
+    budget = (limit_bytes - weights_bytes - resident_bytes - runtime_bytes - activation_bytes - reserved_bytes
+              - block_bytes)
     bound = "limit"
     if free_bytes is not None and free_bytes - activation_bytes - reserved_bytes - block_bytes < budget:
         budget = free_bytes - activation_bytes - reserved_bytes - block_bytes
@@ -95,7 +103,7 @@ def plan_kv_blocks(
     if num_blocks < blocks_per_seq and fit_model_len and fitted_len >= min(max_model_len, MIN_FITTED_MODEL_LEN):
         max_model_len, blocks_per_seq = fitted_len, num_blocks
     if num_blocks < blocks_per_seq:
-        held = reserved_bytes + resident_bytes
+        held = reserved_bytes + resident_bytes + runtime_bytes
         needs = (f"activations ({_size(activation_bytes)}), reserved memory ({_size(held)}) and the KV "
                  f"cache of one {max_model_len}-token sequence ({_size(blocks_per_seq * block_bytes)})")
         if bound == "limit":
@@ -108,4 +116,4 @@ def plan_kv_blocks(
     if max_total_tokens is not None and num_blocks > max(blocks_per_seq, max_total_tokens // block_size):
         num_blocks, bound = max(blocks_per_seq, max_total_tokens // block_size), "max_total_tokens"
     return KVPlan(num_blocks, kv_bytes_per_token, num_blocks * block_bytes, limit_bytes, weights_bytes,
-                  activation_bytes, reserved_bytes + resident_bytes, bound, max_model_len)
+                  activation_bytes, reserved_bytes + resident_bytes, runtime_bytes, bound, max_model_len)

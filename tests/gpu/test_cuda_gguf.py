@@ -9,9 +9,9 @@ from gguf import GGMLQuantizationType as T
 
 from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
-from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_gguf import make_gguf
 from crane_mp.testing.make_model import make_model
+from tests.gpu.test_cuda_paths import GREEDY, greedy_with_gaps, prompts, stable_steps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -26,16 +26,24 @@ def gguf_files(tmp_path_factory):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M", "Q6_K", "Q4_0"])
 def test_cuda_gguf_greedy_matches_cpu_in_float32(gguf_files, qtype):
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 30, 17)]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    """Equal up to the first near tie (top-2 gap under 1e-3) of either run: the Triton kernels split K
+    and add in another order than the CPU's, ~1e-6 apart, and this random model ties now and then
+    (the first H200 run: both picked token 0 at a tie, then went apart)."""
+    batch = prompts([5, 30, 17, 64, 9, 120])
     path = str(gguf_files[qtype])
     # The CPU's float path: its default int8 activations round differently from the Triton kernels.
-    cpu = LLMEngine(EngineConfig(model_path=path, dtype="float32", force_cpu=True, max_model_len=128,
+    cpu = LLMEngine(EngineConfig(model_path=path, dtype="float32", force_cpu=True, max_model_len=256,
                                  quantized_activations="float"))
-    cuda = LLMEngine(EngineConfig(model_path=path, dtype="float32", max_model_len=128))
+    cuda = LLMEngine(EngineConfig(model_path=path, dtype="float32", max_model_len=256))
     assert cuda.worker.device.type == "cuda"
-    assert cuda.generate(prompts, params) == cpu.generate(prompts, params)
+    ours, our_gaps = greedy_with_gaps(cuda, batch)
+    theirs, their_gaps = greedy_with_gaps(cpu, batch)
+    compared = 0
+    for mine, reference, gaps, reference_gaps in zip(ours, theirs, our_gaps, their_gaps):
+        stable = stable_steps(gaps, reference_gaps, near_tie=1e-3)
+        assert mine[:stable] == reference[:stable]
+        compared += stable
+    assert compared >= len(batch) * GREEDY.max_tokens // 2
     assert cuda.worker.kv_plan.weights_bytes <= 1.05 * cuda.worker.weights_file_bytes
     assert not cuda.worker.platform.gguf.failed, "the Triton dequantizer fell back to torch ops"
 

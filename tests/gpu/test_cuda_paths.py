@@ -142,7 +142,8 @@ def test_the_largest_step_under_the_tightest_limit_stays_under_it(model_dir):
     block_bytes = plan.kv_bytes_per_token * 16
     # One sequence of the model's 2048 tokens (128 blocks), the spare block, and a few blocks of slack for
     # a second measurement of the activations coming out slightly higher.
-    tight = plan.weights_bytes + plan.activation_bytes + plan.reserved_bytes + (128 + 8) * block_bytes
+    tight = (plan.weights_bytes + plan.activation_bytes + plan.reserved_bytes + plan.runtime_bytes
+             + (128 + 8) * block_bytes)
     del probe
     gc.collect()
     torch.cuda.empty_cache()
@@ -153,7 +154,7 @@ def test_the_largest_step_under_the_tightest_limit_stays_under_it(model_dir):
     worst = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
                            frequency_penalty=0.1, presence_penalty=0.1, logprobs=20, max_tokens=8, ignore_eos=True)
     eng.generate(prompts([2040, 1500, 700, 64] + [8] * 12, seed=4), worst)
-    assert torch.cuda.max_memory_allocated() - baseline <= tight
+    assert torch.cuda.max_memory_allocated() - baseline <= tight - eng.worker.kv_plan.runtime_bytes
 
 
 def test_the_gpu_benchmark_runs_and_reports_each_batch(capsys):

@@ -94,6 +94,17 @@ def test_resident_tensors_count_against_the_limit_but_are_already_out_of_free_me
     assert by_free.num_blocks == plan(limit=MemoryLimit(num_bytes=8 * GIB), free_bytes=free).num_blocks
 
 
+def test_the_cuda_runtime_counts_against_the_limit_and_is_named_in_the_plan():
+    runtime = GIB // 4  # CUDA context, cuBLAS and Triton modules, allocator rounding: what nvidia-smi adds
+    result = plan(runtime_bytes=runtime)
+    assert result.num_blocks == plan(reserved_bytes=runtime).num_blocks
+    assert result.runtime_bytes == runtime and result.reserved_bytes == 0
+    assert "CUDA runtime and allocator slack 256.00 MiB" in result.describe()
+    assert "CUDA runtime" not in plan().describe()
+    with pytest.raises(MemoryBudgetError, match="reserved memory \\(256.00 MiB\\)"):
+        plan(runtime_bytes=runtime, limit=MemoryLimit(num_bytes=GIB + GIB // 2 + GIB // 4 + 1000))
+
+
 def test_blocks_capped_by_what_sequences_could_use_and_by_max_total_tokens():
     assert (plan(max_num_seqs=2).num_blocks, plan(max_num_seqs=2).bound) == (2 * 256 + 1, "max_num_seqs")
     assert (plan(max_total_tokens=8192).num_blocks, plan(max_total_tokens=8192).bound) == (512, "max_total_tokens")

@@ -107,6 +107,10 @@ class Platform:
         """A memory pool decode graphs share, or None."""
         return None
 
+    def runtime_bytes(self, activation_bytes: int) -> int:
+        """Memory the limit must hold besides the engine's tensors (the memory plan's runtime_bytes)."""
+        return 0
+
     def enforce_limit(self, plan: KVPlan) -> None:
         """Make the memory plan's limit hold at run time, where the allocator can be capped."""
 

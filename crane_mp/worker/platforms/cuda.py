@@ -39,9 +39,13 @@ class CudaPlatform(Platform):
     ordered_cumsum = False  # CUB's single-row scan groups its sums by thread
     reads_weights_in_place = False  # each tensor is read on its own and copied to the device
     default_memory_limit = MemoryLimit(fraction=0.9)  # most of the device, when no limit is given
+    # Device memory outside torch's allocator that appears after the plan is made: Triton kernels
+    # compiled for new shapes, cuBLAS handles of other streams, the decode graphs' executables.
+    RUNTIME_GROWTH = 64 << 20
 
     def __init__(self, index: int) -> None:
         super().__init__(torch.device("cuda", index), _triton_elementwise(), _gguf_kernels())
+        self._outside_allocator = 0  # runtime_bytes' measure of what torch's allocator does not hold
 
     def label(self) -> str:
         return f"Cuda({self.device.index})"
@@ -97,14 +101,28 @@ class CudaPlatform(Platform):
     def graph_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
 
+    def runtime_bytes(self, activation_bytes: int) -> int:
+        """What nvidia-smi will count besides the engine's tensors, measured once the weights are loaded
+        and a full step has run (cuBLAS and Triton modules loaded): the CUDA context and libraries, which
+        torch's allocator does not hold (with the device to itself, the whole device's use; another
+        process's memory there is counted too, which only errs towards a smaller cache), plus the
+        allocator's rounding of what it holds, plus a quarter of the activations (at least 64 MiB) for
+        the fragmentation of steps' temporaries."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        self._outside_allocator = max(0, total - free - reserved) + self.RUNTIME_GROWTH
+        rounding = max(0, reserved - torch.cuda.memory_allocated(self.device))
+        return self._outside_allocator + rounding + max(64 << 20, activation_bytes // 4)
+
     def enforce_limit(self, plan: KVPlan) -> None:
-        """torch's allocator refuses to grow past the limit (an allocation that would is a failed
-        request, see runner.py, not memory taken from the host's other GPU users). The plan counts
-        allocated bytes, the cap the allocator's reserved segments, which add rounding and
-        fragmentation: the cap sits a quarter of the activations (at least 256 MiB) above the limit.
-        For the worker process, which has the device to itself: the cap is process-wide."""
-        cap = plan.limit_bytes + max(256 << 20, plan.activation_bytes // 4)
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / self.total_memory()), self.device)
+        """torch's allocator refuses to grow past the limit less what lives outside it (an allocation
+        that would is a failed request, see runner.py, not memory taken from the host's other GPU
+        users), so the process's device memory stays within the limit. For the worker process, which
+        has the device to itself: the cap is process-wide."""
+        cap = plan.limit_bytes - self._outside_allocator
+        torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, cap / self.total_memory())), self.device)
 
     def measure_activation_bytes(self, profile: Callable[[bool], int], estimate_bytes: int) -> int:
         """The allocator's peak."""
