@@ -1,5 +1,6 @@
-"""The GGUF decode matmul on CUDA (triton_dequant.py): K split across programs against no split, and
-against dequantizing to a bf16 slab for cuBLAS, on Qwen3-8B's projection shapes.
+"""The GGUF decode matmul on CUDA (triton_dequant.py): K split across programs against no split, other
+weight rows per program, dequantizing to a bf16 slab for cuBLAS, and cuBLAS on a bf16 matrix of the
+same shape (what the device does with 16-bit weights), on Qwen3-8B's projection shapes.
 
     python benchmarks/gguf_cuda_splits.py [--types Q4_K Q6_K Q8_0] [--rows 1 8]
 
@@ -19,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from crane_mp.testing.random_gguf import random_blocks
-from crane_mp.worker.quantized import triton_dequant
+from crane_mp.worker.quantized.triton_dequant import BLOCK_ROWS, _blockwise_matmul, blockwise_splits, triton_dequantize
 
 SHAPES = {"qkv": (6144, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 _COPIES = 3
@@ -61,25 +62,28 @@ def main() -> None:
             nbytes = weights[0].numel()
             for rows in args.rows:
                 x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda") * 0.1
-                auto = triton_dequant.k_splits(triton_dequant.triton.cdiv(rows, triton_dequant._TILE_M)
-                                               * triton_dequant.triton.cdiv(out_features, triton_dequant._TILE_N),
-                                               triton_dequant.triton.cdiv(in_features, triton_dequant._TILE_K),
-                                               triton_dequant.num_sms(x.device))
+                auto = blockwise_splits(rows, out_features, qtype, in_features, x.device)
                 row = {"type": name, "shape": shape, "rows": rows, "weight_mib": round(nbytes / 2**20, 1),
                        "auto_splits": auto}
-                for label, splits in (("split", auto), ("no_split", 1)):
-                    ms = milliseconds(lambda i, s=splits: triton_dequant.triton_quantized_matmul(
-                        x, weights[i % _COPIES], qtype, in_features, splits=s))
+                variants = [("split", auto, None), ("no_split", 1, None)]
+                variants += [(f"split_rows{n}", None, n) for n in (32, 64, 128) if n != BLOCK_ROWS[qtype]]
+                for label, splits, block_rows in variants:
+                    ms = milliseconds(lambda i, s=splits, n=block_rows: _blockwise_matmul(
+                        x, weights[i % _COPIES], qtype, in_features, s, n))
                     row[f"{label}_us"] = round(ms * 1e3, 1)
                     row[f"{label}_of_roofline"] = round(nbytes / (ms / 1e3) / bandwidth, 3)
-                slab_ms = milliseconds(lambda i: x @ triton_dequant.triton_dequantize(
+                slab_ms = milliseconds(lambda i: x @ triton_dequantize(
                     weights[i % _COPIES], qtype, in_features, torch.bfloat16).T)
                 row["dequant_cublas_us"] = round(slab_ms * 1e3, 1)
-                reference = x @ triton_dequant.triton_dequantize(weights[0], qtype, in_features, torch.bfloat16).T
+                dense = [torch.randn(out_features, in_features, dtype=torch.bfloat16, device="cuda")
+                         for _ in range(_COPIES)]
+                dense_ms = milliseconds(lambda i: x @ dense[i % _COPIES].T)
+                row["bf16_cublas_of_roofline"] = round(dense[0].numel() * 2 / (dense_ms / 1e3) / bandwidth, 3)
+                reference = x.float() @ triton_dequantize(weights[0], qtype, in_features, torch.float32).T
                 for splits in (auto, 1):
-                    got = triton_dequant.triton_quantized_matmul(x, weights[0], qtype, in_features, splits=splits)
-                    row[f"max_rel_err_splits_{splits}"] = float(((got.float() - reference.float()).abs().max()
-                                                                 / reference.float().abs().max()))
+                    got = _blockwise_matmul(x, weights[0], qtype, in_features, splits)
+                    row[f"max_rel_err_splits_{splits}"] = float(((got.float() - reference).abs().max()
+                                                                 / reference.abs().max()))
                 print(json.dumps(row), flush=True)
 
 

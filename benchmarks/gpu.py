@@ -100,6 +100,40 @@ def decode_seconds(runner: ModelRunner, batch: int, context: int, steps: int, fi
     return times
 
 
+def profile_step(runner: ModelRunner, batch: int, context: int, steps: int) -> None:
+    """Where a decode step's time goes: the graph's GPU time (CUDA events around its replay), the
+    logits and greedy pick, the host's share of the wall time, then the kernels of eager steps."""
+    per_seq = blocks_per_seq(context, steps)
+    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
+    positions = [context - 1] * batch
+    decodes = [SeqSpan(p, 1, table) for p, table in zip(positions, tables)]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    graph_ms, head_ms, wall_ms = [], [], []
+    with torch.inference_mode():
+        for step in range(steps + 2):
+            start = time.perf_counter()
+            events[0].record()
+            hidden = runner.decode_graphs.run(decodes, [1] * batch, positions)
+            events[1].record()
+            runner.model.compute_logits(hidden).argmax(dim=-1).tolist()
+            events[2].record()
+            wall = time.perf_counter() - start
+            torch.cuda.synchronize()
+            if step >= 2:
+                graph_ms.append(events[0].elapsed_time(events[1]))
+                head_ms.append(events[1].elapsed_time(events[2]))
+                wall_ms.append(1e3 * wall)
+        print(f"batch {batch}: wall {statistics.median(wall_ms):.3f} ms = graph {statistics.median(graph_ms):.3f} "
+              f"(GPU) + logits and pick {statistics.median(head_ms):.3f} (GPU) + the rest")
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                hidden = runner.forward(decodes, [], [1] * batch, positions, None)
+                runner.model.compute_logits(hidden).argmax(dim=-1).tolist()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
@@ -111,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cuda-graph", action="store_true")
     parser.add_argument("--kv-fraction", type=float, default=0.8, help="of free memory after weights, for KV")
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
+    parser.add_argument("--profile", action="store_true",
+                        help="then split the first batch's step: graph, logits, host; and its kernels eager")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -151,6 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         floor = (weights + batch * (context + args.steps / 2) * kv_per_token) / bandwidth
         print(f"| {batch} | {context} | {batch / mean:.0f} | {1e3 * statistics.median(times):.2f} | "
               f"{1e3 * mean:.2f} | {batch / floor:.0f} | {floor / mean:.0%} |")
+    if args.profile and graphs:
+        batch = args.batches[0]
+        profile_step(runner, batch, min(args.context, runner.num_blocks // batch * BLOCK_SIZE - args.steps - 1),
+                     args.steps)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 # $OUT (default benchmarks/out/gpu). Wheels the machine lacks (pyzmq, msgspec, gguf, llguidance) are
 # installed from .whl/ when that folder exists.
 #
-#   bash benchmarks/gpu_checks.sh                 # all steps
-#   STEPS="tests memcap" bash benchmarks/gpu_checks.sh
+#   bash benchmarks/gpu_checks.sh                 # all steps but profile
+#   STEPS="tests profile memcap" bash benchmarks/gpu_checks.sh
 set -u
 OUT=${OUT:-benchmarks/out/gpu}
 STEPS=${STEPS:-"tests roofline splits memcap"}
@@ -42,6 +42,10 @@ if [[ " $STEPS " == *" roofline "* ]]; then
     timeout 120 python3 benchmarks/gpu.py --steps 30 2>&1 | tee "$OUT/roofline.log" | tail -30
     log "roofline, graphs off"
     timeout 90 python3 benchmarks/gpu.py --steps 30 --batches 1 8 64 --no-cuda-graph 2>&1 | tee -a "$OUT/roofline.log" | tail -30
+fi
+if [[ " $STEPS " == *" profile "* ]]; then
+    log "decode step at batch 1: graph, logits, host; kernels"
+    timeout 90 python3 benchmarks/gpu.py --steps 20 --batches 1 64 --profile 2>&1 | tee "$OUT/profile.log" | tail -45
 fi
 if [[ " $STEPS " == *" splits "* ]]; then
     log "GGUF decode matmul: K splits"

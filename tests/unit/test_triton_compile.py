@@ -85,7 +85,7 @@ def test_fused_gguf_matmul_fits_the_programs_per_sm_its_grid_is_sized_for():
     with recorded_launches() as launches:
         gguf_launches(torch.bfloat16)
     matmuls = [launch for launch in launches
-               if launch.name == "_matmul_kernel" and launch.kwargs["QTYPE"] in (T.Q8_0, T.Q4_K, T.Q6_K)]
+               if launch.name == "_block_matmul_kernel" and launch.kwargs["QTYPE"] in (T.Q8_0, T.Q4_K, T.Q6_K)]
     assert len(matmuls) == 3
     for launch in matmuls:
         built = compile_launch(launch, 90)

@@ -124,6 +124,8 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_
 
 def triton_dequantize(weight: torch.Tensor, qtype: int, elements: int, dtype: torch.dtype) -> torch.Tensor:
     """weight: [N, row_bytes] uint8 GGUF rows -> [N, elements] in `dtype`, on weight's device."""
+    if qtype in BLOCKWISE_TYPES:
+        return _blockwise_dequantize(weight, qtype, elements, dtype)
     layout = LAYOUTS[qtype]
     out = torch.empty(weight.shape[0], elements, dtype=dtype, device=weight.device)
     total = out.numel()
@@ -133,6 +135,94 @@ def triton_dequantize(weight: torch.Tensor, qtype: int, elements: int, dtype: to
             BLOCK_BYTES=layout.bytes, BLOCK=_BLOCK,
         )
     return out
+
+
+@triton.jit
+def _scale_min_k(w_ptr, base, mask, SUB: tl.constexpr):
+    """Q4_K/Q5_K sub-block SUB's 6-bit scale and min, [rows] float32. Sub-block j < 4: scale s[j] & 63,
+    min s[j+4] & 63; else the low/high nibbles of s[j+4] with the top two bits of s[j-4] (scale) and
+    s[j] (min)."""
+    if SUB < 4:
+        scale = _u8(w_ptr, base + 4 + SUB, mask) & 63
+        minimum = _u8(w_ptr, base + 8 + SUB, mask) & 63
+    else:
+        packed = _u8(w_ptr, base + 8 + SUB, mask)
+        scale = (packed & 0xF) | ((_u8(w_ptr, base + SUB, mask) >> 6) << 4)
+        minimum = (packed >> 4) | ((_u8(w_ptr, base + 4 + SUB, mask) >> 6) << 4)
+    return scale.to(tl.float32), minimum.to(tl.float32)
+
+
+@triton.jit
+def _slice(w_ptr, base, mask, QTYPE: tl.constexpr, J: tl.constexpr):
+    """float32 [rows, 32]: values 32J..32J+31 of each row's block at byte offsets `base` [rows], decoded
+    from whole runs of its bytes (32 quant bytes a row, each row's scales once), for Q8_0, Q4_K, Q5_K
+    and Q6_K, whose every 32-value slice lies in 32 consecutive bytes (two slices share one run of
+    nibbles: a repeated load of it is served by L1)."""
+    lane = tl.arange(0, 32)
+    tile = base[:, None] + lane[None, :]
+    tile_mask = mask[:, None]
+    if QTYPE == 8:  # Q8_0: f16 d, 32 int8
+        q = tl.load(w_ptr + tile + 2, mask=tile_mask, other=0).to(tl.int8, bitcast=True)
+        value = _f16(w_ptr, base, mask)[:, None] * q.to(tl.float32)
+    elif QTYPE == 12 or QTYPE == 13:  # Q4_K / Q5_K: f16 d, f16 dmin, 12 scale bytes, (qh[32]), qs[128]
+        if QTYPE == 13:
+            q = (_u8(w_ptr, tile + 48 + 32 * (J // 2), tile_mask) >> (4 * (J % 2))) & 0xF
+            q = q | (((_u8(w_ptr, tile + 16, tile_mask) >> J) & 1) << 4)
+        else:
+            q = (_u8(w_ptr, tile + 16 + 32 * (J // 2), tile_mask) >> (4 * (J % 2))) & 0xF
+        scale, minimum = _scale_min_k(w_ptr, base, mask, J)
+        value = ((_f16(w_ptr, base, mask) * scale)[:, None] * q.to(tl.float32)
+                 - (_f16(w_ptr, base + 2, mask) * minimum)[:, None])
+    else:  # Q6_K: ql[128], qh[64], int8 scales[16], f16 d; slice J = 4h + s of half h
+        h = J // 4
+        s = J % 4
+        low = (_u8(w_ptr, tile + 64 * h + 32 * (s % 2), tile_mask) >> (4 * (s // 2))) & 0xF
+        q = (low | (((_u8(w_ptr, tile + 128 + 32 * h, tile_mask) >> (2 * s)) & 3) << 4)) - 32
+        first = _u8(w_ptr, base + 192 + 2 * J, mask)  # one int8 scale per 16 values
+        second = _u8(w_ptr, base + 193 + 2 * J, mask)
+        scale = tl.where(lane[None, :] < 16, first[:, None], second[:, None])
+        scale = tl.where(scale > 127, scale - 256, scale).to(tl.float32)
+        value = _f16(w_ptr, base + 208, mask)[:, None] * scale * q.to(tl.float32)
+    return value
+
+
+@triton.jit
+def _block_matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om, stride_os, chunk_blocks,
+                         QTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """out[s, M, N] = x[M, K] @ W[N, K].T over the s-th chunk of chunk_blocks GGUF blocks (BLOCKWISE_TYPES):
+    BLOCK_N weight rows decoded a 32-value slice at a time (_slice), each slice multiplied with the
+    activations' matching 32 columns. The quantized bytes are the only weight traffic."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    m_mask = rm < M
+    n_mask = rn < N
+    x_rows = x_ptr + rm[:, None] * stride_xm + tl.arange(0, 32)[None, :]
+    first = tl.program_id(2) * chunk_blocks
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for b in range(first, tl.minimum(first + chunk_blocks, K // QK)):
+        base = rn * row_bytes + b * BLOCK_BYTES  # [BLOCK_N] byte offsets of each row's block b
+        for j in tl.static_range(QK // 32):
+            x = tl.load(x_rows + b * QK + 32 * j, mask=m_mask[:, None], other=0.0)
+            w = _slice(w_ptr, base, n_mask, QTYPE, j)
+            acc += dot(x, tl.trans(w.to(x.dtype)), "ieee", UPCAST)
+    out_ptr += tl.program_id(2).to(tl.int64) * stride_os
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _block_dequant_kernel(w_ptr, out_ptr, N, K, row_bytes, QTYPE: tl.constexpr, QK: tl.constexpr,
+                          BLOCK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[N, K] = W decoded: program (i, b) writes block b of rows i*BLOCK_N.., 32 values a store."""
+    rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_mask = rn < N
+    b = tl.program_id(1)
+    base = rn * row_bytes + b * BLOCK_BYTES
+    out = out_ptr + rn[:, None] * K + b * QK + tl.arange(0, 32)[None, :]
+    for j in tl.static_range(QK // 32):
+        w = _slice(w_ptr, base, n_mask, QTYPE, j)
+        tl.store(out + 32 * j, w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None])
 
 
 # Tile of the fused matmul: 16 rows of x (tl.dot's minimum), 32 output features, 64 inputs per step.
@@ -162,6 +252,8 @@ def triton_quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, i
                             splits: int | None = None) -> torch.Tensor:
     """x [M, K] (contiguous rows) @ dequantize(weight [N, row_bytes]).T -> [M, N]. `splits`: K chunks,
     by default as k_splits sizes them for the device; partial sums are added in float32."""
+    if qtype in BLOCKWISE_TYPES:
+        return _blockwise_matmul(x, weight, qtype, in_features, splits)
     layout = LAYOUTS[qtype]
     rows, cols = x.shape[0], weight.shape[0]
     grid_m, grid_n, k_tiles = triton.cdiv(rows, _TILE_M), triton.cdiv(cols, _TILE_N), triton.cdiv(in_features, _TILE_K)
@@ -179,3 +271,58 @@ def triton_quantized_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, i
         BLOCK_M=_TILE_M, BLOCK_N=_TILE_N, BLOCK_K=_TILE_K, UPCAST=INTERPRETED,
     )
     return out if splits == 1 else out.sum(0).to(x.dtype)
+
+
+# The formats _block_matmul_kernel decodes a block at a time (those of Q8_0 and Q4_K_M files, and
+# Q5_K_M's); the older 32-element formats keep the per-element decoder above.
+BLOCKWISE_TYPES = frozenset({T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+# Weight rows a program: [rows, 32] byte tiles, 16 rows of x (tl.dot's minimum) against them. Q6_K
+# decodes from two byte tiles and two scale vectors a slice: at 64 rows it needs 175 registers a
+# thread, past the 128 that _PROGRAMS_PER_SM allows (tests/unit/test_triton_compile.py), at 32 rows 102.
+BLOCK_ROWS = {T.Q8_0: 64, T.Q4_K: 64, T.Q5_K: 64, T.Q6_K: 32}
+
+
+def blockwise_splits(rows: int, cols: int, qtype: int, in_features: int, device: torch.device,
+                     block_rows: int | None = None) -> int:
+    """K chunks (of whole blocks) of the block matmul of x [rows, in_features] with `cols` weight rows."""
+    programs = triton.cdiv(rows, _TILE_M) * triton.cdiv(cols, block_rows or BLOCK_ROWS[qtype])
+    return k_splits(programs, in_features // LAYOUTS[qtype].block, num_sms(device))
+
+
+def _blockwise_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int,
+                      splits: int | None, block_rows: int | None = None) -> torch.Tensor:
+    """`block_rows`: weight rows a program, BLOCK_ROWS' by default (benchmarks/gguf_cuda_splits.py
+    compares others)."""
+    layout = LAYOUTS[qtype]
+    rows, cols = x.shape[0], weight.shape[0]
+    block_rows = block_rows or BLOCK_ROWS[qtype]
+    grid_m, grid_n, blocks = triton.cdiv(rows, _TILE_M), triton.cdiv(cols, block_rows), in_features // layout.block
+    if splits is None:
+        splits = blockwise_splits(rows, cols, qtype, in_features, x.device, block_rows)
+    chunk_blocks = triton.cdiv(blocks, splits)
+    splits = triton.cdiv(blocks, chunk_blocks)
+    if splits == 1:
+        out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(splits, rows, cols, dtype=torch.float32, device=x.device)
+    _block_matmul_kernel[(grid_m, grid_n, splits)](
+        x, weight, out, rows, cols, in_features, weight.shape[1], x.stride(0), out.stride(-2),
+        out.stride(0) if splits > 1 else 0, chunk_blocks, QTYPE=int(qtype), QK=layout.block,
+        BLOCK_BYTES=layout.bytes, BLOCK_M=_TILE_M, BLOCK_N=block_rows, UPCAST=INTERPRETED,
+    )
+    return out if splits == 1 else out.sum(0).to(x.dtype)
+
+
+def _blockwise_dequantize(weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    layout = LAYOUTS[qtype]
+    rows = weight.shape[0]
+    out = torch.empty(rows, in_features, dtype=dtype, device=weight.device)
+    if rows and in_features:
+        _block_dequant_kernel[(triton.cdiv(rows, _DEQUANT_ROWS), in_features // layout.block)](
+            weight, out, rows, in_features, weight.shape[1], QTYPE=int(qtype), QK=layout.block,
+            BLOCK_BYTES=layout.bytes, BLOCK_N=_DEQUANT_ROWS,
+        )
+    return out
+
+
+_DEQUANT_ROWS = 32
