@@ -6,7 +6,7 @@
 # installed from .whl/ when that folder exists.
 #
 #   bash benchmarks/gpu_checks.sh                 # all steps but profile
-#   STEPS="tests profile memcap" bash benchmarks/gpu_checks.sh
+#   STEPS="tests profile memcap" TESTS=tests/gpu/test_cuda_gguf.py bash benchmarks/gpu_checks.sh
 set -u
 OUT=${OUT:-benchmarks/out/gpu}
 STEPS=${STEPS:-"tests roofline splits memcap"}
@@ -35,7 +35,7 @@ esac
 
 if [[ " $STEPS " == *" tests "* ]]; then
     log tests/gpu
-    timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -60
+    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/tests.log" | tail -60
 fi
 if [[ " $STEPS " == *" roofline "* ]]; then
     log "roofline, graphs on"
@@ -47,14 +47,14 @@ if [[ " $STEPS " == *" profile "* ]]; then
     log "decode step at batch 1: graph, logits, host; kernels"
     timeout 90 python3 benchmarks/gpu.py --steps 20 --batches 1 64 --profile 2>&1 | tee "$OUT/profile.log" | tail -45
 fi
-if [[ " $STEPS " == *" splits "* ]]; then
-    log "GGUF decode matmul: K splits"
-    timeout 60 python3 benchmarks/gguf_cuda_splits.py 2>&1 | tee "$OUT/splits.log" | tail -30
-fi
 if [[ " $STEPS " == *" memcap "* ]]; then
     log "8B Q4_K_M under 8G"
     for _ in $(seq 90); do [ -f "$GGUF" ] && break; sleep 2; done
     tail -3 "$OUT/random_gguf.log" 2>/dev/null
     timeout 180 python3 benchmarks/gguf_memory_cap.py --gguf "$GGUF" --output-len 64 2>&1 | tee "$OUT/memcap.log" | tail -60
+fi
+if [[ " $STEPS " == *" splits "* ]]; then
+    log "GGUF decode matmul: K splits"
+    timeout 60 python3 benchmarks/gguf_cuda_splits.py 2>&1 | tee "$OUT/splits.log" | tail -30
 fi
 log done

@@ -26,9 +26,10 @@ def gguf_files(tmp_path_factory):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M", "Q6_K", "Q4_0"])
 def test_cuda_gguf_greedy_matches_cpu_in_float32(gguf_files, qtype):
-    """Equal up to the first near tie (top-2 gap under 1e-3) of either run: the Triton kernels split K
-    and add in another order than the CPU's, ~1e-6 apart, and this random model ties now and then
-    (the first H200 run: both picked token 0 at a tie, then went apart)."""
+    """Equal up to the first near tie (top-2 gap under 1e-2) of either run. The CPU's float GGUF
+    kernel itself moves logits by ~1e-3 with the batch's shape: on the first H200 runs, the 30-token
+    prompt's 11th token was a 2.2e-3 tie that the CPU engine broke one way alone and the other way in
+    this batch, where CUDA agreed with the CPU alone."""
     batch = prompts([5, 30, 17, 64, 9, 120])
     path = str(gguf_files[qtype])
     # The CPU's float path: its default int8 activations round differently from the Triton kernels.
@@ -40,7 +41,7 @@ def test_cuda_gguf_greedy_matches_cpu_in_float32(gguf_files, qtype):
     theirs, their_gaps = greedy_with_gaps(cpu, batch)
     compared = 0
     for mine, reference, gaps, reference_gaps in zip(ours, theirs, our_gaps, their_gaps):
-        stable = stable_steps(gaps, reference_gaps, near_tie=1e-3)
+        stable = stable_steps(gaps, reference_gaps, near_tie=1e-2)
         assert mine[:stable] == reference[:stable]
         compared += stable
     assert compared >= len(batch) * GREEDY.max_tokens // 2

@@ -81,6 +81,17 @@ def test_matmul_equals_dequantize_then_matmul(qtype, kernels):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale, msg=f"batch {batch} shape {rows}x{cols}")
 
 
+def test_portable_matmul_writes_each_slab_into_its_columns(monkeypatch):
+    """Slabs of 75 rows of 64 inputs: 301 rows take five, the last a single row."""
+    monkeypatch.setattr("crane_mp.worker.quantized.matmul._SLAB_ELEMENTS", 75 * 64)
+    data = quantized(T.Q8_0, 301, 96, seed=5)[:, : 2 * 34]  # the first 64 columns: two Q8_0 blocks a row
+    dense = reference(data, T.Q8_0, 64).double()
+    x = torch.randn(7, 64, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    got = TorchGGUF().matmul(x, torch.from_numpy(np.ascontiguousarray(data)), T.Q8_0, 64)
+    torch.testing.assert_close(got, (x.double() @ dense.T).float(), rtol=1e-5, atol=1e-5)
+    assert got.is_contiguous()
+
+
 class FailingKernels:
     """Stands in for the Triton GGUF module on a GPU where its kernels raise `err`."""
 

@@ -48,9 +48,13 @@ class TorchGGUF:
         if rows == 0:
             return x.new_empty(x.shape[0], 0)
         slab = max(1, _SLAB_ELEMENTS // max(1, in_features))
-        parts = [x @ self.dequantize_slab(weight[start : start + slab], qtype, in_features, x.dtype).T
-                 for start in range(0, rows, slab)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        # Each slab's product goes straight into its columns of the output (BLAS writes a strided
+        # block): a list of parts joined by torch.cat would hold the output twice at the step's peak.
+        out = x.new_empty(x.shape[0], rows)
+        for start in range(0, rows, slab):
+            dense = self.dequantize_slab(weight[start : start + slab], qtype, in_features, x.dtype)
+            torch.mm(x, dense.T, out=out[:, start : start + dense.shape[0]])
+        return out
 
     def dequantize_slab(self, weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(weight, qtype, in_features).to(dtype)
