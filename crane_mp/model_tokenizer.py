@@ -29,12 +29,16 @@ def source_tokenizer(source: ModelSource):
 
 def grammar_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
     """llguidance's view of the vocabulary: `vocab_size` is the model's logits width (often padded past
-    the tokenizer's last id; those rows are never allowed), and every EOS id the model stops on ends a
-    finished grammar (llguidance before 1.7 takes one: the first)."""
+    the tokenizer's last id; those rows are never allowed), widened to the tokenizer's own size where
+    that is larger (transformers' GGUF conversion may add tokens past the file's table: ids the logits
+    never hold). Every EOS id the model stops on ends a finished grammar (llguidance before 1.7 takes
+    one: the first). Masks are `.vocab_size` bits wide."""
     from llguidance import LLTokenizer
 
-    spec = hf_tokenizer.backend_tokenizer.to_str()
+    backend = hf_tokenizer.backend_tokenizer
+    spec = backend.to_str()
+    n_vocab = max(vocab_size, backend.get_vocab_size(with_added_tokens=True))
     try:
-        return LLTokenizer(spec, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+        return LLTokenizer(spec, n_vocab=n_vocab, eos_token=list(eos_token_ids) or None)
     except TypeError:
-        return LLTokenizer(spec, n_vocab=vocab_size, eos_token=eos_token_ids[0] if eos_token_ids else None)
+        return LLTokenizer(spec, n_vocab=n_vocab, eos_token=eos_token_ids[0] if eos_token_ids else None)

@@ -130,7 +130,7 @@ class GrammarEngine:
         batch in one step. An additive penalty, not masked_fill: on CPU masked_fill runs ~10x slower
         (20 ms for 32 rows of a 150k vocabulary). Not through llguidance.torch either: its
         torch.compile'd kernel costs seconds of import and a compiler on CPU."""
-        words = (self.vocab_size + 31) // 32
+        words = (self._tokenizer.vocab_size + 31) // 32
         bitmask = torch.empty(len(rows), words, dtype=torch.int32, pin_memory=self.platform.pinned)
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
                                                words * 4, len(rows))

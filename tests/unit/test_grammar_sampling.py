@@ -13,7 +13,7 @@ import torch
 from llguidance import LLMatcher
 
 from crane_mp.gguf_file import resolve_model_source
-from crane_mp.model_tokenizer import load_tokenizer
+from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
 from crane_mp.protocol import SamplingParams, ThinkingBudget
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.grammar import GrammarEngine
@@ -180,3 +180,18 @@ def test_a_grammar_waits_until_the_answer_stops_thinking(grammars, tokenizer):
     assert not re.fullmatch(r"[0-9]*", tokenizer.decode(thought[:3]))  # the grammar waited
     assert re.fullmatch(r"[0-9]+", tokenizer.decode(thought[4:-1])) and thought[-1] in EOS_IDS
     assert re.fullmatch(r"[0-9]+", tokenizer.decode(direct[:-1]))
+
+
+def test_a_tokenizer_larger_than_the_logits_widens_the_grammar_vocabulary(model_dir, tokenizer):
+    """transformers' GGUF conversion may add tokens past the file's table (151,938 for a 151,936-row
+    model, seen with transformers 5.17): llguidance refused such a vocabulary. Masks then span the
+    tokenizer and are cut to the logits."""
+    size = tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+    narrow = size - 2
+    assert grammar_tokenizer(tokenizer, narrow, [505]).vocab_size == size
+    engine = GrammarEngine(resolve_model_source(model_dir), narrow, [505], CPU_PLATFORM)
+    matcher = engine.new_matcher(None, LLMatcher.grammar_from_regex("[0-9]{3}"))
+    logits = torch.zeros(1, narrow)
+    engine.mask(logits, [0], [matcher])
+    allowed = {tokenizer.decode([i]) for i in (logits[0] > -1).nonzero().flatten().tolist()}
+    assert allowed and all(text.isdigit() for text in allowed)
