@@ -1,10 +1,12 @@
-"""Triton dequantization of GGUF rows on CUDA: one launch per slab of rows, in the compute dtype.
+"""Triton kernels for GGUF rows on CUDA: the decode matmul that dequantizes in registers, and slab
+dequantization (one launch per slab of rows, in the compute dtype) for cuBLAS to multiply.
 
-The CUDA path of GGUFLinear dequantizes a bounded slab of rows with this kernel and multiplies it
-with cuBLAS (the torch-op dequantizer in formats.py would take ~10 launches per slab). Each program
-decodes BLOCK consecutive elements; every element reads the bytes of its own block (scales, its
-quant bits), so the same code serves every layout. Tested on CPU through Triton's interpreter
-(TRITON_INTERPRET=1, tests/unit/test_triton_dequant.py); not yet run on a GPU.
+Q8_0, Q4_K, Q5_K and Q6_K (BLOCKWISE_TYPES, the formats of Q8_0 and Q*_K_M files) are read a block
+at a time: each 32-value slice of a row's block lies in 32 consecutive bytes, loaded whole and
+decoded in registers (_slice). The older 32-element formats use a per-element decoder in which
+every element reads the bytes of its own block (scales, its quant bits): the same code serves every
+layout, at several loads an element. Tested on CPU through Triton's interpreter (TRITON_INTERPRET=1,
+tests/unit/test_triton_dequant.py) and on an H200 (tests/gpu, benchmarks/gguf_cuda_splits.py).
 """
 
 from __future__ import annotations
