@@ -4,10 +4,12 @@ app adds these and /openapi.json (openapi.py), which documents them."""
 from __future__ import annotations
 
 from crane_mp.frontend import (
+    anthropic_routes,
     embedding_routes,
     lora_routes,
     management_routes,
     openai_routes,
+    responses_routes,
     sglang_routes,
     tokenize_routes,
 )
@@ -15,6 +17,8 @@ from crane_mp.frontend.routing import Route
 
 ROUTES: list[Route] = [
     *openai_routes.api.routes,
+    *responses_routes.api.routes,
+    *anthropic_routes.api.routes,
     *embedding_routes.api.routes,
     *lora_routes.api.routes,
     *tokenize_routes.api.routes,

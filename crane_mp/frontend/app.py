@@ -32,7 +32,8 @@ async def connection_middleware(request: web.Request, handler) -> web.StreamResp
 
 @web.middleware
 async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """--api-key: every route but the open ones (/health) needs `Authorization: Bearer <key>`; the
+    """--api-key: every route but the open ones (/health) needs `Authorization: Bearer <key>` (or
+    `x-api-key: <key>`, as Anthropic's clients send it); the
     routes that change server state need --admin-api-key instead where one is set (constant-time
     compares)."""
     config = request.app[STATE].config
@@ -42,8 +43,10 @@ async def api_key_middleware(request: web.Request, handler) -> web.StreamRespons
     if key and request.path not in _OPEN_PATHS:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "missing or invalid API key: send `Authorization: Bearer <key>`")
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key alone in x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
     return await handler(request)
 
 

@@ -1,5 +1,6 @@
-"""Every error the frontend answers: OpenAI's shape {"error": {"message", "type", "param", "code"}}, and
-the one map from why a request failed (protocol.ErrorKind) to its HTTP status."""
+"""Every error the frontend answers: OpenAI's shape {"error": {"message", "type", "param", "code"}} (on
+Anthropic's Messages routes, its {"type": "error", "error": {"type", "message"}}), and the one map
+from why a request failed (protocol.ErrorKind) to its HTTP status."""
 
 from __future__ import annotations
 
@@ -73,8 +74,24 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
                       "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    response = web.json_response(error_body(status, message, param), status=status)
+# Anthropic's error types by HTTP status (its SDK raises by status; clients show the type).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                    413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+ANTHROPIC_PATHS = "/v1/messages"  # and below it
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_response(status: int, message: str, param: str | None = None, path: str = "") -> web.Response:
+    if path.startswith(ANTHROPIC_PATHS):
+        body = anthropic_error_body(status, message)
+    else:
+        body = error_body(status, message, param)
+    response = web.json_response(body, status=status)
     if status == 429:
         response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
     return response
@@ -85,7 +102,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as err:
-        return error_response(err.status, err.message, err.param)
+        return error_response(err.status, err.message, err.param, request.path)
     except web.HTTPException as err:
         if err.status < 400:
             raise
@@ -95,11 +112,11 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
             message = "request body too large (the limit is set by --max-request-bytes)"
         else:
             message = err.reason
-        response = error_response(err.status, message)
+        response = error_response(err.status, message, path=request.path)
         if "Allow" in err.headers:  # 405: the methods the route does take (RFC 9110)
             response.headers["Allow"] = err.headers["Allow"]
         return response
     except Exception:
         request_id = request.get(REQUEST_ID, "")
         log.exception("unhandled error in %s %s (request id %s)", request.method, request.rel_url.raw_path, request_id)
-        return error_response(500, f"internal server error (request id {request_id})")
+        return error_response(500, f"internal server error (request id {request_id})", path=request.path)

@@ -2,9 +2,9 @@
 every shape is testable without a server (tests/unit/test_openai_responses.py).
 
 A reasoning model's chat answer is split into `reasoning_content` (also sent as `reasoning`, the name
-newer clients read) and `content` (reasoning.py); the content of an answer that offered tools is read
-for tool calls (tools/parser.py): content and `tool_calls` apart, `finish_reason: "tool_calls"` when
-the model stopped after calling.
+newer clients read) and `content`; the content of an answer that offered tools is read for tool calls:
+content and `tool_calls` apart, `finish_reason: "tool_calls"` when the model stopped after calling
+(answers.py reads the parts).
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from crane_mp.frontend.answers import AnswerReader, ReasoningReading, ToolReading, WholeAnswer
 from crane_mp.frontend.generation import Delta
 from crane_mp.frontend.logprobs_format import TokenText, chat_logprobs, completion_logprobs
-from crane_mp.frontend.reasoning import ReasoningSplitter, reasoning_tokens, split_reasoning
-from crane_mp.frontend.tools.formats import ToolFormat
-from crane_mp.frontend.tools.parser import ToolCallParser, parse_tool_calls
 from crane_mp.protocol import PromptLogprobs
 
 
@@ -36,55 +34,24 @@ def usage(gens: list, n: int, reasoning: int | None = None) -> dict[str, Any]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class ReasoningReading:
-    """How to read an answer for thinking: whether the prompt opened a think block, and the `</think>`
-    token, by which thinking tokens are counted."""
-
-    opened: bool
-    end_token: int | None
-
-    def split(self, text: str, token_ids: list[int]) -> tuple[str | None, str, int]:
-        """(reasoning or None, content, thinking tokens) of a whole answer."""
-        reasoning, content = split_reasoning(self.opened, text)
-        return reasoning, content, reasoning_tokens(token_ids, self.end_token, reasoning is not None)
-
-
-@dataclass(frozen=True, slots=True)
-class ToolReading:
-    """How to read an answer for tool calls: the model's format, and whether several calls may stand."""
-
-    fmt: ToolFormat
-    parallel: bool = True
-
-
 def _finish(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason, tools: ToolReading | None,
-                logprobs: dict | None = None, token_ids: list[int] | None = None,
-                reasoning: str | None = None) -> dict[str, Any]:
-    """One choice of a whole chat completion; `text` is its answer after any `reasoning`."""
-    content, calls = (text, None) if tools is None else parse_tool_calls(tools.fmt, text, tools.parallel)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if reasoning is not None:
-        message["reasoning_content"] = message["reasoning"] = reasoning
-        message["content"] = content or None
-    if calls:
-        message["tool_calls"] = calls
+def chat_choice(index: int, answer: WholeAnswer, finish_reason: str | None, stop_reason, tools: bool,
+                logprobs: dict | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
+    """One choice of a whole chat completion; `tools`: the answer was read for tool calls."""
+    message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if answer.reasoning is not None:
+        message["reasoning_content"] = message["reasoning"] = answer.reasoning
+        message["content"] = answer.content or None
+    if answer.calls:
+        message["tool_calls"] = answer.calls
     choice = {"index": index, "message": message, "logprobs": logprobs,
-              "finish_reason": _finish(finish_reason, bool(calls)), "stop_reason": stop_reason}
+              "finish_reason": _finish(finish_reason, bool(answer.calls)), "stop_reason": stop_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
-
-
-@dataclass(slots=True)
-class _ChoiceStream:
-    parser: ToolCallParser | None
-    thinking: ReasoningSplitter | None = None
-    token_ids: list[int] = field(default_factory=list)  # with thinking: to count its tokens at the end
 
 
 @dataclass(slots=True)
@@ -96,49 +63,34 @@ class ChatStream:
     tools: ToolReading | None
     token_text: TokenText | None = None  # set: logprobs are wanted
     reasoning: ReasoningReading | None = None
-    choices: dict[int, _ChoiceStream] = field(default_factory=dict)
+    choices: dict[int, AnswerReader] = field(default_factory=dict)
 
     def chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
-        state = self.choices.get(index)
+        reader = self.choices.get(index)
         payloads = []
-        if state is None:
-            parser = ToolCallParser(self.tools.fmt, self.tools.parallel) if self.tools else None
-            thinking = ReasoningSplitter.opening(self.reasoning.opened) if self.reasoning else None
-            state = self.choices[index] = _ChoiceStream(parser, thinking)
+        if reader is None:
+            reader = self.choices[index] = AnswerReader(self.tools, self.reasoning)
             payloads.append(self._chunk(index, {"role": "assistant", "content": ""}))
-        reasoning, content, calls = "", delta.text, []
-        if state.thinking is not None:
-            state.token_ids += delta.token_ids
-            reasoning, content = state.thinking.feed(delta.text)
-            if delta.finish_reason:
-                more_reasoning, more_content = state.thinking.finish()
-                reasoning, content = reasoning + more_reasoning, content + more_content
-        if state.parser is not None:
-            content, calls = state.parser.feed(content)
-            if delta.finish_reason:
-                rest, more = state.parser.finish()
-                content, calls = content + rest, calls + more
+        piece = reader.feed(delta)
         wants_logprobs = self.token_text is not None and bool(delta.token_ids)
-        if not (reasoning or content or calls or delta.finish_reason or wants_logprobs):
+        if not (piece or delta.finish_reason or wants_logprobs):
             return payloads
         body: dict[str, Any] = {}
-        if reasoning:
-            body["reasoning_content"] = body["reasoning"] = reasoning
-        if content:
-            body["content"] = content
-        if calls:
-            body["tool_calls"] = calls
+        if piece.reasoning:
+            body["reasoning_content"] = body["reasoning"] = piece.reasoning
+        if piece.content:
+            body["content"] = piece.content
+        if piece.calls:
+            body["tool_calls"] = piece.calls
         logprobs = chat_logprobs(self.token_text, delta.token_ids, delta.logprobs) if self.token_text else None
-        called = state.parser is not None and bool(state.parser.calls)
-        payloads.append(self._chunk(index, body, logprobs, _finish(delta.finish_reason, called),
+        payloads.append(self._chunk(index, body, logprobs, _finish(delta.finish_reason, reader.called),
                                     delta.stop_reason if delta.finish_reason else None))
         return payloads
 
     @property
     def reasoning_tokens(self) -> int:
-        """Thinking tokens of every choice so far, counted as ReasoningReading counts a whole answer's."""
-        return sum(reasoning_tokens(state.token_ids, self.reasoning.end_token, state.thinking.thought)
-                   for state in self.choices.values())
+        """Thinking tokens of every choice so far."""
+        return sum(reader.reasoning_tokens for reader in self.choices.values())
 
     def _chunk(self, index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

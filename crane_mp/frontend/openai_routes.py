@@ -7,23 +7,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import msgspec
 from aiohttp import web
 
 from crane_mp.frontend.choices import Collected
-from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.generation import Delta, Generation
 from crane_mp.frontend.http import check_model, json_response, resolve_model
 from crane_mp.frontend.logprobs_format import chat_logprobs, completion_logprobs
-from crane_mp.frontend.openai_responses import (
-    ChatStream,
-    CompletionStream,
-    ReasoningReading,
-    ToolReading,
-    chat_choice,
-    completion_choice,
-    usage,
-)
+from crane_mp.frontend.answers import read_whole
+from crane_mp.frontend.chat_core import ChatAsk, prepare_chat
+from crane_mp.frontend.openai_responses import ChatStream, CompletionStream, chat_choice, completion_choice, usage
 from crane_mp.frontend.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,12 +27,8 @@ from crane_mp.frontend.openai_schemas import (
     tool_dicts,
 )
 from crane_mp.frontend.pipeline import Plan, prompt_ids, serve
-from crane_mp.frontend.reasoning import prompt_opens_thinking
 from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.frontend.state import STATE, FrontendState
-from crane_mp.frontend.tools.forcing import forced_call_constraint
-from crane_mp.frontend.tools.formats import check_tools, tool_format, tool_prompt
-from crane_mp.protocol import ThinkingBudget
 
 api = RouteTable()
 # OpenAI's default output budget for /v1/completions (chat's default is all the room left).
@@ -80,45 +68,19 @@ class OpenAIStream:
 async def chat_completions(request: web.Request, req: ChatCompletionRequest) -> web.StreamResponse:
     state = request.app[STATE]
     model, lora_id = resolve_model(state, req.model)
-    tools = tool_dicts(req.tools)
-    fmt = tool_format(state.config.tool_call_parser, state.engine_info.arch, state.tokenizer.marker_tokens)
-    mode, only = check_tools(tools, req.tool_choice, fmt)
-    prompt = state.tokenizer.render_chat(
-        chat_messages(req.messages), req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
-        tools, tool_prompt(fmt, tools) if tools and fmt else None,
-    )
-    input_ids = await prompt_ids(state, prompt, "messages", add_special_tokens=False)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, state.engine_info.vocab_size, logprobs=logprobs, lora_id=lora_id)
-    constraint = req.constraint()
-    if mode in ("required", "named"):
-        if constraint is not None:
-            raise ApiError(400, f"tool_choice {mode} already constrains the output; drop {constraint.param}",
-                           constraint.param)
-        constraint = forced_call_constraint(fmt, tools, only, req.parallel_tool_calls,
-                                            state.tokenizer.marker_tokens)
-    params = await state.grammars.constrain(params, constraint, state.engine_info)
-    reading = ToolReading(fmt, req.parallel_tool_calls) if mode != "none" else None
-    # The sampler follows the think block (its tags must be tokens) for a budget, and for a constraint
-    # after a prompt that opened thinking (R1): the constraint waits until the block ends. Otherwise a
-    # constraint holds from the first token: the answer does not think (as with enable_thinking false).
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    followable = None not in (state.think_start_token, state.think_end_token)
-    opens = prompt_opens_thinking(prompt)
-    split = state.reasoning and req.separate_reasoning and (constraint is None or followable or not opens)
-    thinking = ReasoningReading(opens, state.think_end_token) if split else None
-    budget = req.thinking_budget if req.thinking_budget is not None else req.max_thinking_tokens
-    if constraint is not None and not opens:
-        budget = None
-    elif budget is None and constraint is not None:  # leave the constrained answer half the room
-        room = state.engine_info.max_model_len - len(input_ids)
-        budget = min(room, requested or room) // 2
-    if split and followable and budget is not None:
-        params = msgspec.structs.replace(params, thinking=ThinkingBudget(
-            budget, state.think_start_token, state.think_end_token, opens))
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-    plan = Plan([input_ids], params, requested, "messages", req.n, stop_strings(req.stop), req.skip_special_tokens,
-                names=chat_id)
+    ask = ChatAsk(
+        chat_messages(req.messages), sampling_params(req, state.engine_info.vocab_size, logprobs=logprobs,
+                                                     lora_id=lora_id),
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, chat_id,
+        tool_dicts(req.tools), req.tool_choice, req.parallel_tool_calls, req.constraint(), stop_strings(req.stop),
+        req.chat_template_kwargs, req.add_generation_prompt, req.continue_final_message, req.separate_reasoning,
+        req.thinking_budget if req.thinking_budget is not None else req.max_thinking_tokens, req.n,
+        req.skip_special_tokens,
+    )
+    chat = await prepare_chat(state, ask)
+    reading, thinking = chat.tools, chat.thinking
     created = int(time.time())
     token_text = state.tokenizer.token_text
 
@@ -132,23 +94,21 @@ async def chat_completions(request: web.Request, req: ChatCompletionRequest) -> 
         def body(results: list[Collected]) -> dict[str, Any]:
             choices, thought = [], 0
             for index, out in enumerate(results):
-                reasoning, text = None, out.text
-                if thinking is not None:
-                    reasoning, text, tokens = thinking.split(out.text, out.token_ids)
-                    thought += tokens
+                answer = read_whole(out.text, out.token_ids, reading, thinking)
+                thought += answer.reasoning_tokens
                 choices.append(chat_choice(
-                    index, text, out.finish_reason, out.stop_reason, reading,
+                    index, answer, out.finish_reason, out.stop_reason, reading is not None,
                     chat_logprobs(token_text, out.token_ids, out.logprobs) if req.logprobs else None,
-                    out.token_ids if req.return_token_ids else None, reasoning))
+                    out.token_ids if req.return_token_ids else None))
             out = {"id": chat_id, "object": "chat.completion", "created": created, "model": model,
                    "choices": choices, "usage": usage(gens, req.n, thought if thinking else None)}
             if req.return_token_ids:
-                out["prompt_token_ids"] = input_ids
+                out["prompt_token_ids"] = chat.input_ids
             return out
 
         return body
 
-    return await serve(request, state, plan, render)
+    return await serve(request, state, chat.plan, render)
 
 
 @api.add("post", "/v1/completions", body=CompletionRequest, requires=FrontendState.require_generative,

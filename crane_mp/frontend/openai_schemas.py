@@ -358,7 +358,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             item["name"] = message.name
         if message.tool_calls:
             item["tool_calls"] = [{"id": call.id, "type": "function", "function": {
-                "name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                "name": call.function.name, "arguments": arguments_object(call.function.arguments)}}
                 for call in message.tool_calls]
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
@@ -366,7 +366,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _arguments_object(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
+def arguments_object(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
     """The object templates expect (as transformers' tool-use convention), or the text as sent when it
     is not a JSON object."""
     if isinstance(arguments, dict):

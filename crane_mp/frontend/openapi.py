@@ -14,11 +14,14 @@ import msgspec
 from aiohttp import web
 
 from crane_mp import __version__
+from crane_mp.frontend.anthropic_schemas import MESSAGES_SCHEMA as ANTHROPIC_MESSAGES_SCHEMA
+from crane_mp.frontend.anthropic_schemas import SYSTEM_SCHEMA as ANTHROPIC_SYSTEM_SCHEMA
 from crane_mp.frontend.api_routes import ROUTES
 from crane_mp.frontend.fields import exactly_one_of, fill_model_limits
 from crane_mp.frontend.http import json_response
 from crane_mp.frontend.openai_schemas import EMBEDDING_INPUT_SCHEMA, PROMPT_SCHEMA
 from crane_mp.frontend.routing import Route, RouteTable, served_routes
+from crane_mp.frontend.responses_schemas import INPUT_SCHEMA as RESPONSES_INPUT_SCHEMA
 from crane_mp.frontend.sglang_schemas import INPUT_IDS_SCHEMA
 from crane_mp.frontend.state import STATE
 
@@ -28,6 +31,11 @@ api = RouteTable()
 _REFINEMENTS = {
     ("CompletionRequest", "prompt"): PROMPT_SCHEMA,
     ("EmbeddingRequest", "input"): EMBEDDING_INPUT_SCHEMA,
+    ("ResponsesRequest", "input"): RESPONSES_INPUT_SCHEMA,
+    ("MessagesRequest", "messages"): ANTHROPIC_MESSAGES_SCHEMA,
+    ("MessagesRequest", "system"): ANTHROPIC_SYSTEM_SCHEMA,
+    ("CountTokensRequest", "messages"): ANTHROPIC_MESSAGES_SCHEMA,
+    ("CountTokensRequest", "system"): ANTHROPIC_SYSTEM_SCHEMA,
     ("SGLangGenerateRequest", "input_ids"): {"anyOf": [INPUT_IDS_SCHEMA, {"type": "null"}], "default": None},
     # Exactly one input; and prompt logprobs are not copied n times (pipeline._check_size), here and below.
     ("SGLangGenerateRequest", None): {**exactly_one_of("text", "input_ids"), "not": {

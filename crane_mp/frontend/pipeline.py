@@ -59,7 +59,9 @@ class Plan:
 
 class EventStream(Protocol):
     """A streamed response's shape: `chunks` per delta, then `closing` (e.g. a usage chunk), each
-    payload one SSE event."""
+    payload one SSE event. OpenAI's chat and completions write data-only events and `data: [DONE]`;
+    an API with named events (Responses, Anthropic) also has `event_bytes(payload)`, `end_bytes`
+    (what ends the stream) and `error_payload(status, message)` for a failure after the 200."""
 
     def chunks(self, index: int, delta: Delta) -> list[Any]: ...
 
@@ -113,6 +115,9 @@ async def _write_sse(request: web.Request, gens: list[Generation], renderer: Eve
     that leaves its events unread for `write_timeout` seconds is dropped: the connection closes and,
     on the way out of open_choices, its generations are aborted."""
     await admitted(gens)
+    encode = getattr(renderer, "event_bytes", sse_event)
+    failure = getattr(renderer, "error_payload", error_body)
+    end = getattr(renderer, "end_bytes", SSE_DONE)
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
 
@@ -125,12 +130,13 @@ async def _write_sse(request: web.Request, gens: list[Generation], renderer: Eve
             async with aclosing(merged_deltas(gens)) as deltas:
                 async for index, delta in deltas:
                     for payload in renderer.chunks(index, delta):
-                        await send(sse_event(payload))
+                        await send(encode(payload))
             for payload in renderer.closing():
-                await send(sse_event(payload))
+                await send(encode(payload))
         except GenerationError as err:
-            await send(sse_event(error_body(err.status, str(err))))
-        await send(SSE_DONE)
+            await send(encode(failure(err.status, str(err))))
+        if end:
+            await send(end)
     except TimeoutError:
         log.warning("a streaming client read nothing for %g s (--write-timeout); dropped it", write_timeout)
         if request.transport is not None:

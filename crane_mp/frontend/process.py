@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import msgspec
 from aiohttp import web
@@ -20,6 +21,7 @@ from crane_mp.frontend.access_log import MalformedRequests
 from crane_mp.frontend.app import create_app
 from crane_mp.frontend.connections import raise_fd_limit
 from crane_mp.frontend.engine_client import EngineClient
+from crane_mp.frontend.response_store import ResponseStore
 from crane_mp.frontend.state import FrontendState
 from crane_mp.frontend.tokenizer import TokenizerService
 from crane_mp.ipc import Addresses
@@ -54,6 +56,7 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, l
         await runner.cleanup()
         return
     state.client = EngineClient(addresses, frontend_id, config.request_timeout, life)
+    state.responses = ResponseStore(Path(addresses.run_dir) / "responses")
     state.client.metrics = state.metrics
     state.client.on_adapters = state.set_adapters
     state.client.start()

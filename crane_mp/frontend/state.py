@@ -14,6 +14,7 @@ from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.gate import LoadGate
 from crane_mp.frontend.metrics import Metrics
 from crane_mp.frontend.openai_schemas import MAX_BATCH
+from crane_mp.frontend.response_store import ResponseStore
 from crane_mp.frontend.reasoning import END as THINK_END, START as THINK_START, reasoning_enabled
 from crane_mp.frontend.structured import GrammarCompiler
 from crane_mp.frontend.tokenizer import TokenizerService
@@ -25,6 +26,7 @@ class FrontendState:
     config: ServerConfig
     tokenizer: TokenizerService
     client: EngineClient | None = None
+    responses: ResponseStore | None = None  # stored Responses API answers, shared by the server's frontends
     engine_info: WorkerReady | None = None  # set once the engine behind us is ready
     draining: bool = False
     started: int = field(default_factory=lambda: int(time.time()))

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from crane_mp.config import EngineConfig, ServerConfig
 from crane_mp.frontend.app import create_app
 from crane_mp.frontend.engine_client import EngineClient
+from crane_mp.frontend.response_store import ResponseStore
 from crane_mp.frontend.state import FrontendState
 from crane_mp.frontend.tokenizer import TokenizerService
 from crane_mp.ipc import Addresses, scheduler_decoder
@@ -105,6 +106,7 @@ async def start_frontend(model_dir: Path, run_dir: Path, max_model_len: int = 25
     config = ServerConfig(model_name="tiny", **server_args)
     state = FrontendState(config, TokenizerService(str(model_dir)))
     state.client = EngineClient(Addresses(str(run_dir)), 0, config.request_timeout)
+    state.responses = ResponseStore(Path(run_dir) / "responses")
     fake = FakeScheduler(state.client)
     state.client.to_scheduler = fake
     state.engine_info = engine_facts(len(state.tokenizer.tokenizer), max_model_len)

@@ -86,7 +86,8 @@ def _document(running) -> dict:
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/tokenize", "/v1/detokenize",
-                                  "/generate", "/abort_request", "/v1/embeddings"])
+                                  "/generate", "/abort_request", "/v1/embeddings", "/v1/responses", "/v1/messages",
+                                  "/v1/messages/count_tokens"])
 def test_every_body_the_document_allows_is_accepted(request, path):
     running = request.getfixturevalue("embedding_running" if path == "/v1/embeddings" else "running")
     schema = _document(running)[path]
@@ -94,7 +95,13 @@ def test_every_body_the_document_allows_is_accepted(request, path):
     @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
     @given(from_schema(schema))
     def check(body):
-        body.pop("model", None)  # a name other than the served one is a 404, as documented
+        if path.startswith("/v1/messages"):  # a name other than the served one is a 404, as documented
+            body["model"] = "tiny"  # (Anthropic's API requires one)
+        else:
+            body.pop("model", None)
+        body.pop("previous_response_id", None)  # must name a stored response
+        if path == "/v1/responses":
+            body.pop("text", None)  # its format's schema, as response_format's
         for name in CONSTRAINT_FIELDS:  # regexes, grammars, schemas: judged when served (test_structured_routes)
             body.pop(name, None)
         for name in ("json_schema", "regex", "ebnf"):
@@ -121,7 +128,9 @@ def test_extreme_values_in_any_field_are_refused_cleanly(running, embedding_runn
             "/v1/completions": {"prompt": "hi", "max_tokens": 2}, "/v1/tokenize": {"prompt": "hi"},
             "/v1/detokenize": {"tokens": [1]}, "/generate": {"text": "hi"}, "/abort_request": {"rid": "x"},
             "/v1/embeddings": {"input": "hi"}, "/v1/load_lora_adapter": {"lora_name": "a", "lora_path": "/x"},
-            "/v1/unload_lora_adapter": {"lora_name": "a"}}[path]
+            "/v1/unload_lora_adapter": {"lora_name": "a"}, "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+            "/v1/messages": {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+            "/v1/messages/count_tokens": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}}[path]
     body = dict(base)
     for field in data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
         body[field] = data.draw(EXTREMES)

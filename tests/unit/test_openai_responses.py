@@ -5,15 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from crane_mp.frontend.answers import ToolReading, read_whole
 from crane_mp.frontend.generation import Delta
-from crane_mp.frontend.openai_responses import (
-    ChatStream,
-    CompletionStream,
-    ToolReading,
-    chat_choice,
-    completion_choice,
-    usage,
-)
+from crane_mp.frontend.openai_responses import ChatStream, CompletionStream, chat_choice, completion_choice, usage
 from crane_mp.frontend.tools.formats import FORMATS
 from crane_mp.protocol import PromptLogprobs, TokenLogprobs
 
@@ -38,15 +32,16 @@ def test_usage_counts_each_prompt_once_and_every_sample():
 
 
 def test_chat_choice_plain_and_with_tool_calls():
-    plain = chat_choice(0, "hello", "stop", None, None)
+    plain = chat_choice(0, read_whole("hello", [], None, None), "stop", None, False)
     assert plain == {"index": 0, "message": {"role": "assistant", "content": "hello"}, "logprobs": None,
                      "finish_reason": "stop", "stop_reason": None}
     tools = ToolReading(FORMATS["hermes"])
-    called = chat_choice(1, '<tool_call>{"name": "f", "arguments": {}}</tool_call>', "stop", 7, tools, None, [1, 2])
+    called = chat_choice(1, read_whole('<tool_call>{"name": "f", "arguments": {}}</tool_call>', [], tools, None),
+                         "stop", 7, True, None, [1, 2])
     assert called["finish_reason"] == "tool_calls" and called["message"]["content"] is None
     assert called["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
     assert called["token_ids"] == [1, 2] and called["stop_reason"] == 7
-    cut = chat_choice(0, '<tool_call>{"name": "f", "arguments": {', "length", None, tools)
+    cut = chat_choice(0, read_whole('<tool_call>{"name": "f", "arguments": {', [], tools, None), "length", None, True)
     assert cut["finish_reason"] == "length" and "tool_calls" not in cut["message"]
 
 

@@ -1,0 +1,91 @@
+"""/v1/messages and /v1/messages/count_tokens: Anthropic's Messages API over the chat pipeline
+(chat_core.py). Errors on these paths take Anthropic's shape (errors.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from crane_mp.frontend.anthropic_api import (
+    MessageDraft,
+    MessagesStream,
+    content_blocks,
+    new_message_id,
+    stop_reason,
+    usage,
+)
+from crane_mp.frontend.anthropic_schemas import CountTokensRequest, MessagesRequest, MessagesFields, chat_messages
+from crane_mp.frontend.answers import read_whole
+from crane_mp.frontend.chat_core import ChatAsk, named_tool, prepare_chat, render_prompt
+from crane_mp.frontend.choices import Collected
+from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.generation import Generation
+from crane_mp.frontend.http import json_response, resolve_model
+from crane_mp.frontend.pipeline import serve
+from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
+from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.protocol import SamplingParams
+
+api = RouteTable()
+_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def _ask(req: MessagesFields, params: SamplingParams, max_tokens: int | None, name: str) -> ChatAsk:
+    tools = [{"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
+                                                                 ("parameters", t.input_schema)) if v is not None}}
+             for t in req.tools or []] or None
+    choice, parallel = None, True
+    if req.tool_choice is not None:
+        parallel = not req.tool_choice.disable_parallel_tool_use
+        if req.tool_choice.type == "tool":
+            if not req.tool_choice.name:
+                raise ApiError(400, "tool_choice of type tool needs a name", "tool_choice")
+            choice = named_tool(req.tool_choice.name)
+        else:
+            choice = _CHOICES[req.tool_choice.type]
+    template, budget = None, None
+    if req.thinking is not None and req.thinking.type == "disabled":
+        template = {"enable_thinking": False}
+    elif req.thinking is not None and req.thinking.type == "enabled":
+        template, budget = {"enable_thinking": True}, req.thinking.budget_tokens
+    return ChatAsk(chat_messages(req), params, max_tokens, name, tools, choice, parallel,
+                   chat_template_kwargs=template, thinking_budget=budget)
+
+
+@api.add("post", "/v1/messages", body=MessagesRequest, requires=FrontendState.require_generative,
+         generation=True, errors=GENERATION_ERRORS, summary="Anthropic Messages API (SSE events when stream=true)")
+async def create_message(request: web.Request, req: MessagesRequest) -> web.StreamResponse:
+    state = request.app[STATE]
+    model, lora_id = resolve_model(state, req.model)
+    params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                            top_p=1.0 if req.top_p is None else req.top_p,
+                            top_k=0 if req.top_k is None else req.top_k, lora_id=lora_id)
+    message_id = new_message_id()
+    ask = _ask(req, params, req.max_tokens, message_id)
+    ask.stop = [s for s in req.stop_sequences or [] if s]
+    chat = await prepare_chat(state, ask)
+    draft = MessageDraft(message_id, model)
+
+    def render(gens: list[Generation]):
+        if req.stream:
+            return MessagesStream(draft, gens, chat.tools, chat.thinking)
+
+        def body(results: list[Collected]) -> dict[str, Any]:
+            out = results[0]
+            answer = read_whole(out.text, out.token_ids, chat.tools, chat.thinking)
+            reason = stop_reason(out.finish_reason, out.stop_reason, bool(answer.calls))
+            return draft.message(content_blocks(answer), reason, usage(gens[0]))
+
+        return body
+
+    return await serve(request, state, chat.plan, render)
+
+
+@api.add("post", "/v1/messages/count_tokens", body=CountTokensRequest, requires=FrontendState.require_generative,
+         errors=GENERATION_ERRORS, summary="Anthropic Messages API: the prompt's token count")
+async def count_tokens(request: web.Request, req: CountTokensRequest) -> web.Response:
+    state = request.app[STATE]
+    resolve_model(state, req.model)
+    rendered = await render_prompt(state, _ask(req, SamplingParams(), None, ""))
+    return json_response({"input_tokens": len(rendered.ids)})

@@ -1,0 +1,135 @@
+"""Anthropic's Messages API request bodies (/v1/messages, /v1/messages/count_tokens) as msgspec Structs,
+and their translation into chat-template messages. Fields this server does not act on (metadata,
+cache_control, service_tier, ...) are accepted and ignored, as Claude-Code-style clients send them;
+image and document blocks are a 400.
+
+Content blocks differ by type, so they are decoded as objects and read by `chat_messages`;
+MESSAGES_SCHEMA states their shapes for the OpenAPI document.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.fields import Count, PositiveCount, StopString, TopK, TopP
+from crane_mp.frontend.openai_schemas import FunctionName
+
+
+class AnthropicTool(msgspec.Struct, kw_only=True):
+    name: FunctionName
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+
+
+class AnthropicToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class AnthropicThinking(msgspec.Struct, kw_only=True):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Count | None = None
+
+
+class AnthropicMessage(msgspec.Struct):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesFields(msgspec.Struct, kw_only=True):
+    model: str
+    messages: Annotated[list[AnthropicMessage], msgspec.Meta(min_length=1)]
+    system: str | list[dict[str, Any]] | None = None
+    tools: Annotated[list[AnthropicTool], msgspec.Meta(max_length=128)] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
+
+
+class MessagesRequest(MessagesFields, kw_only=True):
+    max_tokens: PositiveCount
+    stop_sequences: Annotated[list[StopString], msgspec.Meta(max_length=16)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(MessagesFields, kw_only=True):
+    pass
+
+
+_TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
+               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_TOOL_USE = {"type": "object", "required": ["type", "id", "name", "input"], "properties": {
+    "type": {"const": "tool_use"}, "id": {"type": "string"}, "name": {"type": "string"}, "input": {"type": "object"}}}
+_TOOL_RESULT = {"type": "object", "required": ["type", "tool_use_id"], "properties": {
+    "type": {"const": "tool_result"}, "tool_use_id": {"type": "string"},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]}, "is_error": {"type": "boolean"}}}
+# The turns chat_messages reads (for /openapi.json): the user's text and tool results, the assistant's
+# text and tool calls. An assistant's thinking blocks are accepted too, and skipped (thinking is not
+# fed back): left out here, as a turn of thinking alone would be no turn.
+MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {"anyOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {"role": {"const": "user"}, "content": {
+        "anyOf": [{"type": "string"},
+                  {"type": "array", "minItems": 1, "items": {"anyOf": [_TEXT_BLOCK, _TOOL_RESULT]}}]}}},
+    {"type": "object", "required": ["role", "content"], "properties": {"role": {"const": "assistant"}, "content": {
+        "anyOf": [{"type": "string"},
+                  {"type": "array", "minItems": 1, "items": {"anyOf": [_TEXT_BLOCK, _TOOL_USE]}}]}}},
+]}}
+SYSTEM_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}, {"type": "null"}],
+                 "default": None}
+
+
+def chat_messages(req: MessagesFields) -> list[dict[str, Any]]:
+    """The system prompt and messages as chat-template messages: a user turn's tool results become tool
+    turns (before its text), an assistant turn's tool_use blocks its tool_calls."""
+    messages: list[dict[str, Any]] = []
+    if req.system is not None:
+        messages.append({"role": "system", "content": _blocks_text(req.system, "system")})
+    for index, message in enumerate(req.messages):
+        where = f"messages[{index}].content"
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+            continue
+        texts, calls = [], []
+        for number, block in enumerate(message.content):
+            kind = block.get("type")
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and message.role == "assistant":
+                calls.append({"id": _string(block, "id", f"{where}[{number}]"), "type": "function", "function": {
+                    "name": _string(block, "name", f"{where}[{number}]"), "arguments": block.get("input") or {}}})
+            elif kind == "tool_result" and message.role == "user":
+                messages.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", f"{where}[{number}]"),
+                                 "content": _blocks_text(block.get("content", ""), f"{where}[{number}].content")})
+            elif kind not in ("thinking", "redacted_thinking"):
+                raise ApiError(400, f"{where}[{number}]: {kind!r} blocks are not supported in a {message.role} turn "
+                                    "(text, tool_use from the assistant, tool_result from the user)", "messages")
+        if texts or calls:
+            turn: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
+            if calls:
+                turn["tool_calls"] = calls
+            messages.append(turn)
+    return messages
+
+
+def _string(block: dict[str, Any], key: str, where: str) -> str:
+    value = block.get(key)
+    if not isinstance(value, str):
+        raise ApiError(400, f"{where}.{key} must be a string", "messages")
+    return value
+
+
+def _blocks_text(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                       and isinstance(b.get("text"), str) for b in value):
+        return "\n".join(block["text"] for block in value)
+    raise ApiError(400, f"{where} must be a string or a list of text blocks", where.split("[")[0].split(".")[0])

@@ -1,0 +1,145 @@
+"""The OpenAI Responses API's request body (/v1/responses) as msgspec Structs. Fields this server does
+not act on (include, truncation, service_tier, prompt_cache_key, ...) are accepted and ignored, as
+agent clients send them; tools other than functions, and input that is not text, are a 400.
+
+`input` items differ by shape (a message may omit its type), so they are decoded as objects and read
+by `input_messages`; INPUT_SCHEMA states the item shapes for the OpenAPI document.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.fields import PositiveCount, Temperature, TopLogprobs, TopP
+from crane_mp.frontend.openai_schemas import FunctionName, arguments_object
+
+
+class ResponseFormatConfig(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # json_schema: none is any JSON object
+    strict: bool | None = None
+
+
+class ResponseTextConfig(msgspec.Struct, kw_only=True):
+    format: ResponseFormatConfig | None = None
+    verbosity: str | None = None
+
+
+class ResponseFunctionTool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseNamedFunction(msgspec.Struct):
+    type: Literal["function"]
+    name: str
+
+
+class ResponseReasoningConfig(msgspec.Struct, kw_only=True):
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    input: str | list[dict[str, Any]]
+    model: str | None = None
+    instructions: str | None = None
+    tools: Annotated[list[ResponseFunctionTool], msgspec.Meta(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedFunction | None = None
+    parallel_tool_calls: bool = True
+    text: ResponseTextConfig | None = None
+    reasoning: ResponseReasoningConfig | None = None
+    max_output_tokens: PositiveCount | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_logprobs: TopLogprobs | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}}
+_READ_ITEMS = [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"const": "message"}, "role": {"enum": ["user", "assistant", "system", "developer"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
+        "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": {"type": "string"},
+        "output": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}},
+]
+# The input item shapes input_messages reads (for /openapi.json): messages with text, the function
+# calls of an earlier answer and their outputs, and reasoning items (skipped: thinking is not fed
+# back), at least one of them not reasoning.
+INPUT_SCHEMA = {"anyOf": [{"type": "string"}, {
+    "type": "array", "minItems": 1, "contains": {"anyOf": _READ_ITEMS},
+    "items": {"anyOf": [*_READ_ITEMS, {"type": "object", "required": ["type"],
+                                       "properties": {"type": {"const": "reasoning"}}}]}}]}
+
+
+def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as chat-template messages: consecutive function calls become one assistant turn's
+    tool_calls, their outputs tool turns. A 400 names the item that cannot be read."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    messages: list[dict[str, Any]] = []
+    for index, item in enumerate(value):
+        where = f"input[{index}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise ApiError(400, f"{where}.role must be user, assistant, system or developer", "input")
+            messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where),
+                                 "arguments": arguments_object(_string(item, "arguments", where))}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                             "content": _text(item.get("output"), f"{where}.output")})
+        elif kind != "reasoning":
+            raise ApiError(400, f"{where}: input items of type {kind!r} are not supported (messages with text, "
+                                "function_call, function_call_output and reasoning are)", "input")
+    return messages
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise ApiError(400, f"{where}.{key} must be a string", "input")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's text: a string, or its text parts joined by newlines (as chat content is)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where} must be a string or a list of text parts", "input")
+    texts = []
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ApiError(400, f"{where}[{index}]: only text parts are supported, not {kind!r}", "input")
+        texts.append(part["text"])
+    return "\n".join(texts)
