@@ -25,6 +25,7 @@ from crane_mp.frontend.http import json_response, resolve_model
 from crane_mp.frontend.pipeline import serve
 from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.frontend.structured import Constraint
 from crane_mp.protocol import SamplingParams
 
 api = RouteTable()
@@ -49,7 +50,10 @@ def _ask(req: MessagesFields, params: SamplingParams, max_tokens: int | None, na
         template = {"enable_thinking": False}
     elif req.thinking is not None and req.thinking.type == "enabled":
         template, budget = {"enable_thinking": True}, req.thinking.budget_tokens
-    return ChatAsk(chat_messages(req), params, max_tokens, name, tools, choice, parallel,
+    constraint = None
+    if req.output_config is not None and req.output_config.format is not None:
+        constraint = Constraint.json_schema(req.output_config.format.schema, "output_config.format.schema")
+    return ChatAsk(chat_messages(req), params, max_tokens, name, tools, choice, parallel, constraint,
                    chat_template_kwargs=template, thinking_budget=budget)
 
 

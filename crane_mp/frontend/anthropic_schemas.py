@@ -32,8 +32,20 @@ class AnthropicToolChoice(msgspec.Struct, kw_only=True):
 
 
 class AnthropicThinking(msgspec.Struct, kw_only=True):
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: Count | None = None
+
+
+class JsonOutputFormat(msgspec.Struct, kw_only=True):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct, kw_only=True):
+    """Structured output (`format`); `effort` is accepted and left to the model."""
+
+    format: JsonOutputFormat | None = None
+    effort: str | None = None
 
 
 class AnthropicMessage(msgspec.Struct):
@@ -48,6 +60,7 @@ class MessagesFields(msgspec.Struct, kw_only=True):
     tools: Annotated[list[AnthropicTool], msgspec.Meta(max_length=128)] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: AnthropicThinking | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(MessagesFields, kw_only=True):
