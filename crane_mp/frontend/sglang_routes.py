@@ -16,8 +16,14 @@ from crane_mp.frontend.logprobs_format import scored_prompt_positions
 from crane_mp.frontend.http import json_response, resolve_model
 from crane_mp.frontend.openai_schemas import prompt_inputs, stop_strings
 from crane_mp.frontend.pipeline import Plan, prompt_ids, serve
+from crane_mp.frontend.reasoning import START as THINK_START, prompt_opens_thinking, split_reasoning
 from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
-from crane_mp.frontend.sglang_schemas import AbortBody, SGLangGenerateRequest, SGLangSamplingParams
+from crane_mp.frontend.sglang_schemas import (
+    AbortBody,
+    SeparateReasoningRequest,
+    SGLangGenerateRequest,
+    SGLangSamplingParams,
+)
 from crane_mp.frontend.state import STATE, FrontendState
 
 api = RouteTable()
@@ -102,6 +108,8 @@ async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.Stre
                 names=names, lora_ids=lora_ids)
     started = time.monotonic()
     logprob_infos: dict[int, LogprobInfo] = {}
+    opened = [prompt_opens_thinking(t) for t in await _prompt_texts(state, req, prompts)] \
+        if req.separate_reasoning else []
 
     def result(gens: list[Generation], index: int, text: str, ids: list[int], logprobs_list, finish) -> dict[str, Any]:
         gen = gens[index]
@@ -113,6 +121,9 @@ async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.Stre
                 logprob_infos[index] = LogprobInfo(state, req, gen, prompts[index // sp.n])
             meta.update(logprob_infos[index].info(ids, logprobs_list))
         body = {"text": text, "output_ids": ids, "meta_info": meta}
+        if req.separate_reasoning:  # a stream's chunks split the output so far, as a whole answer is split
+            reasoning, body["text"] = split_reasoning(opened[index // sp.n], text)
+            body["reasoning_text"] = reasoning or ""
         if batch or sp.n > 1:
             body["index"] = index
         return body
@@ -130,6 +141,23 @@ async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.Stre
         return body
 
     return await serve(request, state, plan, render)
+
+
+async def _prompt_texts(state: FrontendState, req: SGLangGenerateRequest, prompts: list[list[int]]) -> list[str]:
+    if req.text is not None:
+        return [req.text] if isinstance(req.text, str) else list(req.text)
+    return [state.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+
+
+@api.add("post", "/separate_reasoning", body=SeparateReasoningRequest, summary="Split a text into thinking and answer")
+async def separate_reasoning(request: web.Request, req: SeparateReasoningRequest) -> web.Response:
+    """SGLang's native endpoint: {"reasoning_text", "text"} of a whole answer."""
+    text = req.text
+    opened = req.reasoning_parser in ("deepseek-r1", "deepseek_r1", "qwen3-thinking")
+    if opened and text.lstrip().startswith(THINK_START):  # R1-0528 writes the tag the template also opened
+        text = text.lstrip()[len(THINK_START):]
+    reasoning, content = split_reasoning(opened, text)
+    return json_response({"reasoning_text": reasoning or "", "text": content})
 
 
 def _lora_ids(state: FrontendState, lora_path: str | list[str | None] | None, num_prompts: int,

@@ -85,9 +85,20 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     return_text_in_logprobs: bool = False
     model: str | None = None
     lora_path: str | list[str | None] | None = None  # a --lora-modules name, for all prompts or per prompt
+    # The thinking apart from the answer, as `reasoning_text` (with --reasoning-parser): text is the answer.
+    separate_reasoning: bool = False
 
 
 INPUT_IDS_SCHEMA = {"anyOf": [PROMPT_IDS_SCHEMA, PROMPT_IDS_BATCH_SCHEMA]}
+
+
+class SeparateReasoningRequest(msgspec.Struct, kw_only=True):
+    """SGLang's /separate_reasoning: `reasoning_parser` deepseek-r1 (and qwen3-thinking) reads a text
+    that starts thinking without a `<think>`; qwen3 one that thinks only inside `<think>`; none given:
+    qwen3's rule."""
+
+    text: str
+    reasoning_parser: str | None = None
 
 
 class AbortBody(msgspec.Struct, kw_only=True):

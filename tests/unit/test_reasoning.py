@@ -125,3 +125,33 @@ async def test_a_constrained_answer_thinks_first_only_where_the_prompt_opened_th
     message = (await (await client.post("/v1/chat/completions", json=body)).json())["choices"][0]["message"]
     assert json.loads(message["content"]) == {"a": 1}
     assert fake.requests[-1].sampling.thinking is None  # constrained from the first token: no thinking
+
+
+async def test_sglang_generate_and_separate_reasoning_split_the_thinking(frontend):
+    client, state, fake = frontend
+    fake.output_ids = _ids(state, "<think>\nsome thought</think>\n\nThe answer.")
+    body = await (await client.post("/generate", json={"text": "q", "separate_reasoning": True})).json()
+    assert (body["reasoning_text"], body["text"]) == ("\nsome thought", "\n\nThe answer.")
+    raw = await (await client.post("/generate", json={"text": "q"})).json()
+    assert raw["text"] == "<think>\nsome thought</think>\n\nThe answer." and "reasoning_text" not in raw
+    for parser, text, expected in [("qwen3", "<think>a</think>b", ("a", "b")), ("qwen3", "plain", ("", "plain")),
+                                   ("deepseek-r1", "a</think>b", ("a", "b")),
+                                   ("deepseek-r1", "<think>a</think>b", ("a", "b"))]:
+        split = await (await client.post("/separate_reasoning", json={"text": text, "reasoning_parser": parser})).json()
+        assert (split["reasoning_text"], split["text"]) == expected, (parser, text)
+
+
+async def test_responses_and_messages_carry_the_thinking_apart(frontend):
+    client, state, fake = frontend
+    fake.output_ids = _ids(state, "<think>\nsome thought</think>\n\nThe answer.")
+    response = await (await client.post("/v1/responses", json={"input": "q"})).json()
+    assert [item["type"] for item in response["output"]] == ["reasoning", "message"]
+    assert response["output"][0]["content"][0]["text"] == "\nsome thought"
+    assert response["output"][1]["content"][0]["text"] == "\n\nThe answer."
+    thought = fake.output_ids.index(state.think_end_token) + 1
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == thought
+    message = await (await client.post("/v1/messages", json={
+        "model": state.model_name, "max_tokens": 50, "messages": [{"role": "user", "content": "q"}]})).json()
+    assert message["content"] == [{"type": "thinking", "thinking": "\nsome thought", "signature": ""},
+                                  {"type": "text", "text": "\n\nThe answer."}]
+    assert message["stop_reason"] == "end_turn"
