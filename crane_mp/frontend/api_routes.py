@@ -10,6 +10,7 @@ from crane_mp.frontend import (
     management_routes,
     openai_routes,
     responses_routes,
+    score_routes,
     sglang_routes,
     tokenize_routes,
 )
@@ -19,6 +20,7 @@ ROUTES: list[Route] = [
     *openai_routes.api.routes,
     *responses_routes.api.routes,
     *anthropic_routes.api.routes,
+    *score_routes.api.routes,
     *embedding_routes.api.routes,
     *lora_routes.api.routes,
     *tokenize_routes.api.routes,

@@ -87,7 +87,7 @@ def _document(running) -> dict:
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/tokenize", "/v1/detokenize",
                                   "/generate", "/abort_request", "/v1/embeddings", "/v1/responses", "/v1/messages",
-                                  "/v1/messages/count_tokens"])
+                                  "/v1/messages/count_tokens", "/separate_reasoning"])
 def test_every_body_the_document_allows_is_accepted(request, path):
     running = request.getfixturevalue("embedding_running" if path == "/v1/embeddings" else "running")
     schema = _document(running)[path]
@@ -130,7 +130,9 @@ def test_extreme_values_in_any_field_are_refused_cleanly(running, embedding_runn
             "/v1/embeddings": {"input": "hi"}, "/v1/load_lora_adapter": {"lora_name": "a", "lora_path": "/x"},
             "/v1/unload_lora_adapter": {"lora_name": "a"}, "/v1/responses": {"input": "hi", "max_output_tokens": 2},
             "/v1/messages": {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
-            "/v1/messages/count_tokens": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}}[path]
+            "/v1/messages/count_tokens": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+            "/separate_reasoning": {"text": "<think>a</think>b"}, "/v1/rerank": {"query": "q", "documents": ["d"]},
+            "/score": {"text_1": "q", "text_2": ["d"]}}[path]
     body = dict(base)
     for field in data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
         body[field] = data.draw(EXTREMES)

@@ -1,0 +1,145 @@
+"""/v1/rerank (Cohere's and Jina's shape; /rerank and /v2/rerank too) and /score (vLLM's text_1 / text_2;
+/v1/score too) for Qwen3-Reranker-style models: a causal LM asked whether a document meets a query,
+scored by its own recipe, p(yes) / (p(yes) + p(no)) for the next token after the reranker's prompt.
+
+Each pair is prompted as Qwen3-Reranker's reference code prompts it (its system text, the
+instruction, query and document, then an empty think block), with its three parts tokenized apart
+as that code does. The engine scores the prompt followed by "yes", and again by "no" (prompt
+logprobs with no output: max_tokens 0); the two logprobs share their normaliser, so their
+difference is the yes/no logit difference the recipe's two-way softmax reads.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Annotated, Any
+
+import msgspec
+from aiohttp import web
+
+from crane_mp.frontend.choices import Collected
+from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.generation import Generation
+from crane_mp.frontend.http import resolve_model
+from crane_mp.frontend.logprobs_format import scored_prompt_positions
+from crane_mp.frontend.pipeline import Plan, serve
+from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
+from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.protocol import SamplingParams
+
+api = RouteTable()
+DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+           "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
+_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+# Documents a request may score: each pair is two engine requests (also bounded by
+# --max-request-generations).
+MAX_DOCUMENTS = 1024
+
+
+class RerankDocument(msgspec.Struct):
+    text: str
+
+
+class RerankRequest(msgspec.Struct, kw_only=True):
+    query: str
+    documents: Annotated[list[str | RerankDocument], msgspec.Meta(min_length=1, max_length=MAX_DOCUMENTS)]
+    model: str | None = None
+    top_n: Annotated[int, msgspec.Meta(ge=1, le=MAX_DOCUMENTS)] | None = None
+    return_documents: bool = True
+    instruction: str | None = None  # the reranker's task text (Qwen3-Reranker's "Instruct")
+
+
+class ScoreRequest(msgspec.Struct, kw_only=True):
+    text_1: str | Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_DOCUMENTS)]
+    text_2: str | Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_DOCUMENTS)]
+    model: str | None = None
+    instruction: str | None = None
+
+
+def _answer_tokens(state: FrontendState) -> tuple[int, int]:
+    vocab = state.tokenizer.tokenizer.get_vocab()
+    if "yes" not in vocab or "no" not in vocab:
+        raise ApiError(400, "this model's vocabulary has no single `yes` and `no` tokens: it is not a "
+                            "Qwen3-Reranker-style model, which rerank and score need")
+    return vocab["yes"], vocab["no"]
+
+
+def _pair_ids(state: FrontendState, instruction: str, query: str, document: str) -> list[int]:
+    encode = state.tokenizer.tokenizer.encode
+    body = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+    return (encode(_PREFIX, add_special_tokens=False) + encode(body, add_special_tokens=False)
+            + encode(_SUFFIX, add_special_tokens=False))
+
+
+async def _score_pairs(request: web.Request, pairs: list[tuple[str, str]], instruction: str | None, model: str | None,
+                       respond) -> web.StreamResponse:
+    """Score every (query, document) pair and answer with `respond(scores, prompt tokens)`."""
+    state = request.app[STATE]
+    _, lora_id = resolve_model(state, model)
+    yes, no = _answer_tokens(state)
+    room = state.engine_info.max_model_len - 1
+    prompts = []
+    for index, (query, document) in enumerate(pairs):
+        ids = _pair_ids(state, instruction or DEFAULT_INSTRUCTION, query, document)
+        if len(ids) > room:
+            raise ApiError(400, f"pair {index} takes {len(ids) + 1} tokens with its answer; the context window "
+                                f"holds {state.engine_info.max_model_len}", "documents")
+        prompts += [ids + [yes], ids + [no]]
+    params = SamplingParams(temperature=0.0, prompt_logprobs=0, lora_id=lora_id)
+    plan = Plan(prompts, params, 0, "documents", names=f"score-{uuid.uuid4().hex}")
+
+    def render(gens: list[Generation]):
+        def body(results: list[Collected]) -> Any:
+            scores = []
+            for i in range(0, len(gens), 2):
+                logprob = [scored_prompt_positions(gens[i + k].prompt_logprobs)[len(prompts[i + k]) - 1][0]
+                           for k in (0, 1)]
+                scores.append(1.0 / (1.0 + math.exp(logprob[1] - logprob[0])))
+            return respond(scores, sum(len(p) - 1 for p in prompts[::2]))
+
+        return body
+
+    return await serve(request, state, plan, render)
+
+
+@api.add("post", "/v1/rerank", body=RerankRequest, requires=FrontendState.require_generative, generation=True,
+         errors=GENERATION_ERRORS, summary="Rerank documents for a query (Cohere/Jina shape)")
+@api.add("post", "/rerank", body=RerankRequest, requires=FrontendState.require_generative, generation=True)
+@api.add("post", "/v2/rerank", body=RerankRequest, requires=FrontendState.require_generative, generation=True)
+async def rerank(request: web.Request, req: RerankRequest) -> web.StreamResponse:
+    texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
+    model_name = resolve_model(request.app[STATE], req.model)[0]
+
+    def respond(scores: list[float], tokens: int) -> dict[str, Any]:
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n]
+        results = [{"index": i, "relevance_score": scores[i],
+                    **({"document": {"text": texts[i]}} if req.return_documents else {})} for i in order]
+        return {"id": f"rerank-{uuid.uuid4().hex}", "model": model_name, "usage": {"total_tokens": tokens},
+                "results": results}
+
+    return await _score_pairs(request, [(req.query, text) for text in texts], req.instruction, req.model, respond)
+
+
+@api.add("post", "/score", body=ScoreRequest, requires=FrontendState.require_generative, generation=True,
+         errors=GENERATION_ERRORS, summary="Score text pairs (vLLM's text_1 / text_2)")
+@api.add("post", "/v1/score", body=ScoreRequest, requires=FrontendState.require_generative, generation=True)
+async def score(request: web.Request, req: ScoreRequest) -> web.StreamResponse:
+    """text_1 one text and text_2 several: each against the one; two lists: pair by pair."""
+    first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+    second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ApiError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
+                            "as text_2", "text_1")
+    model_name = resolve_model(request.app[STATE], req.model)[0]
+
+    def respond(scores: list[float], tokens: int) -> dict[str, Any]:
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model_name,
+                "data": [{"index": i, "object": "score", "score": value} for i, value in enumerate(scores)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    return await _score_pairs(request, list(zip(first, second)), req.instruction, req.model, respond)

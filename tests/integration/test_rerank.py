@@ -1,0 +1,82 @@
+"""/v1/rerank and /score through the three processes on a Qwen3-Reranker-style checkpoint (a tiny random
+Qwen3 whose vocabulary has `yes` and `no`): scores equal the reference recipe run on transformers'
+float32 model, and the response shapes are Cohere's/Jina's and vLLM's."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from crane_mp.frontend.score_routes import _PREFIX, _SUFFIX, DEFAULT_INSTRUCTION
+from crane_mp.testing.make_model import make_model
+from tests.integration.server import Server
+
+QUERY = "what is the capital of France?"
+DOCUMENTS = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel tower is in Paris, France."]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = make_model("qwen3", "tiny", tmp_path_factory.mktemp("m") / "reranker", seed=9)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["yes", "no"])  # single tokens, as in Qwen3's own vocabulary
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = Server(model_dir, "--dtype", "float32", "--kv-cache-dtype", "float32",
+                 log_path=tmp_path_factory.mktemp("log") / "server.log")
+    yield srv
+    assert srv.stop() == 0
+
+
+def reference_scores(model_dir, query: str, documents: list[str], instruction: str = DEFAULT_INSTRUCTION):
+    """Qwen3-Reranker's recipe: the last position's yes/no logits, softmaxed over the two."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    scores = []
+    for document in documents:
+        body = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+        ids = sum((tokenizer.encode(text, add_special_tokens=False) for text in (_PREFIX, body, _SUFFIX)), [])
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        scores.append(torch.softmax(torch.stack([logits[no], logits[yes]]), dim=0)[1].item())
+    return scores
+
+
+def test_rerank_scores_equal_the_reference_recipe(server, model_dir):
+    want = reference_scores(model_dir, QUERY, DOCUMENTS)
+    body = requests.post(f"{server.url}/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=60).json()
+    results = body["results"]
+    assert [r["index"] for r in results] == sorted(range(3), key=lambda i: -want[i])
+    for result in results:
+        assert result["relevance_score"] == pytest.approx(want[result["index"]], abs=1e-4)
+        assert result["document"]["text"] == DOCUMENTS[result["index"]]
+    assert body["usage"]["total_tokens"] > 0
+    top = requests.post(f"{server.url}/rerank", json={"query": QUERY, "documents": [{"text": d} for d in DOCUMENTS],
+                                                      "top_n": 1, "return_documents": False}, timeout=60).json()
+    assert [r["index"] for r in top["results"]] == [results[0]["index"]] and "document" not in top["results"][0]
+
+
+def test_score_pairs_one_against_many_and_pairwise(server, model_dir):
+    want = reference_scores(model_dir, QUERY, DOCUMENTS)
+    one = requests.post(f"{server.url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS}, timeout=60).json()
+    assert one["object"] == "list" and [d["index"] for d in one["data"]] == [0, 1, 2]
+    assert [d["score"] for d in one["data"]] == pytest.approx(want, abs=1e-4)
+    instruction = "Judge relevance"
+    pairwise = requests.post(f"{server.url}/v1/score", timeout=60, json={
+        "text_1": [QUERY, "yellow fruit"], "text_2": DOCUMENTS[:2], "instruction": instruction}).json()
+    expected = reference_scores(model_dir, QUERY, DOCUMENTS[:1], instruction) + reference_scores(
+        model_dir, "yellow fruit", DOCUMENTS[1:2], instruction)
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(expected, abs=1e-4)
+    mismatched = requests.post(f"{server.url}/score", json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]},
+                               timeout=60)
+    assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_1"
