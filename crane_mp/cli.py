@@ -25,6 +25,7 @@ from crane_mp.config import (
 )
 from crane_mp.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
 from crane_mp.pooling import POOLING_METHODS, Pooling, sentence_transformers_pooling
+from crane_mp.score_head import classifies
 from crane_mp.settings import SettingsError, resolve, settable_actions, unknown_env_names
 from crane_mp.worker.models.registry import MODEL_TYPE_ALIASES
 
@@ -111,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-type", default="auto", choices=["auto", *sorted(MODEL_TYPE_ALIASES)])
     p.add_argument("--model-name", help="name shown in API responses (default: the directory name)")
     p.add_argument("--task", default="auto", choices=TASKS,
-                   help="generate text, or embed (/v1/embeddings only); auto: embed for a sentence-transformers "
-                        "checkpoint (modules.json), else generate")
+                   help="generate text, embed (/v1/embeddings only), or score (/v1/rerank and /score with a "
+                        "sequence-classification checkpoint); auto: score for a *ForSequenceClassification "
+                        "checkpoint, embed for a sentence-transformers one (modules.json), else generate")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                    help="LoRA adapters in PEFT's format to serve beside the base model; a request picks one by "
                         "naming it as its model (SGLang: lora_path)")
@@ -213,7 +215,13 @@ def _task_and_pooling(args, source: ModelSource, parser) -> tuple[str, Pooling]:
         if args.task != "generate" and args.pooling is None:
             parser.error(str(err))
         declared = None
-    task = args.task if args.task != "auto" else "embed" if declared or args.pooling else "generate"
+    task = args.task
+    if task == "auto":
+        task = "score" if classifies(source.model_dir) else "embed" if declared or args.pooling else "generate"
+    if task == "score":  # the head reads the last token's final hidden state, as transformers' does
+        if source.format == "gguf":
+            parser.error("--task score needs a safetensors sequence-classification checkpoint, not a GGUF file")
+        return task, Pooling("last", False, False)
     pooling = declared or Pooling()
     if args.pooling is not None:
         pooling = Pooling(args.pooling, pooling.normalize, pooling.chat_template)

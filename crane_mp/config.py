@@ -22,7 +22,7 @@ QUANTIZED_ACTIVATIONS = ("int8", "float")
 LOG_FORMATS = ("text", "json")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")  # frontend/tools/formats.py
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")  # frontend/reasoning.py
-TASKS = ("auto", "generate", "embed")
+TASKS = ("auto", "generate", "embed", "score")
 # CPU instruction-set tiers, lowest first; each includes the ones before it (worker/kernels/cpu_isa.py).
 CPU_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -78,7 +78,8 @@ class EngineConfig:
     overlap_schedule: bool = True  # plan step N+1 while the worker runs step N
     cuda_graphs: bool = True  # replay decode steps from graphs captured at start-up (CUDA only)
     seed: int = 0
-    task: str = "generate"  # or "embed": an embedding model, which may have no lm_head
+    task: str = "generate"  # or "embed" (an embedding model, which may have no lm_head), or "score" (a
+    # sequence-classification head, which the frontend applies to the pooled last token)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter directory); adapter i has id i + 1
     max_lora_rank: int = 64
     max_loras: int = 8  # adapters loaded at once (at start and through /v1/load_lora_adapter)
@@ -167,6 +168,11 @@ def cpu_isa_cap() -> str | None:
     if value not in CPU_ISAS:
         raise ValueError(f"CRANE_MP_ISA={value!r} is not a CPU tier; use one of {', '.join(CPU_ISAS)}")
     return value
+
+
+def pools_outputs(task: str) -> bool:
+    """The task's requests return a pooled hidden state, not tokens (embed, score): no lm_head needed."""
+    return task in ("embed", "score")
 
 
 def native_kernels_disabled() -> bool:

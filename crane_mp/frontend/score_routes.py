@@ -1,6 +1,8 @@
 """/v1/rerank (Cohere's and Jina's shape; /rerank and /v2/rerank too) and /score (vLLM's text_1 / text_2;
-/v1/score too) for Qwen3-Reranker-style models: a causal LM asked whether a document meets a query,
-scored by its own recipe, p(yes) / (p(yes) + p(no)) for the next token after the reranker's prompt.
+/v1/score too), for sequence-classification checkpoints (--task score: sentence-transformers'
+CrossEncoder's models; the head in score_head.py) and for Qwen3-Reranker-style models on a generating
+server: a causal LM asked whether a document meets a query, scored by its own recipe, p(yes) /
+(p(yes) + p(no)) for the next token after the reranker's prompt.
 
 Each pair is prompted as Qwen3-Reranker's reference code prompts it (its system text, the
 instruction, query and document, then an empty think block), with its three parts tokenized apart
@@ -24,7 +26,7 @@ from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.generation import Generation
 from crane_mp.frontend.http import resolve_model
 from crane_mp.frontend.logprobs_format import scored_prompt_positions
-from crane_mp.frontend.pipeline import Plan, serve
+from crane_mp.frontend.pipeline import Plan, prompt_ids, serve
 from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.frontend.state import STATE, FrontendState
 from crane_mp.protocol import SamplingParams
@@ -79,14 +81,13 @@ async def _score_pairs(request: web.Request, pairs: list[tuple[str, str]], instr
     """Score every (query, document) pair and answer with `respond(scores, prompt tokens)`."""
     state = request.app[STATE]
     _, lora_id = resolve_model(state, model)
+    if state.score_head is not None:
+        return await _classify_pairs(request, state, pairs, lora_id, respond)
     yes, no = _answer_tokens(state)
-    room = state.engine_info.max_model_len - 1
     prompts = []
     for index, (query, document) in enumerate(pairs):
         ids = _pair_ids(state, instruction or DEFAULT_INSTRUCTION, query, document)
-        if len(ids) > room:
-            raise ApiError(400, f"pair {index} takes {len(ids) + 1} tokens with its answer; the context window "
-                                f"holds {state.engine_info.max_model_len}", "documents")
+        _check_room(state, index, len(ids) + 1)
         prompts += [ids + [yes], ids + [no]]
     params = SamplingParams(temperature=0.0, prompt_logprobs=0, lora_id=lora_id)
     plan = Plan(prompts, params, 0, "documents", names=f"score-{uuid.uuid4().hex}")
@@ -105,10 +106,55 @@ async def _score_pairs(request: web.Request, pairs: list[tuple[str, str]], instr
     return await serve(request, state, plan, render)
 
 
-@api.add("post", "/v1/rerank", body=RerankRequest, requires=FrontendState.require_generative, generation=True,
+async def _classify_pairs(request: web.Request, state: FrontendState, pairs: list[tuple[str, str]], lora_id: int,
+                          respond) -> web.StreamResponse:
+    """--task score: each pair tokenized as a text pair (as CrossEncoder does), its last token's final
+    hidden state pooled by the engine, the head applied here (score_head.py)."""
+    prompts = []
+    for index, (query, document) in enumerate(pairs):
+        ids = await _classified_pair_ids(state, query, document)
+        _check_room(state, index, len(ids))
+        prompts.append(ids)
+    params = SamplingParams(temperature=0.0, max_tokens=1, pooling="last", lora_id=lora_id)
+    plan = Plan(prompts, params, 0, "documents", names=f"score-{uuid.uuid4().hex}")
+
+    def render(gens: list[Generation]):
+        def body(_: list[Collected]) -> Any:
+            if any(gen.embedding is None for gen in gens):
+                raise ApiError(500, "the engine finished a scoring request without its hidden state")
+            return respond([state.score_head.score(gen.embedding) for gen in gens], sum(map(len, prompts)))
+
+        return body
+
+    return await serve(request, state, plan, render)
+
+
+async def _classified_pair_ids(state: FrontendState, query: str, document: str) -> list[int]:
+    """A pair's tokens as CrossEncoder makes them: query and document messages through the chat
+    template (a checkpoint saved with the message modality), else the tokenizer's text-pair encoding."""
+    head = state.score_head
+    if head.pair_format is None:
+        return state.tokenizer.tokenizer(query, document)["input_ids"]
+    structured = head.pair_format == "structured"
+    messages = [{"role": role, "content": [{"type": "text", "text": text}] if structured else text}
+                for role, text in (("query", query), ("document", document))]
+    prompt = state.tokenizer.render_chat(messages, False, False, None)
+    if query not in prompt or document not in prompt:
+        raise ApiError(400, "this model's chat template drops the query or the document of a pair (roles `query` and "
+                            "`document`); sentence-transformers refuses such a template too", "documents")
+    return await prompt_ids(state, prompt, "documents", add_special_tokens=False)
+
+
+def _check_room(state: FrontendState, index: int, tokens: int) -> None:
+    if tokens > state.engine_info.max_model_len:
+        raise ApiError(400, f"pair {index} takes {tokens} tokens; the context window holds "
+                            f"{state.engine_info.max_model_len}", "documents")
+
+
+@api.add("post", "/v1/rerank", body=RerankRequest, requires=FrontendState.require_scoring, generation=True,
          errors=GENERATION_ERRORS, summary="Rerank documents for a query (Cohere/Jina shape)")
-@api.add("post", "/rerank", body=RerankRequest, requires=FrontendState.require_generative, generation=True)
-@api.add("post", "/v2/rerank", body=RerankRequest, requires=FrontendState.require_generative, generation=True)
+@api.add("post", "/rerank", body=RerankRequest, requires=FrontendState.require_scoring, generation=True)
+@api.add("post", "/v2/rerank", body=RerankRequest, requires=FrontendState.require_scoring, generation=True)
 async def rerank(request: web.Request, req: RerankRequest) -> web.StreamResponse:
     texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
     model_name = resolve_model(request.app[STATE], req.model)[0]
@@ -123,9 +169,9 @@ async def rerank(request: web.Request, req: RerankRequest) -> web.StreamResponse
     return await _score_pairs(request, [(req.query, text) for text in texts], req.instruction, req.model, respond)
 
 
-@api.add("post", "/score", body=ScoreRequest, requires=FrontendState.require_generative, generation=True,
+@api.add("post", "/score", body=ScoreRequest, requires=FrontendState.require_scoring, generation=True,
          errors=GENERATION_ERRORS, summary="Score text pairs (vLLM's text_1 / text_2)")
-@api.add("post", "/v1/score", body=ScoreRequest, requires=FrontendState.require_generative, generation=True)
+@api.add("post", "/v1/score", body=ScoreRequest, requires=FrontendState.require_scoring, generation=True)
 async def score(request: web.Request, req: ScoreRequest) -> web.StreamResponse:
     """text_1 one text and text_2 several: each against the one; two lists: pair by pair."""
     first = [req.text_1] if isinstance(req.text_1, str) else req.text_1

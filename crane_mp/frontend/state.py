@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
@@ -19,6 +20,7 @@ from crane_mp.frontend.reasoning import END as THINK_END, START as THINK_START, 
 from crane_mp.frontend.structured import GrammarCompiler
 from crane_mp.frontend.tokenizer import TokenizerService
 from crane_mp.protocol import LoraAdapter, WorkerReady
+from crane_mp.score_head import ScoreHead, load_score_head
 
 
 @dataclass(slots=True)
@@ -38,6 +40,7 @@ class FrontendState:
     reasoning: bool = field(init=False)  # answers are read for thinking (--reasoning-parser)
     think_start_token: int | None = field(init=False)
     think_end_token: int | None = field(init=False)
+    score_head: ScoreHead | None = field(init=False)  # --task score: the classification head
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.config.model_name)
@@ -49,6 +52,8 @@ class FrontendState:
         self.grammars = GrammarCompiler(self.tokenizer, self.config.grammar_timeout)
         modules = self.config.engine.lora_modules
         self.adapters = {name: LoraAdapter(i + 1, name, path) for i, (name, path) in enumerate(modules)}
+        scoring = self.config.engine.task == "score"
+        self.score_head = load_score_head(Path(self.config.engine.model_path)) if scoring else None
 
     @property
     def model_name(self) -> str:
@@ -80,7 +85,17 @@ class FrontendState:
             raise ApiError(503, "the server is starting; the model is not loaded yet")
 
     def require_generative(self) -> None:
-        """Generation routes: a 400 on a server started for embeddings (its model may have no lm_head)."""
+        """Generation routes: a 400 on a server started for embeddings or scores (its model may have no
+        lm_head)."""
+        self.require_ready()
+        if self.config.engine.task == "embed":
+            raise ApiError(400, "this server serves an embedding model (--task embed): use /v1/embeddings")
+        if self.config.engine.task == "score":
+            raise ApiError(400, "this server serves a sequence-classification model (--task score): use /v1/rerank "
+                                "or /score")
+
+    def require_scoring(self) -> None:
+        """/v1/rerank and /score: a classification head (--task score), or a generating reranker."""
         self.require_ready()
         if self.config.engine.task == "embed":
             raise ApiError(400, "this server serves an embedding model (--task embed): use /v1/embeddings")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from crane_mp.config import EngineConfig
+from crane_mp.config import EngineConfig, pools_outputs
 from crane_mp.gguf_file import describe_types, resolve_model_source
 from crane_mp.worker.decode_graphs import graph_batch_sizes, static_buffer_bytes, table_width
 from crane_mp.worker.device import prefer_huge_pages
@@ -97,7 +97,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     allocated_before = platform.allocated_bytes()  # others' tensors in this process (an in-process engine)
     dtype = platform.compute_dtype(config.dtype, model_config.torch_dtype)
     int8 = platform.int8_matmuls(config.quantized_activations)
-    model, weight_types = load_model(model_config, source, dtype, platform, progress, config.task == "embed",
+    model, weight_types = load_model(model_config, source, dtype, platform, progress, pools_outputs(config.task),
                                      lora=config.lora, int8_activations=int8)
     if config.lora_modules:
         lora_bytes = load_adapters(model, config.lora_modules, config.max_lora_rank, dtype, platform)
@@ -113,7 +113,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
             max_model_len = capacity
     grammars = GrammarEngine(source, model_config.vocab_size, list(model_config.eos_token_ids), platform)
     runner = ModelRunner(model, config.block_size, max_model_len, platform, grammars=grammars,
-                         kv_dtype=platform.kv_dtype(config.kv_cache_dtype, dtype, config.task == "embed"))
+                         kv_dtype=platform.kv_dtype(config.kv_cache_dtype, dtype, pools_outputs(config.task)))
 
     weights_bytes = weight_bytes(model)
     # What else this engine already holds for good (rope tables, grammar and sampler tensors).

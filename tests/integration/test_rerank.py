@@ -80,3 +80,38 @@ def test_score_pairs_one_against_many_and_pairwise(server, model_dir):
     mismatched = requests.post(f"{server.url}/score", json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]},
                                timeout=60)
     assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_1"
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_dir(tmp_path_factory):
+    """A one-label Qwen3 sequence-classification model saved by sentence-transformers' CrossEncoder."""
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoConfig, Qwen3ForSequenceClassification
+
+    base = make_model("qwen3", "tiny", tmp_path_factory.mktemp("m") / "base", seed=4)
+    config = AutoConfig.from_pretrained(base, num_labels=1)
+    torch.manual_seed(0)
+    model = Qwen3ForSequenceClassification(config).eval()
+    path = tmp_path_factory.mktemp("m") / "cross"
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(base).save_pretrained(path)
+    encoder = CrossEncoder(str(path), device="cpu")
+    encoder.save(str(path))
+    return path, encoder
+
+
+def test_a_cross_encoder_checkpoint_scores_as_sentence_transformers_does(cross_encoder_dir, tmp_path):
+    path, encoder = cross_encoder_dir
+    want = encoder.predict([(QUERY, document) for document in DOCUMENTS]).tolist()
+    srv = Server(path, "--dtype", "float32", "--kv-cache-dtype", "float32", log_path=tmp_path / "server.log")
+    try:
+        assert srv.stats() is not None  # started as --task score on its own (the checkpoint classifies)
+        scored = requests.post(f"{srv.url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS}, timeout=60).json()
+        assert [d["score"] for d in scored["data"]] == pytest.approx(want, abs=1e-4)
+        ranked = requests.post(f"{srv.url}/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=60)
+        assert [r["index"] for r in ranked.json()["results"]] == sorted(range(3), key=lambda i: -want[i])
+        chat = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
+                             timeout=60)
+        assert chat.status_code == 400 and "--task score" in chat.json()["error"]["message"]
+    finally:
+        assert srv.stop() == 0

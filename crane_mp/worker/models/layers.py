@@ -256,8 +256,8 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
+            if "rotary_emb.inv_freq" in name or name.startswith("score."):
+                continue  # score.*: a classification head, which the frontend applies (--task score)
             for old, new in self.renamed_weights.items():
                 name = name.replace(old, new)
             if not name.startswith(("model.", "lm_head.")):

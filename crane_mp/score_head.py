@@ -1,0 +1,69 @@
+"""A sequence-classification checkpoint's head (`--task score`): transformers' *ForSequenceClassification
+puts a linear `score` layer on the last token's final hidden state; sentence-transformers' CrossEncoder
+then applies its activation (the `sentence_transformers.activation_fn` of config.json: Sigmoid by
+default for one label). The worker pools that hidden state (last-token pooling, not normalised) and
+the frontend applies this head to it, so the worker serves the checkpoint as it serves an embedding
+model."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+
+def classifies(model_dir: Path | None) -> bool:
+    """The checkpoint is a transformers sequence-classification model."""
+    config_file = model_dir / "config.json" if model_dir is not None else None
+    if config_file is None or not config_file.is_file():
+        return False
+    architectures = json.loads(config_file.read_text()).get("architectures") or []
+    return any(name.endswith("ForSequenceClassification") for name in architectures)
+
+
+@dataclass(frozen=True)
+class ScoreHead:
+    weight: np.ndarray  # [hidden] float32: one label
+    bias: float
+    sigmoid: bool
+    # sentence-transformers 6 saves a model with a chat template with the "message" modality: a pair is
+    # then two messages, roles query and document, rendered by the template ("structured": content as
+    # text parts; "flat": strings); None: the tokenizer's own text-pair encoding.
+    pair_format: str | None = None
+
+    def score(self, hidden: bytes) -> float:
+        """The label's score from a pooled hidden state (float32 bytes)."""
+        logit = float(np.dot(self.weight, np.frombuffer(hidden, dtype=np.float32)[: self.weight.shape[0]])) + self.bias
+        return 1.0 / (1.0 + math.exp(-logit)) if self.sigmoid else logit
+
+
+def load_score_head(model_dir: Path) -> ScoreHead:
+    """The head of `model_dir`'s checkpoint; ValueError where it has none, or more than one label."""
+    tensors: dict[str, np.ndarray] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:  # torch reads bf16, numpy does not
+            for name in ("score.weight", "score.bias"):
+                if name in handle.keys():
+                    tensors[name] = handle.get_tensor(name).float().numpy()
+    weight = tensors.get("score.weight")
+    if weight is None:
+        raise ValueError(f"{model_dir}: no `score.weight` tensor: not a sequence-classification checkpoint")
+    if weight.shape[0] != 1:
+        raise ValueError(f"{model_dir}: the head has {weight.shape[0]} labels; --task score serves one-label heads")
+    # The activation: sentence-transformers 6 writes it to config_sentence_transformers.json, earlier
+    # releases into config.json.
+    activation = (_json(model_dir / "config_sentence_transformers.json").get("activation_fn")
+                  or (_json(model_dir / "config.json").get("sentence_transformers") or {}).get("activation_fn")
+                  or "Sigmoid")
+    message = (_json(model_dir / "sentence_bert_config.json").get("modality_config") or {}).get("message")
+    pair_format = (message.get("format") or "structured") if isinstance(message, dict) else None
+    bias = float(tensors["score.bias"][0]) if "score.bias" in tensors else 0.0
+    return ScoreHead(weight[0], bias, activation.rsplit(".", 1)[-1] == "Sigmoid", pair_format)
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
