@@ -32,8 +32,7 @@ def named_tool(name: str) -> NamedToolChoice:
 @dataclass(slots=True)
 class ChatAsk:
     """A chat request of any API. `tool_choice`: none | auto | required, or one function (named_tool);
-    `max_tokens` None: all the room the context leaves; `constraint_param`: the body field a forced
-    tool call conflicts with when the request also constrains the format."""
+    `max_tokens` None: all the room the context leaves; `names`: what /abort_request may call it."""
 
     messages: list[dict[str, Any]]
     params: SamplingParams
@@ -59,7 +58,6 @@ class PreparedChat:
     input_ids: list[int]
     tools: ToolReading | None  # the answers are read for tool calls
     thinking: ReasoningReading | None  # the answers are read for thinking
-    fmt: ToolFormat | None
 
 
 @dataclass(slots=True)
@@ -113,4 +111,4 @@ async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
             budget, state.think_start_token, state.think_end_token, opens))
     plan = Plan([input_ids], params, ask.max_tokens, "messages", ask.n, ask.stop, ask.skip_special_tokens,
                 names=ask.names)
-    return PreparedChat(plan, input_ids, reading, thinking, fmt)
+    return PreparedChat(plan, input_ids, reading, thinking)
