@@ -11,13 +11,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from crane_mp.frontend.answers import AnswerReader, ReasoningReading, ToolReading, WholeAnswer
 from crane_mp.frontend.errors import anthropic_error_body
 from crane_mp.frontend.generation import Delta
+from crane_mp.frontend.http import named_sse_event
 
-_json = msgspec.json.Encoder()
 
 
 def new_message_id() -> str:
@@ -126,8 +124,7 @@ class MessagesStream:
             {"type": "message_stop"},
         ]
 
-    def event_bytes(self, event: dict[str, Any]) -> bytes:
-        return b"event: " + event["type"].encode() + b"\ndata: " + _json.encode(event) + b"\n\n"
+    event_bytes = staticmethod(named_sse_event)
 
     end_bytes = b""
 

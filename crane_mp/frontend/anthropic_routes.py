@@ -22,6 +22,7 @@ from crane_mp.frontend.choices import Collected
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.generation import Generation
 from crane_mp.frontend.http import json_response, resolve_model
+from crane_mp.frontend.openai_schemas import function_tool
 from crane_mp.frontend.pipeline import serve
 from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.frontend.state import STATE, FrontendState
@@ -33,9 +34,7 @@ _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
 def _ask(req: MessagesFields, params: SamplingParams, max_tokens: int | None, name: str) -> ChatAsk:
-    tools = [{"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
-                                                                 ("parameters", t.input_schema)) if v is not None}}
-             for t in req.tools or []] or None
+    tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools or []] or None
     choice, parallel = None, True
     if req.tool_choice is not None:
         parallel = not req.tool_choice.disable_parallel_tool_use

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.message_parts import joined_text, string_field
 from crane_mp.frontend.fields import Count, PositiveCount, StopString, TopK, TopP
 from crane_mp.frontend.openai_schemas import FunctionName
 
@@ -83,7 +84,8 @@ _TOOL_USE = {"type": "object", "required": ["type", "id", "name", "input"], "pro
     "type": {"const": "tool_use"}, "id": {"type": "string"}, "name": {"type": "string"}, "input": {"type": "object"}}}
 _TOOL_RESULT = {"type": "object", "required": ["type", "tool_use_id"], "properties": {
     "type": {"const": "tool_result"}, "tool_use_id": {"type": "string"},
-    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]}, "is_error": {"type": "boolean"}}}
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
+    "is_error": {"type": "boolean"}}}
 # The turns chat_messages reads (for /openapi.json): the user's text and tool results, the assistant's
 # text and tool calls. An assistant's thinking blocks are accepted too, and skipped (thinking is not
 # fed back): left out here, as a turn of thinking alone would be no turn.
@@ -104,7 +106,7 @@ def chat_messages(req: MessagesFields) -> list[dict[str, Any]]:
     turns (before its text), an assistant turn's tool_use blocks its tool_calls."""
     messages: list[dict[str, Any]] = []
     if req.system is not None:
-        messages.append({"role": "system", "content": _blocks_text(req.system, "system")})
+        messages.append({"role": "system", "content": joined_text(req.system, "system", "system", ("text",))})
     for index, message in enumerate(req.messages):
         where = f"messages[{index}].content"
         if isinstance(message.content, str):
@@ -112,17 +114,18 @@ def chat_messages(req: MessagesFields) -> list[dict[str, Any]]:
             continue
         texts, calls = [], []
         for number, block in enumerate(message.content):
-            kind = block.get("type")
+            kind, at = block.get("type"), f"{where}[{number}]"
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
             elif kind == "tool_use" and message.role == "assistant":
-                calls.append({"id": _string(block, "id", f"{where}[{number}]"), "type": "function", "function": {
-                    "name": _string(block, "name", f"{where}[{number}]"), "arguments": block.get("input") or {}}})
+                calls.append({"id": string_field(block, "id", at, "messages"), "type": "function", "function": {
+                    "name": string_field(block, "name", at, "messages"), "arguments": block.get("input") or {}}})
             elif kind == "tool_result" and message.role == "user":
-                messages.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", f"{where}[{number}]"),
-                                 "content": _blocks_text(block.get("content", ""), f"{where}[{number}].content")})
+                result = joined_text(block.get("content", ""), f"{at}.content", "messages", ("text",))
+                messages.append({"role": "tool", "tool_call_id": string_field(block, "tool_use_id", at, "messages"),
+                                 "content": result})
             elif kind not in ("thinking", "redacted_thinking"):
-                raise ApiError(400, f"{where}[{number}]: {kind!r} blocks are not supported in a {message.role} turn "
+                raise ApiError(400, f"{at}: {kind!r} blocks are not supported in a {message.role} turn "
                                     "(text, tool_use from the assistant, tool_result from the user)", "messages")
         if texts or calls:
             turn: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
@@ -130,19 +133,3 @@ def chat_messages(req: MessagesFields) -> list[dict[str, Any]]:
                 turn["tool_calls"] = calls
             messages.append(turn)
     return messages
-
-
-def _string(block: dict[str, Any], key: str, where: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise ApiError(400, f"{where}.{key} must be a string", "messages")
-    return value
-
-
-def _blocks_text(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(b, dict) and b.get("type") == "text"
-                                       and isinstance(b.get("text"), str) for b in value):
-        return "\n".join(block["text"] for block in value)
-    raise ApiError(400, f"{where} must be a string or a list of text blocks", where.split("[")[0].split(".")[0])

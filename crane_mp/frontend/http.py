@@ -23,6 +23,11 @@ def sse_event(payload: Any) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
+def named_sse_event(payload: dict[str, Any]) -> bytes:
+    """An event named by its payload's type (the Responses and Anthropic streams)."""
+    return b"event: " + payload["type"].encode() + b"\ndata: " + _json.encode(payload) + b"\n\n"
+
+
 def resolve_model(state: FrontendState, model: str | None) -> tuple[str, int]:
     """(the model name to answer with, its LoRA adapter id: 0 for the base model). A request naming
     neither the served model nor one of its adapters is a 404 in OpenAI's shape."""

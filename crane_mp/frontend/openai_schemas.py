@@ -378,9 +378,15 @@ def arguments_object(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
     return value if isinstance(value, dict) else arguments
 
 
+def function_tool(name: str, description: str | None = None, parameters: dict[str, Any] | None = None,
+                  strict: bool | None = None) -> dict[str, Any]:
+    """A function tool as the chat template and the tool-call grammar read it (unset fields left out),
+    whichever API described it."""
+    fields = (("name", name), ("description", description), ("parameters", parameters), ("strict", strict))
+    return {"type": "function", "function": {key: value for key, value in fields if value is not None}}
+
+
 def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
-    """Tools as the chat template and the tool-call grammar read them (unset fields left out)."""
     if not tools:
         return None
-    return [{"type": "function", "function": {k: v for k, v in msgspec.structs.asdict(t.function).items()
-                                              if v is not None}} for t in tools]
+    return [function_tool(**msgspec.structs.asdict(t.function)) for t in tools]

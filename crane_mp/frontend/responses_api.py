@@ -11,15 +11,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from crane_mp.frontend.answers import AnswerReader, ReasoningReading, ToolReading, WholeAnswer
 from crane_mp.frontend.errors import error_body
 from crane_mp.frontend.generation import Delta
+from crane_mp.frontend.http import named_sse_event
 from crane_mp.frontend.openai_schemas import arguments_object
 from crane_mp.frontend.response_store import ResponseStore
 
-_json = msgspec.json.Encoder()
 
 
 def _item_id(prefix: str) -> str:
@@ -147,8 +145,7 @@ class ResponsesStream:
             gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens, self.reader.reasoning_tokens))
         return events + [self._event("response.completed", response=final)]
 
-    def event_bytes(self, event: dict[str, Any]) -> bytes:
-        return b"event: " + event["type"].encode() + b"\ndata: " + _json.encode(event) + b"\n\n"
+    event_bytes = staticmethod(named_sse_event)
 
     end_bytes = b""
 

@@ -13,6 +13,7 @@ from crane_mp.frontend.choices import Collected
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.generation import Generation
 from crane_mp.frontend.http import json_response, resolve_model
+from crane_mp.frontend.openai_schemas import function_tool
 from crane_mp.frontend.pipeline import serve
 from crane_mp.frontend.response_store import new_response_id
 from crane_mp.frontend.responses_api import ResponseDraft, ResponsesStream, output_items, usage
@@ -39,9 +40,7 @@ async def create_response(request: web.Request, req: ResponsesRequest) -> web.St
         history = record["messages"]
     conversation = [*history, *input_messages(req.input)]
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    tools = [{"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
-                                                                 ("parameters", t.parameters), ("strict", t.strict))
-                                               if v is not None}} for t in req.tools or []] or None
+    tools = [function_tool(t.name, t.description, t.parameters, t.strict) for t in req.tools or []] or None
     choice = req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None \
         else named_tool(req.tool_choice.name)
     response_id = new_response_id()

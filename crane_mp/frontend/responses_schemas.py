@@ -14,6 +14,7 @@ import msgspec
 
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.fields import PositiveCount, Temperature, TopLogprobs, TopP
+from crane_mp.frontend.message_parts import joined_text, string_field
 from crane_mp.frontend.openai_schemas import FunctionName, arguments_object
 
 
@@ -69,8 +70,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
+_PART_TYPES = ("input_text", "output_text", "text")
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
-              "properties": {"type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}}
+              "properties": {"type": {"enum": list(_PART_TYPES)}, "text": {"type": "string"}}}
 _READ_ITEMS = [
     {"type": "object", "required": ["role", "content"], "properties": {
         "type": {"const": "message"}, "role": {"enum": ["user", "assistant", "system", "developer"]},
@@ -104,42 +106,20 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ApiError(400, f"{where}.role must be user, assistant, system or developer", "input")
-            messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            content = joined_text(item.get("content"), f"{where}.content", "input", _PART_TYPES)
+            messages.append({"role": role, "content": content})
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where),
-                                 "arguments": arguments_object(_string(item, "arguments", where))}}
+            call = {"id": string_field(item, "call_id", where, "input"), "type": "function",
+                    "function": {"name": string_field(item, "name", where, "input"),
+                                 "arguments": arguments_object(string_field(item, "arguments", where, "input"))}}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                             "content": _text(item.get("output"), f"{where}.output")})
+            messages.append({"role": "tool", "tool_call_id": string_field(item, "call_id", where, "input"),
+                             "content": joined_text(item.get("output"), f"{where}.output", "input", _PART_TYPES)})
         elif kind != "reasoning":
             raise ApiError(400, f"{where}: input items of type {kind!r} are not supported (messages with text, "
                                 "function_call, function_call_output and reasoning are)", "input")
     return messages
-
-
-def _string(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise ApiError(400, f"{where}.{key} must be a string", "input")
-    return value
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's text: a string, or its text parts joined by newlines (as chat content is)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"{where} must be a string or a list of text parts", "input")
-    texts = []
-    for index, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ApiError(400, f"{where}[{index}]: only text parts are supported, not {kind!r}", "input")
-        texts.append(part["text"])
-    return "\n".join(texts)

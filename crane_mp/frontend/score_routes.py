@@ -62,18 +62,12 @@ class ScoreRequest(msgspec.Struct, kw_only=True):
 
 
 def _answer_tokens(state: FrontendState) -> tuple[int, int]:
-    vocab = state.tokenizer.tokenizer.get_vocab()
-    if "yes" not in vocab or "no" not in vocab:
+    token_id = state.tokenizer.tokenizer.backend_tokenizer.token_to_id
+    yes, no = token_id("yes"), token_id("no")
+    if yes is None or no is None:
         raise ApiError(400, "this model's vocabulary has no single `yes` and `no` tokens: it is not a "
                             "Qwen3-Reranker-style model, which rerank and score need")
-    return vocab["yes"], vocab["no"]
-
-
-def _pair_ids(state: FrontendState, instruction: str, query: str, document: str) -> list[int]:
-    encode = state.tokenizer.tokenizer.encode
-    body = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
-    return (encode(_PREFIX, add_special_tokens=False) + encode(body, add_special_tokens=False)
-            + encode(_SUFFIX, add_special_tokens=False))
+    return yes, no
 
 
 async def _score_pairs(request: web.Request, pairs: list[tuple[str, str]], instruction: str | None, model: str | None,
@@ -84,10 +78,13 @@ async def _score_pairs(request: web.Request, pairs: list[tuple[str, str]], instr
     if state.score_head is not None:
         return await _classify_pairs(request, state, pairs, lora_id, respond)
     yes, no = _answer_tokens(state)
+    encode = state.tokenizer.tokenizer.encode
+    prefix, suffix = encode(_PREFIX, add_special_tokens=False), encode(_SUFFIX, add_special_tokens=False)
+    room = state.engine_info.max_model_len - 1 - len(prefix) - len(suffix)  # and the answer token
     prompts = []
-    for index, (query, document) in enumerate(pairs):
-        ids = _pair_ids(state, instruction or DEFAULT_INSTRUCTION, query, document)
-        _check_room(state, index, len(ids) + 1)
+    for query, document in pairs:
+        body = f"<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
+        ids = prefix + await state.tokenizer.encode(body, room, "documents", add_special_tokens=False) + suffix
         prompts += [ids + [yes], ids + [no]]
     params = SamplingParams(temperature=0.0, prompt_logprobs=0, lora_id=lora_id)
     plan = Plan(prompts, params, 0, "documents", names=f"score-{uuid.uuid4().hex}")
