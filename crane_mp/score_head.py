@@ -1,9 +1,8 @@
 """A sequence-classification checkpoint's head (`--task score`): transformers' *ForSequenceClassification
 puts a linear `score` layer on the last token's final hidden state; sentence-transformers' CrossEncoder
-then applies its activation (the `sentence_transformers.activation_fn` of config.json: Sigmoid by
-default for one label). The worker pools that hidden state (last-token pooling, not normalised) and
-the frontend applies this head to it, so the worker serves the checkpoint as it serves an embedding
-model."""
+then applies its activation (as its configuration names it; Sigmoid by default for one label). The
+worker pools that hidden state (last-token pooling, not normalised) and the frontend applies this head
+to it, so the worker serves the checkpoint as it serves an embedding model."""
 
 from __future__ import annotations
 
@@ -37,7 +36,8 @@ class ScoreHead:
 
     def score(self, hidden: bytes) -> float:
         """The label's score from a pooled hidden state (float32 bytes)."""
-        logit = float(np.dot(self.weight, np.frombuffer(hidden, dtype=np.float32)[: self.weight.shape[0]])) + self.bias
+        values = np.frombuffer(hidden, dtype=np.float32)[: self.weight.shape[0]]
+        logit = float(np.dot(self.weight, values)) + self.bias
         return 1.0 / (1.0 + math.exp(-logit)) if self.sigmoid else logit
 
 

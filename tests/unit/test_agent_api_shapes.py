@@ -143,7 +143,8 @@ def test_anthropic_turns_become_chat_turns():
     assert messages[0] == {"role": "system", "content": "sys"}
     assert messages[2] == {"role": "assistant", "content": "calling", "tool_calls": [
         {"id": "t1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}
-    assert messages[3:] == [{"role": "tool", "tool_call_id": "t1", "content": "42"}, {"role": "user", "content": "thanks"}]
+    assert messages[3:] == [{"role": "tool", "tool_call_id": "t1", "content": "42"},
+                            {"role": "user", "content": "thanks"}]
     image = decode_body(json.dumps({"model": "m", "max_tokens": 5, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {}}]}]}).encode(), MessagesRequest)
     with pytest.raises(ApiError, match="'image' blocks are not supported"):

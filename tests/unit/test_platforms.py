@@ -43,6 +43,29 @@ def test_cuda_keeps_its_cache_in_the_compute_dtype_and_has_no_cpu_kernels():
     assert (cuda.label(), platform_for("cpu").label()) == ("Cuda(0)", "Cpu")
 
 
+def test_the_cuda_limit_holds_what_lives_outside_torchs_allocator(monkeypatch):
+    """As the H200 run measured it: 685 MiB of context and libraries on a 140 GiB device; the plan also
+    keeps the allocator's rounding and fragmentation slack, and the allocator's cap leaves the context
+    (and 64 MiB for kernels loaded later) inside the limit, as nvidia-smi counts it."""
+    mib, gib = 1 << 20, 1 << 30
+    total, reserved, allocated = 140 * gib, 6 * gib, 6 * gib - 80 * mib
+    capped = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - reserved - 685 * mib, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device=None: capped.append(fraction))
+    cuda = platform_for("cuda")
+    outside = 685 * mib + cuda.RUNTIME_GROWTH
+    assert cuda.runtime_bytes(200 * mib) == outside + 80 * mib + 384 * mib
+    assert cuda.runtime_bytes(1 * gib) == outside + 80 * mib + 1 * gib
+    plan = type("Plan", (), {"limit_bytes": 8 * gib})()
+    cuda.enforce_limit(plan)
+    assert capped == [pytest.approx((8 * gib - outside) / total)]
+
+
 def test_without_native_kernels_the_cpu_platform_hands_out_torch_ops(monkeypatch):
     monkeypatch.setattr(cpu_isa, "kernel_isa", lambda: None)
     portable = CpuPlatform()

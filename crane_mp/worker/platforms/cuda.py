@@ -45,7 +45,6 @@ class CudaPlatform(Platform):
 
     def __init__(self, index: int) -> None:
         super().__init__(torch.device("cuda", index), _triton_elementwise(), _gguf_kernels())
-        self._outside_allocator = 0  # runtime_bytes' measure of what torch's allocator does not hold
 
     def label(self) -> str:
         return f"Cuda({self.device.index})"
@@ -110,20 +109,22 @@ class CudaPlatform(Platform):
         fragmentation of steps' temporaries: an 8B Q4_K_M under 8G on an H200 left 237 MiB of its
         allocator's segments unusable, and a 2k-token prompt beside decodes took ~100 MiB more than
         the measured step."""
-        torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+        rounding = max(0, torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
+        return self._outside_allocator() + rounding + max(384 << 20, activation_bytes)
+
+    def _outside_allocator(self) -> int:
+        """Device memory in use that torch's allocator does not hold, and room for what will join it."""
+        torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        reserved = torch.cuda.memory_reserved(self.device)
-        self._outside_allocator = max(0, total - free - reserved) + self.RUNTIME_GROWTH
-        rounding = max(0, reserved - torch.cuda.memory_allocated(self.device))
-        return self._outside_allocator + rounding + max(384 << 20, activation_bytes)
+        return max(0, total - free - torch.cuda.memory_reserved(self.device)) + self.RUNTIME_GROWTH
 
     def enforce_limit(self, plan: KVPlan) -> None:
         """torch's allocator refuses to grow past the limit less what lives outside it (an allocation
         that would is a failed request, see runner.py, not memory taken from the host's other GPU
         users), so the process's device memory stays within the limit. For the worker process, which
         has the device to itself: the cap is process-wide."""
-        cap = plan.limit_bytes - self._outside_allocator
+        cap = plan.limit_bytes - self._outside_allocator()
         torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, cap / self.total_memory())), self.device)
 
     def measure_activation_bytes(self, profile: Callable[[bool], int], estimate_bytes: int) -> int:
