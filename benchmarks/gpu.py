@@ -7,7 +7,8 @@
 Each decode step reads every weight once and each sequence's KV cache once, so its floor is
 (weight bytes + batch x context x KV bytes per token) / memory bandwidth, the bandwidth measured here
 with a device-to-device copy. The runner is driven directly (forward, logits, greedy pick, the host
-reading the ids), as the worker does per step; scheduler and HTTP costs are not in these numbers.
+reading the ids), as the worker does per step, with the decode matmul kernels the worker would choose
+at start-up; scheduler and HTTP costs are not in these numbers.
 A batch whose KV cache would not fit runs at a shorter context, which the table shows.
 """
 
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=2048, help="keys per sequence when decoding starts")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--no-cuda-graph", action="store_true")
+    parser.add_argument("--cublas-only", action="store_true",
+                        help="keep cuBLAS for every projection (no start-up choice of decode matmul kernels)")
     parser.add_argument("--kv-fraction", type=float, default=0.8, help="of free memory after weights, for KV")
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
     parser.add_argument("--profile", action="store_true",
@@ -154,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
     max_positions = args.context + args.steps + BLOCK_SIZE
     model, config = random_model(args.shape, dtype, device, max_positions)
+    if not args.cublas_only:
+        for line in platform_for(device).tune_linears(model, max(args.batches)):
+            print("decode matmul", line)
     runner = ModelRunner(model, BLOCK_SIZE, max_positions, platform_for(device))
     kv_per_token = runner.kv_bytes_per_token()
     wanted = max(args.batches) * blocks_per_seq(args.context, args.steps)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU check of issue 32 in one run, for a lent GPU machine whose time is counted: tests/gpu, the
-# decode roofline (graphs on and off), the GGUF decode matmul's K splits, and the 8B Q4_K_M under
+# decode kernels one by one, the decode roofline (graphs on and off, the chosen decode matmuls against
+# cuBLAS alone), the GGUF decode matmul's K splits, and the 8B Q4_K_M under
 # --gpu-memory-limit 8G. Each step has its own time limit so a hang costs only that step; logs go to
 # $OUT (default benchmarks/out/gpu). Wheels the machine lacks (pyzmq, msgspec, gguf, llguidance) are
 # installed from .whl/ when that folder exists.
 #
-#   bash benchmarks/gpu_checks.sh                 # all steps but profile
+#   bash benchmarks/gpu_checks.sh                 # tests roofline splits memcap
 #   STEPS="tests profile memcap" TESTS=tests/gpu/test_cuda_gguf.py bash benchmarks/gpu_checks.sh
 set -u
 OUT=${OUT:-benchmarks/out/gpu}
@@ -33,19 +34,27 @@ case " $STEPS " in *" memcap "*)
                        && mv "$GGUF.part" "$GGUF" &) ;;
 esac
 
-if [[ " $STEPS " == *" tests "* ]]; then
-    log tests/gpu
-    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/tests.log" | tail -60
+if [[ " $STEPS " == *" kernels "* ]]; then
+    log "decode kernels one by one: projections (cuBLAS, Triton candidates), attention splits"
+    timeout ${KERNELS_TIMEOUT:-150} python3 benchmarks/gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -40
 fi
 if [[ " $STEPS " == *" roofline "* ]]; then
     log "roofline, graphs on"
     timeout 120 python3 benchmarks/gpu.py --steps 30 2>&1 | tee "$OUT/roofline.log" | tail -30
+    log "roofline, graphs on, cuBLAS only"
+    timeout 90 python3 benchmarks/gpu.py --steps 30 --batches 1 8 --cublas-only 2>&1 | tee -a "$OUT/roofline.log" | tail -8
+fi
+if [[ " $STEPS " == *" eager "* ]]; then
     log "roofline, graphs off"
     timeout 90 python3 benchmarks/gpu.py --steps 30 --batches 1 8 64 --no-cuda-graph 2>&1 | tee -a "$OUT/roofline.log" | tail -30
 fi
 if [[ " $STEPS " == *" profile "* ]]; then
     log "decode step at batch 1: graph, logits, host; kernels"
     timeout 90 python3 benchmarks/gpu.py --steps 20 --batches 1 64 --profile 2>&1 | tee "$OUT/profile.log" | tail -45
+fi
+if [[ " $STEPS " == *" tests "* ]]; then
+    log tests/gpu
+    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/tests.log" | tail -60
 fi
 if [[ " $STEPS " == *" memcap "* ]]; then
     log "8B Q4_K_M under 8G"

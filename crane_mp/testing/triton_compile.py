@@ -151,3 +151,19 @@ def gguf_launches(dtype: torch.dtype, in_features: int = 4096) -> None:
         weight = torch.empty(64, in_features // layout.block * layout.bytes, dtype=torch.uint8)
         kernels.triton_dequantize(weight, qtype, in_features, dtype)
         kernels.triton_quantized_matmul(torch.empty(8, in_features, dtype=dtype), weight, qtype, in_features)
+
+
+def skinny_launches(dtype: torch.dtype) -> None:
+    """The decode matmul of few rows, every candidate config, for one and several rows, with and
+    without a bias, on a shape that divides the tiles and one that does not."""
+    from crane_mp.worker.kernels import triton_skinny as kernels
+
+    for out_features, in_features in ((4096, 12288), (1000, 1000)):
+        weight = torch.empty(out_features, in_features, dtype=dtype)
+        for rows in (1, 8):
+            x = torch.empty(rows, in_features, dtype=dtype)
+            for config in kernels.CANDIDATES:
+                if kernels.block_rows(rows) > 1 and config.block_n < 16:
+                    continue
+                kernels.skinny_linear(x, weight, None, config)
+                kernels.skinny_linear(x, weight, torch.empty(out_features, dtype=dtype), config)

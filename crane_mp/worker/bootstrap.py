@@ -104,6 +104,11 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         names = ", ".join(name for name, _ in config.lora_modules)
         log.info("LoRA adapters: %s (%.1f MiB)", names, lora_bytes / 2**20)
     timer.done("weights")
+    tuned = platform.tune_linears(model, config.max_num_seqs)
+    for line in tuned:
+        log.info("decode matmul %s", line)
+    if tuned:
+        timer.done("decode matmuls")
 
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if config.max_total_tokens is not None:

@@ -164,3 +164,24 @@ def test_the_gpu_benchmark_runs_and_reports_each_batch(capsys):
     bench["main"](["--shape", "small", "--batches", "1", "8", "--context", "256", "--steps", "4"])
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |") or line.startswith("| 8 |")]
     assert len(table) == 2 and all("%" in line for line in table)
+
+
+def test_the_decode_matmuls_on_the_device_equal_f_linear():
+    """Every Triton candidate start-up may pick for a few-row projection, on tile-aligned and ragged
+    shapes, against float32 F.linear: float32 sums, one rounding to bf16."""
+    import torch.nn.functional as F
+
+    from crane_mp.worker.kernels import triton_skinny as kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for out_features, in_features in ((6144, 4096), (1000, 300)):
+        weight = torch.randn(out_features, in_features, device="cuda", generator=gen).bfloat16()
+        bias = torch.randn(out_features, device="cuda", generator=gen).bfloat16()
+        for rows in (1, 2, 5, 16):
+            x = torch.randn(rows, in_features, device="cuda", generator=gen).bfloat16()
+            want = F.linear(x.float(), weight.float(), bias.float())
+            for config in kernels.CANDIDATES:
+                if kernels.block_rows(rows) > 1 and config.block_n < 16:
+                    continue
+                got = kernels.skinny_linear(x, weight, bias, config)
+                torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-2)

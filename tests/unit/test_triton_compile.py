@@ -24,6 +24,7 @@ from crane_mp.testing.triton_compile import (  # noqa: E402
     gguf_launches,
     nvidia_backend_available,
     recorded_launches,
+    skinny_launches,
 )
 
 if not nvidia_backend_available():
@@ -52,7 +53,13 @@ def _gguf_launches() -> None:
         gguf_launches(dtype)
 
 
-FAMILIES = {"attention": _attention_launches, "elementwise": _elementwise_launches, "gguf": _gguf_launches}
+def _skinny_launches() -> None:
+    for dtype in (torch.bfloat16, torch.float16):  # float32 weights keep cuBLAS
+        skinny_launches(dtype)
+
+
+FAMILIES = {"attention": _attention_launches, "elementwise": _elementwise_launches, "gguf": _gguf_launches,
+            "skinny": _skinny_launches}
 
 
 @pytest.mark.parametrize("capability", [86, 90])

@@ -183,8 +183,9 @@ def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, splits: int, 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  ctx_lens: torch.Tensor, out: torch.Tensor, scale: float, window: int, splits: int,
-                 workspace: tuple[torch.Tensor, ...]) -> None:
-    """q: [S, H, D] one query per sequence; writes out [S, H, D]. `window` 0: no sliding window."""
+                 workspace: tuple[torch.Tensor, ...], tile: int = _DECODE_TILE, num_warps: int = 4) -> None:
+    """q: [S, H, D] one query per sequence; writes out [S, H, D]. `window` 0: no sliding window.
+    `tile` (keys per inner iteration) and `num_warps`: what benchmarks/gpu_kernels.py compares."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
@@ -196,7 +197,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_SPLITS=splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1], TILE=_DECODE_TILE, PRECISION=_precision(q.dtype), UPCAST=INTERPRETED,
+        D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1], TILE=tile, PRECISION=_precision(q.dtype), UPCAST=INTERPRETED,
+        num_warps=num_warps,
     )
     if splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](

@@ -78,6 +78,16 @@ class CudaPlatform(Platform):
     def fused_qkv(self, head_dim: int) -> bool:
         return self.elementwise is not None and self.elementwise.supports_head_dim(head_dim)
 
+    def tune_linears(self, model: torch.nn.Module, max_rows: int) -> list[str]:
+        """16-bit linear layers: cuBLAS or the Triton matrix-vector kernels, whichever is faster for
+        each shape and few-row count (skinny_linears.py); CRANE_MP_NO_NATIVE_KERNELS=1 keeps cuBLAS."""
+        if self.elementwise is None:
+            return []
+        from crane_mp.worker.kernels import triton_skinny
+        from crane_mp.worker.skinny_linears import tune_skinny_linears
+
+        return tune_skinny_linears(model, triton_skinny, max_rows)
+
     def cuda_graphs(self, wanted: bool, attention_backend: str) -> bool:
         return wanted and attention_backend == "triton"
 

@@ -1,0 +1,118 @@
+"""Decode-step linear layers on CUDA: for each weight shape and row count up to MAX_ROWS, start-up times
+cuBLAS against the Triton matrix-vector kernels (kernels/triton_skinny.py) on the model's own weights
+and keeps the faster; larger steps (prefill, big batches) always take cuBLAS.
+
+The timing runs each candidate over every layer's weight of the shape in turn, as a decode step reads
+them: one weight alone would sit in the GPU's L2 cache and time a bandwidth the step never sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("crane_mp.worker")
+
+ROW_BUCKETS = (1, 2, 4, 8, 16)
+_REPEATS = 3
+_MARGIN = 0.97  # a Triton kernel must beat cuBLAS by 3 %, more than the timing's noise
+
+
+class SkinnyLinear(nn.Linear):
+    """An nn.Linear (same parameters, shared with a tied embedding) whose few-row calls take the
+    Triton config chosen for their row bucket."""
+
+    def __init__(self, linear: nn.Linear, configs: dict, kernels) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.configs = configs  # row bucket -> SkinnyConfig; buckets cuBLAS won are absent
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features if x.dim() else 0
+        config = self.configs.get(_bucket(rows)) if rows else None
+        if config is None:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features).contiguous()
+        out = self.kernels.skinny_linear(flat, self.weight, self.bias, config)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def _bucket(rows: int) -> int | None:
+    for bucket in ROW_BUCKETS:
+        if rows <= bucket:
+            return bucket
+    return None
+
+
+def _seconds_per_call(device: torch.device, run: Callable[[torch.Tensor, torch.Tensor | None], object],
+                      weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> float:
+    for weight, bias in weights[:2]:  # compile, and load the module
+        run(weight, bias)
+    times = []
+    for _ in range(_REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for weight, bias in weights:
+            run(weight, bias)
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3 / len(weights))
+    return statistics.median(times)
+
+
+def time_candidates(kernels, weights: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int) -> dict:
+    """Seconds per call of cuBLAS (key None) and of each Triton config that fits `rows`."""
+    weight = weights[0][0]
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    results = {None: _seconds_per_call(weight.device, lambda w, b: F.linear(x, w, b), weights)}
+    for config in kernels.CANDIDATES:
+        if kernels.block_rows(rows) > 1 and config.block_n < 16:
+            continue  # a tensor-core dot product needs 16 columns
+        results[config] = _seconds_per_call(
+            weight.device, lambda w, b, c=config: kernels.skinny_linear(x, w, b, c), weights)
+    return results
+
+
+def _shape_groups(model: nn.Module) -> dict[tuple, list[tuple[str, nn.Linear]]]:
+    groups: dict[tuple, list[tuple[str, nn.Linear]]] = {}
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and module.weight.dtype in (torch.bfloat16, torch.float16) \
+                and module.weight.is_contiguous():
+            key = (tuple(module.weight.shape), module.weight.dtype, module.bias is not None)
+            groups.setdefault(key, []).append((name, module))
+    return groups
+
+
+def tune_skinny_linears(model: nn.Module, kernels, max_rows: int) -> list[str]:
+    """Swap each 16-bit nn.Linear whose shape the Triton kernels serve faster at some row count up to
+    `max_rows` for a SkinnyLinear; returns one line per shape saying what won."""
+    buckets = [b for b in ROW_BUCKETS if b <= max(1, min(max_rows, kernels.MAX_ROWS))]
+    lines = []
+    with torch.inference_mode():
+        for (shape, _, _), modules in _shape_groups(model).items():
+            weights = [(m.weight, m.bias) for _, m in modules]
+            configs, picks = {}, []
+            for rows in buckets:
+                timed = time_candidates(kernels, weights, rows)
+                best = min((c for c in timed if c is not None), key=timed.get, default=None)
+                if best is not None and timed[best] < _MARGIN * timed[None]:
+                    configs[rows] = best
+                picks.append(f"{rows}: {'triton' if rows in configs else 'cublas'} "
+                             f"{1e6 * min(timed.values()):.1f} us (cublas {1e6 * timed[None]:.1f})")
+            lines.append(f"{shape[0]}x{shape[1]} x{len(modules)}: " + ", ".join(picks))
+            if configs:
+                for name, module in modules:
+                    _replace(model, name, SkinnyLinear(module, configs, kernels))
+    return lines
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
