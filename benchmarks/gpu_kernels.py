@@ -84,8 +84,9 @@ def attention_table(batches: list[int], context: int, layers: int, dtype: torch.
     print("| --- | --- | --- | --- | --- | --- |")
     kv_bytes = 2 * context * KV_HEADS * HEAD_DIM * torch.tensor([], dtype=dtype).element_size()
     for batch in batches:
-        variants = [(s, 64, 4) for s in (4, 8, 16, 32)] + [(16, t, 4) for t in (32, 128)] + \
-                   [(16, 64, w) for w in (2, 8)] + [(8, 128, 4), (32, 32, 4)]
+        default = triton_attention.decode_splits(batch, KV_HEADS, sms)
+        variants = sorted({(max(1, default // 2), 64, 4), (default, 64, 4), (min(32, 2 * default), 64, 4),
+                           (default, 128, 4), (default, 32, 4)})
         for splits, tile, warps in variants:
             seconds = attention_seconds(batch, context, layers, dtype, splits, tile, warps)
             print(f"| {batch} | {splits} | {tile} | {warps} | {1e6 * seconds:.2f} | "
@@ -96,7 +97,7 @@ def attention_table(batches: list[int], context: int, layers: int, dtype: torch.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 8])
-    parser.add_argument("--attention-batches", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--attention-batches", type=int, nargs="*", default=[1, 8, 64])
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=36)
     args = parser.parse_args()
