@@ -8,7 +8,7 @@ kv_heads, head_dim]) is read as it is. Kernels are tested on CPU through Triton'
 
 Decode is split along the context ("flash decoding") when the batch alone cannot fill the GPU: each
 program attends one (sequence, KV head, split) with the whole query-head group as the rows of its dot
-products, so every key is loaded once for the group; the last split to finish merges them. The number
+products, so every key is loaded once for the group; a second kernel merges the splits. The number
 of splits is fixed per batch size (CUDA graphs replay fixed grids); each sequence divides its own
 context among them at run time.
 """
@@ -27,12 +27,12 @@ _MAX_SPLITS = 16
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counters_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     scale, window, num_heads,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,26 +79,26 @@ def _decode_split_kernel(
         tl.store(part_max_ptr + part, m_i, mask=g_mask)
         tl.store(part_sum_ptr + part, l_i, mask=g_mask)
         tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=g_mask[:, None])
-        # The last split of this (sequence, KV head) to finish merges them all, instead of a second
-        # launch: its acquire sees every other split's partials (read past L1), and it leaves the
-        # counter at zero for the next layer and the next graph replay.
-        counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            s = tl.arange(0, SPLITS_PAD)
-            s_mask = s < NUM_SPLITS
-            for i in range(GROUP):
-                head = kv_head * GROUP + i
-                merged = (seq * num_heads + head) * NUM_SPLITS + s
-                m = tl.load(part_max_ptr + merged, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-                l = tl.load(part_sum_ptr + merged, mask=s_mask, other=0.0, cache_modifier=".cg")
-                parts = tl.load(part_acc_ptr + merged[:, None] * D_PAD + d[None, :], mask=s_mask[:, None], other=0.0,
-                                cache_modifier=".cg")
-                # Split 0 always holds keys, so the maximum is finite; empty splits weigh exp(-inf) = 0.
-                weight = tl.exp(m - tl.max(m, 0))
-                out = tl.sum(parts * weight[:, None], 0) / tl.sum(l * weight, 0)
-                tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-                         mask=d_mask)
-            tl.store(counter, 0)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_heads, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    s_mask = s < NUM_SPLITS
+    part = (seq * num_heads + head) * NUM_SPLITS + s
+    m = tl.load(part_max_ptr + part, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + d[None, :], mask=s_mask[:, None], other=0.0)
+    # Split 0 always holds keys, so the maximum is finite; empty splits (max -inf) weigh exp(-inf) = 0.
+    weight = tl.exp(m - tl.max(m, 0))
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -168,34 +168,17 @@ def _precision(dtype: torch.dtype) -> str:
 
 def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Context splits per sequence so that a decode batch keeps about two programs per SM busy."""
-    if num_seqs * num_kv_heads > _MAX_COUNTERS:
-        return 1
     wanted = -(-2 * num_sms // max(1, num_seqs * num_kv_heads))
     return max(1, min(_MAX_SPLITS, wanted))
 
 
-_MAX_COUNTERS = 1 << 14
-_split_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """Finished splits per (sequence, KV head), zero between launches. One buffer per device, made by
-    the first (eager) decode and never replaced: captured graphs hold its address."""
-    if device not in _split_counters:
-        _split_counters[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
-    return _split_counters[device]
-
-
 def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, splits: int, device) -> tuple[torch.Tensor, ...]:
-    """Partial results of split decode: (acc [seqs*heads*splits, D_PAD], max, sum) in float32, and the
-    split counters."""
-    device = torch.device(device)
+    """Partial results of split decode: (acc [seqs*heads*splits, D_PAD], max, sum) in float32."""
     rows = num_seqs * num_heads * splits if splits > 1 else 1
     d_pad = triton.next_power_of_2(head_dim)
     return (torch.empty(rows, d_pad, dtype=torch.float32, device=device),
             torch.empty(rows, dtype=torch.float32, device=device),
-            torch.empty(rows, dtype=torch.float32, device=device),
-            _counters(device))
+            torch.empty(rows, dtype=torch.float32, device=device))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -207,16 +190,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
     d_pad = triton.next_power_of_2(head_dim)
-    part_acc, part_max, part_sum, counters = workspace
+    part_acc, part_max, part_sum = workspace
     _decode_split_kernel[(num_seqs, kv_heads, splits)](
-        q, k_cache, v_cache, out, block_tables, ctx_lens, part_acc, part_max, part_sum, counters,
+        q, k_cache, v_cache, out, block_tables, ctx_lens, part_acc, part_max, part_sum,
         scale, window, num_heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
-        TILE=tile, PRECISION=_precision(q.dtype), UPCAST=INTERPRETED, num_warps=num_warps,
+        NUM_SPLITS=splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1], TILE=tile, PRECISION=_precision(q.dtype), UPCAST=INTERPRETED,
+        num_warps=num_warps,
     )
+    if splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim, D_PAD=d_pad,
+        )
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
