@@ -6,22 +6,42 @@ functions, so it never pays for the frontend's or worker's imports (seconds of s
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+
+_PR_SET_NAME = 15
+
+
+def _name_process(name: str) -> None:
+    """What ps, top and psutil show for this child (its comm, 15 bytes at most): spawned children are
+    otherwise all `python`, and an operator watching memory cannot tell the worker from a frontend."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def worker_main(*args) -> None:
+    _name_process("crane-worker")
+    from crane_mp.heap import cap_native_caches
+
+    cap_native_caches()
     from crane_mp.worker.process import run_worker
 
     run_worker(*args)
 
 
 def scheduler_main(*args) -> None:
+    _name_process("crane-scheduler")
     from crane_mp.scheduler.process import run_scheduler
 
     run_scheduler(*args)
 
 
 def frontend_main(config, addresses, frontend_id: int, life: int, metrics_dir: str, conn) -> None:
+    _name_process(f"crane-frontend{frontend_id}")
     # Before prometheus_client is imported: every frontend's metrics go to files that a scrape of
     # any one of them sums (frontend/metrics.py).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir

@@ -1,12 +1,16 @@
-"""The C library's malloc_trim: glibc keeps what a process freed in its arenas, so the resident size
+"""Memory native libraries keep: the C library's malloc_trim, and oneDNN's kernel caches.
+
+glibc keeps what a process freed in its arenas, so the resident size
 after a burst of large short-lived allocations stays at its peak although the memory is free;
 `malloc_trim(0)` gives every arena's free pages back (milliseconds for a heap of hundreds of MB, so
-processes call it when they fall idle, never per request or step)."""
+processes call it when they fall idle, and the worker every few seconds while busy, never per
+request or step)."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from typing import Callable
 
 
@@ -16,3 +20,15 @@ def malloc_trim() -> Callable[[int], int] | None:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None
+
+
+# Kernels oneDNN keeps per input shape, in ideep's cache (LRU_CACHE_CAPACITY) and oneDNN's own
+# (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1,024 each by default at ~0.3 MB a kernel. The worker calls
+# oneDNN with a few dozen row counts per weight shape (cpu_packing.py), which these hold with room.
+NATIVE_CACHE_ENTRIES = "256"
+
+
+def cap_native_caches() -> None:
+    """Bound oneDNN's kernel caches, unless the operator set them; read when oneDNN is first used."""
+    os.environ.setdefault("LRU_CACHE_CAPACITY", NATIVE_CACHE_ENTRIES)
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", NATIVE_CACHE_ENTRIES)

@@ -356,3 +356,4 @@ class WorkerReady(msgspec.Struct):
     kv_cache_dtype: str = ""  # the KV cache's storage, e.g. "float16"
     prefill_seconds_per_token: float = 0.0  # CPU: the warm-up step's time per token (0: unknown)
     quantized_activations: str = "n/a"  # GGUF matmuls: "int8" or "float" activations; "n/a" without GGUF
+    activation_bytes: int = 0  # the memory plan's reserve for a step's temporaries

@@ -113,6 +113,7 @@ async def server_info(request: web.Request) -> web.Response:
         "kv_cache_dtype": info.kv_cache_dtype,
         "quantized_activations": info.quantized_activations,
         "kv_budget_bytes": info.kv_budget_bytes,
+        "activation_bytes": info.activation_bytes,
         "stats": {
             "total_requests": stats.total_requests,
             "completed_requests": stats.completed_requests,

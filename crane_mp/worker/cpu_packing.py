@@ -72,9 +72,43 @@ class PackedLinear(nn.Module):
             return torch.ops.crane_mp.amx_linear(x, self.packed_weight, self.bias)
         if self.wide_weight is not None and x.shape[0] >= WIDE_ROWS:
             # bf16 x bf16 products are exact in float32: this is the bf16 GEMM up to summation order.
-            out = torch.ops.mkldnn._linear_pointwise(x.float(), self.wide_weight, self.wide_bias, "none", [], "")
-            return out.to(x.dtype)
+            return in_row_buckets(x.float(), self._wide).to(x.dtype)
+        return in_row_buckets(x, self._packed)
+
+    def _wide(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.wide_weight, self.wide_bias, "none", [], "")
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+# oneDNN compiles a kernel for every row count it is called with and keeps it (~0.3 MB each, in ideep's
+# cache and oneDNN's own, 1,024 entries apiece by default): a server's ever-changing batch and chunk
+# sizes grew a worker by ~1 GB. Calls are made with few row counts instead: up to 8 rows as they are,
+# then padded to a multiple of 8 (to 64) or 16 (to 256), and longer inputs in slabs of 256 rows. With
+# the caches capped (heap.py), the kernels kept stay bounded and every step finds its own.
+_SLAB_ROWS = 256
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a call of `rows` rows (at most _SLAB_ROWS) is padded to."""
+    if rows <= 8:
+        return rows
+    step = 8 if rows <= 64 else 16
+    return -(-rows // step) * step
+
+
+def in_row_buckets(x: torch.Tensor, linear) -> torch.Tensor:
+    """linear(x) for x [rows, in], called only with the row counts of bucket_rows (zero rows padded
+    in, their outputs dropped)."""
+    rows = x.shape[0]
+    if rows > _SLAB_ROWS:
+        return torch.cat([in_row_buckets(x[start : start + _SLAB_ROWS], linear)
+                          for start in range(0, rows, _SLAB_ROWS)])
+    padded = bucket_rows(rows)
+    if padded == rows:
+        return linear(x)
+    return linear(torch.cat([x, x.new_zeros(padded - rows, x.shape[1])]))[:rows]
 
 
 class PackedEmbedding(nn.Module):

@@ -1,0 +1,35 @@
+"""A minute of mixed traffic against the demo server (benchmarks/soak.py, 8 clients): every request
+answered 200, none lost, every KV block back when idle, and the worker's resident memory within the
+bound issue 33 sets for 12 minutes: its idle size plus the plan's activation reserve plus 256 MiB."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+from tests.integration.server import Server
+
+SOAK = Path(__file__).parents[2] / "benchmarks" / "soak.py"
+
+
+@pytest.mark.slow
+def test_a_minute_of_mixed_traffic_loses_nothing_and_keeps_the_workers_memory_bounded(tmp_path):
+    server = Server(None, "--demo", "--dtype", "auto", "--no-access-log", log_path=tmp_path / "server.log")
+    try:
+        soak = runpy.run_path(str(SOAK))
+        report = soak["main"](["--url", server.url, "--server-pid", str(server.proc.pid), "--minutes", "1",
+                               "--concurrency", "8", "--sample-seconds", "20"])
+    finally:
+        server.kill_all()
+    statuses = report["statuses"]
+    assert report["requests"] > 50 and report["lost"] == 0
+    assert set(statuses) == set(soak["KINDS"])  # every kind of request was sent
+    assert all(set(by_status) == {200} for by_status in statuses.values()), statuses
+    assert report["server_errors"] == 0 and not report["transport_errors"] and not report["incomplete"]
+    assert report["kv_blocks_in_use_when_idle"] == 0
+    worker = report["worker"]
+    assert worker["activation_reserve_mib"] > 0
+    assert worker["within_bound"], worker
+    assert set(report["rss_mib"]) >= {"crane-worker", "crane-scheduler", "crane-frontend0"}
