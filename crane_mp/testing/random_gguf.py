@@ -1,7 +1,7 @@
 """A GGUF file of any shape with random quantized weights, written straight as quantized blocks: an
 8B-shape Q4_K_M (4.7 GB) in seconds, for memory and speed checks that no small model can stand in for.
 
-Run: python -m crane_mp.testing.random_gguf --out qwen3-8b-q4_k_m.gguf [--shape 8b|1.7b|small] [--type Q4_K_M]
+Run: python -m crane_mp.testing.random_gguf --out qwen3-8b-q4_k_m.gguf [--shape 8b|1.7b|0.6b|small] [--type Q4_K_M]
 
 Every block gets random quant bits and a fixed small scale (so weights stay in a trained model's range
 and the forward pass stays finite); norms are ones. Metadata and tensor names are make_gguf's, and the
@@ -35,6 +35,9 @@ SHAPES = {
     "1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
              "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
              "tie_word_embeddings": False},
+    "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+             "tie_word_embeddings": True},
     "small": {"tie_word_embeddings": False},
 }
 _TOKENIZER_VOCAB = 8192
