@@ -133,6 +133,10 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
             return runner.profile_step(profile_tokens, profile_seqs)
         return runner.profile_step(min(profile_tokens, _CPU_WARMUP_TOKENS), min(profile_seqs, _CPU_WARMUP_SEQS))
 
+    kernel_cache_bytes, kernel_caches = platform.warm_kernel_caches(
+        model, max(config.max_num_batched_tokens, config.max_num_seqs))
+    if kernel_caches:
+        log.info("%s: %.1f MiB, in the memory plan's reserved", kernel_caches, kernel_cache_bytes / 2**20)
     estimate = (profile_tokens * _activation_estimate_per_token(model_config)
                 + runner.sampler.peak_bytes(profile_seqs))
     warm_up_started = time.monotonic()
@@ -142,7 +146,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     timer.done("warm-up")
     graphs = platform.cuda_graphs(config.cuda_graphs, runner.attention_backend)
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
-    reserved_bytes = graph_pool_bytes(runner, graph_sizes, model_config) if graphs else 0
+    reserved_bytes = kernel_cache_bytes + (graph_pool_bytes(runner, graph_sizes, model_config) if graphs else 0)
     if config.runtime_lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank
         reserved_bytes += (config.max_loras - len(config.lora_modules)) * adapter_bytes(
             model_config, config.max_lora_rank, platform.lora_dtype(dtype))

@@ -111,6 +111,22 @@ def in_row_buckets(x: torch.Tensor, linear) -> torch.Tensor:
     return linear(torch.cat([x, x.new_zeros(padded - rows, x.shape[1])]))[:rows]
 
 
+def warm_row_buckets(model: nn.Module, max_rows: int) -> tuple[int, int]:
+    """Have oneDNN compile its kernel for every row count the worker will call it with (up to
+    `max_rows`), once per weight shape: its caches key on shapes, so layers of a shape share them.
+    Serving then compiles nothing and keeps no more than this. Returns (weight shapes, calls)."""
+    buckets = sorted({bucket_rows(rows) for rows in range(1, min(max_rows, _SLAB_ROWS) + 1)})
+    shapes = {}
+    for module in model.modules():
+        if isinstance(module, PackedLinear) and not module.amx:
+            shapes.setdefault((module.in_features, module.out_features, module.wide_weight is not None), module)
+    with torch.inference_mode():
+        for module in shapes.values():
+            for rows in buckets:
+                module(torch.zeros(rows, module.in_features, dtype=module.packed_weight.dtype))
+    return len(shapes), len(shapes) * len(buckets)
+
+
 class PackedEmbedding(nn.Module):
     """Embedding lookup from an AMX-packed weight shared with the tied LM head."""
 

@@ -34,7 +34,7 @@ class KVPlan:
     limit_bytes: int
     weights_bytes: int
     activation_bytes: int
-    reserved_bytes: int = 0  # decode graphs (pool, inputs) and other resident tensors (rope tables...)
+    reserved_bytes: int = 0  # decode graphs (pool, inputs), oneDNN's kernel caches, other resident tensors
     runtime_bytes: int = 0  # outside the engine's tensors: CUDA context, libraries, allocator slack
     bound: str = "limit"  # what sized the cache: limit, free memory, max_num_seqs or max_total_tokens
     max_model_len: int = 0  # the longest sequence served: the caller's, or lowered to fit (fit_model_len)

@@ -58,3 +58,22 @@ def test_cache_caps_are_set_unless_the_operator_set_them(monkeypatch):
     cap_native_caches()
     assert os.environ["LRU_CACHE_CAPACITY"] == NATIVE_CACHE_ENTRIES
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "4096"
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this torch build")
+def test_warming_calls_each_weight_shape_once_per_bucket_and_the_plan_hears_of_it():
+    from crane_mp.worker.cpu_packing import warm_row_buckets
+    from crane_mp.worker.platforms.cpu import CpuPlatform
+
+    model = torch.nn.ModuleList([PackedLinear(torch.nn.Linear(32, 16)), PackedLinear(torch.nn.Linear(32, 16)),
+                                 PackedLinear(torch.nn.Linear(16, 32)), torch.nn.Linear(8, 8)])
+    seen = []
+    for layer in model[:3]:
+        original = layer._packed
+        layer._packed = lambda x, original=original: (seen.append(x.shape[0]), original(x))[1]
+    buckets = {bucket_rows(rows) for rows in range(1, 41)}
+    assert warm_row_buckets(model, max_rows=40) == (2, 2 * len(buckets))
+    assert sorted(seen) == sorted(list(buckets) * 2)  # layers of one shape share oneDNN's kernels
+    num_bytes, what = CpuPlatform().warm_kernel_caches(model, 40)
+    assert num_bytes >= 0 and what == f"{2 * len(buckets)} oneDNN kernels (2 weight shapes)"
+    assert CpuPlatform().warm_kernel_caches(torch.nn.Linear(4, 4), 40) == (0, "")

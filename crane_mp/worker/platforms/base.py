@@ -77,6 +77,10 @@ class Platform:
         """Pick each linear layer's decode-step kernel by timing it on the device; lines saying what won."""
         return []
 
+    def warm_kernel_caches(self, model: torch.nn.Module, max_rows: int) -> tuple[int, str]:
+        """Fill the kernel caches serving would grow, now: (bytes they hold, what they are), or (0, "")."""
+        return 0, ""
+
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Row-wise argmax of a [N, V] float32 tensor."""
         return x.argmax(dim=-1)
