@@ -1,7 +1,7 @@
 """Memory native libraries keep: the C library's malloc_trim, and oneDNN's kernel caches.
 
-glibc keeps what a process freed in its arenas, so the resident size
-after a burst of large short-lived allocations stays at its peak although the memory is free;
+glibc keeps what a process freed in its arenas, so the resident size after a burst of large
+short-lived allocations stays at its peak although the memory is free;
 `malloc_trim(0)` gives every arena's free pages back (milliseconds for a heap of hundreds of MB, so
 processes call it when they fall idle, and the worker every few seconds while busy, never per
 request or step)."""
@@ -23,8 +23,9 @@ def malloc_trim() -> Callable[[int], int] | None:
 
 
 # Kernels oneDNN keeps per input shape, in ideep's cache (LRU_CACHE_CAPACITY) and oneDNN's own
-# (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1,024 each by default at ~0.3 MB a kernel. The worker calls
-# oneDNN with a few dozen row counts per weight shape (cpu_packing.py), which these hold with room.
+# (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1,024 each by default, ~1.4 MB per row count and weight shape
+# (benchmarks/onednn_row_counts.py). The worker calls oneDNN with at most 27 row counts per weight
+# shape (cpu_packing.py), which these hold with room for a model's few shapes.
 NATIVE_CACHE_ENTRIES = "256"
 
 

@@ -82,11 +82,12 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-# oneDNN compiles a kernel for every row count it is called with and keeps it (~0.3 MB each, in ideep's
-# cache and oneDNN's own, 1,024 entries apiece by default): a server's ever-changing batch and chunk
-# sizes grew a worker by ~1 GB. Calls are made with few row counts instead: up to 8 rows as they are,
-# then padded to a multiple of 8 (to 64) or 16 (to 256), and longer inputs in slabs of 256 rows. With
-# the caches capped (heap.py), the kernels kept stay bounded and every step finds its own.
+# oneDNN compiles a kernel for every row count it is called with and keeps it (in ideep's cache and
+# oneDNN's own, 1,024 entries apiece by default, ~1.4 MB per row count and weight shape): a server's
+# ever-changing batch and chunk sizes grow a worker by gigabytes. Calls are made with few row counts
+# instead: up to 8 rows as they are, then padded to a multiple of 8 (to 64) or 16 (to 256), and longer
+# inputs in slabs of 256 rows. With the caches capped (heap.py) and every bucket compiled at start-up
+# (warm_row_buckets), the kernels kept stay what the memory plan counted.
 _SLAB_ROWS = 256
 
 
