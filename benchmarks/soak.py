@@ -24,6 +24,7 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import aiohttp
@@ -178,6 +179,8 @@ def launch(args) -> tuple[subprocess.Popen, str]:
             break
     else:
         raise SystemExit("the server exited before it was ready")
+    # Keep reading its output: a full pipe would block the server's next log line.
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
     return proc, f"http://127.0.0.1:{args.port}"
 
 
