@@ -5,7 +5,7 @@ process's memory stay where the plan put it?
     python benchmarks/soak.py --launch-model qwen3-0.6b-q4_k_m.gguf --minutes 12
     python benchmarks/soak.py --url http://127.0.0.1:8080 --server-pid PID --minutes 12
 
---concurrency clients each send one request after another, drawn (seeded) from a mix: chat and
+--concurrency clients each send one request after another, from a mix taken in a fixed order: chat and
 completions, whole and streamed, `n=2`, logprobs, stop strings, a JSON schema, SGLang `/generate`, and
 one stream in eight dropped by the client after its first chunk. Every --sample-seconds it records
 each server process's resident memory (crane-launch names its children crane-worker,
@@ -38,6 +38,10 @@ _WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls count 
 KINDS = ("chat", "chat_stream", "completion", "completion_stream", "n2", "logprobs", "stop", "json_schema",
          "generate", "generate_stream", "dropped_stream")
 _WEIGHTS = (3, 3, 2, 2, 1, 1, 1, 1, 1, 1, 2)  # one request in eight (2 of 18) is a dropped stream
+# Requests take their kinds from this sequence in turn, across all clients: every 18 requests hold
+# each kind, however few a slow machine sends.
+ORDER = random.Random(0).sample([kind for kind, weight in zip(KINDS, _WEIGHTS) for _ in range(weight)],
+                                sum(_WEIGHTS))
 
 
 PROMPT_WORDS = [4, 120]  # each prompt's length is drawn between these (--prompt-words)
@@ -120,7 +124,7 @@ async def client(url: str, model: str, seed: int, deadline: float, tally: Tally)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         while time.monotonic() < deadline:
-            kind = rng.choices(KINDS, _WEIGHTS)[0]
+            kind = ORDER[tally.sent % len(ORDER)]
             await one(session, url, kind, request_for(kind, rng, model), tally)
 
 

@@ -24,8 +24,8 @@ def test_a_minute_of_mixed_traffic_loses_nothing_and_keeps_the_workers_memory_bo
     finally:
         server.kill_all()
     statuses = report["statuses"]
-    assert report["requests"] > 50 and report["lost"] == 0
-    assert set(statuses) == set(soak["KINDS"])  # every kind of request was sent
+    assert report["requests"] >= len(soak["ORDER"]) and report["lost"] == 0
+    assert set(statuses) == set(soak["KINDS"])  # every kind of request was sent (ORDER holds each)
     assert all(set(by_status) == {200} for by_status in statuses.values()), statuses
     assert report["server_errors"] == 0 and not report["transport_errors"] and not report["incomplete"]
     assert report["kv_blocks_in_use_when_idle"] == 0
