@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import aiohttp
 import psutil
@@ -143,8 +144,6 @@ def rss_by_name(root: psutil.Process | None) -> dict[str, int]:
 
 
 def get_json(url: str) -> dict:
-    import urllib.request
-
     with urllib.request.urlopen(url, timeout=30) as response:
         return json.loads(response.read())
 

@@ -7,8 +7,9 @@ functions, so it never pays for the frontend's or worker's imports (seconds of s
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
+
+from crane_mp.heap import cap_native_caches, libc
 
 _PR_SET_NAME = 15
 
@@ -16,17 +17,13 @@ _PR_SET_NAME = 15
 def _name_process(name: str) -> None:
     """What ps, top and psutil show for this child (its comm, 15 bytes at most): spawned children are
     otherwise all `python`, and an operator watching memory cannot tell the worker from a frontend."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    prctl = getattr(libc(), "prctl", None)
+    if prctl is not None:
+        prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def worker_main(*args) -> None:
     _name_process("crane-worker")
-    from crane_mp.heap import cap_native_caches
-
     cap_native_caches()
     from crane_mp.worker.process import run_worker
 

@@ -14,12 +14,17 @@ import os
 from typing import Callable
 
 
+def libc() -> ctypes.CDLL | None:
+    """The C library, or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def malloc_trim() -> Callable[[int], int] | None:
     """glibc's malloc_trim, or None where the C library has none."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
+    return getattr(libc(), "malloc_trim", None)
 
 
 # Kernels oneDNN keeps per input shape, in ideep's cache (LRU_CACHE_CAPACITY) and oneDNN's own

@@ -162,8 +162,6 @@ def skinny_launches(dtype: torch.dtype) -> None:
         weight = torch.empty(out_features, in_features, dtype=dtype)
         for rows in (1, 8):
             x = torch.empty(rows, in_features, dtype=dtype)
-            for config in kernels.CANDIDATES:
-                if kernels.block_rows(rows) > 1 and config.block_n < 16:
-                    continue
+            for config in kernels.candidates_for(rows):
                 kernels.skinny_linear(x, weight, None, config)
                 kernels.skinny_linear(x, weight, torch.empty(out_features, dtype=dtype), config)

@@ -99,6 +99,11 @@ def bucket_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def row_buckets(max_rows: int = _SLAB_ROWS) -> list[int]:
+    """Every row count oneDNN is called with for calls of up to `max_rows` rows."""
+    return sorted({bucket_rows(rows) for rows in range(1, min(max_rows, _SLAB_ROWS) + 1)})
+
+
 def in_row_buckets(x: torch.Tensor, linear) -> torch.Tensor:
     """linear(x) for x [rows, in], called only with the row counts of bucket_rows (zero rows padded
     in, their outputs dropped)."""
@@ -116,7 +121,7 @@ def warm_row_buckets(model: nn.Module, max_rows: int) -> tuple[int, int]:
     """Have oneDNN compile its kernel for every row count the worker will call it with (up to
     `max_rows`), once per weight shape: its caches key on shapes, so layers of a shape share them.
     Serving then compiles nothing and keeps no more than this. Returns (weight shapes, calls)."""
-    buckets = sorted({bucket_rows(rows) for rows in range(1, min(max_rows, _SLAB_ROWS) + 1)})
+    buckets = row_buckets(max_rows)
     shapes = {}
     for module in model.modules():
         if isinstance(module, PackedLinear) and not module.amx:

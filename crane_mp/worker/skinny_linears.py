@@ -78,9 +78,7 @@ def time_candidates(kernels, weights: list[tuple[torch.Tensor, torch.Tensor | No
     weight = weights[0][0]
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
     results = {None: _seconds_per_call(weight.device, lambda w, b: F.linear(x, w, b), weights)}
-    for config in kernels.CANDIDATES:
-        if kernels.block_rows(rows) > 1 and config.block_n < 16:
-            continue  # a tensor-core dot product needs 16 columns
+    for config in kernels.candidates_for(rows):
         results[config] = _seconds_per_call(
             weight.device, lambda w, b, c=config: kernels.skinny_linear(x, w, b, c), weights)
     return results

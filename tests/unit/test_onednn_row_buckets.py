@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from crane_mp.heap import NATIVE_CACHE_ENTRIES, cap_native_caches
-from crane_mp.worker.cpu_packing import PackedLinear, bucket_rows, in_row_buckets
+from crane_mp.worker.cpu_packing import PackedLinear, bucket_rows, in_row_buckets, row_buckets
 
 
 def test_buckets_hold_every_row_count_with_little_padding():
-    buckets = {bucket_rows(rows) for rows in range(1, 257)}
-    assert len(buckets) <= 27
+    buckets = row_buckets()
+    assert len(buckets) <= 27 and buckets == sorted({bucket_rows(r) for r in range(1, 257)})
     for rows in range(1, 257):
         padded = bucket_rows(rows)
         assert rows <= padded <= 256
@@ -33,7 +33,7 @@ def test_in_row_buckets_calls_only_bucket_sizes_and_returns_each_rows_own_result
         x = torch.randn(rows, 6, generator=gen)
         out = in_row_buckets(x, lambda part: (calls.append(part.shape[0]), rowwise(part))[1])
         assert torch.equal(out, rowwise(x)), rows
-    assert set(calls) <= {bucket_rows(rows) for rows in range(1, 257)}
+    assert set(calls) <= set(row_buckets())
     assert calls[-3:] == [256, 256, 192]  # 700 rows: two slabs of 256, and 188 padded to 192
 
 
@@ -48,7 +48,7 @@ def test_a_packed_linear_reaches_onednn_only_in_buckets_and_matches_f_linear():
     for rows in range(1, 300, 7):
         x = torch.randn(rows, 64, generator=gen)
         torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
-    assert set(seen) <= {bucket_rows(rows) for rows in range(1, 257)}
+    assert set(seen) <= set(row_buckets())
     assert len(set(seen)) < len(range(1, 300, 7))
 
 
@@ -71,9 +71,9 @@ def test_warming_calls_each_weight_shape_once_per_bucket_and_the_plan_hears_of_i
     for layer in model[:3]:
         original = layer._packed
         layer._packed = lambda x, original=original: (seen.append(x.shape[0]), original(x))[1]
-    buckets = {bucket_rows(rows) for rows in range(1, 41)}
+    buckets = row_buckets(40)
     assert warm_row_buckets(model, max_rows=40) == (2, 2 * len(buckets))
-    assert sorted(seen) == sorted(list(buckets) * 2)  # layers of one shape share oneDNN's kernels
+    assert sorted(seen) == sorted(buckets * 2)  # layers of one shape share oneDNN's kernels
     num_bytes, what = CpuPlatform().warm_kernel_caches(model, 40)
     assert num_bytes >= 0 and what == f"{2 * len(buckets)} oneDNN kernels (2 weight shapes)"
     assert CpuPlatform().warm_kernel_caches(torch.nn.Linear(4, 4), 40) == (0, "")

@@ -25,9 +25,7 @@ for dtype in (torch.bfloat16, torch.float16):
         bias = torch.randn(out_features, generator=gen).to(dtype)
         for rows in (1, 3, 16):
             x = torch.randn(rows, in_features, generator=gen).to(dtype)
-            for config in kernels.CANDIDATES:
-                if kernels.block_rows(rows) > 1 and config.block_n < 16:
-                    continue
+            for config in kernels.candidates_for(rows):
                 for b in (None, bias):
                     got = kernels.skinny_linear(x, weight, b, config)
                     want = F.linear(x.float(), weight.float(), None if b is None else b.float())
@@ -47,17 +45,13 @@ def test_skinny_matmul_equals_f_linear_under_the_interpreter():
 
 
 class _FakeKernels:
-    """The kernels module's interface: configs named by strings, a matmul that records its calls."""
+    """What tuning uses of the kernels module (timings are stubbed): configs named by strings, a matmul
+    that records its calls."""
 
-    CANDIDATES = ("narrow", "wide")
     MAX_ROWS = 16
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, str]] = []
-
-    @staticmethod
-    def block_rows(rows: int) -> int:
-        return 1 if rows == 1 else 16
 
     def skinny_linear(self, x, weight, bias, config):
         self.calls.append((x.shape[0], config))

@@ -90,6 +90,11 @@ def block_rows(rows: int) -> int:
     return 1 if rows == 1 else 16
 
 
+def candidates_for(rows: int) -> tuple[SkinnyConfig, ...]:
+    """The CANDIDATES that can serve `rows` rows: a tensor-core dot product needs 16 columns."""
+    return tuple(c for c in CANDIDATES if block_rows(rows) == 1 or c.block_n >= 16)
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   config: SkinnyConfig) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, rows contiguous), weight [N, K] contiguous -> [M, N] in x's dtype."""
