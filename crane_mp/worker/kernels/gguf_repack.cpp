@@ -50,6 +50,10 @@ namespace {
 
 using namespace crane_mp::gguf;
 
+// Ends the expression `v` is in: left alone, GCC regroups a sub-block's 16-bit sums into a tree over
+// all its products, which outnumber the vector registers and go through the stack.
+inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+
 inline __m256i broadcast32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -93,6 +97,7 @@ void q4_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
           const int8_t* xs = x + m * a.K + 256 * b + 32 * j + 4 * k;
           sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, broadcast32(xs)));
           sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, broadcast32(xs + 16)));
+          in_register(sum[m]);
         }
       }
       const __m256i scale = in_both_halves(group + 32 + 8 * j);
@@ -131,8 +136,10 @@ void q8_0_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
     for (int k = 0; k < 8; ++k) {
       const __m256i w = load(qs + 32 * k);
       const __m256i wabs = _mm256_abs_epi8(w);
-      for (int m = 0; m < MR; ++m)
+      for (int m = 0; m < MR; ++m) {
         isum[m] = dot_u8s8_add(isum[m], wabs, _mm256_sign_epi8(broadcast32(x + m * a.K + 32 * b + 4 * k), w));
+        in_register(isum[m]);
+      }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * b)));
     for (int m = 0; m < MR; ++m)
@@ -188,6 +195,7 @@ void q6_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
             const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(q[0][s], broadcast32(xs)),
                                                  _mm256_maddubs_epi16(q[1][s], broadcast32(xs + 4)));
             isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(sum, scale));
+            in_register(isum[m]);
           }
         }
       }
