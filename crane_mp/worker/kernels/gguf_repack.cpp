@@ -230,14 +230,14 @@ at::Tensor gguf_repack_q4_k_x8(const at::Tensor& w, int64_t K) {
             block[32 + 8 * j + r] = static_cast<uint8_t>(scale);
             block[96 + 8 * j + r] = static_cast<uint8_t>(min);
           }
-          const uint8_t* qs = row + 16;  // element e: byte 32 * (e / 64) + e % 32, high nibble when e % 64 >= 32
-          const auto nibble = [qs](int e) { return (qs[32 * (e / 64) + e % 32] >> (e % 64 >= 32 ? 4 : 0)) & 0xF; };
-          for (int j = 0; j < 8; ++j)
-            for (int k = 0; k < 4; ++k)
-              for (int i = 0; i < 4; ++i) {
-                const int e = 32 * j + 4 * k + i;
-                block[160 + ((4 * j + k) * 8 + r) * 4 + i] = static_cast<uint8_t>(nibble(e) | nibble(e + 16) << 4);
-              }
+          for (int j = 0; j < 8; ++j) {
+            // Sub-block j's element t is byte t of the 32 at 32 * (j / 2), its high nibble when j is odd.
+            const uint8_t* qs = row + 16 + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            uint8_t both[16];  // t = 4k + i: element t in the low nibble, t + 16 in the high one
+            for (int t = 0; t < 16; ++t) both[t] = static_cast<uint8_t>((qs[t] >> shift & 0xF) | (qs[t + 16] >> shift & 0xF) << 4);
+            for (int k = 0; k < 4; ++k) std::memcpy(block + 160 + ((4 * j + k) * 8 + r) * 4, both + 4 * k, 4);
+          }
         }
       }
     }
