@@ -4,6 +4,9 @@ llama.cpp's common files; and the tokenizer built from GGUF metadata against the
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -100,6 +103,21 @@ def test_greedy_tokens_equal_transformers(arch, qtype, gguf_files, checkpoints):
     with torch.inference_mode():
         want = greedy(reference_model(arch, path, checkpoints[arch]).eval())
     assert ours(path) == want
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from /proc")
+@pytest.mark.parametrize("activations", ["int8", "float"])
+def test_no_weight_stays_in_the_mapping_of_the_file(gguf_files, activations):
+    """On CPU the loader maps the file: rows it repacks (int8) are converted from the mapping, the
+    rest are copied out of it (Llama's q/k rows permuted on the way). Once loaded, nothing of the
+    model is the mapping's: a weight left there would come back from disk after the kernel reclaimed
+    its pages, in the middle of a request."""
+    path = gguf_files["llama", "Q4_K_M"]
+    engine = LLMEngine(EngineConfig(model_path=str(path), dtype="float32", max_model_len=128, seed=0,
+                                    quantized_activations=activations))
+    gc.collect()
+    assert str(path) not in Path("/proc/self/maps").read_text()
+    assert len(engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2, temperature=0.0))[0]) == 2
 
 
 def test_llama_rows_and_biases_are_unpermuted(tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -24,7 +23,7 @@ from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.models.registry import PERMUTED_QK_ARCHS, hf_name
 from crane_mp.worker.platforms import Platform
-from crane_mp.worker.quantized.file_reader import read_ranges
+from crane_mp.worker.quantized.file_reader import MappedFile, read_ranges
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
 from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
 
@@ -45,33 +44,46 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 class _Tensors:
     """The file's tensors as torch row-byte tensors in anonymous memory (file_reader.py says why not
-    a mapping). On CPU every tensor is read at once, each into its own array, which the model's
-    weights then are (GGUF blocks are what the kernels read) or which is dropped once converted; for
-    CUDA each tensor is read on its own and copied to the device, so the host holds one at a time."""
+    a mapping). On CPU (`mapped`) the file is mapped and read ahead from the start: a tensor the
+    kernels convert (`laid_out`: repacked rows) is converted straight from the mapping, any other
+    is copied out of it, and the copies are the model's weights (GGUF blocks are what the kernels
+    read). For CUDA each tensor is read on its own and copied to the device, so the host holds one
+    at a time. close() when done."""
 
-    def __init__(self, path: Path, infos: dict[str, TensorInfo], permute_heads: dict[str, int], whole: bool) -> None:
+    def __init__(self, path: Path, infos: dict[str, TensorInfo], permute_heads: dict[str, int], mapped: bool) -> None:
         self.path = path
         self.infos = infos
         self.permute_heads = permute_heads
-        self.read: dict[str, np.ndarray] = {}
-        if whole:
-            names = list(infos)
-            arrays = read_ranges(path, [(infos[n].offset, infos[n].n_bytes) for n in names])
-            self.read = dict(zip(names, arrays))
+        self._file = MappedFile(path, [(i.offset, i.n_bytes) for i in infos.values()]) if mapped else None
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
     def qtype(self, name: str) -> int:
         return self.infos[name].qtype
 
     def rows(self, name: str) -> torch.Tensor:
-        """[rows, row_bytes] uint8 (a 1-D tensor is one row)."""
+        """[rows, row_bytes] uint8 in memory of its own (a 1-D tensor is one row)."""
+        out = self._rows(name)
+        return out.clone() if self._file is not None and self._file.holds(out) else out
+
+    def laid_out(self, name: str, layout) -> tuple[int, torch.Tensor]:
+        """layout(rows) -> (type, rows as the kernels read them), given the mapping's bytes where
+        they are mapped; whatever it keeps as it is comes back copied out of the mapping."""
+        qtype, out = layout(self._rows(name))
+        return qtype, out.clone() if self._file is not None and self._file.holds(out) else out
+
+    def _rows(self, name: str) -> torch.Tensor:
         info = self.infos[name]
         rows = info.dims[0] if len(info.dims) > 1 else 1
-        raw = self.read.pop(name, None)
-        if raw is None:
+        if self._file is not None:
+            out = torch.from_numpy(self._file.view(info.offset, info.n_bytes)).view(rows, -1)
+        else:
             [raw] = read_ranges(self.path, [(info.offset, info.n_bytes)])
-        out = torch.from_numpy(raw).view(rows, -1)
+            out = torch.from_numpy(raw).view(rows, -1)
         heads = self.permute_heads.get(name.split(".")[-2]) if name.startswith("blk.") else None
-        if heads is not None:
+        if heads is not None:  # a copy of its own (copy-on-write pages where mapped), in Hugging Face's order
             out.copy_(_unpermute(out if len(info.dims) > 1 else out.view(-1, LAYOUTS[info.qtype].bytes), heads)
                       .view(rows, -1))
         return out
@@ -97,9 +109,12 @@ def load_gguf_model(
     permute = shape.gguf_arch in PERMUTED_QK_ARCHS
     model = build_meta_model(config, dtype, platform)
     tensors = _Tensors(path, contents.tensors, {"attn_q": shape.heads, "attn_k": shape.kv_heads} if permute else {},
-                       whole=platform.reads_weights_in_place)
-    with tqdm(total=len(contents.tensors), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
-        loaded = _fill(model, tensors, config, dtype, platform, bar, int8)
+                       mapped=platform.reads_weights_in_place)
+    try:
+        with tqdm(total=len(contents.tensors), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
+            loaded = _fill(model, tensors, config, dtype, platform, bar, int8)
+    finally:
+        tensors.close()
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"{path}: no tensor for {len(missing)} weights, e.g. {sorted(missing)[:3]}")
@@ -120,7 +135,8 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
             continue  # already in the compute dtype: a plain (packable) nn.Linear, same bytes
         linear = model.get_submodule(ours)
         shared = ours == "lm_head" and config.tie_word_embeddings  # the token table reads these rows too
-        parts = [kernels.layout(tensors.qtype(n), tensors.rows(n).to(device), linear.in_features, int8 and not shared)
+        parts = [tensors.laid_out(n, lambda rows, n=n: kernels.layout(tensors.qtype(n), rows.to(device),
+                                                                        linear.in_features, int8 and not shared))
                  for n in names]
         _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias, kernels, int8))
         consumed.update(names)
