@@ -4,7 +4,8 @@ The model is built on the meta device; every projection with a quantized part be
 (and a quantized token table a GGUFEmbedding) holding the file's blocks; only what is left (norms,
 biases, float matrices) is then allocated and filled through the model's own `load_weights`, under
 Hugging Face names (models/registry.py maps them). On CPU the quantized weights are the file's bytes,
-read once into memory; the float tensors (norms, biases) are a few MB besides.
+repacked or copied into memory straight from a mapping of the file; the float tensors (norms,
+biases) are a few MB besides.
 """
 
 from __future__ import annotations
