@@ -66,14 +66,16 @@ class _Tensors:
 
     def rows(self, name: str) -> torch.Tensor:
         """[rows, row_bytes] uint8 in memory of its own (a 1-D tensor is one row)."""
-        out = self._rows(name)
-        return out.clone() if self._file is not None and self._file.holds(out) else out
+        return self._owned(self._rows(name))
 
     def laid_out(self, name: str, layout) -> tuple[int, torch.Tensor]:
         """layout(rows) -> (type, rows as the kernels read them), given the mapping's bytes where
         they are mapped; whatever it keeps as it is comes back copied out of the mapping."""
         qtype, out = layout(self._rows(name))
-        return qtype, out.clone() if self._file is not None and self._file.holds(out) else out
+        return qtype, self._owned(out)
+
+    def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone() if self._file is not None and self._file.holds(tensor) else tensor
 
     def _rows(self, name: str) -> torch.Tensor:
         info = self.infos[name]
