@@ -8,7 +8,7 @@ import asyncio
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
@@ -18,7 +18,7 @@ from crane_mp.frontend.openapi import build_openapi
 from crane_mp.testing.make_model import make_model
 from tests.unit.frontend_harness import start_frontend, stop_frontend
 
-MAX_MODEL_LEN = 4096  # room for any prompt hypothesis writes: the window cannot be stated in a schema
+MAX_MODEL_LEN = 4096  # room for nearly every prompt hypothesis writes: the window cannot be stated in a schema
 # Extreme values for any field: out-of-range integers, floats (inf and nan written as JSON's
 # non-standard literals), huge and odd strings, long and deep lists, wrong types.
 EXTREMES = st.one_of(
@@ -108,6 +108,8 @@ def test_every_body_the_document_allows_is_accepted(request, path):
             (body.get("sampling_params") or {}).pop(name, None)
         body.pop("lora_path", None)  # must name a loaded adapter (tests/integration/test_lora.py)
         status, text = _post(running, path, json.dumps(body).encode())
+        if status == 400 and "context window can take" in text:
+            reject()  # a prompt longer than the window (messages, tools and system add up): no schema says so
         assert status == 200, (body, text)
 
     check()
