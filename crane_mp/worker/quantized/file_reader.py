@@ -65,13 +65,9 @@ class MappedFile:
 
     def __init__(self, path: Path, ranges: list[tuple[int, int]]) -> None:
         self.path = path
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self._bytes = np.frombuffer(mmap.mmap(fd, 0, access=mmap.ACCESS_COPY), dtype=np.uint8)
-        finally:
-            os.close(fd)
-        self._start = self._bytes.__array_interface__["data"][0]
         self._fd = os.open(path, os.O_RDONLY)
+        self._bytes = np.frombuffer(mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY), dtype=np.uint8)
+        self._start = self._bytes.__array_interface__["data"][0]
         self._pool = ThreadPoolExecutor(_READERS)
         for offset, length in ranges:
             for start in range(offset, offset + length, _CHUNK):
