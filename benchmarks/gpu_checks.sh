@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of issue 32 in one run, for a lent GPU machine whose time is counted: tests/gpu, the
-# decode kernels one by one, the decode roofline (graphs on and off, the chosen decode matmuls against
-# cuBLAS alone), the GGUF decode matmul's K splits, and the 8B Q4_K_M under
+# decode kernels one by one, the decode roofline (graphs on and off; cublas: the chosen decode matmuls
+# against cuBLAS alone), the GGUF decode matmul's K splits, and the 8B Q4_K_M under
 # --gpu-memory-limit 8G. Each step has its own time limit so a hang costs only that step; logs go to
 # $OUT (default benchmarks/out/gpu). Wheels the machine lacks (pyzmq, msgspec, gguf, llguidance) are
 # installed from .whl/ when that folder exists.
@@ -41,6 +41,8 @@ fi
 if [[ " $STEPS " == *" roofline "* ]]; then
     log "roofline, graphs on"
     timeout 120 python3 benchmarks/gpu.py --steps 30 2>&1 | tee "$OUT/roofline.log" | tail -30
+fi
+if [[ " $STEPS " == *" cublas "* ]]; then
     log "roofline, graphs on, cuBLAS only"
     timeout 90 python3 benchmarks/gpu.py --steps 30 --batches 1 8 --cublas-only 2>&1 | tee -a "$OUT/roofline.log" | tail -8
 fi
