@@ -256,7 +256,7 @@ class SchedulerLoop:
 
         if message.kind == "stats":
             age = time.monotonic() - self.step_started if self.steps_in_flight else 0.0
-            reply_to(encode(self.counters.snapshot(self.scheduler, message.token, age)))
+            reply_to(encode(self.counters.snapshot(self.scheduler, message.token, age, len(self.awaiting_grammar))))
         elif message.kind == "flush_cache":
             ok = self.scheduler.flush_cache()
             detail = "" if ok else "requests are queued or running; flush the cache when the server is idle"

@@ -31,11 +31,14 @@ class EngineCounters:
                 0.9 * self.decode_tokens_per_sec + 0.1 * rate
             )
 
-    def snapshot(self, scheduler: Scheduler, token: int, step_age: float = 0.0) -> EngineStats:
+    def snapshot(self, scheduler: Scheduler, token: int, step_age: float = 0.0,
+                 awaiting_grammar: int = 0) -> EngineStats:
+        """`awaiting_grammar`: requests whose grammar the worker is still building count as waiting (as vLLM's
+        WAITING_FOR_FSM requests do), so a queued request is never missing from the figures."""
         return EngineStats(
             token=token,
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_waiting=len(scheduler.waiting) + awaiting_grammar,
             num_free_blocks=scheduler.num_free_blocks,
             num_total_blocks=scheduler.config.num_blocks,
             num_preemptions=scheduler.num_preemptions,

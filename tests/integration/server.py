@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -11,10 +12,12 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Awaitable, Iterator, TypeVar
 
 import psutil
 import requests
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -77,6 +80,25 @@ class Server:
             yield
         finally:
             proc.resume()
+
+    async def all_queued(self, work: Awaitable[T], count: int) -> T:
+        """`work`, which sends `count` requests, with the worker frozen until the scheduler holds all of them:
+        they compete for KV blocks from the first step on (preemption), however fast the machine is. A first
+        one-token request proves the worker's sockets connected: frozen before that, it would leave the
+        scheduler blocked in its first send of a step, answering nothing."""
+        warm = {"prompt": "warm", "max_tokens": 1}
+        ok = await asyncio.to_thread(lambda: requests.post(self.url + "/v1/completions", json=warm, timeout=60).ok)
+        assert ok
+        deadline = time.monotonic() + 60
+        with self.paused("worker"):
+            task = asyncio.ensure_future(work)
+            while not task.done():
+                stats = await asyncio.to_thread(self.stats)
+                if stats["num_running"] + stats["num_waiting"] >= count:
+                    break
+                assert time.monotonic() < deadline, stats
+                await asyncio.sleep(0.05)
+        return await task
 
     def wait_idle(self, timeout: float = 60) -> dict:
         """The scheduler's stats once nothing runs or waits (an abort lands within a step)."""

@@ -78,9 +78,12 @@ async def complete_all(url: str, jobs: list[tuple[str | None, list[int]]]) -> li
 def test_mixed_batches_match_peft_also_under_preemption(model_dir, adapters, reference, tmp_path):
     jobs = [(name, prompt) for name in (None, *ADAPTERS) for prompt in PROMPTS]
     for extra in ([], ["--max-total-tokens", "64", "--max-concurrent", "9"]):
-        server = Server(model_dir, *lora_args(adapters), *extra, log_path=tmp_path / f"log{len(extra)}")
+        # float32 KV: PEFT's float32 reference, also for the requests recomputed after preemption
+        server = Server(model_dir, *lora_args(adapters), "--kv-cache-dtype", "float32", *extra,
+                        log_path=tmp_path / f"log{len(extra)}")
         try:
-            results = asyncio.run(complete_all(server.url, jobs))
+            work = complete_all(server.url, jobs)
+            results = asyncio.run(server.all_queued(work, len(jobs)) if extra else work)
             for (name, prompt), result in zip(jobs, results):
                 assert result["choices"][0]["token_ids"] == reference[name, tuple(prompt)], (name, prompt)
                 assert result["model"] == (name or model_dir.name)
