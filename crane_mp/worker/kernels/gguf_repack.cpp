@@ -20,7 +20,8 @@
 //   160   qs[8][4][8][4]  [sub-block j][position group k][row r][i]: low nibble element 32j + 4k + i
 //                         of row r, high nibble element 32j + 16 + 4k + i
 // Both nibbles of a byte belong to one sub-block, so a sub-block's products add up in 16-bit lanes
-// (16 products of at most 15 x 127 per lane < 32767) before one multiply applies its scale.
+// (16 products of at most 15 x 127 per lane < 32767) before one multiply applies its scale; with
+// AVX512-VNNI, vpdpbusd sums them in 32-bit lanes instead (Q6_K likewise).
 //
 // Q6_K, super-block b of a group of eight rows (1680 bytes, as the rows' own):
 //     0   d[8]            float16
@@ -52,7 +53,13 @@ using namespace crane_mp::gguf;
 
 // Ends the expression `v` is in: left alone, GCC regroups a sub-block's 16-bit sums into a tree over
 // all its products, which outnumber the vector registers and go through the stack.
-inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+inline void in_register(__m256i& v) {
+#if defined(__AVX512VL__)
+  __asm__("" : "+v"(v));  // any of the 32 vector registers
+#else
+  __asm__("" : "+x"(v));
+#endif
+}
 
 inline __m256i broadcast32(const void* p) {
   int32_t v;
@@ -73,6 +80,63 @@ inline __m256i paired(const uint8_t* first, const uint8_t* second) {
   return _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16));
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// Eight bytes (one per row) -> lane r holds byte r, zero- or sign-extended.
+inline __m256i widened_u8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i widened_s8(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Sub-block products into isum[m], VNNI: vpdpbusd adds 4 products into a 32-bit lane, so a sub-block's
+// 32 products per lane take 8 instructions (against 16 maddubs and adds) and its scale one multiply.
+template <int MR>
+void q4_k_x8_sub_blocks(const uint8_t* group, const int8_t* x, int64_t K, int64_t b, __m256i* isum) {
+  const __m256i mask = low4();
+  const uint8_t* qs = group + 160;
+  for (int j = 0; j < 8; ++j) {
+    __m256i lo_sum[MR], hi_sum[MR];  // two chains a row: one chain of 8 would wait on its own latency
+    for (int m = 0; m < MR; ++m) lo_sum[m] = hi_sum[m] = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      const __m256i raw = load(qs + (4 * j + k) * 32);
+      const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xs = x + m * K + 256 * b + 32 * j + 4 * k;
+        lo_sum[m] = _mm256_dpbusd_epi32(lo_sum[m], lo, broadcast32(xs));
+        hi_sum[m] = _mm256_dpbusd_epi32(hi_sum[m], hi, broadcast32(xs + 16));
+      }
+    }
+    const __m256i scale = widened_u8(group + 32 + 8 * j);
+    for (int m = 0; m < MR; ++m)
+      isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(lo_sum[m], hi_sum[m]), scale));
+  }
+}
+#else
+// AVX2: a sub-block's products add up in 16-bit lanes, then one multiply-add applies its scale.
+template <int MR>
+void q4_k_x8_sub_blocks(const uint8_t* group, const int8_t* x, int64_t K, int64_t b, __m256i* isum) {
+  const __m256i mask = low4();
+  const uint8_t* qs = group + 160;
+  for (int j = 0; j < 8; ++j) {
+    __m256i sum[MR];
+    for (int m = 0; m < MR; ++m) sum[m] = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      const __m256i raw = load(qs + (4 * j + k) * 32);
+      const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xs = x + m * K + 256 * b + 32 * j + 4 * k;
+        sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, broadcast32(xs)));
+        sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, broadcast32(xs + 16)));
+        in_register(sum[m]);
+      }
+    }
+    const __m256i scale = in_both_halves(group + 32 + 8 * j);
+    for (int m = 0; m < MR; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(sum[m], scale));
+  }
+}
+#endif
+
 template <int MR>
 void q4_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
   // The running sums stay in memory: kept in registers with the 8 sub-block sums and the operands
@@ -81,28 +145,11 @@ void q4_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
   const int8_t* x = a.q + m0 * a.K;
   const float* dx = a.d + m0 * a.nb;
   const int16_t* sx = a.sums32 + m0 * (a.K / 32);
-  const __m256i mask = low4();
   for (int64_t b = 0; b < a.nb; ++b, group += kQ4KX8Bytes) {
     prefetch_ahead<kQ4KX8Bytes>(group);
     __m256i isum[MR];
     for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
-    const uint8_t* qs = group + 160;
-    for (int j = 0; j < 8; ++j) {
-      __m256i sum[MR];
-      for (int m = 0; m < MR; ++m) sum[m] = _mm256_setzero_si256();
-      for (int k = 0; k < 4; ++k) {
-        const __m256i raw = load(qs + (4 * j + k) * 32);
-        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-        for (int m = 0; m < MR; ++m) {
-          const int8_t* xs = x + m * a.K + 256 * b + 32 * j + 4 * k;
-          sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, broadcast32(xs)));
-          sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, broadcast32(xs + 16)));
-          in_register(sum[m]);
-        }
-      }
-      const __m256i scale = in_both_halves(group + 32 + 8 * j);
-      for (int m = 0; m < MR; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(sum[m], scale));
-    }
+    q4_k_x8_sub_blocks<MR>(group, x, a.K, b, isum);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16)));
     for (int m = 0; m < MR; ++m) {
@@ -162,6 +209,63 @@ inline void signed_scales(const uint8_t* scales, __m256i* both, __m256i* pairs) 
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// Q6_K's products into isum[m], VNNI: a sub-block's sixteen products a lane add up in 32 bits through
+// vpdpbusd, then one multiply by its scale; `scales` (16-bit, for maddubs sums) is not needed.
+template <int MR>
+void q6_k_x8_products(const uint8_t* group, const int8_t* x, int64_t K, int64_t b, const __m256i*, __m256i* isum) {
+  const uint8_t* qs = group + 144;
+  for (int h = 0; h < 2; ++h) {
+    for (int half = 0; half < 2; ++half) {  // position groups 4 * half .. + 3: sub-blocks 8h + 2s + half
+      __m256i sum[4][MR];
+      for (int s = 0; s < 4; ++s)
+        for (int m = 0; m < MR; ++m) sum[s][m] = _mm256_setzero_si256();
+      for (int k = 4 * half; k < 4 * half + 4; ++k) {
+        __m256i q[4];
+        const uint8_t* p = qs + (h * 8 + k) * 96;
+        q6_k_values(load(p), load(p + 32), load(p + 64), q);
+        for (int s = 0; s < 4; ++s)
+          for (int m = 0; m < MR; ++m) {
+            const int8_t* xs = x + m * K + 256 * b + 128 * h + 32 * s + 4 * k;
+            sum[s][m] = _mm256_dpbusd_epi32(sum[s][m], q[s], broadcast32(xs));
+            in_register(sum[s][m]);
+          }
+      }
+      for (int s = 0; s < 4; ++s) {
+        const __m256i scale = widened_s8(group + 16 + 8 * (8 * h + 2 * s + half));
+        for (int m = 0; m < MR; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(sum[s][m], scale));
+      }
+    }
+  }
+}
+#else
+// AVX2: two position groups' products add up in 16 bits, then a multiply-add by their sub-block's scale.
+template <int MR>
+void q6_k_x8_products(const uint8_t* group, const int8_t* x, int64_t K, int64_t b, const __m256i* scales,
+                      __m256i* isum) {
+  const uint8_t* qs = group + 144;
+  for (int h = 0; h < 2; ++h) {
+    for (int k = 0; k < 8; k += 2) {  // two position groups' products share a 16-bit sum
+      __m256i q[2][4];
+      for (int u = 0; u < 2; ++u) {
+        const uint8_t* p = qs + (h * 8 + k + u) * 96;
+        q6_k_values(load(p), load(p + 32), load(p + 64), q[u]);
+      }
+      for (int s = 0; s < 4; ++s) {
+        const __m256i scale = scales[8 * h + 2 * s + k / 4];
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* xs = x + m * K + 256 * b + 128 * h + 32 * s + 4 * k;
+          const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(q[0][s], broadcast32(xs)),
+                                               _mm256_maddubs_epi16(q[1][s], broadcast32(xs + 4)));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(sum, scale));
+          in_register(isum[m]);
+        }
+      }
+    }
+  }
+}
+#endif
+
 template <int MR>
 void q6_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
   alignas(32) float acc[MR][8] = {};
@@ -180,26 +284,7 @@ void q6_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
         offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[p], broadcast32(sx + m * (a.K / 16) + 16 * b + 2 * p)));
       isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
     }
-    const uint8_t* qs = group + 144;
-    for (int h = 0; h < 2; ++h) {
-      for (int k = 0; k < 8; k += 2) {  // two position groups' products share a 16-bit sum
-        __m256i q[2][4];
-        for (int u = 0; u < 2; ++u) {
-          const uint8_t* p = qs + (h * 8 + k + u) * 96;
-          q6_k_values(load(p), load(p + 32), load(p + 64), q[u]);
-        }
-        for (int s = 0; s < 4; ++s) {
-          const __m256i scale = scales[8 * h + 2 * s + k / 4];
-          for (int m = 0; m < MR; ++m) {
-            const int8_t* xs = x + m * a.K + 256 * b + 128 * h + 32 * s + 4 * k;
-            const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(q[0][s], broadcast32(xs)),
-                                                 _mm256_maddubs_epi16(q[1][s], broadcast32(xs + 4)));
-            isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(sum, scale));
-            in_register(isum[m]);
-          }
-        }
-      }
-    }
+    q6_k_x8_products<MR>(group, x, a.K, b, scales, isum);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
     for (int m = 0; m < MR; ++m) {
       const __m256 da = _mm256_set1_ps(dx[m * a.nb + b]);
