@@ -11,7 +11,8 @@ ready time (start to /health 200), prefill of a --prefill-len prompt (server-sid
 of a 1-token request), output tok/s and TTFT/TPOT at each concurrency (serving.py's load generator:
 streaming /v1/completions, token-id prompts, EOS ignored), and the server's resident memory after
 the load (crane-mp: the worker process). The machine's DRAM read bandwidth is measured in the same
-run, before each server (a 2 GiB torch.sum on the same threads), so every decode figure states its
+run, before and after each server (a 2 GiB torch.sum on the same threads; the better of the two, as
+one sample taken while the host is busy reads low), so every decode figure states its
 fraction of the roofline: weight bytes streamed per decode step (the file's tensors less the token
 table, which is looked up, not streamed) times steps per second (1 / TPOT), over the bandwidth.
 Prints one JSON line per measurement and a table. Nothing else should run meanwhile.
@@ -115,26 +116,28 @@ def measure(server: str, path: Path, args) -> list[dict]:
     try:
         wait_ready(url, proc)
         ready = time.monotonic() - began
-        base = {"server": server, "file": path.name, "dram_gbs": bandwidth, "ready_s": round(ready, 1)}
+        base = {"server": server, "file": path.name, "ready_s": round(ready, 1)}
         prefill = load(url, 1, 2, args.prefill_len, 1, 1000, server == "llama-server")
         rows.append({**base, "bench": "prefill", "prompt_len": args.prefill_len,
                      "prefill_tok_s": round(args.prefill_len / (prefill["ttft_p50_ms"] / 1e3), 1),
                      "ttft_p50_ms": prefill["ttft_p50_ms"], "errors": prefill["errors"]})
-        print(json.dumps(rows[-1]), flush=True)
         for concurrency in args.concurrency:
             result = load(url, concurrency, max(args.min_requests, args.waves * concurrency), args.prompt_len,
                           args.output_len, concurrency, server == "llama-server")
-            steps_per_s = 1e3 / result["tpot_p50_ms"] if result["tpot_p50_ms"] else 0.0
-            rows.append({**base, **result, "bench": "decode",
-                         "roofline": round(weights * steps_per_s / (bandwidth * 1e9), 3),
-                         "rss_gib": round(resident_bytes(proc) / 2**30, 2)})
-            print(json.dumps(rows[-1]), flush=True)
+            rows.append({**base, **result, "bench": "decode", "rss_gib": round(resident_bytes(proc) / 2**30, 2)})
     finally:
         proc.terminate()
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    bandwidth = max(bandwidth, dram_read_gbs(args.threads))
+    for row in rows:
+        row["dram_gbs"] = bandwidth
+        if row["bench"] == "decode":
+            steps_per_s = 1e3 / row["tpot_p50_ms"] if row["tpot_p50_ms"] else 0.0
+            row["roofline"] = round(weights * steps_per_s / (bandwidth * 1e9), 3)
+        print(json.dumps(row), flush=True)
     return rows
 
 
