@@ -76,5 +76,9 @@ constexpr int64_t kQ6KX8Bytes = 1680;
 void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 void dot_q8_0_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 void dot_q6_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// Two adjacent Q4_K groups (`group`, `group + stride`) as one of 16 rows: out[m * 16 + r].
+void dot_q4_k_x16(const uint8_t* group, int64_t stride, const Acts& a, int64_t m0, int64_t rows, float* out);
+#endif
 
 }  // namespace crane_mp::int8
