@@ -192,8 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-generate-timeout", type=_seconds, default=30.0,
                    help="seconds /health_generate waits for its one-token generation before answering 503")
     p.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
-                   help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5, Qwen3), llama3_json, "
-                        "mistral ([TOOL_CALLS]); auto picks by architecture; none refuses tools")
+                   help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5, Qwen3), qwen3_coder "
+                        "(<tool_call> XML: Qwen3-Coder), llama3_json, mistral ([TOOL_CALLS]); auto picks qwen3_coder "
+                        "where the chat template writes <function=...> calls, else by the vocabulary's markers and "
+                        "the architecture; none refuses tools")
     p.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
                    help="read chat answers for thinking (<think> ... </think>: Qwen3, DeepSeek-R1) into "
                         "reasoning_content; auto does when the vocabulary has both tags as tokens; none never")

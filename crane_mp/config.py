@@ -20,7 +20,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # (llama.cpp's scheme, the default), or float (exact; what the transformers comparisons use).
 QUANTIZED_ACTIVATIONS = ("int8", "float")
 LOG_FORMATS = ("text", "json")
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")  # frontend/tools/formats.py
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "none")  # frontend/tools/formats.py
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")  # frontend/reasoning.py
 TASKS = ("auto", "generate", "embed", "score")
 # CPU instruction-set tiers, lowest first; each includes the ones before it (worker/kernels/cpu_isa.py).

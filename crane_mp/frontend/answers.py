@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from crane_mp.frontend.generation import Delta
 from crane_mp.frontend.reasoning import ReasoningSplitter, reasoning_tokens, split_reasoning
 from crane_mp.frontend.tools.formats import ToolFormat
-from crane_mp.frontend.tools.parser import ToolCallParser, parse_tool_calls
+from crane_mp.frontend.tools.parser import ToolCallParser, parse_with
+from crane_mp.frontend.tools.xml_calls import XmlCallParser
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,12 @@ class ToolReading:
 
     fmt: ToolFormat
     parallel: bool = True
+    tools: list[dict] | None = None  # the offered tools: XML calls' parameters are typed by their schemas
+
+    def parser(self) -> ToolCallParser:
+        if self.fmt.xml:
+            return XmlCallParser(self.fmt, self.parallel, self.tools)
+        return ToolCallParser(self.fmt, self.parallel)
 
 
 @dataclass(slots=True)
@@ -52,7 +59,7 @@ def read_whole(text: str, token_ids: list[int], tools: ToolReading | None,
     reasoning, tokens = None, 0
     if thinking is not None:
         reasoning, text, tokens = thinking.split(text, token_ids)
-    content, calls = (text, None) if tools is None else parse_tool_calls(tools.fmt, text, tools.parallel)
+    content, calls = (text, None) if tools is None else parse_with(tools.parser(), text)
     return WholeAnswer(reasoning, content, calls, tokens)
 
 
@@ -75,7 +82,7 @@ class AnswerReader:
     cut across deltas) comes out with the delta that carries the finish."""
 
     def __init__(self, tools: ToolReading | None, thinking: ReasoningReading | None) -> None:
-        self.parser = ToolCallParser(tools.fmt, tools.parallel) if tools else None
+        self.parser = tools.parser() if tools else None
         self.splitter = ReasoningSplitter.opening(thinking.opened) if thinking else None
         self.end_token = thinking.end_token if thinking else None
         self.token_ids: list[int] = []  # with thinking: to count its tokens

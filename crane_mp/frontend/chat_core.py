@@ -71,7 +71,8 @@ class ChatPrompt:
 
 async def render_prompt(state: FrontendState, ask: ChatAsk) -> ChatPrompt:
     """The prompt `ask` renders to (tools checked against the model's call format), tokenized."""
-    fmt = tool_format(state.config.tool_call_parser, state.engine_info.arch, state.tokenizer.marker_tokens)
+    fmt = tool_format(state.config.tool_call_parser, state.engine_info.arch, state.tokenizer.marker_tokens,
+                      state.tokenizer.xml_tool_calls)
     mode, only = check_tools(ask.tools, ask.tool_choice, fmt)
     prompt = state.tokenizer.render_chat(
         ask.messages, ask.add_generation_prompt, ask.continue_final_message, ask.chat_template_kwargs,
@@ -92,7 +93,7 @@ async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
         constraint = forced_call_constraint(fmt, ask.tools, only, ask.parallel_tool_calls,
                                             state.tokenizer.marker_tokens)
     params = await state.grammars.constrain(ask.params, constraint, state.engine_info)
-    reading = ToolReading(fmt, ask.parallel_tool_calls) if mode != "none" else None
+    reading = ToolReading(fmt, ask.parallel_tool_calls, ask.tools) if mode != "none" else None
     # The sampler follows the think block (its tags must be tokens) for a budget, and for a constraint
     # after a prompt that opened thinking (R1): the constraint waits until the block ends. Otherwise a
     # constraint holds from the first token: the answer does not think (as with enable_thinking false).

@@ -40,6 +40,7 @@ class TokenizerService:
         self.template_variables = _template_variables(getattr(self.tokenizer, "chat_template", None))
         self.added_vocab = added = self.tokenizer.get_added_vocab()
         self.marker_tokens = {text: added[text] for text in MARKER_TEXTS if text in added}  # tool-call markers
+        self.xml_tool_calls = writes_xml_calls(getattr(self.tokenizer, "chat_template", None))
 
     @property
     def has_chat_template(self) -> bool:
@@ -122,6 +123,12 @@ def _refuse(at_least: int, max_tokens: int, param: str) -> None:
 
 
 _RENDERER_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "raise_exception"})
+
+
+def writes_xml_calls(template: str | dict[str, str] | None) -> bool:
+    """Whether the chat template renders tool calls as Qwen3-Coder's XML (`<function=...>` elements)."""
+    sources = template.values() if isinstance(template, dict) else [template] if template else []
+    return any("<function=" in source and "<parameter=" in source for source in sources)
 
 
 def _template_variables(template: str | dict[str, str] | None) -> frozenset[str] | None:

@@ -1,5 +1,6 @@
-"""Tool-call parsing in each format, whole and streamed piece by piece (the same calls either way),
-and the grammars that force a call: they admit a well-formed call and nothing else."""
+"""Tool-call parsing in each format (Qwen3-Coder's XML too, its values typed by the tools' schemas),
+whole and streamed piece by piece (the same calls either way), and the grammars that force a call:
+they admit a well-formed call and nothing else."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import random
 import pytest
 from llguidance import LLMatcher
 
+from crane_mp.frontend.answers import ToolReading
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.openai_schemas import NamedFunction, NamedToolChoice
 from crane_mp.frontend.structured import to_grammar
 from crane_mp.frontend.tools.forcing import forced_call_constraint
 from crane_mp.frontend.tools.formats import FORMATS, check_tools, tool_format
-from crane_mp.frontend.tools.parser import ToolCallParser, parse_tool_calls
+from crane_mp.frontend.tokenizer import writes_xml_calls
+from crane_mp.frontend.tools.parser import ToolCallParser, parse_tool_calls, parse_with
 from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
 from crane_mp.testing.make_model import make_model
 
@@ -203,3 +206,117 @@ def test_a_forced_call_resolves_the_references_of_each_tools_own_schema(vocabula
     matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
     bad = '<tool_call>\n{"name": "ship", "arguments": {"to": {"city": "Rome"}}}\n</tool_call>'
     assert not (matcher.consume_tokens(tokenizer.encode(bad, add_special_tokens=False)) and matcher.is_accepting())
+
+
+CODER = FORMATS["qwen3_coder"]
+TYPED = {"type": "function", "function": {"name": "typed", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"}, "tags": {"type": "array"},
+    "opts": {"type": "object"}, "maybe": {"type": ["string", "null"]}, "code": {"type": "string"}}}}}
+XML_TEXT = ("Running both.\n<tool_call>\n<function=typed>\n<parameter=n>\n42\n</parameter>\n<parameter=x>\n2.5\n"
+            "</parameter>\n<parameter=ok>\nTrue\n</parameter>\n<parameter=tags>\n[\"a\", 1]\n</parameter>\n"
+            "<parameter=opts>\n{\"k\": {\"v\": null}}\n</parameter>\n<parameter=maybe>\nnull\n</parameter>\n"
+            "<parameter=code>\nif a < b:\n    print(\"<x>\")\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+            "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>")
+XML_CALLS = [("typed", {"n": 42, "x": 2.5, "ok": True, "tags": ["a", 1], "opts": {"k": {"v": None}}, "maybe": None,
+                        "code": 'if a < b:\n    print("<x>")'}),
+             ("get_weather", {"city": "Paris"})]
+
+
+def xml_reading(parallel: bool = True) -> ToolReading:
+    return ToolReading(CODER, parallel, [TYPED, WEATHER])
+
+
+def test_qwen3_coder_xml_calls_are_read_with_their_schemas_types():
+    content, calls = parse_with(xml_reading().parser(), XML_TEXT)
+    assert content == "Running both."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == XML_CALLS
+    assert all(c["id"].startswith("call_") for c in calls)
+    # A value that does not parse as its type stays the text; a parameter no schema names is a string.
+    text = "<tool_call>\n<function=typed>\n<parameter=n>\nmany\n</parameter>\n<parameter=extra>\n7\n</parameter>\n" \
+           "</function>\n</tool_call>"
+    _, calls = parse_with(xml_reading().parser(), text)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"n": "many", "extra": "7"}
+    _, calls = parse_with(xml_reading().parser(), "<tool_call>\n<function=typed>\n</function>\n</tool_call>")
+    assert calls[0]["function"]["arguments"] == "{}"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_qwen3_coder_xml_calls_stream_to_the_same_calls(seed):
+    rng = random.Random(seed)
+    parser = xml_reading().parser()
+    content, items, position = "", [], 0
+    while position < len(XML_TEXT):
+        size = rng.randint(1, 9)
+        piece, deltas = parser.feed(XML_TEXT[position : position + size])
+        content, items, position = content + piece, items + deltas, position + size
+    rest, more = parser.finish()
+    assert (content + rest).strip() == "Running both." and parser.well_formed
+    rebuilt: dict[int, dict] = {}
+    for item in items + more:
+        call = rebuilt.setdefault(item["index"], {"name": None, "arguments": ""})
+        if "id" in item:
+            assert call["name"] is None, "a call is opened once"
+            call["name"] = item["function"]["name"]
+        call["arguments"] += item["function"]["arguments"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in rebuilt.values()] == XML_CALLS
+
+
+def test_qwen3_coder_xml_arguments_stream_a_parameter_at_a_time():
+    parser = xml_reading().parser()
+    _, first = parser.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar")
+    assert first == [{"index": 0, "id": parser.calls[0].id, "type": "function",
+                      "function": {"name": "get_weather", "arguments": ""}}]
+    _, second = parser.feed("is\n</parameter>\n")
+    assert second == [{"index": 0, "function": {"arguments": '{"city": "Paris"'}}]
+    _, third = parser.feed("</function>\n</tool_call>")
+    assert third == [{"index": 0, "function": {"arguments": "}"}}]
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",  # cut off by max_tokens
+    "No call, just <function=words> in text.",
+])
+def test_qwen3_coder_xml_that_is_not_a_whole_call_stays_content(text):
+    assert parse_with(xml_reading().parser(), text) == (text, None)
+
+
+def test_qwen3_coder_only_the_first_call_when_parallel_calls_are_off():
+    _, calls = parse_with(xml_reading(parallel=False).parser(), XML_TEXT)
+    assert [c["function"]["name"] for c in calls] == ["typed"]
+
+
+def test_auto_picks_qwen3_coder_where_the_chat_templatewrites_xml_calls():
+    markers = {"<tool_call>": 9, "</tool_call>": 10}
+    assert tool_format("auto", "qwen3", markers, xml_template=True) is CODER
+    assert tool_format("auto", "qwen3", markers) is HERMES and tool_format("hermes", "qwen3", {}, True) is HERMES
+    assert writes_xml_calls("{{ '<function=' + name + '>' }}<parameter={{ p }}>")
+    assert not writes_xml_calls({"default": "<tool_call>{{ tool | tojson }}</tool_call>"})
+    assert not writes_xml_calls(None)
+
+
+@pytest.mark.parametrize("only,parallel", [(None, True), ("add", False)])
+def test_a_forced_xml_call_grammar_admits_calls_of_the_offered_tools_only(vocabulary, only, parallel):
+    tokenizer, ll_tokenizer, markers = vocabulary
+    unit = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}
+    grammar = to_grammar(forced_call_constraint(CODER, [unit, ADD], only, parallel, markers))
+    assert LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer) == (False, [])
+
+    def admitted(text: str) -> bool:
+        matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    def call(name: str, **values: str) -> str:
+        parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in values.items())
+        return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+    add, weather = call("add", a="1", b="-2"), call("get_weather", city="Paris <FR>\nsays hi", unit="c")
+    assert admitted(add)
+    assert admitted(weather) is (only is None)
+    assert admitted(call("get_weather", city="Oslo")) is (only is None)
+    assert admitted(add + "\n" + weather) is parallel
+    assert not admitted(call("add", a="one", b="2"))
+    assert not admitted(call("add", a="1"))  # a required parameter left out
+    assert not admitted(call("get_weather", city="Oslo", unit="k"))
+    assert not admitted(call("sub", a="1", b="2"))
+    assert not admitted("Sure! " + add)

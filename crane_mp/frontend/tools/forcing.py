@@ -1,5 +1,6 @@
 """Forcing a call (tool_choice "required" or a named function): a grammar that admits only calls of the
-offered tools, in the model's own format, their arguments' numbers bounded (json_bounds.py)."""
+offered tools, in the model's own format (a JSON object, or Qwen3-Coder's XML elements), their
+arguments' numbers bounded (json_bounds.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,24 @@ def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None,
     """A Lark grammar that admits only calls, in the model's own format, of the offered tools (or one
     call of `only`). A marker that is one token of the vocabulary (`special_tokens`) is written as that token,
     as the model was trained to produce it."""
+    rules = _xml_rules(tools, only) if fmt.xml else _json_rules(fmt, tools, only)
+
+    def text(value: str) -> str:
+        parts = []
+        for piece in _split_markers(value, special_tokens):
+            parts.append(f"<[{special_tokens[piece]}]>" if piece in special_tokens else json.dumps(piece))
+        return " ".join(parts)
+
+    call = " ".join(p for p in (text(fmt.call_open), "obj", text(fmt.call_close)) if p)
+    calls = f"call ({text(fmt.separator)} call)*" if parallel and only is None else "call"
+    start = " ".join(p for p in (text(fmt.list_open), calls, text(fmt.list_close)) if p)
+    alternatives = " | ".join(f"obj{i}" for i in range(sum(rule.startswith("obj") for rule in rules)))
+    lark = f"start: {start}\ncall: {call}\nobj: {alternatives}\n" + "\n".join(rules) + "\n"
+    return Constraint("lark", lark, "tool_choice")
+
+
+def _json_rules(fmt: ToolFormat, tools: list[dict], only: str | None) -> list[str]:
+    """One rule per callable tool: its call object, `name` and the arguments under the format's key."""
     key = fmt.arguments_keys[0]
     rules = []
     for tool in tools:
@@ -29,19 +48,47 @@ def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None,
         schema["x-guidance"] = {"lenient": True, "whitespace_flexible": False, "item_separator": ", ",
                                 "key_separator": ": "}
         rules.append(f"obj{len(rules)}: %json {json.dumps(schema)}")
+    return rules
 
-    def text(value: str) -> str:
-        parts = []
-        for piece in _split_markers(value, special_tokens):
-            parts.append(f"<[{special_tokens[piece]}]>" if piece in special_tokens else json.dumps(piece))
-        return " ".join(parts)
 
-    call = " ".join(p for p in (text(fmt.call_open), "obj", text(fmt.call_close)) if p)
-    calls = f"call ({text(fmt.separator)} call)*" if parallel and only is None else "call"
-    start = " ".join(p for p in (text(fmt.list_open), calls, text(fmt.list_close)) if p)
-    alternatives = " | ".join(f"obj{i}" for i in range(len(rules)))
-    lark = f"start: {start}\ncall: {call}\nobj: {alternatives}\n" + "\n".join(rules) + "\n"
-    return Constraint("lark", lark, "tool_choice")
+_NEWLINE = "\n"
+
+
+def _xml_rules(tools: list[dict], only: str | None) -> list[str]:
+    """One rule per callable tool: its function element, then a rule per parameter value. Parameters
+    come in the schema's order, the required ones always; a string is any text, other values their
+    JSON (numbers bounded)."""
+    rules: list[str] = []
+    calls = 0
+    for tool in tools:
+        function = tool["function"]
+        if only is not None and function["name"] != only:
+            continue
+        parameters = function.get("parameters") or {}
+        defs = {name: parameters[name] for name in ("$defs", "definitions") if name in parameters}
+        required = set(parameters.get("required") or ())
+        parts = [json.dumps(f"<function={function['name']}>\n")]
+        for index, (name, schema) in enumerate((parameters.get("properties") or {}).items()):
+            value = f"value{calls}_{index}"
+            rules.append(_xml_value(value, schema if isinstance(schema, dict) else {}, defs))
+            element = f"{json.dumps(f'<parameter={name}>' + _NEWLINE)} {value}"
+            parts.append(element if name in required else f"({element})?")
+        parts.append(json.dumps("</function>"))
+        rules.append(f"obj{calls}: " + " ".join(parts))
+        calls += 1
+    return rules
+
+
+def _xml_value(rule: str, schema: dict, defs: dict) -> str:
+    """The rule for one parameter's value and the end of its element: free text (lazy, so it runs to
+    the first `</parameter>`), one of a string enum, or the JSON of any other schema."""
+    closing = json.dumps(_NEWLINE + "</parameter>" + _NEWLINE)
+    enum = schema.get("enum")
+    if enum and all(isinstance(choice, str) for choice in enum):
+        return f"{rule}: ({' | '.join(json.dumps(choice) for choice in enum)}) {closing}"
+    if schema.get("type") == "string":
+        return f"{rule}[suffix={closing}]: /(?s:.*)/"
+    return f"{rule}: %json {json.dumps(bounded_schema({**schema, **defs}))} {closing}"
 
 
 def _split_markers(value: str, special_tokens: dict[str, int]) -> list[str]:

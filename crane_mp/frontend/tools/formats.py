@@ -1,10 +1,11 @@
 """The tool-call formats the supported models write, which one a server reads, the prompt that describes
 tools to a template that does not, and the checks on a request's tools and tool_choice.
 
-Three formats cover the supported models: Hermes (`<tool_call>{"name": .., "arguments": ..}</tool_call>`,
-Qwen2.5 and Qwen3), Llama 3's JSON (`{"name": .., "parameters": ..}`, calls separated by `;`) and
-Mistral's (`[TOOL_CALLS][{"name": .., "arguments": ..}, ..]`; the marker is a control token, gone from
-the text, so a leading `[` opens the calls too).
+Four formats cover the supported models: Hermes (`<tool_call>{"name": .., "arguments": ..}</tool_call>`,
+Qwen2.5 and Qwen3), Qwen3-Coder's XML (`<tool_call><function=..><parameter=..>..</parameter></function>
+</tool_call>`, tools/xml_calls.py), Llama 3's JSON (`{"name": .., "parameters": ..}`, calls separated by
+`;`) and Mistral's (`[TOOL_CALLS][{"name": .., "arguments": ..}, ..]`; the marker is a control token,
+gone from the text, so a leading `[` opens the calls too).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class ToolFormat:
     list_open: str = ""
     list_close: str = ""
     id_length: int = 0  # Mistral's templates insist on 9-character call ids; 0: OpenAI's call_<hex>
+    xml: bool = False  # Qwen3-Coder's calls: a function element of parameter elements, not a JSON object
 
 
 FORMATS = {
@@ -37,6 +39,8 @@ FORMATS = {
     "llama3_json": ToolFormat("llama3_json", ("<|python_tag|>",), "{", ("parameters", "arguments"), separator="; "),
     "mistral": ToolFormat("mistral", ("[TOOL_CALLS]",), "[", ("arguments",),
                           separator=", ", list_open="[TOOL_CALLS][", list_close="]", id_length=9),
+    "qwen3_coder": ToolFormat("qwen3_coder", ("<tool_call>",), "", ("arguments",),
+                              call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n", xml=True),
 }
 # Texts of the formats that a vocabulary may hold as one (added) token.
 MARKER_TEXTS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
@@ -46,13 +50,16 @@ _BY_MARKER = {"[TOOL_CALLS]": "mistral", "<tool_call>": "hermes", "<|python_tag|
 _BY_ARCH = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral"}
 
 
-def tool_format(parser: str, arch: str, marker_tokens: dict[str, int] | None = None) -> ToolFormat | None:
-    """The format of --tool-call-parser (`auto`: by the vocabulary's markers, then the architecture);
-    None for `none`."""
+def tool_format(parser: str, arch: str, marker_tokens: dict[str, int] | None = None,
+                xml_template: bool = False) -> ToolFormat | None:
+    """The format of --tool-call-parser (`auto`: Qwen3-Coder's where the chat template writes calls as
+    XML (`xml_template`), else by the vocabulary's markers, then the architecture); None for `none`."""
     if parser == "none":
         return None
     if parser != "auto":
         return FORMATS[parser]
+    if xml_template:
+        return FORMATS["qwen3_coder"]
     for marker, name in _BY_MARKER.items():
         if marker in (marker_tokens or {}):
             return FORMATS[name]
@@ -68,6 +75,8 @@ def new_call_id(fmt: ToolFormat) -> str:
 def tool_prompt(fmt: ToolFormat, tools: list[dict]) -> str:
     """Tool definitions and the expected call format, for a chat template that does not render tools."""
     example = json.dumps({"name": "NAME", fmt.arguments_keys[0]: {"ARGUMENT": "VALUE"}})
+    if fmt.xml:
+        example = "<function=NAME>\n<parameter=ARGUMENT>\nVALUE\n</parameter>\n</function>"
     call = f"{fmt.list_open}{fmt.call_open}{example}{fmt.call_close}{fmt.list_close}"
     listing = "\n".join(json.dumps(tool["function"]) for tool in tools)
     return f"You can call these functions, described as JSON:\n{listing}\nTo call one, answer with only:\n{call}"

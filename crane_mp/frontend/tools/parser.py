@@ -91,7 +91,11 @@ class ToolCallParser:
 
 def parse_tool_calls(fmt: ToolFormat, text: str, parallel: bool = True) -> tuple[str | None, list[dict] | None]:
     """A whole output -> (content, tool calls); (text, None) unless it held well-formed calls."""
-    parser = ToolCallParser(fmt, parallel)
+    return parse_with(ToolCallParser(fmt, parallel), text)
+
+
+def parse_with(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict] | None]:
+    """parse_tool_calls with a fresh parser of any format."""
     content, _ = parser.feed(text)
     rest, _ = parser.finish()
     if not parser.well_formed:
