@@ -118,19 +118,34 @@ def test_constrained_requests_resume_losslessly_after_preemption(model_dir, serv
 
 
 def test_openai_sdk_reads_forced_tool_calls_whole_and_streamed(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    check_forced_tool_calls(server.url, max_tokens=120)
+
+
+def test_openai_sdk_reads_forced_qwen3_coder_xml_calls(model_dir, tmp_path):
+    coder = Server(model_dir, "--tool-call-parser", "qwen3_coder", log_path=tmp_path / "log")
+    try:
+        # One call: greedy, this random model would chain calls to max_tokens (the XML allows it as JSON does).
+        check_forced_tool_calls(coder.url, max_tokens=400, parallel=False)
+    finally:
+        assert coder.stop() == 0
+
+
+def check_forced_tool_calls(url: str, max_tokens: int, parallel: bool = True) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
 
     whole = client.chat.completions.create(model=model, messages=messages, tools=[ADD, WEATHER],
-                                           tool_choice="required", max_tokens=120, temperature=0)
+                                           tool_choice="required", max_tokens=max_tokens, temperature=0,
+                                           parallel_tool_calls=parallel)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     for call in choice.message.tool_calls:
         tool = {"add": ADD, "get_weather": WEATHER}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
-    named = client.chat.completions.create(model=model, messages=messages, tools=[ADD, WEATHER], max_tokens=60,
+    named = client.chat.completions.create(model=model, messages=messages, tools=[ADD, WEATHER],
+                                           max_tokens=max_tokens,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     [call] = named.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo",
@@ -139,7 +154,8 @@ def test_openai_sdk_reads_forced_tool_calls_whole_and_streamed(server):
     calls: dict[int, dict] = {}
     finish = None
     for chunk in client.chat.completions.create(model=model, messages=messages, tools=[ADD, WEATHER],
-                                                tool_choice="required", max_tokens=120, temperature=0, stream=True):
+                                                tool_choice="required", max_tokens=max_tokens, temperature=0,
+                                                parallel_tool_calls=parallel, stream=True):
         delta = chunk.choices[0].delta
         for item in delta.tool_calls or []:
             entry = calls.setdefault(item.index, {"name": None, "arguments": "", "pieces": 0})
