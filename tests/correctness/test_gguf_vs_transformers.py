@@ -60,9 +60,11 @@ def gguf_files(checkpoints, tmp_path_factory):
 
 
 def ours(path) -> list[list[int]]:
-    """Float activations: the exact path (8-bit ones change tokens the way llama.cpp's do)."""
+    """Float activations: the exact path (8-bit ones change tokens the way llama.cpp's do), and a
+    float32 KV cache (the 16-bit default, bf16 on AVX512-BF16 CPUs, rounds keys and values: near ties
+    of these random models then go either way)."""
     engine = LLMEngine(EngineConfig(model_path=str(path), dtype="float32", max_model_len=128, seed=0,
-                                    quantized_activations="float"))
+                                    quantized_activations="float", kv_cache_dtype="float32"))
     return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
 
 
@@ -134,7 +136,8 @@ def test_llama_rows_and_biases_are_unpermuted(tmp_path):
                                     ("blk.0.attn_k.bias", "model.layers.0.self_attn.k_proj.bias", 2)]:
         assert not np.allclose(stored[gguf_key], original[hf_key], atol=1e-3)
         np.testing.assert_array_equal(stored[gguf_key], permute_rows(original[hf_key], heads))
-    direct = LLMEngine(EngineConfig(model_path=str(model_dir), dtype="float32", max_model_len=128))
+    direct = LLMEngine(EngineConfig(model_path=str(model_dir), dtype="float32", max_model_len=128,
+                                    kv_cache_dtype="float32"))
     assert ours(path) == direct.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                                  ignore_eos=True))
 
@@ -148,9 +151,10 @@ def test_llama3_rope_scaling_comes_from_rope_freqs(tmp_path):
     assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(str(path)).tensors}
     unscaled = make_model("llama", "tiny", tmp_path / "plain", seed=8, overrides=SIZES["llama"])
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    direct = LLMEngine(EngineConfig(model_path=str(model_dir), dtype="float32", max_model_len=128)).generate(PROMPTS, params)
+    exact = {"dtype": "float32", "max_model_len": 128, "kv_cache_dtype": "float32"}
+    direct = LLMEngine(EngineConfig(model_path=str(model_dir), **exact)).generate(PROMPTS, params)
     assert ours(path) == direct
-    plain = LLMEngine(EngineConfig(model_path=str(unscaled), dtype="float32", max_model_len=128)).generate(PROMPTS, params)
+    plain = LLMEngine(EngineConfig(model_path=str(unscaled), **exact)).generate(PROMPTS, params)
     assert plain != direct  # the scaling changes tokens, so the equality above says it was applied
 
 
