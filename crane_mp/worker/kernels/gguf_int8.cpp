@@ -16,7 +16,9 @@
 // Up to 4 activation rows share each decoded weight block. Rows of the weight are split across
 // threads in tiles small enough to stay in L2 while every group of 4 activation rows passes over
 // them, so prefill reads each weight from DRAM once too; nothing is dequantized to float. Q4_K,
-// Q6_K and Q8_0 rows repacked eight at a time (gguf_repack.cpp) go through the same tiles, a group at a time.
+// Q6_K and Q8_0 rows repacked eight at a time (gguf_repack.cpp) go through the same tiles, a group at a
+// time (two Q4_K groups at once in 512-bit vectors with AVX512-VNNI, from 16 activation rows); while
+// the activations fit in L2, all of them pass over one group before the next.
 // int16 sums never saturate: a pair of products is at most 2 * 63 * 127 (6-bit weights) or
 // 2 * 128 * 127 (8-bit, through the sign trick) < 32767. With AVX512-VNNI (the avx512_bf16 and amx
 // tiers) byte products go into int32 in one instruction; the integer results are the same.

@@ -21,7 +21,8 @@
 //                         of row r, high nibble element 32j + 16 + 4k + i
 // Both nibbles of a byte belong to one sub-block, so a sub-block's products add up in 16-bit lanes
 // (16 products of at most 15 x 127 per lane < 32767) before one multiply applies its scale; with
-// AVX512-VNNI, vpdpbusd sums them in 32-bit lanes instead (Q6_K likewise).
+// AVX512-VNNI, vpdpbusd sums them in 32-bit lanes instead (Q6_K likewise), and two adjacent groups
+// can be read as one of 16 rows in 512-bit vectors (dot_q4_k_x16).
 //
 // Q6_K, super-block b of a group of eight rows (1680 bytes, as the rows' own):
 //     0   d[8]            float16
@@ -181,6 +182,7 @@ inline __m512 halves_x16(const uint8_t* a, const uint8_t* b) {
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
+
 template <int MR>
 void q4_k_x16_rows(const uint8_t* ga, int64_t stride, const Acts& a, int64_t m0, float* out) {
   const uint8_t* gb = ga + stride;
