@@ -94,7 +94,7 @@ def test_mixed_batches_match_peft_also_under_preemption(model_dir, adapters, ref
 
 
 def test_prefix_cache_and_names(model_dir, adapters, reference, tmp_path):
-    server = Server(model_dir, *lora_args(adapters), log_path=tmp_path / "log")
+    server = Server(model_dir, *lora_args(adapters), "--kv-cache-dtype", "float32", log_path=tmp_path / "log")
     try:
         prompt = PROMPTS[0]
         base, first, again = (asyncio.run(complete_all(server.url, [(m, prompt)]))[0] for m in (None, "all7", "all7"))
@@ -137,7 +137,7 @@ def test_an_adapter_that_cannot_be_served_stops_the_start_with_one_line(model_di
 def test_adapters_load_and_unload_at_run_time(model_dir, adapters, reference, tmp_path):
     root = adapters["all7"].parent
     server = Server(model_dir, "--enable-runtime-lora", "--lora-root", str(root), "--max-loras", "1",
-                    "--admin-api-key", "admin", log_path=tmp_path / "log")
+                    "--kv-cache-dtype", "float32", "--admin-api-key", "admin", log_path=tmp_path / "log")
     url = server.url
 
     def post(route: str, body: dict) -> requests.Response:
