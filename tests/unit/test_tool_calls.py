@@ -63,28 +63,28 @@ def test_whole_output_is_read_into_calls(fmt, text, content, calls):
 @pytest.mark.parametrize("fmt,text,content,calls", CASES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_streamed_pieces_add_up_to_the_same_calls(fmt, text, content, calls, seed):
-    rng = random.Random(seed)
-    parser = ToolCallParser(fmt)
-    streamed_content, items = "", []
-    position = 0
-    while position < len(text):
-        size = rng.randint(1, 7)
-        piece_content, deltas = parser.feed(text[position : position + size])
-        streamed_content += piece_content
-        items += deltas
-        position += size
-    rest, more = parser.finish()
-    streamed_content += rest
-    items += more
+    streamed_content, streamed_calls = stream_through(ToolCallParser(fmt), text, random.Random(seed), 7)
     assert streamed_content.strip() == (content or "")
+    assert streamed_calls == calls
+
+
+def stream_through(parser: ToolCallParser, text: str, rng: random.Random, longest: int) -> tuple[str, list]:
+    """`text` fed in random pieces of 1 to `longest` characters -> (content, [(name, arguments)]) rebuilt
+    from the deltas, each call opened once."""
+    content, items, position = "", [], 0
+    while position < len(text):
+        size = rng.randint(1, longest)
+        piece, deltas = parser.feed(text[position : position + size])
+        content, items, position = content + piece, items + deltas, position + size
+    rest, more = parser.finish()
     rebuilt: dict[int, dict] = {}
-    for item in items:
+    for item in items + more:
         call = rebuilt.setdefault(item["index"], {"name": None, "arguments": ""})
         if "id" in item:
             assert call["name"] is None, "a call is opened once"
             call["name"] = item["function"]["name"]
         call["arguments"] += item["function"]["arguments"]
-    assert [(c["name"], json.loads(c["arguments"])) for c in rebuilt.values()] == calls
+    return content + rest, [(c["name"], json.loads(c["arguments"])) for c in rebuilt.values()]
 
 
 def test_arguments_stream_before_the_call_ends():
@@ -242,23 +242,10 @@ def test_qwen3_coder_xml_calls_are_read_with_their_schemas_types():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_qwen3_coder_xml_calls_stream_to_the_same_calls(seed):
-    rng = random.Random(seed)
     parser = xml_reading().parser()
-    content, items, position = "", [], 0
-    while position < len(XML_TEXT):
-        size = rng.randint(1, 9)
-        piece, deltas = parser.feed(XML_TEXT[position : position + size])
-        content, items, position = content + piece, items + deltas, position + size
-    rest, more = parser.finish()
-    assert (content + rest).strip() == "Running both." and parser.well_formed
-    rebuilt: dict[int, dict] = {}
-    for item in items + more:
-        call = rebuilt.setdefault(item["index"], {"name": None, "arguments": ""})
-        if "id" in item:
-            assert call["name"] is None, "a call is opened once"
-            call["name"] = item["function"]["name"]
-        call["arguments"] += item["function"]["arguments"]
-    assert [(c["name"], json.loads(c["arguments"])) for c in rebuilt.values()] == XML_CALLS
+    content, calls = stream_through(parser, XML_TEXT, random.Random(seed), 9)
+    assert content.strip() == "Running both." and parser.well_formed
+    assert calls == XML_CALLS
 
 
 def test_qwen3_coder_xml_arguments_stream_a_parameter_at_a_time():
