@@ -233,9 +233,9 @@ def test_qwen3_coder_xml_calls_are_read_with_their_schemas_types():
     assert all(c["id"].startswith("call_") for c in calls)
     # A value that does not parse as its type stays the text; a parameter no schema names is a string.
     text = "<tool_call>\n<function=typed>\n<parameter=n>\nmany\n</parameter>\n<parameter=extra>\n7\n</parameter>\n" \
-           "</function>\n</tool_call>"
+           "<parameter=x>\n1e999\n</parameter>\n</function>\n</tool_call>"
     _, calls = parse_with(xml_reading().parser(), text)
-    assert json.loads(calls[0]["function"]["arguments"]) == {"n": "many", "extra": "7"}
+    assert json.loads(calls[0]["function"]["arguments"]) == {"n": "many", "extra": "7", "x": "1e999"}
     _, calls = parse_with(xml_reading().parser(), "<tool_call>\n<function=typed>\n</function>\n</tool_call>")
     assert calls[0]["function"]["arguments"] == "{}"
 

@@ -17,6 +17,7 @@ text, one parameter at a time.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from crane_mp.frontend.tools.formats import ToolFormat, new_call_id
@@ -50,6 +51,8 @@ def parameter_value(text: str, kind: object):
             number = float(text) if "number" in kinds else int(text.strip())
         except ValueError:
             return text
+        if not math.isfinite(number):  # "inf", "nan", 1e999: no JSON number
+            return text
         if isinstance(number, float) and number.is_integer() and re.fullmatch(r"\s*-?\d+\s*", text):
             return int(number)
         return number
@@ -72,7 +75,8 @@ class XmlCallParser(ToolCallParser):
     def __init__(self, fmt: ToolFormat, parallel: bool = True, tools: list[dict] | None = None) -> None:
         super().__init__(fmt, parallel)
         self.types = parameter_types(tools)
-        self.region = ""
+        self.region = ""  # the calls region from the first call not yet closed
+        self._closed = 0  # calls closed and cut from the region
         self._sent: list[int] = []  # parameters sent, per call
 
     @property
@@ -84,7 +88,9 @@ class XmlCallParser(ToolCallParser):
             self.unread += text
         self.region += text
         deltas: list[dict] = []
-        for index, (name, parameters, closed) in enumerate(_read_calls(self.region)):
+        cut = 0
+        for offset, (name, parameters, end) in enumerate(_read_calls(self.region)):
+            index, closed = self._closed + offset, end is not None
             if index and not self.parallel:
                 break
             if index == len(self.calls):
@@ -104,11 +110,16 @@ class XmlCallParser(ToolCallParser):
             if piece:
                 call.arguments += piece
                 deltas.append({"index": index, "function": {"arguments": piece}})
+            if closed and cut == offset:  # closed calls at the front are read once: cut off below
+                cut, keep_from = cut + 1, end
+        if cut:
+            self.region, self._closed = self.region[keep_from:], self._closed + cut
         return deltas
 
 
-def _read_calls(region: str) -> list[tuple[str, list[tuple[str, str]], bool]]:
-    """(name, whole parameters [(name, value)], closed) of each function the region has opened."""
+def _read_calls(region: str) -> list[tuple[str, list[tuple[str, str]], int | None]]:
+    """(name, whole parameters [(name, value)], where its `</function>` ends or None while open) of
+    each function the region has opened."""
     calls = []
     opened = list(_FUNCTION.finditer(region))
     for match, following in zip(opened, [*opened[1:], None]):
@@ -123,5 +134,5 @@ def _read_calls(region: str) -> list[tuple[str, list[tuple[str, str]], bool]]:
             value = body[parameter.end() : end]
             value = value[1:] if value.startswith("\n") else value
             parameters.append((parameter.group(1), value[:-1] if value.endswith("\n") else value))
-        calls.append((match.group(1).strip(), parameters, body_end >= 0))
+        calls.append((match.group(1).strip(), parameters, body_end + len(_FUNCTION_END) if body_end >= 0 else None))
     return calls
