@@ -192,7 +192,8 @@ class StepResult(msgspec.Struct, array_like=True, tag=True):
 
     token_ids is parallel to req_ids; logprobs too, and empty unless some request asked for logprobs.
     failed_req_ids: requests whose processing raised (errors: one message each); the worker skips
-    them until told they finished.
+    them until told they finished. cut_short_req_ids: requests whose token is an EOS that ends a grammar
+    the sampler closed early to fit max_tokens: they finish with LENGTH.
     """
 
     step_id: int
@@ -203,6 +204,7 @@ class StepResult(msgspec.Struct, array_like=True, tag=True):
     failed_req_ids: list[int] = []
     errors: list[str] = []
     pooled: list[PooledOutput] = []  # embedding requests whose prompt completed (their token is a placeholder)
+    cut_short_req_ids: list[int] = []
     seconds: float = 0.0  # the worker's time on this step (forward and sampling): the scheduler's pacing
 
 

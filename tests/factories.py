@@ -40,7 +40,8 @@ class FakeWorker:
     """
 
     def __init__(self, eos_after: dict[int, int] | None = None, block_size: int = 4,
-                 fail_at: dict[int, int] | None = None) -> None:
+                 fail_at: dict[int, int] | None = None, cut_short: frozenset[int] = frozenset()) -> None:
+        self.cut_short = cut_short  # req ids whose EOS ends a grammar closed early (StepResult.cut_short_req_ids)
         self.fail_at = fail_at or {}  # req id -> the sequence length at which sampling it "raises"
         self.failed: set[int] = set()  # as the real runner: skipped until the scheduler finishes them
         self.tokens: dict[int, list[int]] = {}
@@ -83,7 +84,9 @@ class FakeWorker:
                 tokens.append(token)
                 req_ids.append(sched.req_id)
                 token_ids.append(token)
-        return StepResult(plan.step_id, req_ids, token_ids, failed_req_ids=failed, errors=["boom"] * len(failed))
+        cut = [req_id for req_id, token in zip(req_ids, token_ids) if token == 2 and req_id in self.cut_short]
+        return StepResult(plan.step_id, req_ids, token_ids, failed_req_ids=failed, errors=["boom"] * len(failed),
+                          cut_short_req_ids=cut)
 
     def _slot(self, req_id: int, pos: int) -> int:
         return self.blocks[req_id][pos // self.block_size] * self.block_size + pos % self.block_size

@@ -361,6 +361,8 @@ class Scheduler:
             out.logprobs.append(token_logprobs)
             out.completion_tokens = len(req.output_ids)
             reason = self._check_finish(req, token_id)
+            if reason == FinishReason.STOP and req_id in result.cut_short_req_ids:
+                reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(req, reason)
                 out.finish_reason, out.stop_token_id, out.queue_time = reason, req.stop_token_id, req.queue_time

@@ -157,6 +157,9 @@ class ModelRunner:
                 result = self._run_one_by_one(plan.step_id, scheduled)
         result.failed_req_ids, self._newly_failed = self._newly_failed, []
         result.errors = [self.failed[req_id] for req_id in result.failed_req_ids]
+        eos = self.config.eos_token_ids
+        result.cut_short_req_ids = [req_id for req_id, token in zip(result.req_ids, result.token_ids)
+                                    if token in eos and self.requests[req_id].sampling.cut_short]
         result.seconds = time.perf_counter() - started
         return result
 

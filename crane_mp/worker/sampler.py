@@ -34,6 +34,10 @@ class SamplingState:
     matcher: object | None = None  # llguidance matcher of a constrained request (grammar.py)
     thinking: bool = False  # inside the answer's think block (params.thinking)
     thought: int = 0  # tokens written inside it
+    closing: list[int] = field(default_factory=list)  # forced tokens that end the grammar within max_tokens
+    closing_room: int = -1  # tokens the grammar needed to end at the last measure (-1: not measured yet)
+    closing_measured: int = 0  # num_output_tokens at that measure
+    cut_short: bool = False  # the grammar was ended early to fit max_tokens: the request's EOS means LENGTH
 
 
 class Sampler:
@@ -90,6 +94,8 @@ class Sampler:
             if state.matcher is not None and not thought:
                 # A token the mask allowed always fits; if not, the matcher only allows EOS from now on.
                 state.matcher.consume_token(token)
+                if state.closing and state.closing.pop(0) != token:
+                    state.closing.clear()
             if state.penalty_row is not None:
                 penalised_rows.append(state.penalty_row)
                 penalised_tokens.append(token)
@@ -198,6 +204,10 @@ class Sampler:
                 rows.append(row)
                 ids.append(state.params.thinking.end_token)
                 values.append(_SUPPRESSED)
+            elif state.matcher is not None and (closing := self._closing_token(state)) is not None:
+                rows.append(row)
+                ids.append(closing)
+                values.append(_SUPPRESSED)
             if state.penalty_row is not None:
                 penalised.append(row)
         if rows:
@@ -215,6 +225,36 @@ class Sampler:
             )
             logits.index_copy_(0, index, penalised_logits)
         return logits
+
+    def _closing_token(self, state: SamplingState) -> int | None:
+        """The token a constrained request must take now for its grammar to end within max_tokens
+        (`</think>` first while it thinks), or None while there is room. A truncated JSON is no JSON:
+        once the next free token could leave too little room (one that opens a property, say), the
+        grammar's completion path is forced, and the request reports length."""
+        if state.closing:
+            return state.closing[0]
+        left = state.params.max_tokens - state.num_output_tokens
+        reserve = 1 if state.thinking else 0  # its </think>
+        if (state.closing_room >= 0 and left > state.closing_room + reserve + _CLOSING_WINDOW
+                and state.num_output_tokens - state.closing_measured < _CLOSING_REMEASURE):
+            return None
+        budget = left - reserve
+        path = self.grammars.closing_path(state.matcher, min(budget, _CLOSING_LONGEST))
+        state.closing_measured = state.num_output_tokens
+        if path is None:  # longer than the budget (too late to close), or than is worth a walk yet
+            state.closing_room = _UNREACHABLE if budget <= _CLOSING_LONGEST else _CLOSING_LONGEST
+            return None
+        room = len(path)
+        if not state.thinking and budget <= room + _CLOSING_WINDOW:
+            room = max(room, self.grammars.longest_after_opening(state.matcher, budget))
+        state.closing_room = room
+        if not path or budget > room + _CLOSING_MARGIN:
+            return None
+        state.cut_short = True
+        if state.thinking:
+            return state.params.thinking.end_token
+        state.closing = path
+        return path[0]
 
     def _column(self, values: list[float], neutral: float) -> torch.Tensor | None:
         """A [rows, 1] column of one penalty, or None where every row leaves it at its neutral value."""
@@ -343,6 +383,16 @@ class Sampler:
 # What min_tokens subtracts from a stop token's logit: finite, so penalties applied after it stay
 # arithmetic (-inf * 0 is NaN), yet its probability is exactly 0.
 _SUPPRESSED = 1e30
+
+# A constrained request's completion path (GrammarEngine.closing_path, ~10 us a token) is measured every
+# _CLOSING_REMEASURE tokens, and at every token once max_tokens is within _CLOSING_WINDOW of it (with
+# what the next token could add to it); it is forced within _CLOSING_MARGIN of that, room for a token
+# that opens more than one thing at once.
+_CLOSING_REMEASURE = 16
+_CLOSING_WINDOW = 32
+_CLOSING_MARGIN = 4
+_UNREACHABLE = 1 << 30  # no path within the budget: measured again after _CLOSING_REMEASURE tokens
+_CLOSING_LONGEST = 1024  # a longer walk (a huge schema's required properties) waits for the budget to near it
 
 # A sampling pass's float32 [rows, vocabulary] temporaries (raw logprobs, processed logits,
 # probabilities, masks, candidates) take about _PASS_BYTES_PER_LOGIT bytes per logit; passes take as

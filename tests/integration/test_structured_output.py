@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 
+from crane_mp.model_tokenizer import load_tokenizer
 from crane_mp.testing.make_model import make_model
 from tests.integration.server import Server
 
@@ -115,6 +116,31 @@ def test_constrained_requests_resume_losslessly_after_preemption(model_dir, serv
         assert tight.stop() == 0
     check_constraints(jobs, squeezed)
     assert squeezed == roomy
+
+
+def test_json_that_would_outrun_max_tokens_is_closed_in_time_and_reports_length(model_dir, server):
+    """A model that never closes its strings (every token holding a quote biased away) still returns
+    valid JSON within max_tokens, whole and streamed, with finish_reason length; a budget too small
+    for any document runs out as before."""
+    tokenizer = load_tokenizer(str(model_dir))
+    quotes = {str(i): -100 for i in range(len(tokenizer)) if '"' in tokenizer.decode([i])}
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    schema = {"type": "object", "required": ["note", "tags"], "properties": {
+        "note": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}}}
+    ask = dict(model=model, messages=[{"role": "user", "content": "Describe the weather."}], logit_bias=quotes,
+               response_format={"type": "json_schema", "json_schema": {"name": "note", "schema": schema}})
+    for max_tokens in (24, 60):
+        whole = client.chat.completions.create(max_tokens=max_tokens, seed=max_tokens, **ask)
+        assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens <= max_tokens
+        jsonschema.validate(json.loads(whole.choices[0].message.content), schema)
+        text, finish = "", None
+        for chunk in client.chat.completions.create(max_tokens=max_tokens, seed=max_tokens, stream=True, **ask):
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert (text, finish) == (whole.choices[0].message.content, "length")
+    short = client.chat.completions.create(max_tokens=4, **ask)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 4
 
 
 def test_openai_sdk_reads_forced_tool_calls_whole_and_streamed(server):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
+from crane_mp.frontend.structured import Constraint, to_grammar
 from crane_mp.gguf_file import resolve_model_source
 from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
 from crane_mp.protocol import SamplingParams, ThinkingBudget
@@ -195,3 +196,72 @@ def test_a_tokenizer_larger_than_the_logits_widens_the_grammar_vocabulary(model_
     engine.mask(logits, [0], [matcher])
     allowed = {tokenizer.decode([i]) for i in (logits[0] > -1).nonzero().flatten().tolist()}
     assert allowed and all(text.isdigit() for text in allowed)
+
+
+NOTE = {"type": "object", "properties": {"note": {"type": "string"}, "items": {"type": "array", "items": {
+    "type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}}}, "required": ["note", "items"]}
+NOTE_GRAMMAR = to_grammar(Constraint.json_schema(NOTE, "response_format"))  # as the frontend sends it
+
+
+def quote_ids(tokenizer) -> list[int]:
+    return [i for i in range(512) if '"' in tokenizer.decode([i])]
+
+
+def run_to_budget(sampler: Sampler, state, tokenizer, seed: int, banned: list[int],
+                  end: int | None = None) -> list[int]:
+    """Sample as the scheduler stops: at EOS or max_tokens; the `banned` tokens never win freely (a
+    model that never closes its strings), nor does `end`."""
+    out: list[int] = []
+    generator = torch.Generator().manual_seed(seed)
+    while len(out) < state.params.max_tokens and (not out or out[-1] not in EOS_IDS):
+        logits = torch.randn(1, 512, generator=generator) * 4
+        logits[0, banned] = -60.0
+        if end is not None:
+            logits[0, end] = -60.0
+        tokens, _ = sampler.sample(logits, [state])
+        sampler.record([state], tokens)
+        out += tokens
+    return out
+
+
+def test_closing_path_ends_the_grammar_and_leaves_the_matcher_as_it_was(grammars, tokenizer):
+    matcher = grammars.new_matcher(None, NOTE_GRAMMAR)
+    assert matcher.consume_tokens(tokenizer.encode('{"items": [], "note": "abc def'))
+    before = matcher.compute_bitmask()
+    path = grammars.closing_path(matcher, 64)
+    assert matcher.compute_bitmask() == before and not matcher.is_accepting()
+    closed = '{"items": [], "note": "abc def' + tokenizer.decode(path)
+    jsonschema.validate(json.loads(closed), NOTE)
+    assert grammars.closing_path(matcher, len(path) - 1) is None  # not within a shorter budget
+    assert matcher.compute_bitmask() == before
+
+
+@pytest.mark.parametrize("max_tokens", [22, 23, 40, 70, 120])  # 22: {"items": [], "note": ""}, the shortest
+def test_a_grammar_that_would_outrun_max_tokens_is_closed_in_time(grammars, tokenizer, max_tokens):
+    sampler = Sampler(512, CPU_PLATFORM, grammars)
+    grammar = NOTE_GRAMMAR
+    for seed in range(4):
+        state = sampler.new_state(SamplingParams(seed=seed, max_tokens=max_tokens, grammar=grammar), [1], EOS_IDS)
+        out = run_to_budget(sampler, state, tokenizer, seed, quote_ids(tokenizer))
+        text = tokenizer.decode(out[:-1] if out[-1] in EOS_IDS else out)
+        jsonschema.validate(json.loads(text), NOTE)
+        assert len(out) <= max_tokens and state.cut_short
+
+
+def test_a_budget_too_small_for_the_grammar_is_left_to_run_out(grammars, tokenizer):
+    sampler = Sampler(512, CPU_PLATFORM, grammars)
+    state = sampler.new_state(SamplingParams(seed=1, max_tokens=21, grammar=NOTE_GRAMMAR), [1], EOS_IDS)
+    out = run_to_budget(sampler, state, tokenizer, 1, quote_ids(tokenizer))
+    assert len(out) == 21 and not state.cut_short and not state.closing
+
+
+def test_thinking_ends_in_time_for_the_grammar_to_end_within_max_tokens(grammars, tokenizer):
+    think, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    sampler = Sampler(512, CPU_PLATFORM, grammars)
+    params = SamplingParams(seed=4, max_tokens=60, grammar=NOTE_GRAMMAR,
+                            thinking=ThinkingBudget(1000, think, end, opened=True))
+    state = sampler.new_state(params, [1], EOS_IDS)
+    out = run_to_budget(sampler, state, tokenizer, 4, quote_ids(tokenizer), end=end)
+    answer = out[out.index(end) + 1:]
+    jsonschema.validate(json.loads(tokenizer.decode(answer[:-1] if answer[-1] in EOS_IDS else answer)), NOTE)
+    assert out.index(end) > 20 and len(out) <= 60

@@ -247,6 +247,11 @@ def test_finish_by_eos_stop_token_and_min_tokens():
     outputs = run_to_completion(sched, FakeWorker(eos_after={eos_req.req_id: 7}))
     assert outputs[eos_req.req_id][-1] == 2 and eos_req.finish_reason == FinishReason.STOP
 
+    [cut] = make_requests(1, prompt_len=4, max_tokens=30)  # its grammar closed early to fit max_tokens
+    sched.add_request(cut)
+    outputs = run_to_completion(sched, FakeWorker(eos_after={cut.req_id: 7}, cut_short=frozenset({cut.req_id})))
+    assert outputs[cut.req_id][-1] == 2 and cut.finish_reason == FinishReason.LENGTH
+
     [ignore] = make_requests(1, prompt_len=4, max_tokens=6, ignore_eos=True)
     sched.add_request(ignore)
     outputs = run_to_completion(sched, FakeWorker(eos_after={ignore.req_id: 5}))
