@@ -2,7 +2,11 @@
 puts a linear `score` layer on the last token's final hidden state; sentence-transformers' CrossEncoder
 then applies its activation (as its configuration names it; Sigmoid by default for one label). The
 worker pools that hidden state (last-token pooling, not normalised) and the frontend applies this head
-to it, so the worker serves the checkpoint as it serves an embedding model."""
+to it, so the worker serves the checkpoint as it serves an embedding model.
+
+A Qwen3-Reranker-style causal model gets a head too (answer_head): its recipe, p(yes) / (p(yes) +
+p(no)) for the next token, is the sigmoid of the two tokens' logit difference, a dot product of the
+same pooled state with the difference of their LM-head rows."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 from safetensors import safe_open
+
+from crane_mp.gguf_file import ModelSource, check_gguf
 
 
 def classifies(model_dir: Path | None) -> bool:
@@ -63,6 +69,44 @@ def load_score_head(model_dir: Path) -> ScoreHead:
     pair_format = (message.get("format") or "structured") if isinstance(message, dict) else None
     bias = float(tensors["score.bias"][0]) if "score.bias" in tensors else 0.0
     return ScoreHead(weight[0], bias, activation.rsplit(".", 1)[-1] == "Sigmoid", pair_format)
+
+
+def answer_head(source: ModelSource, yes: int, no: int) -> ScoreHead:
+    """A causal reranker's yes/no recipe as a head on the final hidden state (after the model's last
+    norm, as the engine pools it): (lm_head[yes] - lm_head[no]) . h is logit(yes) - logit(no). One
+    pooled request per pair, whose prompt prefix the cache can hold, instead of scoring the prompt
+    followed by each answer at every position."""
+    yes_row, no_row = _gguf_rows(source.gguf_file, [yes, no]) if source.gguf_file else _checkpoint_rows(
+        source.model_dir, [yes, no])
+    return ScoreHead(yes_row - no_row, 0.0, sigmoid=True)
+
+
+def _checkpoint_rows(model_dir: Path, rows: list[int]) -> list[np.ndarray]:
+    """LM-head rows from safetensors: `lm_head.weight`, or the embedding a tied head reads."""
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                if name in handle.keys():
+                    matrix = handle.get_slice(name)
+                    return [matrix[row : row + 1].float().numpy()[0] for row in rows]
+    raise ValueError(f"{model_dir}: no `lm_head.weight` or `model.embed_tokens.weight` tensor")
+
+
+def _gguf_rows(path: Path, rows: list[int]) -> list[np.ndarray]:
+    """LM-head rows of a GGUF file (`output.weight`, or the tied `token_embd.weight`), dequantized."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    tensors = check_gguf(path).tensors
+    info = tensors.get("output.weight") or tensors["token_embd.weight"]
+    row_bytes = info.n_bytes // info.dims[0]
+    out = []
+    with open(path, "rb") as file:
+        for row in rows:
+            file.seek(info.offset + row * row_bytes)
+            raw = np.frombuffer(file.read(row_bytes), dtype=np.uint8)
+            out.append(dequantize(raw, GGMLQuantizationType(info.qtype)).astype(np.float32).reshape(-1))
+    return out
 
 
 def _json(path: Path) -> dict:

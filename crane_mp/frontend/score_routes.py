@@ -6,14 +6,15 @@ server: a causal LM asked whether a document meets a query, scored by its own re
 
 Each pair is prompted as Qwen3-Reranker's reference code prompts it (its system text, the
 instruction, query and document, then an empty think block), with its three parts tokenized apart
-as that code does. The engine scores the prompt followed by "yes", and again by "no" (prompt
-logprobs with no output: max_tokens 0); the two logprobs share their normaliser, so their
-difference is the yes/no logit difference the recipe's two-way softmax reads.
+as that code does. The engine pools the prompt's last final hidden state, and the head made of the
+"yes" and "no" rows of the LM head (score_head.answer_head) turns it into the yes/no logit difference
+the recipe's two-way softmax reads: one request per pair, whose shared prompt prefix (system text,
+instruction, query) the prefix cache serves from the second document on.
 """
 
 from __future__ import annotations
 
-import math
+import asyncio
 import time
 import uuid
 from typing import Annotated, Any
@@ -25,19 +26,19 @@ from crane_mp.frontend.choices import Collected
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.generation import Generation
 from crane_mp.frontend.http import resolve_model
-from crane_mp.frontend.logprobs_format import scored_prompt_positions
 from crane_mp.frontend.pipeline import Plan, prompt_ids, serve
 from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.gguf_file import resolve_model_source
 from crane_mp.protocol import SamplingParams
+from crane_mp.score_head import ScoreHead, answer_head
 
 api = RouteTable()
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 _PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
            "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
 _SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-# Documents a request may score: each pair is two engine requests (also bounded by
-# --max-request-generations).
+# Documents a request may score (also bounded by --max-request-generations: a pair is one engine request).
 MAX_DOCUMENTS = 1024
 
 
@@ -72,46 +73,26 @@ def _answer_tokens(state: FrontendState) -> tuple[int, int]:
 
 async def _score_pairs(request: web.Request, pairs: list[tuple[str, str]], instruction: str | None, model: str | None,
                        respond) -> web.StreamResponse:
-    """Score every (query, document) pair and answer with `respond(scores, prompt tokens)`."""
+    """Score every (query, document) pair and answer with `respond(scores, prompt tokens)`: each pair's
+    last token's final hidden state is pooled by the engine, the head applied here (score_head.py)."""
     state = request.app[STATE]
     _, lora_id = resolve_model(state, model)
+    prompts = []
     if state.score_head is not None:
-        return await _classify_pairs(request, state, pairs, lora_id, respond)
-    yes, no = _answer_tokens(state)
-    encode = state.tokenizer.tokenizer.encode
-    prefix, suffix = encode(_PREFIX, add_special_tokens=False), encode(_SUFFIX, add_special_tokens=False)
-    room = state.engine_info.max_model_len - 1 - len(prefix) - len(suffix)  # and the answer token
-    prompts = []
-    for query, document in pairs:
-        body = f"<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
-        ids = prefix + await state.tokenizer.encode(body, room, "documents", add_special_tokens=False) + suffix
-        prompts += [ids + [yes], ids + [no]]
-    params = SamplingParams(temperature=0.0, prompt_logprobs=0, lora_id=lora_id)
-    plan = Plan(prompts, params, 0, "documents", names=f"score-{uuid.uuid4().hex}")
-
-    def render(gens: list[Generation]):
-        def body(results: list[Collected]) -> Any:
-            scores = []
-            for i in range(0, len(gens), 2):
-                logprob = [scored_prompt_positions(gens[i + k].prompt_logprobs)[len(prompts[i + k]) - 1][0]
-                           for k in (0, 1)]
-                scores.append(1.0 / (1.0 + math.exp(logprob[1] - logprob[0])))
-            return respond(scores, sum(len(p) - 1 for p in prompts[::2]))
-
-        return body
-
-    return await serve(request, state, plan, render)
-
-
-async def _classify_pairs(request: web.Request, state: FrontendState, pairs: list[tuple[str, str]], lora_id: int,
-                          respond) -> web.StreamResponse:
-    """--task score: each pair tokenized as a text pair (as CrossEncoder does), its last token's final
-    hidden state pooled by the engine, the head applied here (score_head.py)."""
-    prompts = []
-    for index, (query, document) in enumerate(pairs):
-        ids = await _classified_pair_ids(state, query, document)
-        _check_room(state, index, len(ids))
-        prompts.append(ids)
+        head = state.score_head
+        for index, (query, document) in enumerate(pairs):
+            ids = await _classified_pair_ids(state, query, document)
+            _check_room(state, index, len(ids))
+            prompts.append(ids)
+    else:
+        head = await _reranker_head(state)
+        encode = state.tokenizer.tokenizer.encode
+        prefix, suffix = encode(_PREFIX, add_special_tokens=False), encode(_SUFFIX, add_special_tokens=False)
+        room = state.engine_info.max_model_len - 1 - len(prefix) - len(suffix)  # and the pooled step
+        for query, document in pairs:
+            body = f"<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
+            prompts.append(prefix + await state.tokenizer.encode(body, room, "documents", add_special_tokens=False)
+                           + suffix)
     params = SamplingParams(temperature=0.0, max_tokens=1, pooling="last", lora_id=lora_id)
     plan = Plan(prompts, params, 0, "documents", names=f"score-{uuid.uuid4().hex}")
 
@@ -119,11 +100,22 @@ async def _classify_pairs(request: web.Request, state: FrontendState, pairs: lis
         def body(_: list[Collected]) -> Any:
             if any(gen.embedding is None for gen in gens):
                 raise ApiError(500, "the engine finished a scoring request without its hidden state")
-            return respond([state.score_head.score(gen.embedding) for gen in gens], sum(map(len, prompts)))
+            return respond([head.score(gen.embedding) for gen in gens], sum(map(len, prompts)))
 
         return body
 
     return await serve(request, state, plan, render)
+
+
+async def _reranker_head(state: FrontendState) -> ScoreHead:
+    """The served causal reranker's yes/no head, read from the model file once (two LM-head rows)."""
+    if state.answer_head is None:
+        yes, no = _answer_tokens(state)
+        engine = state.config.engine
+        source = resolve_model_source(engine.model_path, engine.model_format)
+        state.answer_head = await asyncio.get_running_loop().run_in_executor(
+            state.tokenizer.pool, answer_head, source, yes, no)
+    return state.answer_head
 
 
 async def _classified_pair_ids(state: FrontendState, query: str, document: str) -> list[int]:

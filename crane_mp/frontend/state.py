@@ -41,6 +41,7 @@ class FrontendState:
     think_start_token: int | None = field(init=False)
     think_end_token: int | None = field(init=False)
     score_head: ScoreHead | None = field(init=False)  # --task score: the classification head
+    answer_head: ScoreHead | None = field(default=None, init=False)  # a causal reranker's yes/no head, once read
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.config.model_name)

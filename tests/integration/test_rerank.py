@@ -82,6 +82,20 @@ def test_score_pairs_one_against_many_and_pairwise(server, model_dir):
     assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_1"
 
 
+def test_a_query_reranked_again_reuses_its_cached_prompt_prefix(server, model_dir):
+    """One engine request per pair, pooled: its prompt prefix (system text, instruction, query) comes from
+    the prefix cache once an earlier request computed it, and the score is still the recipe's."""
+    query = "which of these documents talks about the weather in Paris during the spring months?"
+    first = requests.post(f"{server.url}/v1/rerank", json={"query": query, "documents": DOCUMENTS[:1]}, timeout=60)
+    before = server.stats()["prefix_cache_hits"]
+    again = requests.post(f"{server.url}/v1/rerank", json={"query": query, "documents": DOCUMENTS[1:]}, timeout=60)
+    assert first.status_code == again.status_code == 200
+    assert server.stats()["prefix_cache_hits"] - before >= 2 * 16  # both pairs, a block or more each
+    want = reference_scores(model_dir, query, DOCUMENTS[1:])
+    assert [r["relevance_score"] for r in sorted(again.json()["results"], key=lambda r: r["index"])] == \
+        pytest.approx(want, abs=1e-4)
+
+
 @pytest.fixture(scope="module")
 def cross_encoder_dir(tmp_path_factory):
     """A one-label Qwen3 sequence-classification model saved by sentence-transformers' CrossEncoder."""
