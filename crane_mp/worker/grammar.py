@@ -35,6 +35,9 @@ _FORBIDDEN = 1e30
 # string (a letter may follow it) yields to a bracket that ends its array or object.
 _CLOSERS = ('"', "}", "]", "0", ",")
 _LETTER = "a"
+# A walk that takes one token this many times running is lost in free text none of _CLOSERS ends (an
+# XML parameter's value, say): it stops there.
+_WALK_REPEATS = 64
 # The tokens that lengthen a completion path most (a property, an object, an array, a string opened).
 _OPENERS = (",", "{", "[", '"')
 
@@ -141,20 +144,22 @@ class GrammarEngine:
 
     def closing_path(self, matcher, limit: int) -> list[int] | None:
         """Tokens that take `matcher` from its state to one where its grammar may end, or None when
-        none were found within `limit` tokens. Short, not shortest: a greedy walk that takes a forced
+        none were found within `limit` tokens (or the walk ran in place). Short, not shortest: a greedy walk that takes a forced
         token where there is one, else the first of _CLOSERS the grammar allows, else its lowest allowed
         id (single bytes, in byte-level vocabularies). Some ten microseconds a token; the matcher is
         left as it was."""
         if matcher.is_error():
             return None
         path: list[int] = []
+        running = 0  # how many times running the walk took its last token
         try:
             while not matcher.is_accepting():
-                if len(path) >= limit:
+                if len(path) >= limit or running >= _WALK_REPEATS:
                     return None
                 token = self._closing_step(matcher)
                 if token is None or not matcher.consume_token(token):
                     return None
+                running = running + 1 if path and path[-1] == token else 1
                 path.append(token)
             return path
         finally:

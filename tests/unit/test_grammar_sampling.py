@@ -265,3 +265,14 @@ def test_thinking_ends_in_time_for_the_grammar_to_end_within_max_tokens(grammars
     answer = out[out.index(end) + 1:]
     jsonschema.validate(json.loads(tokenizer.decode(answer[:-1] if answer[-1] in EOS_IDS else answer)), NOTE)
     assert out.index(end) > 20 and len(out) <= 60
+
+
+def test_a_walk_lost_in_free_text_stops_early(grammars, tokenizer):
+    """Free text that none of the closers ends (a lazy Lark string, as an XML tool call's parameter)
+    makes the walk take one token over and over: it stops after a few dozen, not at the budget."""
+    matcher = grammars.new_matcher(None, LLMatcher.grammar_from_lark('start: "<p>" TEXT "</p>"\nTEXT: /(.|\\n)*/'))
+    assert matcher.consume_tokens(tokenizer.encode("<p>some text"))
+    calls = []
+    step = grammars._closing_step
+    grammars._closing_step = lambda m: calls.append(1) or step(m)
+    assert grammars.closing_path(matcher, 10_000) is None and len(calls) <= 80
