@@ -25,7 +25,7 @@ from crane_mp.config import (
 )
 from crane_mp.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
 from crane_mp.pooling import POOLING_METHODS, Pooling, sentence_transformers_pooling
-from crane_mp.score_head import classifies
+from crane_mp.score_head import classifies, is_encoder
 from crane_mp.settings import SettingsError, resolve, settable_actions, unknown_env_names
 from crane_mp.worker.models.registry import MODEL_TYPE_ALIASES
 
@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="auto", choices=TASKS,
                    help="generate text, embed (/v1/embeddings only), or score (/v1/rerank and /score with a "
                         "sequence-classification checkpoint); auto: score for a *ForSequenceClassification "
-                        "checkpoint, embed for a sentence-transformers one (modules.json), else generate")
+                        "checkpoint, embed for a sentence-transformers one (modules.json) or a BERT-family "
+                        "encoder, else generate")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                    help="LoRA adapters in PEFT's format to serve beside the base model; a request picks one by "
                         "naming it as its model (SGLang: lora_path)")
@@ -218,13 +219,19 @@ def _task_and_pooling(args, source: ModelSource, parser) -> tuple[str, Pooling]:
             parser.error(str(err))
         declared = None
     task = args.task
+    encoder = source.format == "safetensors" and is_encoder(source.model_dir)
     if task == "auto":
-        task = "score" if classifies(source.model_dir) else "embed" if declared or args.pooling else "generate"
-    if task == "score":  # the head reads the last token's final hidden state, as transformers' does
+        pools = declared or args.pooling or encoder
+        task = "score" if classifies(source.model_dir) else "embed" if pools else "generate"
+    if task == "generate" and encoder:
+        parser.error("this checkpoint is an encoder (BERT family): it serves --task embed or --task score, not text")
+    if task == "score":  # the head says which token it reads (score_head.py)
         if source.format == "gguf":
             parser.error("--task score needs a safetensors sequence-classification checkpoint, not a GGUF file")
         return task, Pooling("last", False, False)
-    pooling = declared or Pooling()
+    # A bare encoder without a sentence-transformers configuration pools its [CLS] token, as BERT's own
+    # pooler reads it; a decoder its last.
+    pooling = declared or Pooling("cls" if encoder else "last")
     if args.pooling is not None:
         pooling = Pooling(args.pooling, pooling.normalize, pooling.chat_template)
     return task, pooling

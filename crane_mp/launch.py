@@ -100,6 +100,7 @@ class Launcher:
         sched_cfg = scheduler_config(
             cfg.engine, info.num_blocks, info.max_model_len, tuple(info.eos_token_ids), on_cpu=info.device_type == "cpu",
             max_queue=cfg.max_queue, prefill_seconds_per_token=info.prefill_seconds_per_token,
+            whole_prompts=info.whole_prompts,
         )
         sched_conn = self._spawn(
             "scheduler", scheduler_main, sched_cfg, self.addresses, cfg.num_frontends, cfg.engine.overlap_schedule,
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             info.quantized_activations, info.isa,
             info.kernel_isa, info.kv_bytes_per_token, info.kv_budget_bytes / gib, info.num_blocks,
             info.num_blocks * info.block_size, config.engine.max_num_seqs, config.max_queue, info.max_model_len,
-            _on_off(config.engine.enable_prefix_caching), _on_off(config.engine.overlap_schedule),
+            _on_off(config.engine.enable_prefix_caching and not info.whole_prompts), _on_off(config.engine.overlap_schedule),
             _on_off(config.engine.runtime_lora), config.num_frontends, config.host, config.port,
         )
         notify("READY=1\nSTATUS=serving " + config.model_name)

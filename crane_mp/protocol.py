@@ -359,3 +359,4 @@ class WorkerReady(msgspec.Struct):
     prefill_seconds_per_token: float = 0.0  # CPU: the warm-up step's time per token (0: unknown)
     quantized_activations: str = "n/a"  # GGUF matmuls: "int8" or "float" activations; "n/a" without GGUF
     activation_bytes: int = 0  # the memory plan's reserve for a step's temporaries
+    whole_prompts: bool = False  # an encoder: each prompt runs whole in one step, without the prefix cache

@@ -1,8 +1,9 @@
 """A sequence-classification checkpoint's head (`--task score`): transformers' *ForSequenceClassification
-puts a linear `score` layer on the last token's final hidden state; sentence-transformers' CrossEncoder
-then applies its activation (as its configuration names it; Sigmoid by default for one label). The
-worker pools that hidden state (last-token pooling, not normalised) and the frontend applies this head
-to it, so the worker serves the checkpoint as it serves an embedding model.
+of a decoder puts a linear `score` layer on the last token's final hidden state, BERT's and RoBERTa's a
+dense + tanh pooler and a linear layer on the first token's; sentence-transformers' CrossEncoder then
+applies its activation (as its configuration names it; Sigmoid by default for one label). The worker
+pools that hidden state (not normalised) and the frontend applies this head to it, so the worker
+serves the checkpoint as it serves an embedding model.
 
 A Qwen3-Reranker-style causal model gets a head too (answer_head): its recipe, p(yes) / (p(yes) +
 p(no)) for the next token, is the sigmoid of the two tokens' logit difference, a dot product of the
@@ -19,6 +20,7 @@ import numpy as np
 from safetensors import safe_open
 
 from crane_mp.gguf_file import ModelSource, check_gguf
+from crane_mp.worker.models.registry import ARCHITECTURES, HF_CLASSES
 
 
 def classifies(model_dir: Path | None) -> bool:
@@ -30,6 +32,21 @@ def classifies(model_dir: Path | None) -> bool:
     return any(name.endswith("ForSequenceClassification") for name in architectures)
 
 
+# Where a sequence-classification checkpoint keeps its head: (pooler, output layer, pooling). A decoder's
+# `score` layer reads the last token; BERT's pooler (dense + tanh) and RoBERTa's classifier.dense read
+# the first ([CLS], <s>) before their output layer.
+_HEADS = ((None, "score", "last"), ("bert.pooler.dense", "classifier", "cls"),
+          ("classifier.dense", "classifier.out_proj", "cls"))
+
+
+def is_encoder(model_dir: Path) -> bool:
+    """The checkpoint is a BERT-family encoder (registry `encoder`), which serves pooling only."""
+    config = _json(model_dir / "config.json")
+    names = [HF_CLASSES.get(name) for name in config.get("architectures") or []]
+    return any(name is not None and ARCHITECTURES[name].encoder for name in names) or config.get("model_type") in {
+        arch.hf_model_type for arch in ARCHITECTURES.values() if arch.encoder}
+
+
 @dataclass(frozen=True)
 class ScoreHead:
     weight: np.ndarray  # [hidden] float32: one label
@@ -39,25 +56,34 @@ class ScoreHead:
     # then two messages, roles query and document, rendered by the template ("structured": content as
     # text parts; "flat": strings); None: the tokenizer's own text-pair encoding.
     pair_format: str | None = None
+    pooling: str = "last"  # which token's final hidden state the engine pools for it
+    pooler: tuple[np.ndarray, np.ndarray] | None = None  # an encoder's dense + tanh before `weight`
 
     def score(self, hidden: bytes) -> float:
         """The label's score from a pooled hidden state (float32 bytes)."""
         values = np.frombuffer(hidden, dtype=np.float32)[: self.weight.shape[0]]
+        if self.pooler is not None:
+            values = np.tanh(self.pooler[0] @ values + self.pooler[1])
         logit = float(np.dot(self.weight, values)) + self.bias
         return 1.0 / (1.0 + math.exp(-logit)) if self.sigmoid else logit
 
 
 def load_score_head(model_dir: Path) -> ScoreHead:
     """The head of `model_dir`'s checkpoint; ValueError where it has none, or more than one label."""
+    names = {f"{layer}.{kind}" for pooler, output, _ in _HEADS for layer in (pooler, output) if layer
+             for kind in ("weight", "bias")}
     tensors: dict[str, np.ndarray] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:  # torch reads bf16, numpy does not
-            for name in ("score.weight", "score.bias"):
-                if name in handle.keys():
-                    tensors[name] = handle.get_tensor(name).float().numpy()
-    weight = tensors.get("score.weight")
-    if weight is None:
-        raise ValueError(f"{model_dir}: no `score.weight` tensor: not a sequence-classification checkpoint")
+            for name in names & set(handle.keys()):
+                tensors[name] = handle.get_tensor(name).float().numpy()
+    head = next(((pooler, output, pooling) for pooler, output, pooling in _HEADS
+                 if f"{output}.weight" in tensors and (pooler is None or f"{pooler}.weight" in tensors)), None)
+    if head is None:
+        raise ValueError(f"{model_dir}: no `score.weight` or `classifier` tensor: not a sequence-classification "
+                         "checkpoint")
+    pooler, output, pooling = head
+    weight = tensors[f"{output}.weight"]
     if weight.shape[0] != 1:
         raise ValueError(f"{model_dir}: the head has {weight.shape[0]} labels; --task score serves one-label heads")
     # The activation: sentence-transformers 6 writes it to config_sentence_transformers.json, earlier
@@ -67,8 +93,9 @@ def load_score_head(model_dir: Path) -> ScoreHead:
                   or "Sigmoid")
     message = (_json(model_dir / "sentence_bert_config.json").get("modality_config") or {}).get("message")
     pair_format = (message.get("format") or "structured") if isinstance(message, dict) else None
-    bias = float(tensors["score.bias"][0]) if "score.bias" in tensors else 0.0
-    return ScoreHead(weight[0], bias, activation.rsplit(".", 1)[-1] == "Sigmoid", pair_format)
+    bias = float(tensors[f"{output}.bias"][0]) if f"{output}.bias" in tensors else 0.0
+    dense = (tensors[f"{pooler}.weight"], tensors[f"{pooler}.bias"]) if pooler else None
+    return ScoreHead(weight[0], bias, activation.rsplit(".", 1)[-1] == "Sigmoid", pair_format, pooling, dense)
 
 
 def answer_head(source: ModelSource, yes: int, no: int) -> ScoreHead:

@@ -93,7 +93,7 @@ async def _score_pairs(request: web.Request, pairs: list[tuple[str, str]], instr
             body = f"<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
             prompts.append(prefix + await state.tokenizer.encode(body, room, "documents", add_special_tokens=False)
                            + suffix)
-    params = SamplingParams(temperature=0.0, max_tokens=1, pooling="last", lora_id=lora_id)
+    params = SamplingParams(temperature=0.0, max_tokens=1, pooling=head.pooling, lora_id=lora_id)
     plan = Plan(prompts, params, 0, "documents", names=f"score-{uuid.uuid4().hex}")
 
     def render(gens: list[Generation]):
@@ -120,10 +120,13 @@ async def _reranker_head(state: FrontendState) -> ScoreHead:
 
 async def _classified_pair_ids(state: FrontendState, query: str, document: str) -> list[int]:
     """A pair's tokens as CrossEncoder makes them: query and document messages through the chat
-    template (a checkpoint saved with the message modality), else the tokenizer's text-pair encoding."""
+    template (a checkpoint saved with the message modality), else the tokenizer's text-pair encoding,
+    cut to the tokenizer's and the engine's limit."""
     head = state.score_head
-    if head.pair_format is None:
-        return state.tokenizer.tokenizer(query, document)["input_ids"]
+    if head.pair_format is None:  # cut to fit, the longer text first, as CrossEncoder cuts a pair
+        tokenizer = state.tokenizer.tokenizer
+        limit = min(tokenizer.model_max_length, state.engine_info.max_model_len - 1)
+        return tokenizer(query, document, truncation="longest_first", max_length=limit)["input_ids"]
     structured = head.pair_format == "structured"
     messages = [{"role": role, "content": [{"type": "text", "text": text}] if structured else text}
                 for role, text in (("query", query), ("document", document))]

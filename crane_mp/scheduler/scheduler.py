@@ -59,6 +59,9 @@ class SchedulerConfig:
     # Prompt tokens per step are paced to about this many seconds (pacing.py); 0: only the token budget.
     prefill_step_seconds: float = 0.0
     prefill_seconds_per_token: float = 0.0  # the pace's first estimate (the worker's warm-up)
+    # An encoder's prompts attend to all of themselves: each is computed whole in one step (beyond the
+    # token budget if it must, when it is the step's first), and none is served from the prefix cache.
+    whole_prompts: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks * self.block_size < self.max_model_len:
@@ -72,7 +75,7 @@ CPU_PREFILL_STEP_SECONDS = 3.0
 
 def scheduler_config(
     engine: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: tuple[int, ...], on_cpu: bool,
-    max_queue: int | None = None, prefill_seconds_per_token: float = 0.0,
+    max_queue: int | None = None, prefill_seconds_per_token: float = 0.0, whole_prompts: bool = False,
 ) -> SchedulerConfig:
     """The scheduler's config from the engine's and the facts the worker reported at start-up."""
     return SchedulerConfig(
@@ -82,13 +85,14 @@ def scheduler_config(
         max_num_batched_tokens=engine.max_num_batched_tokens,
         max_model_len=max_model_len,
         eos_token_ids=tuple(eos_token_ids),
-        enable_prefix_caching=engine.enable_prefix_caching,
+        enable_prefix_caching=engine.enable_prefix_caching and not whole_prompts,
         warm_blocks_first=on_cpu,
         lora_modules=engine.lora_modules,
         max_loras=engine.max_loras,
         max_queue=max_queue,
         prefill_step_seconds=CPU_PREFILL_STEP_SECONDS if on_cpu else 0.0,
         prefill_seconds_per_token=prefill_seconds_per_token,
+        whole_prompts=whole_prompts,
     )
 
 
@@ -206,7 +210,7 @@ class Scheduler:
                 req.num_pending += 1  # the worker samples the next token in this step
 
         running_plan = self._fit_running(budget, prompt_budget, preempted)
-        if not any(_decodes(req, n) for req, n in running_plan):
+        if not any(_decodes(req, n) for req, n in running_plan) and not self.config.whole_prompts:
             # No stream is decoding yet (an idle server, or only prefills): a first small chunk lets
             # the first requests start streaming after a quarter of a full step instead of after it.
             budget = max(self.config.block_size, budget // 4)
@@ -221,6 +225,10 @@ class Scheduler:
             hits = self._cache_hits(req)
             num_cached = len(hits) * self.config.block_size
             num_tokens = min(req.num_tokens - num_cached, budget, prompt_budget - prompt_tokens)
+            if self.config.whole_prompts and num_tokens < req.num_tokens:
+                if scheduled:
+                    break  # the next step takes it whole
+                num_tokens = req.num_tokens
             needed = (
                 _blocks_for(num_cached + num_tokens, self.config.block_size) - len(hits)
                 + self.pool.num_evictable(hits)

@@ -110,7 +110,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     if tuned:
         timer.done("decode matmuls")
 
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    # An encoder's requests "sample" one placeholder token after a prompt that may fill every position.
+    max_model_len = config.max_model_len or model_config.max_position_embeddings + (1 if model_config.encoder else 0)
     if config.max_total_tokens is not None:
         capacity = config.max_total_tokens // config.block_size * config.block_size
         if capacity < max_model_len:
@@ -144,7 +145,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     # The scheduler's first estimate of a prompt token's cost (scheduler/pacing.py); CUDA is not paced.
     seconds_per_token = (time.monotonic() - warm_up_started) / min(profile_tokens, _CPU_WARMUP_TOKENS)
     timer.done("warm-up")
-    graphs = platform.cuda_graphs(config.cuda_graphs, runner.attention_backend)
+    graphs = platform.cuda_graphs(config.cuda_graphs, runner.attention_backend) and not model_config.encoder
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
     reserved_bytes = kernel_cache_bytes + (graph_pool_bytes(runner, graph_sizes, model_config) if graphs else 0)
     if config.runtime_lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from crane_mp.worker.attention import AttentionMetadata
+from crane_mp.worker.attention import AttentionMetadata, SeqSpan
 from crane_mp.worker.host_buffers import device_longs
 
 
@@ -60,6 +60,7 @@ class ForwardContext:
     cos: torch.Tensor  # [num_tokens, 1, head_dim]
     sin: torch.Tensor  # [num_tokens, 1, head_dim]
     lora: LoraBatch | None = None
+    spans: list[SeqSpan] | None = None  # the step's sequences in token order (decodes first), for encoders
 
 
 _current: ForwardContext | None = None

@@ -42,7 +42,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    # Encoders (registry `encoder`): the token that ends a pair's first text (its second text takes
+    # token type 1, as the tokenizer's pair encoding marks it), and the first position id.
+    sep_token_id: int | None = None
+    first_position: int = 0
     hf_config: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def encoder(self) -> bool:
+        return ARCHITECTURES[self.arch].encoder
 
     @property
     def kv_size(self) -> int:
@@ -117,6 +125,9 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
     theta, rope_params = _rope(hf_config)
     sliding_window = _sliding_window(hf_config, arch)
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    encoder = ARCHITECTURES[arch].encoder
+    # RoBERTa numbers positions from padding_idx + 1, and its table holds that many fewer of them.
+    first_position = hf_config.pad_token_id + 1 if encoder and arch != "bert" else 0
     return ModelConfig(
         arch=arch,
         vocab_size=hf_config.vocab_size,
@@ -126,11 +137,11 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         num_attention_heads=heads,
         num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
-        rms_norm_eps=hf_config.rms_norm_eps,
-        max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        attention_bias=bool(getattr(hf_config, "attention_bias", False)),
-        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        rms_norm_eps=hf_config.layer_norm_eps if encoder else hf_config.rms_norm_eps,
+        max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048) - first_position,
+        tie_word_embeddings=not encoder and bool(getattr(hf_config, "tie_word_embeddings", False)),
+        attention_bias=encoder or bool(getattr(hf_config, "attention_bias", False)),
+        mlp_bias=encoder or bool(getattr(hf_config, "mlp_bias", False)),
         hidden_act=getattr(hf_config, "hidden_act", "silu"),
         rope_theta=theta,
         rope_parameters=rope_params,
@@ -138,8 +149,19 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         bos_token_id=getattr(hf_config, "bos_token_id", None),
         eos_token_ids=_eos_ids(hf_config, model_dir),
         torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+        sep_token_id=_sep_token_id(model_dir) if encoder else None,
+        first_position=first_position,
         hf_config=hf_config,
     )
+
+
+def _sep_token_id(model_dir: Path | None) -> int | None:
+    """An encoder's separator token, from its tokenizer (its config rarely names it)."""
+    if model_dir is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir)).sep_token_id
 
 
 def load_model_config(model_path: str | Path, model_type: str = "auto") -> ModelConfig:

@@ -66,6 +66,7 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
         kv_cache_dtype=str(loaded.runner.kv_dtype).removeprefix("torch."),
         quantized_activations=loaded.quantized_activations,
         prefill_seconds_per_token=loaded.prefill_seconds_per_token,
+        whole_prompts=loaded.model_config.encoder,
     )
 
 

@@ -73,11 +73,11 @@ class ModelRunner:
         self.platform = platform
         self.device = platform.device
         self.max_positions = max_positions
-        self.dtype = model.model.norm.weight.dtype
+        self.dtype = model.compute_dtype
         self.kv_dtype = kv_dtype or self.dtype  # the cache's storage (Platform.kv_dtype)
         self.cos, self.sin = rope_tables(self.config, max_positions, self.dtype, self.device)
         self.grammars = grammars
-        self.sampler = Sampler(self.config.vocab_size, platform, grammars)
+        self.sampler = Sampler(model.lm_head.out_features, platform, grammars)  # an encoder's stub: 1
         self.requests: dict[int, RequestMirror] = {}
         self.num_blocks = 0
         self.attention_backend = platform.attention_backend(attention_backend or attention_backend_override())
@@ -274,7 +274,7 @@ class ModelRunner:
         )
         ids_and_positions = device_longs(input_ids + positions, self.device)
         ids, pos = ids_and_positions[: len(input_ids)], ids_and_positions[len(input_ids) :]
-        ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1), lora)
+        ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1), lora, decodes + prefills)
         with forward_context(ctx):
             return self.model(ids)  # [T, hidden]
 
@@ -362,8 +362,9 @@ class ModelRunner:
         scratch KV cache), then sampling `num_seqs` rows with every sampling processor on. Returns the
         scratch KV cache's bytes."""
         num_blocks = -(-num_tokens // self.block_size)
+        top = min(20, self.sampler.vocab_size)  # an encoder's stub head has one "token"
         worst = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                                frequency_penalty=0.1, presence_penalty=0.1, logprobs=20, logit_bias={0: 1.0},
+                                frequency_penalty=0.1, presence_penalty=0.1, logprobs=top, logit_bias={0: 1.0},
                                 seed=row if row % 2 else None) for row in range(num_seqs)]
         # Sampling inside: the scratch cache stays live through every peak, so leaving it out is exact.
         with self._scratch_kv_cache(num_blocks):
@@ -377,7 +378,7 @@ class ModelRunner:
                 self.sampler.release(state)
             del logits
             rows = min(num_tokens, self._score_rows())  # prompt logprobs: one pass of scoring
-            self._score_chunk(hidden[:rows], torch.zeros(rows, dtype=torch.long, device=self.device), 20)
+            self._score_chunk(hidden[:rows], torch.zeros(rows, dtype=torch.long, device=self.device), top)
         return self.scratch_kv_bytes(num_blocks)
 
 

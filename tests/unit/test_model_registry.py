@@ -13,9 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from crane_mp.gguf_file import GGUFFileError, read_shape
+from crane_mp.testing.make_encoder import ARCHS as ENCODER_ARCHS
 from crane_mp.testing.make_gguf import GGUF_ARCH
 from crane_mp.testing.make_model import ARCHS, build_config
 from crane_mp.worker.model_config import UnsupportedModelError, detect_arch, model_config_from_hf
+from crane_mp.worker.models.bert import BertEncoder
 from crane_mp.worker.models.build import model_class
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.models.registry import (
@@ -33,9 +35,13 @@ from crane_mp.worker.models.registry import (
 def test_the_lookups_are_the_ones_the_four_tables_held():
     assert MODEL_TYPE_ALIASES == {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen25": "qwen2",
                                   "qwen3": "qwen3", "hunyuan": "hunyuan", "hunyuan_v1_dense": "hunyuan",
-                                  "hunyuan-dense": "hunyuan"}
+                                  "hunyuan-dense": "hunyuan", "bert": "bert", "roberta": "roberta",
+                                  "xlm-roberta": "xlm-roberta"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                          "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan"}
+                          "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
+                          "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
+                          "RobertaForSequenceClassification": "roberta", "XLMRobertaModel": "xlm-roberta",
+                          "XLMRobertaForSequenceClassification": "xlm-roberta"}
     assert {gguf: (arch.name, arch.hf_model_type) for gguf, arch in GGUF_ARCHITECTURES.items()} == {
         "llama": ("llama", "llama"), "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"),
         "hunyuan-dense": ("hunyuan", "hunyuan_v1_dense")}
@@ -51,6 +57,9 @@ def test_every_architecture_round_trips_its_names(arch):
     assert detect_arch(hf_config) == arch
     assert detect_arch(SimpleNamespace(architectures=None, model_type=row.hf_model_type)) == arch
     assert MODEL_TYPE_ALIASES[arch] == arch
+    if row.encoder:  # no GGUF files: served from safetensors, written by make_encoder
+        assert not row.reads_gguf and row.gguf_arch not in GGUF_ARCHITECTURES and arch in ENCODER_ARCHS
+        return
     # A GGUF file names the architecture, or (Mistral) one served by the same class, q/k rows alike.
     served = GGUF_ARCHITECTURES[row.gguf_arch]
     assert served is row if row.reads_gguf else served.model_class == row.model_class
@@ -59,7 +68,15 @@ def test_every_architecture_round_trips_its_names(arch):
     assert arch in ARCHS  # make_model can write one
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+DECODERS = sorted(name for name, row in ARCHITECTURES.items() if not row.encoder)
+
+
+def test_every_encoder_is_served_by_the_encoder_class():
+    assert {name for name, row in ARCHITECTURES.items() if row.encoder} == {"bert", "roberta", "xlm-roberta"}
+    assert all(model_class(name) is BertEncoder for name in ("bert", "roberta", "xlm-roberta"))
+
+
+@pytest.mark.parametrize("arch", DECODERS)
 def test_every_architecture_has_a_model_class_with_its_qk_norms(arch):
     cls = model_class(arch)
     assert issubclass(cls, CausalLM)
@@ -67,7 +84,7 @@ def test_every_architecture_has_a_model_class_with_its_qk_norms(arch):
     assert (cls.attention_class.qk_norm_position is not None) == (row.qk_norms is not None)
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("arch", DECODERS)
 def test_every_checkpoint_tensor_round_trips_through_its_gguf_name(arch):
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(build_config(arch, "tiny", overrides={"tie_word_embeddings": False}))
@@ -80,7 +97,7 @@ def test_every_checkpoint_tensor_round_trips_through_its_gguf_name(arch):
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
     unknown = SimpleNamespace(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(UnsupportedModelError, match=r"'gpt2' is not supported \(supported: "
-                                                    r"hunyuan, llama, mistral, qwen2, qwen3\)"):
+                                                    r"bert, hunyuan, llama, mistral, qwen2, qwen3, roberta, xlm-roberta\)"):
         model_config_from_hf(unknown)
     with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
                                             r"hunyuan-dense, llama, qwen2, qwen3\)"):

@@ -562,3 +562,21 @@ def test_a_restarted_frontends_old_requests_are_aborted_and_no_one_elses(tmp_pat
     finally:
         worker.close()
         loop.close()
+
+
+def test_an_encoder_s_prompts_are_scheduled_whole_and_never_from_the_cache():
+    """whole_prompts: no chunk of a prompt, however the budget falls (a prompt longer than what is left
+    waits for the next step; one longer than the whole budget goes alone), and no prefix-cache hits."""
+    sched = make_scheduler(whole_prompts=True, max_num_batched_tokens=24, enable_prefix_caching=False)
+    requests = make_requests(4, prompt_len=[10, 10, 30, 10], max_tokens=1, pooling="last")
+    requests[3].prompt_ids = list(requests[0].prompt_ids)  # a repeated prompt: still computed whole
+    for req in requests:
+        sched.add_request(req)
+    worker = FakeWorker()
+    steps = []
+    while sched.has_work:
+        plan = sched.schedule()
+        steps.append([(s.num_computed_tokens, s.num_new_tokens) for s in plan.scheduled])
+        sched.update(worker.execute(plan))
+    assert steps[:3] == [[(0, 10), (0, 10)], [(0, 30)], [(0, 10)]]
+    assert sched.prefix_cache_hits == 0

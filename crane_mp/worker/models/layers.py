@@ -232,6 +232,11 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What hidden states are computed in (the final norm's: a GGUF model's matrices are quantized)."""
+        return self.model.norm.weight.dtype
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T]; returns hidden states [T, hidden] (final norm not yet applied)."""
         return self.model(input_ids)

@@ -30,6 +30,9 @@ class Architecture:
     # only when use_sliding_window is set; otherwise `sliding_window` applies to every layer.
     window_by_layer: bool = False
     model_type_aliases: tuple[str, ...] = ()  # further --model-type spellings (crane-oai's)
+    # An encoder (BERT family): every prompt attends to all of itself, so it runs whole in one step,
+    # keeps no KV cache and serves pooling only (--task embed / score).
+    encoder: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
@@ -43,6 +46,12 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  qk_norms=("self_attn.q_norm", "self_attn.k_norm"), window_by_layer=True),
     Architecture("hunyuan", "hunyuan.HunYuanDenseForCausalLM", ("HunYuanDenseV1ForCausalLM",), "hunyuan_v1_dense",
                  "hunyuan-dense", qk_norms=("self_attn.query_layernorm", "self_attn.key_layernorm")),
+    Architecture("bert", "bert.BertEncoder", ("BertModel", "BertForSequenceClassification"), "bert", "bert",
+                 reads_gguf=False, encoder=True),
+    Architecture("roberta", "bert.BertEncoder", ("RobertaModel", "RobertaForSequenceClassification"), "roberta",
+                 "roberta", reads_gguf=False, encoder=True),
+    Architecture("xlm-roberta", "bert.BertEncoder", ("XLMRobertaModel", "XLMRobertaForSequenceClassification"),
+                 "xlm-roberta", "xlm-roberta", reads_gguf=False, encoder=True),
 )}
 
 # Lookups, all derived from the rows above.
