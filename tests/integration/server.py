@@ -28,9 +28,10 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, model_path: str | Path | None, *args: str, log_path: Path, env: dict | None = None,
-                 wait: bool = True) -> None:
-        """Start crane-launch; with `wait`, return once /health is 200 (else at once, pids unknown)."""
-        self.port = free_port()
+                 wait: bool = True, port: int | None = None) -> None:
+        """Start crane-launch (on `port`, else a free one); with `wait`, return once /health is 200 (else
+        at once, pids unknown)."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         model = [] if model_path is None else ["--model-path", str(model_path)]

@@ -303,3 +303,20 @@ def test_a_frontend_that_dies_is_started_again_while_the_other_serves(model_dir,
     finally:
         log = stopped_cleanly(srv)
     assert "frontend-1 process exited with code -9; starting it again" in log
+
+
+def test_a_launcher_killed_outright_takes_its_children_with_it(model_dir, tmp_path):
+    """SIGKILL leaves crane-launch no time to stop anything: its children go with it (no frontend left
+    holding the port and answering), and the port takes a new server at once."""
+    srv = Server(model_dir, log_path=tmp_path / "log")
+    try:
+        children = [psutil.Process(pid) for pid in srv.pids.values()]
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(30)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.name() for p in alive]
+        again = Server(model_dir, log_path=tmp_path / "again.log", port=srv.port)
+        assert again.stop() == 0
+    finally:
+        srv.kill_all()
+        srv.log.close()
