@@ -7,10 +7,12 @@ its memory is needed. Eviction order is least recently freed first, and a reques
 go before its earlier ones (they are the least likely to be shared).
 
 Which free block an allocation takes: a recently freed one that caches nothing first (its memory is
-warm). Then, with `warm_first` (CPU: the KV cache is memory the kernel maps on first touch, at several
-microseconds a page on a VM), the least recently used cached block before a never-used one, so the
-touched memory grows only with what requests hold at once; without it (GPU: memory is ready), a
-never-used block before evicting anything cached.
+warm). Then, without `warm_first` (GPU: memory is ready), a never-used block before evicting anything
+cached. With it (CPU: the KV cache is memory the kernel maps on first touch, at several microseconds
+a page on a VM), the least recently used cached block before a never-used one once a quarter of the
+pool is cached and free, so the touched memory grows only with what requests hold at once plus that
+reserve; below it, a never-used block, so that the prefix cache keeps more than the last request's
+blocks (four interleaved prompt prefixes each evicted the one before).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class BlockPool:
         self._free: list[int] = []  # freed, unreferenced, uncached: the last freed is handed out first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached: LRU first
         self._next_unused = 0  # blocks [_next_unused, num_blocks) were never handed out
+        self._cache_reserve = num_blocks // 4 if warm_first else 0  # see the module docstring
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,7 +67,7 @@ class BlockPool:
             unused = self._next_unused < self.num_blocks
             if self._free:
                 block = self._free.pop()
-            elif unused and not (self.warm_first and self._evictable):
+            elif unused and not (self.warm_first and len(self._evictable) >= self._cache_reserve):
                 block = self._next_unused
                 self._next_unused += 1
             else:

@@ -59,15 +59,19 @@ def test_pool_keeps_freed_cached_blocks_until_memory_is_needed_evicting_least_re
 
 @pytest.mark.parametrize("warm_first", [False, True])
 def test_pool_reuses_warm_memory_first_where_asked(warm_first):
-    pool = BlockPool(6, warm_first=warm_first)
-    held = pool.allocate(3)
-    assert held == [0, 1, 2]  # never-used blocks in order
+    pool = BlockPool(8, warm_first=warm_first)
+    held = pool.allocate(5)
+    assert held == [0, 1, 2, 3, 4]  # never-used blocks in order
     pool.cache(held[0], 11)
-    pool.free(held[:2])  # block 0 cached (evictable), block 1 plain free
+    pool.cache(held[2], 12)
+    pool.free(held[:3])  # blocks 0 and 2 cached (evictable), block 1 plain free
     assert pool.allocate(1) == [1]  # a freed block that caches nothing: always first
-    # Then either a never-used block (memory is ready: GPU) or the cached one (CPU: touched memory).
-    assert pool.allocate(1) == ([0] if warm_first else [3])
-    assert pool.lookup([11]) == ([] if warm_first else [0])
+    # Then either a never-used block (memory is ready: GPU), or on CPU the least recently freed cached
+    # block once a quarter of the pool (2 blocks here) is cached and free: touched memory.
+    assert pool.allocate(1) == ([2] if warm_first else [5])
+    assert pool.lookup([12]) == ([] if warm_first else [2])
+    assert pool.allocate(1) == ([5] if warm_first else [6])  # CPU: one cached block left, under the reserve
+    assert pool.lookup([11]) == [0]
 
 
 def test_pool_flush_forgets_every_key_but_not_held_blocks():
