@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="text lines, or one JSON object per line for log collectors")
+    p.add_argument("--replica-name", default=None, metavar="NAME",
+                   help="the `replica` label of every Prometheus series (default: HOST:PORT), so that the "
+                        "replicas behind one router stay apart on one dashboard")
     p.add_argument("--log-requests", action="store_true",
                    help="include prompts in the per-request access log (never logged otherwise)")
     p.add_argument("--no-access-log", action="store_true", help="no line per finished request")
@@ -311,6 +314,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         port=args.port,
         log_level=args.log_level,
         log_format=args.log_format,
+        replica_name=args.replica_name,
         log_requests=args.log_requests,
         access_log=not args.no_access_log,
         shutdown_grace=args.shutdown_grace,

@@ -131,6 +131,7 @@ class ServerConfig:
     port: int = 8080
     log_level: str = "info"
     log_format: str = "text"  # or "json": one object per line
+    replica_name: str | None = None  # the metrics' replica label; None: host:port
     log_requests: bool = False  # prompts in the access log
     access_log: bool = True
     shutdown_grace: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
@@ -151,6 +152,10 @@ class ServerConfig:
     pooling: Pooling = field(default_factory=Pooling)  # how /v1/embeddings pools (engine.task == "embed")
     settings: dict = field(default_factory=dict)  # key -> {"value", "source"}, for /server_info
     unknown_env: tuple[str, ...] = ()  # CRANE_* variables that name no setting (warned at start)
+
+    @property
+    def replica(self) -> str:
+        return self.replica_name or f"{self.host}:{self.port}"
 
     @property
     def logs(self) -> LogSettings:

@@ -8,7 +8,7 @@ check them against the model, and `fill_model_limits` writes them into the OpenA
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from msgspec import Meta
 
@@ -36,6 +36,9 @@ NumChoices = Annotated[int, Meta(ge=1, le=16)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 StopString = Annotated[str, Meta(max_length=256)]
 StopStrings = StopString | Annotated[list[StopString], Meta(max_length=16)]
+# An SGLang option crane-mp does not implement, which SGLang clients and sglang-router send at its
+# default: accepted as false, a 400 as true.
+OffOnly = Annotated[Literal[False], Meta(description="not supported: false (the default) only")]
 
 
 def ids_below_pattern(limit: int) -> str:

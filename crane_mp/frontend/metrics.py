@@ -19,16 +19,19 @@ from crane_mp.protocol import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0, 160.0, 640.0)
+_LABELS = ("model_name", "replica")
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
-        self.model_name = model_name
+    def __init__(self, model_name: str, replica: str) -> None:
+        # Every series is labelled with the model and the replica (--replica-name): one dashboard over
+        # several servers behind a router tells them apart whatever the scrape's own labels.
+        self.names = (model_name, replica)
         self.shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         # Shared mode: the values live in files; the metric objects must not be in a rendered registry.
         self.registry = None if self.shared_dir else CollectorRegistry()
-        labels = ["model_name"]
+        labels = list(_LABELS)
         reg = self.registry
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", labels,
                                      registry=reg)
@@ -55,12 +58,12 @@ class Metrics:
         self.last_stats: EngineStats | None = None
 
     def request_rejected(self) -> None:
-        self.rejected.labels(self.model_name).inc()
+        self.rejected.labels(*self.names).inc()
 
     def observe_tokens(self, gap: float, count: int) -> None:
         """`count` tokens arrived together, `gap` seconds after the previous ones: the gaps a client
         saw, so a burst shows as one long gap and zeros, not as an even spread."""
-        itl = self.itl.labels(self.model_name)
+        itl = self.itl.labels(*self.names)
         itl.observe(gap)
         for _ in range(count - 1):
             itl.observe(0.0)
@@ -69,21 +72,21 @@ class Metrics:
         self, reason: str, prompt_tokens: int, completion_tokens: int, ttft: float | None, e2e: float,
         queue_time: float | None,
     ) -> None:
-        name = self.model_name
+        names = self.names
         if reason == "rejected":  # never ran; the 429 is counted once per HTTP request (access_log.py)
             return
         if reason == "timeout":
-            self.timed_out.labels(name).inc()
-        self.prompt_tokens.labels(name).inc(prompt_tokens)
-        self.generation_tokens.labels(name).inc(completion_tokens)
-        self.request_success.labels(name, reason).inc()
-        self.prompt_len.labels(name).observe(prompt_tokens)
-        self.output_len.labels(name).observe(completion_tokens)
-        self.e2e.labels(name).observe(e2e)
+            self.timed_out.labels(*names).inc()
+        self.prompt_tokens.labels(*names).inc(prompt_tokens)
+        self.generation_tokens.labels(*names).inc(completion_tokens)
+        self.request_success.labels(*names, reason).inc()
+        self.prompt_len.labels(*names).observe(prompt_tokens)
+        self.output_len.labels(*names).observe(completion_tokens)
+        self.e2e.labels(*names).observe(e2e)
         if ttft is not None:
-            self.ttft.labels(name).observe(ttft)
+            self.ttft.labels(*names).observe(ttft)
         if queue_time is not None:
-            self.queue.labels(name).observe(queue_time)
+            self.queue.labels(*names).observe(queue_time)
 
     def render(self, stats: EngineStats | None) -> bytes:
         if stats is not None:
@@ -96,7 +99,7 @@ class Metrics:
         text = generate_latest(registry)
         if self.last_stats is not None:
             engine = CollectorRegistry()
-            engine.register(_EngineCollector(self.model_name, self.last_stats))
+            engine.register(_EngineCollector(self.names, self.last_stats))
             text += generate_latest(engine)
         return text
 
@@ -104,12 +107,12 @@ class Metrics:
 class _EngineCollector:
     """The scheduler's figures, as gauges and counters, from one EngineStats."""
 
-    def __init__(self, model_name: str, stats: EngineStats) -> None:
-        self.model_name = model_name
+    def __init__(self, names: tuple[str, str], stats: EngineStats) -> None:
+        self.names = list(names)
         self.stats = stats
 
     def collect(self):
-        s, name = self.stats, [self.model_name]
+        s, names = self.stats, self.names
         used = s.num_total_blocks - s.num_free_blocks
         for metric, doc, value in (
             ("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
@@ -117,14 +120,14 @@ class _EngineCollector:
             ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
              used / s.num_total_blocks if s.num_total_blocks else 0.0),
         ):
-            family = GaugeMetricFamily(metric, doc, labels=["model_name"])
-            family.add_metric(name, value)
+            family = GaugeMetricFamily(metric, doc, labels=_LABELS)
+            family.add_metric(names, value)
             yield family
         for metric, doc, value in (
             ("vllm:num_preemptions", "Preemptions (KV blocks reclaimed, later recomputed).", s.num_preemptions),
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
         ):
-            family = CounterMetricFamily(metric, doc, labels=["model_name"])
-            family.add_metric(name, value)
+            family = CounterMetricFamily(metric, doc, labels=_LABELS)
+            family.add_metric(names, value)
             yield family

@@ -22,6 +22,7 @@ from crane_mp.frontend.fields import (
     LogitBias,
     MinP,
     NumChoices,
+    OffOnly,
     Penalty,
     PositiveCount,
     RepetitionPenalty,
@@ -106,6 +107,9 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored: there is one backend
+    # SGLang's, which sglang-router writes into every request it forwards.
+    no_stop_trim: OffOnly = False
+    return_hidden_states: OffOnly = False
 
     def constraint(self) -> Constraint | None:
         """The one output constraint the request sets, if any; a 400 when it sets several."""
@@ -194,6 +198,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True  # SGLang's: false leaves a reasoning model's thinking in content
+    stream_reasoning: bool = True  # SGLang's; accepted and ignored: thinking always streams as it comes
     # Tokens a reasoning model may think before `</think>` is forced (llama.cpp's --reasoning-budget);
     # both spellings clients use.
     thinking_budget: Count | None = None

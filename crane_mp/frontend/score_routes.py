@@ -38,6 +38,9 @@ DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that
 _PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
            "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
 _SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+# The model sglang-router names in every rerank request it forwards, whatever its client named: the
+# served one.
+_ROUTER_UNNAMED = "unknown"
 # Documents a request may score (also bounded by --max-request-generations: a pair is one engine request).
 MAX_DOCUMENTS = 1024
 
@@ -149,7 +152,8 @@ def _check_room(state: FrontendState, index: int, tokens: int) -> None:
 @api.add("post", "/v2/rerank", body=RerankRequest, requires=FrontendState.require_scoring, generation=True)
 async def rerank(request: web.Request, req: RerankRequest) -> web.StreamResponse:
     texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
-    model_name = resolve_model(request.app[STATE], req.model)[0]
+    model = None if req.model == _ROUTER_UNNAMED else req.model
+    model_name = resolve_model(request.app[STATE], model)[0]
 
     def respond(scores: list[float], tokens: int) -> dict[str, Any]:
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n]
@@ -158,7 +162,7 @@ async def rerank(request: web.Request, req: RerankRequest) -> web.StreamResponse
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": model_name, "usage": {"total_tokens": tokens},
                 "results": results}
 
-    return await _score_pairs(request, [(req.query, text) for text in texts], req.instruction, req.model, respond)
+    return await _score_pairs(request, [(req.query, text) for text in texts], req.instruction, model, respond)
 
 
 @api.add("post", "/score", body=ScoreRequest, requires=FrontendState.require_scoring, generation=True,

@@ -14,6 +14,7 @@ from crane_mp.frontend.fields import (
     MinP,
     NonEmptyText,
     NumChoices,
+    OffOnly,
     Penalty,
     RepetitionPenalty,
     StopStrings,
@@ -87,6 +88,14 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     lora_path: str | list[str | None] | None = None  # a --lora-modules name, for all prompts or per prompt
     # The thinking apart from the answer, as `reasoning_text` (with --reasoning-parser): text is the answer.
     separate_reasoning: bool = False
+    # SGLang's further options, which sglang-router writes into every request it forwards: the logging
+    # ones accepted and ignored, the others at their default only.
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_hidden_states: OffOnly = False
+    background: OffOnly = False
+    return_bytes: OffOnly = False
+    return_entropy: OffOnly = False
 
 
 INPUT_IDS_SCHEMA = {"anyOf": [PROMPT_IDS_SCHEMA, PROMPT_IDS_BATCH_SCHEMA]}

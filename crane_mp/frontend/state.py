@@ -44,7 +44,7 @@ class FrontendState:
     answer_head: ScoreHead | None = field(default=None, init=False)  # a causal reranker's yes/no head, once read
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(self.config.model_name)
+        self.metrics = Metrics(self.config.model_name, self.config.replica)
         self.gate = LoadGate(self.config.engine.max_num_seqs + self.config.max_queue)
         added = self.tokenizer.added_vocab
         self.reasoning = reasoning_enabled(self.config.reasoning_parser, added)

@@ -126,7 +126,9 @@ def test_overload_sheds_with_429_and_every_accepted_request_completes(model_dir,
         assert stats["num_running"] == 0 and stats["num_waiting"] == 0
         assert stats["num_free_blocks"] + stats["num_cached_blocks"] >= stats["num_total_blocks"] - 1
         metrics = requests.get(srv.url + "/metrics", timeout=30).text
-        assert f'crane:requests_rejected_total{{model_name="qwen3"}} {float(statuses.count(429))}' in metrics
+        replica = f"127.0.0.1:{srv.port}"
+        assert (f'crane:requests_rejected_total{{model_name="qwen3",replica="{replica}"}} '
+                f'{float(statuses.count(429))}') in metrics
         assert requests.get(srv.url + "/health", timeout=30).status_code == 200
         for before, proc in zip(rss_before, procs):
             assert proc.memory_info().rss < before * 1.10, proc.name()
@@ -188,7 +190,8 @@ def test_access_log_request_ids_and_two_frontends(model_dir, tmp_path):
         assert [s for s, _, _ in results].count(200) == 24 and results[-1][0] == 400
         assert results[0][1]["x-request-id"] == "chat-0" and len(results[1][1]["x-request-id"]) == 32
         metrics = requests.get(srv.url + "/metrics", timeout=30).text
-        assert 'vllm:request_success_total{finished_reason="length",model_name="qwen3"} 24.0' in metrics
+        assert ('vllm:request_success_total{finished_reason="length",model_name="qwen3",'
+                f'replica="127.0.0.1:{srv.port}"}} 24.0') in metrics
     finally:
         log = stopped_cleanly(srv)
     lines = [line for line in access_lines(srv.log_path) if line["route"] != "/metrics"]

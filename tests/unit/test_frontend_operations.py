@@ -67,7 +67,7 @@ async def test_the_gate_sheds_with_429_and_counts_rejections(model_dir, tmp_path
         assert r.status == 429 and r.headers["Retry-After"] == "1"
         assert (await r.json())["error"]["type"] == "rate_limit_error" and len(fake.requests) == 2
         metrics = await (await client.get("/metrics")).text()
-        assert 'crane:requests_rejected_total{model_name="tiny"} 1.0' in metrics
+        assert 'crane:requests_rejected_total{model_name="tiny",replica="127.0.0.1:8080"} 1.0' in metrics
         first.close()
         second.close()
     finally:

@@ -19,20 +19,20 @@ def stats(preemptions: int, queries: int, hits: int) -> EngineStats:
 
 
 def test_a_burst_of_tokens_counts_as_one_gap_and_zeros():
-    metrics = Metrics("m")
+    metrics = Metrics("m", "host-a:8080")
     metrics.observe_tokens(0.5, 3)  # three tokens arrived together, half a second after the last
     values = samples(metrics)
-    assert values["vllm:inter_token_latency_seconds_count[('model_name', 'm')]"] == 3
-    assert values["vllm:inter_token_latency_seconds_sum[('model_name', 'm')]"] == 0.5
-    assert values["vllm:inter_token_latency_seconds_bucket[('le', '0.005'), ('model_name', 'm')]"] == 2
+    assert values["vllm:inter_token_latency_seconds_count[('model_name', 'm'), ('replica', 'host-a:8080')]"] == 3
+    assert values["vllm:inter_token_latency_seconds_sum[('model_name', 'm'), ('replica', 'host-a:8080')]"] == 0.5
+    assert values["vllm:inter_token_latency_seconds_bucket[('le', '0.005'), ('model_name', 'm'), ('replica', 'host-a:8080')]"] == 2
 
 
 def test_scheduler_totals_become_monotonic_counters():
-    metrics = Metrics("m")
+    metrics = Metrics("m", "host-a:8080")
     samples(metrics, stats(2, 100, 64))
     values = samples(metrics, stats(3, 150, 96))
-    assert values["vllm:prefix_cache_queries_total[('model_name', 'm')]"] == 150
-    assert values["vllm:prefix_cache_hits_total[('model_name', 'm')]"] == 96
-    assert values["vllm:num_preemptions_total[('model_name', 'm')]"] == 3
+    assert values["vllm:prefix_cache_queries_total[('model_name', 'm'), ('replica', 'host-a:8080')]"] == 150
+    assert values["vllm:prefix_cache_hits_total[('model_name', 'm'), ('replica', 'host-a:8080')]"] == 96
+    assert values["vllm:num_preemptions_total[('model_name', 'm'), ('replica', 'host-a:8080')]"] == 3
     values = samples(metrics, None)  # a scrape the scheduler did not answer changes nothing
-    assert values["vllm:prefix_cache_hits_total[('model_name', 'm')]"] == 96
+    assert values["vllm:prefix_cache_hits_total[('model_name', 'm'), ('replica', 'host-a:8080')]"] == 96
