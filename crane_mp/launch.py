@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
             info.quantized_activations, info.isa,
             info.kernel_isa, info.kv_bytes_per_token, info.kv_budget_bytes / gib, info.num_blocks,
             info.num_blocks * info.block_size, config.engine.max_num_seqs, config.max_queue, info.max_model_len,
-            _on_off(config.engine.enable_prefix_caching and not info.whole_prompts), _on_off(config.engine.overlap_schedule),
+            _on_off(config.engine.enable_prefix_caching and not info.whole_prompts),
+            _on_off(config.engine.overlap_schedule),
             _on_off(config.engine.runtime_lora), config.num_frontends, config.host, config.port,
         )
         notify("READY=1\nSTATUS=serving " + config.model_name)

@@ -9,10 +9,11 @@ go before its earlier ones (they are the least likely to be shared).
 Which free block an allocation takes: a recently freed one that caches nothing first (its memory is
 warm). Then, without `warm_first` (GPU: memory is ready), a never-used block before evicting anything
 cached. With it (CPU: the KV cache is memory the kernel maps on first touch, at several microseconds
-a page on a VM), the least recently used cached block before a never-used one once a quarter of the
-pool is cached and free, so the touched memory grows only with what requests hold at once plus that
-reserve; below it, a never-used block, so that the prefix cache keeps more than the last request's
-blocks (four interleaved prompt prefixes each evicted the one before).
+a page on a VM), the least recently used cached block before a never-used one once _CACHE_RESERVE
+blocks (at most a quarter of the pool) are cached and free, so the touched memory grows only with
+what requests hold at once plus that reserve; below it, a never-used block, so that the prefix cache
+keeps more than the last request's blocks (four interleaved prompt prefixes each evicted the one
+before).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from __future__ import annotations
 from collections import OrderedDict
 
 BlockKey = int
+# Cached blocks kept before touched memory is recycled (warm_first): 65k tokens, dozens of long
+# prompt prefixes, and a bounded one-time cost of first touches (256 MiB of the demo's KV cache).
+_CACHE_RESERVE = 4096
 
 
 def chain_keys(
@@ -45,7 +49,7 @@ class BlockPool:
         self._free: list[int] = []  # freed, unreferenced, uncached: the last freed is handed out first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached: LRU first
         self._next_unused = 0  # blocks [_next_unused, num_blocks) were never handed out
-        self._cache_reserve = num_blocks // 4 if warm_first else 0  # see the module docstring
+        self._cache_reserve = min(num_blocks // 4, _CACHE_RESERVE) if warm_first else 0
 
     @property
     def num_free_blocks(self) -> int:

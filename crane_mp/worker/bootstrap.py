@@ -111,7 +111,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         timer.done("decode matmuls")
 
     # An encoder's requests "sample" one placeholder token after a prompt that may fill every position.
-    max_model_len = config.max_model_len or model_config.max_position_embeddings + (1 if model_config.encoder else 0)
+    placeholder = 1 if model_config.encoder else 0
+    max_model_len = config.max_model_len or model_config.max_position_embeddings + placeholder
     if config.max_total_tokens is not None:
         capacity = config.max_total_tokens // config.block_size * config.block_size
         if capacity < max_model_len:

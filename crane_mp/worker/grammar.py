@@ -144,10 +144,10 @@ class GrammarEngine:
 
     def closing_path(self, matcher, limit: int) -> list[int] | None:
         """Tokens that take `matcher` from its state to one where its grammar may end, or None when
-        none were found within `limit` tokens (or the walk ran in place). Short, not shortest: a greedy walk that takes a forced
-        token where there is one, else the first of _CLOSERS the grammar allows, else its lowest allowed
-        id (single bytes, in byte-level vocabularies). Some ten microseconds a token; the matcher is
-        left as it was."""
+        none were found within `limit` tokens (or the walk ran in place). Short, not shortest: a
+        greedy walk that takes a forced token where there is one, else the first of _CLOSERS the
+        grammar allows, else its lowest allowed id (single bytes, in byte-level vocabularies). Some
+        ten microseconds a token; the matcher is left as it was."""
         if matcher.is_error():
             return None
         path: list[int] = []
