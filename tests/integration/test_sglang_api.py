@@ -140,19 +140,19 @@ def test_metrics_parse_and_count_exactly(server):
                                                                               "ignore_eos": True}}).json()
                 for i in range(5)]
     after = metric_values(server)
-    name = ("model_name", "hy")
-    gen_key = ("vllm:generation_tokens_total", (name,))
-    prompt_key = ("vllm:prompt_tokens_total", (name,))
+    labels = (("model_name", "hy"), ("replica", f"127.0.0.1:{server.port}"))
+    gen_key = ("vllm:generation_tokens_total", labels)
+    prompt_key = ("vllm:prompt_tokens_total", labels)
     assert after[gen_key] - before.get(gen_key, 0) == sum(w["meta_info"]["completion_tokens"] for w in workload)
     assert after[prompt_key] - before.get(prompt_key, 0) == sum(w["meta_info"]["prompt_tokens"] for w in workload)
-    length_key = ("vllm:request_success_total", (("finished_reason", "length"), name))
+    length_key = ("vllm:request_success_total", (("finished_reason", "length"), *labels))
     assert after[length_key] - before.get(length_key, 0) == 5
     for key, value in before.items():
         if key[0].endswith("_total") or key[0].endswith("_count"):
             assert after[key] >= value  # counters only grow
-    assert ("vllm:num_requests_running", (name,)) in after
-    assert 0.0 <= after[("vllm:kv_cache_usage_perc", (name,))] <= 1.0
-    assert after[("vllm:time_to_first_token_seconds_count", (name,))] >= 5
+    assert ("vllm:num_requests_running", labels) in after
+    assert 0.0 <= after[("vllm:kv_cache_usage_perc", labels)] <= 1.0
+    assert after[("vllm:time_to_first_token_seconds_count", labels)] >= 5
 
 
 def test_health_generate_is_503_while_the_worker_is_stuck(server):
