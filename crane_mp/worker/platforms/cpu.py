@@ -88,9 +88,14 @@ class CpuPlatform(Platform):
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Anonymous memory the kernel hands out zeroed page by page as it is first touched: a large KV
-        cache costs neither start-up time nor RAM until it is used."""
+        cache costs neither start-up time nor RAM until it is used. In 2 MiB pages where the kernel
+        has them for the asking (transparent_hugepage=madvise): a decode step that reaches new blocks
+        takes one fault where it took 512, and every step's reads cross fewer page boundaries."""
         num_bytes = math.prod(shape) * dtype.itemsize
-        return torch.frombuffer(mmap.mmap(-1, max(num_bytes, 1)), dtype=torch.uint8)[:num_bytes].view(dtype).view(shape)
+        memory = mmap.mmap(-1, max(num_bytes, 1))
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        return torch.frombuffer(memory, dtype=torch.uint8)[:num_bytes].view(dtype).view(shape)
 
     def total_memory(self) -> int:
         return psutil.virtual_memory().total
