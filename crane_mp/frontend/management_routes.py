@@ -1,4 +1,5 @@
-"""Operations routes: /health, /health_generate, model and server info, /v1/stats, /flush_cache, /metrics.
+"""Operations routes: /health, /health_generate, model and server info, /v1/stats, /get_load, /flush_cache,
+/metrics.
 
 Info routes answer in SGLang's and crane-oai's shapes; /metrics in Prometheus text format.
 """
@@ -42,6 +43,17 @@ async def stats(request: web.Request) -> web.Response:
     """Engine counters from the scheduler: running/waiting sequences, KV blocks, totals, decode rate."""
     snapshot = await _stats(request.app[STATE])
     return json_response({f: getattr(snapshot, f) for f in snapshot.__struct_fields__ if f != "token"})
+
+
+@api.add("get", "/get_load", requires=FrontendState.require_ready, errors=("503",), summary="Load, SGLang's shape")
+async def get_load(request: web.Request) -> web.Response:
+    """SGLang's load report (one entry per data-parallel rank: here one), which sglang-router's
+    power-of-two policy reads: `num_tokens`, the KV tokens running requests hold, is what it compares."""
+    state = request.app[STATE]
+    snapshot = await _stats(state)
+    held = (snapshot.num_total_blocks - snapshot.num_free_blocks) * state.engine_info.block_size
+    return json_response([{"dp_rank": 0, "num_reqs": snapshot.num_running + snapshot.num_waiting,
+                           "num_waiting_reqs": snapshot.num_waiting, "num_tokens": held}])
 
 
 @api.add("post", "/flush_cache", requires=FrontendState.require_ready, admin=True, summary="Drop cached prefixes")

@@ -86,6 +86,10 @@ def test_every_route_works_through_the_router(replicas):
     assert sum(text.count('vllm:request_success_total{finished_reason="length",model_name="qwen3",replica="')
                for text in served) >= 1
     assert all(f'replica="{name}"' in text for name, text in zip("ab", served))
+    [load] = requests.get(servers[0].url + "/get_load", timeout=10).json()
+    assert load["dp_rank"] == 0 and load["num_reqs"] == load["num_waiting_reqs"] == load["num_tokens"] == 0
+    loads = requests.get(url + "/get_loads", timeout=10).json()["workers"]  # the router reads them too
+    assert sorted(entry["load"] for entry in loads) == [0, 0]
 
 
 def test_a_shared_prefix_is_served_from_the_cache_of_one_replica(replicas):
