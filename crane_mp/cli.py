@@ -25,8 +25,9 @@ from crane_mp.config import (
 )
 from crane_mp.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
 from crane_mp.pooling import POOLING_METHODS, Pooling, sentence_transformers_pooling
-from crane_mp.score_head import classifies, is_encoder
+from crane_mp.score_head import classifies
 from crane_mp.settings import SettingsError, resolve, settable_actions, unknown_env_names
+from crane_mp.worker.model_config import is_encoder_checkpoint
 from crane_mp.worker.models.registry import MODEL_TYPE_ALIASES
 
 
@@ -222,7 +223,7 @@ def _task_and_pooling(args, source: ModelSource, parser) -> tuple[str, Pooling]:
             parser.error(str(err))
         declared = None
     task = args.task
-    encoder = source.format == "safetensors" and is_encoder(source.model_dir)
+    encoder = source.format == "safetensors" and is_encoder_checkpoint(source.model_dir, args.model_type)
     if task == "auto":
         pools = declared or args.pooling or encoder
         task = "score" if classifies(source.model_dir) else "embed" if pools else "generate"

@@ -20,7 +20,6 @@ import numpy as np
 from safetensors import safe_open
 
 from crane_mp.gguf_file import ModelSource, check_gguf
-from crane_mp.worker.models.registry import ARCHITECTURES, HF_CLASSES
 
 
 def classifies(model_dir: Path | None) -> bool:
@@ -37,14 +36,6 @@ def classifies(model_dir: Path | None) -> bool:
 # the first ([CLS], <s>) before their output layer.
 _HEADS = ((None, "score", "last"), ("bert.pooler.dense", "classifier", "cls"),
           ("classifier.dense", "classifier.out_proj", "cls"))
-
-
-def is_encoder(model_dir: Path) -> bool:
-    """The checkpoint is a BERT-family encoder (registry `encoder`), which serves pooling only."""
-    config = _json(model_dir / "config.json")
-    names = [HF_CLASSES.get(name) for name in config.get("architectures") or []]
-    return any(name is not None and ARCHITECTURES[name].encoder for name in names) or config.get("model_type") in {
-        arch.hf_model_type for arch in ARCHITECTURES.values() if arch.encoder}
 
 
 @dataclass(frozen=True)

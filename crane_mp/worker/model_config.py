@@ -10,6 +10,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from crane_mp.gguf_file import SERVED_TYPES, check_gguf, rope_freq_factors
@@ -71,6 +72,18 @@ def detect_arch(hf_config: Any, model_type: str = "auto") -> str:
             f"model_type {getattr(hf_config, 'model_type', None)!r} is not supported (supported: {supported()})"
         )
     return arch
+
+
+def is_encoder_checkpoint(model_dir: Path, model_type: str = "auto") -> bool:
+    """A safetensors checkpoint of a BERT-family encoder (registry `encoder`), which serves pooling
+    only: read from config.json alone, so that the launcher decides before any process starts."""
+    config_file = model_dir / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    names = SimpleNamespace(architectures=config.get("architectures"), model_type=config.get("model_type", ""))
+    try:
+        return ARCHITECTURES[detect_arch(names, model_type)].encoder
+    except UnsupportedModelError:
+        return False
 
 
 def _eos_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:

@@ -54,3 +54,14 @@ def test_an_embedding_model_embeds_as_sentence_transformers_does(arch, pooling, 
         assert chat.status_code == 400
     finally:
         assert srv.stop() == 0
+
+
+def test_an_encoder_is_served_for_pooling_only(tmp_path, capsys):
+    from crane_mp.cli import parse_args
+
+    path = make_encoder("bert", tmp_path / "bert", "embed", "mean", seed=1)
+    config = parse_args(["--model-path", str(path)])
+    assert config.engine.task == "embed" and config.pooling.method == "mean"
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", str(path), "--task", "generate"])
+    assert "an encoder (BERT family)" in capsys.readouterr().err

@@ -123,3 +123,19 @@ def test_a_checkpoint_tensor_of_the_wrong_shape_is_refused_not_broadcast():
     for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
         with pytest.raises(ValueError, match=f"'{name}' has shape \\[{config.hidden_size}\\], the model expects"):
             model.load_weights([(name, row)])
+
+
+def test_an_encoder_checkpoint_is_known_from_its_config_alone(tmp_path):
+    import json
+
+    from crane_mp.worker.model_config import is_encoder_checkpoint
+
+    for name, config, encoder in (("bert", {"architectures": ["BertModel"]}, True),
+                                  ("xlmr", {"model_type": "xlm-roberta"}, True),
+                                  ("qwen", {"architectures": ["Qwen3ForCausalLM"]}, False),
+                                  ("gpt2", {"model_type": "gpt2"}, False)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        assert is_encoder_checkpoint(tmp_path / name) is encoder, name
+    assert is_encoder_checkpoint(tmp_path / "qwen", "bert")  # --model-type decides where given
+    assert not is_encoder_checkpoint(tmp_path / "missing")

@@ -124,11 +124,8 @@ def test_an_idle_server_admits_a_small_first_chunk_then_full_budgets_beside_deco
     for req in reqs:
         sched.add_request(req)
     worker = FakeWorker()
-    sizes = []
-    while sched.waiting:
-        plan = sched.schedule()
-        sizes.append(len(plan.new_requests))
-        sched.update(worker.execute(plan))
+    run_to_completion(sched, worker)
+    sizes = [len(plan.new_requests) for plan in worker.plans]
     assert sizes[:2] == [2, 8]  # 16 tokens while nobody streams; then 62 beside two decodes (the 8th in part)
     run_to_completion(sched, worker)
 
@@ -577,10 +574,7 @@ def test_an_encoder_s_prompts_are_scheduled_whole_and_never_from_the_cache():
     for req in requests:
         sched.add_request(req)
     worker = FakeWorker()
-    steps = []
-    while sched.has_work:
-        plan = sched.schedule()
-        steps.append([(s.num_computed_tokens, s.num_new_tokens) for s in plan.scheduled])
-        sched.update(worker.execute(plan))
+    run_to_completion(sched, worker)
+    steps = [[(s.num_computed_tokens, s.num_new_tokens) for s in plan.scheduled] for plan in worker.plans]
     assert steps[:3] == [[(0, 10), (0, 10)], [(0, 30)], [(0, 10)]]
     assert sched.prefix_cache_hits == 0
