@@ -4,9 +4,10 @@
 
 For each Qwen3-8B projection shape and type: milliseconds per call, weight GB/s (what bounds decode)
 and GFLOP/s (what bounds batched steps and prompts) of the float-activation kernel (gguf_matmul.cpp),
-the 8-bit one on GGUF's rows (gguf_int8.cpp) and, for Q4_K and Q8_0, on rows repacked eight at a time
-(gguf_repack.cpp) as the server loads them. Calls rotate over three copies of each matrix (more than any L3), and the DRAM
-read bandwidth (2 GiB torch.sum) is measured first. Prints one JSON line per row count.
+the 8-bit one on GGUF's rows (gguf_int8.cpp) and, for Q4_K, Q6_K and Q8_0, on rows repacked
+(gguf_repack.cpp) as the server loads them (`int8_x8`: eight rows at a time, sixteen for Q6_K on CPUs
+with VBMI). Calls rotate over three copies of each matrix (more than any L3), and the DRAM read
+bandwidth (2 GiB torch.sum) is measured first. Prints one JSON line per row count.
 """
 
 from __future__ import annotations

@@ -153,6 +153,46 @@ def test_rows_repacked_by_eight_give_the_row_kernel_results(qtype, rows, cols):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_q6_k_rows_repacked_by_sixteen_give_the_row_kernel_results():
+    """The VBMI layout (each value's 6 bits together, 16 rows a group, up to 8 activation rows a call):
+    same outputs as GGUF's rows up to float rounding, for 1-8 rows a call and their tails, weight
+    groups first and tiles first, signed scales down to -128."""
+    from crane_mp.worker.quantized.formats import Q6_K_X16
+
+    if not torch.ops.crane_mp.gguf_q6_k_x16_supported():
+        pytest.skip("this CPU or kernel tier lacks AVX512-VNNI or VBMI")
+    for rows, cols in ((16, 256), (48, 768), (304, 1024)):
+        weight = torch.from_numpy(quantized(T.Q6_K, rows, cols, seed=rows).copy())
+        scales = weight.view(-1, 210)[:, 192:208].view(torch.int8)
+        scales[:, ::3] = -scales[:, ::3]
+        scales[::7, 5] = -128
+        packed = torch.ops.crane_mp.gguf_repack_q6_k_x16(weight, cols)
+        assert packed.shape == weight.shape and not torch.equal(packed, weight)
+        for batch in (1, 2, 5, 8, 9, 17, 64, 300):
+            x = torch.from_numpy(activations(batch, cols, seed=batch))
+            want = torch.ops.crane_mp.gguf_linear_int8(x, weight, T.Q6_K, cols)
+            got = torch.ops.crane_mp.gguf_linear_int8(x, packed, Q6_K_X16, cols)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_q6_k_layout_follows_the_cpu():
+    """Q6_K goes sixteen rows a group where the x16 kernel runs, else (or for rows in eights only)
+    eight; a sixteen-row repack of rows that do not fill groups of 16 is an error."""
+    from crane_mp.worker.quantized.formats import Q6_K_X8, Q6_K_X16
+    from crane_mp.worker.quantized.matmul import NativeGGUF
+
+    native = NativeGGUF()
+    sixteen = torch.from_numpy(quantized(T.Q6_K, 32, 256).copy())
+    eight = torch.from_numpy(quantized(T.Q6_K, 24, 256).copy())
+    expected = Q6_K_X16 if torch.ops.crane_mp.gguf_q6_k_x16_supported() else Q6_K_X8
+    assert native.layout(T.Q6_K, sixteen, 256, int8=True)[0] == expected
+    assert native.layout(T.Q6_K, eight, 256, int8=True)[0] == Q6_K_X8
+    with pytest.raises(RuntimeError, match="groups of 16"):
+        torch.ops.crane_mp.gguf_repack_q6_k_x16(eight, 256)
+    native.q6_k_x16 = False
+    assert native.layout(T.Q6_K, sixteen, 256, int8=True)[0] == Q6_K_X8
+
+
 def test_only_whole_groups_of_eight_rows_are_repacked():
     from crane_mp.worker.quantized.formats import Q4_K_X8, Q8_0_X8
     from crane_mp.worker.quantized.matmul import NativeGGUF

@@ -17,8 +17,9 @@
 // threads in tiles small enough to stay in L2 while every group of 4 activation rows passes over
 // them, so prefill reads each weight from DRAM once too; nothing is dequantized to float. Q4_K,
 // Q6_K and Q8_0 rows repacked eight at a time (gguf_repack.cpp) go through the same tiles, a group at a
-// time (two Q4_K groups at once in 512-bit vectors with AVX512-VNNI, from 16 activation rows); while
-// the activations fit in L2, all of them pass over one group before the next.
+// time (two Q4_K groups at once in 512-bit vectors with AVX512-VNNI, from 16 activation rows; Q6_K
+// sixteen rows a group, 8 activation rows a call, where the CPU also has VBMI); while the activations
+// fit in L2, all of them pass over one group before the next.
 // int16 sums never saturate: a pair of products is at most 2 * 63 * 127 (6-bit weights) or
 // 2 * 128 * 127 (8-bit, through the sign trick) < 32767. With AVX512-VNNI (the avx512_bf16 and amx
 // tiers) byte products go into int32 in one instruction; the integer results are the same.
@@ -45,12 +46,13 @@ using namespace crane_mp::gguf;
 using namespace crane_mp::int8;
 
 bool k_quant(int64_t qtype) {
-  return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == kQ4KX8 || qtype == kQ6KX8;
+  return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == kQ4KX8 || qtype == kQ6KX8 || qtype == kQ6KX16;
 }
 
 bool int8_type(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: case kQ4KX8: case kQ8_0X8: case kQ6KX8:
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K:
+    case kQ4KX8: case kQ8_0X8: case kQ6KX8: case kQ6KX16:
       return true;
   }
   return false;
@@ -59,12 +61,36 @@ bool int8_type(int64_t qtype) {
 using GroupDotFn = void (*)(const uint8_t*, const Acts&, int64_t, int64_t, float*);
 using PairDotFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, int64_t, float*);
 
+// Activation rows per kernel call: 4 rows' accumulators and operands fill the 16 vector registers.
+constexpr int64_t kRowGroup = 4;
+// The most any kernel takes (rows_per_call).
+constexpr int64_t kMaxRowsPerCall = 8;
+
 // The kernel of a repacked type; nullptr for GGUF's own rows.
 GroupDotFn group_dot(int64_t qtype) {
   if (qtype == kQ4KX8) return dot_q4_k_x8;
   if (qtype == kQ8_0X8) return dot_q8_0_x8;
   if (qtype == kQ6KX8) return dot_q6_k_x8;
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  if (qtype == kQ6KX16) return dot_q6_k_x16;
+#endif
   return nullptr;
+}
+
+// Weight rows a repacked group holds.
+int64_t group_rows(int64_t qtype) { return qtype == kQ6KX16 ? 16 : 8; }
+
+// Activation rows a kernel call takes (two-group calls take kRowGroup): Q6_K x16 unpacks each weight
+// vector in 3 instructions, which 8 rows' vpdpbusd share; the other kernels' operands fill the registers at 4.
+int64_t rows_per_call(int64_t qtype) { return qtype == kQ6KX16 ? 8 : kRowGroup; }
+
+int64_t group_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4KX8: return kQ4KX8Bytes;
+    case kQ6KX8: return kQ6KX8Bytes;
+    case kQ6KX16: return kQ6KX16Bytes;
+  }
+  return kQ8_0X8Bytes;
 }
 
 // The kernel taking two adjacent groups at once (512-bit vectors), where the build has one.
@@ -322,8 +348,6 @@ DotFn dot_for(int64_t qtype) {
 
 // ---- driver -----------------------------------------------------------------------------------
 
-// Activation rows per kernel call: 4 rows' accumulators and operands fill the 16 vector registers.
-constexpr int64_t kRowGroup = 4;
 // Weight rows a thread walks before the next group of activation rows: ~128 KB, resident in L2
 // while every group passes over them.
 constexpr int64_t kTileBytes = 128 * 1024;
@@ -373,13 +397,14 @@ int64_t block_of(int64_t qtype) {
 }
 
 void check_int8_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(qtype != kQ6KX16 || gguf_q6_k_x16_supported(), "gguf_linear_int8: Q6_K rows repacked by 16 need "
+              "AVX512-VNNI and VBMI, which this build or CPU lacks");
   if (group_dot(qtype) == nullptr) return check_weight(w, qtype, K);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "gguf weights must be a contiguous CPU uint8 [N, row_bytes] tensor");
-  const int64_t block = k_quant(qtype) ? 256 : 32;
-  const int64_t group_bytes = qtype == kQ4KX8 ? kQ4KX8Bytes : (qtype == kQ6KX8 ? kQ6KX8Bytes : kQ8_0X8Bytes);
-  TORCH_CHECK(K > 0 && K % block == 0 && w.size(0) % 8 == 0 && w.size(1) == K / block * (group_bytes / 8),
-              "repacked weights of shape ", w.sizes(), " do not hold ", K, " columns in groups of 8 rows");
+  const int64_t block = k_quant(qtype) ? 256 : 32, rows = group_rows(qtype);
+  TORCH_CHECK(K > 0 && K % block == 0 && w.size(0) % rows == 0 && w.size(1) == K / block * (group_bytes(qtype) / rows),
+              "repacked weights of shape ", w.sizes(), " do not hold ", K, " columns in groups of ", rows, " rows");
 }
 
 // One tile's output rows [n0, n1) for activation rows m0 .. m0 + rows - 1, row-major GGUF weights.
@@ -392,17 +417,19 @@ void rows_tile(const uint8_t* src, int64_t row_bytes, const DotFn fn, const Acts
   }
 }
 
-// The same over weights repacked eight rows at a time (n0, n1 multiples of 8), for activation rows
-// [m_begin, m_end): each group (or pair of groups) against all of them before the next.
-void groups_tile(const uint8_t* src, int64_t row_bytes, const GroupDotFn fn, const PairDotFn pair_fn,
-                 const Acts& acts, int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1, int64_t N, float* ys) {
-  float dots[kRowGroup * 16];
+// The same over weights repacked `rows_per_group` rows at a time (n0, n1 multiples of it), for
+// activation rows [m_begin, m_end): each group (or pair of groups) against all of them before the next.
+void groups_tile(const uint8_t* src, int64_t row_bytes, int64_t rows_per_group, int64_t per_call, const GroupDotFn fn,
+                 const PairDotFn pair_fn, const Acts& acts, int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1,
+                 int64_t N, float* ys) {
+  float dots[kMaxRowsPerCall * 16];
   for (int64_t n = n0; n < n1;) {
-    const int64_t width = pair_fn != nullptr && n + 16 <= n1 ? 16 : 8;
-    for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowGroup) {
-      const int64_t rows = std::min(kRowGroup, m_end - m0);
-      if (width == 16) {
-        pair_fn(src + n * row_bytes, 8 * row_bytes, acts, m0, rows, dots);
+    const bool pair = pair_fn != nullptr && n + 2 * rows_per_group <= n1;
+    const int64_t width = pair ? 2 * rows_per_group : rows_per_group;
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += pair ? kRowGroup : per_call) {
+      const int64_t rows = std::min(pair ? kRowGroup : per_call, m_end - m0);
+      if (pair) {
+        pair_fn(src + n * row_bytes, rows_per_group * row_bytes, acts, m0, rows, dots);
       } else {
         fn(src + n * row_bytes, acts, m0, rows, dots);
       }
@@ -430,21 +457,22 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   const DotFn full = grouped ? nullptr : dot_for<kRowGroup>(qtype);
   const DotFn tail[kRowGroup] = {nullptr, grouped ? nullptr : dot_for<1>(qtype), grouped ? nullptr : dot_for<2>(qtype),
                                  grouped ? nullptr : dot_for<3>(qtype)};
-  // One tile per thread at least, so a small matrix still spreads over every core; whole groups of 8.
-  const int64_t threads = at::get_num_threads(), unit = grouped ? 8 : 1;
+  // One tile per thread at least, so a small matrix still spreads over every core; whole groups.
+  const int64_t threads = at::get_num_threads(), unit = grouped ? group_rows(qtype) : 1;
+  const int64_t per_call = grouped ? rows_per_call(qtype) : kRowGroup;
   const int64_t per_thread = (N / unit + threads - 1) / threads;
   const int64_t tile = unit * std::max<int64_t>(1, std::min(kTileBytes / (row_bytes * unit), per_thread));
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
       if (group_first) {
-        groups_tile(src, row_bytes, group_fn, pair_fn, acts, 0, M, n0, n1, N, ys);
+        groups_tile(src, row_bytes, unit, per_call, group_fn, pair_fn, acts, 0, M, n0, n1, N, ys);
         continue;
       }
-      for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
-        const int64_t rows = std::min(kRowGroup, M - m0);
+      for (int64_t m0 = 0; m0 < M; m0 += per_call) {
+        const int64_t rows = std::min(per_call, M - m0);
         if (grouped) {
-          groups_tile(src, row_bytes, group_fn, pair_fn, acts, m0, m0 + rows, n0, n1, N, ys);
+          groups_tile(src, row_bytes, unit, per_call, group_fn, pair_fn, acts, m0, m0 + rows, n0, n1, N, ys);
         } else {
           rows_tile(src, row_bytes, rows == kRowGroup ? full : tail[rows], acts, m0, rows, n0, n1, N, ys);
         }

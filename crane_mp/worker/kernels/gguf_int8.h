@@ -51,6 +51,20 @@ inline __m256i dot_u8s8_add(__m256i acc, __m256i u, __m256i s) {
 
 inline __m256i dot_u8s8(__m256i u, __m256i s) { return dot_u8s8_add(_mm256_setzero_si256(), u, s); }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// acc += u . (the 4 signed bytes at p in every 32-bit lane), the broadcast folded into vpdpbusd as an
+// embedded {1to16} operand: GCC emits a separate vpbroadcastd, and one a vpdpbusd held the 512-bit
+// kernels to about half of vpdpbusd's rate.
+inline void dpbusd_broadcast(__m512i& acc, __m512i u, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+}
+
+// acc += the pairs of signed 16-bit products of w and (the two int16 at p in every 32-bit lane).
+inline void dpwssd_broadcast(__m512i& acc, __m512i w, const int16_t* p) {
+  __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+}
+#endif
+
 // Weight bytes are requested this far ahead of the block being decoded: the hardware prefetcher alone
 // left a fifth to a third of the DRAM bandwidth unused with two threads streaming weights.
 constexpr int64_t kPrefetchDistance = 1024;
@@ -70,6 +84,11 @@ constexpr int64_t kQ8_0X8 = 0x10000 + 8;
 constexpr int64_t kQ8_0X8Bytes = 272;
 constexpr int64_t kQ6KX8 = 0x10000 + 14;
 constexpr int64_t kQ6KX8Bytes = 1680;
+constexpr int64_t kQ6KX16 = 0x20000 + 14;
+constexpr int64_t kQ6KX16Bytes = 3360;
+
+// This build and CPU run dot_q6_k_x16 (gguf_repack.cpp).
+bool gguf_q6_k_x16_supported();
 
 // Eight repacked rows (one group) against activation rows m0 .. m0 + rows - 1 (rows <= 4):
 // out[m * 8 + r] = row r . x[m0 + m].
@@ -79,6 +98,9 @@ void dot_q6_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 // Two adjacent Q4_K groups (`group`, `group + stride`) as one of 16 rows: out[m * 16 + r].
 void dot_q4_k_x16(const uint8_t* group, int64_t stride, const Acts& a, int64_t m0, int64_t rows, float* out);
+// Sixteen Q6_K rows repacked together (needs VBMI besides: gguf_q6_k_x16_supported) against up to 8
+// activation rows: out[m * 16 + r].
+void dot_q6_k_x16(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 #endif
 
 }  // namespace crane_mp::int8

@@ -3,6 +3,8 @@
 //   gguf_repack_q4_k_x8(w [N, K / 256 * 144] uint8, K) -> [N, K / 256 * 148] uint8   (N a multiple of 8)
 //   gguf_repack_q8_0_x8(w [N, K / 32 * 34] uint8, K)   -> [N, K / 32 * 34] uint8
 //   gguf_repack_q6_k_x8(w [N, K / 256 * 210] uint8, K) -> [N, K / 256 * 210] uint8
+//   gguf_repack_q6_k_x16(w [N, K / 256 * 210] uint8, K) -> [N, K / 256 * 210] uint8 (N a multiple of 16)
+//   gguf_q6_k_x16_supported() -> bool: this build and CPU run the x16 kernel (AVX512-VNNI and VBMI)
 //
 // In GGUF's layout each row's blocks follow one another, so a kernel sums each row's products
 // across vector lanes and scales every block apart: a multiply per 32 weights besides the products,
@@ -34,6 +36,17 @@
 //                         GGUF packs them (ql, ql + 32 and qh), now per row 4 bytes at a time.
 // Values are 0-63 (the -32 goes through the activations' 16-sums), so two products summed by maddubs
 // and two such sums stay below 32767 before a multiply by the sub-block's signed scale widens them.
+//
+// Q6_K, sixteen rows (x16, for AVX512-VNNI CPUs with VBMI: Zen 4, Ice Lake and later), super-block b
+// of a group (3360 bytes, as the rows' own), each value's 6 bits kept together so that three
+// instructions a 512-bit vector unpack them (vpermb spreads 6 bytes into each 8, vpmultishiftqb
+// picks the eight 6-bit fields of each 64 bits, an and clears the top two bits), against ~17 for
+// four vectors of GGUF's split bits:
+//     0   d[16]            float16
+//    32   scales[8][16][2] int8 [pair p][row r][t]: sub-block 2p + t's scale of row r, so that one
+//                          widening to 16 bits gives each row's lane the pair vpmaddwd takes
+//   288   q[64][8][6]      [position group k][row pair][6 bytes]: a 48-bit little-endian word with
+//                          element 4k + i of row 2q at bits 6i, of row 2q + 1 at bits 24 + 6i
 //
 // Q8_0, a group of eight rows with nb = K / 32 blocks (8 x nb x 34 bytes, as the rows' own):
 //     0             qs[nb][8][8][4]  [block b][position group k][row r][i]: element 32b + 4k + i of row r
@@ -206,11 +219,8 @@ void q4_k_x16_rows(const uint8_t* ga, int64_t stride, const Acts& a, int64_t m0,
         const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
         for (int m = 0; m < MR; ++m) {
           const int8_t* xs = x + m * a.K + 256 * b + 32 * j + 4 * k;
-          int32_t l, h;
-          std::memcpy(&l, xs, 4);
-          std::memcpy(&h, xs + 16, 4);
-          lo_sum[m] = _mm512_dpbusd_epi32(lo_sum[m], lo, _mm512_set1_epi32(l));
-          hi_sum[m] = _mm512_dpbusd_epi32(hi_sum[m], hi, _mm512_set1_epi32(h));
+          dpbusd_broadcast(lo_sum[m], lo, xs);
+          dpbusd_broadcast(hi_sum[m], hi, xs + 16);
         }
       }
       const __m512i scale = widened_u8_x16(ga + 32 + 8 * j, gb + 32 + 8 * j);
@@ -218,16 +228,14 @@ void q4_k_x16_rows(const uint8_t* ga, int64_t stride, const Acts& a, int64_t m0,
         isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_add_epi32(lo_sum[m], hi_sum[m]), scale));
     }
     const __m512 d = halves_x16(ga, gb), dmin = halves_x16(ga + 16, gb + 16);
+    __m512i mins[4];  // sub-blocks 2p (low 16 bits) and 2p + 1 (high) of each row's lane
+    for (int p = 0; p < 4; ++p) {
+      const __m512i lo = widened_u8_x16(ga + 96 + 16 * p, gb + 96 + 16 * p);
+      mins[p] = _mm512_or_si512(lo, _mm512_slli_epi32(widened_u8_x16(ga + 104 + 16 * p, gb + 104 + 16 * p), 16));
+    }
     for (int m = 0; m < MR; ++m) {
       __m512i msum = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) {
-        const __m512i lo = widened_u8_x16(ga + 96 + 16 * p, gb + 96 + 16 * p);
-        const __m512i hi = widened_u8_x16(ga + 104 + 16 * p, gb + 104 + 16 * p);
-        int32_t s2;
-        std::memcpy(&s2, sx + m * (a.K / 32) + 8 * b + 2 * p, 4);
-        msum = _mm512_add_epi32(msum, _mm512_madd_epi16(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)),
-                                                        _mm512_set1_epi32(s2)));
-      }
+      for (int p = 0; p < 4; ++p) dpwssd_broadcast(msum, mins[p], sx + m * (a.K / 32) + 8 * b + 2 * p);
       const __m512 da = _mm512_set1_ps(dx[m * a.nb + b]);
       const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, da), acc[m]);
       acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, da), sum);
@@ -366,6 +374,72 @@ void q6_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
   for (int m = 0; m < MR; ++m) std::memcpy(out + 8 * m, acc[m], sizeof(acc[m]));
 }
 
+// vpermb's index giving each 64 bits of a vector their row pair's 6 bytes: byte 8q + i <- 6q + i.
+struct ToEights {
+  alignas(64) uint8_t index[64];
+  constexpr ToEights() : index{} {
+    for (int i = 0; i < 64; ++i) index[i] = static_cast<uint8_t>(6 * (i / 8) + (i % 8 < 6 ? i % 8 : 5));
+  }
+};
+constexpr ToEights kToEights;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// Sixteen Q6_K x16 rows against activation rows m0 .. m0 + MR - 1 (up to 8: the unpacking of each
+// weight vector is shared by all of them); out[m * 16 + r]. One vpdpbusd adds 4 products of every row
+// (a 32-bit lane each), a sub-block's 16 products take four, then one multiply applies its scale; the
+// -32 goes through the activations' 16-sums as in the x8 kernel.
+template <int MR>
+__attribute__((target("avx512vbmi"))) void q6_k_x16_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
+  constexpr int U = MR <= 4 ? 2 : 1;  // sub-blocks side by side: at least 8 chains of vpdpbusd
+  const __mmask64 forty_eight = 0xFFFFFFFFFFFFULL;
+  const __m512i to_eights = _mm512_load_si512(kToEights.index);
+  const __m512i fields = _mm512_set1_epi64(0x2A241E18120C0600LL);  // bit offsets 0, 6, .., 42 of each 64
+  const __m512i low6 = _mm512_set1_epi8(0x3F);
+  const __m512i first = _mm512_set1_epi32(1), second = _mm512_set1_epi32(0x10000);
+  alignas(64) float acc[MR][16] = {};  // updated once a super-block: memory spares MR registers
+  const int8_t* x = a.q + m0 * a.K;
+  const float* dx = a.d + m0 * a.nb;
+  const int16_t* sx = a.sums + m0 * (a.K / 16);
+  for (int64_t b = 0; b < a.nb; ++b, group += kQ6KX16Bytes) {
+    prefetch_ahead<kQ6KX16Bytes>(group);
+    // The -32 of every value: 32 * sum_j s_j * (sum of sub-block j's activations), two j a vpdpwssd.
+    __m512i isum[MR];
+    for (int m = 0; m < MR; ++m) isum[m] = _mm512_setzero_si512();
+    for (int p = 0; p < 8; ++p) {
+      const __m512i pair = _mm512_cvtepi8_epi16(load(group + 32 + 32 * p));
+      for (int m = 0; m < MR; ++m) dpwssd_broadcast(isum[m], pair, sx + m * (a.K / 16) + 16 * b + 2 * p);
+    }
+    for (int m = 0; m < MR; ++m) isum[m] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(isum[m], 5));
+    for (int j = 0; j < 16; j += U) {
+      __m512i sum[U][MR];
+      for (int u = 0; u < U; ++u)
+        for (int m = 0; m < MR; ++m) sum[u][m] = _mm512_setzero_si512();
+      // Unrolled whole, or GCC keeps `sum` in memory and stores every vpdpbusd's result.
+#pragma GCC unroll 8
+      for (int kk = 0; kk < 4; ++kk)
+#pragma GCC unroll 2
+        for (int u = 0; u < U; ++u) {
+          const int k = 4 * (j + u) + kk;
+          const __m512i packed = _mm512_maskz_loadu_epi8(forty_eight, group + 288 + 48 * k);
+          const __m512i v = _mm512_and_si512(_mm512_multishift_epi64_epi8(fields, _mm512_permutexvar_epi8(to_eights, packed)), low6);
+          for (int m = 0; m < MR; ++m) dpbusd_broadcast(sum[u][m], v, x + m * a.K + 256 * b + 4 * k);
+        }
+      for (int u = 0; u < U; ++u) {
+        const __m512i pair = _mm512_cvtepi8_epi16(load(group + 32 + 32 * ((j + u) / 2)));
+        const __m512i scale = _mm512_madd_epi16(pair, (j + u) % 2 == 0 ? first : second);
+        for (int m = 0; m < MR; ++m) isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(sum[u][m], scale));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(load(group));
+    for (int m = 0; m < MR; ++m) {
+      const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(dx[m * a.nb + b]));
+      _mm512_store_ps(acc[m], _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), scaled, _mm512_load_ps(acc[m])));
+    }
+  }
+  std::memcpy(out, acc, sizeof(acc));
+}
+#endif
+
 at::Tensor gguf_repack_q4_k_x8(const at::Tensor& w, int64_t K) {
   check_weight(w, Q4_K, K);
   TORCH_CHECK(w.size(0) % 8 == 0, "gguf_repack_q4_k_x8: rows come in groups of 8, got ", w.size(0));
@@ -453,7 +527,54 @@ at::Tensor gguf_repack_q6_k_x8(const at::Tensor& w, int64_t K) {
   return out;
 }
 
+// Element e (0..255) of a Q6_K super-block, 0..63: its low 4 bits in ql (byte 64h + l, + 32 for the
+// second and fourth quarter of each half, high nibble for the third and fourth), its top 2 in qh.
+inline uint32_t q6_k_value(const uint8_t* block, int e) {
+  const int h = e / 128, s = e % 128 / 32, l = e % 32;
+  const uint8_t ql = block[64 * h + l + 32 * (s & 1)], qh = block[128 + 32 * h + l];
+  return static_cast<uint32_t>(((s < 2 ? ql : ql >> 4) & 0xF) | (qh >> (2 * s) & 3) << 4);
+}
+
+at::Tensor gguf_repack_q6_k_x16(const at::Tensor& w, int64_t K) {
+  check_weight(w, Q6_K, K);
+  TORCH_CHECK(w.size(0) % 16 == 0, "gguf_repack_q6_k_x16: rows come in groups of 16, got ", w.size(0));
+  const int64_t N = w.size(0), nb = K / 256, row_bytes = w.size(1);
+  at::Tensor out = at::empty_like(w);
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* block = dst + (g * nb + b) * kQ6KX16Bytes;
+        for (int64_t r = 0; r < 16; ++r) {
+          const uint8_t* row = src + (g * 16 + r) * row_bytes + b * 210;  // ql[128], qh[64], scales[16], d
+          std::memcpy(block + 2 * r, row + 208, 2);
+          for (int j = 0; j < 16; ++j) block[32 + 32 * (j / 2) + 2 * r + j % 2] = row[192 + j];
+        }
+        for (int k = 0; k < 64; ++k)
+          for (int q = 0; q < 8; ++q) {
+            uint64_t word = 0;
+            for (int half = 0; half < 2; ++half) {
+              const uint8_t* row = src + (g * 16 + 2 * q + half) * row_bytes + b * 210;
+              for (int i = 0; i < 4; ++i) word |= static_cast<uint64_t>(q6_k_value(row, 4 * k + i)) << (24 * half + 6 * i);
+            }
+            std::memcpy(block + 288 + 48 * k + 6 * q, &word, 6);  // little-endian: the low 48 bits
+          }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
+
+bool gguf_q6_k_x16_supported() {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  return __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
 
 void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
   switch (rows) {
@@ -493,10 +614,27 @@ void dot_q6_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, 
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+void dot_q6_k_x16(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
+  switch (rows) {
+    case 1: return q6_k_x16_rows<1>(group, a, m0, out);
+    case 2: return q6_k_x16_rows<2>(group, a, m0, out);
+    case 3: return q6_k_x16_rows<3>(group, a, m0, out);
+    case 4: return q6_k_x16_rows<4>(group, a, m0, out);
+    case 5: return q6_k_x16_rows<5>(group, a, m0, out);
+    case 6: return q6_k_x16_rows<6>(group, a, m0, out);
+    case 7: return q6_k_x16_rows<7>(group, a, m0, out);
+    default: return q6_k_x16_rows<8>(group, a, m0, out);
+  }
+}
+#endif
+
 }  // namespace crane_mp::int8
 
 TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
   m.def("gguf_repack_q4_k_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q4_k_x8);
   m.def("gguf_repack_q8_0_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q8_0_x8);
   m.def("gguf_repack_q6_k_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q6_k_x8);
+  m.def("gguf_repack_q6_k_x16(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q6_k_x16);
+  m.def("gguf_q6_k_x16_supported() -> bool", &crane_mp::int8::gguf_q6_k_x16_supported);
 }
