@@ -527,12 +527,19 @@ at::Tensor gguf_repack_q6_k_x8(const at::Tensor& w, int64_t K) {
   return out;
 }
 
-// Element e (0..255) of a Q6_K super-block, 0..63: its low 4 bits in ql (byte 64h + l, + 32 for the
-// second and fourth quarter of each half, high nibble for the third and fourth), its top 2 in qh.
-inline uint32_t q6_k_value(const uint8_t* block, int e) {
-  const int h = e / 128, s = e % 128 / 32, l = e % 32;
-  const uint8_t ql = block[64 * h + l + 32 * (s & 1)], qh = block[128 + 32 * h + l];
-  return static_cast<uint32_t>(((s < 2 ? ql : ql >> 4) & 0xF) | (qh >> (2 * s) & 3) << 4);
+// A Q6_K super-block's 256 values, 0..63. In each half h (128 values), value 32s + l has its low 4 bits
+// in ql byte 64h + l (s = 0, 2: low, high nibble) or 64h + 32 + l (s = 1, 3), its top 2 in qh byte
+// 128 + 32h + l, bits 2s and 2s + 1.
+inline void q6_k_unpack(const uint8_t* block, uint8_t* values) {
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t a = block[64 * h + l], c = block[64 * h + 32 + l], top = block[128 + 32 * h + l];
+      uint8_t* v = values + 128 * h + l;
+      v[0] = static_cast<uint8_t>((a & 0xF) | (top & 3) << 4);
+      v[32] = static_cast<uint8_t>((c & 0xF) | (top >> 2 & 3) << 4);
+      v[64] = static_cast<uint8_t>((a >> 4) | (top >> 4 & 3) << 4);
+      v[96] = static_cast<uint8_t>((c >> 4) | (top >> 6 & 3) << 4);
+    }
 }
 
 at::Tensor gguf_repack_q6_k_x16(const at::Tensor& w, int64_t K) {
@@ -546,18 +553,19 @@ at::Tensor gguf_repack_q6_k_x16(const at::Tensor& w, int64_t K) {
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* block = dst + (g * nb + b) * kQ6KX16Bytes;
+        uint8_t values[16][256];
         for (int64_t r = 0; r < 16; ++r) {
           const uint8_t* row = src + (g * 16 + r) * row_bytes + b * 210;  // ql[128], qh[64], scales[16], d
           std::memcpy(block + 2 * r, row + 208, 2);
           for (int j = 0; j < 16; ++j) block[32 + 32 * (j / 2) + 2 * r + j % 2] = row[192 + j];
+          q6_k_unpack(row, values[r]);
         }
         for (int k = 0; k < 64; ++k)
           for (int q = 0; q < 8; ++q) {
             uint64_t word = 0;
-            for (int half = 0; half < 2; ++half) {
-              const uint8_t* row = src + (g * 16 + 2 * q + half) * row_bytes + b * 210;
-              for (int i = 0; i < 4; ++i) word |= static_cast<uint64_t>(q6_k_value(row, 4 * k + i)) << (24 * half + 6 * i);
-            }
+            for (int i = 0; i < 4; ++i)
+              word |= static_cast<uint64_t>(values[2 * q][4 * k + i]) << (6 * i) |
+                      static_cast<uint64_t>(values[2 * q + 1][4 * k + i]) << (24 + 6 * i);
             std::memcpy(block + 288 + 48 * k + 6 * q, &word, 6);  // little-endian: the low 48 bits
           }
       }
