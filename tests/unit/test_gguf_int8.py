@@ -131,8 +131,8 @@ def test_bad_inputs_are_errors_not_crashes():
 def test_rows_repacked_by_eight_give_the_row_kernel_results(qtype, rows, cols):
     """The repacked layout changes the order of the integer sums, not their value: same outputs up to
     float rounding, for every batch size (1-4 row groups and their tails; two groups a call from 16
-    rows where the CPU has AVX512-VNNI, with one group left over at 40 rows; 400 rows of 768 columns
-    walk weight tiles first, fewer walk weight groups first)."""
+    rows where the CPU has AVX512-VNNI, 8 rows a call and their tails, with one group left over at 40
+    rows; 400 rows of 768 columns walk weight tiles first, fewer walk weight groups first)."""
     from crane_mp.worker.quantized.formats import Q4_K_X8, Q6_K_X8, Q8_0_X8
 
     weight = torch.from_numpy(quantized(qtype, rows, cols, seed=rows).copy())
@@ -146,7 +146,7 @@ def test_rows_repacked_by_eight_give_the_row_kernel_results(qtype, rows, cols):
     packed = getattr(torch.ops.crane_mp, repack)(weight, cols)
     assert packed.shape == (rows, row_bytes)
     assert not torch.equal(packed, weight)
-    for batch in (1, 2, 3, 4, 5, 9, 17, 64, 400):
+    for batch in (1, 2, 3, 4, 5, 9, 17, 22, 64, 400):
         x = torch.from_numpy(activations(batch, cols, seed=batch))
         want = torch.ops.crane_mp.gguf_linear_int8(x, weight, qtype, cols)
         got = torch.ops.crane_mp.gguf_linear_int8(x, packed, packed_type, cols)

@@ -96,7 +96,8 @@ void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, 
 void dot_q8_0_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 void dot_q6_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-// Two adjacent Q4_K groups (`group`, `group + stride`) as one of 16 rows: out[m * 16 + r].
+// Two adjacent Q4_K groups (`group`, `group + stride`) as one of 16 rows, up to 8 activation rows:
+// out[m * 16 + r].
 void dot_q4_k_x16(const uint8_t* group, int64_t stride, const Acts& a, int64_t m0, int64_t rows, float* out);
 // Sixteen Q6_K rows repacked together (needs VBMI besides: gguf_q6_k_x16_supported) against up to 8
 // activation rows: out[m * 16 + r].

@@ -198,9 +198,9 @@ inline __m512 halves_x16(const uint8_t* a, const uint8_t* b) {
 
 template <int MR>
 void q4_k_x16_rows(const uint8_t* ga, int64_t stride, const Acts& a, int64_t m0, float* out) {
+  constexpr int C = MR <= 4 ? 2 : 1;  // chains a row per sub-block (nibbles apart below 5 rows): 8 at least
   const uint8_t* gb = ga + stride;
-  __m512 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  alignas(64) float acc[MR][16] = {};  // updated once a super-block: memory spares MR registers
   const int8_t* x = a.q + m0 * a.K;
   const float* dx = a.d + m0 * a.nb;
   const int16_t* sx = a.sums32 + m0 * (a.K / 32);
@@ -211,21 +211,25 @@ void q4_k_x16_rows(const uint8_t* ga, int64_t stride, const Acts& a, int64_t m0,
     __m512i isum[MR];
     for (int m = 0; m < MR; ++m) isum[m] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      __m512i lo_sum[MR], hi_sum[MR];
-      for (int m = 0; m < MR; ++m) lo_sum[m] = hi_sum[m] = _mm512_setzero_si512();
+      __m512i sum[C][MR];
+      for (int c = 0; c < C; ++c)
+        for (int m = 0; m < MR; ++m) sum[c][m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
         const int64_t at = 160 + (4 * j + k) * 32;
         const __m512i raw = both_groups(ga + at, gb + at);
         const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
         for (int m = 0; m < MR; ++m) {
           const int8_t* xs = x + m * a.K + 256 * b + 32 * j + 4 * k;
-          dpbusd_broadcast(lo_sum[m], lo, xs);
-          dpbusd_broadcast(hi_sum[m], hi, xs + 16);
+          dpbusd_broadcast(sum[0][m], lo, xs);
+          dpbusd_broadcast(sum[C - 1][m], hi, xs + 16);
         }
       }
       const __m512i scale = widened_u8_x16(ga + 32 + 8 * j, gb + 32 + 8 * j);
-      for (int m = 0; m < MR; ++m)
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_add_epi32(lo_sum[m], hi_sum[m]), scale));
+      for (int m = 0; m < MR; ++m) {
+        const __m512i total = C == 2 ? _mm512_add_epi32(sum[0][m], sum[C - 1][m]) : sum[0][m];
+        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(total, scale));
+      }
     }
     const __m512 d = halves_x16(ga, gb), dmin = halves_x16(ga + 16, gb + 16);
     __m512i mins[4];  // sub-blocks 2p (low 16 bits) and 2p + 1 (high) of each row's lane
@@ -237,11 +241,11 @@ void q4_k_x16_rows(const uint8_t* ga, int64_t stride, const Acts& a, int64_t m0,
       __m512i msum = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) dpwssd_broadcast(msum, mins[p], sx + m * (a.K / 32) + 8 * b + 2 * p);
       const __m512 da = _mm512_set1_ps(dx[m * a.nb + b]);
-      const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, da), acc[m]);
-      acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, da), sum);
+      const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, da), _mm512_load_ps(acc[m]));
+      _mm512_store_ps(acc[m], _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, da), sum));
     }
   }
-  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+  std::memcpy(out, acc, sizeof(acc));
 }
 #endif
 
@@ -599,7 +603,11 @@ void dot_q4_k_x16(const uint8_t* group, int64_t stride, const Acts& a, int64_t m
     case 1: return q4_k_x16_rows<1>(group, stride, a, m0, out);
     case 2: return q4_k_x16_rows<2>(group, stride, a, m0, out);
     case 3: return q4_k_x16_rows<3>(group, stride, a, m0, out);
-    default: return q4_k_x16_rows<4>(group, stride, a, m0, out);
+    case 4: return q4_k_x16_rows<4>(group, stride, a, m0, out);
+    case 5: return q4_k_x16_rows<5>(group, stride, a, m0, out);
+    case 6: return q4_k_x16_rows<6>(group, stride, a, m0, out);
+    case 7: return q4_k_x16_rows<7>(group, stride, a, m0, out);
+    default: return q4_k_x16_rows<8>(group, stride, a, m0, out);
   }
 }
 #endif
