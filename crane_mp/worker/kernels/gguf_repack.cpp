@@ -44,7 +44,7 @@
 // four vectors of GGUF's split bits:
 //     0   d[16]            float16
 //    32   scales[8][16][2] int8 [pair p][row r][t]: sub-block 2p + t's scale of row r, so that one
-//                          widening to 16 bits gives each row's lane the pair vpmaddwd takes
+//                          widening to 16 bits gives each row's lane the pair vpdpwssd takes
 //   288   q[64][8][6]      [position group k][row pair][6 bytes]: a 48-bit little-endian word with
 //                          element 4k + i of row 2q at bits 6i, of row 2q + 1 at bits 24 + 6i
 //
@@ -378,6 +378,7 @@ void q6_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
   for (int m = 0; m < MR; ++m) std::memcpy(out + 8 * m, acc[m], sizeof(acc[m]));
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
 // vpermb's index giving each 64 bits of a vector their row pair's 6 bytes: byte 8q + i <- 6q + i.
 struct ToEights {
   alignas(64) uint8_t index[64];
@@ -387,7 +388,6 @@ struct ToEights {
 };
 constexpr ToEights kToEights;
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
 // Sixteen Q6_K x16 rows against activation rows m0 .. m0 + MR - 1 (up to 8: the unpacking of each
 // weight vector is shared by all of them); out[m * 16 + r]. One vpdpbusd adds 4 products of every row
 // (a 32-bit lane each), a sub-block's 16 products take four, then one multiply applies its scale; the
