@@ -90,16 +90,20 @@ class Server:
         warm = {"prompt": "warm", "max_tokens": 1}
         ok = await asyncio.to_thread(lambda: requests.post(self.url + "/v1/completions", json=warm, timeout=60).ok)
         assert ok
-        deadline = time.monotonic() + 60
         with self.paused("worker"):
             task = asyncio.ensure_future(work)
-            while not task.done():
-                stats = await asyncio.to_thread(self.stats)
-                if stats["num_running"] + stats["num_waiting"] >= count:
-                    break
-                assert time.monotonic() < deadline, stats
-                await asyncio.sleep(0.05)
+            await self.queued(count, task)
         return await task
+
+    async def queued(self, count: int, task: asyncio.Future | None = None, timeout: float = 60) -> None:
+        """Returns once the scheduler holds `count` requests (running or waiting), or `task` is done."""
+        deadline = time.monotonic() + timeout
+        while task is None or not task.done():
+            stats = await asyncio.to_thread(self.stats)
+            if stats["num_running"] + stats["num_waiting"] >= count:
+                return
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.05)
 
     def wait_idle(self, timeout: float = 60) -> dict:
         """The scheduler's stats once nothing runs or waits (an abort lands within a step)."""

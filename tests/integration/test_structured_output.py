@@ -71,14 +71,21 @@ def output_text(route: str, body: dict) -> str:
     return choice["message"]["content"] if route == "/v1/chat/completions" else choice["text"]
 
 
-async def run_all(url: str, jobs: list[tuple[str, dict]]) -> list[str]:
+async def run_all(url: str, jobs: list[tuple[str, dict]], in_order: Server | None = None) -> list[str]:
+    """Every job's output text, the jobs sent at once; with `in_order`, each sent once that server's
+    scheduler holds the one before, so the scheduler admits them in the list's order."""
     async with aiohttp.ClientSession() as session:
         async def one(route, body):
             async with session.post(url + route, json=body) as resp:
                 assert resp.status == 200, await resp.text()
                 return output_text(route, await resp.json())
 
-        return await asyncio.gather(*(one(route, body) for route, body in jobs))
+        tasks = []
+        for count, (route, body) in enumerate(jobs, 1):
+            tasks.append(asyncio.ensure_future(one(route, body)))
+            if in_order is not None:
+                await in_order.queued(count, tasks[-1])
+        return await asyncio.gather(*tasks)
 
 
 def check_constraints(jobs, outputs) -> None:
@@ -110,7 +117,8 @@ def test_constrained_requests_resume_losslessly_after_preemption(model_dir, serv
     tight = Server(model_dir, "--max-total-tokens", "192", "--max-concurrent", "8", "--kv-cache-dtype", "float32",
                    log_path=tmp_path / "log")
     try:
-        squeezed = asyncio.run(tight.all_queued(run_all(tight.url, jobs), len(jobs)))
+        # in the list's order: which requests share the 192 tokens first decides whether any is preempted
+        squeezed = asyncio.run(tight.all_queued(run_all(tight.url, jobs, in_order=tight), len(jobs)))
         assert tight.stats()["num_preemptions"] > 0
     finally:
         assert tight.stop() == 0
