@@ -444,91 +444,88 @@ __attribute__((target("avx512vbmi"))) void q6_k_x16_rows(const uint8_t* group, c
 }
 #endif
 
-at::Tensor gguf_repack_q4_k_x8(const at::Tensor& w, int64_t K) {
-  check_weight(w, Q4_K, K);
-  TORCH_CHECK(w.size(0) % 8 == 0, "gguf_repack_q4_k_x8: rows come in groups of 8, got ", w.size(0));
-  const int64_t N = w.size(0), nb = K / 256, row_bytes = w.size(1);
-  at::Tensor out = at::empty({N, nb * (kQ4KX8Bytes / 8)}, w.options());
+// Checks `w` (GGUF rows of `qtype`, a multiple of `rows` of them), allocates the repacked tensor
+// [N, out_row_bytes] and fills it a group of `rows` rows at a time, each_group(g, src, dst, row_bytes)
+// writing group g, the groups spread over the threads.
+template <typename EachGroup>
+at::Tensor repacked(const at::Tensor& w, int64_t K, int64_t qtype, int64_t rows, int64_t out_row_bytes,
+                    const char* op, EachGroup each_group) {
+  check_weight(w, qtype, K);
+  TORCH_CHECK(w.size(0) % rows == 0, op, ": rows come in groups of ", rows, ", got ", w.size(0));
+  at::Tensor out = at::empty({w.size(0), out_row_bytes}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* block = dst + (g * nb + b) * kQ4KX8Bytes;
-        for (int64_t r = 0; r < 8; ++r) {
-          const uint8_t* row = src + (g * 8 + r) * row_bytes + b * 144;
-          std::memcpy(block + 2 * r, row, 2);
-          std::memcpy(block + 16 + 2 * r, row + 2, 2);
-          for (int j = 0; j < 8; ++j) {
-            float scale, min;
-            k_scale_min(row + 4, j, scale, min);
-            block[32 + 8 * j + r] = static_cast<uint8_t>(scale);
-            block[96 + 8 * j + r] = static_cast<uint8_t>(min);
-          }
-          for (int j = 0; j < 8; ++j) {
-            // Sub-block j's element t is byte t of the 32 at 32 * (j / 2), its high nibble when j is odd.
-            const uint8_t* qs = row + 16 + 32 * (j / 2);
-            const int shift = 4 * (j % 2);
-            uint8_t both[16];  // t = 4k + i: element t in the low nibble, t + 16 in the high one
-            for (int t = 0; t < 16; ++t) both[t] = static_cast<uint8_t>((qs[t] >> shift & 0xF) | (qs[t + 16] >> shift & 0xF) << 4);
-            for (int k = 0; k < 4; ++k) std::memcpy(block + 160 + ((4 * j + k) * 8 + r) * 4, both + 4 * k, 4);
-          }
+  const int64_t row_bytes = w.size(1);
+  at::parallel_for(0, w.size(0) / rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) each_group(g, src, dst, row_bytes);
+  });
+  return out;
+}
+
+at::Tensor gguf_repack_q4_k_x8(const at::Tensor& w, int64_t K) {
+  const int64_t nb = K / 256;
+  return repacked(w, K, Q4_K, 8, nb * (kQ4KX8Bytes / 8), "gguf_repack_q4_k_x8",
+                  [&](int64_t g, const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* block = dst + (g * nb + b) * kQ4KX8Bytes;
+      for (int64_t r = 0; r < 8; ++r) {
+        const uint8_t* row = src + (g * 8 + r) * row_bytes + b * 144;
+        std::memcpy(block + 2 * r, row, 2);
+        std::memcpy(block + 16 + 2 * r, row + 2, 2);
+        for (int j = 0; j < 8; ++j) {
+          float scale, min;
+          k_scale_min(row + 4, j, scale, min);
+          block[32 + 8 * j + r] = static_cast<uint8_t>(scale);
+          block[96 + 8 * j + r] = static_cast<uint8_t>(min);
+        }
+        for (int j = 0; j < 8; ++j) {
+          // Sub-block j's element t is byte t of the 32 at 32 * (j / 2), its high nibble when j is odd.
+          const uint8_t* qs = row + 16 + 32 * (j / 2);
+          const int shift = 4 * (j % 2);
+          uint8_t both[16];  // t = 4k + i: element t in the low nibble, t + 16 in the high one
+          for (int t = 0; t < 16; ++t) both[t] = static_cast<uint8_t>((qs[t] >> shift & 0xF) | (qs[t + 16] >> shift & 0xF) << 4);
+          for (int k = 0; k < 4; ++k) std::memcpy(block + 160 + ((4 * j + k) * 8 + r) * 4, both + 4 * k, 4);
         }
       }
     }
   });
-  return out;
 }
 
 at::Tensor gguf_repack_q8_0_x8(const at::Tensor& w, int64_t K) {
-  check_weight(w, Q8_0, K);
-  TORCH_CHECK(w.size(0) % 8 == 0, "gguf_repack_q8_0_x8: rows come in groups of 8, got ", w.size(0));
-  const int64_t N = w.size(0), nb = K / 32, row_bytes = w.size(1);
-  at::Tensor out = at::empty_like(w);
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      uint8_t* group = dst + g * 8 * row_bytes;
-      for (int64_t r = 0; r < 8; ++r) {
-        const uint8_t* row = src + (g * 8 + r) * row_bytes;
-        for (int64_t b = 0; b < nb; ++b) {
-          std::memcpy(group + nb * 256 + 16 * b + 2 * r, row + 34 * b, 2);
-          for (int k = 0; k < 8; ++k) std::memcpy(group + 256 * b + (8 * k + r) * 4, row + 34 * b + 2 + 4 * k, 4);
-        }
+  const int64_t nb = K / 32;
+  return repacked(w, K, Q8_0, 8, nb * 34, "gguf_repack_q8_0_x8",
+                  [&](int64_t g, const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
+    uint8_t* group = dst + g * 8 * row_bytes;
+    for (int64_t r = 0; r < 8; ++r) {
+      const uint8_t* row = src + (g * 8 + r) * row_bytes;
+      for (int64_t b = 0; b < nb; ++b) {
+        std::memcpy(group + nb * 256 + 16 * b + 2 * r, row + 34 * b, 2);
+        for (int k = 0; k < 8; ++k) std::memcpy(group + 256 * b + (8 * k + r) * 4, row + 34 * b + 2 + 4 * k, 4);
       }
     }
   });
-  return out;
 }
 
 at::Tensor gguf_repack_q6_k_x8(const at::Tensor& w, int64_t K) {
-  check_weight(w, Q6_K, K);
-  TORCH_CHECK(w.size(0) % 8 == 0, "gguf_repack_q6_k_x8: rows come in groups of 8, got ", w.size(0));
-  const int64_t N = w.size(0), nb = K / 256, row_bytes = w.size(1);
-  at::Tensor out = at::empty_like(w);
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / 8, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* block = dst + (g * nb + b) * kQ6KX8Bytes;
-        for (int64_t r = 0; r < 8; ++r) {
-          const uint8_t* row = src + (g * 8 + r) * row_bytes + b * 210;  // ql[128], qh[64], scales[16], d
-          std::memcpy(block + 2 * r, row + 208, 2);
-          for (int j = 0; j < 16; ++j) block[16 + 8 * j + r] = row[192 + j];
-          for (int h = 0; h < 2; ++h)
-            for (int k = 0; k < 8; ++k) {
-              uint8_t* p = block + 144 + (h * 8 + k) * 96 + 4 * r;
-              std::memcpy(p, row + 64 * h + 4 * k, 4);
-              std::memcpy(p + 32, row + 64 * h + 32 + 4 * k, 4);
-              std::memcpy(p + 64, row + 128 + 32 * h + 4 * k, 4);
-            }
-        }
+  const int64_t nb = K / 256;
+  return repacked(w, K, Q6_K, 8, nb * 210, "gguf_repack_q6_k_x8",
+                  [&](int64_t g, const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* block = dst + (g * nb + b) * kQ6KX8Bytes;
+      for (int64_t r = 0; r < 8; ++r) {
+        const uint8_t* row = src + (g * 8 + r) * row_bytes + b * 210;  // ql[128], qh[64], scales[16], d
+        std::memcpy(block + 2 * r, row + 208, 2);
+        for (int j = 0; j < 16; ++j) block[16 + 8 * j + r] = row[192 + j];
+        for (int h = 0; h < 2; ++h)
+          for (int k = 0; k < 8; ++k) {
+            uint8_t* p = block + 144 + (h * 8 + k) * 96 + 4 * r;
+            std::memcpy(p, row + 64 * h + 4 * k, 4);
+            std::memcpy(p + 32, row + 64 * h + 32 + 4 * k, 4);
+            std::memcpy(p + 64, row + 128 + 32 * h + 4 * k, 4);
+          }
       }
     }
   });
-  return out;
 }
 
 // A Q6_K super-block's 256 values, 0..63. In each half h (128 values), value 32s + l has its low 4 bits
@@ -547,35 +544,28 @@ inline void q6_k_unpack(const uint8_t* block, uint8_t* values) {
 }
 
 at::Tensor gguf_repack_q6_k_x16(const at::Tensor& w, int64_t K) {
-  check_weight(w, Q6_K, K);
-  TORCH_CHECK(w.size(0) % 16 == 0, "gguf_repack_q6_k_x16: rows come in groups of 16, got ", w.size(0));
-  const int64_t N = w.size(0), nb = K / 256, row_bytes = w.size(1);
-  at::Tensor out = at::empty_like(w);
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* block = dst + (g * nb + b) * kQ6KX16Bytes;
-        uint8_t values[16][256];
-        for (int64_t r = 0; r < 16; ++r) {
-          const uint8_t* row = src + (g * 16 + r) * row_bytes + b * 210;  // ql[128], qh[64], scales[16], d
-          std::memcpy(block + 2 * r, row + 208, 2);
-          for (int j = 0; j < 16; ++j) block[32 + 32 * (j / 2) + 2 * r + j % 2] = row[192 + j];
-          q6_k_unpack(row, values[r]);
-        }
-        for (int k = 0; k < 64; ++k)
-          for (int q = 0; q < 8; ++q) {
-            uint64_t word = 0;
-            for (int i = 0; i < 4; ++i)
-              word |= static_cast<uint64_t>(values[2 * q][4 * k + i]) << (6 * i) |
-                      static_cast<uint64_t>(values[2 * q + 1][4 * k + i]) << (24 + 6 * i);
-            std::memcpy(block + 288 + 48 * k + 6 * q, &word, 6);  // little-endian: the low 48 bits
-          }
+  const int64_t nb = K / 256;
+  return repacked(w, K, Q6_K, 16, nb * 210, "gguf_repack_q6_k_x16",
+                  [&](int64_t g, const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* block = dst + (g * nb + b) * kQ6KX16Bytes;
+      uint8_t values[16][256];
+      for (int64_t r = 0; r < 16; ++r) {
+        const uint8_t* row = src + (g * 16 + r) * row_bytes + b * 210;  // ql[128], qh[64], scales[16], d
+        std::memcpy(block + 2 * r, row + 208, 2);
+        for (int j = 0; j < 16; ++j) block[32 + 32 * (j / 2) + 2 * r + j % 2] = row[192 + j];
+        q6_k_unpack(row, values[r]);
       }
+      for (int k = 0; k < 64; ++k)
+        for (int q = 0; q < 8; ++q) {
+          uint64_t word = 0;
+          for (int i = 0; i < 4; ++i)
+            word |= static_cast<uint64_t>(values[2 * q][4 * k + i]) << (6 * i) |
+                    static_cast<uint64_t>(values[2 * q + 1][4 * k + i]) << (24 + 6 * i);
+          std::memcpy(block + 288 + 48 * k + 6 * q, &word, 6);  // little-endian: the low 48 bits
+        }
     }
   });
-  return out;
 }
 
 }  // namespace
