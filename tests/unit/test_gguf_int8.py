@@ -130,16 +130,13 @@ def test_bad_inputs_are_errors_not_crashes():
                                                (T.Q6_K, 304, 768), (T.Q8_0, 40, 32), (T.Q8_0, 304, 800)])
 def test_rows_repacked_by_eight_give_the_row_kernel_results(qtype, rows, cols):
     """The repacked layout changes the order of the integer sums, not their value: same outputs up to
-    float rounding, for every batch size (1-4 row groups and their tails; two groups a call from 16
-    rows where the CPU has AVX512-VNNI, 8 rows a call and their tails, with one group left over at 40
-    rows; 400 rows of 768 columns walk weight tiles first, fewer walk weight groups first)."""
+    float rounding, for every batch size (4 rows a call and their tails; 400 rows of 768 columns walk
+    weight tiles first, fewer walk weight groups first)."""
     from crane_mp.worker.quantized.formats import Q4_K_X8, Q6_K_X8, Q8_0_X8
 
     weight = torch.from_numpy(quantized(qtype, rows, cols, seed=rows).copy())
-    if qtype == T.Q6_K:  # signed scales, as llama.cpp's quantizer writes them, down to -128
-        scales = weight.view(-1, 210)[:, 192:208].view(torch.int8)
-        scales[:, ::3] = -scales[:, ::3]
-        scales[::7, 5] = -128
+    if qtype == T.Q6_K:
+        _signed_q6_k_scales(weight)
     repack, packed_type, row_bytes = {T.Q4_K: ("gguf_repack_q4_k_x8", Q4_K_X8, cols // 256 * 148),
                                       T.Q6_K: ("gguf_repack_q6_k_x8", Q6_K_X8, cols // 256 * 210),
                                       T.Q8_0: ("gguf_repack_q8_0_x8", Q8_0_X8, cols // 32 * 34)}[qtype]
@@ -153,44 +150,57 @@ def test_rows_repacked_by_eight_give_the_row_kernel_results(qtype, rows, cols):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_q6_k_rows_repacked_by_sixteen_give_the_row_kernel_results():
-    """The VBMI layout (each value's 6 bits together, 16 rows a group, up to 8 activation rows a call):
-    same outputs as GGUF's rows up to float rounding, for 1-8 rows a call and their tails, weight
-    groups first and tiles first, signed scales down to -128."""
-    from crane_mp.worker.quantized.formats import Q6_K_X16
+def _signed_q6_k_scales(weight: torch.Tensor) -> None:
+    """Signed Q6_K scales, as llama.cpp's quantizer writes them, down to -128."""
+    scales = weight.view(-1, 210)[:, 192:208].view(torch.int8)
+    scales[:, ::3] = -scales[:, ::3]
+    scales[::7, 5] = -128
 
-    if not torch.ops.crane_mp.gguf_q6_k_x16_supported():
-        pytest.skip("this CPU or kernel tier lacks AVX512-VNNI or VBMI")
+
+X16 = {T.Q4_K: "gguf_repack_q4_k_x16", T.Q6_K: "gguf_repack_q6_k_x16"}
+
+
+@pytest.mark.parametrize("qtype", list(X16))
+def test_rows_repacked_by_sixteen_give_the_row_kernel_results(qtype):
+    """The 512-bit layouts (16 rows a group, up to 8 activation rows a call; Q6_K with each value's 6
+    bits together): same outputs as GGUF's rows up to float rounding, for 1-8 rows a call and their
+    tails, weight groups first and tiles first, Q6_K's signed scales down to -128."""
+    from crane_mp.worker.quantized.formats import Q4_K_X16, Q6_K_X16
+
+    if not torch.ops.crane_mp.gguf_x16_supported(qtype):
+        pytest.skip("this CPU or kernel tier lacks AVX512-VNNI (or VBMI for Q6_K)")
     for rows, cols in ((16, 256), (48, 768), (304, 1024)):
-        weight = torch.from_numpy(quantized(T.Q6_K, rows, cols, seed=rows).copy())
-        scales = weight.view(-1, 210)[:, 192:208].view(torch.int8)
-        scales[:, ::3] = -scales[:, ::3]
-        scales[::7, 5] = -128
-        packed = torch.ops.crane_mp.gguf_repack_q6_k_x16(weight, cols)
-        assert packed.shape == weight.shape and not torch.equal(packed, weight)
+        weight = torch.from_numpy(quantized(qtype, rows, cols, seed=rows).copy())
+        if qtype == T.Q6_K:
+            _signed_q6_k_scales(weight)
+        packed = getattr(torch.ops.crane_mp, X16[qtype])(weight, cols)
+        assert packed.shape == (rows, cols // 256 * (148 if qtype == T.Q4_K else 210))
+        assert not torch.equal(packed[:, :144], weight[:, :144])
         for batch in (1, 2, 5, 8, 9, 17, 64, 300):
             x = torch.from_numpy(activations(batch, cols, seed=batch))
-            want = torch.ops.crane_mp.gguf_linear_int8(x, weight, T.Q6_K, cols)
-            got = torch.ops.crane_mp.gguf_linear_int8(x, packed, Q6_K_X16, cols)
+            want = torch.ops.crane_mp.gguf_linear_int8(x, weight, qtype, cols)
+            got = torch.ops.crane_mp.gguf_linear_int8(x, packed, {T.Q4_K: Q4_K_X16, T.Q6_K: Q6_K_X16}[qtype], cols)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_q6_k_layout_follows_the_cpu():
-    """Q6_K goes sixteen rows a group where the x16 kernel runs, else (or for rows in eights only)
-    eight; a sixteen-row repack of rows that do not fill groups of 16 is an error."""
-    from crane_mp.worker.quantized.formats import Q6_K_X8, Q6_K_X16
+@pytest.mark.parametrize("qtype", list(X16))
+def test_sixteen_row_layout_follows_the_cpu(qtype):
+    """Q4_K and Q6_K go sixteen rows a group where their x16 kernel runs, else (or for rows in eights
+    only) eight; a sixteen-row repack of rows that do not fill groups of 16 is an error."""
+    from crane_mp.worker.quantized.formats import Q4_K_X8, Q4_K_X16, Q6_K_X8, Q6_K_X16
     from crane_mp.worker.quantized.matmul import NativeGGUF
 
+    x8, x16 = {T.Q4_K: (Q4_K_X8, Q4_K_X16), T.Q6_K: (Q6_K_X8, Q6_K_X16)}[qtype]
     native = NativeGGUF()
-    sixteen = torch.from_numpy(quantized(T.Q6_K, 32, 256).copy())
-    eight = torch.from_numpy(quantized(T.Q6_K, 24, 256).copy())
-    expected = Q6_K_X16 if torch.ops.crane_mp.gguf_q6_k_x16_supported() else Q6_K_X8
-    assert native.layout(T.Q6_K, sixteen, 256, int8=True)[0] == expected
-    assert native.layout(T.Q6_K, eight, 256, int8=True)[0] == Q6_K_X8
+    sixteen = torch.from_numpy(quantized(qtype, 32, 256).copy())
+    eight = torch.from_numpy(quantized(qtype, 24, 256).copy())
+    expected = x16 if torch.ops.crane_mp.gguf_x16_supported(qtype) else x8
+    assert native.layout(qtype, sixteen, 256, int8=True)[0] == expected
+    assert native.layout(qtype, eight, 256, int8=True)[0] == x8
     with pytest.raises(RuntimeError, match="groups of 16"):
-        torch.ops.crane_mp.gguf_repack_q6_k_x16(eight, 256)
-    native.q6_k_x16 = False
-    assert native.layout(T.Q6_K, sixteen, 256, int8=True)[0] == Q6_K_X8
+        getattr(torch.ops.crane_mp, X16[qtype])(eight, 256)
+    native.x16 = set()
+    assert native.layout(qtype, sixteen, 256, int8=True)[0] == x8
 
 
 def test_only_whole_groups_of_eight_rows_are_repacked():
@@ -203,7 +213,7 @@ def test_only_whole_groups_of_eight_rows_are_repacked():
     with pytest.raises(RuntimeError, match="groups of 8"):
         torch.ops.crane_mp.gguf_repack_q4_k_x8(odd, 256)
     assert kernel_layout(T.Q4_K, odd, 256, int8=True) == (T.Q4_K, odd)
-    whole = torch.from_numpy(quantized(T.Q4_K, 16, 256).copy())
+    whole = torch.from_numpy(quantized(T.Q4_K, 24, 256).copy())
     assert kernel_layout(T.Q4_K, whole, 256, int8=False)[0] == T.Q4_K
     assert kernel_layout(T.Q4_K, whole, 256, int8=True)[0] == Q4_K_X8
     q5 = torch.from_numpy(quantized(T.Q5_K, 16, 256).copy())

@@ -46,24 +46,24 @@ using namespace crane_mp::gguf;
 using namespace crane_mp::int8;
 
 bool k_quant(int64_t qtype) {
-  return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == kQ4KX8 || qtype == kQ6KX8 || qtype == kQ6KX16;
+  return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == kQ4KX8 || qtype == kQ6KX8 || qtype == kQ4KX16 ||
+         qtype == kQ6KX16;
 }
 
 bool int8_type(int64_t qtype) {
   switch (qtype) {
     case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K:
-    case kQ4KX8: case kQ8_0X8: case kQ6KX8: case kQ6KX16:
+    case kQ4KX8: case kQ8_0X8: case kQ6KX8: case kQ4KX16: case kQ6KX16:
       return true;
   }
   return false;
 }
 
 using GroupDotFn = void (*)(const uint8_t*, const Acts&, int64_t, int64_t, float*);
-using PairDotFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, int64_t, float*);
 
 // Activation rows per kernel call: 4 rows' accumulators and operands fill the 16 vector registers.
 constexpr int64_t kRowGroup = 4;
-// The most any kernel takes: the 512-bit ones (1.13-1.25x at 16 rows against 4 a call for two Q4_K groups).
+// The most any kernel takes: the 512-bit ones.
 constexpr int64_t kMaxRowsPerCall = 8;
 
 // The kernel of a repacked type; nullptr for GGUF's own rows.
@@ -72,35 +72,28 @@ GroupDotFn group_dot(int64_t qtype) {
   if (qtype == kQ8_0X8) return dot_q8_0_x8;
   if (qtype == kQ6KX8) return dot_q6_k_x8;
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  if (qtype == kQ4KX16) return dot_q4_k_x16;
   if (qtype == kQ6KX16) return dot_q6_k_x16;
 #endif
   return nullptr;
 }
 
 // Weight rows a repacked group holds.
-int64_t group_rows(int64_t qtype) { return qtype == kQ6KX16 ? 16 : 8; }
+int64_t group_rows(int64_t qtype) { return qtype == kQ4KX16 || qtype == kQ6KX16 ? 16 : 8; }
 
-// Activation rows a one-group call takes (two-group calls take kMaxRowsPerCall): Q6_K x16 unpacks each
-// weight vector in 3 instructions, which 8 rows' vpdpbusd share; the 256-bit kernels' operands fill the
-// registers at 4.
-int64_t rows_per_call(int64_t qtype) { return qtype == kQ6KX16 ? 8 : kRowGroup; }
+// Activation rows a call takes: the 512-bit kernels unpack each weight vector once for 8 rows'
+// vpdpbusd (1.13-1.25x at 16 rows against 4 a call); the 256-bit kernels' operands fill the registers
+// at 4.
+int64_t rows_per_call(int64_t qtype) { return group_rows(qtype) == 16 ? kMaxRowsPerCall : kRowGroup; }
 
 int64_t group_bytes(int64_t qtype) {
   switch (qtype) {
     case kQ4KX8: return kQ4KX8Bytes;
     case kQ6KX8: return kQ6KX8Bytes;
+    case kQ4KX16: return kQ4KX16Bytes;
     case kQ6KX16: return kQ6KX16Bytes;
   }
   return kQ8_0X8Bytes;
-}
-
-// The kernel taking two adjacent groups at once (512-bit vectors), where the build has one.
-PairDotFn pair_dot(int64_t qtype) {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  if (qtype == kQ4KX8) return dot_q4_k_x16;
-#endif
-  (void)qtype;
-  return nullptr;
 }
 
 // ---- activations ------------------------------------------------------------------------------
@@ -356,9 +349,6 @@ constexpr int64_t kTileBytes = 128 * 1024;
 // row passes over one weight group before the next: the activations stay in L2, and each weight
 // block is read from memory into L1 once, with the next ones prefetched while it is used.
 constexpr int64_t kGroupFirstBytes = 256 * 1024;
-// Two groups a call pay from 16 activation rows up (1.1-1.3x); at 4 rows the step is bound by memory,
-// and two weight streams a thread read slower than one (0.8x); at 8 it was a draw.
-constexpr int64_t kPairMinRows = 16;
 
 struct QuantizedActs {
   std::vector<int8_t> q;
@@ -398,7 +388,9 @@ int64_t block_of(int64_t qtype) {
 }
 
 void check_int8_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype != kQ6KX16 || gguf_q6_k_x16_supported(), "gguf_linear_int8: Q6_K rows repacked by 16 need "
+  TORCH_CHECK(qtype != kQ4KX16 || gguf_x16_supported(Q4_K), "gguf_linear_int8: Q4_K rows repacked by 16 need "
+              "AVX512-VNNI, which this build lacks");
+  TORCH_CHECK(qtype != kQ6KX16 || gguf_x16_supported(Q6_K), "gguf_linear_int8: Q6_K rows repacked by 16 need "
               "AVX512-VNNI and VBMI, which this build or CPU lacks");
   if (group_dot(qtype) == nullptr) return check_weight(w, qtype, K);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
@@ -419,25 +411,17 @@ void rows_tile(const uint8_t* src, int64_t row_bytes, const DotFn fn, const Acts
 }
 
 // The same over weights repacked `rows_per_group` rows at a time (n0, n1 multiples of it), for
-// activation rows [m_begin, m_end): each group (or pair of groups) against all of them before the next.
+// activation rows [m_begin, m_end): each group against all of them before the next.
 void groups_tile(const uint8_t* src, int64_t row_bytes, int64_t rows_per_group, int64_t per_call, const GroupDotFn fn,
-                 const PairDotFn pair_fn, const Acts& acts, int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1,
-                 int64_t N, float* ys) {
+                 const Acts& acts, int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1, int64_t N, float* ys) {
   float dots[kMaxRowsPerCall * 16];
-  for (int64_t n = n0; n < n1;) {
-    const bool pair = pair_fn != nullptr && n + 2 * rows_per_group <= n1;
-    const int64_t width = pair ? 2 * rows_per_group : rows_per_group;
-    const int64_t step = pair ? kMaxRowsPerCall : per_call;
-    for (int64_t m0 = m_begin; m0 < m_end; m0 += step) {
-      const int64_t rows = std::min(step, m_end - m0);
-      if (pair) {
-        pair_fn(src + n * row_bytes, rows_per_group * row_bytes, acts, m0, rows, dots);
-      } else {
-        fn(src + n * row_bytes, acts, m0, rows, dots);
-      }
-      for (int64_t m = 0; m < rows; ++m) std::memcpy(ys + (m0 + m) * N + n, dots + m * width, width * sizeof(float));
+  for (int64_t n = n0; n < n1; n += rows_per_group) {
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += per_call) {
+      const int64_t rows = std::min(per_call, m_end - m0);
+      fn(src + n * row_bytes, acts, m0, rows, dots);
+      for (int64_t m = 0; m < rows; ++m)
+        std::memcpy(ys + (m0 + m) * N + n, dots + m * rows_per_group, rows_per_group * sizeof(float));
     }
-    n += width;
   }
 }
 
@@ -454,7 +438,6 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   const uint8_t* src = w.data_ptr<uint8_t>();
   float* ys = out.data_ptr<float>();
   const GroupDotFn group_fn = group_dot(qtype);
-  const PairDotFn pair_fn = M >= kPairMinRows ? pair_dot(qtype) : nullptr;
   const bool grouped = group_fn != nullptr, group_first = grouped && M * K <= kGroupFirstBytes;
   const DotFn full = grouped ? nullptr : dot_for<kRowGroup>(qtype);
   const DotFn tail[kRowGroup] = {nullptr, grouped ? nullptr : dot_for<1>(qtype), grouped ? nullptr : dot_for<2>(qtype),
@@ -468,13 +451,13 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
       if (group_first) {
-        groups_tile(src, row_bytes, unit, per_call, group_fn, pair_fn, acts, 0, M, n0, n1, N, ys);
+        groups_tile(src, row_bytes, unit, per_call, group_fn, acts, 0, M, n0, n1, N, ys);
         continue;
       }
       for (int64_t m0 = 0; m0 < M; m0 += per_call) {
         const int64_t rows = std::min(per_call, M - m0);
         if (grouped) {
-          groups_tile(src, row_bytes, unit, per_call, group_fn, pair_fn, acts, m0, m0 + rows, n0, n1, N, ys);
+          groups_tile(src, row_bytes, unit, per_call, group_fn, acts, m0, m0 + rows, n0, n1, N, ys);
         } else {
           rows_tile(src, row_bytes, rows == kRowGroup ? full : tail[rows], acts, m0, rows, n0, n1, N, ys);
         }

@@ -76,8 +76,15 @@ inline void prefetch_ahead(const uint8_t* block) {
   for (int64_t line = 0; line < kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
 }
 
-// Rows repacked eight at a time (gguf_repack.cpp): our own type ids, beyond ggml's, and the bytes
-// of one block of eight rows.
+// One cache line kPrefetchDistance past `p`. The 512-bit kernels request their blocks' lines spread
+// over the work on them: all 37 or 53 at once filled the core's miss buffers and stalled the loads
+// behind them (Q6_K x16 1.1-1.3x at 2-16 rows, same process).
+inline void prefetch_line_ahead(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchDistance, _MM_HINT_T0);
+}
+
+// Rows repacked eight (or sixteen) at a time (gguf_repack.cpp): our own type ids, beyond ggml's, and
+// the bytes of one block of a group.
 constexpr int64_t kQ4KX8 = 0x10000 + 12;
 constexpr int64_t kQ4KX8Bytes = 1184;
 constexpr int64_t kQ8_0X8 = 0x10000 + 8;
@@ -86,9 +93,11 @@ constexpr int64_t kQ6KX8 = 0x10000 + 14;
 constexpr int64_t kQ6KX8Bytes = 1680;
 constexpr int64_t kQ6KX16 = 0x20000 + 14;
 constexpr int64_t kQ6KX16Bytes = 3360;
+constexpr int64_t kQ4KX16 = 0x20000 + 12;
+constexpr int64_t kQ4KX16Bytes = 2368;
 
-// This build and CPU run dot_q6_k_x16 (gguf_repack.cpp).
-bool gguf_q6_k_x16_supported();
+// This build and CPU run the x16 kernel of GGML type `qtype` (gguf_repack.cpp).
+bool gguf_x16_supported(int64_t qtype);
 
 // Eight repacked rows (one group) against activation rows m0 .. m0 + rows - 1 (rows <= 4):
 // out[m * 8 + r] = row r . x[m0 + m].
@@ -96,11 +105,9 @@ void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, 
 void dot_q8_0_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 void dot_q6_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-// Two adjacent Q4_K groups (`group`, `group + stride`) as one of 16 rows, up to 8 activation rows:
-// out[m * 16 + r].
-void dot_q4_k_x16(const uint8_t* group, int64_t stride, const Acts& a, int64_t m0, int64_t rows, float* out);
-// Sixteen Q6_K rows repacked together (needs VBMI besides: gguf_q6_k_x16_supported) against up to 8
-// activation rows: out[m * 16 + r].
+// Sixteen rows repacked together against up to 8 activation rows: out[m * 16 + r]. Q6_K's needs
+// VBMI besides (gguf_x16_supported).
+void dot_q4_k_x16(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 void dot_q6_k_x16(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 #endif
 

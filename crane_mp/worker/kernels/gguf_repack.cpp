@@ -1,10 +1,12 @@
-// GGUF weights repacked eight rows at a time, and their 8-bit-activation kernels (CPU):
+// GGUF weights repacked eight (or sixteen) rows at a time, and their 8-bit-activation kernels (CPU):
 //
 //   gguf_repack_q4_k_x8(w [N, K / 256 * 144] uint8, K) -> [N, K / 256 * 148] uint8   (N a multiple of 8)
+//   gguf_repack_q4_k_x16(w [N, K / 256 * 144] uint8, K) -> [N, K / 256 * 148] uint8  (N a multiple of 16)
 //   gguf_repack_q8_0_x8(w [N, K / 32 * 34] uint8, K)   -> [N, K / 32 * 34] uint8
 //   gguf_repack_q6_k_x8(w [N, K / 256 * 210] uint8, K) -> [N, K / 256 * 210] uint8
 //   gguf_repack_q6_k_x16(w [N, K / 256 * 210] uint8, K) -> [N, K / 256 * 210] uint8 (N a multiple of 16)
-//   gguf_q6_k_x16_supported() -> bool: this build and CPU run the x16 kernel (AVX512-VNNI and VBMI)
+//   gguf_x16_supported(qtype) -> bool: this build and CPU run the type's x16 kernel (AVX512-VNNI, and
+//                                       VBMI for Q6_K)
 //
 // In GGUF's layout each row's blocks follow one another, so a kernel sums each row's products
 // across vector lanes and scales every block apart: a multiply per 32 weights besides the products,
@@ -23,8 +25,17 @@
 //                         of row r, high nibble element 32j + 16 + 4k + i
 // Both nibbles of a byte belong to one sub-block, so a sub-block's products add up in 16-bit lanes
 // (16 products of at most 15 x 127 per lane < 32767) before one multiply applies its scale; with
-// AVX512-VNNI, vpdpbusd sums them in 32-bit lanes instead (Q6_K likewise), and two adjacent groups
-// can be read as one of 16 rows in 512-bit vectors (dot_q4_k_x16).
+// AVX512-VNNI, vpdpbusd sums them in 32-bit lanes instead (Q6_K likewise).
+//
+// Q4_K, sixteen rows (x16, for AVX512-VNNI builds), super-block b of a group (2368 bytes, as two x8
+// groups): the same fields for 16 rows, so that one 512-bit load holds 4 positions of every row and
+// each 32-bit lane of a 512-bit vector stays one output row:
+//     0   d[16]            float16
+//    32   dmin[16]         float16
+//    64   scales[8][16]    uint8 [sub-block j][row r]
+//   192   mins[4][16][2]   uint8 [pair p][row r][t]: sub-block 2p + t's min, so that one widening to
+//                          16 bits gives each row's lane the pair vpdpwssd takes
+//   320   qs[8][4][16][4]  [sub-block j][position group k][row r][i], nibbles as in x8
 //
 // Q6_K, super-block b of a group of eight rows (1680 bytes, as the rows' own):
 //     0   d[8]            float16
@@ -180,34 +191,19 @@ void q4_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-// Two groups side by side (rows 0-7 in the low half of each 512-bit vector, rows 8-15 in the high):
-// one activation broadcast and one nibble split then serve 16 rows, and vpdpbusd on 512 bits does
-// twice the products of a 256-bit one in about the same time.
-inline __m512i both_groups(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(load(a)), load(b), 1);
-}
-inline __m512i widened_u8_x16(const uint8_t* a, const uint8_t* b) {
-  return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
-                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
-}
-inline __m512 halves_x16(const uint8_t* a, const uint8_t* b) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-}
-
+// Sixteen Q4_K x16 rows against activation rows m0 .. m0 + MR - 1 (up to 8: one nibble split serves
+// all of them): out[m * 16 + r]. vpdpbusd on 512 bits does twice the products of a 256-bit one in
+// about the same time, and the loads, splits and scales per product halve.
 template <int MR>
-void q4_k_x16_rows(const uint8_t* ga, int64_t stride, const Acts& a, int64_t m0, float* out) {
+void q4_k_x16_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
   constexpr int C = MR <= 4 ? 2 : 1;  // chains a row per sub-block (nibbles apart below 5 rows): 8 at least
-  const uint8_t* gb = ga + stride;
   alignas(64) float acc[MR][16] = {};  // updated once a super-block: memory spares MR registers
   const int8_t* x = a.q + m0 * a.K;
   const float* dx = a.d + m0 * a.nb;
   const int16_t* sx = a.sums32 + m0 * (a.K / 32);
   const __m512i mask = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < a.nb; ++b, ga += kQ4KX8Bytes, gb += kQ4KX8Bytes) {
-    prefetch_ahead<kQ4KX8Bytes>(ga);
-    prefetch_ahead<kQ4KX8Bytes>(gb);
+  for (int64_t b = 0; b < a.nb; ++b, group += kQ4KX16Bytes) {
+    prefetch_ahead<320>(group);  // the rest a line at a time, below
     __m512i isum[MR];
     for (int m = 0; m < MR; ++m) isum[m] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
@@ -216,8 +212,8 @@ void q4_k_x16_rows(const uint8_t* ga, int64_t stride, const Acts& a, int64_t m0,
         for (int m = 0; m < MR; ++m) sum[c][m] = _mm512_setzero_si512();
 #pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
-        const int64_t at = 160 + (4 * j + k) * 32;
-        const __m512i raw = both_groups(ga + at, gb + at);
+        prefetch_line_ahead(group + 320 + (4 * j + k) * 64);
+        const __m512i raw = _mm512_loadu_si512(group + 320 + (4 * j + k) * 64);
         const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
         for (int m = 0; m < MR; ++m) {
           const int8_t* xs = x + m * a.K + 256 * b + 32 * j + 4 * k;
@@ -225,18 +221,15 @@ void q4_k_x16_rows(const uint8_t* ga, int64_t stride, const Acts& a, int64_t m0,
           dpbusd_broadcast(sum[C - 1][m], hi, xs + 16);
         }
       }
-      const __m512i scale = widened_u8_x16(ga + 32 + 8 * j, gb + 32 + 8 * j);
+      const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 64 + 16 * j)));
       for (int m = 0; m < MR; ++m) {
         const __m512i total = C == 2 ? _mm512_add_epi32(sum[0][m], sum[C - 1][m]) : sum[0][m];
         isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(total, scale));
       }
     }
-    const __m512 d = halves_x16(ga, gb), dmin = halves_x16(ga + 16, gb + 16);
+    const __m512 d = _mm512_cvtph_ps(load(group)), dmin = _mm512_cvtph_ps(load(group + 32));
     __m512i mins[4];  // sub-blocks 2p (low 16 bits) and 2p + 1 (high) of each row's lane
-    for (int p = 0; p < 4; ++p) {
-      const __m512i lo = widened_u8_x16(ga + 96 + 16 * p, gb + 96 + 16 * p);
-      mins[p] = _mm512_or_si512(lo, _mm512_slli_epi32(widened_u8_x16(ga + 104 + 16 * p, gb + 104 + 16 * p), 16));
-    }
+    for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(load(group + 192 + 32 * p));
     for (int m = 0; m < MR; ++m) {
       __m512i msum = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) dpwssd_broadcast(msum, mins[p], sx + m * (a.K / 32) + 8 * b + 2 * p);
@@ -405,7 +398,7 @@ __attribute__((target("avx512vbmi"))) void q6_k_x16_rows(const uint8_t* group, c
   const float* dx = a.d + m0 * a.nb;
   const int16_t* sx = a.sums + m0 * (a.K / 16);
   for (int64_t b = 0; b < a.nb; ++b, group += kQ6KX16Bytes) {
-    prefetch_ahead<kQ6KX16Bytes>(group);
+    prefetch_ahead<288>(group);  // the rest a few lines at a time, below
     // The -32 of every value: 32 * sum_j s_j * (sum of sub-block j's activations), two j a vpdpwssd.
     __m512i isum[MR];
     for (int m = 0; m < MR; ++m) isum[m] = _mm512_setzero_si512();
@@ -415,6 +408,7 @@ __attribute__((target("avx512vbmi"))) void q6_k_x16_rows(const uint8_t* group, c
     }
     for (int m = 0; m < MR; ++m) isum[m] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(isum[m], 5));
     for (int j = 0; j < 16; j += U) {
+      for (int l = 0; l < 192 * U; l += 64) prefetch_line_ahead(group + 288 + 192 * j + l);
       __m512i sum[U][MR];
       for (int u = 0; u < U; ++u)
         for (int m = 0; m < MR; ++m) sum[u][m] = _mm512_setzero_si512();
@@ -462,6 +456,28 @@ at::Tensor repacked(const at::Tensor& w, int64_t K, int64_t qtype, int64_t rows,
   return out;
 }
 
+// One Q4_K row's super-block as the repacked layouts hold it: 6-bit scales and mins unpacked, and
+// for sub-block j, nibbles[j][t] holds element t in its low nibble and t + 16 in its high one.
+struct Q4KParts {
+  uint8_t scales[8], mins[8], nibbles[8][16];
+};
+
+inline Q4KParts q4_k_parts(const uint8_t* block) {
+  Q4KParts parts;
+  for (int j = 0; j < 8; ++j) {
+    float scale, min;
+    k_scale_min(block + 4, j, scale, min);
+    parts.scales[j] = static_cast<uint8_t>(scale);
+    parts.mins[j] = static_cast<uint8_t>(min);
+    // Sub-block j's element t is byte t of the 32 at 32 * (j / 2), its high nibble when j is odd.
+    const uint8_t* qs = block + 16 + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    for (int t = 0; t < 16; ++t)
+      parts.nibbles[j][t] = static_cast<uint8_t>((qs[t] >> shift & 0xF) | (qs[t + 16] >> shift & 0xF) << 4);
+  }
+  return parts;
+}
+
 at::Tensor gguf_repack_q4_k_x8(const at::Tensor& w, int64_t K) {
   const int64_t nb = K / 256;
   return repacked(w, K, Q4_K, 8, nb * (kQ4KX8Bytes / 8), "gguf_repack_q4_k_x8",
@@ -472,19 +488,32 @@ at::Tensor gguf_repack_q4_k_x8(const at::Tensor& w, int64_t K) {
         const uint8_t* row = src + (g * 8 + r) * row_bytes + b * 144;
         std::memcpy(block + 2 * r, row, 2);
         std::memcpy(block + 16 + 2 * r, row + 2, 2);
+        const Q4KParts parts = q4_k_parts(row);
         for (int j = 0; j < 8; ++j) {
-          float scale, min;
-          k_scale_min(row + 4, j, scale, min);
-          block[32 + 8 * j + r] = static_cast<uint8_t>(scale);
-          block[96 + 8 * j + r] = static_cast<uint8_t>(min);
+          block[32 + 8 * j + r] = parts.scales[j];
+          block[96 + 8 * j + r] = parts.mins[j];
+          for (int k = 0; k < 4; ++k) std::memcpy(block + 160 + ((4 * j + k) * 8 + r) * 4, parts.nibbles[j] + 4 * k, 4);
         }
+      }
+    }
+  });
+}
+
+at::Tensor gguf_repack_q4_k_x16(const at::Tensor& w, int64_t K) {
+  const int64_t nb = K / 256;
+  return repacked(w, K, Q4_K, 16, nb * (kQ4KX16Bytes / 16), "gguf_repack_q4_k_x16",
+                  [&](int64_t g, const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* block = dst + (g * nb + b) * kQ4KX16Bytes;
+      for (int64_t r = 0; r < 16; ++r) {
+        const uint8_t* row = src + (g * 16 + r) * row_bytes + b * 144;
+        std::memcpy(block + 2 * r, row, 2);
+        std::memcpy(block + 32 + 2 * r, row + 2, 2);
+        const Q4KParts parts = q4_k_parts(row);
         for (int j = 0; j < 8; ++j) {
-          // Sub-block j's element t is byte t of the 32 at 32 * (j / 2), its high nibble when j is odd.
-          const uint8_t* qs = row + 16 + 32 * (j / 2);
-          const int shift = 4 * (j % 2);
-          uint8_t both[16];  // t = 4k + i: element t in the low nibble, t + 16 in the high one
-          for (int t = 0; t < 16; ++t) both[t] = static_cast<uint8_t>((qs[t] >> shift & 0xF) | (qs[t + 16] >> shift & 0xF) << 4);
-          for (int k = 0; k < 4; ++k) std::memcpy(block + 160 + ((4 * j + k) * 8 + r) * 4, both + 4 * k, 4);
+          block[64 + 16 * j + r] = parts.scales[j];
+          block[192 + 32 * (j / 2) + 2 * r + j % 2] = parts.mins[j];
+          for (int k = 0; k < 4; ++k) std::memcpy(block + 320 + ((4 * j + k) * 16 + r) * 4, parts.nibbles[j] + 4 * k, 4);
         }
       }
     }
@@ -570,12 +599,13 @@ at::Tensor gguf_repack_q6_k_x16(const at::Tensor& w, int64_t K) {
 
 }  // namespace
 
-bool gguf_q6_k_x16_supported() {
+bool gguf_x16_supported(int64_t qtype) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  return __builtin_cpu_supports("avx512vbmi");
-#else
-  return false;
+  if (qtype == Q4_K) return true;
+  if (qtype == Q6_K) return __builtin_cpu_supports("avx512vbmi");
 #endif
+  (void)qtype;
+  return false;
 }
 
 void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
@@ -588,16 +618,16 @@ void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, 
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-void dot_q4_k_x16(const uint8_t* group, int64_t stride, const Acts& a, int64_t m0, int64_t rows, float* out) {
+void dot_q4_k_x16(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
   switch (rows) {
-    case 1: return q4_k_x16_rows<1>(group, stride, a, m0, out);
-    case 2: return q4_k_x16_rows<2>(group, stride, a, m0, out);
-    case 3: return q4_k_x16_rows<3>(group, stride, a, m0, out);
-    case 4: return q4_k_x16_rows<4>(group, stride, a, m0, out);
-    case 5: return q4_k_x16_rows<5>(group, stride, a, m0, out);
-    case 6: return q4_k_x16_rows<6>(group, stride, a, m0, out);
-    case 7: return q4_k_x16_rows<7>(group, stride, a, m0, out);
-    default: return q4_k_x16_rows<8>(group, stride, a, m0, out);
+    case 1: return q4_k_x16_rows<1>(group, a, m0, out);
+    case 2: return q4_k_x16_rows<2>(group, a, m0, out);
+    case 3: return q4_k_x16_rows<3>(group, a, m0, out);
+    case 4: return q4_k_x16_rows<4>(group, a, m0, out);
+    case 5: return q4_k_x16_rows<5>(group, a, m0, out);
+    case 6: return q4_k_x16_rows<6>(group, a, m0, out);
+    case 7: return q4_k_x16_rows<7>(group, a, m0, out);
+    default: return q4_k_x16_rows<8>(group, a, m0, out);
   }
 }
 #endif
@@ -639,8 +669,9 @@ void dot_q6_k_x16(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows,
 
 TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
   m.def("gguf_repack_q4_k_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q4_k_x8);
+  m.def("gguf_repack_q4_k_x16(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q4_k_x16);
   m.def("gguf_repack_q8_0_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q8_0_x8);
   m.def("gguf_repack_q6_k_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q6_k_x8);
   m.def("gguf_repack_q6_k_x16(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q6_k_x16);
-  m.def("gguf_q6_k_x16_supported() -> bool", &crane_mp::int8::gguf_q6_k_x16_supported);
+  m.def("gguf_x16_supported(int qtype) -> bool", &crane_mp::int8::gguf_x16_supported);
 }

@@ -20,7 +20,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from crane_mp.worker.device import is_device_fault
-from crane_mp.worker.quantized.formats import INT8_TYPES, Q4_K_X8, Q6_K_X8, Q6_K_X16, Q8_0_X8, dequantize
+from crane_mp.worker.quantized.formats import (INT8_TYPES, Q4_K_X8, Q4_K_X16, Q6_K_X8, Q6_K_X16, Q8_0_X8,
+                                              dequantize)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ _SLAB_ELEMENTS = 1 << 22
 _REPACKED = {GGMLQuantizationType.Q4_K: (Q4_K_X8, "gguf_repack_q4_k_x8"),
              GGMLQuantizationType.Q6_K: (Q6_K_X8, "gguf_repack_q6_k_x8"),
              GGMLQuantizationType.Q8_0: (Q8_0_X8, "gguf_repack_q8_0_x8")}
+_REPACKED_X16 = {GGMLQuantizationType.Q4_K: (Q4_K_X16, "gguf_repack_q4_k_x16"),
+                 GGMLQuantizationType.Q6_K: (Q6_K_X16, "gguf_repack_q6_k_x16")}
 
 
 class TorchGGUF:
@@ -68,15 +71,16 @@ class NativeGGUF(TorchGGUF):
     """crane-mp's C++ kernels (torch.ops.crane_mp), float32 accumulation."""
 
     def __init__(self) -> None:
-        # 512-bit Q6_K with VBMI's bit-field unpacking (1.25-1.45x the x8 kernel at 16-64 rows)
-        self.q6_k_x16 = bool(torch.ops.crane_mp.gguf_q6_k_x16_supported())
+        # 512-bit kernels: Q4_K with AVX512-VNNI, Q6_K with VBMI's bit-field unpacking besides
+        self.x16 = {qtype for qtype in _REPACKED_X16 if torch.ops.crane_mp.gguf_x16_supported(qtype)}
 
     def layout(self, qtype: int, weight: torch.Tensor, in_features: int, int8: bool) -> tuple[int, torch.Tensor]:
         """For 8-bit activations, Q4_K, Q6_K and Q8_0 rows repacked eight at a time (1.3-1.7x in batched
-        steps and prompts), Q6_K sixteen at a time where the CPU has the x16 kernel's instructions; any
-        other type, or a row count that is no multiple of 8, as the file has them."""
-        if int8 and qtype == GGMLQuantizationType.Q6_K and weight.shape[0] % 16 == 0 and self.q6_k_x16:
-            return Q6_K_X16, torch.ops.crane_mp.gguf_repack_q6_k_x16(weight, in_features)
+        steps and prompts), Q4_K and Q6_K sixteen at a time where the CPU has their x16 kernels'
+        instructions; any other type, or a row count that is no multiple of 8, as the file has them."""
+        if int8 and qtype in self.x16 and weight.shape[0] % 16 == 0:
+            packed_type, op = _REPACKED_X16[qtype]
+            return packed_type, getattr(torch.ops.crane_mp, op)(weight, in_features)
         if int8 and qtype in _REPACKED and weight.shape[0] % 8 == 0:
             packed_type, op = _REPACKED[qtype]
             return packed_type, getattr(torch.ops.crane_mp, op)(weight, in_features)
