@@ -469,11 +469,16 @@ inline Q4KParts q4_k_parts(const uint8_t* block) {
     k_scale_min(block + 4, j, scale, min);
     parts.scales[j] = static_cast<uint8_t>(scale);
     parts.mins[j] = static_cast<uint8_t>(min);
-    // Sub-block j's element t is byte t of the 32 at 32 * (j / 2), its high nibble when j is odd.
-    const uint8_t* qs = block + 16 + 32 * (j / 2);
-    const int shift = 4 * (j % 2);
-    for (int t = 0; t < 16; ++t)
-      parts.nibbles[j][t] = static_cast<uint8_t>((qs[t] >> shift & 0xF) | (qs[t + 16] >> shift & 0xF) << 4);
+  }
+  // Sub-blocks 2p and 2p + 1 are the low and high nibbles of the 32 bytes at 32p.
+  const __m128i low = _mm_set1_epi8(0x0F), high = _mm_set1_epi8(static_cast<char>(0xF0));
+  for (int p = 0; p < 4; ++p) {
+    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 + 32 * p));
+    const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 32 * p));
+    const __m128i even = _mm_or_si128(_mm_and_si128(first, low), _mm_slli_epi16(_mm_and_si128(second, low), 4));
+    const __m128i odd = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(first, 4), low), _mm_and_si128(second, high));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(parts.nibbles[2 * p]), even);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(parts.nibbles[2 * p + 1]), odd);
   }
   return parts;
 }
