@@ -562,19 +562,18 @@ at::Tensor gguf_repack_q6_k_x8(const at::Tensor& w, int64_t K) {
   });
 }
 
-// A Q6_K super-block's 256 values, 0..63. In each half h (128 values), value 32s + l has its low 4 bits
-// in ql byte 64h + l (s = 0, 2: low, high nibble) or 64h + 32 + l (s = 1, 3), its top 2 in qh byte
-// 128 + 32h + l, bits 2s and 2s + 1.
-inline void q6_k_unpack(const uint8_t* block, uint8_t* values) {
-  for (int h = 0; h < 2; ++h)
-    for (int l = 0; l < 32; ++l) {
-      const uint8_t a = block[64 * h + l], c = block[64 * h + 32 + l], top = block[128 + 32 * h + l];
-      uint8_t* v = values + 128 * h + l;
-      v[0] = static_cast<uint8_t>((a & 0xF) | (top & 3) << 4);
-      v[32] = static_cast<uint8_t>((c & 0xF) | (top >> 2 & 3) << 4);
-      v[64] = static_cast<uint8_t>((a >> 4) | (top >> 4 & 3) << 4);
-      v[96] = static_cast<uint8_t>((c >> 4) | (top >> 6 & 3) << 4);
+// Values 4k .. 4k + 3 of a Q6_K super-block's 256 (0..63) as one 24-bit field each, value 4k + i at
+// bits 6i: q6_k_values gives each value a byte, multiply-adds then gather each four.
+inline void q6_k_fields(const uint8_t* block, uint32_t* fields) {
+  const __m256i pairs = _mm256_set1_epi16(0x4001), quads = _mm256_set1_epi32(0x10000001);
+  for (int h = 0; h < 2; ++h) {  // values 128h + 32s + l: s from the part, l from the byte position
+    __m256i q[4];
+    q6_k_values(load(block + 64 * h), load(block + 64 * h + 32), load(block + 128 + 32 * h), q);
+    for (int s = 0; s < 4; ++s) {
+      const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(q[s], pairs), quads);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(fields + 32 * h + 8 * s), v);
     }
+  }
 }
 
 at::Tensor gguf_repack_q6_k_x16(const at::Tensor& w, int64_t K) {
@@ -583,19 +582,16 @@ at::Tensor gguf_repack_q6_k_x16(const at::Tensor& w, int64_t K) {
                   [&](int64_t g, const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* block = dst + (g * nb + b) * kQ6KX16Bytes;
-      uint8_t values[16][256];
+      uint32_t fields[16][64];
       for (int64_t r = 0; r < 16; ++r) {
         const uint8_t* row = src + (g * 16 + r) * row_bytes + b * 210;  // ql[128], qh[64], scales[16], d
         std::memcpy(block + 2 * r, row + 208, 2);
         for (int j = 0; j < 16; ++j) block[32 + 32 * (j / 2) + 2 * r + j % 2] = row[192 + j];
-        q6_k_unpack(row, values[r]);
+        q6_k_fields(row, fields[r]);
       }
       for (int k = 0; k < 64; ++k)
         for (int q = 0; q < 8; ++q) {
-          uint64_t word = 0;
-          for (int i = 0; i < 4; ++i)
-            word |= static_cast<uint64_t>(values[2 * q][4 * k + i]) << (6 * i) |
-                    static_cast<uint64_t>(values[2 * q + 1][4 * k + i]) << (24 + 6 * i);
+          const uint64_t word = fields[2 * q][k] | static_cast<uint64_t>(fields[2 * q + 1][k]) << 24;
           std::memcpy(block + 288 + 48 * k + 6 * q, &word, 6);  // little-endian: the low 48 bits
         }
     }
