@@ -126,6 +126,13 @@ def test_bad_inputs_are_errors_not_crashes():
         torch.ops.crane_mp.gguf_linear_int8(torch.randn(1, 32), torch.zeros(4, 64, dtype=torch.uint8), T.F16, 32)
 
 
+def _signed_q6_k_scales(weight: torch.Tensor) -> None:
+    """Signed Q6_K scales, as llama.cpp's quantizer writes them, down to -128."""
+    scales = weight.view(-1, 210)[:, 192:208].view(torch.int8)
+    scales[:, ::3] = -scales[:, ::3]
+    scales[::7, 5] = -128
+
+
 @pytest.mark.parametrize("qtype, rows, cols", [(T.Q4_K, 40, 256), (T.Q4_K, 304, 768), (T.Q6_K, 40, 256),
                                                (T.Q6_K, 304, 768), (T.Q8_0, 40, 32), (T.Q8_0, 304, 800)])
 def test_rows_repacked_by_eight_give_the_row_kernel_results(qtype, rows, cols):
@@ -148,13 +155,6 @@ def test_rows_repacked_by_eight_give_the_row_kernel_results(qtype, rows, cols):
         want = torch.ops.crane_mp.gguf_linear_int8(x, weight, qtype, cols)
         got = torch.ops.crane_mp.gguf_linear_int8(x, packed, packed_type, cols)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-
-
-def _signed_q6_k_scales(weight: torch.Tensor) -> None:
-    """Signed Q6_K scales, as llama.cpp's quantizer writes them, down to -128."""
-    scales = weight.view(-1, 210)[:, 192:208].view(torch.int8)
-    scales[:, ::3] = -scales[:, ::3]
-    scales[::7, 5] = -128
 
 
 X16 = {T.Q4_K: "gguf_repack_q4_k_x16", T.Q6_K: "gguf_repack_q6_k_x16"}
