@@ -20,7 +20,8 @@
 //     0   d[8]            float16, each row's scale of scales
 //    16   dmin[8]         float16
 //    32   scales[8][8]    uint8 [sub-block j][row r], the 6-bit scales unpacked
-//    96   mins[8][8]      uint8, likewise
+//    96   mins[4][8][2]   uint8 [pair p][row r][t]: sub-block 2p + t's min, so that one widening to
+//                         16 bits gives each row's lane the pair a 16-bit multiply-add takes
 //   160   qs[8][4][8][4]  [sub-block j][position group k][row r][i]: low nibble element 32j + 4k + i
 //                         of row r, high nibble element 32j + 16 + 4k + i
 // Both nibbles of a byte belong to one sub-block, so a sub-block's products add up in 16-bit lanes
@@ -33,8 +34,7 @@
 //     0   d[16]            float16
 //    32   dmin[16]         float16
 //    64   scales[8][16]    uint8 [sub-block j][row r]
-//   192   mins[4][16][2]   uint8 [pair p][row r][t]: sub-block 2p + t's min, so that one widening to
-//                          16 bits gives each row's lane the pair vpdpwssd takes
+//   192   mins[4][16][2]   uint8 [pair p][row r][t], as in x8
 //   320   qs[8][4][16][4]  [sub-block j][position group k][row r][i], nibbles as in x8
 //
 // Q6_K, super-block b of a group of eight rows (1680 bytes, as the rows' own):
@@ -96,13 +96,6 @@ inline __m256i broadcast32(const void* p) {
 inline __m256i in_both_halves(const uint8_t* p) {
   const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
-}
-
-// Two runs of eight bytes -> lane r holds the first run's byte r (low half), the second's (high half).
-inline __m256i paired(const uint8_t* first, const uint8_t* second) {
-  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(first)));
-  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(second)));
-  return _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16));
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -180,7 +173,8 @@ void q4_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
     for (int m = 0; m < MR; ++m) {
       __m256i msum = _mm256_setzero_si256();  // sum_j min_j * (sum of sub-block j's activations), two j at a time
       for (int p = 0; p < 4; ++p)
-        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(paired(group + 96 + 16 * p, group + 104 + 16 * p),
+        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(
+                                                             reinterpret_cast<const __m128i*>(group + 96 + 16 * p))),
                                                         broadcast32(sx + m * (a.K / 32) + 8 * b + 2 * p)));
       const __m256 da = _mm256_set1_ps(dx[m * a.nb + b]);
       __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, da), _mm256_load_ps(acc[m]));
@@ -486,46 +480,37 @@ inline Q4KParts q4_k_parts(const uint8_t* block) {
   return parts;
 }
 
-at::Tensor gguf_repack_q4_k_x8(const at::Tensor& w, int64_t K) {
+// Q4_K rows repacked R at a time (x8, x16): the two layouts differ only in the row count.
+template <int R>
+at::Tensor q4_k_repacked(const at::Tensor& w, int64_t K, const char* op) {
+  constexpr int64_t bytes = 148 * R;
   const int64_t nb = K / 256;
-  return repacked(w, K, Q4_K, 8, nb * (kQ4KX8Bytes / 8), "gguf_repack_q4_k_x8",
-                  [&](int64_t g, const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
+  return repacked(w, K, Q4_K, R, nb * 148, op, [&](int64_t g, const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
     for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* block = dst + (g * nb + b) * kQ4KX8Bytes;
-      for (int64_t r = 0; r < 8; ++r) {
-        const uint8_t* row = src + (g * 8 + r) * row_bytes + b * 144;
+      uint8_t* block = dst + (g * nb + b) * bytes;
+      for (int64_t r = 0; r < R; ++r) {
+        const uint8_t* row = src + (g * R + r) * row_bytes + b * 144;
         std::memcpy(block + 2 * r, row, 2);
-        std::memcpy(block + 16 + 2 * r, row + 2, 2);
+        std::memcpy(block + 2 * R + 2 * r, row + 2, 2);
         const Q4KParts parts = q4_k_parts(row);
         for (int j = 0; j < 8; ++j) {
-          block[32 + 8 * j + r] = parts.scales[j];
-          block[96 + 8 * j + r] = parts.mins[j];
-          for (int k = 0; k < 4; ++k) std::memcpy(block + 160 + ((4 * j + k) * 8 + r) * 4, parts.nibbles[j] + 4 * k, 4);
+          block[4 * R + R * j + r] = parts.scales[j];
+          block[12 * R + 2 * R * (j / 2) + 2 * r + j % 2] = parts.mins[j];
+          for (int k = 0; k < 4; ++k) std::memcpy(block + 20 * R + ((4 * j + k) * R + r) * 4, parts.nibbles[j] + 4 * k, 4);
         }
       }
     }
   });
 }
 
+at::Tensor gguf_repack_q4_k_x8(const at::Tensor& w, int64_t K) {
+  static_assert(148 * 8 == kQ4KX8Bytes);
+  return q4_k_repacked<8>(w, K, "gguf_repack_q4_k_x8");
+}
+
 at::Tensor gguf_repack_q4_k_x16(const at::Tensor& w, int64_t K) {
-  const int64_t nb = K / 256;
-  return repacked(w, K, Q4_K, 16, nb * (kQ4KX16Bytes / 16), "gguf_repack_q4_k_x16",
-                  [&](int64_t g, const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* block = dst + (g * nb + b) * kQ4KX16Bytes;
-      for (int64_t r = 0; r < 16; ++r) {
-        const uint8_t* row = src + (g * 16 + r) * row_bytes + b * 144;
-        std::memcpy(block + 2 * r, row, 2);
-        std::memcpy(block + 32 + 2 * r, row + 2, 2);
-        const Q4KParts parts = q4_k_parts(row);
-        for (int j = 0; j < 8; ++j) {
-          block[64 + 16 * j + r] = parts.scales[j];
-          block[192 + 32 * (j / 2) + 2 * r + j % 2] = parts.mins[j];
-          for (int k = 0; k < 4; ++k) std::memcpy(block + 320 + ((4 * j + k) * 16 + r) * 4, parts.nibbles[j] + 4 * k, 4);
-        }
-      }
-    }
-  });
+  static_assert(148 * 16 == kQ4KX16Bytes);
+  return q4_k_repacked<16>(w, K, "gguf_repack_q4_k_x16");
 }
 
 at::Tensor gguf_repack_q8_0_x8(const at::Tensor& w, int64_t K) {
