@@ -24,6 +24,7 @@ from crane_mp.config import (
     parse_memory_limit,
 )
 from crane_mp.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
+from crane_mp.parallel import ParallelConfig
 from crane_mp.pooling import POOLING_METHODS, Pooling, sentence_transformers_pooling
 from crane_mp.score_head import classifies
 from crane_mp.settings import SettingsError, resolve, settable_actions, unknown_env_names
@@ -134,6 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embeddings: last token, mean or first (CLS) token of the final hidden states (default: "
                         "the checkpoint's sentence-transformers setting, else last); implies --task embed unless "
                         "--task says otherwise")
+    p.add_argument("--tensor-parallel-size", "--tp-size", type=_positive_int, default=1,
+                   help="worker ranks the model is split over (attention heads, MLP units, vocabulary), one per GPU "
+                        "or, on CPU, each with its share of the cores; joined by torch.distributed (NCCL on CUDA, "
+                        "gloo on CPU)")
+    p.add_argument("--nnodes", type=_positive_int, default=1,
+                   help="hosts the tensor-parallel ranks run on, each starting --tensor-parallel-size / --nnodes of "
+                        "them; node 0 serves HTTP")
+    p.add_argument("--node-rank", type=_non_negative_int, default=0,
+                   help="this host's place among --nnodes; above 0 it runs worker ranks only")
+    p.add_argument("--dist-init-addr", metavar="HOST:PORT",
+                   help="node 0's address and a free port, where every node's ranks meet (needed with --nnodes)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8080)
     p.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is available")
@@ -305,6 +317,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             enable_lora=args.enable_lora,
             runtime_lora=args.enable_runtime_lora,
             lora_root=args.lora_root,
+            parallel=ParallelConfig(args.tensor_parallel_size, args.nnodes, args.node_rank, args.dist_init_addr),
         )
     except ValueError as err:
         parser.error(str(err))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crane_mp.logs import LogSettings
+from crane_mp.parallel import ParallelConfig
 from crane_mp.pooling import Pooling
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -86,6 +87,7 @@ class EngineConfig:
     enable_lora: bool = False  # the model is built for adapters (implied by lora_modules and runtime_lora)
     runtime_lora: bool = False  # /v1/load_lora_adapter may load adapters, from under lora_root only
     lora_root: str | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor-parallel ranks and nodes
 
     @property
     def lora(self) -> bool:

@@ -19,6 +19,9 @@ from crane_mp.worker.bootstrap import LoadedWorker, load_worker
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
+        if config.parallel.tensor_parallel_size > 1:
+            raise ValueError("LLMEngine runs the model in this process, on one rank: tensor parallelism needs "
+                             "crane-launch --tensor-parallel-size")
         self.config = config
         self.worker: LoadedWorker = load_worker(config, progress)
         self.scheduler = Scheduler(scheduler_config(

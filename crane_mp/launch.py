@@ -90,13 +90,27 @@ class Launcher:
     def frontends(self) -> list[str]:
         return [name for name in self.procs if name.startswith("frontend")]
 
+    @property
+    def workers(self) -> list[str]:
+        return [name for name in self.procs if name.startswith("worker")]
+
+    def _spawn_workers(self) -> list[Connection]:
+        """This node's worker ranks: rank 0 is "worker" (the scheduler's), rank r "worker-r"."""
+        cfg = self.config
+        return [self._spawn("worker" if rank == 0 else f"worker-{rank}", worker_main, cfg.engine, self.addresses,
+                            cfg.logs, rank)
+                for rank in cfg.engine.parallel.local_ranks]
+
     def start(self) -> WorkerReady:
         cfg = self.config
-        worker_conn = self._spawn("worker", worker_main, cfg.engine, self.addresses, cfg.logs)
+        worker_conns = self._spawn_workers()
         frontend_conns = [self._spawn_frontend(i, 0) for i in range(cfg.num_frontends)]
         for conn in frontend_conns:
             self._await(conn, "the frontend was binding its port")
-        info = msgspec.msgpack.decode(self._await(worker_conn, "the worker was loading the model"), type=WorkerReady)
+        info = msgspec.msgpack.decode(self._await(worker_conns[0], "the worker was loading the model"),
+                                      type=WorkerReady)
+        for conn in worker_conns[1:]:
+            self._await(conn, "the worker ranks were loading the model")
         sched_cfg = scheduler_config(
             cfg.engine, info.num_blocks, info.max_model_len, tuple(info.eos_token_ids), on_cpu=info.device_type == "cpu",
             max_queue=cfg.max_queue, prefill_seconds_per_token=info.prefill_seconds_per_token,
@@ -113,6 +127,11 @@ class Launcher:
             self._await(conn, "the frontend was connecting")
         self.info = info
         return info
+
+    def start_worker_node(self) -> None:
+        """A node past the first (--node-rank above 0): its worker ranks only, which join node 0's."""
+        for conn in self._spawn_workers():
+            self._await(conn, "the worker ranks were loading the model")
 
     def _spawn_frontend(self, index: int, life: int) -> Connection:
         name = _frontend_name(index, self.config.num_frontends)
@@ -157,7 +176,26 @@ class Launcher:
         log.info("draining: finishing in-flight requests (up to %.0f s)", self.config.shutdown_grace)
         self._stop(self.frontends, self.config.shutdown_grace + 5)
         self._stop(["scheduler"], 5)
-        self._stop(["worker"], 5)
+        self._stop(self.workers, 5)
+        return 0
+
+    def supervise_worker_node(self) -> int:
+        """Until this node's ranks end: 0 when all of them left cleanly (node 0 stopped the model), else
+        1, the others stopped at once; a stop signal stops them all (exit 0)."""
+        while not self.stop_requested:
+            wait([p.sentinel for p in self.procs.values()], timeout=0.2)
+            ended = [proc for proc in self.procs.values() if not proc.is_alive()]
+            failed = [(name, proc.exitcode) for name, proc in self.procs.items()
+                      if not proc.is_alive() and proc.exitcode != 0]
+            if failed:
+                for name, code in failed:
+                    log.error("the %s process exited with code %s; stopping this node's ranks", name, code)
+                self._stop(self.workers, 5.0)
+                return 1
+            if len(ended) == len(self.procs):
+                log.info("node 0 stopped the model; this node's ranks have left")
+                return 0
+        self._stop(self.workers, 5.0)
         return 0
 
     def fail(self) -> None:
@@ -167,7 +205,7 @@ class Launcher:
             signal_process(proc, signal.SIGUSR1)
         for proc in alive:
             proc.join(0.5)
-        self._stop([*self.frontends, "scheduler", "worker"], 5.0)
+        self._stop([*self.frontends, "scheduler", *self.workers], 5.0)
 
     def _stop(self, names: list[str], timeout: float) -> None:
         """SIGTERM each of `names` at once, wait up to `timeout` for all, kill what is left."""
@@ -224,6 +262,33 @@ def signal_process(proc: mp.Process, signum: int) -> None:
         pass
 
 
+def describe_parallel(info: WorkerReady) -> str:
+    """tp=2 nodes=1 ranks: 0 node0 Cpu(cores 0-0) weights 1.2 MiB, 1 node0 ..."""
+    ranks = ", ".join(f"{r.rank} node{r.node} {r.device} weights {r.weights_bytes / 2**20:.1f} MiB" for r in info.ranks)
+    return f"tp={info.tensor_parallel_size} nodes={info.nnodes} ranks: {ranks}"
+
+
+def _run_worker_node(launcher: Launcher, started: float) -> int:
+    """--node-rank above 0: this host's worker ranks only; the HTTP frontends and the scheduler are node 0's."""
+    parallel = launcher.config.engine.parallel
+    code = 1
+    try:
+        launcher.start_worker_node()
+        log.info("worker node %d ready in %.1f s: ranks %s of tp=%d, joined at %s", parallel.node_rank,
+                 time.monotonic() - started, ", ".join(map(str, parallel.local_ranks)),
+                 parallel.tensor_parallel_size, parallel.dist_init_addr)
+        notify(f"READY=1\nSTATUS=worker node {parallel.node_rank}")
+        code = launcher.supervise_worker_node()
+    except KeyboardInterrupt:
+        code = 0
+    except ChildDied as err:
+        log.error("start-up failed: %s", err)
+    finally:
+        launcher.cleanup()
+    log.info("stopped (exit code %d)", code)
+    return code
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     configure_logging(config.logs)
@@ -240,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     code = 1
+    if config.engine.parallel.node_rank > 0:
+        sys.exit(_run_worker_node(launcher, started))
     try:
         info = launcher.start()
         gib = 1 << 30
@@ -261,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
             _on_off(config.engine.overlap_schedule),
             _on_off(config.engine.runtime_lora), config.num_frontends, config.host, config.port,
         )
+        if info.tensor_parallel_size > 1:
+            log.info("parallel: %s", describe_parallel(info))
         notify("READY=1\nSTATUS=serving " + config.model_name)
         code = launcher.supervise(Watchdog.from_environment(config))
     except KeyboardInterrupt:

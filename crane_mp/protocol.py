@@ -334,6 +334,15 @@ FrontendInbox = TokenBatch | EngineStats | ControlReply | LoraRegistry
 # ---- worker -> launcher (once, over the start-up pipe) -------------------------------------------
 
 
+class RankInfo(msgspec.Struct):
+    """One tensor-parallel worker rank, for /server_info and the start-up line."""
+
+    rank: int
+    node: int  # --node-rank of the host it runs on
+    device: str  # "Cuda(1)", or "Cpu" and the cores it runs on, e.g. "Cpu(cores 0-7)"
+    weights_bytes: int  # the weights this rank holds
+
+
 class WorkerReady(msgspec.Struct):
     """Facts the worker learned at start-up; the launcher hands them to the scheduler and frontend."""
 
@@ -360,3 +369,6 @@ class WorkerReady(msgspec.Struct):
     quantized_activations: str = "n/a"  # GGUF matmuls: "int8" or "float" activations; "n/a" without GGUF
     activation_bytes: int = 0  # the memory plan's reserve for a step's temporaries
     whole_prompts: bool = False  # an encoder: each prompt runs whole in one step, without the prefix cache
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    ranks: list[RankInfo] = []  # every worker rank, by rank (weights_bytes above is rank 0's)

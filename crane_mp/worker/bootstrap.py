@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from crane_mp.worker.memory import KVPlan, plan_kv_blocks
 from crane_mp.worker.model_config import ModelConfig, load_gguf_config, load_model_config
 from crane_mp.worker.platforms import Platform, select_platform
 from crane_mp.worker.runner import ModelRunner
+from crane_mp.worker.sharding import shard_config
+from crane_mp.worker.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +85,10 @@ class PhaseTimer:
         return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases)
 
 
-def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer | None = None) -> LoadedWorker:
+def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer | None = None,
+                tp: TensorParallel | None = None) -> LoadedWorker:
+    """`tp`: this process is one tensor-parallel rank; it loads its part of the model, and the ranks
+    agree on one KV block count (the smallest any of them holds)."""
     timer = timer or PhaseTimer()
     prefer_huge_pages()
     torch.manual_seed(config.seed)
@@ -92,12 +98,15 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     else:
         model_config = load_model_config(source.model_dir, config.model_type)
     timer.done("config")
-    platform = select_platform(config.force_cpu)  # builds or loads the CPU kernels: reported on their own
+    # The model this process holds: the whole of it, or a rank's part (heads, units, vocabulary rows).
+    rank_config = model_config if tp is None else shard_config(model_config, tp.rank, tp.size)
+    # Builds or loads the CPU kernels: reported on their own.
+    platform = select_platform(config.force_cpu, tp.device.index or 0 if tp is not None else 0)
     timer.done("kernels")
     allocated_before = platform.allocated_bytes()  # others' tensors in this process (an in-process engine)
     dtype = platform.compute_dtype(config.dtype, model_config.torch_dtype)
     int8 = platform.int8_matmuls(config.quantized_activations)
-    model, weight_types = load_model(model_config, source, dtype, platform, progress, pools_outputs(config.task),
+    model, weight_types = load_model(rank_config, source, dtype, platform, progress, pools_outputs(config.task),
                                      lora=config.lora, int8_activations=int8)
     if config.lora_modules:
         lora_bytes = load_adapters(model, config.lora_modules, config.max_lora_rank, dtype, platform)
@@ -139,22 +148,27 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         model, max(config.max_num_batched_tokens, config.max_num_seqs))
     if kernel_caches:
         log.info("%s: %.1f MiB, in the memory plan's reserved", kernel_caches, kernel_cache_bytes / 2**20)
-    estimate = (profile_tokens * _activation_estimate_per_token(model_config)
+    estimate = (profile_tokens * _activation_estimate_per_token(rank_config)
                 + runner.sampler.peak_bytes(profile_seqs))
     warm_up_started = time.monotonic()
     activation_bytes = platform.measure_activation_bytes(profile, estimate)
     # The scheduler's first estimate of a prompt token's cost (scheduler/pacing.py); CUDA is not paced.
     seconds_per_token = (time.monotonic() - warm_up_started) / min(profile_tokens, _CPU_WARMUP_TOKENS)
     timer.done("warm-up")
-    graphs = platform.cuda_graphs(config.cuda_graphs, runner.attention_backend) and not model_config.encoder
+    # Not with tensor parallelism yet: a captured step would replay its collectives too, untested.
+    graphs = (platform.cuda_graphs(config.cuda_graphs, runner.attention_backend) and not model_config.encoder
+              and tp is None)
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
-    reserved_bytes = kernel_cache_bytes + (graph_pool_bytes(runner, graph_sizes, model_config) if graphs else 0)
+    reserved_bytes = kernel_cache_bytes + (graph_pool_bytes(runner, graph_sizes, rank_config) if graphs else 0)
     if config.runtime_lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank
         reserved_bytes += (config.max_loras - len(config.lora_modules)) * adapter_bytes(
-            model_config, config.max_lora_rank, platform.lora_dtype(dtype))
+            rank_config, config.max_lora_rank, platform.lora_dtype(dtype))
+    total_bytes = platform.total_memory()
+    if tp is not None and platform.on_cpu:  # the ranks on one host share its memory
+        total_bytes //= tp.parallel.ranks_per_node
     kv_plan = plan_kv_blocks(
         limit=config.memory_limit or platform.default_memory_limit,
-        total_bytes=platform.total_memory(),
+        total_bytes=total_bytes,
         weights_bytes=weights_bytes,
         activation_bytes=activation_bytes,
         kv_bytes_per_token=runner.kv_bytes_per_token(),
@@ -168,6 +182,12 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         runtime_bytes=platform.runtime_bytes(activation_bytes),
         fit_model_len=not config.max_model_len,
     )
+    if tp is not None:
+        num_blocks, fitted_len = tp.agree_min([kv_plan.num_blocks, kv_plan.max_model_len])
+        if (num_blocks, fitted_len) != (kv_plan.num_blocks, kv_plan.max_model_len):
+            log.info("rank %d holds the %d KV blocks of the smallest rank's plan", tp.rank, num_blocks)
+        kv_plan = dataclasses.replace(kv_plan, num_blocks=num_blocks, max_model_len=fitted_len,
+                                      kv_budget_bytes=num_blocks * config.block_size * kv_plan.kv_bytes_per_token)
     log.info("memory plan: %s", kv_plan.describe())
     if kv_plan.max_model_len < max_model_len:
         log.warning("max_model_len lowered from the model's %d to %d tokens, what the memory plan holds for one "

@@ -38,9 +38,16 @@ _STICKY_CUDA_ERRORS = ("illegal memory access", "misaligned address", "unspecifi
                        "illegal instruction", "device-side assert", "hardware stack error")
 
 
+class RankLost(RuntimeError):
+    """A collective between tensor-parallel ranks failed: a rank died or its link broke. No request's
+    fault, and no step can run without every rank."""
+
+
 def is_device_fault(err: BaseException) -> bool:
     """Errors after which the device's state is unknown: the server stops rather than go on. Not an
     out-of-memory error, nor a kernel that fails to compile or launch: those leave the device usable."""
+    if isinstance(err, RankLost):
+        return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(err, accelerator_error):
         return True

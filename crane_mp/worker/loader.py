@@ -82,6 +82,7 @@ def load_safetensors_model(
         # Nothing reads an embedding model's logits but /health_generate's one token: a one-row stub
         # instead of vocabulary x hidden uninitialised memory (1.2 GB for an 8B model) taken from the KV cache.
         model.lm_head = torch.nn.Linear(config.hidden_size, 1, bias=False, device=device, dtype=dtype)
+        model.vocab_parallel = False
         torch.nn.init.zeros_(model.lm_head.weight)
         missing.discard("lm_head.weight")
     if missing:

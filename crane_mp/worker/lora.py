@@ -21,6 +21,7 @@ from safetensors import safe_open
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import Platform
+from crane_mp.worker.sharding import Shard
 
 # Bytes per element of the safetensors dtypes an adapter may hold (anything else counts as 8).
 _ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -30,6 +31,7 @@ _TARGETS = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
 }
+_MODULES = {target: module for module, target in _TARGETS.items()}
 _UNSUPPORTED = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform")
 
 
@@ -144,7 +146,7 @@ def build_adapter(model: CausalLM, config: dict, tensors: dict[str, torch.Tensor
         a_rows, b_blocks, offset = [], [], 0
         for part, size in enumerate(sizes):
             if part in by_part:
-                a, b = by_part[part]
+                a, b = _rank_part(model.config.shard, _MODULES[projection, part], *by_part[part], name)
                 if a.shape != (rank, in_features) or b.shape != (size, rank):
                     raise LoraError(f"LoRA adapter {name!r}: layer {layer} {projection} part {part} has shapes "
                                     f"{tuple(a.shape)} / {tuple(b.shape)}, expected ({rank}, {in_features}) / "
@@ -160,6 +162,22 @@ def build_adapter(model: CausalLM, config: dict, tensors: dict[str, torch.Tensor
     if not built:
         raise LoraError(f"LoRA adapter {name!r}: no LoRA matrices found")
     return built
+
+
+def _rank_part(shard: Shard | None, module: str, a: torch.Tensor, b: torch.Tensor,
+               name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor-parallel rank's part of one projection's adapter: B's rows of a column-parallel
+    projection, A's columns of a row-parallel one (whose partial products the ranks sum)."""
+    split = shard.split(f"{module}.weight") if shard is not None else None
+    if split is None:
+        return a, b
+    whole = b if split.axis == 0 else a.t()
+    if whole.dim() != 2 or whole.shape[0] != shard.whole(module):
+        raise LoraError(f"LoRA adapter {name!r}: {module} has shapes {tuple(a.shape)} / {tuple(b.shape)}, not "
+                        f"{shard.whole(module)} wide where the model is: an adapter for another model?")
+    if split.axis == 0:
+        return a, b[split.start : split.stop]
+    return a[:, split.start : split.stop], b
 
 
 def install(model: CausalLM, lora_id: int, adapter: dict) -> None:

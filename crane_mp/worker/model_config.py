@@ -15,6 +15,7 @@ from typing import Any
 
 from crane_mp.gguf_file import SERVED_TYPES, check_gguf, rope_freq_factors
 from crane_mp.worker.models.registry import ARCHITECTURES, GGUF_ARCHITECTURES, HF_CLASSES, MODEL_TYPE_ALIASES, supported
+from crane_mp.worker.sharding import Shard
 
 
 class UnsupportedModelError(ValueError):
@@ -47,6 +48,9 @@ class ModelConfig:
     # token type 1, as the tokenizer's pair encoding marks it), and the first position id.
     sep_token_id: int | None = None
     first_position: int = 0
+    # Tensor parallelism: the part of the model this rank holds (sharding.py); the sizes above are then
+    # the rank's own, but for the vocabulary and hidden size. None: the whole model.
+    shard: Shard | None = None
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     @property

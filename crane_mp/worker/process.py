@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import threading
 import time
@@ -16,6 +17,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 
 import psutil
+import torch
 import zmq
 from tqdm import tqdm
 
@@ -23,12 +25,14 @@ from crane_mp.config import EngineConfig
 from crane_mp.heap import malloc_trim
 from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.logs import LogSettings, configure_logging
-from crane_mp.protocol import DropLora, LoadLora, PrepareGrammar, ShutdownWorker, StepPlan, WorkerReady
-from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
+from crane_mp.protocol import DropLora, LoadLora, PrepareGrammar, RankInfo, ShutdownWorker, StepPlan, WorkerReady
 from crane_mp.worker.background import BackgroundJobs, load_lora, prepare_grammar
+from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
+from crane_mp.worker.device import RankLost
 from crane_mp.worker.lora import uninstall
 from crane_mp.worker.memory import MemoryBudgetError
 from crane_mp.worker.model_config import UnsupportedModelError
+from crane_mp.worker.tensor_parallel import TensorParallel, split_cores
 
 log = logging.getLogger("crane_mp.worker")
 
@@ -40,7 +44,18 @@ _IDLE_TRIM_MS = 1000
 _BUSY_TRIM_SECONDS = 10.0
 
 
-def worker_ready(loaded: LoadedWorker) -> WorkerReady:
+def describe_ranks(loaded: LoadedWorker, tp: TensorParallel | None) -> list[RankInfo]:
+    """Every rank's host, device and weights (gathered from all of them: a collective, so every rank calls it)."""
+    device = loaded.platform.device
+    cores = sorted(os.sched_getaffinity(0))
+    facts = [loaded.kv_plan.weights_bytes, tp.parallel.node_rank if tp is not None else 0,
+             device.index if device.type == "cuda" else -1, cores[0], cores[-1]]
+    gathered = [facts] if tp is None else tp.gather_facts(facts)
+    return [RankInfo(rank, node, f"Cuda({index})" if index >= 0 else f"Cpu(cores {first}-{last})", weights)
+            for rank, (weights, node, index, first, last) in enumerate(gathered)]
+
+
+def worker_ready(loaded: LoadedWorker, ranks: list[RankInfo]) -> WorkerReady:
     plan = loaded.kv_plan
     isa, kernel_isa = loaded.platform.describe()
     return WorkerReady(
@@ -67,6 +82,9 @@ def worker_ready(loaded: LoadedWorker) -> WorkerReady:
         quantized_activations=loaded.quantized_activations,
         prefill_seconds_per_token=loaded.prefill_seconds_per_token,
         whole_prompts=loaded.model_config.encoder,
+        tensor_parallel_size=len(ranks),
+        nnodes=len({info.node for info in ranks}),
+        ranks=ranks,
     )
 
 
@@ -81,7 +99,30 @@ def _ignore_stop_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, ready: Connection) -> None:
+def join_ranks(config: EngineConfig, rank: int, run_dir: str) -> TensorParallel | None:
+    """With --tensor-parallel-size above 1: this process's device (its host's CUDA device, or its share
+    of the host's cores), then the rendezvous with every other rank."""
+    parallel = config.parallel
+    if parallel.tensor_parallel_size == 1:
+        return None
+    local_rank = rank - parallel.local_ranks.start
+    if parallel.on_loopback():  # gloo listens where the hostname resolves, which may not be loopback
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if not config.force_cpu and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        cores = split_cores(local_rank, parallel.ranks_per_node)
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
+    return TensorParallel(parallel, rank, parallel.init_method(run_dir), device)
+
+
+def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, rank: int, ready: Connection) -> None:
+    """Worker rank `rank` (0 without tensor parallelism). Rank 0 talks to the scheduler and reports
+    WorkerReady; the others follow the frames rank 0 broadcasts and report only that they are ready."""
     configure_logging(logs)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how Ctrl-C ends the server
     signal.signal(signal.SIGTERM, _exit_on_signal)  # exit through `finally` and interpreter clean-up
@@ -90,9 +131,10 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
     timer = PhaseTimer()
     timer.phases.append(("imports", time.time() - psutil.Process().create_time()))  # interpreter, torch, ...
     try:
-        # A progress bar is not a log line: JSON logs get none.
-        loaded = load_worker(config, progress=logs.format == "text", timer=timer)
-    except (MemoryBudgetError, UnsupportedModelError, FileNotFoundError, ValueError) as err:
+        tp = join_ranks(config, rank, addresses.run_dir)
+        # A progress bar is not a log line: JSON logs get none; only rank 0 draws one.
+        loaded = load_worker(config, progress=logs.format == "text" and rank == 0, timer=timer, tp=tp)
+    except (MemoryBudgetError, UnsupportedModelError, FileNotFoundError, ValueError, RankLost) as err:
         # A configuration the operator must change: one clear line, no traceback.
         log.error("cannot start the model: %s", err)
         raise SystemExit(1) from None
@@ -102,12 +144,38 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
     # someone else's process (LLMEngine) must stay collectable.
     gc.collect()
     gc.freeze()
+    layout = describe_ranks(loaded, tp)
+    log.info("worker start-up%s: %s", f" (rank {rank})" if tp is not None else "", timer.summary())
+    if rank == 0:
+        ready.send_bytes(encode(worker_ready(loaded, layout)))
+    else:
+        ready.send_bytes(b"")
+    ready.close()
+    if tp is None:
+        _serve(config, addresses, loaded, None)
+        return
+    tp.start_heartbeat()
+    try:
+        if rank == 0:
+            _serve(config, addresses, loaded, tp)
+        else:
+            _follow(config, loaded, tp)
+        code = 0
+    except SystemExit as stop:  # SIGTERM
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:
+        log.exception("tensor-parallel rank %d failed", rank)
+        code = 1
+    # Not through the interpreter's exit: gloo's threads, blocked in a heartbeat, would abort it.
+    logging.shutdown()
+    os._exit(code)
+
+
+def _serve(config: EngineConfig, addresses: Addresses, loaded: LoadedWorker, tp: TensorParallel | None) -> None:
+    """Rank 0: execute what the scheduler sends (handing every frame to the other ranks first) and answer."""
     ctx = zmq.Context()
     plans = make_socket(ctx, zmq.PULL, addresses.worker_inbox, bind=False)
     results = make_socket(ctx, zmq.PUSH, addresses.scheduler_inbox, bind=False)
-    log.info("worker start-up: %s", timer.summary())
-    ready.send_bytes(encode(worker_ready(loaded)))
-    ready.close()
     runner = loaded.runner
     adapters = BackgroundJobs("lora-loader", ctx, addresses.scheduler_inbox)
     grammars = BackgroundJobs("grammar-builder", ctx, addresses.scheduler_inbox)
@@ -123,7 +191,10 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
                 trim_when_quiet = False
                 last_trim = time.monotonic()
                 continue
-            message = worker_decoder.decode(plans.recv())
+            frame = plans.recv()
+            message = worker_decoder.decode(frame)
+            if tp is not None:
+                tp.send_frame(frame)
             if isinstance(message, StepPlan):
                 results.send(encode(runner.execute(message)))
                 trim_when_quiet = trim is not None and not runner.requests
@@ -138,7 +209,39 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, re
             elif isinstance(message, DropLora):
                 uninstall(runner.model, message.lora_id)
             elif isinstance(message, ShutdownWorker):
+                if tp is not None:
+                    tp.stop_heartbeat()
                 break
     finally:
         _ignore_stop_signals()
         ctx.destroy(linger=0)
+
+
+def _follow(config: EngineConfig, loaded: LoadedWorker, tp: TensorParallel) -> None:
+    """Ranks but 0: execute each frame rank 0 broadcasts, in order, answering no one. Adapters and
+    grammars are made here before the next frame is read, so they are in place before any step that
+    rank 0 (which made its own in the background, then answered) runs with them."""
+    runner = loaded.runner
+    if runner.grammars is not None and config.task == "generate":
+        runner.grammars.load_vocabulary()
+    trim = malloc_trim()
+    last_trim = time.monotonic()
+    try:
+        while True:
+            message = worker_decoder.decode(tp.receive_frame())
+            if isinstance(message, StepPlan):
+                runner.execute(message)
+                if trim is not None and (not runner.requests or time.monotonic() - last_trim >= _BUSY_TRIM_SECONDS):
+                    trim(0)
+                    last_trim = time.monotonic()
+            elif isinstance(message, LoadLora):
+                load_lora(runner.model, message, config.max_lora_rank, loaded.dtype, loaded.platform)
+            elif isinstance(message, PrepareGrammar):
+                prepare_grammar(runner.grammars, message)
+            elif isinstance(message, DropLora):
+                uninstall(runner.model, message.lora_id)
+            elif isinstance(message, ShutdownWorker):
+                tp.stop_heartbeat()
+                break
+    finally:
+        _ignore_stop_signals()

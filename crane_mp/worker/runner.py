@@ -77,7 +77,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or self.dtype  # the cache's storage (Platform.kv_dtype)
         self.cos, self.sin = rope_tables(self.config, max_positions, self.dtype, self.device)
         self.grammars = grammars
-        self.sampler = Sampler(model.lm_head.out_features, platform, grammars)  # an encoder's stub: 1
+        self.sampler = Sampler(model.logits_size, platform, grammars)  # an encoder's stub: 1
         self.requests: dict[int, RequestMirror] = {}
         self.num_blocks = 0
         self.attention_backend = platform.attention_backend(attention_backend or attention_backend_override())

@@ -137,6 +137,8 @@ class BertEncoder(nn.Module):
     """The served model: the encoder's final hidden states, and a one-row stub head (an encoder has
     no vocabulary logits; nothing but /health_generate's one token reads them)."""
 
+    logits_size = 1
+
     def __init__(self, config: ModelConfig, platform: Platform) -> None:
         super().__init__()
         self.config = config

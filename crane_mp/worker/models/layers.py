@@ -19,6 +19,8 @@ from crane_mp.worker.forward_context import get_forward_context
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.rope import apply_rope
+from crane_mp.worker.sharding import Shard
+from crane_mp.worker.tensor_parallel import all_reduce, gather_columns
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -53,6 +55,7 @@ class GatedMLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: Any = None) -> None:
         super().__init__()
         self.ops = ops
+        self.row_parallel = config.shard is not None  # down_proj's output is this rank's part of a sum
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
@@ -77,7 +80,7 @@ class GatedMLP(nn.Module):
         out = self.down_proj(hidden)
         if lora is not None and self.lora_down_proj:
             out = lora.apply(hidden, out, self.lora_down_proj)
-        return out
+        return all_reduce(out) if self.row_parallel else out
 
 
 _QK_NORM_CODES = {None: 0, "before_rope": 1, "after_rope": 2}  # qkv_rope_cache's qk_norm_position
@@ -96,6 +99,7 @@ class PagedSelfAttention(nn.Module):
         super().__init__()
         # q/k norm, rope and the KV-cache write in one pass over qkv, where the platform has that kernel.
         self.fused = platform.elementwise if platform.fused_qkv(config.head_dim) else None
+        self.row_parallel = config.shard is not None  # o_proj's output is this rank's part of a sum
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -143,7 +147,7 @@ class PagedSelfAttention(nn.Module):
         projected = self.o_proj(out)
         if ctx.lora is not None and self.lora_o_proj:
             projected = ctx.lora.apply(out, projected, self.lora_o_proj)
-        return projected
+        return all_reduce(projected) if self.row_parallel else projected
 
     def _attend_unfused(self, qkv: torch.Tensor, ctx) -> torch.Tensor:
         num_tokens = qkv.shape[0]
@@ -181,10 +185,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, make_attention, platform: Platform) -> None:
         super().__init__()
+        self.shard = config.shard
+        rows = config.vocab_size if config.shard is None else config.shard.vocab_rows
         # Given its weight, nn.Embedding skips its random init (1.5-2 s of torch's init path, even on meta).
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
-        )
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size, _weight=torch.empty(rows, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, make_attention(config, platform), platform.elementwise)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, platform.elementwise)
@@ -192,11 +196,34 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Returns the last layer's output before the final norm, which compute_logits applies to the
         few rows that need logits."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = self._embed(input_ids)  # [T, hidden]
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual)
         return x + residual
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard is None:
+            return self.embed_tokens(input_ids)
+        # Vocabulary-parallel: each rank looks up the ids in its rows (zeros for the others'), then the sum.
+        start, stop = self.shard.vocab
+        local = input_ids - start
+        outside = (input_ids < start) | (input_ids >= stop)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        return all_reduce(x.masked_fill_(outside[:, None], 0))
+
+
+def shard_tensor(shard: Shard, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name` (sharding.py says which)."""
+    split = shard.split(name)
+    if split is None:
+        return tensor
+    if split.zero:
+        return torch.zeros_like(tensor)
+    part = tensor.narrow(split.axis, split.start, split.stop - split.start)
+    if split.rows > part.shape[0]:
+        part = torch.cat([part, part.new_zeros(split.rows - part.shape[0], *part.shape[1:])])
+    return part
 
 
 def _fill(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
@@ -228,7 +255,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, self.attention_class, platform)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        rows = config.vocab_size if config.shard is None else config.shard.vocab_rows
+        self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
+        # Each rank's logits are a slice of the vocabulary, gathered whole (False for a stub head).
+        self.vocab_parallel = config.shard is not None
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -241,9 +271,15 @@ class CausalLM(nn.Module):
         """input_ids: [T]; returns hidden states [T, hidden] (final norm not yet applied)."""
         return self.model(input_ids)
 
+    @property
+    def logits_size(self) -> int:
+        """The width of compute_logits' rows: the vocabulary (1 for an embedding model's stub head)."""
+        return self.config.vocab_size if self.vocab_parallel else self.lm_head.out_features
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] rows of forward()'s output -> logits [N, vocab]."""
-        return self.lm_head(self.model.norm(hidden))
+        logits = self.lm_head(self.model.norm(hidden))
+        return gather_columns(logits, self.config.vocab_size) if self.vocab_parallel else logits
 
     def attention_layers(self) -> list[PagedSelfAttention]:
         return [layer.self_attn for layer in self.model.layers]
@@ -269,6 +305,8 @@ class CausalLM(nn.Module):
                 name = "model." + name  # a bare decoder's checkpoint (e.g. saved as Qwen3Model for embeddings)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            if self.config.shard is not None:
+                tensor = shard_tensor(self.config.shard, name, tensor)
             parts = name.split(".")
             packed = PACKED_WEIGHTS.get(parts[-2]) if len(parts) >= 2 else None
             if packed is not None:

@@ -17,10 +17,11 @@ from crane_mp.worker.platforms.cpu import CpuPlatform
 from crane_mp.worker.platforms.cuda import CudaPlatform
 
 
-def select_platform(force_cpu: bool) -> Platform:
-    """CUDA device 0 when there is one and --device cpu was not asked for, else the CPU."""
+def select_platform(force_cpu: bool, cuda_index: int = 0) -> Platform:
+    """CUDA device `cuda_index` (a tensor-parallel rank's on its host) when there is one and --cpu was
+    not asked for, else the CPU."""
     if not force_cpu and torch.cuda.is_available():
-        return platform_for(torch.device("cuda", 0))
+        return platform_for(torch.device("cuda", cuda_index))
     return platform_for(torch.device("cpu"))
 
 

@@ -27,6 +27,7 @@ from crane_mp.worker.platforms import Platform
 from crane_mp.worker.quantized.file_reader import MappedFile, read_ranges
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
 from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
+from crane_mp.worker.sharding import Shard
 
 # Float matrices in the compute dtype load as plain weights; any other type (F16 under float32
 # compute, say) stays in the file's bytes, as quantized types do, so memory never exceeds the file.
@@ -96,6 +97,25 @@ class _Tensors:
         return dequantize(self.rows(name), self.qtype(name), dims[-1]).reshape(dims).to(dtype)
 
 
+def _shard_rows(shard: Shard, name: str, hf: str, rows: torch.Tensor, qtype: int) -> torch.Tensor:
+    """This rank's part of a matrix of GGUF rows (sharding.py): whole rows, or whole blocks of each row."""
+    split = shard.split(hf)
+    if split is None:
+        return rows
+    if split.axis == 0:
+        part = rows[split.start : split.stop]
+        if split.rows > part.shape[0]:  # zero bytes are zero weights in every type
+            part = torch.cat([part, part.new_zeros(split.rows - part.shape[0], part.shape[1])])
+        return part
+    layout = LAYOUTS[qtype]
+    if split.start % layout.block or split.stop % layout.block:
+        raise ValueError(f"{name}: a rank's share of its columns, [{split.start}, {split.stop}), is not whole "
+                         f"{GGMLQuantizationType(qtype).name} blocks of {layout.block}; use a tensor-parallel size "
+                         "that splits it on block boundaries")
+    first, last = split.start // layout.block * layout.bytes, split.stop // layout.block * layout.bytes
+    return rows[:, first:last].contiguous()
+
+
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
@@ -129,6 +149,11 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
     """Swap in quantized layers for what stays quantized, allocate the rest, load it; returns the
     parameter names filled (as CausalLM.load_weights does)."""
     device, kernels = platform.device, platform.gguf
+    shard = config.shard
+
+    def mine(name: str, rows: torch.Tensor) -> torch.Tensor:
+        return rows if shard is None else _shard_rows(shard, name, hf_name(name, config.arch), rows, tensors.qtype(name))
+
     consumed: set[str] = set()
     groups = {f"model.layers.{i}.{ours}": [f"blk.{i}.{part}.weight" for part in parts]
               for i in range(config.num_hidden_layers) for ours, parts in _FUSED.items()}
@@ -138,7 +163,7 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
             continue  # already in the compute dtype: a plain (packable) nn.Linear, same bytes
         linear = model.get_submodule(ours)
         shared = ours == "lm_head" and config.tie_word_embeddings  # the token table reads these rows too
-        parts = [tensors.laid_out(n, lambda rows, n=n: kernels.layout(tensors.qtype(n), rows.to(device),
+        parts = [tensors.laid_out(n, lambda rows, n=n: kernels.layout(tensors.qtype(n), mine(n, rows).to(device),
                                                                         linear.in_features, int8 and not shared))
                  for n in names]
         _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias, kernels, int8))
@@ -146,7 +171,8 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
         bar.update(len(names))
     embed_type = tensors.qtype("token_embd.weight")
     if _FLOAT_DTYPES.get(embed_type) != dtype:
-        table = model.lm_head.qweight_0 if config.tie_word_embeddings else tensors.rows("token_embd.weight").to(device)
+        table = (model.lm_head.qweight_0 if config.tie_word_embeddings
+                 else mine("token_embd.weight", tensors.rows("token_embd.weight")).to(device))
         _replace(model, "model.embed_tokens", GGUFEmbedding(embed_type, table, config.hidden_size, dtype, kernels))
         if "token_embd.weight" not in consumed:
             consumed.add("token_embd.weight")

@@ -1,0 +1,156 @@
+"""Tensor-parallel worker ranks joined by torch.distributed: NCCL for the model's collectives on CUDA,
+gloo on CPU, and gloo groups besides for the control plane (step plans) and liveness.
+
+Rank 0 is the worker the scheduler talks to: it receives every message on its ZeroMQ socket and
+broadcasts the frame to the other ranks, which may be on other hosts; only rank 0 answers. Every rank
+then runs the same step, sampling included, on logits gathered whole on every rank: the same logits and
+the same seeded generator give the same tokens everywhere, so each rank's request mirrors stay equal
+without another message.
+
+A rank that dies closes its connections: the others' next collective fails (RankLost, which stops the
+worker as a device fault does), and a heartbeat on a group of its own notices it while the server is
+idle, within a second.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from crane_mp.parallel import ParallelConfig
+from crane_mp.worker.device import RankLost
+
+log = logging.getLogger("crane_mp.worker")
+
+# Ranks other than 0 wait in a broadcast for the next message however long the server idles: no
+# timeout it could reach. A dead peer fails a collective at once (its connections close); the
+# heartbeat's own timeout catches a peer that hangs.
+_WAIT_FOREVER = datetime.timedelta(days=10000)
+_HEARTBEAT_SECONDS = 1.0
+_HEARTBEAT_TIMEOUT = datetime.timedelta(seconds=30)
+# A step plan fits one broadcast of this many bytes (its length first); a longer frame takes a second.
+_FRAME_BYTES = 8192
+_LENGTH_BYTES = 8
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the ranks, in place (row-parallel outputs, the vocabulary-parallel embedding)."""
+    try:
+        dist.all_reduce(x)
+    except RuntimeError as err:
+        raise RankLost(f"a tensor-parallel collective failed: {err}") from err
+    return x
+
+
+def gather_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Every rank's [rows, columns] side by side, cut to `width` columns (the logits of the whole vocabulary)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    try:
+        dist.all_gather(parts, x.contiguous())
+    except RuntimeError as err:
+        raise RankLost(f"a tensor-parallel collective failed: {err}") from err
+    return torch.cat(parts, dim=1)[:, :width]
+
+
+def split_cores(local_rank: int, local_ranks: int) -> set[int] | None:
+    """The CPU cores of `local_rank` among `local_ranks` on this host: an even, contiguous share of the
+    ones this process may use; None where there are fewer cores than ranks (they share them all)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < local_ranks:
+        return None
+    share = len(cores) // local_ranks
+    return set(cores[local_rank * share : (local_rank + 1) * share])
+
+
+class TensorParallel:
+    """This process's place among the ranks, and the groups that connect them."""
+
+    def __init__(self, parallel: ParallelConfig, rank: int, init_method: str, device: torch.device) -> None:
+        self.parallel = parallel
+        self.rank = rank
+        self.size = parallel.tensor_parallel_size
+        self.device = device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=self.size,
+                                timeout=_WAIT_FOREVER)
+        # The control plane's gloo group; on CPU the default group is one already.
+        self._control = dist.new_group(backend="gloo", timeout=_WAIT_FOREVER) if backend != "gloo" else None
+        self._heartbeat = dist.new_group(backend="gloo", timeout=_HEARTBEAT_TIMEOUT)
+        self._stopping = threading.Event()
+
+    # ---- the control plane --------------------------------------------------------------------
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        try:
+            dist.broadcast(tensor, 0, group=self._control)
+        except RuntimeError as err:
+            raise RankLost(f"rank {self.rank} lost the control plane: {err}") from err
+
+    def send_frame(self, frame: bytes) -> None:
+        """Rank 0: hand a message's bytes to every other rank."""
+        head = torch.zeros(_FRAME_BYTES, dtype=torch.uint8)
+        head[:_LENGTH_BYTES] = torch.tensor([len(frame)], dtype=torch.int64).view(torch.uint8)
+        first = frame[: _FRAME_BYTES - _LENGTH_BYTES]
+        head[_LENGTH_BYTES : _LENGTH_BYTES + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        self._broadcast(head)
+        if len(frame) > len(first):
+            self._broadcast(torch.frombuffer(bytearray(frame[len(first) :]), dtype=torch.uint8))
+
+    def receive_frame(self) -> bytes:
+        """Ranks but 0: the next message's bytes, waiting as long as it takes."""
+        head = torch.empty(_FRAME_BYTES, dtype=torch.uint8)
+        self._broadcast(head)
+        length = int(head[:_LENGTH_BYTES].view(torch.int64).item())
+        first = head[_LENGTH_BYTES : _LENGTH_BYTES + length].numpy().tobytes()
+        if length <= len(first):
+            return first
+        rest = torch.empty(length - len(first), dtype=torch.uint8)
+        self._broadcast(rest)
+        return first + rest.numpy().tobytes()
+
+    def agree_min(self, values: list[int]) -> list[int]:
+        """Each value's minimum over the ranks (the KV blocks and sequence length every rank can hold)."""
+        tensor = torch.tensor(values, dtype=torch.int64)
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._control)
+        except RuntimeError as err:
+            raise RankLost(f"rank {self.rank} lost the control plane: {err}") from err
+        return tensor.tolist()
+
+    def gather_facts(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (the same count on each), by rank."""
+        tensor = torch.tensor(values, dtype=torch.int64)
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor, group=self._control)
+        return [part.tolist() for part in parts]
+
+    # ---- liveness -----------------------------------------------------------------------------
+
+    def start_heartbeat(self) -> None:
+        """Beat with every other rank each second; a failed beat ends this process (exit 1), unless it
+        is stopping on purpose. The launcher then stops the rest of the server."""
+        threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True).start()
+
+    def stop_heartbeat(self) -> None:
+        """Every rank is leaving (the scheduler's ShutdownWorker reached all): a closing peer is no fault."""
+        self._stopping.set()
+
+    def _beat(self) -> None:
+        token = torch.zeros(1)
+        while not self._stopping.is_set():
+            try:
+                dist.all_reduce(token, group=self._heartbeat)
+            except RuntimeError as err:
+                if self._stopping.is_set():
+                    return
+                log.error("tensor-parallel rank %d lost a peer rank (%s); stopping", self.rank,
+                          str(err).splitlines()[0])
+                logging.shutdown()
+                os._exit(1)
+            time.sleep(_HEARTBEAT_SECONDS)
