@@ -121,6 +121,11 @@ async def server_info(request: web.Request) -> web.Response:
         "weight_types": info.weight_types,
         "weights_bytes": info.weights_bytes,
         "weights_file_bytes": info.weights_file_bytes,
+        # The worker ranks the model is split over (tensor parallelism), each with its own weights.
+        "tensor_parallel_size": info.tensor_parallel_size,
+        "nnodes": info.nnodes,
+        "ranks": [{"rank": r.rank, "node": r.node, "device": r.device, "weights_bytes": r.weights_bytes}
+                  for r in info.ranks],
         "kv_bytes_per_token": info.kv_bytes_per_token,
         "kv_cache_dtype": info.kv_cache_dtype,
         "quantized_activations": info.quantized_activations,

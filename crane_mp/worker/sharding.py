@@ -77,7 +77,7 @@ class Shard:
             return Split(0, *self._range(_COLUMN_PARALLEL[module]))
         if module in _ROW_PARALLEL:
             if kind == "bias":
-                return Split(0, 0, 0, zero=self.rank != 0)
+                return None if self.rank == 0 else Split(0, 0, 0, zero=True)
             return Split(1, *self._range(_ROW_PARALLEL[module]))
         return None
 
