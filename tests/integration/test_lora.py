@@ -192,3 +192,20 @@ def test_without_the_opt_in_the_run_time_routes_do_not_exist(model_dir, adapters
         assert "all7" in [m["id"] for m in requests.get(server.url + "/v1/models").json()["data"]]
     finally:
         assert server.stop() == 0
+
+
+def test_two_tensor_parallel_ranks_split_adapters_and_load_them_at_run_time(model_dir, adapters, reference, tmp_path):
+    """Each rank holds its part of every adapter (B's rows of q/k/v and gate/up, A's columns of o and
+    down); one loaded at run time is in place on every rank before a request uses it."""
+    root = adapters["all7"].parent
+    server = Server(model_dir, "--tensor-parallel-size", "2", "--lora-modules", f"all7={adapters['all7']}",
+                    "--enable-runtime-lora", "--lora-root", str(root), "--kv-cache-dtype", "float32",
+                    log_path=tmp_path / "log")
+    try:
+        loaded = requests.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "qv-down", "lora_path": "qv-down"})
+        assert loaded.status_code == 200, loaded.text
+        jobs = [(name, prompt) for name in (None, *ADAPTERS) for prompt in PROMPTS]
+        for (name, prompt), result in zip(jobs, asyncio.run(complete_all(server.url, jobs))):
+            assert result["choices"][0]["token_ids"] == reference[name, tuple(prompt)], (name, prompt)
+    finally:
+        assert server.stop() == 0

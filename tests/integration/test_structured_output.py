@@ -207,3 +207,19 @@ def check_forced_tool_calls(url: str, max_tokens: int, parallel: bool = True) ->
     follow_up = client.chat.completions.create(model=model, messages=history, tools=[ADD, WEATHER], max_tokens=5,
                                                tool_choice="none")
     assert follow_up.choices[0].message.tool_calls is None
+
+
+def test_two_tensor_parallel_ranks_build_every_matcher_and_sample_alike(model_dir, server, tmp_path):
+    """Rank 0 builds a matcher in the background and answers; the other rank builds it before its next
+    step: every constraint holds and the outputs are one rank's, seeded samples included."""
+    seeded = [("/v1/completions", {"prompt": f"sample {i}", "max_tokens": 24, "temperature": 0.9, "seed": i,
+                                   "ignore_eos": True}) for i in range(3)]
+    jobs = workload() + seeded
+    one_rank = asyncio.run(run_all(server.url, jobs))
+    two = Server(model_dir, "--tensor-parallel-size", "2", "--kv-cache-dtype", "float32", log_path=tmp_path / "log")
+    try:
+        two_ranks = asyncio.run(run_all(two.url, jobs))
+    finally:
+        assert two.stop() == 0
+    check_constraints(jobs, two_ranks)
+    assert two_ranks == one_rank

@@ -248,3 +248,26 @@ def test_kill_9_of_a_rank_fails_every_stream_and_stops_the_server(models, tmp_pa
         assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     finally:
         srv.kill_all()
+
+
+def test_a_request_that_makes_the_ranks_raise_fails_alone(models, tmp_path):
+    """Every rank raises on the same request and redoes the step request by request alike: the
+    request fails, the batch it was in is served exactly, and so is what follows."""
+    want = hf_greedy(models["hunyuan"], prompts())
+    srv = Server(models["hunyuan"], *TP2, *EXACT, log_path=tmp_path / "log", env={"CRANE_MP_FAULT_TOKEN": "77"})
+    try:
+        async def poisoned():
+            async with aiohttp.ClientSession() as session:
+                body = {"prompt": [11, 77, 12], "max_tokens": 8}
+                async with session.post(srv.url + "/v1/completions", json=body) as resp:
+                    return resp.status
+
+        async def scenario():
+            return await asyncio.gather(poisoned(), _greedy(srv.url, prompts()))
+
+        status, results = asyncio.run(scenario())
+        assert status == 500
+        assert [r["choices"][0]["token_ids"] for r in results] == want
+        assert served(srv.url, prompts()[:1]) == want[:1]
+    finally:
+        assert srv.stop() == 0
