@@ -117,7 +117,7 @@ def join_ranks(config: EngineConfig, rank: int, run_dir: str) -> TensorParallel 
         if cores is not None:
             os.sched_setaffinity(0, cores)
             torch.set_num_threads(len(cores))
-    return TensorParallel(parallel, rank, parallel.init_method(run_dir), device)
+    return TensorParallel(parallel, rank, run_dir, device)
 
 
 def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, rank: int, ready: Connection) -> None:

@@ -1,5 +1,6 @@
 """Tensor-parallel worker ranks joined by torch.distributed: NCCL for the model's collectives on CUDA,
-gloo on CPU, and gloo groups besides for the control plane (step plans) and liveness.
+gloo on CPU (through shared memory where every rank is on this host: shm_collectives.py), and gloo
+groups besides for the control plane (step plans) and liveness.
 
 Rank 0 is the worker the scheduler talks to: it receives every message on its ZeroMQ socket and
 broadcasts the frame to the other ranks, which may be on other hosts; only rank 0 answers. Every rank
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from crane_mp.parallel import ParallelConfig
 from crane_mp.worker.device import RankLost
+from crane_mp.worker.shm_collectives import SharedMemoryCollectives
 
 log = logging.getLogger("crane_mp.worker")
 
@@ -37,24 +39,39 @@ _HEARTBEAT_TIMEOUT = datetime.timedelta(seconds=30)
 # A step plan fits one broadcast of this many bytes (its length first); a longer frame takes a second.
 _FRAME_BYTES = 8192
 _LENGTH_BYTES = 8
+# Each rank's slot for the shared-memory collectives: a decode step's hidden states and logits fit;
+# larger tensors (long prompt chunks, whose arithmetic dwarfs gloo's latency) go through gloo.
+_SHARED_SLOT_BYTES = 16 << 20
+
+
+# Set once this process joins its ranks on one host's CPU (TensorParallel); None: gloo or NCCL only.
+_SHARED: SharedMemoryCollectives | None = None
+
+
+def _lost(err: RuntimeError) -> RankLost:
+    return RankLost(f"a tensor-parallel collective failed: {err}")
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks, in place (row-parallel outputs, the vocabulary-parallel embedding)."""
+    if _SHARED is not None and _SHARED.fits(x):
+        return _SHARED.all_reduce(x)
     try:
         dist.all_reduce(x)
     except RuntimeError as err:
-        raise RankLost(f"a tensor-parallel collective failed: {err}") from err
+        raise _lost(err) from err
     return x
 
 
 def gather_columns(x: torch.Tensor, width: int) -> torch.Tensor:
     """Every rank's [rows, columns] side by side, cut to `width` columns (the logits of the whole vocabulary)."""
+    if _SHARED is not None and _SHARED.fits(x):
+        return _SHARED.gather_columns(x)[:, :width]
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     try:
         dist.all_gather(parts, x.contiguous())
     except RuntimeError as err:
-        raise RankLost(f"a tensor-parallel collective failed: {err}") from err
+        raise _lost(err) from err
     return torch.cat(parts, dim=1)[:, :width]
 
 
@@ -71,18 +88,41 @@ def split_cores(local_rank: int, local_ranks: int) -> set[int] | None:
 class TensorParallel:
     """This process's place among the ranks, and the groups that connect them."""
 
-    def __init__(self, parallel: ParallelConfig, rank: int, init_method: str, device: torch.device) -> None:
+    def __init__(self, parallel: ParallelConfig, rank: int, run_dir: str, device: torch.device) -> None:
         self.parallel = parallel
         self.rank = rank
         self.size = parallel.tensor_parallel_size
         self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=self.size,
+        dist.init_process_group(backend, init_method=parallel.init_method(run_dir), rank=rank, world_size=self.size,
                                 timeout=_WAIT_FOREVER)
         # The control plane's gloo group; on CPU the default group is one already.
         self._control = dist.new_group(backend="gloo", timeout=_WAIT_FOREVER) if backend != "gloo" else None
         self._heartbeat = dist.new_group(backend="gloo", timeout=_HEARTBEAT_TIMEOUT)
         self._stopping = threading.Event()
+        if device.type == "cpu" and parallel.nnodes == 1:
+            self._share_memory(run_dir)
+
+    def _share_memory(self, run_dir: str) -> None:
+        """The ranks' shared mapping: rank 0 makes the file, every rank maps it, then it is unlinked, so
+        nothing is left behind however the ranks end."""
+        global _SHARED
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else run_dir
+        path = os.path.join(root, f"crane-mp-{os.path.basename(run_dir)}-collectives")
+        if self.rank == 0:
+            _SHARED = SharedMemoryCollectives(path, 0, self.size, _SHARED_SLOT_BYTES, create=True)
+        self._barrier()
+        if self.rank != 0:
+            _SHARED = SharedMemoryCollectives(path, self.rank, self.size, _SHARED_SLOT_BYTES, create=False)
+        self._barrier()
+        if self.rank == 0:
+            os.unlink(path)
+
+    def _barrier(self) -> None:
+        try:
+            dist.barrier(group=self._control)
+        except RuntimeError as err:
+            raise _lost(err) from err
 
     # ---- the control plane --------------------------------------------------------------------
 
@@ -90,7 +130,7 @@ class TensorParallel:
         try:
             dist.broadcast(tensor, 0, group=self._control)
         except RuntimeError as err:
-            raise RankLost(f"rank {self.rank} lost the control plane: {err}") from err
+            raise _lost(err) from err
 
     def send_frame(self, frame: bytes) -> None:
         """Rank 0: hand a message's bytes to every other rank."""
@@ -120,7 +160,7 @@ class TensorParallel:
         try:
             dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._control)
         except RuntimeError as err:
-            raise RankLost(f"rank {self.rank} lost the control plane: {err}") from err
+            raise _lost(err) from err
         return tensor.tolist()
 
     def gather_facts(self, values: list[int]) -> list[list[int]]:
