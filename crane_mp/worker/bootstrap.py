@@ -101,7 +101,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     # The model this process holds: the whole of it, or a rank's part (heads, units, vocabulary rows).
     rank_config = model_config if tp is None else shard_config(model_config, tp.rank, tp.size)
     # Builds or loads the CPU kernels: reported on their own.
-    platform = select_platform(config.force_cpu, tp.device.index or 0 if tp is not None else 0)
+    platform = select_platform(config.force_cpu, 0 if tp is None else tp.device.index or 0)
     timer.done("kernels")
     allocated_before = platform.allocated_bytes()  # others' tensors in this process (an in-process engine)
     dtype = platform.compute_dtype(config.dtype, model_config.torch_dtype)
@@ -129,7 +129,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
             max_model_len = capacity
     grammars = GrammarEngine(source, model_config.vocab_size, list(model_config.eos_token_ids), platform)
     runner = ModelRunner(model, config.block_size, max_model_len, platform, grammars=grammars,
-                         kv_dtype=platform.kv_dtype(config.kv_cache_dtype, dtype, pools_outputs(config.task)))
+                         kv_dtype=platform.kv_dtype(config.kv_cache_dtype, dtype, pools_outputs(config.task)),
+                         share_tokens=None if tp is None else tp.first_rank_tokens)
 
     weights_bytes = weight_bytes(model)
     # What else this engine already holds for good (rope tables, grammar and sampler tensors).

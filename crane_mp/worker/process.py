@@ -116,7 +116,10 @@ def join_ranks(config: EngineConfig, rank: int, run_dir: str) -> TensorParallel 
         cores = split_cores(local_rank, parallel.ranks_per_node)
         if cores is not None:
             os.sched_setaffinity(0, cores)
-            torch.set_num_threads(len(cores))
+        torch.set_num_threads(len(cores) if cores is not None else 1)
+    log.info("tensor-parallel rank %d of %d (node %d) on %s: meeting the other ranks%s", rank,
+             parallel.tensor_parallel_size, parallel.node_rank, device,
+             f" at {parallel.dist_init_addr}" if parallel.dist_init_addr else "")
     return TensorParallel(parallel, rank, run_dir, device)
 
 
@@ -222,8 +225,8 @@ def _follow(config: EngineConfig, loaded: LoadedWorker, tp: TensorParallel) -> N
     grammars are made here before the next frame is read, so they are in place before any step that
     rank 0 (which made its own in the background, then answered) runs with them."""
     runner = loaded.runner
-    if runner.grammars is not None and config.task == "generate":
-        runner.grammars.load_vocabulary()
+    if runner.grammars is not None and config.task == "generate":  # as rank 0 does; a matcher waits for it
+        threading.Thread(target=runner.grammars.load_vocabulary, name="grammar-vocabulary", daemon=True).start()
     trim = malloc_trim()
     last_trim = time.monotonic()
     try:

@@ -15,7 +15,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -65,9 +65,11 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM, block_size: int, max_positions: int, platform: Platform,
         attention_backend: str | None = None, grammars: GrammarEngine | None = None,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None, share_tokens: Callable[[list[int]], list[int]] | None = None,
     ) -> None:
+        """`share_tokens`: tensor parallelism's agreement on each step's sampled tokens (rank 0's)."""
         self.model = model
+        self.share_tokens = share_tokens
         self.config = model.config
         self.block_size = block_size
         self.platform = platform
@@ -258,6 +260,8 @@ class ModelRunner:
         if self.fault_token is not None:
             self._inject_fault(sampled_ids)
         tokens, logprobs = self.sampler.sample(logits, states)
+        if self.share_tokens is not None:
+            tokens = self.share_tokens(tokens)
         for req_id, token in zip(sampled_ids, tokens):
             self.requests[req_id].token_ids.append(token)
         self.sampler.record(states, tokens)

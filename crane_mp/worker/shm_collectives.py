@@ -88,6 +88,10 @@ class SharedMemoryCollectives:
             x.add_(view)
         return x
 
+    def from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x, on every rank (a copy)."""
+        return self._exchange(x)[0].clone()
+
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's [rows, columns] side by side."""
         return torch.cat(self._exchange(x.contiguous()), dim=1)

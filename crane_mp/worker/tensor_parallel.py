@@ -4,9 +4,9 @@ groups besides for the control plane (step plans) and liveness.
 
 Rank 0 is the worker the scheduler talks to: it receives every message on its ZeroMQ socket and
 broadcasts the frame to the other ranks, which may be on other hosts; only rank 0 answers. Every rank
-then runs the same step, sampling included, on logits gathered whole on every rank: the same logits and
-the same seeded generator give the same tokens everywhere, so each rank's request mirrors stay equal
-without another message.
+then runs the same step, sampling included, on logits gathered whole on every rank (the same logits
+and the same seeded generator), and keeps the tokens rank 0 sampled, so every rank's request mirrors
+stay equal.
 
 A rank that dies closes its connections: the others' next collective fails (RankLost, which stops the
 worker as a device fault does), and a heartbeat on a group of its own notices it while the server is
@@ -153,6 +153,17 @@ class TensorParallel:
         rest = torch.empty(length - len(first), dtype=torch.uint8)
         self._broadcast(rest)
         return first + rest.numpy().tobytes()
+
+    def first_rank_tokens(self, tokens: list[int]) -> list[int]:
+        """Rank 0's sampled tokens, on every rank. Every rank samples the same logits with the same seeded
+        generator, but a reduction over the vocabulary on another number of threads (hosts with other
+        core counts) can round differently and, once in a long while, pick another token: every rank's
+        request mirrors and sampling state follow rank 0's."""
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        if _SHARED is not None and _SHARED.fits(ids):
+            return _SHARED.from_first(ids).tolist()
+        self._broadcast(ids)
+        return ids.tolist()
 
     def agree_min(self, values: list[int]) -> list[int]:
         """Each value's minimum over the ranks (the KV blocks and sequence length every rank can hold)."""

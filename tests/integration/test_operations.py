@@ -268,19 +268,20 @@ def test_after_a_child_dies_the_others_stop_on_request(model_dir, tmp_path):
     assert "stopped scheduler process" in log and "stopped frontend process" in log
 
 
-def test_the_unit_file_passes_systemd_analyze_verify(tmp_path):
+@pytest.mark.parametrize("name", ["crane-mp.service", "crane-mp-worker-node.service"])
+def test_the_unit_file_passes_systemd_analyze_verify(tmp_path, name):
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
-    unit = tmp_path / "crane-mp.service"
+    unit = tmp_path / name
     launcher = Path(sys.executable).with_name("crane-launch")
-    text = (ROOT / "launch" / "crane-mp.service").read_text()
+    text = (ROOT / "launch" / name).read_text()
     assert "/opt/crane-mp/venv/bin/crane-launch" in text
     # verify checks that ExecStart's binary exists: point it at this environment's.
     unit.write_text(text.replace("/opt/crane-mp/venv/bin/crane-launch", str(launcher)))
     result = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "crane-mp.service" not in result.stderr, result.stderr
+    assert name not in result.stderr, result.stderr
     stop_timeout = next(int(line.split("=")[1]) for line in text.splitlines() if line.startswith("TimeoutStopSec="))
     assert stop_timeout >= 30 + 15  # the default --shutdown-grace plus the children's stop time
 

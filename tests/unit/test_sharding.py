@@ -153,3 +153,22 @@ def test_the_cli_reads_sglang_spellings(model_dir):
     assert config.engine.parallel == ParallelConfig(2, 2, 1, "127.0.0.1:29500")
     with pytest.raises(SystemExit):
         parse_args(["--model-path", str(model_dir), "--nnodes", "2", "--tensor-parallel-size", "2"], environ={})
+
+
+def test_every_rank_keeps_the_tokens_rank_0_sampled(model_dir):
+    """The runner's token agreement: what it hands back is what the request's mirror, its sampling
+    state and the step's result hold, whatever the local sampler drew."""
+    from crane_mp.engine import LLMEngine
+    from crane_mp.protocol import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_path=str(model_dir), dtype="float32", force_cpu=True))
+    seen = []
+
+    def rank_0s(tokens: list[int]) -> list[int]:
+        seen.append(list(tokens))
+        return [7] * len(tokens)
+
+    engine.worker.runner.share_tokens = rank_0s
+    [tokens] = engine.generate([[5, 6, 8]], SamplingParams(temperature=0.8, seed=3, max_tokens=5,
+                                                           repetition_penalty=1.3))
+    assert tokens == [7] * 5 and len(seen) == 5
