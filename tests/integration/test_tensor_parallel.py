@@ -167,6 +167,30 @@ def test_a_q4_k_m_file_splits_over_two_ranks(gguf_path, tmp_path):
     assert by_tp[2] == by_tp[1]
 
 
+def test_a_file_whose_blocks_two_ranks_would_cut_serves_the_same_tokens(tmp_path):
+    """o_proj's 256 input columns are one K-quant block: each rank keeps its half of them as float32."""
+    hf_dir = make_model("llama", "tiny", tmp_path / "hf", seed=6,
+                        overrides={"hidden_size": 256, "intermediate_size": 512, "head_dim": 64})
+    (tmp_path / "gguf").mkdir()  # no tokenizer files beside the file: its metadata has them
+    path = make_gguf(hf_dir, tmp_path / "gguf" / "cut-Q4_K_M.gguf", "Q4_K_M", name="cut")
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    prompt_list = [ids for ids in prompts() if max(ids) < hf.config.vocab_size][:3]
+    want = []
+    for ids in prompt_list:
+        with torch.inference_mode():
+            tokens = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NUM_TOKENS,
+                                 min_new_tokens=NUM_TOKENS, pad_token_id=0)
+        want.append(tokens[0, len(ids):].tolist())
+    srv = Server(path, *TP2, *EXACT, "--quantized-activations", "float", log_path=tmp_path / "log")
+    try:
+        assert served(srv.url, prompt_list) == want
+        log = srv.log_path.read_text()
+        assert "blk.0.attn_output.weight: a rank's share of its columns, [0, 128), cuts" in log
+        assert "[128, 256), cuts" in log and "keeps it as float32" in log
+    finally:
+        assert srv.stop() == 0
+
+
 def _worker_node(model_dir, port: int, log_path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "crane_mp", "--model-path", str(model_dir), "--dtype", "float32", *TP2, *EXACT,
            "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", f"127.0.0.1:{port}"]

@@ -11,9 +11,11 @@ from gguf import GGMLQuantizationType as T
 
 from crane_mp.config import EngineConfig
 from crane_mp.parallel import ParallelConfig
+from crane_mp.testing.kquants import quantize_q4_k
 from crane_mp.worker.lora import LoraError, _rank_part
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.layers import shard_tensor
+from crane_mp.worker.quantized.formats import dequantize
 from crane_mp.worker.quantized.gguf_loader import _shard_rows
 from crane_mp.worker.sharding import make_shard, shard_config
 
@@ -97,17 +99,20 @@ def test_a_size_that_does_not_split_the_model_is_refused_by_name(kwargs, size, m
         make_shard(config(**kwargs), 0, size)
 
 
-def test_gguf_rows_split_by_whole_rows_or_whole_blocks():
+def test_gguf_rows_split_by_whole_rows_or_whole_blocks_else_become_float32():
     shard = make_shard(config(heads=8, head_dim=64, intermediate=512), 1, 2)
     q8 = torch.randint(0, 255, (512, 34), dtype=torch.uint8)  # 512 rows of one Q8_0 block
-    rows = _shard_rows(shard, "blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj.weight", q8, T.Q8_0)
-    assert torch.equal(rows, q8[256:])
-    q4k = torch.randint(0, 255, (32, 2 * 144), dtype=torch.uint8)  # 512 columns: two Q4_K blocks
-    cols = _shard_rows(shard, "blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", q4k, T.Q4_K)
-    assert torch.equal(cols, q4k[:, 144:])
-    with pytest.raises(ValueError, match="whole Q4_K blocks of 256"):
-        _shard_rows(make_shard(config(heads=8, head_dim=32, intermediate=256), 0, 2), "blk.0.attn_output.weight",
-                    "model.layers.0.self_attn.o_proj.weight", q4k, T.Q4_K)
+    qtype, rows = _shard_rows(shard, "blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj.weight", q8, T.Q8_0)
+    assert qtype == T.Q8_0 and torch.equal(rows, q8[256:])
+    q4k = torch.from_numpy(quantize_q4_k(torch.randn(32, 512).numpy()))  # [32, 2 blocks of 144 bytes]
+    qtype, cols = _shard_rows(shard, "blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", q4k, T.Q4_K)
+    assert qtype == T.Q4_K and torch.equal(cols, q4k[:, 144:])
+    # 256 units split in two cut each Q4_K block: that rank's columns, dequantized, exactly.
+    cut_shard = make_shard(config(heads=8, head_dim=32, intermediate=256), 1, 2)
+    q4k = q4k[:, :144]
+    qtype, cols = _shard_rows(cut_shard, "blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", q4k, T.Q4_K)
+    assert qtype == T.F32
+    assert torch.equal(cols.view(torch.float32), dequantize(q4k, T.Q4_K, 256)[:, 128:])
 
 
 def test_lora_parts_follow_their_projection_and_refuse_another_models_shapes():

@@ -10,6 +10,7 @@ biases) are a few MB besides.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from crane_mp.worker.quantized.file_reader import MappedFile, read_ranges
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
 from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
 from crane_mp.worker.sharding import Shard
+
+log = logging.getLogger(__name__)
 
 # Float matrices in the compute dtype load as plain weights; any other type (F16 under float32
 # compute, say) stays in the file's bytes, as quantized types do, so memory never exceeds the file.
@@ -97,23 +100,27 @@ class _Tensors:
         return dequantize(self.rows(name), self.qtype(name), dims[-1]).reshape(dims).to(dtype)
 
 
-def _shard_rows(shard: Shard, name: str, hf: str, rows: torch.Tensor, qtype: int) -> torch.Tensor:
-    """This rank's part of a matrix of GGUF rows (sharding.py): whole rows, or whole blocks of each row."""
+def _shard_rows(shard: Shard, name: str, hf: str, rows: torch.Tensor, qtype: int) -> tuple[int, torch.Tensor]:
+    """This rank's part of a matrix of GGUF rows (sharding.py) and its type: whole rows, or whole
+    blocks of each row. A share of the columns that would cut blocks (a small model's shapes) is
+    dequantized and kept as float32, exactly the values the blocks hold."""
     split = shard.split(hf)
     if split is None:
-        return rows
+        return qtype, rows
     if split.axis == 0:
         part = rows[split.start : split.stop]
         if split.rows > part.shape[0]:  # zero bytes are zero weights in every type
             part = torch.cat([part, part.new_zeros(split.rows - part.shape[0], part.shape[1])])
-        return part
+        return qtype, part
     layout = LAYOUTS[qtype]
     if split.start % layout.block or split.stop % layout.block:
-        raise ValueError(f"{name}: a rank's share of its columns, [{split.start}, {split.stop}), is not whole "
-                         f"{GGMLQuantizationType(qtype).name} blocks of {layout.block}; use a tensor-parallel size "
-                         "that splits it on block boundaries")
+        columns = rows.shape[1] // layout.bytes * layout.block
+        log.warning("%s: a rank's share of its columns, [%d, %d), cuts %s blocks of %d; this rank keeps it "
+                    "as float32", name, split.start, split.stop, GGMLQuantizationType(qtype).name, layout.block)
+        dense = dequantize(rows, qtype, columns)[:, split.start : split.stop].contiguous()
+        return GGMLQuantizationType.F32, dense.view(torch.uint8)
     first, last = split.start // layout.block * layout.bytes, split.stop // layout.block * layout.bytes
-    return rows[:, first:last].contiguous()
+    return qtype, rows[:, first:last].contiguous()
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -151,8 +158,15 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
     device, kernels = platform.device, platform.gguf
     shard = config.shard
 
-    def mine(name: str, rows: torch.Tensor) -> torch.Tensor:
-        return rows if shard is None else _shard_rows(shard, name, hf_name(name, config.arch), rows, tensors.qtype(name))
+    def mine(name: str, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """This rank's part of tensor `name`'s rows, and its type."""
+        if shard is None:
+            return tensors.qtype(name), rows
+        return _shard_rows(shard, name, hf_name(name, config.arch), rows, tensors.qtype(name))
+
+    def laid_out(name: str, rows: torch.Tensor, in_features: int, int8_rows: bool) -> tuple[int, torch.Tensor]:
+        qtype, part = mine(name, rows)
+        return kernels.layout(qtype, part.to(device), in_features, int8_rows)
 
     consumed: set[str] = set()
     groups = {f"model.layers.{i}.{ours}": [f"blk.{i}.{part}.weight" for part in parts]
@@ -163,8 +177,7 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
             continue  # already in the compute dtype: a plain (packable) nn.Linear, same bytes
         linear = model.get_submodule(ours)
         shared = ours == "lm_head" and config.tie_word_embeddings  # the token table reads these rows too
-        parts = [tensors.laid_out(n, lambda rows, n=n: kernels.layout(tensors.qtype(n), mine(n, rows).to(device),
-                                                                        linear.in_features, int8 and not shared))
+        parts = [tensors.laid_out(n, lambda rows, n=n: laid_out(n, rows, linear.in_features, int8 and not shared))
                  for n in names]
         _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias, kernels, int8))
         consumed.update(names)
@@ -172,7 +185,7 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
     embed_type = tensors.qtype("token_embd.weight")
     if _FLOAT_DTYPES.get(embed_type) != dtype:
         table = (model.lm_head.qweight_0 if config.tie_word_embeddings
-                 else mine("token_embd.weight", tensors.rows("token_embd.weight")).to(device))
+                 else mine("token_embd.weight", tensors.rows("token_embd.weight"))[1].to(device))
         _replace(model, "model.embed_tokens", GGUFEmbedding(embed_type, table, config.hidden_size, dtype, kernels))
         if "token_embd.weight" not in consumed:
             consumed.add("token_embd.weight")
