@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embeddings: last token, mean or first (CLS) token of the final hidden states (default: "
                         "the checkpoint's sentence-transformers setting, else last); implies --task embed unless "
                         "--task says otherwise")
-    p.add_argument("--tensor-parallel-size", "--tp-size", type=_positive_int, default=1,
+    p.add_argument("--tensor-parallel-size", "--tp-size", "-tp", type=_positive_int, default=1,
                    help="worker ranks the model is split over (attention heads, MLP units, vocabulary), one per GPU "
                         "or, on CPU, each with its share of the cores; joined by torch.distributed (NCCL on CUDA, "
                         "gloo on CPU)")
