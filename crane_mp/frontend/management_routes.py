@@ -95,6 +95,7 @@ def _server_args(state: FrontendState) -> dict[str, Any]:
         "host": cfg.host, "port": cfg.port, "cpu": engine.force_cpu, "dtype": engine.dtype,
         "max_concurrent": engine.max_num_seqs, "prefix_cache": engine.enable_prefix_caching,
         "overlap_schedule": engine.overlap_schedule,
+        "tp_size": engine.parallel.tensor_parallel_size, "dist_init_addr": engine.parallel.dist_init_addr,
         "max_seq_len": engine.max_model_len, "max_total_tokens": engine.max_total_tokens,
         "max_num_batched_tokens": engine.max_num_batched_tokens, "block_size": engine.block_size,
         "gpu_memory_limit": None if limit is None else (limit.num_bytes or limit.fraction),

@@ -219,6 +219,7 @@ def test_two_nodes_on_one_host_serve_the_same_tokens_and_stop_together(models, t
             assert served(node0.url, prompts()) == want
             info = requests.get(node0.url + "/server_info", timeout=10).json()
             assert info["nnodes"] == 2 and [r["node"] for r in info["ranks"]] == [0, 1]
+            assert info["tp_size"] == 2 and info["dist_init_addr"] == f"127.0.0.1:{port}"
             assert "worker node 1 ready" in (tmp_path / "node1.log").read_text()
         finally:
             assert node0.stop() == 0
