@@ -75,14 +75,48 @@ def gather_columns(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)[:, :width]
 
 
-def split_cores(local_rank: int, local_ranks: int) -> set[int] | None:
-    """The CPU cores of `local_rank` among `local_ranks` on this host: an even, contiguous share of the
-    ones this process may use; None where there are fewer cores than ranks (they share them all)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < local_ranks:
+def split_cores(local_rank: int, local_ranks: int, node_root: str = "/sys/devices/system/node") -> set[int] | None:
+    """The CPU cores of `local_rank` among `local_ranks` on this host, of the ones this process may use:
+    whole NUMA nodes per rank, or an even share of one node's cores (so that a rank's memory, touched
+    first by its own threads, is local to them), else an even contiguous share of them all. None where
+    there are fewer cores than ranks (they share them all)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < local_ranks:
         return None
-    share = len(cores) // local_ranks
-    return set(cores[local_rank * share : (local_rank + 1) * share])
+    nodes = [cores for cores in _numa_nodes(node_root, set(allowed)) if cores]
+    if len(nodes) > 1 and len(nodes) % local_ranks == 0:
+        per_rank = len(nodes) // local_ranks
+        return {core for cores in nodes[local_rank * per_rank : (local_rank + 1) * per_rank] for core in cores}
+    if len(nodes) > 1 and local_ranks % len(nodes) == 0:
+        per_node = local_ranks // len(nodes)
+        cores = nodes[local_rank // per_node]
+        share = len(cores) // per_node
+        if share:
+            index = local_rank % per_node
+            return set(cores[index * share : (index + 1) * share])
+    share = len(allowed) // local_ranks
+    return set(allowed[local_rank * share : (local_rank + 1) * share])
+
+
+def _numa_nodes(root: str, allowed: set[int]) -> list[list[int]]:
+    """Each NUMA node's allowed cores, in node order (sysfs cpulist files: "0-3,8-11"); [] where unknown."""
+    try:
+        names = sorted((n for n in os.listdir(root) if n.startswith("node") and n[4:].isdigit()), key=lambda n: int(n[4:]))
+    except OSError:
+        return []
+    nodes = []
+    for name in names:
+        try:
+            with open(os.path.join(root, name, "cpulist")) as f:
+                text = f.read().strip()
+        except OSError:
+            return []
+        cores = []
+        for part in filter(None, text.split(",")):
+            first, _, last = part.partition("-")
+            cores += range(int(first), int(last or first) + 1)
+        nodes.append(sorted(c for c in cores if c in allowed))
+    return nodes
 
 
 class TensorParallel:

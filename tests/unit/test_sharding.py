@@ -177,3 +177,27 @@ def test_every_rank_keeps_the_tokens_rank_0_sampled(model_dir):
     [tokens] = engine.generate([[5, 6, 8]], SamplingParams(temperature=0.8, seed=3, max_tokens=5,
                                                            repetition_penalty=1.3))
     assert tokens == [7] * 5 and len(seen) == 5
+
+
+def _fake_nodes(root, cpulists: list[str]):
+    for index, text in enumerate(cpulists):
+        (root / f"node{index}").mkdir(parents=True)
+        (root / f"node{index}" / "cpulist").write_text(text + "\n")
+    return str(root)
+
+
+def test_ranks_on_one_host_split_its_cores_by_numa_node(tmp_path, monkeypatch):
+    from crane_mp.worker import tensor_parallel
+
+    monkeypatch.setattr(tensor_parallel.os, "sched_getaffinity", lambda pid: set(range(8)))
+    # Two sockets numbered alternately: each rank gets one socket's cores, not a contiguous half.
+    interleaved = _fake_nodes(tmp_path / "a", ["0,2,4,6", "1,3,5,7"])
+    assert [tensor_parallel.split_cores(r, 2, interleaved) for r in range(2)] == [{0, 2, 4, 6}, {1, 3, 5, 7}]
+    # Four ranks on two nodes: each node's cores halved.
+    two = _fake_nodes(tmp_path / "b", ["0-3", "4-7"])
+    assert [tensor_parallel.split_cores(r, 4, two) for r in range(4)] == [{0, 1}, {2, 3}, {4, 5}, {6, 7}]
+    # One node, or none known: an even contiguous share; fewer cores than ranks: all shared.
+    one = _fake_nodes(tmp_path / "c", ["0-7"])
+    assert tensor_parallel.split_cores(1, 2, one) == {4, 5, 6, 7}
+    assert tensor_parallel.split_cores(2, 3, str(tmp_path / "missing")) == {4, 5}
+    assert tensor_parallel.split_cores(0, 9, one) is None
