@@ -55,6 +55,9 @@ SIZES: dict[str, dict[str, int]] = {
              "head_dim": 16, "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 2048},
     "small": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
               "head_dim": 64, "intermediate_size": 1536, "vocab_size": 8192, "max_position_embeddings": 4096},
+    # ~180M parameters: weights well above the runtime's own memory, for per-process memory figures.
+    "medium": {"hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4,
+               "head_dim": 64, "intermediate_size": 3072, "vocab_size": 16384, "max_position_embeddings": 4096},
 }
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
