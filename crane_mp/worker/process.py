@@ -109,6 +109,10 @@ def join_ranks(config: EngineConfig, rank: int, run_dir: str) -> TensorParallel 
     if parallel.on_loopback():  # gloo listens where the hostname resolves, which may not be loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if not config.force_cpu and torch.cuda.is_available():
+        if torch.cuda.device_count() < parallel.ranks_per_node:
+            raise ValueError(f"--tensor-parallel-size {parallel.tensor_parallel_size} over {parallel.nnodes} node(s) "
+                             f"runs {parallel.ranks_per_node} ranks on this host, one per GPU, and it has "
+                             f"{torch.cuda.device_count()} (or serve on CPU with --cpu)")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
