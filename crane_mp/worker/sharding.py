@@ -55,6 +55,7 @@ class Shard:
     totals: tuple[int, int, int]  # the whole model's heads, KV heads and units
 
     def _range(self, kind: str) -> tuple[int, int]:
+        """[start, stop) of this rank's rows (elements) along an axis of heads, KV heads or units."""
         if kind == "heads":
             return self.heads[0] * self.head_dim, self.heads[1] * self.head_dim
         if kind == "kv_heads":
