@@ -21,7 +21,7 @@ from safetensors import safe_open
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import Platform
-from crane_mp.worker.sharding import Shard
+from crane_mp.worker.sharding import Shard, whole_config
 
 # Bytes per element of the safetensors dtypes an adapter may hold (anything else counts as 8).
 _ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -206,7 +206,9 @@ def adapter_bytes(config: ModelConfig, rank: int, dtype: torch.dtype) -> int:
 def load_adapter(model: CausalLM, lora_id: int, name: str, path: str, max_rank: int, dtype: torch.dtype,
                  platform: Platform) -> int:
     """Read, check and install one adapter under `lora_id`; returns the bytes it takes."""
-    config, tensors = read_adapter(path, name, max_rank, adapter_bytes(model.config, max_rank, torch.float32))
+    # The file holds the whole model's matrices, whichever part of them this rank keeps.
+    config, tensors = read_adapter(path, name, max_rank, adapter_bytes(whole_config(model.config), max_rank,
+                                                                       torch.float32))
     adapter = build_adapter(model, config, tensors, name, platform.lora_dtype(dtype), platform.device)
     install(model, lora_id, adapter)
     return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in adapter.values())

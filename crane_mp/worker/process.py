@@ -144,6 +144,9 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, ra
     except (MemoryBudgetError, UnsupportedModelError, FileNotFoundError, ValueError, RankLost) as err:
         # A configuration the operator must change: one clear line, no traceback.
         log.error("cannot start the model: %s", err)
+        if config.parallel.tensor_parallel_size > 1:  # gloo's threads would abort the interpreter's exit
+            logging.shutdown()
+            os._exit(1)
         raise SystemExit(1) from None
     loaded.platform.enforce_limit(loaded.kv_plan)
     # Everything allocated so far (torch, transformers, the model) lives as long as this process: keep
@@ -161,7 +164,6 @@ def run_worker(config: EngineConfig, addresses: Addresses, logs: LogSettings, ra
     if tp is None:
         _serve(config, addresses, loaded, None)
         return
-    tp.start_heartbeat()
     try:
         if rank == 0:
             _serve(config, addresses, loaded, tp)
@@ -202,6 +204,8 @@ def _serve(config: EngineConfig, addresses: Addresses, loaded: LoadedWorker, tp:
             message = worker_decoder.decode(frame)
             if tp is not None:
                 tp.send_frame(frame)
+                if isinstance(message, ShutdownWorker):
+                    tp.leave()
             if isinstance(message, StepPlan):
                 results.send(encode(runner.execute(message)))
                 trim_when_quiet = trim is not None and not runner.requests
@@ -216,8 +220,6 @@ def _serve(config: EngineConfig, addresses: Addresses, loaded: LoadedWorker, tp:
             elif isinstance(message, DropLora):
                 uninstall(runner.model, message.lora_id)
             elif isinstance(message, ShutdownWorker):
-                if tp is not None:
-                    tp.stop_heartbeat()
                 break
     finally:
         _ignore_stop_signals()
@@ -248,7 +250,7 @@ def _follow(config: EngineConfig, loaded: LoadedWorker, tp: TensorParallel) -> N
             elif isinstance(message, DropLora):
                 uninstall(runner.model, message.lora_id)
             elif isinstance(message, ShutdownWorker):
-                tp.stop_heartbeat()
+                tp.leave()
                 break
     finally:
         _ignore_stop_signals()

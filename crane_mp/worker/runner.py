@@ -152,7 +152,7 @@ class ModelRunner:
             try:
                 self._run(scheduled, result)
             except Exception as err:
-                if is_device_fault(err):
+                if self._fatal(err):
                     raise
                 for req_id, progress in saved.items():  # the batch's prompt scores and sums are redone too
                     self.requests[req_id].restore(progress)
@@ -172,7 +172,7 @@ class ModelRunner:
             try:
                 self._run([sched], result)
             except Exception as err:
-                if is_device_fault(err):
+                if self._fatal(err):
                     raise
                 self._fail(sched.req_id, err)
         return result
@@ -192,6 +192,14 @@ class ModelRunner:
             result.logprobs += [None] * len(req_ids)
         result.prompt_logprobs += prompt_logprobs
         result.pooled += pooled
+
+    def _fatal(self, err: Exception) -> bool:
+        """An error no request caused. With tensor parallelism (share_tokens) also running out of memory,
+        which one rank may meet alone: redoing the step request by request there, while the others
+        go on, would pair their collectives wrongly. Any other error is the same on every rank (the same
+        code on the same inputs), which then redo the step alike."""
+        out_of_memory = isinstance(err, (MemoryError, torch.OutOfMemoryError))
+        return is_device_fault(err) or (self.share_tokens is not None and out_of_memory)
 
     def _fail(self, req_id: int, err: Exception) -> None:
         log.error("request %d failed in the worker; failing it alone", req_id, exc_info=err)

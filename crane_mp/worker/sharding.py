@@ -119,6 +119,16 @@ def make_shard(config, rank: int, size: int) -> Shard:
     )
 
 
+def whole_config(config):
+    """The whole model's ModelConfig from a rank's (itself where the model is not split)."""
+    shard = config.shard
+    if shard is None:
+        return config
+    heads, kv_heads, units = shard.totals
+    return dataclasses.replace(config, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                               intermediate_size=units, shard=None)
+
+
 def shard_config(config, rank: int, size: int):
     """The ModelConfig of rank `rank`'s part: its heads, KV heads and units, and its Shard; the
     vocabulary and hidden size stay the whole model's."""

@@ -40,7 +40,12 @@ class SharedMemoryCollectives:
         total = flags_bytes + 2 * size * slot_bytes
         if create:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, total)
+            try:
+                os.posix_fallocate(fd, 0, total)  # every page now: a full tmpfs fails here, not mid-step
+            except OSError:
+                os.close(fd)
+                os.unlink(path)
+                raise
         else:
             fd = os.open(path, os.O_RDWR)
         try:

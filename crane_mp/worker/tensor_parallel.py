@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import platform
 import threading
 import time
 
@@ -134,23 +135,33 @@ class TensorParallel:
         self._control = dist.new_group(backend="gloo", timeout=_WAIT_FOREVER) if backend != "gloo" else None
         self._heartbeat = dist.new_group(backend="gloo", timeout=_HEARTBEAT_TIMEOUT)
         self._stopping = threading.Event()
-        if device.type == "cpu" and parallel.nnodes == 1:
+        # Shared memory's flags are read in the order they were written on x86 only.
+        if device.type == "cpu" and parallel.nnodes == 1 and platform.machine() in ("x86_64", "AMD64"):
             self._share_memory(run_dir)
+        # From here on, loading included: a rank waiting in a collective learns of a peer's death.
+        self._start_heartbeat()
 
     def _share_memory(self, run_dir: str) -> None:
-        """The ranks' shared mapping: rank 0 makes the file, every rank maps it, then it is unlinked, so
-        nothing is left behind however the ranks end."""
+        """The ranks' shared mapping: rank 0 makes the file (its pages reserved now: a /dev/shm too small,
+        as in a container, falls back to gloo instead of failing a step later), every rank maps it, then
+        it is unlinked, so nothing is left behind however the ranks end."""
         global _SHARED
         root = "/dev/shm" if os.path.isdir("/dev/shm") else run_dir
         path = os.path.join(root, f"crane-mp-{os.path.basename(run_dir)}-collectives")
-        if self.rank == 0:
-            _SHARED = SharedMemoryCollectives(path, 0, self.size, _SHARED_SLOT_BYTES, create=True)
-        self._barrier()
-        if self.rank != 0:
-            _SHARED = SharedMemoryCollectives(path, self.rank, self.size, _SHARED_SLOT_BYTES, create=False)
-        self._barrier()
-        if self.rank == 0:
-            os.unlink(path)
+        try:
+            made = 1
+            if self.rank == 0:
+                try:
+                    _SHARED = SharedMemoryCollectives(path, 0, self.size, _SHARED_SLOT_BYTES, create=True)
+                except OSError as err:
+                    log.warning("no shared memory for the ranks' collectives (%s); they go through gloo", err)
+                    made = 0
+            if self.agree_min([made]) == [1] and self.rank != 0:
+                _SHARED = SharedMemoryCollectives(path, self.rank, self.size, _SHARED_SLOT_BYTES, create=False)
+            self._barrier()
+        finally:
+            if self.rank == 0 and os.path.exists(path):
+                os.unlink(path)
 
     def _barrier(self) -> None:
         try:
@@ -217,14 +228,16 @@ class TensorParallel:
 
     # ---- liveness -----------------------------------------------------------------------------
 
-    def start_heartbeat(self) -> None:
+    def _start_heartbeat(self) -> None:
         """Beat with every other rank each second; a failed beat ends this process (exit 1), unless it
         is stopping on purpose. The launcher then stops the rest of the server."""
         threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True).start()
 
-    def stop_heartbeat(self) -> None:
-        """Every rank is leaving (the scheduler's ShutdownWorker reached all): a closing peer is no fault."""
+    def leave(self) -> None:
+        """Every rank is leaving (the scheduler's ShutdownWorker reached all): once all of them know, so
+        that no heartbeat takes a closing peer for a fault."""
         self._stopping.set()
+        self._barrier()
 
     def _beat(self) -> None:
         token = torch.zeros(1)

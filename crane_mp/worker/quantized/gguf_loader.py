@@ -185,7 +185,8 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
     embed_type = tensors.qtype("token_embd.weight")
     if _FLOAT_DTYPES.get(embed_type) != dtype:
         table = (model.lm_head.qweight_0 if config.tie_word_embeddings
-                 else mine("token_embd.weight", tensors.rows("token_embd.weight"))[1].to(device))
+                 # clone: this rank's rows alone, not a view keeping the whole table's copy alive
+                 else mine("token_embd.weight", tensors.rows("token_embd.weight"))[1].clone().to(device))
         _replace(model, "model.embed_tokens", GGUFEmbedding(embed_type, table, config.hidden_size, dtype, kernels))
         if "token_embd.weight" not in consumed:
             consumed.add("token_embd.weight")
