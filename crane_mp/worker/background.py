@@ -22,7 +22,7 @@ from crane_mp.ipc import encode, make_socket
 from crane_mp.priority import lower_this_thread
 from crane_mp.protocol import GrammarReady, LoadLora, LoraLoaded, PrepareGrammar
 from crane_mp.worker.grammar import GrammarEngine
-from crane_mp.worker.lora import load_adapter
+from crane_mp.worker.lora import load_adapter, uninstall
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import Platform
 
@@ -31,9 +31,10 @@ log = logging.getLogger("crane_mp.worker")
 
 class BackgroundJobs:
     """One daemon thread running jobs in order; each job returns the message sent to the scheduler, or
-    None for none."""
+    None for none. Without a context (a tensor-parallel rank but 0), answers are dropped: rank 0's
+    answer speaks for every rank."""
 
-    def __init__(self, name: str, ctx: zmq.Context, scheduler_inbox: str) -> None:
+    def __init__(self, name: str, ctx: zmq.Context | None = None, scheduler_inbox: str | None = None) -> None:
         self._ctx, self._address = ctx, scheduler_inbox
         self._jobs: queue.SimpleQueue[Callable[[], msgspec.Struct | None]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name=name, daemon=True).start()
@@ -43,21 +44,30 @@ class BackgroundJobs:
 
     def _run(self) -> None:
         lower_this_thread()
-        results = make_socket(self._ctx, zmq.PUSH, self._address, bind=False)
+        results = None if self._ctx is None else make_socket(self._ctx, zmq.PUSH, self._address, bind=False)
         while True:
             answer = self._jobs.get()()
-            if answer is not None:
+            if answer is not None and results is not None:
                 results.send(encode(answer))
 
 
-def load_lora(model: CausalLM, message: LoadLora, max_rank: int, dtype, platform: Platform) -> LoraLoaded:
-    """Load and install one adapter; a bad one is reported, never raised."""
+def load_lora(model: CausalLM, message: LoadLora, max_rank: int, dtype, platform: Platform,
+              on_every_rank: Callable[[bool], bool] | None = None) -> LoraLoaded:
+    """Load and install one adapter; a bad one is reported, never raised. `on_every_rank` (tensor
+    parallelism): whether every rank loaded its part; where one did not (a path missing on another
+    host), no rank keeps the adapter, which would otherwise change only some ranks' partial sums."""
     adapter = message.adapter
     try:
         load_adapter(model, adapter.lora_id, adapter.name, adapter.path, max_rank, dtype, platform)
+        error = ""
     except Exception as err:  # noqa: BLE001 - the adapter's fault, reported to the client that asked
-        log.warning("LoRA adapter %r from %s not loaded: %s", adapter.name, adapter.path, err)
-        return LoraLoaded(message.token, message.frontend_id, adapter, str(err) or type(err).__name__)
+        error = str(err) or type(err).__name__
+    if on_every_rank is not None and not on_every_rank(not error) and not error:
+        uninstall(model, adapter.lora_id)
+        error = f"LoRA adapter {adapter.name!r} could not be loaded on every tensor-parallel rank (the server log says why)"
+    if error:
+        log.warning("LoRA adapter %r from %s not loaded: %s", adapter.name, adapter.path, error)
+        return LoraLoaded(message.token, message.frontend_id, adapter, error)
     log.info("LoRA adapter %r loaded from %s (id %d)", adapter.name, adapter.path, adapter.lora_id)
     return LoraLoaded(message.token, message.frontend_id, adapter)
 

@@ -214,7 +214,7 @@ def _serve(config: EngineConfig, addresses: Addresses, loaded: LoadedWorker, tp:
                     last_trim = time.monotonic()
             elif isinstance(message, LoadLora):
                 adapters.submit(partial(load_lora, runner.model, message, config.max_lora_rank, loaded.dtype,
-                                        loaded.platform))
+                                        loaded.platform, None if tp is None else tp.loaded_on_every_rank))
             elif isinstance(message, PrepareGrammar):
                 grammars.submit(partial(prepare_grammar, runner.grammars, message))
             elif isinstance(message, DropLora):
@@ -227,10 +227,12 @@ def _serve(config: EngineConfig, addresses: Addresses, loaded: LoadedWorker, tp:
 
 
 def _follow(config: EngineConfig, loaded: LoadedWorker, tp: TensorParallel) -> None:
-    """Ranks but 0: execute each frame rank 0 broadcasts, in order, answering no one. Adapters and
-    grammars are made here before the next frame is read, so they are in place before any step that
-    rank 0 (which made its own in the background, then answered) runs with them."""
+    """Ranks but 0: execute each frame rank 0 broadcasts, in order, answering no one. Adapters load on a
+    thread, as on rank 0, which answers only once every rank's loaded (tp.loaded_on_every_rank);
+    grammars are built here before the next frame is read, so they are in place before any step that
+    rank 0 (which built its own in the background, then answered) runs with them."""
     runner = loaded.runner
+    adapters = BackgroundJobs("lora-loader")
     if runner.grammars is not None and config.task == "generate":  # as rank 0 does; a matcher waits for it
         threading.Thread(target=runner.grammars.load_vocabulary, name="grammar-vocabulary", daemon=True).start()
     trim = malloc_trim()
@@ -244,7 +246,8 @@ def _follow(config: EngineConfig, loaded: LoadedWorker, tp: TensorParallel) -> N
                     trim(0)
                     last_trim = time.monotonic()
             elif isinstance(message, LoadLora):
-                load_lora(runner.model, message, config.max_lora_rank, loaded.dtype, loaded.platform)
+                adapters.submit(partial(load_lora, runner.model, message, config.max_lora_rank, loaded.dtype,
+                                        loaded.platform, tp.loaded_on_every_rank))
             elif isinstance(message, PrepareGrammar):
                 prepare_grammar(runner.grammars, message)
             elif isinstance(message, DropLora):

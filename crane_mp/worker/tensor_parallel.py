@@ -76,47 +76,74 @@ def gather_columns(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)[:, :width]
 
 
-def split_cores(local_rank: int, local_ranks: int, node_root: str = "/sys/devices/system/node") -> set[int] | None:
+def split_cores(local_rank: int, local_ranks: int, sys_root: str = "/sys/devices/system") -> set[int] | None:
     """The CPU cores of `local_rank` among `local_ranks` on this host, of the ones this process may use:
-    whole NUMA nodes per rank, or an even share of one node's cores (so that a rank's memory, touched
-    first by its own threads, is local to them), else an even contiguous share of them all. None where
-    there are fewer cores than ranks (they share them all)."""
+    whole NUMA nodes per rank, or an even share of one node's (so that a rank's memory, touched first by
+    its own threads, is local to them), else an even share of them all; a share is whole physical
+    cores, both hyperthreads of each, never half of one shared with another rank. None where there are
+    fewer cores than ranks (they share them all)."""
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < local_ranks:
         return None
-    nodes = [cores for cores in _numa_nodes(node_root, set(allowed)) if cores]
-    if len(nodes) > 1 and len(nodes) % local_ranks == 0:
+    nodes = [cores for cores in _numa_nodes(os.path.join(sys_root, "node"), set(allowed)) if cores] or [allowed]
+    if len(nodes) % local_ranks == 0:
         per_rank = len(nodes) // local_ranks
         return {core for cores in nodes[local_rank * per_rank : (local_rank + 1) * per_rank] for core in cores}
-    if len(nodes) > 1 and local_ranks % len(nodes) == 0:
+    if local_ranks % len(nodes) == 0:
         per_node = local_ranks // len(nodes)
-        cores = nodes[local_rank // per_node]
-        share = len(cores) // per_node
-        if share:
-            index = local_rank % per_node
-            return set(cores[index * share : (index + 1) * share])
-    share = len(allowed) // local_ranks
-    return set(allowed[local_rank * share : (local_rank + 1) * share])
+        return _share(nodes[local_rank // per_node], local_rank % per_node, per_node, sys_root)
+    return _share(allowed, local_rank, local_ranks, sys_root)
+
+
+def _share(cpus: list[int], index: int, count: int, sys_root: str) -> set[int]:
+    """Share `index` of `count` of `cpus`: whole physical cores where there are enough, else logical CPUs."""
+    cores = _physical_cores(cpus, sys_root)
+    if len(cores) >= count:
+        per = len(cores) // count
+        return {cpu for core in cores[index * per : (index + 1) * per] for cpu in core}
+    per = max(1, len(cpus) // count)
+    return set(cpus[index * per : (index + 1) * per]) or {cpus[index % len(cpus)]}
+
+
+def _physical_cores(cpus: list[int], sys_root: str) -> list[list[int]]:
+    """`cpus` grouped by physical core (sysfs thread_siblings_list), by first CPU; one each where unknown."""
+    wanted, cores, seen = set(cpus), [], set()
+    for cpu in cpus:
+        if cpu in seen:
+            continue
+        siblings = _cpu_list(os.path.join(sys_root, "cpu", f"cpu{cpu}", "topology", "thread_siblings_list"))
+        core = sorted((set(siblings or [cpu]) & wanted) | {cpu})
+        seen.update(core)
+        cores.append(core)
+    return cores
+
+
+def _cpu_list(path: str) -> list[int] | None:
+    """A sysfs CPU list file ("0-3,8-11"), or None where there is none."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    cpus = []
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        cpus += range(int(first), int(last or first) + 1)
+    return cpus
 
 
 def _numa_nodes(root: str, allowed: set[int]) -> list[list[int]]:
-    """Each NUMA node's allowed cores, in node order (sysfs cpulist files: "0-3,8-11"); [] where unknown."""
+    """Each NUMA node's allowed cores, in node order; [] where unknown."""
     try:
         names = sorted((n for n in os.listdir(root) if n.startswith("node") and n[4:].isdigit()), key=lambda n: int(n[4:]))
     except OSError:
         return []
     nodes = []
     for name in names:
-        try:
-            with open(os.path.join(root, name, "cpulist")) as f:
-                text = f.read().strip()
-        except OSError:
+        cpus = _cpu_list(os.path.join(root, name, "cpulist"))
+        if cpus is None:
             return []
-        cores = []
-        for part in filter(None, text.split(",")):
-            first, _, last = part.partition("-")
-            cores += range(int(first), int(last or first) + 1)
-        nodes.append(sorted(c for c in cores if c in allowed))
+        nodes.append(sorted(c for c in cpus if c in allowed))
     return nodes
 
 
@@ -134,6 +161,8 @@ class TensorParallel:
         # The control plane's gloo group; on CPU the default group is one already.
         self._control = dist.new_group(backend="gloo", timeout=_WAIT_FOREVER) if backend != "gloo" else None
         self._heartbeat = dist.new_group(backend="gloo", timeout=_HEARTBEAT_TIMEOUT)
+        # Run-time LoRA loads agree on their outcome from each rank's loading thread.
+        self._adapters = dist.new_group(backend="gloo", timeout=_WAIT_FOREVER)
         self._stopping = threading.Event()
         # Shared memory's flags are read in the order they were written on x86 only.
         if device.type == "cpu" and parallel.nnodes == 1 and platform.machine() in ("x86_64", "AMD64"):
@@ -209,6 +238,16 @@ class TensorParallel:
             return _SHARED.from_first(ids).tolist()
         self._broadcast(ids)
         return ids.tolist()
+
+    def loaded_on_every_rank(self, loaded: bool) -> bool:
+        """Whether every rank loaded the adapter its loading thread just tried (the threads take loads in
+        the same order on every rank)."""
+        flag = torch.tensor([int(loaded)])
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._adapters)
+        except RuntimeError as err:
+            raise _lost(err) from err
+        return bool(flag.item())
 
     def agree_min(self, values: list[int]) -> list[int]:
         """Each value's minimum over the ranks (the KV blocks and sequence length every rank can hold)."""

@@ -190,3 +190,23 @@ def test_the_memory_plan_holds_room_for_every_adapter_that_may_still_be_loaded(t
     fixed = LLMEngine(EngineConfig(model_path=str(path), max_num_seqs=4, dtype="float32", max_loras=3,
                                    max_lora_rank=8, lora_modules=modules))
     assert fixed.worker.kv_plan.reserved_bytes == base.worker.kv_plan.reserved_bytes
+
+
+def test_an_adapter_some_tensor_parallel_rank_could_not_load_is_kept_by_none(model, tmp_path):
+    from crane_mp.protocol import LoadLora, LoraAdapter
+    from crane_mp.worker.background import load_lora
+    from tests.model_helpers import CPU
+
+    write_adapter(tmp_path / "full", {}, full_adapter(model.config, 4))
+    message = LoadLora(token=1, frontend_id=0, adapter=LoraAdapter(lora_id=5, name="full", path=str(tmp_path / "full")))
+    votes = []
+
+    def another_rank_failed(loaded: bool) -> bool:
+        votes.append(loaded)
+        return False
+
+    answer = load_lora(model, message, 64, torch.float32, CPU, another_rank_failed)
+    assert votes == [True] and "every tensor-parallel rank" in answer.error
+    assert all(5 not in layer.self_attn.lora_qkv_proj for layer in model.model.layers)
+    answer = load_lora(model, message, 64, torch.float32, CPU, lambda loaded: loaded)
+    assert not answer.error and all(5 in layer.self_attn.lora_qkv_proj for layer in model.model.layers)

@@ -179,25 +179,33 @@ def test_every_rank_keeps_the_tokens_rank_0_sampled(model_dir):
     assert tokens == [7] * 5 and len(seen) == 5
 
 
-def _fake_nodes(root, cpulists: list[str]):
-    for index, text in enumerate(cpulists):
-        (root / f"node{index}").mkdir(parents=True)
-        (root / f"node{index}" / "cpulist").write_text(text + "\n")
+def _fake_host(root, nodes: list[str], siblings: dict[int, str] | None = None) -> str:
+    """A sysfs tree: NUMA nodes' cpulists, and hyperthread siblings where given."""
+    for index, text in enumerate(nodes):
+        (root / "node" / f"node{index}").mkdir(parents=True)
+        (root / "node" / f"node{index}" / "cpulist").write_text(text + "\n")
+    for cpu, text in (siblings or {}).items():
+        (root / "cpu" / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (root / "cpu" / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(text + "\n")
     return str(root)
 
 
-def test_ranks_on_one_host_split_its_cores_by_numa_node(tmp_path, monkeypatch):
+def test_ranks_on_one_host_split_its_cores_by_numa_node_and_physical_core(tmp_path, monkeypatch):
     from crane_mp.worker import tensor_parallel
 
     monkeypatch.setattr(tensor_parallel.os, "sched_getaffinity", lambda pid: set(range(8)))
+
+    def split(ranks: int, root) -> list:
+        return [tensor_parallel.split_cores(r, ranks, root) for r in range(ranks)]
+
     # Two sockets numbered alternately: each rank gets one socket's cores, not a contiguous half.
-    interleaved = _fake_nodes(tmp_path / "a", ["0,2,4,6", "1,3,5,7"])
-    assert [tensor_parallel.split_cores(r, 2, interleaved) for r in range(2)] == [{0, 2, 4, 6}, {1, 3, 5, 7}]
+    assert split(2, _fake_host(tmp_path / "a", ["0,2,4,6", "1,3,5,7"])) == [{0, 2, 4, 6}, {1, 3, 5, 7}]
     # Four ranks on two nodes: each node's cores halved.
-    two = _fake_nodes(tmp_path / "b", ["0-3", "4-7"])
-    assert [tensor_parallel.split_cores(r, 4, two) for r in range(4)] == [{0, 1}, {2, 3}, {4, 5}, {6, 7}]
-    # One node, or none known: an even contiguous share; fewer cores than ranks: all shared.
-    one = _fake_nodes(tmp_path / "c", ["0-7"])
-    assert tensor_parallel.split_cores(1, 2, one) == {4, 5, 6, 7}
+    assert split(4, _fake_host(tmp_path / "b", ["0-3", "4-7"])) == [{0, 1}, {2, 3}, {4, 5}, {6, 7}]
+    # One node whose CPUs 4-7 are the hyperthreads of 0-3: each rank takes whole physical cores.
+    siblings = {cpu: f"{cpu % 4},{cpu % 4 + 4}" for cpu in range(8)}
+    assert split(2, _fake_host(tmp_path / "c", ["0-7"], siblings)) == [{0, 1, 4, 5}, {2, 3, 6, 7}]
+    # Nothing known: an even contiguous share; fewer cores than ranks: all shared.
+    assert split(2, str(tmp_path / "missing")) == [{0, 1, 2, 3}, {4, 5, 6, 7}]
     assert tensor_parallel.split_cores(2, 3, str(tmp_path / "missing")) == {4, 5}
-    assert tensor_parallel.split_cores(0, 9, one) is None
+    assert tensor_parallel.split_cores(0, 9, str(tmp_path / "missing")) is None
