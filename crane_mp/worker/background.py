@@ -64,7 +64,8 @@ def load_lora(model: CausalLM, message: LoadLora, max_rank: int, dtype, platform
         error = str(err) or type(err).__name__
     if on_every_rank is not None and not on_every_rank(not error) and not error:
         uninstall(model, adapter.lora_id)
-        error = f"LoRA adapter {adapter.name!r} could not be loaded on every tensor-parallel rank (the server log says why)"
+        error = (f"LoRA adapter {adapter.name!r} could not be loaded on every tensor-parallel rank (the server "
+                 "log says why)")
     if error:
         log.warning("LoRA adapter %r from %s not loaded: %s", adapter.name, adapter.path, error)
         return LoraLoaded(message.token, message.frontend_id, adapter, error)

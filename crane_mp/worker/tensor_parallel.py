@@ -135,7 +135,8 @@ def _cpu_list(path: str) -> list[int] | None:
 def _numa_nodes(root: str, allowed: set[int]) -> list[list[int]]:
     """Each NUMA node's allowed cores, in node order; [] where unknown."""
     try:
-        names = sorted((n for n in os.listdir(root) if n.startswith("node") and n[4:].isdigit()), key=lambda n: int(n[4:]))
+        names = sorted((n for n in os.listdir(root) if n.startswith("node") and n[4:].isdigit()),
+                       key=lambda n: int(n[4:]))
     except OSError:
         return []
     nodes = []

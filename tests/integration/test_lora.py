@@ -202,7 +202,8 @@ def test_two_tensor_parallel_ranks_split_adapters_and_load_them_at_run_time(mode
                     "--enable-runtime-lora", "--lora-root", str(root), "--kv-cache-dtype", "float32",
                     log_path=tmp_path / "log")
     try:
-        loaded = requests.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "qv-down", "lora_path": "qv-down"})
+        body = {"lora_name": "qv-down", "lora_path": "qv-down"}
+        loaded = requests.post(server.url + "/v1/load_lora_adapter", json=body)
         assert loaded.status_code == 200, loaded.text
         jobs = [(name, prompt) for name in (None, *ADAPTERS) for prompt in PROMPTS]
         for (name, prompt), result in zip(jobs, asyncio.run(complete_all(server.url, jobs))):
