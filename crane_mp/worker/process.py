@@ -32,6 +32,7 @@ from crane_mp.worker.device import RankLost
 from crane_mp.worker.lora import uninstall
 from crane_mp.worker.memory import MemoryBudgetError
 from crane_mp.worker.model_config import UnsupportedModelError
+from crane_mp.worker.platforms import on_cuda
 from crane_mp.worker.tensor_parallel import TensorParallel, split_cores
 
 log = logging.getLogger("crane_mp.worker")
@@ -108,7 +109,7 @@ def join_ranks(config: EngineConfig, rank: int, run_dir: str) -> TensorParallel 
     local_rank = rank - parallel.local_ranks.start
     if parallel.on_loopback():  # gloo listens where the hostname resolves, which may not be loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if not config.force_cpu and torch.cuda.is_available():
+    if on_cuda(config.force_cpu):
         if torch.cuda.device_count() < parallel.ranks_per_node:
             raise ValueError(f"--tensor-parallel-size {parallel.tensor_parallel_size} over {parallel.nnodes} node(s) "
                              f"runs {parallel.ranks_per_node} ranks on this host, one per GPU, and it has "

@@ -242,23 +242,28 @@ def _start_streams(url: str, n: int, started: asyncio.Semaphore):
     return run
 
 
+def kill_9_during_streams(srv: Server, victim: str, n: int = 4) -> tuple[list[str], float]:
+    """SIGKILL of one of the server's processes once `n` streams are generating: each stream's outcome
+    ("error", "done" or "cut") and the seconds from the kill until the last one ended."""
+    async def scenario():
+        started = asyncio.Semaphore(0)
+        task = asyncio.create_task(_start_streams(srv.url, n, started)())
+        for _ in range(n):
+            await started.acquire()  # every stream is generating
+        killed = time.monotonic()
+        psutil.Process(srv.pids[victim]).send_signal(signal.SIGKILL)
+        outcomes = await task
+        return outcomes, time.monotonic() - killed
+
+    return asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("victim", ["worker", "scheduler"])
 def test_kill_9_of_an_engine_process_fails_every_client_and_stops_the_server(model_dir, tmp_path, victim):
     srv = Server(model_dir, log_path=tmp_path / "log")
     try:
         tree = srv.process_tree()
-
-        async def scenario():
-            started = asyncio.Semaphore(0)
-            task = asyncio.create_task(_start_streams(srv.url, 4, started)())
-            for _ in range(4):
-                await started.acquire()  # every stream is generating
-            killed = time.monotonic()
-            psutil.Process(srv.pids[victim]).send_signal(signal.SIGKILL)
-            outcomes = await task
-            return outcomes, time.monotonic() - killed
-
-        outcomes, elapsed = asyncio.run(scenario())
+        outcomes, elapsed = kill_9_during_streams(srv, victim)
         # No client waits for its own timeout (30 s): the failure reaches every stream at once.
         assert outcomes == ["error"] * 4 and elapsed < 10.0
         assert srv.proc.wait(5) != 0

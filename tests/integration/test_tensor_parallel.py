@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from crane_mp.testing.make_gguf import make_gguf
 from crane_mp.testing.make_model import make_model
 from tests.integration.server import Server, free_port
-from tests.integration.test_server import _start_streams
+from tests.integration.test_server import kill_9_during_streams
 
 NUM_TOKENS = 16
 TP2 = ("--tensor-parallel-size", "2")
@@ -47,8 +47,9 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 490, (n,), generator=gen).tolist() for n in (3, 17, 40, 9, 70)]
 
 
-def hf_greedy(model_dir, prompt_list: list[list[int]]) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+def hf_greedy(model_dir, prompt_list: list[list[int]], **load) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, float32 (`load`: e.g. gguf_file=NAME)."""
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **load).eval()
     out = []
     for ids in prompt_list:
         with torch.inference_mode():
@@ -56,6 +57,12 @@ def hf_greedy(model_dir, prompt_list: list[list[int]]) -> list[list[int]]:
                                  min_new_tokens=NUM_TOKENS, pad_token_id=0)
         out.append(tokens[0, len(ids):].tolist())
     return out
+
+
+def gguf_greedy(path) -> tuple[list[list[int]], list[list[int]]]:
+    """prompts() (ids below 490: within a tiny model's vocabulary), and transformers' greedy tokens
+    reading the GGUF file."""
+    return prompts(), hf_greedy(path.parent, prompts(), gguf_file=path.name)
 
 
 async def _greedy(url: str, prompt_list: list[list[int]]) -> list[dict]:
@@ -140,14 +147,7 @@ def gguf_path(tmp_path_factory):
 
 
 def test_a_q4_k_m_file_splits_over_two_ranks(gguf_path, tmp_path):
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
-    prompt_list = [ids for ids in prompts() if max(ids) < hf.config.vocab_size]
-    want = []
-    for ids in prompt_list:
-        with torch.inference_mode():
-            tokens = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NUM_TOKENS,
-                                 min_new_tokens=NUM_TOKENS, pad_token_id=0)
-        want.append(tokens[0, len(ids):].tolist())
+    prompt_list, want = gguf_greedy(gguf_path)
     exact = Server(gguf_path, *TP2, *EXACT, "--quantized-activations", "float", log_path=tmp_path / "float.log")
     try:
         assert served(exact.url, prompt_list) == want
@@ -173,14 +173,7 @@ def test_a_file_whose_blocks_two_ranks_would_cut_serves_the_same_tokens(tmp_path
                         overrides={"hidden_size": 256, "intermediate_size": 512, "head_dim": 64})
     (tmp_path / "gguf").mkdir()  # no tokenizer files beside the file: its metadata has them
     path = make_gguf(hf_dir, tmp_path / "gguf" / "cut-Q4_K_M.gguf", "Q4_K_M", name="cut")
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    prompt_list = [ids for ids in prompts() if max(ids) < hf.config.vocab_size][:3]
-    want = []
-    for ids in prompt_list:
-        with torch.inference_mode():
-            tokens = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NUM_TOKENS,
-                                 min_new_tokens=NUM_TOKENS, pad_token_id=0)
-        want.append(tokens[0, len(ids):].tolist())
+    prompt_list, want = gguf_greedy(path)
     srv = Server(path, *TP2, *EXACT, "--quantized-activations", "float", log_path=tmp_path / "log")
     try:
         assert served(srv.url, prompt_list) == want
@@ -255,18 +248,7 @@ def test_kill_9_of_a_rank_fails_every_stream_and_stops_the_server(models, tmp_pa
     srv = Server(models["mistral"], *TP2, log_path=tmp_path / "log")
     try:
         tree = srv.process_tree()
-
-        async def scenario():
-            started = asyncio.Semaphore(0)
-            task = asyncio.create_task(_start_streams(srv.url, 4, started)())
-            for _ in range(4):
-                await started.acquire()  # every stream is generating
-            killed = time.monotonic()
-            psutil.Process(srv.pids[victim]).send_signal(signal.SIGKILL)
-            outcomes = await task
-            return outcomes, time.monotonic() - killed
-
-        outcomes, elapsed = asyncio.run(scenario())
+        outcomes, elapsed = kill_9_during_streams(srv, victim)
         assert outcomes == ["error"] * 4 and elapsed < 10.0
         assert srv.proc.wait(10) != 0
         time.sleep(0.2)

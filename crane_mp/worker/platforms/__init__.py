@@ -17,10 +17,14 @@ from crane_mp.worker.platforms.cpu import CpuPlatform
 from crane_mp.worker.platforms.cuda import CudaPlatform
 
 
+def on_cuda(force_cpu: bool) -> bool:
+    """The worker runs on CUDA: there is a device and --cpu was not asked for."""
+    return not force_cpu and torch.cuda.is_available()
+
+
 def select_platform(force_cpu: bool, cuda_index: int = 0) -> Platform:
-    """CUDA device `cuda_index` (a tensor-parallel rank's on its host) when there is one and --cpu was
-    not asked for, else the CPU."""
-    if not force_cpu and torch.cuda.is_available():
+    """CUDA device `cuda_index` (a tensor-parallel rank's on its host) where on_cuda, else the CPU."""
+    if on_cuda(force_cpu):
         return platform_for(torch.device("cuda", cuda_index))
     return platform_for(torch.device("cpu"))
 
