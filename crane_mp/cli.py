@@ -28,7 +28,7 @@ from crane_mp.parallel import ParallelConfig
 from crane_mp.pooling import POOLING_METHODS, Pooling, sentence_transformers_pooling
 from crane_mp.score_head import classifies
 from crane_mp.settings import SettingsError, resolve, settable_actions, unknown_env_names
-from crane_mp.worker.model_config import is_encoder_checkpoint
+from crane_mp.worker.model_config import checkpoint_architecture
 from crane_mp.worker.models.registry import MODEL_TYPE_ALIASES
 
 
@@ -114,10 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-type", default="auto", choices=["auto", *sorted(MODEL_TYPE_ALIASES)])
     p.add_argument("--model-name", help="name shown in API responses (default: the directory name)")
     p.add_argument("--task", default="auto", choices=TASKS,
-                   help="generate text, embed (/v1/embeddings only), or score (/v1/rerank and /score with a "
-                        "sequence-classification checkpoint); auto: score for a *ForSequenceClassification "
-                        "checkpoint, embed for a sentence-transformers one (modules.json) or a BERT-family "
-                        "encoder, else generate")
+                   help="generate text, embed (/v1/embeddings only), score (/v1/rerank and /score with a "
+                        "sequence-classification checkpoint), or transcribe (/v1/audio/transcriptions and "
+                        "/translations with a Whisper checkpoint); auto: transcribe for Whisper, score for a "
+                        "*ForSequenceClassification checkpoint, embed for a sentence-transformers one "
+                        "(modules.json) or a BERT-family encoder, else generate")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                    help="LoRA adapters in PEFT's format to serve beside the base model; a request picks one by "
                         "naming it as its model (SGLang: lora_path)")
@@ -178,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests allowed to wait for a running slot; beyond it a request gets 429 with Retry-After")
     p.add_argument("--max-request-generations", type=_positive_int, default=256,
                    help="most generations one request may start (its prompts times n); more get 400")
+    p.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="DOMAIN",
+                   help="hosts whose http(s) image URLs chat messages may name (the domain and its subdomains); "
+                        "none (the default): only data: URLs, and the server fetches nothing")
+    p.add_argument("--max-image-pixels", type=_positive_int, default=1 << 25,
+                   help="largest image (width x height) a request may send, checked from its header before "
+                        "its pixels are decoded; larger ones get 400")
+    p.add_argument("--max-audio-seconds", type=_positive_seconds, default=3600.0,
+                   help="longest audio one transcription or translation request may send; longer gets 400")
     p.add_argument("--read-timeout", type=_positive_seconds, default=30.0,
                    help="seconds a request's headers, and then its body, may take to arrive (408 past it); an "
                         "idle keep-alive connection is closed after as long")
@@ -235,12 +244,20 @@ def _task_and_pooling(args, source: ModelSource, parser) -> tuple[str, Pooling]:
             parser.error(str(err))
         declared = None
     task = args.task
-    encoder = source.format == "safetensors" and is_encoder_checkpoint(source.model_dir, args.model_type)
+    arch = checkpoint_architecture(source.model_dir, args.model_type) if source.format == "safetensors" else None
+    encoder = arch is not None and arch.encoder
+    speech = arch is not None and arch.media == "audio"
     if task == "auto":
         pools = declared or args.pooling or encoder
-        task = "score" if classifies(source.model_dir) else "embed" if pools else "generate"
+        task = "transcribe" if speech else "score" if classifies(source.model_dir) else "embed" if pools else "generate"
     if task == "generate" and encoder:
         parser.error("this checkpoint is an encoder (BERT family): it serves --task embed or --task score, not text")
+    if (task == "transcribe") != speech:
+        parser.error("--task transcribe serves a speech-to-text checkpoint (Whisper), and a Whisper checkpoint "
+                     f"serves only --task transcribe, not {task}" if speech else
+                     "--task transcribe needs a speech-to-text checkpoint (Whisper)")
+    if task == "transcribe":
+        return task, Pooling("last")
     if task == "score":  # the head says which token it reads (score_head.py)
         if source.format == "gguf":
             parser.error("--task score needs a safetensors sequence-classification checkpoint, not a GGUF file")
@@ -335,6 +352,9 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         num_frontends=args.num_frontends,
         max_queue=args.max_queue,
         max_request_generations=args.max_request_generations,
+        allowed_media_domains=tuple(args.allowed_media_domains),
+        max_image_pixels=args.max_image_pixels,
+        max_audio_seconds=args.max_audio_seconds,
         read_timeout=args.read_timeout,
         write_timeout=args.write_timeout,
         max_connections=args.max_connections,

@@ -23,7 +23,7 @@ QUANTIZED_ACTIVATIONS = ("int8", "float")
 LOG_FORMATS = ("text", "json")
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "none")  # frontend/tools/formats.py
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")  # frontend/reasoning.py
-TASKS = ("auto", "generate", "embed", "score")
+TASKS = ("auto", "generate", "embed", "score", "transcribe")
 # CPU instruction-set tiers, lowest first; each includes the ones before it (worker/kernels/cpu_isa.py).
 CPU_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -140,6 +140,9 @@ class ServerConfig:
     num_frontends: int = 1
     max_queue: int = 1024  # requests waiting for a running slot; more get 429
     max_request_generations: int = 256  # prompts x n of one request
+    allowed_media_domains: tuple[str, ...] = ()  # hosts image URLs may be fetched from; none: data URLs only
+    max_image_pixels: int = 1 << 25  # an image's width x height, checked before its pixels are decoded
+    max_audio_seconds: float = 3600.0  # one transcription's audio, checked as it is decoded
     read_timeout: float = 30.0  # seconds a request's headers, then its body, may take; also keep-alive idle
     write_timeout: float = 60.0  # seconds a streaming client may leave its events unread
     max_connections: int = 1024  # open client connections per frontend; more are answered 503

@@ -41,6 +41,20 @@ class ThinkingBudget(msgspec.Struct, frozen=True, array_like=True):
     opened: bool = False
 
 
+class WhisperDecoding(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """Whisper's logits rules for one decoding window, as transformers' generate applies them
+    (worker/whisper_logits.py). Generated tokens are those after the prompt."""
+
+    suppress_tokens: list[int] = []  # never sampled
+    begin_suppress_tokens: list[int] = []  # not as the first generated token
+    only_tokens: list[int] = []  # when set, nothing else may be sampled (language detection)
+    timestamps: bool = False  # the timestamp rules (WhisperTimeStampLogitsProcessor) apply
+    timestamp_begin: int = 0  # the id of <|0.00|>
+    no_timestamps_token_id: int = 0
+    eos_token_id: int = 0
+    max_initial_timestamp_index: int | None = None
+
+
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """Per-request generation settings. The worker samples with them; the scheduler stops by token id.
 
@@ -72,6 +86,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     pooling: str | None = None
     lora_id: int = 0  # the LoRA adapter (EngineConfig.lora_modules[lora_id - 1]); 0: the base model
     thinking: ThinkingBudget | None = None
+    whisper: WhisperDecoding | None = None  # a Whisper window's logits rules
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +103,25 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
         return self.pooling in ("mean", "cls")
 
 
+class MediaInput(msgspec.Struct, array_like=True):
+    """An image or an audio window a request's prompt refers to, as float32 values the worker encodes
+    once per request (and keeps through preemptions).
+
+    image: `values` are the processor's patches [patches, patch values], `grid` its (t, h, w) patch
+    grid; its embeddings fill prompt positions [offset, offset + num_tokens) (the placeholder tokens).
+    audio: `values` are log-mel features [mel bins, frames], attended to by every decoder position
+    (num_tokens 0). `key`: a hash of the content, which keeps prefix-cache entries of different media apart.
+    """
+
+    kind: str  # "image" or "audio"
+    key: str
+    shape: list[int]
+    values: bytes
+    offset: int = 0
+    num_tokens: int = 0
+    grid: list[int] = []
+
+
 # ---- scheduler -> worker ------------------------------------------------------------------------
 
 
@@ -97,6 +131,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     req_id: int
     prompt_ids: list[int]
     sampling: SamplingParams
+    media: list[MediaInput] = []
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True):
@@ -218,6 +253,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, tag=True):
     frontend_id: int = 0
     arrival_time: float = 0.0
     names: list[str] = []  # the client's names for it, for AbortNamed
+    media: list[MediaInput] = []  # images in the prompt, or the audio a Whisper window transcribes
 
 
 class AbortRequest(msgspec.Struct, array_like=True, tag=True):

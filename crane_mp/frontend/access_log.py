@@ -36,6 +36,8 @@ class RequestRecord:
     generations: list[Generation] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list)  # kept only with --log-requests
     keep_prompts: bool = False
+    images: int = 0  # images the request's prompts held
+    audio_seconds: float = 0.0  # seconds of audio it transcribed
 
     def add(self, gen: Generation, input_ids: list[int]) -> None:
         self.generations.append(gen)
@@ -61,6 +63,10 @@ class RequestRecord:
             "total_time": round(now - self.started, 4),
             "finish_reason": ",".join(sorted({g.finish_name for g in gens})) or None,
         }
+        if self.images:
+            out["images"] = self.images
+        if self.audio_seconds:
+            out["audio_seconds"] = round(self.audio_seconds, 3)
         if self.keep_prompts and self.prompts:
             out["prompt"] = [decode(ids) for ids in self.prompts] if len(self.prompts) > 1 else decode(self.prompts[0])
         return out

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from crane_mp.frontend.answers import ReasoningReading, ToolReading
+from crane_mp.frontend.chat_images import check_takes_images, load_images, place_images, record_images
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.openai_schemas import NamedFunction, NamedToolChoice
 from crane_mp.frontend.pipeline import Plan, prompt_ids
@@ -50,6 +51,7 @@ class ChatAsk:
     thinking_budget: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    images: list[tuple[str, str]] = field(default_factory=list)  # (where, URL) of each image part, in order
 
 
 @dataclass(slots=True)
@@ -83,8 +85,14 @@ async def render_prompt(state: FrontendState, ask: ChatAsk) -> ChatPrompt:
 
 
 async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
+    check_takes_images(state, len(ask.images))
+    images = await load_images(state, ask.images) if ask.images else []
     rendered = await render_prompt(state, ask)
     prompt, input_ids, fmt, mode, only = rendered.text, rendered.ids, rendered.fmt, rendered.mode, rendered.only
+    media = []
+    if images:
+        input_ids, media = place_images(state, input_ids, images)
+        record_images(state, len(images))
     constraint = ask.constraint
     if mode in ("required", "named"):
         if constraint is not None:
@@ -111,5 +119,5 @@ async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
         params = msgspec.structs.replace(params, thinking=ThinkingBudget(
             budget, state.think_start_token, state.think_end_token, opens))
     plan = Plan([input_ids], params, ask.max_tokens, "messages", ask.n, ask.stop, ask.skip_special_tokens,
-                names=ask.names)
+                names=ask.names, media=media)
     return PreparedChat(plan, input_ids, reading, thinking)

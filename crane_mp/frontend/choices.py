@@ -21,7 +21,7 @@ from crane_mp.frontend.engine_client import EngineClient
 from crane_mp.frontend.errors import ApiError, EngineDeadError, GenerationError
 from crane_mp.frontend.generation import Delta, Generation
 from crane_mp.frontend.state import FrontendState
-from crane_mp.protocol import SamplingParams, TokenLogprobs
+from crane_mp.protocol import MediaInput, SamplingParams, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -54,15 +54,16 @@ async def start_generation(
     skip_special_tokens: bool = True,
     discard_output: bool = False,
     names: list[str] | None = None,
+    media: list[MediaInput] | None = None,
 ) -> Generation:
     """Submit one request. `names`: what the client may call it in /abort_request; the access log
-    of the HTTP request being served (if any) records it."""
+    of the HTTP request being served (if any) records it. `media`: its images or audio window."""
     rid = client.new_rid()
     record = current_record()
     names = list(names or [])
     if record is not None:
         names.append(record.request_id)
-    stream = await client.submit(rid, input_ids, sampling, names)
+    stream = await client.submit(rid, input_ids, sampling, names, media)
     gen = Generation(client, stream, Detokenizer(backend, input_ids, stop, skip_special_tokens), discard_output)
     if record is not None:
         gen.request_id = record.request_id
@@ -82,10 +83,12 @@ async def open_choices(
     discard_output: bool = False,
     names: str | list[str] | None = None,
     lora_ids: list[int] | None = None,
+    media: list[MediaInput] | None = None,
 ) -> AsyncIterator[list[Generation]]:
     """Submit every prompt n times (prompt i with max_tokens[i]; a seeded request gives sample j the
     seed + j) and yield the generations. `names`: what /abort_request may call them, one for all or
-    one per generation; `lora_ids`: prompt i's LoRA adapter, where prompts use different ones.
+    one per generation; `lora_ids`: prompt i's LoRA adapter, where prompts use different ones; `media`:
+    the images of a single prompt.
     However the body ends (finished, error, client gone), every generation still
     registered is aborted and unregistered on the way out."""
     gens: list[Generation] = []
@@ -101,7 +104,7 @@ async def open_choices(
                 try:
                     gens.append(await start_generation(
                         state.client, state.tokenizer.backend, prompt_ids, params, stop, skip_special_tokens,
-                        discard_output, [name] if name else None,
+                        discard_output, [name] if name else None, media,
                     ))
                 except EngineDeadError as err:
                     raise ApiError(503, f"the engine stopped: {err}") from err

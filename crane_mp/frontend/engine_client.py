@@ -35,6 +35,7 @@ from crane_mp.protocol import (
     GenerateRequest,
     LoraAdapter,
     LoraRegistry,
+    MediaInput,
     PromptLogprobs,
     SamplingParams,
     TokenBatch,
@@ -158,12 +159,14 @@ class EngineClient:
         return next(self._rids)
 
     async def submit(
-        self, rid: int, input_ids: list[int], sampling: SamplingParams, names: list[str] | None = None
+        self, rid: int, input_ids: list[int], sampling: SamplingParams, names: list[str] | None = None,
+        media: list[MediaInput] | None = None,
     ) -> RequestStream:
         if self.dead:
             raise EngineDeadError(self.dead)
         # Encoded before the stream is registered: a value msgpack cannot carry leaves nothing behind.
-        message = encode(GenerateRequest(rid, input_ids, sampling, self.frontend_id, time.time(), names or []))
+        message = encode(GenerateRequest(rid, input_ids, sampling, self.frontend_id, time.time(), names or [],
+                                         media or []))
         stream = RequestStream(rid, len(input_ids))
         self.streams[rid] = stream
         try:

@@ -55,7 +55,18 @@ class Metrics:
                                     buckets=_TOKEN_BUCKETS, registry=reg)
         self.output_len = Histogram("vllm:request_generation_tokens", "Output length of finished requests.",
                                     labels, buckets=_TOKEN_BUCKETS, registry=reg)
+        self.images = Histogram("crane:request_images", "Images per request that held any.", labels,
+                                buckets=(1, 2, 3, 4, 6, 8, 16), registry=reg)
+        self.audio_seconds = Histogram("crane:request_audio_seconds", "Seconds of audio per transcription "
+                                       "or translation request.", labels,
+                                       buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800), registry=reg)
         self.last_stats: EngineStats | None = None
+
+    def media_received(self, images: int = 0, audio_seconds: float = 0.0) -> None:
+        if images:
+            self.images.labels(*self.names).observe(images)
+        if audio_seconds:
+            self.audio_seconds.labels(*self.names).observe(audio_seconds)
 
     def request_rejected(self) -> None:
         self.rejected.labels(*self.names).inc()

@@ -140,9 +140,17 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return one_constraint(found)
 
 
-class TextPart(msgspec.Struct, forbid_unknown_fields=False):
-    type: Literal["text"]
+class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=False):
     text: str
+
+
+class ImageUrl(msgspec.Struct, forbid_unknown_fields=False):
+    url: str  # a data: URL, or http(s) from a host --allowed-media-domains names
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sizes every image
+
+
+class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=False):
+    image_url: ImageUrl
 
 
 class CalledFunction(msgspec.Struct, forbid_unknown_fields=False):
@@ -158,7 +166,7 @@ class AssistantToolCall(msgspec.Struct, forbid_unknown_fields=False):
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
@@ -352,12 +360,17 @@ def prompt_inputs(prompt: str | list, vocab_size: int, param: str = "prompt",
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: text parts joined by newlines (as vLLM does), and
-    no content as an empty string (templates concatenate it)."""
+    no content as an empty string (templates concatenate it). A message with images keeps its parts,
+    as a vision-language template reads them: {"type": "text", "text"} and {"type": "image"}."""
     out = []
     for message in messages:
         content = message.content
         if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
+            if any(isinstance(part, ImagePart) for part in content):
+                content = [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+                           for part in content]
+            else:
+                content = "\n".join(part.text for part in content)
         item = {"role": message.role, "content": content or ""}
         if message.name is not None:
             item["name"] = message.name
@@ -369,6 +382,13 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             item["tool_call_id"] = message.tool_call_id
         out.append(item)
     return out
+
+
+def image_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """Every image part's URL in prompt order, with where it is (messages[i].content[j])."""
+    return [(f"messages[{i}].content[{j}]", part.image_url.url)
+            for i, message in enumerate(messages) if isinstance(message.content, list)
+            for j, part in enumerate(message.content) if isinstance(part, ImagePart)]
 
 
 def arguments_object(arguments: str | dict[str, Any]) -> dict[str, Any] | str:

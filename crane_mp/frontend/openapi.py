@@ -64,7 +64,7 @@ def _documented(routes: list[Route]) -> list[Route]:
 
 
 def _components(routes: list[Route]) -> tuple[dict, dict]:
-    bodies = list(dict.fromkeys(route.body for route in routes if route.body is not None))
+    bodies = list(dict.fromkeys(route.body or route.form for route in routes if route.body or route.form))
     refs, components = msgspec.json.schema_components(bodies, ref_template="#/components/schemas/{name}")
     for (name, prop), refinement in _REFINEMENTS.items():
         target = components[name] if prop is None else components[name]["properties"][prop]
@@ -91,6 +91,9 @@ def build_openapi(vocab_size: int | None = None, max_model_len: int | None = Non
         if route.body is not None:
             schema = ref_of[route.body]
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+        elif route.form is not None:
+            operation["requestBody"] = {"required": True, "content": {"multipart/form-data": {
+                "schema": ref_of[route.form]}}}
         path = re.sub(r"\{(\w+):[^}]*\}", r"{\1}", route.path)  # aiohttp's {name:regex} -> OpenAPI's {name}
         if "{model_id}" in path:
             operation["parameters"] = [{"name": "model_id", "in": "path", "required": True,

@@ -23,7 +23,7 @@ from crane_mp.frontend.errors import ApiError, GenerationError, error_body
 from crane_mp.frontend.generation import Delta, Generation
 from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, json_response, sse_event
 from crane_mp.frontend.state import FrontendState
-from crane_mp.protocol import SamplingParams
+from crane_mp.protocol import MediaInput, SamplingParams
 
 log = logging.getLogger("crane_mp.frontend")
 # Prompt logprobs are held in the frontend until the response is built (each entry a few Python
@@ -55,6 +55,7 @@ class Plan:
     skip_special_tokens: bool = True
     names: str | list[str] | None = None  # what /abort_request may call the generations
     lora_ids: list[int] | None = None  # per prompt, where prompts use different adapters
+    media: list[MediaInput] | None = None  # the images of a single prompt
 
 
 class EventStream(Protocol):
@@ -82,7 +83,7 @@ async def serve(request: web.Request, state: FrontendState, plan: Plan,
     budgets = [resolve_max_tokens(state, len(prompt), requested, plan.param) for prompt in plan.prompts]
     async with open_choices(state, plan.prompts, plan.n, plan.params, budgets, plan.stop or [],
                             plan.skip_special_tokens, discard_output=hidden, names=plan.names,
-                            lora_ids=plan.lora_ids) as gens:
+                            lora_ids=plan.lora_ids, media=plan.media) as gens:
         rendered = render(gens)
         if callable(rendered):
             return json_response(rendered(await collect(gens)))

@@ -6,7 +6,9 @@ and its OpenAPI summary and error statuses. The app's router, the gate, the API-
 A handler declared with a body type is called as `handler(request, body)` once `requires` passed and
 the body decoded (a 400 otherwise); without one, as `handler(request)`. Every POST must be a JSON
 request (json_request_error): what a web page can send another origin without a CORS preflight (a
-form, text/plain, a body of no type) is refused with 415 before the body is read.
+form, text/plain, a body of no type) is refused with 415 before the body is read. The exception is a
+route declared with `form` (a file upload, as OpenAI's audio routes take it): multipart/form-data,
+decoded into that Struct (uploads.py), and refused from a browser (an Origin header) for the same reason.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from aiohttp import hdrs, web
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.openai_schemas import decode_body
 from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.frontend.uploads import read_form
 
 # Error statuses a route that reads a body and reaches the engine can answer (besides 401, --api-key).
 GENERATION_ERRORS = ("400", "404", "413", "503")
@@ -40,6 +43,7 @@ class Route:
     open: bool = False  # served without the API key (probes)
     admin: bool = False  # changes server state: needs the admin key (--admin-api-key, else --api-key)
     mounted: Callable[[Any], bool] | None = None  # served only where this holds for the ServerConfig
+    form: type | None = None  # a multipart/form-data body decoded into this Struct (instead of `body`)
 
     @property
     def operation_id(self) -> str:
@@ -47,17 +51,21 @@ class Route:
 
     def aiohttp_route(self) -> web.RouteDef:
         handler, body, requires, post = self.handler, self.body, self.requires, self.method == "post"
-        generation = self.generation
+        generation, form = self.generation, self.form
 
         async def handle(request: web.Request) -> web.StreamResponse:
-            if post and (problem := json_request_error(request)) is not None:
+            problem = form_request_error(request) if form is not None else json_request_error(request) if post else None
+            if problem is not None:
                 raise ApiError(415, problem)
             state = request.app[STATE]
             if requires is not None:
                 requires(state)
-            if body is None:
+            if body is None and form is None:
                 return await handler(request)
-            decoded = decode_body(await read_body(request, state.config.read_timeout), body)
+            if form is not None:
+                decoded = await read_form(request, form, state.config.read_timeout)
+            else:
+                decoded = decode_body(await read_body(request, state.config.read_timeout), body)
             if not generation:
                 return await handler(request, decoded)
             async with state.gate.admit():
@@ -91,6 +99,17 @@ def json_request_error(request: web.Request) -> str | None:
     media_type = declared.split(";", 1)[0].strip().lower()
     if media_type != "application/json":
         return f"unsupported media type {media_type or declared!r}: only application/json bodies are accepted"
+    return None
+
+
+def form_request_error(request: web.Request) -> str | None:
+    """Why an upload is not one: its type must be multipart/form-data, and a browser (Origin) may not
+    send one, which it could to another origin without a preflight."""
+    if hdrs.ORIGIN in request.headers:
+        return "a browser may not post a form to this server; send the upload from a client program"
+    declared = request.headers.get(hdrs.CONTENT_TYPE, "")
+    if declared.split(";", 1)[0].strip().lower() != "multipart/form-data":
+        return f"unsupported media type {declared or 'none'!r}: this route takes multipart/form-data"
     return None
 
 

@@ -13,6 +13,7 @@ from crane_mp.frontend.connections import ConnectionGuard
 from crane_mp.frontend.engine_client import EngineClient
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.gate import LoadGate
+from crane_mp.frontend.images import ImageProcessor, load_image_processor
 from crane_mp.frontend.metrics import Metrics
 from crane_mp.frontend.openai_schemas import MAX_BATCH
 from crane_mp.frontend.response_store import ResponseStore
@@ -21,6 +22,12 @@ from crane_mp.frontend.structured import GrammarCompiler
 from crane_mp.frontend.tokenizer import TokenizerService
 from crane_mp.protocol import LoraAdapter, WorkerReady
 from crane_mp.score_head import ScoreHead, load_score_head
+from crane_mp.worker.model_config import checkpoint_architecture
+from crane_mp.worker.models.registry import ARCHITECTURES
+
+# The body limit of a model that takes images or audio: a data-URL image or an uploaded clip is megabytes
+# (65 s of 44.1 kHz stereo WAV is 11 MB); --max-request-bytes overrides it.
+_MEDIA_REQUEST_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -42,6 +49,7 @@ class FrontendState:
     think_end_token: int | None = field(init=False)
     score_head: ScoreHead | None = field(init=False)  # --task score: the classification head
     answer_head: ScoreHead | None = field(default=None, init=False)  # a causal reranker's yes/no head, once read
+    image_processor: ImageProcessor | None = field(default=None, init=False)  # a vision-language model's
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.config.model_name, self.config.replica)
@@ -55,6 +63,10 @@ class FrontendState:
         self.adapters = {name: LoraAdapter(i + 1, name, path) for i, (name, path) in enumerate(modules)}
         scoring = self.config.engine.task == "score"
         self.score_head = load_score_head(Path(self.config.engine.model_path)) if scoring else None
+        model_dir = Path(self.config.engine.model_path)
+        arch = checkpoint_architecture(model_dir, self.config.engine.model_type) if model_dir.is_dir() else None
+        if arch is not None and arch.media == "image":
+            self.image_processor = load_image_processor(model_dir)
 
     @property
     def model_name(self) -> str:
@@ -71,7 +83,8 @@ class FrontendState:
         if self.config.max_request_bytes is not None:
             return self.config.max_request_bytes
         max_model_len = self.engine_info.max_model_len if self.engine_info else 0
-        return max(1 << 20, MAX_BATCH * 8 * max_model_len)
+        media = self.engine_info is not None and ARCHITECTURES[self.engine_info.arch].media is not None
+        return max(_MEDIA_REQUEST_BYTES if media else 1 << 20, MAX_BATCH * 8 * max_model_len)
 
     @property
     def ready(self) -> bool:
@@ -94,6 +107,16 @@ class FrontendState:
         if self.config.engine.task == "score":
             raise ApiError(400, "this server serves a sequence-classification model (--task score): use /v1/rerank "
                                 "or /score")
+        if self.config.engine.task == "transcribe":
+            raise ApiError(400, "this server serves a speech-to-text model (--task transcribe): use "
+                                "/v1/audio/transcriptions or /v1/audio/translations")
+
+    def require_transcription(self) -> None:
+        """/v1/audio/*: a 400 on a server started for anything but a Whisper checkpoint."""
+        self.require_ready()
+        if self.config.engine.task != "transcribe":
+            raise ApiError(400, "this server does not serve a speech-to-text model: start one with a Whisper "
+                                "checkpoint (--task transcribe) for /v1/audio/transcriptions")
 
     def require_scoring(self) -> None:
         """/v1/rerank and /score: a classification head (--task score), or a generating reranker."""

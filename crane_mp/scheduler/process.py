@@ -194,7 +194,8 @@ class SchedulerLoop:
             self._refuse(message, "the LoRA adapter this request names is no longer loaded", ErrorKind.INVALID)
             return False
         try:
-            req = Request(message.rid, message.input_ids, message.sampling, arrival_time=message.arrival_time)
+            req = Request(message.rid, message.input_ids, message.sampling, arrival_time=message.arrival_time,
+                          media=message.media)
             self.scheduler.add_request(req)
         except RequestRejected as err:
             self._refuse(message, str(err), err.kind)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from crane_mp.protocol import FinishReason, SamplingParams
+from crane_mp.protocol import FinishReason, MediaInput, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -34,6 +34,7 @@ class Request:
     known_to_worker: bool = False
     blocks_reset: bool = False  # block table must be resent whole (after preemption)
     num_preemptions: int = 0
+    media: list[MediaInput] = field(default_factory=list)  # images of the prompt, or a Whisper window's audio
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +44,18 @@ class Request:
     @property
     def known_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_key_ids(self) -> list:
+        """known_token_ids as the prefix cache tells them apart: an image's first placeholder stands for
+        its content, so prompts equal in tokens but holding different images never share KV."""
+        if not any(item.num_tokens for item in self.media):
+            return self.known_token_ids
+        ids: list = self.known_token_ids
+        for item in self.media:
+            if item.num_tokens:
+                ids[item.offset] = (item.kind, item.key)
+        return ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -37,9 +37,15 @@ class QueueFull(RequestRejected):
 _BASE_MODEL_ROOT = hash(("crane-mp", "base"))
 
 
-def _chain_root(lora_id: int) -> int:
-    """Where a request's block-key chain starts: KV computed under one adapter is never found by another."""
-    return _BASE_MODEL_ROOT if lora_id == 0 else hash(("crane-mp", "lora", lora_id))
+def _chain_root(req: Request) -> int:
+    """Where a request's block-key chain starts: KV computed under one adapter is never found by another,
+    nor KV computed against one audio clip (every decoder position attends to it) by another clip's."""
+    lora_id = req.sampling.lora_id
+    root = _BASE_MODEL_ROOT if lora_id == 0 else hash(("crane-mp", "lora", lora_id))
+    for item in req.media:
+        if not item.num_tokens:
+            root = hash((root, item.kind, item.key))
+    return root
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +204,7 @@ class Scheduler:
             prompt_tokens += 0 if _decodes(req, num_tokens) else num_tokens
             new_blocks = self._grow_blocks(req, req.num_computed_tokens + num_tokens)
             if not req.known_to_worker:
-                new_requests.append(NewRequest(req.req_id, req.prompt_ids, req.sampling))
+                new_requests.append(NewRequest(req.req_id, req.prompt_ids, req.sampling, req.media))
                 req.known_to_worker = True
                 req.queue_time = max(0.0, time.time() - req.arrival_time) if req.arrival_time else 0.0
             scheduled.append(
@@ -273,8 +279,8 @@ class Scheduler:
         """Compute the keys of the request's first `num_blocks` blocks (all their tokens are known)."""
         have = len(req.block_keys)
         if num_blocks > have:
-            parent = req.block_keys[-1] if have else _chain_root(req.sampling.lora_id)
-            req.block_keys += chain_keys(req.known_token_ids, self.config.block_size, num_blocks, parent, start=have)
+            parent = req.block_keys[-1] if have else _chain_root(req)
+            req.block_keys += chain_keys(req.cache_key_ids, self.config.block_size, num_blocks, parent, start=have)
 
     def _admit(self, req: Request, hits: list[int]) -> None:
         self.pool.take(hits)

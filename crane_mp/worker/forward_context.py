@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -55,12 +55,35 @@ def lora_batch(row_ids: list[int], device: torch.device) -> LoraBatch | None:
 
 
 @dataclass(slots=True)
+class MediaSpan:
+    """One request's rows of a step, for a model that reads media: `state` is what the model made of the
+    request's media (media_state), positions [start, end) run on rows [row, row + end - start)."""
+
+    state: Any
+    start: int
+    end: int
+    row: int
+
+
+@dataclass(slots=True)
+class MediaStep:
+    """What a media model's prepare_media made of a step: rows whose input embedding is replaced (an
+    image's placeholders: row indices and embeddings), and multimodal rope positions [3, num_tokens]."""
+
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    rope_positions: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
 class ForwardContext:
     attn: AttentionMetadata
     cos: torch.Tensor  # [num_tokens, 1, head_dim]
     sin: torch.Tensor  # [num_tokens, 1, head_dim]
     lora: LoraBatch | None = None
     spans: list[SeqSpan] | None = None  # the step's sequences in token order (decodes first), for encoders
+    positions: torch.Tensor | None = None  # [num_tokens], each row's position in its sequence
+    media: list[MediaSpan] | None = None  # a media model's requests of the step, in row order
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # MediaStep.embeds
 
 
 _current: ForwardContext | None = None

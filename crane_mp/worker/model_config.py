@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from crane_mp.gguf_file import SERVED_TYPES, check_gguf, rope_freq_factors
-from crane_mp.worker.models.registry import ARCHITECTURES, GGUF_ARCHITECTURES, HF_CLASSES, MODEL_TYPE_ALIASES, supported
+from crane_mp.worker.models.registry import ARCHITECTURES, GGUF_ARCHITECTURES, Architecture, HF_CLASSES, MODEL_TYPE_ALIASES, supported
 from crane_mp.worker.sharding import Shard
 
 
@@ -51,11 +51,18 @@ class ModelConfig:
     # Tensor parallelism: the part of the model this rank holds (sharding.py); the sizes above are then
     # the rank's own, but for the vocabulary and hidden size. None: the whole model.
     shard: Shard | None = None
+    # Qwen2.5-VL's multimodal rope: how many of the head's frequencies follow the temporal, height and
+    # width positions; None: one position per token.
+    mrope_section: tuple[int, ...] | None = None
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     @property
     def encoder(self) -> bool:
         return ARCHITECTURES[self.arch].encoder
+
+    @property
+    def media(self) -> str | None:
+        return ARCHITECTURES[self.arch].media
 
     @property
     def kv_size(self) -> int:
@@ -78,16 +85,22 @@ def detect_arch(hf_config: Any, model_type: str = "auto") -> str:
     return arch
 
 
-def is_encoder_checkpoint(model_dir: Path, model_type: str = "auto") -> bool:
-    """A safetensors checkpoint of a BERT-family encoder (registry `encoder`), which serves pooling
-    only: read from config.json alone, so that the launcher decides before any process starts."""
+def checkpoint_architecture(model_dir: Path, model_type: str = "auto") -> Architecture | None:
+    """The registry row of a safetensors checkpoint (None: not one we serve), read from config.json
+    alone, so that the launcher decides the task before any process starts."""
     config_file = model_dir / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     names = SimpleNamespace(architectures=config.get("architectures"), model_type=config.get("model_type", ""))
     try:
-        return ARCHITECTURES[detect_arch(names, model_type)].encoder
+        return ARCHITECTURES[detect_arch(names, model_type)]
     except UnsupportedModelError:
-        return False
+        return None
+
+
+def is_encoder_checkpoint(model_dir: Path, model_type: str = "auto") -> bool:
+    """A BERT-family encoder (registry `encoder`), which serves pooling only."""
+    arch = checkpoint_architecture(model_dir, model_type)
+    return arch is not None and arch.encoder
 
 
 def _eos_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:
@@ -137,6 +150,10 @@ def _sliding_window(hf_config: Any, arch: str) -> int | None:
 def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Path | None = None) -> ModelConfig:
     """Build our config from a loaded transformers config object."""
     arch = detect_arch(hf_config, model_type)
+    if arch == "whisper":
+        return _whisper_config(hf_config, model_dir)
+    if ARCHITECTURES[arch].media == "image":
+        return _vision_language_config(hf_config, arch, model_dir)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     theta, rope_params = _rope(hf_config)
@@ -170,6 +187,40 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         first_position=first_position,
         hf_config=hf_config,
     )
+
+
+def _whisper_config(hf_config: Any, model_dir: Path | None) -> ModelConfig:
+    """The decoder's facts (its KV cache is paged); the encoder reads the rest from hf_config."""
+    heads = hf_config.decoder_attention_heads
+    return ModelConfig(
+        arch="whisper", vocab_size=hf_config.vocab_size, hidden_size=hf_config.d_model,
+        intermediate_size=hf_config.decoder_ffn_dim, num_hidden_layers=hf_config.decoder_layers,
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hf_config.d_model // heads,
+        rms_norm_eps=1e-5, max_position_embeddings=hf_config.max_target_positions, tie_word_embeddings=True,
+        attention_bias=True, mlp_bias=True, hidden_act=hf_config.activation_function, rope_theta=10000.0,
+        bos_token_id=hf_config.decoder_start_token_id, eos_token_ids=_eos_ids(hf_config, model_dir),
+        torch_dtype=_dtype_name(hf_config), hf_config=hf_config,
+    )
+
+
+def _vision_language_config(hf_config: Any, arch: str, model_dir: Path | None) -> ModelConfig:
+    """The language model's facts from text_config, with its multimodal rope sections; the vision
+    tower reads vision_config from hf_config."""
+    text = hf_config.text_config
+    text.architectures = [ARCHITECTURES["qwen2"].hf_classes[0]]
+    config = model_config_from_hf(text, "qwen2", model_dir)
+    _, rope_params = _rope(text)
+    section = rope_params.get("mrope_section")
+    if not section or sum(section) * 2 != config.head_dim:
+        raise UnsupportedModelError(f"{arch} needs rope mrope_section summing to head_dim / 2, not {section}")
+    return dataclasses.replace(config, arch=arch, mrope_section=tuple(section), tie_word_embeddings=bool(
+        getattr(hf_config, "tie_word_embeddings", config.tie_word_embeddings)), hf_config=hf_config,
+        torch_dtype=_dtype_name(hf_config) or config.torch_dtype)
+
+
+def _dtype_name(hf_config: Any) -> str | None:
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return str(dtype).replace("torch.", "") if dtype is not None else None
 
 
 def _sep_token_id(model_dir: Path | None) -> int | None:

@@ -15,7 +15,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -32,12 +32,20 @@ from crane_mp.protocol import (
 from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.decode_graphs import DecodeGraphs, capture_cuda
 from crane_mp.worker.device import is_device_fault
-from crane_mp.worker.forward_context import ForwardContext, LoraBatch, forward_context, lora_batch
+from crane_mp.worker.forward_context import (
+    ForwardContext,
+    LoraBatch,
+    MediaSpan,
+    forward_context,
+    lora_batch,
+)
 from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.host_buffers import device_longs
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import Platform
+from crane_mp.worker.mrope_tables import mrope_columns, mrope_cos_sin
 from crane_mp.worker.rope import rope_tables
+from crane_mp.worker.whisper_logits import apply_whisper_rules
 from crane_mp.worker.sampler import Sampler, SamplingState
 
 log = logging.getLogger("crane_mp.worker")
@@ -52,6 +60,7 @@ class RequestMirror:
     num_prompt_scored: int = 1  # prompt logprobs are reported for tokens [1, num_prompt_scored) so far
     pool_sum: torch.Tensor | None = None  # mean or CLS pooling: sum of the pooled tokens' final hidden states
     num_pooled: int = 0  # ... of prompt positions [0, num_pooled)
+    media: Any = None  # what a media model made of the request's images or audio (its media_state)
 
     def progress(self) -> tuple:
         """What a step advances besides tokens, to restore when the step is redone request by request."""
@@ -78,6 +87,8 @@ class ModelRunner:
         self.dtype = model.compute_dtype
         self.kv_dtype = kv_dtype or self.dtype  # the cache's storage (Platform.kv_dtype)
         self.cos, self.sin = rope_tables(self.config, max_positions, self.dtype, self.device)
+        section = self.config.mrope_section
+        self.mrope_columns = mrope_columns(section).to(self.device) if section else None
         self.grammars = grammars
         self.sampler = Sampler(model.logits_size, platform, grammars)  # an encoder's stub: 1
         self.requests: dict[int, RequestMirror] = {}
@@ -125,11 +136,13 @@ class ModelRunner:
         eos = self.config.eos_token_ids
         for new in plan.new_requests:
             try:
+                media = self._media_state(new.prompt_ids, new.media)
                 state = self.sampler.new_state(new.sampling, new.prompt_ids, eos, new.req_id)
             except Exception as err:
                 self._fail(new.req_id, err)
                 continue
-            self.requests[new.req_id] = RequestMirror(list(new.prompt_ids), len(new.prompt_ids), [], state)
+            self.requests[new.req_id] = RequestMirror(list(new.prompt_ids), len(new.prompt_ids), [], state,
+                                                      media=media)
         for sched in plan.scheduled:
             if sched.req_id in self.failed:
                 continue
@@ -138,6 +151,14 @@ class ModelRunner:
                 mirror.block_table = list(sched.new_block_ids)
             else:
                 mirror.block_table.extend(sched.new_block_ids)
+
+    def _media_state(self, prompt_ids: list[int], media: list) -> Any:
+        """A media model's state of a new request (None for a text model's request, or a text-only one)."""
+        if getattr(self.model, "media_kind", None) is None:
+            if media:
+                raise ValueError(f"{self.config.arch} takes no {media[0].kind} input")
+            return None
+        return self.model.media_state(prompt_ids, media)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -223,9 +244,12 @@ class ModelRunner:
         sample_rows: dict[int, int] = {}
         score_rows: list[tuple[int, int, int]] = []  # (req_id, first row, first prompt token scored)
         sum_rows: list[tuple[int, int, int]] = []  # mean pooling: (req_id, first row, prompt positions summed)
+        media: list[MediaSpan] = []
         for sched in order:
             mirror = self.requests[sched.req_id]
             start, end = sched.num_computed_tokens, sched.num_computed_tokens + sched.num_new_tokens
+            if mirror.media is not None:
+                media.append(MediaSpan(mirror.media, start, end, len(input_ids)))
             input_ids.extend(mirror.token_ids[start:end])
             positions.extend(range(start, end))
             adapters.extend([mirror.sampling.params.lora_id] * (end - start))
@@ -249,7 +273,7 @@ class ModelRunner:
         if self.decode_graphs is not None and not prefills and lora is None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(decodes, input_ids, positions)
         else:
-            hidden = self.forward(decodes, prefills, input_ids, positions, lora)
+            hidden = self.forward(decodes, prefills, input_ids, positions, lora, media)
         for req_id, row, count in score_rows:
             prompt_logprobs.append(self._score_prompt(req_id, hidden[row : row + count]))
         for req_id, row, count in sum_rows:
@@ -265,6 +289,8 @@ class ModelRunner:
         rows = device_longs([sample_rows[r] for r in sampled_ids], self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, vocab]
         states = [self.requests[r].sampling for r in sampled_ids]
+        if any(state.params.whisper is not None for state in states):
+            logits = self._whisper_rules(logits, sampled_ids)
         if self.fault_token is not None:
             self._inject_fault(sampled_ids)
         tokens, logprobs = self.sampler.sample(logits, states)
@@ -278,17 +304,35 @@ class ModelRunner:
         return sampled_ids + embedded_ids, tokens + [_PLACEHOLDER_TOKEN] * len(embedded_ids), logprobs
 
     def forward(self, decodes: list[SeqSpan], prefills: list[SeqSpan], input_ids: list[int], positions: list[int],
-                lora: LoraBatch | None = None) -> torch.Tensor:
-        """Eager forward of one step's tokens (decode-first layout); returns hidden states [T, hidden]."""
+                lora: LoraBatch | None = None, media: list[MediaSpan] | None = None) -> torch.Tensor:
+        """Eager forward of one step's tokens (decode-first layout); returns hidden states [T, hidden].
+        `media`: a media model's requests of the step (every one of them)."""
         meta = build_metadata(
             decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window,
             self.attention_backend,
         )
         ids_and_positions = device_longs(input_ids + positions, self.device)
         ids, pos = ids_and_positions[: len(input_ids)], ids_and_positions[len(input_ids) :]
-        ctx = ForwardContext(meta, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1), lora, decodes + prefills)
+        step = self.model.prepare_media(media, pos) if media else None
+        if step is not None and step.rope_positions is not None:
+            cos, sin = mrope_cos_sin(self.cos, self.sin, step.rope_positions, self.mrope_columns)
+        else:
+            cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
+        ctx = ForwardContext(meta, cos, sin, lora, decodes + prefills, pos, media,
+                             step.embeds if step is not None else None)
         with forward_context(ctx):
             return self.model(ids)  # [T, hidden]
+
+    def _whisper_rules(self, logits: torch.Tensor, req_ids: list[int]) -> torch.Tensor:
+        """Whisper windows' rows of `logits` after their timestamp and suppression rules (float32, as
+        transformers applies them)."""
+        logits = logits.float()
+        for row, req_id in enumerate(req_ids):
+            mirror = self.requests[req_id]
+            rules = mirror.sampling.params.whisper
+            if rules is not None:
+                logits[row] = apply_whisper_rules(logits[row], mirror.token_ids[mirror.num_prompt_tokens:], rules)
+        return logits
 
     def _add_to_pool(self, req_id: int, hidden: torch.Tensor) -> None:
         mirror = self.requests[req_id]
@@ -357,6 +401,17 @@ class ModelRunner:
                 attn.k_cache, attn.v_cache = k, v
             self.num_blocks = saved_blocks
 
+    def _profile_media(self, spans: list[tuple[int, int]]) -> list[MediaSpan] | None:
+        """A profiling step's media: what the model's largest request reads (a window to cross-attend)."""
+        make = getattr(self.model, "profile_media_state", None)
+        state = make() if make is not None else None
+        if state is None:
+            return None
+        rows = [0]
+        for start, end in spans:
+            rows.append(rows[-1] + end - start)
+        return [MediaSpan(state, start, end, row) for (start, end), row in zip(spans, rows)]
+
     def scratch_kv_bytes(self, num_blocks: int) -> int:
         return (num_blocks + 1) * self.block_size * self.kv_bytes_per_token()
 
@@ -365,7 +420,8 @@ class ModelRunner:
         """An eager decode step of `num_seqs` one-key sequences: what a captured decode graph allocates
         in its pool. Returns the scratch KV cache's bytes."""
         with self._scratch_kv_cache(num_seqs):
-            self.forward([SeqSpan(0, 1, [seq]) for seq in range(num_seqs)], [], [0] * num_seqs, [0] * num_seqs)
+            self.forward([SeqSpan(0, 1, [seq]) for seq in range(num_seqs)], [], [0] * num_seqs, [0] * num_seqs,
+                         media=self._profile_media([(0, 1)] * num_seqs))
         return self.scratch_kv_bytes(num_seqs)
 
     @torch.inference_mode()
@@ -383,7 +439,8 @@ class ModelRunner:
             # Penalty rows first: when serving, the sampler's table is live through every forward.
             states = [self.sampler.new_state(p, [0], self.config.eos_token_ids) for p in worst]
             span = SeqSpan(0, num_tokens, list(range(num_blocks)))
-            hidden = self.forward([], [span], [0] * num_tokens, list(range(num_tokens)))
+            hidden = self.forward([], [span], [0] * num_tokens, list(range(num_tokens)),
+                                  media=self._profile_media([(0, num_tokens)]))
             logits = self.model.compute_logits(hidden[:num_seqs])
             self.sampler.profile(logits, states)
             for state in states:

@@ -6,7 +6,7 @@ import pytest
 
 from crane_mp.scheduler.block_pool import BlockPool, chain_keys
 from crane_mp.scheduler.request import FinishReason, RequestStatus
-from crane_mp.protocol import ErrorKind
+from crane_mp.protocol import ErrorKind, MediaInput
 from crane_mp.scheduler.scheduler import QueueFull, RequestRejected
 from tests.factories import FakeWorker, make_requests, make_scheduler, run_to_completion
 
@@ -578,3 +578,33 @@ def test_an_encoder_s_prompts_are_scheduled_whole_and_never_from_the_cache():
     steps = [[(s.num_computed_tokens, s.num_new_tokens) for s in plan.scheduled] for plan in worker.plans]
     assert steps[:3] == [[(0, 10), (0, 10)], [(0, 30)], [(0, 10)]]
     assert sched.prefix_cache_hits == 0
+
+
+def _image(key: str, offset: int, count: int) -> MediaInput:
+    return MediaInput("image", key, [count * 4, 8], b"", offset, count, [1, 2 * count, 2])
+
+
+def test_prompts_with_the_same_image_share_blocks_and_different_images_never_do():
+    """Placeholder tokens are equal whatever the image: the key of the blocks from an image on is its content."""
+    prompt = [7 + i % 40 for i in range(6)] + [99] * 8 + [8 + i for i in range(10)]  # image at 6..14
+    sched, worker = make_scheduler(), FakeWorker()
+    reqs = make_requests(4, prompt_len=len(prompt), max_tokens=3)
+    for req, key in zip(reqs, ["cat", "cat", "dog", None]):
+        req.prompt_ids = list(prompt)
+        req.media = [_image(key, 6, 8)] if key else []
+        sched.add_request(req)
+        run_to_completion(sched, worker)
+    # 6 blocks of 4 hold the 24-token prompt: the first (tokens 0..3) never touches the image.
+    assert [r.num_cached_tokens for r in reqs] == [0, 20, 4, 4]
+    assert reqs[0].block_keys[:1] == reqs[2].block_keys[:1] and reqs[0].block_keys[1] != reqs[2].block_keys[1]
+
+
+def test_an_audio_window_keys_every_block_of_its_request():
+    sched, worker = make_scheduler(), FakeWorker()
+    reqs = make_requests(3, prompt_len=12, max_tokens=3)
+    for req, key in zip(reqs, ["clip-a", "clip-a", "clip-b"]):
+        req.prompt_ids = list(reqs[0].prompt_ids)
+        req.media = [MediaInput("audio", key, [80, 3000], b"")]
+        sched.add_request(req)
+        run_to_completion(sched, worker)
+    assert [r.num_cached_tokens for r in reqs] == [0, 8, 0]

@@ -197,6 +197,10 @@ class DecoderModel(nn.Module):
         """Returns the last layer's output before the final norm, which compute_logits applies to the
         few rows that need logits."""
         x = self._embed(input_ids)  # [T, hidden]
+        embeds = get_forward_context().embeds
+        if embeds is not None:  # an image's placeholders take its vision embeddings
+            rows, values = embeds
+            x = x.index_copy(0, rows, values.to(x.dtype))
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual)

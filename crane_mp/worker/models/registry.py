@@ -33,6 +33,9 @@ class Architecture:
     # An encoder (BERT family): every prompt attends to all of itself, so it runs whole in one step,
     # keeps no KV cache and serves pooling only (--task embed / score).
     encoder: bool = False
+    # What a request may bring besides text: "image" (a vision-language model's image parts) or "audio"
+    # (a speech model's window, served by /v1/audio/transcriptions only).
+    media: str | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
@@ -46,6 +49,10 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  qk_norms=("self_attn.q_norm", "self_attn.k_norm"), window_by_layer=True),
     Architecture("hunyuan", "hunyuan.HunYuanDenseForCausalLM", ("HunYuanDenseV1ForCausalLM",), "hunyuan_v1_dense",
                  "hunyuan-dense", qk_norms=("self_attn.query_layernorm", "self_attn.key_layernorm")),
+    Architecture("qwen2_5_vl", "qwen2_5_vl.Qwen25VLForConditionalGeneration", ("Qwen2_5_VLForConditionalGeneration",),
+                 "qwen2_5_vl", "qwen2vl", reads_gguf=False, window_by_layer=True, media="image"),
+    Architecture("whisper", "whisper.WhisperForConditionalGeneration", ("WhisperForConditionalGeneration",),
+                 "whisper", "whisper", reads_gguf=False, media="audio"),
     Architecture("bert", "bert.BertEncoder", ("BertModel", "BertForSequenceClassification"), "bert", "bert",
                  reads_gguf=False, encoder=True),
     Architecture("roberta", "bert.BertEncoder", ("RobertaModel", "RobertaForSequenceClassification"), "roberta",

@@ -1,0 +1,195 @@
+"""Tiny seeded random-weight Qwen2.5-VL checkpoints (tests, demos): config, weights as transformers'
+save_pretrained writes them, a locally trained tokenizer with Qwen2-VL's special tokens, its image
+processor config and a chat template that places images as Qwen2.5-VL's does.
+
+    python -m crane_mp.testing.make_vl --out DIR [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tokenizers import AddedToken
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from crane_mp.testing.make_model import BIAS_STD, LOGIT_SCALE, NORM_NOISE, OUT_GAIN
+from crane_mp.testing.tokenizer import train_tokenizer, write_json
+
+VOCAB_SIZE = 512
+# After Qwen2's <|endoftext|>, <|im_start|>, <|im_end|>, in the order of the real vocabulary.
+_VL_SPECIALS = ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                "<|video_pad|>")
+_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+# Images are resized to between 2x2 and 12x12 merged patches (28 px each): small prompts, yet wider than
+# one attention window (112 px), so window and full attention differ.
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 28 * 28 * 144
+# An image's placeholders outnumber the text around it. The merger's output gain lets the image move the
+# continuation; token embeddings of norm 4 (make_model draws unit norm) let the last token still steer
+# the next one, where greedy decoding would otherwise settle into a loop over the image.
+VISION_OUT_GAIN = 4.0
+EMBED_NORM = 4.0
+
+# Behaves as Qwen2.5-VL's template: a default system turn, each image part (type "image", or a part
+# holding "image" / "image_url") as <|vision_start|><|image_pad|><|vision_end|>, numbered "Picture N: "
+# with add_vision_id, text parts verbatim.
+CHAT_TEMPLATE = r"""
+{%- set image_count = namespace(value=0) %}
+{%- for message in messages %}
+{%- if loop.first and message['role'] != 'system' %}
+{{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{{- '<|im_start|>' + message['role'] + '\n' }}
+{%- if message['content'] is string %}
+{{- message['content'] }}
+{%- else %}
+{%- for part in message['content'] %}
+{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part %}
+{%- set image_count.value = image_count.value + 1 %}
+{%- if add_vision_id %}{{- 'Picture ' ~ image_count.value ~ ': ' }}{%- endif %}
+{{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+{%- elif part['type'] == 'video' or 'video' in part %}
+{{- '<|vision_start|><|video_pad|><|vision_end|>' }}
+{%- elif 'text' in part %}
+{{- part['text'] }}
+{%- endif %}
+{%- endfor %}
+{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
+
+
+def _write_tokenizer(out: Path) -> dict[str, int]:
+    """tokenizer.json and tokenizer_config.json (the template goes beside them); returns the specials' ids."""
+    tok = train_tokenizer("qwen2", VOCAB_SIZE - len(_VL_SPECIALS))
+    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in _VL_SPECIALS])
+    tok.save(str(out / "tokenizer.json"))
+    names = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", *_VL_SPECIALS)
+    ids = {name: tok.token_to_id(name) for name in names}
+    write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+        "add_bos_token": False, "add_eos_token": False, "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {str(ids[name]): {"content": name, "lstrip": False, "normalized": False,
+                                                  "rstrip": False, "single_word": False, "special": True}
+                                 for name in names},
+    })
+    return ids
+
+
+def build_config(ids: dict[str, int]) -> Qwen2_5_VLConfig:
+    """Text: Qwen2 at 64 wide (head_dim 16, rope sections 2+3+3 of its 8 frequencies). Vision: 32 wide,
+    4 blocks, full attention in blocks 1 and 3, windowed elsewhere."""
+    text = {
+        "vocab_size": VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "hidden_act": "silu", "use_sliding_window": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
+    }
+    vision = {
+        "depth": 4, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+        "fullatt_block_indexes": [1, 3], "window_size": 112, "patch_size": 14, "spatial_merge_size": 2,
+        "temporal_patch_size": 2, "hidden_act": "silu",
+    }
+    config = Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    return config
+
+
+def _init_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+    """As make_model draws a language model (peaked logits), plus rules for the vision tower's tensors."""
+    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+    fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
+    module, _, kind = name.rpartition(".")
+    leaf = module.rpartition(".")[2]
+    if leaf == "embed_tokens":
+        return EMBED_NORM * noise / math.sqrt(fan_in)
+    if leaf == "lm_head":
+        return noise / math.sqrt(fan_in)
+    if name == "model.language_model.norm.weight":
+        return LOGIT_SCALE * (1.0 + NORM_NOISE * noise)
+    if "norm" in leaf or leaf == "ln_q":
+        return 1.0 + NORM_NOISE * noise
+    if kind == "bias":
+        return BIAS_STD * noise
+    if name == "model.visual.merger.mlp.2.weight":
+        return VISION_OUT_GAIN * noise / math.sqrt(fan_in)
+    if leaf in ("o_proj", "down_proj") or name.endswith("attn.proj.weight"):
+        return OUT_GAIN * noise / math.sqrt(fan_in)
+    return noise / math.sqrt(fan_in)
+
+
+def make_vl(out: str | Path, seed: int = 0) -> Path:
+    """Write the checkpoint to `out`; the same seed writes the same weights."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = _write_tokenizer(out)
+    config = build_config(ids)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            tensor.copy_(_init_tensor(name, tensor.shape, gen))
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"], do_sample=False)
+    model.save_pretrained(out)
+    write_json(out / "preprocessor_config.json", {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "patch_size": 14, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": _CLIP_MEAN, "image_std": _CLIP_STD,
+    })
+    # Where transformers 5 saves a template, and where both the tokenizer and the processor read it.
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE.lstrip("\n"), encoding="utf-8")
+    return out
+
+
+def reference_processor(model_dir: str | Path) -> Any:
+    """transformers' processor of the checkpoint, the reference our image path must equal: AutoProcessor's.
+    Without torchvision AutoProcessor fails on the video processor (every one needs it), which image
+    prompts never use; the same processor is then built without one."""
+    from unittest import mock
+
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Qwen2_5_VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return AutoProcessor.from_pretrained(str(model_dir))
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def check_all_but_video(self, name: str, value: Any) -> Any:
+        return None if name == "video_processor" else check(self, name, value)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", check_all_but_video):
+        return Qwen2_5_VLProcessor(image_processor=AutoImageProcessor.from_pretrained(str(model_dir)),
+                                   tokenizer=tokenizer, video_processor=None, chat_template=tokenizer.chat_template)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--seed", default=0, type=int)
+    args = parser.parse_args(argv)
+    print(make_vl(args.out, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Qwen2.5-VL: the Qwen2 language model with multimodal rope, and a vision tower whose embeddings
+take the places of each image's placeholder tokens.
+
+Each image is encoded once per request, the first step that computes any of its placeholders (a
+chunked prompt may split them over steps), and kept with the request through preemptions. Text-only
+requests run as on Qwen2: their three rope positions are equal, and the sections then compose the
+one-position tables exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from crane_mp.mrope import mrope_positions
+from crane_mp.protocol import MediaInput
+from crane_mp.worker.forward_context import MediaSpan, MediaStep
+from crane_mp.worker.model_config import ModelConfig
+from crane_mp.worker.models.qwen2 import Qwen2ForCausalLM
+from crane_mp.worker.models.qwen2_5_vl_vision import Qwen25VisionTower
+from crane_mp.worker.platforms import Platform
+
+_VISUAL_PREFIXES = ("model.visual.", "visual.")
+
+
+@dataclass(slots=True)
+class PromptImages:
+    """A request's images, its prompt's rope positions [3, prompt] and the offset of later positions."""
+
+    images: list[MediaInput]
+    positions: torch.Tensor
+    delta: int
+    encoded: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> [placeholders, hidden]
+
+
+class Qwen25VLForConditionalGeneration(Qwen2ForCausalLM):
+    media_kind = "image"
+    renamed_weights = {"model.language_model.": "model."}
+
+    def __init__(self, config: ModelConfig, platform: Platform) -> None:
+        super().__init__(config, platform)
+        hf = config.hf_config
+        self.visual = Qwen25VisionTower(hf.vision_config)
+        self.image_token_id = hf.image_token_id
+        self.merge_size = hf.vision_config.spatial_merge_size
+
+    def media_state(self, prompt_ids: list[int], media: list[MediaInput]) -> PromptImages | None:
+        if not media:
+            return None
+        for item in media:
+            self._check_image(prompt_ids, item)
+        spans = [(item.offset, *item.grid) for item in media]
+        positions, delta = mrope_positions(prompt_ids, spans, self.merge_size)
+        return PromptImages(media, torch.from_numpy(np.ascontiguousarray(positions)), int(delta))
+
+    def _check_image(self, prompt_ids: list[int], item: MediaInput) -> None:
+        if item.kind != "image":
+            raise ValueError(f"{self.config.arch} takes images, not {item.kind}")
+        t, h, w = item.grid
+        if item.num_tokens * self.merge_size**2 != t * h * w or item.shape != [t * h * w, item.shape[-1]]:
+            raise ValueError(f"image grid {item.grid} does not match its {item.num_tokens} placeholders")
+        placeholders = prompt_ids[item.offset : item.offset + item.num_tokens]
+        if len(placeholders) != item.num_tokens or set(placeholders) != {self.image_token_id}:
+            raise ValueError("an image's placeholder tokens are not where its offset says")
+
+    def prepare_media(self, spans: list[MediaSpan], positions: torch.Tensor) -> MediaStep:
+        """Rope positions of every row (plain ones for text-only requests) and the image rows' embeddings,
+        encoding the images this step reaches first in one pass of the tower."""
+        self._encode([(span.state, i) for span in spans for i, item in enumerate(span.state.images)
+                      if i not in span.state.encoded and _overlaps(item, span.start, span.end)])
+        rope = positions.expand(3, -1).clone()
+        rows, values = [], []
+        for span in spans:
+            state = span.state
+            rope[:, span.row : span.row + span.end - span.start] = self._rope_rows(state, span.start, span.end)
+            for index, item in enumerate(state.images):
+                first, last = max(span.start, item.offset), min(span.end, item.offset + item.num_tokens)
+                if first < last:
+                    rows.append(torch.arange(first, last) - span.start + span.row)
+                    values.append(state.encoded[index][first - item.offset : last - item.offset])
+        embeds = (torch.cat(rows).to(positions.device), torch.cat(values)) if rows else None
+        return MediaStep(embeds, rope)
+
+    def _rope_rows(self, state: PromptImages, start: int, end: int) -> torch.Tensor:
+        prompt = state.positions.shape[1]
+        known = state.positions[:, start:min(end, prompt)]
+        later = torch.arange(max(start, prompt), max(end, prompt), dtype=known.dtype) + state.delta
+        return torch.cat([known, later.expand(3, -1)], dim=1)
+
+    def _encode(self, wanted: list[tuple[PromptImages, int]]) -> None:
+        if not wanted:
+            return
+        weight = next(self.visual.parameters())
+        pixels = torch.cat([torch.from_numpy(np.frombuffer(state.images[i].values, dtype=np.float32)
+                                             .reshape(state.images[i].shape)) for state, i in wanted])
+        grids = [tuple(state.images[i].grid) for state, i in wanted]
+        embeds = self.visual(pixels.to(device=weight.device, dtype=weight.dtype), grids)
+        sizes = [state.images[i].num_tokens for state, i in wanted]
+        for (state, i), part in zip(wanted, embeds.split(sizes)):
+            state.encoded[i] = part
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        visual: list[tuple[str, torch.Tensor]] = []
+
+        def language(pairs):
+            for name, tensor in pairs:
+                prefix = next((p for p in _VISUAL_PREFIXES if name.startswith(p)), None)
+                if prefix is None:
+                    yield name, tensor
+                else:
+                    visual.append((name.removeprefix(prefix), tensor))
+
+        loaded = super().load_weights(language(weights))
+        return loaded | {"visual." + name for name in self.visual.load_weights(visual)}
+
+
+def _overlaps(item: MediaInput, start: int, end: int) -> bool:
+    return item.offset < end and start < item.offset + item.num_tokens

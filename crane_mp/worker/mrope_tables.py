@@ -1,0 +1,35 @@
+"""Multimodal rope (Qwen2.5-VL): each token's cos/sin rows composed from the one-position tables of
+rope.py, section by section, for its temporal, height and width positions."""
+
+from __future__ import annotations
+
+import torch
+
+
+def mrope_columns(mrope_section: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """Which position (0 temporal, 1 height, 2 width) each of the head's columns follows: [head_dim].
+
+    The sections split the head's first half, frequency by frequency, and the second half repeats
+    them (rotate-half layout), as transformers' recomposition_frequencies cycles m[i % 3] then
+    concatenates the result with itself:
+
+        section   [ s0 | s1 | s2 ][ s0 | s1 | s2 ]
+        position     t    h    w     t    h    w
+    """
+    half = torch.cat([torch.full((size,), i % 3, dtype=torch.int64) for i, size in enumerate(mrope_section)])
+    return torch.cat([half, half])
+
+
+def mrope_cos_sin(cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor,
+                  columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/signed_sin: rope_tables' [max_positions, head_dim]; positions: [3, T]; columns: mrope_columns'.
+
+    Returns (cos, signed_sin), each [T, 1, head_dim], for apply_rope. Each entry is copied from the
+    table row of its column's position, so it equals transformers' composed cos/sin bit for bit: the
+    table and the reference compute the same cos(position * inv_freq) per frequency.
+    """
+    head_dim = cos.shape[-1]
+    rows = positions.to(cos.device)[columns.to(cos.device)].T  # [T, head_dim]: the table row per entry
+    index = torch.arange(head_dim, device=cos.device)
+    # contiguous: indexing by the transposed rows keeps their strides, and the fused rope kernel reads rows.
+    return cos[rows, index].contiguous().unsqueeze(1), signed_sin[rows, index].contiguous().unsqueeze(1)
