@@ -38,7 +38,7 @@ async def _load(state: FrontendState, where: str, url: str) -> ImageInput:
     else:
         data = await _fetch(state, where, url)
     processor, limit = state.image_processor, state.config.max_image_pixels
-    return await asyncio.to_thread(lambda: processor.preprocess(open_image(data, limit, where)))
+    return await asyncio.to_thread(lambda: processor.preprocess(open_image(data, limit, where), where))
 
 
 def _allowed(host: str, domains: tuple[str, ...]) -> bool:

@@ -1,0 +1,197 @@
+"""Images in chat through the real server (Qwen2.5-VL, tiny random weights): greedy tokens equal
+transformers' generate on the processor's inputs for 1-3 images, in a batch with text-only requests and
+under preemption; the prefix cache shares blocks of the same image only; bad images are 400s."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+import requests
+import torch
+from PIL import Image
+
+from crane_mp.testing.make_vl import make_vl, reference_processor
+from tests.integration.server import Server
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 10
+_SIZES = [(56, 84), (70, 40), (112, 112), (84, 56)]
+
+
+def _image(seed: int, size: tuple[int, int]) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8))
+
+
+IMAGES = [_image(i, size) for i, size in enumerate(_SIZES)]
+
+
+def png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+def content(images: list[int], text: str = "what") -> list[dict] | str:
+    """The message content: text, and images between "look" and the text (a string without images)."""
+    if not images:
+        return f"look {text}"
+    parts = [{"type": "text", "text": "look"}]
+    parts += [{"type": "image_url", "image_url": {"url": data_url(png(IMAGES[i]))}} for i in images]
+    return parts + [{"type": "text", "text": text}]
+
+
+# Each job: (images, closing text); text-only jobs have none.
+JOBS = [((0,), "what"), ((1, 2), "what"), ((2, 0, 3), "what"), ((), "what"), ((3,), "else"), ((), "more")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_vl(tmp_path_factory.mktemp("vl") / "model")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    processor = reference_processor(model_dir)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
+    for images, text in JOBS:
+        parts = ([{"type": "text", "text": "look"}, *({"type": "image"} for _ in images), {"type": "text", "text": text}]
+                 if images else content([], text))
+        prompt = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                               tokenize=False)
+        inputs = processor(text=[prompt], images=[IMAGES[i] for i in images] or None, return_tensors="pt")
+        tokens = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS)
+        out[images, text] = tokens[0, inputs["input_ids"].shape[1]:].tolist()
+    return out
+
+
+async def chat_all(url: str, jobs) -> list[dict]:
+    async with aiohttp.ClientSession() as session:
+        async def one(images, text):
+            body = {"messages": [{"role": "user", "content": content(list(images), text)}],
+                    "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                return await resp.json()
+
+        return await asyncio.gather(*(one(*job) for job in jobs))
+
+
+def test_greedy_tokens_equal_transformers_with_images_in_mixed_batches_and_under_preemption(
+        model_dir, reference, tmp_path):
+    # Chunks of 16 tokens split every image's placeholders over steps.
+    for extra in (["--max-num-batched-tokens", "16", "--max-concurrent", "4"],
+                  ["--max-total-tokens", "100", "--block-size", "4", "--max-concurrent", "6"]):
+        server = Server(model_dir, "--kv-cache-dtype", "float32", *extra, log_path=tmp_path / f"log{extra[0]}")
+        try:
+            work = chat_all(server.url, JOBS)
+            preempting = extra[0] == "--max-total-tokens"
+            results = asyncio.run(server.all_queued(work, len(JOBS)) if preempting else work)
+            for job, result in zip(JOBS, results):
+                assert result["choices"][0]["token_ids"] == reference[job], job
+            if preempting:
+                assert server.stats()["num_preemptions"] > 0
+        finally:
+            assert server.stop() == 0
+
+
+def test_the_prefix_cache_shares_blocks_of_the_same_image_only(model_dir, tmp_path):
+    server = Server(model_dir, "--kv-cache-dtype", "float32", "--block-size", "4", log_path=tmp_path / "log")
+    try:
+        def cached(images: list[int]) -> int:
+            body = {"messages": [{"role": "user", "content": content(images)}], "max_tokens": 2, "temperature": 0}
+            usage = requests.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["usage"]
+            return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0), usage["prompt_tokens"]
+
+        first, prompt = cached([3])
+        again, _ = cached([3])
+        other, _ = cached([0])  # the same grid as image 3 (84 x 56 and 56 x 84 transposed: other pixels)
+        assert first == 0 and again >= prompt - 4
+        # Another image's prompt shares only the blocks before the image (the system prompt, "look").
+        assert 0 < other < again - 4
+        log = (tmp_path / "log").read_text()
+        assert "images=1" in log
+        metrics = requests.get(server.url + "/metrics", timeout=10).text
+        assert "crane:request_images_count" in metrics
+    finally:
+        assert server.stop() == 0
+
+
+def test_bad_images_are_400s_naming_the_part_and_no_url_is_fetched_unless_allowed(model_dir, tmp_path):
+    huge = io.BytesIO()
+    Image.new("L", (10000, 5000)).save(huge, "PNG")  # 50 megapixels, 50 kB compressed
+    truncated = png(IMAGES[2])[:-200]
+    cases = {
+        "not an image": data_url(b"hello, world" * 10),
+        "truncated": data_url(truncated),
+        "50 megapixels": data_url(huge.getvalue()),
+        "not base64": "data:image/png;base64,***",
+        "a URL not allowed": "http://127.0.0.1:9/cat.png",
+        "a file URL": "file:///etc/passwd",
+    }
+    server = Server(model_dir, "--max-image-pixels", "20000000", log_path=tmp_path / "log")
+    try:
+        for name, url in cases.items():
+            parts = content([0]) + [{"type": "image_url", "image_url": {"url": url}}]
+            body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+            started = time.monotonic()
+            resp = requests.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+            assert resp.status_code == 400, (name, resp.text)
+            assert time.monotonic() - started < 1.0, name
+            assert "messages[0].content[3]" in resp.json()["error"]["message"], (name, resp.text)
+        ok = requests.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": content([1])}], "max_tokens": 2})
+        assert ok.status_code == 200  # the server kept serving
+    finally:
+        assert server.stop() == 0
+
+
+def test_urls_from_an_allowed_host_are_fetched(model_dir, tmp_path):
+    from aiohttp import web
+
+    served = []
+
+    async def image(request):
+        served.append(request.path)
+        return web.Response(body=png(IMAGES[0]), content_type="image/png")
+
+    async def run() -> tuple[int, list]:
+        app = web.Application()
+        app.router.add_get("/cat.png", image)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as session:
+                statuses = []
+                for url in (f"http://localhost:{port}/cat.png", f"http://127.0.0.1:{port}/cat.png"):
+                    body = {"messages": [{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what"}]}],
+                        "max_tokens": 2}
+                    async with session.post(server.url + "/v1/chat/completions", json=body) as resp:
+                        statuses.append(resp.status)
+                return statuses
+        finally:
+            await runner.cleanup()
+
+    server = Server(model_dir, "--allowed-media-domains", "localhost", log_path=tmp_path / "log")
+    try:
+        assert asyncio.run(run()) == [200, 400]  # 127.0.0.1 is not a name the flag allows
+        assert served == ["/cat.png"]
+    finally:
+        assert server.stop() == 0
