@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from crane_mp.frontend import (
     anthropic_routes,
+    audio_routes,
     embedding_routes,
     lora_routes,
     management_routes,
@@ -26,4 +27,5 @@ ROUTES: list[Route] = [
     *tokenize_routes.api.routes,
     *management_routes.api.routes,
     *sglang_routes.api.routes,
+    *audio_routes.api.routes,
 ]

@@ -63,7 +63,7 @@ class Route:
             if body is None and form is None:
                 return await handler(request)
             if form is not None:
-                decoded = await read_form(request, form, state.config.read_timeout)
+                decoded = await read_form(request, form, state.config.read_timeout, state.max_request_bytes)
             else:
                 decoded = decode_body(await read_body(request, state.config.read_timeout), body)
             if not generation:

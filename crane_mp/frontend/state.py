@@ -14,6 +14,7 @@ from crane_mp.frontend.engine_client import EngineClient
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.gate import LoadGate
 from crane_mp.frontend.images import ImageProcessor, load_image_processor
+from crane_mp.frontend.speech import SpeechModel, load_speech_model
 from crane_mp.frontend.metrics import Metrics
 from crane_mp.frontend.openai_schemas import MAX_BATCH
 from crane_mp.frontend.response_store import ResponseStore
@@ -50,6 +51,7 @@ class FrontendState:
     score_head: ScoreHead | None = field(init=False)  # --task score: the classification head
     answer_head: ScoreHead | None = field(default=None, init=False)  # a causal reranker's yes/no head, once read
     image_processor: ImageProcessor | None = field(default=None, init=False)  # a vision-language model's
+    speech: SpeechModel | None = field(default=None, init=False)  # --task transcribe: Whisper's settings
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.config.model_name, self.config.replica)
@@ -67,6 +69,8 @@ class FrontendState:
         arch = checkpoint_architecture(model_dir, self.config.engine.model_type) if model_dir.is_dir() else None
         if arch is not None and arch.media == "image":
             self.image_processor = load_image_processor(model_dir)
+        if self.config.engine.task == "transcribe":
+            self.speech = load_speech_model(model_dir)
 
     @property
     def model_name(self) -> str:

@@ -11,15 +11,16 @@ import asyncio
 from typing import Any
 
 import msgspec
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
 from crane_mp.frontend.errors import ApiError
 
 
-async def read_form(request: web.Request, form: type, timeout: float) -> Any:
+async def read_form(request: web.Request, form: type, timeout: float, limit: int) -> Any:
+    """The body as a `form` Struct; `limit`: its bytes (--max-request-bytes)."""
     try:
         async with asyncio.timeout(timeout):
-            fields = await _read_parts(request, request.client_max_size)
+            fields = await _read_parts(request, limit)
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {timeout:g} s (--read-timeout)") from None
     except ValueError as err:  # aiohttp's malformed multipart
@@ -37,7 +38,7 @@ async def _read_parts(request: web.Request, limit: int) -> dict[str, Any]:
     total = 0
     reader = await request.multipart()
     while (part := await reader.next()) is not None:
-        if not isinstance(part, web.BodyPartReader) or not part.name:
+        if not isinstance(part, BodyPartReader) or not part.name:
             raise ApiError(400, "every part of the form must be a named field")
         value = bytearray()
         while chunk := await part.read_chunk():

@@ -196,7 +196,8 @@ def _whisper_config(hf_config: Any, model_dir: Path | None) -> ModelConfig:
         arch="whisper", vocab_size=hf_config.vocab_size, hidden_size=hf_config.d_model,
         intermediate_size=hf_config.decoder_ffn_dim, num_hidden_layers=hf_config.decoder_layers,
         num_attention_heads=heads, num_key_value_heads=heads, head_dim=hf_config.d_model // heads,
-        rms_norm_eps=1e-5, max_position_embeddings=hf_config.max_target_positions, tie_word_embeddings=True,
+        # Its logits read the token embedding itself (proj_out is tied): no lm_head for the loader to tie.
+        rms_norm_eps=1e-5, max_position_embeddings=hf_config.max_target_positions, tie_word_embeddings=False,
         attention_bias=True, mlp_bias=True, hidden_act=hf_config.activation_function, rope_theta=10000.0,
         bos_token_id=hf_config.decoder_start_token_id, eos_token_ids=_eos_ids(hf_config, model_dir),
         torch_dtype=_dtype_name(hf_config), hf_config=hf_config,
