@@ -97,12 +97,6 @@ def checkpoint_architecture(model_dir: Path, model_type: str = "auto") -> Archit
         return None
 
 
-def is_encoder_checkpoint(model_dir: Path, model_type: str = "auto") -> bool:
-    """A BERT-family encoder (registry `encoder`), which serves pooling only."""
-    arch = checkpoint_architecture(model_dir, model_type)
-    return arch is not None and arch.encoder
-
-
 def _eos_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:
     ids: list[int] = []
     sources = [getattr(hf_config, "eos_token_id", None)]

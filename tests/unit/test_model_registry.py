@@ -36,12 +36,14 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
     assert MODEL_TYPE_ALIASES == {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen25": "qwen2",
                                   "qwen3": "qwen3", "hunyuan": "hunyuan", "hunyuan_v1_dense": "hunyuan",
                                   "hunyuan-dense": "hunyuan", "bert": "bert", "roberta": "roberta",
-                                  "xlm-roberta": "xlm-roberta"}
+                                  "xlm-roberta": "xlm-roberta", "qwen2_5_vl": "qwen2_5_vl", "whisper": "whisper"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                           "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
                           "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
                           "RobertaForSequenceClassification": "roberta", "XLMRobertaModel": "xlm-roberta",
-                          "XLMRobertaForSequenceClassification": "xlm-roberta"}
+                          "XLMRobertaForSequenceClassification": "xlm-roberta",
+                          "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+                          "WhisperForConditionalGeneration": "whisper"}
     assert {gguf: (arch.name, arch.hf_model_type) for gguf, arch in GGUF_ARCHITECTURES.items()} == {
         "llama": ("llama", "llama"), "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"),
         "hunyuan-dense": ("hunyuan", "hunyuan_v1_dense")}
@@ -60,6 +62,9 @@ def test_every_architecture_round_trips_its_names(arch):
     if row.encoder:  # no GGUF files: served from safetensors, written by make_encoder
         assert not row.reads_gguf and row.gguf_arch not in GGUF_ARCHITECTURES and arch in ENCODER_ARCHS
         return
+    if row.media:  # no GGUF files: served from safetensors, written by make_vl and make_whisper
+        assert not row.reads_gguf and row.gguf_arch not in GGUF_ARCHITECTURES
+        return
     # A GGUF file names the architecture, or (Mistral) one served by the same class, q/k rows alike.
     served = GGUF_ARCHITECTURES[row.gguf_arch]
     assert served is row if row.reads_gguf else served.model_class == row.model_class
@@ -68,12 +73,18 @@ def test_every_architecture_round_trips_its_names(arch):
     assert arch in ARCHS  # make_model can write one
 
 
-DECODERS = sorted(name for name, row in ARCHITECTURES.items() if not row.encoder)
+DECODERS = sorted(name for name, row in ARCHITECTURES.items() if not row.encoder and not row.media)
 
 
 def test_every_encoder_is_served_by_the_encoder_class():
     assert {name for name, row in ARCHITECTURES.items() if row.encoder} == {"bert", "roberta", "xlm-roberta"}
     assert all(model_class(name) is BertEncoder for name in ("bert", "roberta", "xlm-roberta"))
+
+
+def test_media_architectures_take_images_or_audio():
+    assert {name: row.media for name, row in ARCHITECTURES.items() if row.media} == {
+        "qwen2_5_vl": "image", "whisper": "audio"}
+    assert all(model_class(name).media_kind == row.media for name, row in ARCHITECTURES.items() if row.media)
 
 
 @pytest.mark.parametrize("arch", DECODERS)
@@ -97,7 +108,8 @@ def test_every_checkpoint_tensor_round_trips_through_its_gguf_name(arch):
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
     unknown = SimpleNamespace(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(UnsupportedModelError, match=r"'gpt2' is not supported \(supported: "
-                                                    r"bert, hunyuan, llama, mistral, qwen2, qwen3, roberta, xlm-roberta\)"):
+                                                    r"bert, hunyuan, llama, mistral, qwen2, qwen2_5_vl, qwen3, roberta, whisper, "
+                                                    r"xlm-roberta\)"):
         model_config_from_hf(unknown)
     with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
                                             r"hunyuan-dense, llama, qwen2, qwen3\)"):
@@ -125,17 +137,19 @@ def test_a_checkpoint_tensor_of_the_wrong_shape_is_refused_not_broadcast():
             model.load_weights([(name, row)])
 
 
-def test_an_encoder_checkpoint_is_known_from_its_config_alone(tmp_path):
+def test_a_checkpoint_s_architecture_is_known_from_its_config_alone(tmp_path):
     import json
 
-    from crane_mp.worker.model_config import is_encoder_checkpoint
+    from crane_mp.worker.model_config import checkpoint_architecture
 
-    for name, config, encoder in (("bert", {"architectures": ["BertModel"]}, True),
-                                  ("xlmr", {"model_type": "xlm-roberta"}, True),
-                                  ("qwen", {"architectures": ["Qwen3ForCausalLM"]}, False),
-                                  ("gpt2", {"model_type": "gpt2"}, False)):
+    for name, config, arch in (("bert", {"architectures": ["BertModel"]}, "bert"),
+                               ("xlmr", {"model_type": "xlm-roberta"}, "xlm-roberta"),
+                               ("qwen", {"architectures": ["Qwen3ForCausalLM"]}, "qwen3"),
+                               ("whisper", {"architectures": ["WhisperForConditionalGeneration"]}, "whisper"),
+                               ("gpt2", {"model_type": "gpt2"}, None)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
-        assert is_encoder_checkpoint(tmp_path / name) is encoder, name
-    assert is_encoder_checkpoint(tmp_path / "qwen", "bert")  # --model-type decides where given
-    assert not is_encoder_checkpoint(tmp_path / "missing")
+        row = checkpoint_architecture(tmp_path / name)
+        assert (row.name if row else None) == arch, name
+    assert checkpoint_architecture(tmp_path / "qwen", "bert").encoder  # --model-type decides where given
+    assert checkpoint_architecture(tmp_path / "missing") is None

@@ -33,7 +33,8 @@ def test_openapi_documents_every_declared_route_but_aliases():
 def test_gate_and_key_exemptions_come_from_the_declarations():
     assert {route.path for route in ROUTES if route.generation} == {
         "/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings", "/v1/responses", "/v1/messages",
-        "/v1/rerank", "/rerank", "/v2/rerank", "/score", "/v1/score"}
+        "/v1/rerank", "/rerank", "/v2/rerank", "/score", "/v1/score", "/v1/audio/transcriptions",
+        "/v1/audio/translations"}
     assert open_paths(ROUTES) == {"/health"}
     assert admin_paths(ROUTES) == {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/flush_cache", "/abort_request"}
 
