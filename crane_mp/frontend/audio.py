@@ -17,11 +17,6 @@ import soxr
 from crane_mp.frontend.errors import ApiError
 
 SAMPLING_RATE = 16000  # what Whisper's feature extractor takes
-# Decoded in blocks: a header may claim far more frames than the upload holds, and one read would
-# allocate them all before finding out.
-_BLOCK_FRAMES = 1 << 18
-
-
 def decode_audio(data: bytes, where: str, max_seconds: float | None = None) -> np.ndarray:
     """The samples of the audio file `data` (any format libsndfile reads), averaged to mono and
     resampled to 16 kHz with soxr's "HQ" quality, as transformers' `_load_audio_soundfile`.
@@ -47,20 +42,11 @@ def decode_audio(data: bytes, where: str, max_seconds: float | None = None) -> n
 
 
 def _read_channels(audio: sf.SoundFile, where: str, max_seconds: float | None) -> np.ndarray:
-    """[channels, frames] float32, read block by block (the same samples as one `read`)."""
-    max_frames = None if max_seconds is None else math.floor(max_seconds * audio.samplerate)
-    blocks, num_frames = [], 0
-    while True:
-        block = audio.read(_BLOCK_FRAMES, dtype="float32", always_2d=True)  # [frames, channels]
-        if not len(block):
-            break
-        num_frames += len(block)
-        if max_frames is not None and num_frames > max_frames:
-            raise ApiError(400, f"'{where}' is longer than the {max_seconds:g} s this server accepts", where)
-        blocks.append(block)
-    if not blocks:
-        return np.zeros((max(audio.channels, 1), 0), dtype=np.float32)
-    return np.concatenate(blocks).T
+    """[channels, frames] float32, in one read: libsndfile's MP3 decoder gives other floats read in
+    blocks. The length the header declares is checked first, so a forged one allocates nothing."""
+    if max_seconds is not None and audio.frames > max_seconds * audio.samplerate:
+        raise ApiError(400, f"'{where}' is longer than the {max_seconds:g} s this server accepts", where)
+    return audio.read(dtype="float32", always_2d=True).T
 
 
 def audio_duration(samples: np.ndarray) -> float:

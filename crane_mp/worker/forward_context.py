@@ -7,7 +7,7 @@ metadata through every call.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -57,12 +57,14 @@ def lora_batch(row_ids: list[int], device: torch.device) -> LoraBatch | None:
 @dataclass(slots=True)
 class MediaSpan:
     """One request's rows of a step, for a model that reads media: `state` is what the model made of the
-    request's media (media_state), positions [start, end) run on rows [row, row + end - start)."""
+    request's media (media_state), positions [start, end) run on rows [row, row + end - start), its KV
+    in `blocks` (the block table)."""
 
     state: Any
     start: int
     end: int
     row: int
+    blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

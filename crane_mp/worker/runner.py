@@ -249,7 +249,7 @@ class ModelRunner:
             mirror = self.requests[sched.req_id]
             start, end = sched.num_computed_tokens, sched.num_computed_tokens + sched.num_new_tokens
             if mirror.media is not None:
-                media.append(MediaSpan(mirror.media, start, end, len(input_ids)))
+                media.append(MediaSpan(mirror.media, start, end, len(input_ids), mirror.block_table))
             input_ids.extend(mirror.token_ids[start:end])
             positions.extend(range(start, end))
             adapters.extend([mirror.sampling.params.lora_id] * (end - start))
@@ -410,7 +410,8 @@ class ModelRunner:
         rows = [0]
         for start, end in spans:
             rows.append(rows[-1] + end - start)
-        return [MediaSpan(state, start, end, row) for (start, end), row in zip(spans, rows)]
+        return [MediaSpan(state, start, end, row, list(range(-(-end // self.block_size))))
+                for (start, end), row in zip(spans, rows)]
 
     def scratch_kv_bytes(self, num_blocks: int) -> int:
         return (num_blocks + 1) * self.block_size * self.kv_bytes_per_token()

@@ -94,6 +94,9 @@ def make_shard(config, rank: int, size: int) -> Shard:
     if config.encoder:
         raise ValueError("tensor parallelism serves decoder models; an encoder (--task embed or score of a "
                          "BERT-family model) runs on one rank")
+    if config.media:
+        raise ValueError(f"tensor parallelism serves text models; {config.arch} (its {config.media} encoder is not "
+                         "split) runs on one rank")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     _even(heads, size, "attention heads")
     if kv_heads % size and size % kv_heads:

@@ -93,6 +93,8 @@ def test_the_vocabulary_splits_into_equal_padded_rows():
     ({"kv_heads": 3, "heads": 6}, 2, "3 KV heads"),
     ({"intermediate": 50}, 4, "50 MLP units"),
     ({"arch": "bert"}, 2, "decoder models"),
+    ({"arch": "qwen2_5_vl"}, 2, "qwen2_5_vl .its image encoder"),
+    ({"arch": "whisper"}, 2, "whisper .its audio encoder"),
 ])
 def test_a_size_that_does_not_split_the_model_is_refused_by_name(kwargs, size, message):
     with pytest.raises(ValueError, match=message):

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from crane_mp.protocol import MediaInput
-from crane_mp.worker.attention import paged_attention
 from crane_mp.worker.forward_context import MediaSpan, get_forward_context
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.platforms import Platform
@@ -58,8 +57,10 @@ class EncoderLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         attn = self.self_attn
         h = self.self_attn_layer_norm(x)
-        q, k, v = (t.transpose(0, 1) for t in (attn.query(h), attn.heads_of(attn.k_proj, h), attn.heads_of(attn.v_proj, h)))
-        mixed = F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(0, 1).reshape(x.shape)
+        # [1, H, T, D] as transformers lays them out: 3-D inputs take another SDPA kernel on CPU.
+        q, k, v = (t.transpose(0, 1)[None] for t in (attn.query(h), attn.heads_of(attn.k_proj, h),
+                                                       attn.heads_of(attn.v_proj, h)))
+        mixed = F.scaled_dot_product_attention(q, k, v, scale=1.0)[0].transpose(0, 1).reshape(x.shape)
         x = x + attn.out_proj(mixed)
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
@@ -116,11 +117,34 @@ class DecoderLayer(nn.Module):
         ctx = get_forward_context()
         attn = self.self_attn
         h = self.self_attn_layer_norm(x)
-        out = paged_attention(attn.query(h), attn.heads_of(attn.k_proj, h), attn.heads_of(attn.v_proj, h),
-                              self.k_cache, self.v_cache, ctx.attn, 1.0)
-        x = x + attn.out_proj(out)
+        k, v = attn.heads_of(attn.k_proj, h), attn.heads_of(attn.v_proj, h)
+        heads, dim = k.shape[1:]
+        self.k_cache.view(-1, heads, dim).index_copy_(0, ctx.attn.slot_mapping, k.to(self.k_cache.dtype))
+        self.v_cache.view(-1, heads, dim).index_copy_(0, ctx.attn.slot_mapping, v.to(self.v_cache.dtype))
+        x = x + attn.out_proj(self._self_attend(attn.query(h), ctx.media))
         x = x + self._cross_attend(self.encoder_attn_layer_norm(x), ctx.media)
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+
+    def _self_attend(self, q: torch.Tensor, spans: list[MediaSpan]) -> torch.Tensor:
+        """Each request's rows over its cached keys, one SDPA call each as transformers' generate makes
+        them (a causal prompt, then one row at a time): decoding stays within float noise of it, where
+        near-ties of a random model's logits would otherwise flip. Windows are short (448 positions)."""
+        heads, dim = q.shape[1:]
+        block_size = self.k_cache.shape[1]
+        parts = []
+        for span in spans:
+            positions = torch.arange(span.end)
+            slots = torch.tensor(span.blocks, dtype=torch.long)[positions // block_size] * block_size
+            slots = (slots + positions % block_size).to(q.device)
+            k, v = (cache.view(-1, heads, dim).index_select(0, slots).to(q.dtype).transpose(0, 1)[None]
+                    for cache in (self.k_cache, self.v_cache))  # [1, H, end, D]
+            rows = q[span.row : span.row + span.end - span.start].transpose(0, 1)[None]  # [1, H, n, D]
+            mask, causal = None, span.start == 0 and span.end > 1  # a whole prompt: transformers' causal call
+            if span.start and span.end - span.start > 1:  # a later chunk: row i sees positions to start + i
+                mask = positions[None, :].to(q.device) <= torch.arange(span.start, span.end, device=q.device)[:, None]
+            out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, is_causal=causal, scale=1.0)
+            parts.append(out[0].transpose(0, 1))
+        return torch.cat(parts).reshape(q.shape[0], heads * dim)
 
     def _cross_attend(self, h: torch.Tensor, spans: list[MediaSpan]) -> torch.Tensor:
         """Each request's rows attend to its own window (rows of a step are grouped by request)."""
@@ -128,8 +152,8 @@ class DecoderLayer(nn.Module):
         parts = []
         for span in spans:
             k, v = span.state.cross[self.index]
-            rows = q[:, span.row : span.row + span.end - span.start]
-            parts.append(F.scaled_dot_product_attention(rows, k, v, scale=1.0))
+            rows = q[None, :, span.row : span.row + span.end - span.start]
+            parts.append(F.scaled_dot_product_attention(rows, k[None], v[None], scale=1.0)[0])
         mixed = torch.cat(parts, dim=1).transpose(0, 1).reshape(h.shape)
         return self.encoder_attn.out_proj(mixed)
 

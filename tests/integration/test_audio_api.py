@@ -1,0 +1,171 @@
+"""/v1/audio/transcriptions and /translations through the real server (Whisper, tiny random weights):
+text equal to transformers' generate on the same file for 5 s and 65 s (long-form) clips in every
+container, through the openai SDK in every response format; bad uploads are 400s within a second."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+
+import numpy as np
+import openai
+import pytest
+import requests
+import soundfile as sf
+import torch
+
+from crane_mp.testing.make_whisper import make_whisper
+from tests.integration.server import Server
+
+pytestmark = pytest.mark.slow
+FORMATS = ("WAV", "FLAC", "MP3", "OGG")
+
+
+def clip(seconds: float, seed: int) -> np.ndarray:
+    """A warbling tone with noise: enough structure for the random model to say several things."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 16000)) / 16000
+    tone = 0.3 * np.sin(2 * np.pi * (200 + 40 * seed) * t * (1 + 0.1 * np.sin(t)))
+    return (tone + 0.05 * rng.standard_normal(t.shape)).astype(np.float32)
+
+
+def encoded(seconds: float, fmt: str, seed: int = 0, rate: int = 16000) -> bytes:
+    buf = io.BytesIO()
+    samples = clip(seconds, seed)
+    if rate != 16000:  # a 44.1 kHz stereo file: resampled and mixed down as transformers' loader does
+        samples = np.stack([np.interp(np.arange(0, len(samples), 16000 / rate), np.arange(len(samples)), samples)] * 2,
+                           axis=1)
+    sf.write(buf, samples, rate, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_whisper(tmp_path_factory.mktemp("whisper") / "model")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    """transform(file bytes, **generate kwargs) -> the text transformers gives for that file."""
+    from transformers import AutoProcessor, WhisperForConditionalGeneration
+    from transformers.audio_utils import load_audio
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    folder = tmp_path_factory.mktemp("clips")
+
+    def transform(data: bytes, **kwargs) -> str:
+        path = folder / f"clip{len(list(folder.iterdir()))}"
+        path.write_bytes(data)
+        audio = load_audio(str(path))
+        long_form = len(audio) > 30 * 16000
+        extra = {"truncation": False, "padding": "longest", "return_attention_mask": True} if long_form else {}
+        features = processor(audio, sampling_rate=16000, return_tensors="pt", **extra)
+        if "prompt" in kwargs:
+            kwargs["prompt_ids"] = torch.tensor(processor.get_prompt_ids(kwargs.pop("prompt")))
+        with torch.no_grad():
+            out = model.generate(**features, **({"return_timestamps": True} if long_form else {}), **kwargs)
+        return processor.batch_decode(out, skip_special_tokens=True)[0]
+
+    return transform
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    server = Server(model_dir, log_path=tmp_path_factory.mktemp("log") / "log")
+    yield server
+    assert server.stop() == 0
+
+
+def test_transcriptions_equal_generate_for_short_and_long_clips_in_every_container(server, reference):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    for seconds in (5, 65):
+        texts = {}
+        for fmt in FORMATS:
+            data = encoded(seconds, fmt)
+            got = client.audio.transcriptions.create(model=server_model(server), file=(f"a.{fmt.lower()}", data))
+            assert got.text == reference(data), (seconds, fmt)
+            texts[fmt] = got.text
+        assert texts["WAV"] == texts["FLAC"]  # lossless: the same samples
+    stereo = encoded(5, "WAV", seed=1, rate=44100)
+    got = client.audio.transcriptions.create(model=server_model(server), file=("s.wav", stereo))
+    assert got.text == reference(stereo)
+
+
+def test_every_response_format_through_the_sdk(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    data = encoded(65, "FLAC", seed=2)
+    model = server_model(server)
+    verbose = client.audio.transcriptions.create(model=model, file=("a.flac", data), response_format="verbose_json",
+                                                 timestamp_granularities=["segment"])
+    assert verbose.duration == pytest.approx(65.0) and verbose.language and verbose.segments
+    assert all(s.start <= s.end <= 65.0 + 1e-6 for s in verbose.segments)
+    assert [s.id for s in verbose.segments] == list(range(len(verbose.segments)))
+    text = client.audio.transcriptions.create(model=model, file=("a.flac", data), response_format="text")
+    assert isinstance(text, str) and text == verbose.text
+    srt = client.audio.transcriptions.create(model=model, file=("a.flac", data), response_format="srt")
+    assert srt.startswith("1\n00:00:") and srt.count(" --> ") == len(verbose.segments)
+    vtt = client.audio.transcriptions.create(model=model, file=("a.flac", data), response_format="vtt")
+    assert vtt.startswith("WEBVTT\n\n00:00:") and vtt.count(" --> ") == len(verbose.segments)
+    plain = client.audio.transcriptions.create(model=model, file=("a.flac", data), response_format="json")
+    assert plain.text == verbose.text
+
+
+def test_language_prompt_and_translation_equal_generate(server, reference):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    data = encoded(5, "WAV", seed=3)
+    model = server_model(server)
+    french = client.audio.transcriptions.create(model=model, file=("a.wav", data), language="fr")
+    assert french.text == reference(data, language="fr")
+    prompted = client.audio.transcriptions.create(model=model, file=("a.wav", data), language="en", prompt="hello")
+    assert prompted.text == reference(data, language="en", prompt="hello")
+    translated = client.audio.translations.create(model=model, file=("a.wav", data))
+    assert translated.text == reference(data, task="translate")
+
+
+def test_concurrent_transcriptions_batch_and_each_equals_its_own(server):
+    clips = [encoded(seconds, "WAV", seed=seed) for seconds, seed in ((65, 4), (5, 5), (40, 6))]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+        return await asyncio.gather(*(client.audio.transcriptions.create(
+            model=server_model(server), file=(f"{i}.wav", data)) for i, data in enumerate(clips)))
+
+    together = [r.text for r in asyncio.run(run())]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    alone = [client.audio.transcriptions.create(model=server_model(server), file=("a.wav", d)).text for d in clips]
+    assert together == alone
+
+
+def test_bad_uploads_are_400s_within_a_second_and_the_server_keeps_serving(server):
+    url = server.url + "/v1/audio/transcriptions"
+    good = encoded(5, "WAV", seed=7)
+    cases = {
+        "not audio": ({"file": ("a.wav", b"RIFF" + b"\x00" * 100)}, {}),
+        "truncated": ({"file": ("a.flac", encoded(5, "FLAC")[:300])}, {}),
+        "empty": ({"file": ("a.wav", b"")}, {}),
+        "no file": ({"model": (None, "x")}, {}),
+        "unknown format": ({"file": ("a.wav", good)}, {"response_format": "xml"}),
+        "word timestamps": ({"file": ("a.wav", good)}, {"timestamp_granularities[]": "word"}),
+        "unknown language": ({"file": ("a.wav", good)}, {"language": "xx"}),
+        "temperature": ({"file": ("a.wav", good)}, {"temperature": "7"}),
+    }
+    for name, (files, data) in cases.items():
+        started = time.monotonic()
+        resp = requests.post(url, files=files, data=data, timeout=30)
+        assert resp.status_code == 400, (name, resp.text)
+        assert time.monotonic() - started < 1.0, name
+        assert resp.json()["error"]["message"], name
+    assert requests.post(url, json={"file": "x"}, timeout=30).status_code == 415
+    chat = requests.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                         timeout=30)
+    assert chat.status_code == 400 and "/v1/audio/transcriptions" in chat.text
+    ok = requests.post(url, files={"file": ("a.wav", good)}, data={"response_format": "text"}, timeout=60)
+    assert ok.status_code == 200 and ok.headers["Content-Type"].startswith("text/plain")
+    assert "audio_seconds=5.0" in server.log_path.read_text()
+    assert "crane:request_audio_seconds_count" in requests.get(server.url + "/metrics", timeout=10).text
+
+
+def server_model(server: Server) -> str:
+    return requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
