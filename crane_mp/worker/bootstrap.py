@@ -156,9 +156,10 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     # The scheduler's first estimate of a prompt token's cost (scheduler/pacing.py); CUDA is not paced.
     seconds_per_token = (time.monotonic() - warm_up_started) / min(profile_tokens, _CPU_WARMUP_TOKENS)
     timer.done("warm-up")
-    # Not with tensor parallelism yet: a captured step would replay its collectives too, untested.
+    # Not with tensor parallelism yet: a captured step would replay its collectives too, untested. Not
+    # for a media model: its steps read per-request state (rope positions, a window's cross-attention).
     graphs = (platform.cuda_graphs(config.cuda_graphs, runner.attention_backend) and not model_config.encoder
-              and tp is None)
+              and model_config.media is None and tp is None)
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
     reserved_bytes = kernel_cache_bytes + (graph_pool_bytes(runner, graph_sizes, rank_config) if graphs else 0)
     if config.runtime_lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank
