@@ -14,7 +14,14 @@ from types import SimpleNamespace
 from typing import Any
 
 from crane_mp.gguf_file import SERVED_TYPES, check_gguf, rope_freq_factors
-from crane_mp.worker.models.registry import ARCHITECTURES, GGUF_ARCHITECTURES, Architecture, HF_CLASSES, MODEL_TYPE_ALIASES, supported
+from crane_mp.worker.models.registry import (
+    ARCHITECTURES,
+    GGUF_ARCHITECTURES,
+    HF_CLASSES,
+    MODEL_TYPE_ALIASES,
+    Architecture,
+    supported,
+)
 from crane_mp.worker.sharding import Shard
 
 

@@ -68,8 +68,10 @@ def reference(model_dir):
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = {}
     for images, text in JOBS:
-        parts = ([{"type": "text", "text": "look"}, *({"type": "image"} for _ in images), {"type": "text", "text": text}]
-                 if images else content([], text))
+        parts = content([], text)
+        if images:
+            parts = [{"type": "text", "text": "look"}, *({"type": "image"} for _ in images),
+                     {"type": "text", "text": text}]
         prompt = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
                                                tokenize=False)
         inputs = processor(text=[prompt], images=[IMAGES[i] for i in images] or None, return_tensors="pt")

@@ -94,8 +94,9 @@ class Qwen25VLForConditionalGeneration(Qwen2ForCausalLM):
         if not wanted:
             return
         weight = next(self.visual.parameters())
-        pixels = torch.cat([torch.from_numpy(np.frombuffer(state.images[i].values, dtype=np.float32)
-                                             .reshape(state.images[i].shape)) for state, i in wanted])
+        # torch.tensor copies: the message's bytes are read-only.
+        pixels = torch.cat([torch.tensor(np.frombuffer(state.images[i].values, dtype=np.float32)
+                                         .reshape(state.images[i].shape)) for state, i in wanted])
         grids = [tuple(state.images[i].grid) for state, i in wanted]
         embeds = self.visual(pixels.to(device=weight.device, dtype=weight.dtype), grids)
         sizes = [state.images[i].num_tokens for state, i in wanted]
