@@ -54,11 +54,18 @@ def reference(model_dir, tmp_path_factory):
     processor = AutoProcessor.from_pretrained(model_dir)
     model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     folder = tmp_path_factory.mktemp("clips")
+    known: dict[tuple, str] = {}  # lossless containers of the same samples decode alike: generate once
 
     def transform(data: bytes, **kwargs) -> str:
         path = folder / f"clip{len(list(folder.iterdir()))}"
         path.write_bytes(data)
         audio = load_audio(str(path))
+        key = (audio.tobytes(), tuple(sorted(kwargs.items())))
+        if key not in known:
+            known[key] = _generate(audio, **kwargs)
+        return known[key]
+
+    def _generate(audio, **kwargs) -> str:
         long_form = len(audio) > 30 * 16000
         extra = {"truncation": False, "padding": "longest", "return_attention_mask": True} if long_form else {}
         features = processor(audio, sampling_rate=16000, return_tensors="pt", **extra)
@@ -95,13 +102,13 @@ def test_transcriptions_equal_generate_for_short_and_long_clips_in_every_contain
 
 def test_every_response_format_through_the_sdk(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-    data = encoded(65, "FLAC", seed=2)
+    data = encoded(35, "FLAC", seed=2)  # long-form: two windows
     model = server_model(server)
     verbose = client.audio.transcriptions.create(model=model, file=("a.flac", data), response_format="verbose_json",
                                                  timestamp_granularities=["segment"])
-    assert verbose.duration == pytest.approx(65.0) and verbose.language and verbose.segments
+    assert verbose.duration == pytest.approx(35.0) and verbose.language and verbose.segments
     # Ends as generate's segments have them: a random model may stamp one past the audio.
-    assert all(s.start <= s.end for s in verbose.segments) and verbose.segments[0].start < 65.0
+    assert all(s.start <= s.end for s in verbose.segments) and verbose.segments[0].start < 35.0
     assert [s.id for s in verbose.segments] == list(range(len(verbose.segments)))
     text = client.audio.transcriptions.create(model=model, file=("a.flac", data), response_format="text")
     assert isinstance(text, str) and text == verbose.text
@@ -126,7 +133,7 @@ def test_language_prompt_and_translation_equal_generate(server, reference):
 
 
 def test_concurrent_transcriptions_batch_and_each_equals_its_own(server):
-    clips = [encoded(seconds, "WAV", seed=seed) for seconds, seed in ((65, 4), (5, 5), (40, 6))]
+    clips = [encoded(seconds, "WAV", seed=seed) for seconds, seed in ((65, 4), (5, 5), (12, 6))]
 
     async def run():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
