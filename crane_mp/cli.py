@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage; auto: 16-bit on CPU (bf16 with native bf16 math, else f16; the compute "
-                        "dtype for --task embed and transcribe), the compute dtype on CUDA")
+                        "dtype for --task embed and transcribe and for image models), the compute dtype on CUDA")
     p.add_argument("--quantized-activations", default="int8", choices=QUANTIZED_ACTIVATIONS,
                    help="GGUF matmuls on CPU: int8 activations with integer dot products (llama.cpp's scheme), "
                         "or float (exact, slower)")

@@ -130,7 +130,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     grammars = GrammarEngine(source, model_config.vocab_size, list(model_config.eos_token_ids), platform)
     runner = ModelRunner(model, config.block_size, max_model_len, platform, grammars=grammars,
                          kv_dtype=platform.kv_dtype(config.kv_cache_dtype, dtype,
-                                                   pools_outputs(config.task) or model_config.media == "audio"),
+                                                   pools_outputs(config.task) or model_config.media is not None),
                          share_tokens=None if tp is None else tp.first_rank_tokens)
 
     weights_bytes = weight_bytes(model)

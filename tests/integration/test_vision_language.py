@@ -97,7 +97,7 @@ def test_greedy_tokens_equal_transformers_with_images_in_mixed_batches_and_under
     # Chunks of 16 tokens split every image's placeholders over steps.
     for extra in (["--max-num-batched-tokens", "16", "--max-concurrent", "4"],
                   ["--max-total-tokens", "100", "--block-size", "4", "--max-concurrent", "6"]):
-        server = Server(model_dir, "--kv-cache-dtype", "float32", *extra, log_path=tmp_path / f"log{extra[0]}")
+        server = Server(model_dir, *extra, log_path=tmp_path / f"log{extra[0]}")
         try:
             work = chat_all(server.url, JOBS)
             preempting = extra[0] == "--max-total-tokens"
@@ -111,13 +111,15 @@ def test_greedy_tokens_equal_transformers_with_images_in_mixed_batches_and_under
 
 
 def test_the_prefix_cache_shares_blocks_of_the_same_image_only(model_dir, tmp_path):
-    server = Server(model_dir, "--kv-cache-dtype", "float32", "--block-size", "4", log_path=tmp_path / "log")
+    server = Server(model_dir, "--block-size", "4", log_path=tmp_path / "log")
     try:
         def cached(images: list[int]) -> int:
             body = {"messages": [{"role": "user", "content": content(images)}], "max_tokens": 2, "temperature": 0}
             usage = requests.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["usage"]
             return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0), usage["prompt_tokens"]
 
+        # auto keeps a media model's KV in its compute dtype, so the default server equals the reference
+        assert requests.get(server.url + "/server_info", timeout=10).json()["kv_cache_dtype"] == "float32"
         first, prompt = cached([3])
         again, _ = cached([3])
         other, _ = cached([0])  # the same grid as image 3 (84 x 56 and 56 x 84 transposed: other pixels)

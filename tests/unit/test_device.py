@@ -21,9 +21,9 @@ def test_auto_kv_cache_on_cpu_is_16_bit_whatever_the_compute_dtype():
 
 
 def test_an_embedding_model_keeps_its_compute_dtype_and_explicit_choices_win():
-    assert CPU.kv_dtype("auto", torch.float32, short_reads=True) == torch.float32
+    assert CPU.kv_dtype("auto", torch.float32, keep_compute=True) == torch.float32
     assert CPU.kv_dtype("float32", torch.float32) == torch.float32
-    assert CPU.kv_dtype("float16", torch.float32, short_reads=True) == torch.float16
+    assert CPU.kv_dtype("float16", torch.float32, keep_compute=True) == torch.float16
 
 
 @pytest.mark.parametrize("preset, expected", [(None, "1"), ("0", "0")])

@@ -47,7 +47,7 @@ class Platform:
         """--dtype (auto or a name) for a checkpoint stored in `checkpoint_dtype`."""
         raise NotImplementedError
 
-    def kv_dtype(self, requested: str, compute: torch.dtype, short_reads: bool = False) -> torch.dtype:
+    def kv_dtype(self, requested: str, compute: torch.dtype, keep_compute: bool = False) -> torch.dtype:
         """--kv-cache-dtype for a model computing in `compute`."""
         raise NotImplementedError
 

@@ -41,14 +41,15 @@ class CpuPlatform(Platform):
         checkpoint = DTYPES.get(checkpoint_dtype or "", torch.float32)
         return cpu_isa.cpu_dtype(None if requested == "auto" else DTYPES[requested], checkpoint)
 
-    def kv_dtype(self, requested: str, compute: torch.dtype, short_reads: bool = False) -> torch.dtype:
+    def kv_dtype(self, requested: str, compute: torch.dtype, keep_compute: bool = False) -> torch.dtype:
         """auto is 16-bit whatever the compute dtype (bf16 where bf16 math is native, else float16, which
         F16C converts in one instruction): half the bytes of a float32 cache, so the same memory limit
-        holds twice the context, and decode attention reads half the bytes. With `short_reads` (an
-        embedding model reads its cache within one prompt; a Whisper window holds at most 448
-        positions) the bytes saved are few: auto keeps the compute dtype there, so embeddings and
-        transcriptions equal the reference's at its precision."""
-        if requested == "auto" and short_reads:
+        holds twice the context, and decode attention reads half the bytes. With `keep_compute` auto
+        keeps the compute dtype, so the outputs equal the reference's at its precision: an embedding
+        model reads its cache within one prompt and a Whisper window holds at most 448 positions (the
+        bytes saved are few); a vision-language model's answers about an image move with 16-bit keys
+        more than a text model's do (its random-weight tests flipped greedy tokens)."""
+        if requested == "auto" and keep_compute:
             return compute
         if requested == "auto":
             return torch.bfloat16 if cpu_isa.native_bf16() else torch.float16

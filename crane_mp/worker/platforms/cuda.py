@@ -62,7 +62,7 @@ class CudaPlatform(Platform):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return checkpoint
 
-    def kv_dtype(self, requested: str, compute: torch.dtype, short_reads: bool = False) -> torch.dtype:
+    def kv_dtype(self, requested: str, compute: torch.dtype, keep_compute: bool = False) -> torch.dtype:
         """The CUDA kernels read the cache in the compute dtype: auto is that and nothing else is accepted."""
         name = str(compute).removeprefix("torch.")
         if requested not in ("auto", name):
