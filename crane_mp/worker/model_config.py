@@ -209,7 +209,6 @@ def _vision_language_config(hf_config: Any, arch: str, model_dir: Path | None) -
     """The language model's facts from text_config, with its multimodal rope sections; the vision
     tower reads vision_config from hf_config."""
     text = hf_config.text_config
-    text.architectures = [ARCHITECTURES["qwen2"].hf_classes[0]]
     config = model_config_from_hf(text, "qwen2", model_dir)
     _, rope_params = _rope(text)
     section = rope_params.get("mrope_section")
