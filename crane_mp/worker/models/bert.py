@@ -17,6 +17,7 @@ from torch import nn
 
 from crane_mp.worker.forward_context import get_forward_context
 from crane_mp.worker.model_config import ModelConfig
+from crane_mp.worker.models.checkpoint import copy_named
 from crane_mp.worker.platforms import Platform
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -159,26 +160,22 @@ class BertEncoder(nn.Module):
         return []
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.model.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            for prefix in _PREFIXES:
-                name = name.removeprefix(prefix)
-            if name.startswith(_NOT_OURS):
-                continue
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, the model expects "
-                                 f"{list(params[name].shape)}")
-            params[name].data.copy_(tensor)
-            loaded.add(name)
+        loaded = copy_named(dict(self.model.named_parameters()),
+                            ((name, tensor) for name, tensor in map(_strip_prefixes, weights)
+                             if not name.startswith(_NOT_OURS)))
         with torch.no_grad():
             self.lm_head.weight.zero_()
         return loaded | {"lm_head.weight"}
 
     def expected_weights(self) -> set[str]:
         return {name for name, _ in self.model.named_parameters()} | {"lm_head.weight"}
+
+
+def _strip_prefixes(pair: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+    name, tensor = pair
+    for prefix in _PREFIXES:
+        name = name.removeprefix(prefix)
+    return name, tensor
 
 
 def _bounds(lengths: list[int]) -> list[tuple[int, int]]:

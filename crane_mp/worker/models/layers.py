@@ -17,6 +17,7 @@ from torch import nn
 from crane_mp.worker.attention import paged_attention
 from crane_mp.worker.forward_context import get_forward_context
 from crane_mp.worker.model_config import ModelConfig
+from crane_mp.worker.models.checkpoint import fill
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.rope import apply_rope
 from crane_mp.worker.sharding import Shard
@@ -213,7 +214,7 @@ class DecoderModel(nn.Module):
         start, stop = self.shard.vocab
         local = input_ids - start
         outside = (input_ids < start) | (input_ids >= stop)
-        x = self.embed_tokens(local.masked_fill(outside, 0))
+        x = self.embed_tokens(local.maskedfill(outside, 0))
         return all_reduce(x.masked_fill_(outside[:, None], 0))
 
 
@@ -228,14 +229,6 @@ def shard_tensor(shard: Shard, name: str, tensor: torch.Tensor) -> torch.Tensor:
     if split.rows > part.shape[0]:
         part = torch.cat([part, part.new_zeros(split.rows - part.shape[0], *part.shape[1:])])
     return part
-
-
-def _fill(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    """copy_ would broadcast a tensor of the wrong shape (an [N] row over an [M, N] matrix) in silence."""
-    if target.shape != tensor.shape:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, the model expects "
-                         f"{list(target.shape)}: a checkpoint for another configuration?")
-    target.copy_(tensor)
 
 
 # HF checkpoint names that we store packed into one fused parameter: name -> (fused name, shard index).
@@ -317,12 +310,12 @@ class CausalLM(nn.Module):
                 fused, shard = packed
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
                 offsets = self._shard_offsets(fused)
-                _fill(params[target].data[offsets[shard] : offsets[shard + 1]], tensor, name)
+                fill(params[target].data[offsets[shard] : offsets[shard + 1]], tensor, name)
                 loaded.add(f"{target}#{shard}")
                 continue
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
-            _fill(params[name].data, tensor, name)
+            fill(params[name].data, tensor, name)
             loaded.add(name)
         for attn in self.attention_layers():
             attn.finalize_weights()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from crane_mp.worker.models.checkpoint import copy_named
 from crane_mp.worker.rope import apply_rope
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
@@ -196,17 +197,7 @@ class Qwen25VisionTower(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors named relative to the tower (see the class docstring); returns the
         parameter names filled."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name not in params:
-                raise KeyError(f"vision tensor {name!r} has no matching parameter")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"vision tensor {name!r} has shape {list(tensor.shape)}, the tower expects "
-                                 f"{list(params[name].shape)}")
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        return loaded
+        return copy_named(dict(self.named_parameters()), weights)
 
 
 def window_order(grid_thw: list[tuple[int, int, int]], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:

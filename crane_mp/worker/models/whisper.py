@@ -20,6 +20,7 @@ from torch import nn
 from crane_mp.protocol import MediaInput
 from crane_mp.worker.forward_context import MediaSpan, get_forward_context
 from crane_mp.worker.model_config import ModelConfig
+from crane_mp.worker.models.checkpoint import copy_named
 from crane_mp.worker.platforms import Platform
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
@@ -98,17 +99,13 @@ class AudioWindow:
     cross: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: [H, positions, D] each
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(EncoderLayer):
+    """An encoder layer's modules, and cross-attention over the request's window between its two halves."""
+
     def __init__(self, dim: int, heads: int, ffn: int, act) -> None:
-        super().__init__()
-        self.self_attn = WhisperAttention(dim, heads)
-        self.self_attn_layer_norm = nn.LayerNorm(dim)
+        super().__init__(dim, heads, ffn, act)
         self.encoder_attn = WhisperAttention(dim, heads)
         self.encoder_attn_layer_norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, ffn)
-        self.fc2 = nn.Linear(ffn, dim)
-        self.final_layer_norm = nn.LayerNorm(dim)
-        self.act = act
         self.k_cache: torch.Tensor | None = None  # bound by the runner, like PagedSelfAttention's
         self.v_cache: torch.Tensor | None = None
         self.index = 0  # which of a window's cross keys and values are this layer's
@@ -245,20 +242,9 @@ class WhisperForConditionalGeneration(nn.Module):
         return F.linear(decoder.layer_norm(hidden), decoder.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.model.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name == "proj_out.weight":
-                continue  # tied to the token embedding
-            name = name.removeprefix("model.")
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, the model expects "
-                                 f"{list(params[name].shape)}")
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        return loaded
+        ours = ((name.removeprefix("model."), tensor) for name, tensor in weights
+                if name != "proj_out.weight")  # tied to the token embedding
+        return copy_named(dict(self.model.named_parameters()), ours)
 
     def expected_weights(self) -> set[str]:
         return {name for name, _ in self.model.named_parameters()}
