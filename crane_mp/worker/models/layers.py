@@ -214,7 +214,7 @@ class DecoderModel(nn.Module):
         start, stop = self.shard.vocab
         local = input_ids - start
         outside = (input_ids < start) | (input_ids >= stop)
-        x = self.embed_tokens(local.maskedfill(outside, 0))
+        x = self.embed_tokens(local.masked_fill(outside, 0))
         return all_reduce(x.masked_fill_(outside[:, None], 0))
 
 
