@@ -77,6 +77,17 @@ def test_each_tier_and_compiler_builds_under_its_own_name():
     assert build_name("avx2", "gcc13_1_0", "c++ 13.1.0") != names["avx2"]
 
 
+def test_each_environment_builds_under_its_own_name(monkeypatch):
+    """torch writes its own and Python's include and library paths into the build file: two virtual
+    environments sharing one cache under one name would each rebuild after the other's start."""
+    from torch.utils import cpp_extension
+
+    here = build_name("avx2", "gcc12_2_0", "c++ 12.2.0")
+    other = [path.replace("site-packages", "other-venv-site-packages") for path in cpp_extension.include_paths()]
+    monkeypatch.setattr(cpp_extension, "include_paths", lambda *args, **kwargs: other)
+    assert build_name("avx2", "gcc12_2_0", "c++ 12.2.0") != here
+
+
 @pytest.mark.slow  # every native source compiled once per tier: a minute and a half each on two cores
 @pytest.mark.parametrize("tier", ["avx512", "amx"])  # the amx flags hold every other tier's, avx512 none
 def test_kernels_compile_for_tiers_this_cpu_cannot_run(tier, tmp_path):

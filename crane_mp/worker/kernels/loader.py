@@ -1,9 +1,11 @@
 """Compile and load the native CPU kernels for one instruction-set tier (see cpu_isa.py, which decides).
 
 Each tier is compiled with explicit flags (never -march=native) under its own name, which also holds
-the compiler's identity and a digest of the sources, compiler and torch version. So one cache
-directory can be shared by every machine and user of a host image: an AVX2 CPU never loads code
-built for AMX, and a new compiler or torch rebuilds instead of loading a stale library.
+the compiler's identity and a digest of everything in the build command: sources, flags, compiler,
+torch version and the environment's include and library paths. So one cache directory can be shared
+by every machine, user and virtual environment of a host image: an AVX2 CPU never loads code built
+for AMX, a new compiler or torch rebuilds instead of loading a stale library, and two environments
+taking turns each keep their own build.
 
 Compiling needs a C++ compiler and ninja; without them, or if the build fails, build_kernels
 returns False and says why in the log.
@@ -19,6 +21,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sysconfig
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -69,8 +72,18 @@ def build_name(tier: str, compiler_tag: str, compiler_line: str) -> str:
     digest = hashlib.sha256()
     for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
-    digest.update(" ".join([*TIER_FLAGS[tier], *_COMMON_FLAGS, compiler_line, torch.__version__]).encode())
+    digest.update(" ".join([*TIER_FLAGS[tier], *_COMMON_FLAGS, compiler_line, torch.__version__,
+                            *build_paths()]).encode())
     return f"crane_mp_cpu_{tier}_{compiler_tag}_{digest.hexdigest()[:12]}"
+
+
+def build_paths() -> list[str]:
+    """The paths torch writes into the build file (its headers and libraries, Python's headers). Two
+    environments of the same torch differ only here: sharing one build directory, each start after
+    the other's would find a changed build file and recompile everything."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    return [*include_paths(), *library_paths(), sysconfig.get_paths()["include"]]
 
 
 def kernel_cache_dir() -> Path | None:
