@@ -9,10 +9,10 @@ from typing import Iterator
 
 import psutil
 import torch
-from tqdm import tqdm
 
 from crane_mp.gguf_file import ModelSource, check_gguf
 from crane_mp.worker.cpu_packing import pack_linear_weights, spare_copies_fit
+from crane_mp.worker.load_progress import LoadProgress
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
@@ -40,7 +40,7 @@ def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, t
         handle = safe_open(str(path), framework="pt", device="cpu")  # mmap: tensors are paged in on access
         handles.append(handle)
         total += len(handle.keys())
-    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+    with LoadProgress(total, "weights", progress) as bar:
         for handle in handles:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
-from tqdm import tqdm
 
 from crane_mp.gguf_file import TensorInfo, check_gguf
+from crane_mp.worker.load_progress import LoadProgress
 from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
@@ -141,7 +141,7 @@ def load_gguf_model(
     tensors = _Tensors(path, contents.tensors, {"attn_q": shape.heads, "attn_k": shape.kv_heads} if permute else {},
                        mapped=platform.reads_weights_in_place)
     try:
-        with tqdm(total=len(contents.tensors), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
+        with LoadProgress(len(contents.tensors), "GGUF weights", progress) as bar:
             loaded = _fill(model, tensors, config, dtype, platform, bar, int8)
     finally:
         tensors.close()
@@ -152,7 +152,7 @@ def load_gguf_model(
 
 
 def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.dtype, platform: Platform,
-          bar: tqdm, int8: bool) -> set[str]:
+          bar: LoadProgress, int8: bool) -> set[str]:
     """Swap in quantized layers for what stays quantized, allocate the rest, load it; returns the
     parameter names filled (as CausalLM.load_weights does)."""
     device, kernels = platform.device, platform.gguf
