@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.message_parts import joined_text, string_field
+from crane_mp.frontend.message_parts import string_field, text_content
 from crane_mp.frontend.fields import Count, PositiveCount, StopString, TopK, TopP
 from crane_mp.frontend.openai_schemas import FunctionName
 
@@ -106,7 +106,7 @@ def chat_messages(req: MessagesFields) -> list[dict[str, Any]]:
     turns (before its text), an assistant turn's tool_use blocks its tool_calls."""
     messages: list[dict[str, Any]] = []
     if req.system is not None:
-        messages.append({"role": "system", "content": joined_text(req.system, "system", "system", ("text",))})
+        messages.append({"role": "system", "content": text_content(req.system, "system", "system", ("text",))})
     for index, message in enumerate(req.messages):
         where = f"messages[{index}].content"
         if isinstance(message.content, str):
@@ -121,14 +121,15 @@ def chat_messages(req: MessagesFields) -> list[dict[str, Any]]:
                 calls.append({"id": string_field(block, "id", at, "messages"), "type": "function", "function": {
                     "name": string_field(block, "name", at, "messages"), "arguments": block.get("input") or {}}})
             elif kind == "tool_result" and message.role == "user":
-                result = joined_text(block.get("content", ""), f"{at}.content", "messages", ("text",))
+                result = text_content(block.get("content", ""), f"{at}.content", "messages", ("text",))
                 messages.append({"role": "tool", "tool_call_id": string_field(block, "tool_use_id", at, "messages"),
                                  "content": result})
             elif kind not in ("thinking", "redacted_thinking"):
                 raise ApiError(400, f"{at}: {kind!r} blocks are not supported in a {message.role} turn "
                                     "(text, tool_use from the assistant, tool_result from the user)", "messages")
         if texts or calls:
-            turn: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
+            turn: dict[str, Any] = {"role": message.role, "content": [{"type": "text", "text": text} for text in texts]
+                                    if texts else ""}
             if calls:
                 turn["tool_calls"] = calls
             messages.append(turn)

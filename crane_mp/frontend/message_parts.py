@@ -16,17 +16,17 @@ def string_field(item: dict[str, Any], key: str, where: str, param: str) -> str:
     return value
 
 
-def joined_text(content: Any, where: str, param: str, part_types: tuple[str, ...]) -> str:
-    """A string, or text parts (`{"type": one of part_types, "text": ...}`) joined by newlines, as chat
-    content is."""
+def text_content(content: Any, where: str, param: str, part_types: tuple[str, ...]) -> str | list[dict[str, str]]:
+    """A string, or text parts (`{"type": one of part_types, "text": ...}`) as chat-template text parts
+    (`{"type": "text", "text": ...}`), which the renderer gives the template as it reads them."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ApiError(400, f"{where} must be a string or a list of text parts", param)
-    texts = []
+    parts = []
     for index, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in part_types or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ApiError(400, f"{where}[{index}]: only text parts are supported, not {kind!r}", param)
-        texts.append(part["text"])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    return parts

@@ -359,18 +359,15 @@ def prompt_inputs(prompt: str | list, vocab_size: int, param: str = "prompt",
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: text parts joined by newlines (as vLLM does), and
-    no content as an empty string (templates concatenate it). A message with images keeps its parts,
-    as a vision-language template reads them: {"type": "text", "text"} and {"type": "image"}."""
+    """Messages as the chat template expects them: content parts as {"type": "text", "text"} and
+    {"type": "image"} (the renderer joins text parts for a template that reads strings only), and no
+    content as an empty string (templates concatenate it)."""
     out = []
     for message in messages:
         content = message.content
         if isinstance(content, list):
-            if any(isinstance(part, ImagePart) for part in content):
-                content = [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
-                           for part in content]
-            else:
-                content = "\n".join(part.text for part in content)
+            content = [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+                       for part in content]
         item = {"role": message.role, "content": content or ""}
         if message.name is not None:
             item["name"] = message.name

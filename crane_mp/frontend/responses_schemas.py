@@ -1,6 +1,7 @@
 """The OpenAI Responses API's request body (/v1/responses) as msgspec Structs. Fields this server does
-not act on (include, truncation, service_tier, prompt_cache_key, ...) are accepted and ignored, as
-agent clients send them; tools other than functions, and input that is not text, are a 400.
+not act on (truncation, service_tier, prompt_cache_key, ...) are accepted and ignored, as agent clients
+send them, and so are `include` entries but the text's logprobs; tools other than functions, and input
+that is not text, are a 400.
 
 `input` items differ by shape (a message may omit its type), so they are decoded as objects and read
 by `input_messages`; INPUT_SCHEMA states the item shapes for the OpenAPI document.
@@ -14,7 +15,7 @@ import msgspec
 
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.fields import PositiveCount, Temperature, TopLogprobs, TopP
-from crane_mp.frontend.message_parts import joined_text, string_field
+from crane_mp.frontend.message_parts import string_field, text_content
 from crane_mp.frontend.openai_schemas import FunctionName, arguments_object
 
 
@@ -50,6 +51,9 @@ class ResponseReasoningConfig(msgspec.Struct, kw_only=True):
     generate_summary: str | None = None
 
 
+TEXT_LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the text's logprobs
+
+
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     input: str | list[dict[str, Any]]
     model: str | None = None
@@ -63,11 +67,20 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_logprobs: TopLogprobs | None = None
+    include: Annotated[list[str], msgspec.Meta(max_length=32)] | None = None
     stream: bool | None = False  # null: false (sglang-router forwards it so)
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+
+    @property
+    def logprobs(self) -> int | None:
+        """How many alternatives each output_text token lists with its logprob; None: no logprobs. OpenAI
+        sends them where `include` names them; top_logprobs alone asks for them too."""
+        if self.top_logprobs is None and TEXT_LOGPROBS not in (self.include or ()):
+            return None
+        return self.top_logprobs or 0
 
 
 _PART_TYPES = ("input_text", "output_text", "text")
@@ -106,7 +119,7 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ApiError(400, f"{where}.role must be user, assistant, system or developer", "input")
-            content = joined_text(item.get("content"), f"{where}.content", "input", _PART_TYPES)
+            content = text_content(item.get("content"), f"{where}.content", "input", _PART_TYPES)
             messages.append({"role": role, "content": content})
         elif kind == "function_call":
             call = {"id": string_field(item, "call_id", where, "input"), "type": "function",
@@ -118,7 +131,7 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": string_field(item, "call_id", where, "input"),
-                             "content": joined_text(item.get("output"), f"{where}.output", "input", _PART_TYPES)})
+                             "content": text_content(item.get("output"), f"{where}.output", "input", _PART_TYPES)})
         elif kind != "reasoning":
             raise ApiError(400, f"{where}: input items of type {kind!r} are not supported (messages with text, "
                                 "function_call, function_call_output and reasoning are)", "input")

@@ -41,6 +41,7 @@ class TokenizerService:
         self.added_vocab = added = self.tokenizer.get_added_vocab()
         self.marker_tokens = {text: added[text] for text in MARKER_TEXTS if text in added}  # tool-call markers
         self.xml_tool_calls = writes_xml_calls(getattr(self.tokenizer, "chat_template", None))
+        self.template_reads_parts = self.has_chat_template and _reads_text_parts(self.tokenizer)
 
     @property
     def has_chat_template(self) -> bool:
@@ -92,6 +93,7 @@ class TokenizerService:
         known = self.template_variables
         kwargs = {k: v for k, v in (template_kwargs or {}).items()
                   if k not in self.reserved_variables and (known is None or k in known)}
+        messages = [_as_template_reads(message, self.template_reads_parts) for message in messages]
         if tools and known is not None and "tools" not in known and tool_prompt:
             messages = _with_system_text(messages, tool_prompt)
         elif tools:
@@ -113,8 +115,38 @@ class TokenizerService:
 
 def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": text + "\n\n" + messages[0]["content"]}] + messages[1:]
+        content = messages[0]["content"]
+        if isinstance(content, list):
+            content = [{"type": "text", "text": text + "\n\n"}, *content]
+        else:
+            content = text + "\n\n" + content
+        return [{**messages[0], "content": content}] + messages[1:]
     return [{"role": "system", "content": text}] + messages
+
+
+def _as_template_reads(message: dict[str, Any], reads_parts: bool) -> dict[str, Any]:
+    """Content given as text parts, as the template renders it: the parts themselves for a template
+    that reads them (transformers hands it the list: Qwen2.5-VL's concatenates them), else one string
+    joined by newlines (as vLLM does for a template that reads strings only)."""
+    content = message.get("content")
+    if reads_parts or not isinstance(content, list) or any(part.get("type") != "text" for part in content):
+        return message
+    return {**message, "content": "\n".join(part["text"] for part in content)}
+
+
+_PROBE = "crane-mp-template-probe"
+
+
+def _reads_text_parts(tokenizer: Any) -> bool:
+    """Whether the chat template renders content given as a list of text parts: it shows the part's
+    text and not the list itself (a template reading strings only prints the list's repr, renders
+    nothing for it, or refuses it)."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": _PROBE}]}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template's raise_exception() for content that is not a string
+        return False
+    return isinstance(text, str) and _PROBE in text and "'type'" not in text and '"type"' not in text
 
 
 def _refuse(at_least: int, max_tokens: int, param: str) -> None:
