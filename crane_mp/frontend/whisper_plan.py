@@ -72,6 +72,8 @@ async def transcribe(features: np.ndarray, settings: GenerationSettings, decode:
     language = language if language is not None else settings.language
     task = task if task is not None else settings.task
     _check_language_and_task(settings, language, task)
+    if settings.is_multilingual is False:  # English, as OpenAI clients say: its prompt has no such tokens
+        language = task = None
     num_frames = features.shape[-1]
     timestamps = settings.return_timestamps if timestamps is None else timestamps
     timestamps = timestamps or num_frames > settings.num_segment_frames  # long-form seeks by timestamps
@@ -232,11 +234,20 @@ def prompt_token_ids(tokenizer, text: str, settings: GenerationSettings) -> list
     max_text_tokens = settings.max_target_positions // 2 - 1
     return ids[:1] + ids[1:][-max_text_tokens:]
 
+
 def _check_language_and_task(settings: GenerationSettings, language: str | None, task: str | None) -> None:
-    if settings.is_multilingual is False and (task is not None or language is not None):
-        raise ApiError(400, "this model is English-only: it takes no language and only transcribes",
-                       "language" if language is not None else None)
+    if settings.is_multilingual is False:
+        if language is not None and not _names_english(language):
+            raise ApiError(400, f"this model is English-only: it cannot transcribe language {language!r}", "language")
+        if task not in (None, "transcribe"):
+            raise ApiError(400, f"this model is English-only: it only transcribes, it cannot {task}")
+        return
     if task is not None and (task not in TASKS or task not in (settings.task_to_id or {})):
         raise ApiError(400, f"this model cannot {task}")
     if language is not None and settings.lang_to_id is None:
         raise ApiError(400, "this model has no language tokens", "language")
+
+
+def _names_english(language: str) -> bool:
+    """`language` as transformers accepts it ("en", "english", "<|en|>"), in any case, names English."""
+    return language.lower() in ("en", "english", "<|en|>")

@@ -182,14 +182,27 @@ def test_refuses_what_the_model_cannot_do(whisper):
     features = np.zeros((80, 3000), dtype=np.float32)
     english_only = dataclasses.replace(whisper.settings, is_multilingual=False)
     no_timestamps = dataclasses.replace(whisper.settings, no_timestamps_token_id=None)
-    for settings, kwargs in [(english_only, {"language": "en"}), (whisper.settings, {"task": "summarize"}),
-                             (no_timestamps, {"timestamps": True})]:
+    for settings, kwargs in [(english_only, {"language": "fr"}), (english_only, {"task": "translate"}),
+                             (whisper.settings, {"task": "summarize"}), (no_timestamps, {"timestamps": True})]:
         with pytest.raises(ApiError) as err:
             asyncio.run(transcribe(features, settings, GreedyDecoder(whisper), **kwargs))
         assert err.value.status == 400
+    with pytest.raises(ApiError, match="English-only: it cannot transcribe language 'fr'"):
+        asyncio.run(transcribe(features, english_only, GreedyDecoder(whisper), language="fr"))
     with pytest.raises(ApiError) as err:
         prompt_token_ids(whisper.processor.tokenizer, "hi <|en|>", whisper.settings)
     assert err.value.param == "prompt"
+
+
+def test_an_english_only_model_takes_english_as_openai_clients_name_it(whisper):
+    """OpenAI clients send language=en: an English-only model transcribes as without a language."""
+    features = np.zeros((80, 3000), dtype=np.float32)
+    english_only = dataclasses.replace(whisper.settings, is_multilingual=False, lang_to_id=None, task_to_id=None)
+    plain = asyncio.run(transcribe(features, english_only, GreedyDecoder(whisper)))
+    for language in ("en", "English", "<|en|>"):
+        result = asyncio.run(transcribe(features, english_only, GreedyDecoder(whisper), language=language))
+        assert result == plain
+    assert asyncio.run(transcribe(features, english_only, GreedyDecoder(whisper), task="transcribe")) == plain
 
 
 def test_a_long_prompt_keeps_its_last_tokens(whisper):
