@@ -46,9 +46,12 @@ class Server:
             self.kill_all()  # the caller never gets this Server to clean up
             raise
 
-    def _wait_ready(self, timeout: float = 120) -> dict[str, int]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def _wait_ready(self, stall: float = 90) -> dict[str, int]:
+        """Wait for /health while the server makes progress (its log grows or its processes, compilers
+        included, use CPU): a slow or busy machine only takes longer; a server that stops progressing for
+        `stall` seconds without being ready is a failure."""
+        last_progress, last_mark = time.monotonic(), None
+        while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
             try:
@@ -56,10 +59,24 @@ class Server:
                     break
             except requests.ConnectionError:
                 pass
+            mark = (self.log_path.stat().st_size, round(self._cpu_seconds(), 1))
+            if mark != last_mark:
+                last_progress, last_mark = time.monotonic(), mark
+            elif time.monotonic() - last_progress > stall:
+                raise RuntimeError(f"server made no progress in {stall}s:\n{self.log_path.read_text()}")
             time.sleep(0.2)
-        else:
-            raise RuntimeError(f"server not ready in {timeout}s:\n{self.log_path.read_text()}")
         return {name: int(pid) for name, pid in re.findall(r"started (\S+) process pid=(\d+)", self.log_path.read_text())}
+
+    def _cpu_seconds(self) -> float:
+        """CPU time of the server's processes and of the children they have waited for (a compiler)."""
+        total = 0.0
+        for proc in self.process_tree():
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system + times.children_user + times.children_system
+        return total
 
     def process_tree(self) -> list[psutil.Process]:
         try:

@@ -33,10 +33,14 @@ def test_installed_wheel_builds_its_kernels_per_tier(tmp_path):
                     "-w", str(tmp_path / "dist"), str(REPO)], check=True, cwd=tmp_path)
     [wheel] = (tmp_path / "dist").glob("crane_mp-*.whl")
     venv = tmp_path / "venv"
-    # System site-packages provide torch and the other dependencies; crane_mp itself comes from the wheel.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
+    # torch and the other dependencies come from the environment running this test (a virtual one, as
+    # most users run it, whose packages --system-site-packages would not see), after the wheel's own
+    # site-packages; its .pth files are not read from there, so its editable crane_mp stays out.
+    [site] = (venv / "lib").glob("python*/site-packages")
+    (site / "outer-environment.pth").write_text("\n".join(_site_dirs()) + "\n")
 
     tiers = [t for t in ("avx2", "avx512") if CPU_ISAS.index(t) <= CPU_ISAS.index(host_isa())]
     # A build killed half-way leaves torch's lock file behind; the next start must not wait on it forever.
@@ -55,3 +59,10 @@ def test_installed_wheel_builds_its_kernels_per_tier(tmp_path):
         assert report["argmax"] == [1]
     built = sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir())
     assert [name.split("_")[3] for name in built] == tiers  # crane_mp_cpu_<tier>_...: one entry per tier
+
+
+def _site_dirs() -> list[str]:
+    """This environment's site-packages directories (where torch is installed)."""
+    import site
+
+    return [path for path in site.getsitepackages() if Path(path).is_dir()]
