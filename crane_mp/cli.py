@@ -11,6 +11,7 @@ import os
 import sys
 
 from crane_mp.config import (
+    AUDIO_SAMPLES_PER_SECOND,
     DTYPES,
     KV_CACHE_DTYPES,
     LOG_FORMATS,
@@ -182,11 +183,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="DOMAIN",
                    help="hosts whose http(s) image URLs chat messages may name (the domain and its subdomains); "
                         "none (the default): only data: URLs, and the server fetches nothing")
+    p.add_argument("--allowed-media-ports", nargs="+", type=_port, default=[80, 443], metavar="PORT",
+                   help="ports those image URLs may name (the scheme's own when they name none)")
+    p.add_argument("--allow-private-media-addresses", action="store_true",
+                   help="fetch image URLs whose host resolves to a loopback, private, link-local (cloud metadata), "
+                        "shared or reserved address too; off, only public addresses are fetched")
+    p.add_argument("--max-images-per-request", type=_positive_int, default=32,
+                   help="image parts one chat request may hold, counted before any is fetched or decoded; more "
+                        "get 400 (32 images of a typical size already fill a 32k-token window)")
     p.add_argument("--max-image-pixels", type=_positive_int, default=1 << 25,
                    help="largest image (width x height) a request may send, checked from its header before "
                         "its pixels are decoded; larger ones get 400")
     p.add_argument("--max-audio-seconds", type=_positive_seconds, default=3600.0,
                    help="longest audio one transcription or translation request may send; longer gets 400")
+    p.add_argument("--max-audio-samples", type=_positive_int,
+                   help="most samples (frames x channels) an uploaded audio file may declare, read from its header "
+                        "before decoding (4 bytes each while decoding); more get 400 (default: "
+                        f"{AUDIO_SAMPLES_PER_SECOND} per second of --max-audio-seconds, 48 kHz stereo for the "
+                        "whole duration)")
     p.add_argument("--read-timeout", type=_positive_seconds, default=30.0,
                    help="seconds a request's headers, and then its body, may take to arrive (408 past it); an "
                         "idle keep-alive connection is closed after as long")
@@ -353,8 +367,12 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         max_queue=args.max_queue,
         max_request_generations=args.max_request_generations,
         allowed_media_domains=tuple(args.allowed_media_domains),
+        allowed_media_ports=tuple(args.allowed_media_ports),
+        allow_private_media_addresses=args.allow_private_media_addresses,
+        max_images_per_request=args.max_images_per_request,
         max_image_pixels=args.max_image_pixels,
         max_audio_seconds=args.max_audio_seconds,
+        max_audio_samples=args.max_audio_samples,
         read_timeout=args.read_timeout,
         write_timeout=args.write_timeout,
         max_connections=args.max_connections,

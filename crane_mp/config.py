@@ -27,6 +27,10 @@ TASKS = ("auto", "generate", "embed", "score", "transcribe")
 # CPU instruction-set tiers, lowest first; each includes the ones before it (worker/kernels/cpu_isa.py).
 CPU_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+# Audio samples (frames x channels) an upload may hold per second of --max-audio-seconds, unless
+# --max-audio-samples says otherwise: 48 kHz stereo, six times the 16 kHz mono Whisper takes, so that
+# studio recordings of the longest allowed duration still decode (4 bytes per sample while decoding).
+AUDIO_SAMPLES_PER_SECOND = 48000 * 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +145,12 @@ class ServerConfig:
     max_queue: int = 1024  # requests waiting for a running slot; more get 429
     max_request_generations: int = 256  # prompts x n of one request
     allowed_media_domains: tuple[str, ...] = ()  # hosts image URLs may be fetched from; none: data URLs only
+    allowed_media_ports: tuple[int, ...] = (80, 443)  # ports image URLs may name
+    allow_private_media_addresses: bool = False  # fetch from loopback, private and link-local addresses too
+    max_images_per_request: int = 32  # image parts of one request, counted before any is fetched or decoded
     max_image_pixels: int = 1 << 25  # an image's width x height, checked before its pixels are decoded
     max_audio_seconds: float = 3600.0  # one transcription's audio, checked as it is decoded
+    max_audio_samples: int | None = None  # frames x channels of an upload; None: see audio_sample_limit
     read_timeout: float = 30.0  # seconds a request's headers, then its body, may take; also keep-alive idle
     write_timeout: float = 60.0  # seconds a streaming client may leave its events unread
     max_connections: int = 1024  # open client connections per frontend; more are answered 503
@@ -165,6 +173,11 @@ class ServerConfig:
     @property
     def logs(self) -> LogSettings:
         return LogSettings(self.log_level, self.log_format)
+
+    @property
+    def audio_sample_limit(self) -> int:
+        """--max-audio-samples, else AUDIO_SAMPLES_PER_SECOND for each of --max-audio-seconds."""
+        return self.max_audio_samples or int(AUDIO_SAMPLES_PER_SECOND * self.max_audio_seconds)
 
 
 # ---- environment ----------------------------------------------------------------------------------

@@ -17,16 +17,20 @@ import soxr
 from crane_mp.frontend.errors import ApiError
 
 SAMPLING_RATE = 16000  # what Whisper's feature extractor takes
-def decode_audio(data: bytes, where: str, max_seconds: float | None = None) -> np.ndarray:
+
+
+def decode_audio(data: bytes, where: str, max_seconds: float | None = None,
+                 max_samples: int | None = None) -> np.ndarray:
     """The samples of the audio file `data` (any format libsndfile reads), averaged to mono and
     resampled to 16 kHz with soxr's "HQ" quality, as transformers' `_load_audio_soundfile`.
 
-    Bytes that are not audio, a truncated header, no samples, or more than `max_seconds` of audio
-    raise ApiError(400) naming `where` (the form field the upload came in)."""
+    Bytes that are not audio, a truncated header, no samples, more than `max_seconds` of audio, or more
+    than `max_samples` frames x channels raise ApiError(400) naming `where` (the form field the upload
+    came in)."""
     try:
         with sf.SoundFile(io.BytesIO(data)) as audio:
             source_rate = audio.samplerate
-            channels = _read_channels(audio, where, max_seconds)
+            channels = _read_channels(audio, where, max_seconds, max_samples)
         if channels.shape[1] == 0:
             raise ApiError(400, f"'{where}' holds no audio samples", where)
         waveform = channels.mean(axis=0) if channels.shape[0] > 1 else channels[0]
@@ -41,11 +45,16 @@ def decode_audio(data: bytes, where: str, max_seconds: float | None = None) -> n
     return np.ascontiguousarray(waveform, dtype=np.float32)
 
 
-def _read_channels(audio: sf.SoundFile, where: str, max_seconds: float | None) -> np.ndarray:
+def _read_channels(audio: sf.SoundFile, where: str, max_seconds: float | None,
+                   max_samples: int | None) -> np.ndarray:
     """[channels, frames] float32, in one read: libsndfile's MP3 decoder gives other floats read in
-    blocks. The length the header declares is checked first, so a forged one allocates nothing."""
+    blocks. The read allocates what the header declares, frames x channels, so both are checked first:
+    a forged header (an hour of 8-channel silence compresses to megabytes) allocates nothing."""
     if max_seconds is not None and audio.frames > max_seconds * audio.samplerate:
         raise ApiError(400, f"'{where}' is longer than the {max_seconds:g} s this server accepts", where)
+    if max_samples is not None and audio.frames * audio.channels > max_samples:
+        raise ApiError(400, f"'{where}' holds {audio.frames} frames x {audio.channels} channels, more than the "
+                            f"{max_samples} samples this server decodes (--max-audio-samples)", where)
     return audio.read(dtype="float32", always_2d=True).T
 
 

@@ -68,7 +68,8 @@ async def _run(request: web.Request, form: TranslationForm, language: str | None
         raise ApiError(400, "streamed transcriptions are not supported; leave stream unset", "stream")
     check_response_format(form.response_format, form.timestamp_granularities)
     speech, tokenizer = state.speech, state.tokenizer.tokenizer
-    samples = await asyncio.to_thread(decode_audio, form.file, "file", state.config.max_audio_seconds)
+    samples = await asyncio.to_thread(decode_audio, form.file, "file", state.config.max_audio_seconds,
+                                      state.config.audio_sample_limit)
     duration = audio_duration(samples)
     record = current_record()
     if record is not None:

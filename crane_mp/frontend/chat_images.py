@@ -1,30 +1,32 @@
-"""Images of a chat request: fetched (data: URLs, or http(s) from an allowed host), decoded within the
-pixel budget, run through the model's image processor, and placed at their placeholder tokens.
+"""Images of a chat request: counted, fetched (data: URLs, or http(s) from an allowed host, media_fetch.py),
+decoded within the pixel budget, run through the model's image processor, and placed at their
+placeholder tokens.
 
 Decoding and processing run in a worker thread (PIL and numpy release the GIL for the heavy parts), so
-the event loop keeps serving. The frontend fetches a URL only when --allowed-media-domains names its
-host; redirects are not followed (one could lead anywhere).
+the event loop keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import urlsplit
-
-import aiohttp
 
 from crane_mp.frontend.access_log import current_record
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.images import ImageInput, expand_image_tokens, image_bytes_from_data_url, open_image
+from crane_mp.frontend.media_fetch import fetch_image
 from crane_mp.frontend.state import FrontendState
 from crane_mp.protocol import MediaInput
 
-_FETCH_SECONDS = 10.0
-
 
 def check_takes_images(state: FrontendState, count: int) -> None:
+    """The model takes `count` images in one request; checked before any is fetched or decoded, which all
+    run at once and before the prompt's length is known."""
     if count and state.image_processor is None:
         raise ApiError(400, f"model {state.model_name!r} takes no images; send text parts only", "messages")
+    limit = state.config.max_images_per_request
+    if count > limit:
+        raise ApiError(400, f"the request holds {count} images; this server takes at most {limit} "
+                            "(--max-images-per-request)", "messages")
 
 
 async def load_images(state: FrontendState, urls: list[tuple[str, str]]) -> list[ImageInput]:
@@ -36,36 +38,9 @@ async def _load(state: FrontendState, where: str, url: str) -> ImageInput:
     if url.startswith("data:"):
         data = image_bytes_from_data_url(url, where)
     else:
-        data = await _fetch(state, where, url)
+        data = await fetch_image(state.config, where, url, state.max_request_bytes)
     processor, limit = state.image_processor, state.config.max_image_pixels
     return await asyncio.to_thread(lambda: processor.preprocess(open_image(data, limit, where), where))
-
-
-def _allowed(host: str, domains: tuple[str, ...]) -> bool:
-    host = host.lower().rstrip(".")
-    return any(host == d or host.endswith("." + d) for d in (d.lower().strip(".") for d in domains))
-
-
-async def _fetch(state: FrontendState, where: str, url: str) -> bytes:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ApiError(400, f"{where}: an image URL must be a data: URL or http(s)", "messages")
-    if not _allowed(parts.hostname, state.config.allowed_media_domains):
-        raise ApiError(400, f"{where}: images are not fetched from {parts.hostname!r}; send a data: URL, or "
-                            "start the server with --allowed-media-domains naming the host", "messages")
-    limit = state.max_request_bytes
-    try:
-        timeout = aiohttp.ClientTimeout(total=_FETCH_SECONDS)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.get(url, allow_redirects=False) as response:
-                if response.status != 200:
-                    raise ApiError(400, f"{where}: fetching the image answered HTTP {response.status}", "messages")
-                data = await response.content.read(limit + 1)
-    except (aiohttp.ClientError, TimeoutError) as err:
-        raise ApiError(400, f"{where}: the image could not be fetched ({type(err).__name__})", "messages") from err
-    if len(data) > limit:
-        raise ApiError(400, f"{where}: the image is larger than {limit} bytes", "messages")
-    return data
 
 
 def record_images(state: FrontendState, count: int) -> None:

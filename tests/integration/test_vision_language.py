@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from crane_mp.testing.make_vl import make_vl, reference_processor
-from tests.integration.server import Server
+from tests.integration.server import Server, free_port
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
@@ -177,9 +177,8 @@ def test_urls_from_an_allowed_host_are_fetched(model_dir, tmp_path):
         app.router.add_get("/cat.png", image)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
         try:
             async with aiohttp.ClientSession() as session:
                 statuses = []
@@ -193,7 +192,10 @@ def test_urls_from_an_allowed_host_are_fetched(model_dir, tmp_path):
         finally:
             await runner.cleanup()
 
-    server = Server(model_dir, "--allowed-media-domains", "localhost", log_path=tmp_path / "log")
+    port = free_port()
+    # localhost is a loopback address, fetched only when the operator says so.
+    server = Server(model_dir, "--allowed-media-domains", "localhost", "--allowed-media-ports", str(port),
+                    "--allow-private-media-addresses", log_path=tmp_path / "log")
     try:
         assert asyncio.run(run()) == [200, 400]  # 127.0.0.1 is not a name the flag allows
         assert served == ["/cat.png"]

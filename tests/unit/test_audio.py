@@ -4,12 +4,14 @@ from the same file (soundfile backend), and answers a 400 naming the field for a
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import soundfile as sf
 from transformers.audio_utils import load_audio
 
+from crane_mp.config import EngineConfig, ServerConfig
 from crane_mp.frontend.audio import audio_duration, decode_audio
 from crane_mp.frontend.errors import ApiError
 
@@ -80,3 +82,40 @@ def test_longer_than_allowed_is_a_400(tmp_path):
     with pytest.raises(ApiError) as err:
         decode_audio(data, "file", max_seconds=2.5)
     assert err.value.status == 400 and "2.5 s" in err.value.message
+
+
+def _flac_declaring(frames: int, channels: int, rate: int) -> bytes:
+    """0.1 s of FLAC silence whose STREAMINFO declares `frames` frames: its total-samples field, the low
+    36 bits of the 8 bytes after the rate (4 bytes "fLaC", 4 of block header, 10 of block sizes)."""
+    buffer = io.BytesIO()
+    sf.write(buffer, np.zeros((rate // 10, channels)), rate, format="FLAC", subtype="PCM_16")
+    data = bytearray(buffer.getvalue())
+    field = int.from_bytes(data[18:26], "big")
+    data[18:26] = ((field & ~((1 << 36) - 1)) | frames).to_bytes(8, "big")
+    return bytes(data)
+
+
+def test_more_samples_than_allowed_are_a_400_before_any_is_decoded(monkeypatch):
+    # An hour of 8-channel 48 kHz audio: within --max-audio-seconds, yet 5.5 GB of float32 samples.
+    data = _flac_declaring(3600 * 48000, 8, 48000)
+
+    def read(*args, **kwargs):
+        raise AssertionError("the samples were decoded")
+
+    monkeypatch.setattr(sf.SoundFile, "read", read)
+    with pytest.raises(ApiError) as err:
+        decode_audio(data, "file", max_seconds=3600.0, max_samples=3600 * 96000)
+    assert (err.value.status, err.value.param) == (400, "file") and "--max-audio-samples" in err.value.message
+
+
+def test_the_sample_bound_counts_frames_times_channels(tmp_path):
+    data = _write(tmp_path, "WAV", "PCM_16", 16000, 2, seconds=1.0).read_bytes()
+    assert len(decode_audio(data, "file", max_samples=32000)) == 16000
+    with pytest.raises(ApiError):
+        decode_audio(data, "file", max_samples=31999)
+
+
+def test_the_default_sample_bound_is_48_khz_stereo_for_the_longest_audio():
+    config = ServerConfig(EngineConfig("m"), "m", max_audio_seconds=60.0)
+    assert config.audio_sample_limit == 60 * 48000 * 2
+    assert replace(config, max_audio_samples=1000).audio_sample_limit == 1000

@@ -5,17 +5,21 @@ registered. The real server gets the same treatment, fewer times, in tests/integ
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 
 import pytest
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
+from PIL import Image
 
 from crane_mp.config import EngineConfig
 from crane_mp.frontend.openai_schemas import CONSTRAINT_FIELDS
 from crane_mp.frontend.openapi import build_openapi
 from crane_mp.testing.make_model import make_model
+from crane_mp.testing.make_vl import make_vl
 from tests.unit.frontend_harness import start_frontend, stop_frontend
 
 MAX_MODEL_LEN = 4096  # room for nearly every prompt hypothesis writes: the window cannot be stated in a schema
@@ -32,6 +36,23 @@ EXTREMES = st.one_of(
 )
 
 
+def _png_data_url() -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+# Image parts of chat bodies, as the document allows them (any string is a URL there): a good image, the
+# URLs a server must refuse (malformed, another scheme, hosts not allowed: nothing is ever fetched) and
+# bad data URLs.
+IMAGE_URLS = st.one_of(st.text(max_size=30), st.sampled_from([
+    _png_data_url(), "http://[::1/x.png", "http://example.com:99999/x.png", "https://example.com/x.png",
+    "http://127.0.0.1:8080/x.png", "ftp://example.com/x.png", "data:image/png;base64,AAAA", "data:text/plain,hi",
+]))
+IMAGE_PARTS = st.builds(lambda url, detail: {"type": "image_url", "image_url": {"url": url, "detail": detail}},
+                        IMAGE_URLS, st.sampled_from([None, "auto", "low", "high"]))
+
+
 def _post_operations(doc: dict) -> list[tuple[str, dict]]:
     """JSON bodies only (the audio routes' uploads are multipart: tests/unit/test_uploads.py)."""
     return [(path, ops["post"]["requestBody"]["content"]["application/json"]["schema"])
@@ -44,17 +65,27 @@ def model_dir(tmp_path_factory):
     return make_model("qwen3", "tiny", tmp_path_factory.mktemp("m") / "qwen3", seed=5)
 
 
-@pytest.fixture(scope="module")
-def running(model_dir, tmp_path_factory):
-    """One frontend for the module, driven from a private event loop (hypothesis tests are sync)."""
+def _running(model_dir, run_dir):
+    """A frontend driven from a private event loop (hypothesis tests are sync)."""
     loop = asyncio.new_event_loop()
     # Every batch size times every n the document allows; a server's --max-request-generations may
     # be lower, which test_frontend_hardening checks.
-    client, state, fake = loop.run_until_complete(start_frontend(model_dir, tmp_path_factory.mktemp("run"),
-                                                                 MAX_MODEL_LEN, max_request_generations=64 * 16))
+    client, state, fake = loop.run_until_complete(start_frontend(model_dir, run_dir, MAX_MODEL_LEN,
+                                                                 max_request_generations=64 * 16))
     yield loop, client, state, fake
     loop.run_until_complete(stop_frontend(client, state))
     loop.close()
+
+
+@pytest.fixture(scope="module")
+def running(model_dir, tmp_path_factory):
+    yield from _running(model_dir, tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="module")
+def vl_running(tmp_path_factory):
+    """A vision-language model's, for chat bodies: their image parts are read, not refused unread."""
+    yield from _running(make_vl(tmp_path_factory.mktemp("vl") / "model"), tmp_path_factory.mktemp("run"))
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +122,13 @@ def _document(running) -> dict:
                                   "/generate", "/abort_request", "/v1/embeddings", "/v1/responses", "/v1/messages",
                                   "/v1/messages/count_tokens", "/separate_reasoning"])
 def test_every_body_the_document_allows_is_accepted(request, path):
-    running = request.getfixturevalue("embedding_running" if path == "/v1/embeddings" else "running")
+    fixture = {"/v1/embeddings": "embedding_running", "/v1/chat/completions": "vl_running"}.get(path, "running")
+    running = request.getfixturevalue(fixture)
     schema = _document(running)[path]
 
     @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(from_schema(schema))
-    def check(body):
+    @given(from_schema(schema), st.lists(IMAGE_PARTS, max_size=3))
+    def check(body, images):
         if path.startswith("/v1/messages"):  # a name other than the served one is a 404, as documented
             body["model"] = "tiny"  # (Anthropic's API requires one)
         else:
@@ -109,16 +141,31 @@ def test_every_body_the_document_allows_is_accepted(request, path):
         for name in ("json_schema", "regex", "ebnf"):
             (body.get("sampling_params") or {}).pop(name, None)
         body.pop("lora_path", None)  # must name a loaded adapter (tests/integration/test_lora.py)
-        for message in body.get("messages") or []:  # images: for a vision-language model (test_vision_language)
-            if isinstance(message.get("content"), list):
-                message["content"] = [part for part in message["content"] if part.get("type") != "image_url"]
+        if body.get("messages") and path == "/v1/chat/completions":  # beside the rare ones from the schema
+            _add_parts(body["messages"][-1], images)
         status, text = _post(running, path, json.dumps(body).encode())
         if status == 400 and "context window can take" in text:
             reject()  # a prompt longer than the window (messages, tools and system add up): no schema says so
-        assert status == 200, (body, text)
+        assert status == 200 or status == 400 and _refuses_an_image(body, text), (body, text)
 
     check()
     assert running[2].client.streams == {}
+
+
+def _add_parts(message: dict, parts: list[dict]) -> None:
+    content = message.get("content")
+    if not isinstance(content, list):
+        content = [{"type": "text", "text": content}] if isinstance(content, str) else []
+    message["content"] = content + parts
+
+
+def _refuses_an_image(body: dict, text: str) -> bool:
+    """The answer is a 400 naming an image part of the body: no schema says what a URL must hold."""
+    parts = [f"messages[{i}].content[{j}]" for i, message in enumerate(body.get("messages") or [])
+             if isinstance(message.get("content"), list)
+             for j, part in enumerate(message["content"]) if part.get("type") == "image_url"]
+    message = json.loads(text)["error"]["message"]
+    return any(message.startswith(f"{where}:") or message.endswith(f" at {where}") for where in parts)
 
 
 @pytest.mark.slow  # 300 generated bodies through the whole frontend: the full run's hardening check

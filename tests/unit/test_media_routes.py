@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from crane_mp.frontend import chat_images
 from crane_mp.frontend.openapi import build_openapi
 from crane_mp.testing.make_vl import make_vl
 from tests.unit.frontend_harness import start_frontend, stop_frontend
@@ -75,6 +76,23 @@ async def test_images_reach_the_scheduler_at_their_expanded_placeholders(vl_dir,
         typed = [{"type": "text", "text": "<|image_pad|>"}, parts[1]]
         resp = await client.post("/v1/chat/completions", json=_chat(*typed))
         assert resp.status == 400 and "image placeholders" in (await resp.json())["error"]["message"]
+    finally:
+        await stop_frontend(client, state)
+
+
+async def test_more_images_than_allowed_are_refused_before_any_is_read(vl_dir, tmp_path, monkeypatch):
+    def read(*args):
+        raise AssertionError("an image was decoded or fetched")
+
+    monkeypatch.setattr(chat_images, "open_image", read)
+    monkeypatch.setattr(chat_images, "fetch_image", read)
+    client, state, fake = await start_frontend(vl_dir, tmp_path)
+    try:
+        image = {"type": "image_url", "image_url": {"url": _png_url(2, 2)}}  # 1000 of them within 1 MiB
+        resp = await client.post("/v1/chat/completions", json=_chat(*[image] * 1000))
+        assert resp.status == 400
+        assert "1000 images" in (message := (await resp.json())["error"]["message"])
+        assert "--max-images-per-request" in message and not fake.requests
     finally:
         await stop_frontend(client, state)
 

@@ -96,3 +96,15 @@ def test_a_server_open_to_the_network_without_a_key_is_warned_about(tmp_path):
     [warning] = exposure_warnings(ServerConfig(engine=lora, model_name="m"))
     assert "run-time LoRA loading" in warning and "--admin-api-key" in warning
     assert exposure_warnings(ServerConfig(engine=lora, model_name="m", admin_api_key="a")) == []
+
+
+def test_media_bounds_reach_the_server_config(tmp_path):
+    model_dir = make_model("qwen3", "tiny", tmp_path / "m")
+    defaults = parse_args(["--model-path", str(model_dir)], {})
+    assert (defaults.allowed_media_ports, defaults.allow_private_media_addresses) == ((80, 443), False)
+    assert (defaults.max_images_per_request, defaults.audio_sample_limit) == (32, 3600 * 96000)
+    config = parse_args(["--model-path", str(model_dir), "--allowed-media-ports", "8080", "8443",
+                         "--allow-private-media-addresses", "--max-images-per-request", "4"],
+                        {"CRANE_MAX_AUDIO_SAMPLES": "1000"})
+    assert (config.allowed_media_ports, config.allow_private_media_addresses) == ((8080, 8443), True)
+    assert (config.max_images_per_request, config.audio_sample_limit) == (4, 1000)
