@@ -43,12 +43,24 @@ class ScoreHead:
     weight: np.ndarray  # [hidden] float32: one label
     bias: float
     sigmoid: bool
-    # sentence-transformers 6 saves a model with a chat template with the "message" modality: a pair is
-    # then two messages, roles query and document, rendered by the template ("structured": content as
-    # text parts; "flat": strings); None: the tokenizer's own text-pair encoding.
+    # sentence-transformers 6 gives a model with a chat template the "message" modality: a pair is then
+    # two messages, roles query and document, rendered by the template ("structured": content as text
+    # parts; "flat": strings); None: the tokenizer's own text-pair encoding.
     pair_format: str | None = None
     pooling: str = "last"  # which token's final hidden state the engine pools for it
     pooler: tuple[np.ndarray, np.ndarray] | None = None  # an encoder's dense + tanh before `weight`
+    # A decoder head reads the last token that is not config.json's pad token (transformers finds a
+    # row's end by it, whatever side its batch pads).
+    pad_id: int | None = None
+    prompt: str | None = None  # the CrossEncoder's default prompt (a system message, or the query's prefix)
+
+    def pooled_ids(self, ids: list[int]) -> list[int]:
+        """A pair's prompt up to the token the head reads: trailing pad tokens dropped (a causal model's
+        state at that token does not depend on them), the first token kept whatever it is."""
+        end = len(ids)
+        while end > 1 and ids[end - 1] == self.pad_id:
+            end -= 1
+        return ids[:end]
 
     def score(self, hidden: bytes) -> float:
         """The label's score from a pooled hidden state (float32 bytes)."""
@@ -59,8 +71,9 @@ class ScoreHead:
         return 1.0 / (1.0 + math.exp(-logit)) if self.sigmoid else logit
 
 
-def load_score_head(model_dir: Path) -> ScoreHead:
-    """The head of `model_dir`'s checkpoint; ValueError where it has none, or more than one label."""
+def load_score_head(model_dir: Path, chat_template: str | dict | None = None) -> ScoreHead:
+    """The head of `model_dir`'s checkpoint, whose tokenizer has `chat_template`; ValueError where it
+    has none, or more than one label."""
     names = {f"{layer}.{kind}" for pooler, output, _ in _HEADS for layer in (pooler, output) if layer
              for kind in ("weight", "bias")}
     tensors: dict[str, np.ndarray] = {}
@@ -77,16 +90,56 @@ def load_score_head(model_dir: Path) -> ScoreHead:
     weight = tensors[f"{output}.weight"]
     if weight.shape[0] != 1:
         raise ValueError(f"{model_dir}: the head has {weight.shape[0]} labels; --task score serves one-label heads")
-    # The activation: sentence-transformers 6 writes it to config_sentence_transformers.json, earlier
-    # releases into config.json.
-    activation = (_json(model_dir / "config_sentence_transformers.json").get("activation_fn")
-                  or (_json(model_dir / "config.json").get("sentence_transformers") or {}).get("activation_fn")
-                  or "Sigmoid")
-    message = (_json(model_dir / "sentence_bert_config.json").get("modality_config") or {}).get("message")
-    pair_format = (message.get("format") or "structured") if isinstance(message, dict) else None
+    config = _json(model_dir / "config.json")
+    settings = _json(model_dir / "config_sentence_transformers.json")
     bias = float(tensors[f"{output}.bias"][0]) if f"{output}.bias" in tensors else 0.0
     dense = (tensors[f"{pooler}.weight"], tensors[f"{pooler}.bias"]) if pooler else None
-    return ScoreHead(weight[0], bias, activation.rsplit(".", 1)[-1] == "Sigmoid", pair_format, pooling, dense)
+    pad_id = config.get("pad_token_id") if pooling == "last" else None
+    prompt = (settings.get("prompts") or {}).get(settings.get("default_prompt_name"))
+    return ScoreHead(weight[0], bias, _activation(model_dir, config, settings) == "Sigmoid",
+                     _pair_format(model_dir, config, chat_template), pooling, dense, pad_id, prompt)
+
+
+def _activation(model_dir: Path, config: dict, settings: dict) -> str:
+    """The activation CrossEncoder applies: the first it trusts (a torch class) of its own settings,
+    config.json's (before sentence-transformers 4: `sbert_ce_default_activation_function`), else Sigmoid,
+    its default for one label."""
+    saved = (settings.get("activation_fn"), (config.get("sentence_transformers") or {}).get("activation_fn"),
+             config.get("sbert_ce_default_activation_function"))
+    path = next((path for path in saved if isinstance(path, str) and path.startswith("torch.")), "torch.nn.Sigmoid")
+    name = path.rsplit(".", 1)[-1]
+    if name not in ("Sigmoid", "Identity"):
+        raise ValueError(f"{model_dir}: activation {path} is not supported (Sigmoid and Identity are)")
+    return name
+
+
+# sentence-transformers' InputFormatter._infer_format: the model types it knows take flat (string) content;
+# otherwise a template that reads typed parts says so by one of these.
+_FLAT_MODEL_TYPES = frozenset({"apertus", "deepseek_v3", "gpt_oss", "seed_oss"})
+_STRUCTURED_MARKS = ("content[0]", ".type", "'type'", '"type"', "item.type", "message.content[")
+
+
+def _pair_format(model_dir: Path, config: dict, chat_template: str | dict | None) -> str | None:
+    """How CrossEncoder turns a pair into tokens: through the chat template as query and document messages
+    where its saved modality config has "message", or (none saved) where the tokenizer has a template;
+    else (None) the tokenizer's text-pair encoding."""
+    modalities = _json(model_dir / "sentence_bert_config.json").get("modality_config")
+    if isinstance(modalities, dict):
+        message = modalities.get("message")
+        if not isinstance(message, dict):
+            return None
+        spelled = message.get("format", "auto")
+    elif chat_template:
+        spelled = "auto"
+    else:
+        return None
+    if spelled != "auto":
+        return spelled
+    if config.get("model_type") in _FLAT_MODEL_TYPES:
+        return "flat"
+    if not isinstance(chat_template, str) or any(mark in chat_template for mark in _STRUCTURED_MARKS):
+        return "structured"
+    return "flat"
 
 
 def answer_head(source: ModelSource, yes: int, no: int) -> ScoreHead:

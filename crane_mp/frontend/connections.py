@@ -7,6 +7,10 @@ connection callbacks of aiohttp's low-level `web.Server`: a connection past `--m
 503 and closed before anything is read; one whose headers have not arrived within `--read-timeout` is
 answered 408 and closed. Later requests on a kept-alive connection are bounded by the keep-alive timeout
 (the same `--read-timeout`), bodies by `routing.read_body`.
+
+A refused connection never reaches the access middleware: the guard counts it (the metric the state hands
+it) and writes the access log's line itself, one a second at most under a flood, with the count since the
+previous line.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import time
+from typing import Callable
 
 from aiohttp import web
 
 log = logging.getLogger("crane_mp.frontend")
+access_log = logging.getLogger("crane_mp.access")
 
 # File descriptors the process needs besides its client connections (ZeroMQ sockets, the tokenizer,
 # logs, the kernel cache).
@@ -37,12 +44,44 @@ _TOO_SLOW = _raw_response("408 Request Timeout", "timeout_error",
                           "the request headers did not arrive within --read-timeout")
 
 
+class RefusalLog:
+    """Connections refused past --max-connections, in the access log: the first at once, later ones
+    gathered into at most one line per `interval` seconds, so a flood of them cannot flood the log."""
+
+    def __init__(self, max_connections: int, interval: float = 1.0) -> None:
+        self.max_connections = max_connections
+        self.interval = interval
+        self.pending = 0  # refused since the last line
+        self._last_line = -interval
+        self._flush: asyncio.TimerHandle | None = None
+
+    def add(self) -> None:
+        self.pending += 1
+        if self._flush is not None:  # a line is already due
+            return
+        wait = self._last_line + self.interval - time.monotonic()
+        if wait <= 0:
+            self._write()
+        else:
+            self._flush = asyncio.get_running_loop().call_later(wait, self._write)
+
+    def _write(self) -> None:
+        self._flush = None
+        self._last_line = time.monotonic()
+        access_log.warning("refused %d connection(s) with 503: --max-connections %d were open", self.pending,
+                           self.max_connections, extra={"fields": {"status": 503, "refused": self.pending}})
+        self.pending = 0
+
+
 class ConnectionGuard:
-    def __init__(self, max_connections: int, header_timeout: float) -> None:
+    def __init__(self, max_connections: int, header_timeout: float,
+                 count_refusal: Callable[[], None] = lambda: None) -> None:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
         self.open: set[web.RequestHandler] = set()
         self.refused = 0
+        self.refusals = RefusalLog(max_connections)
+        self._count_refusal = count_refusal  # the exported counter (metrics.py)
         self._deadlines: dict[web.RequestHandler, asyncio.TimerHandle] = {}
 
     def attach(self, server: web.Server) -> None:
@@ -53,6 +92,8 @@ class ConnectionGuard:
             made(handler, transport)
             if len(self.open) >= self.max_connections:
                 self.refused += 1
+                self._count_refusal()
+                self.refusals.add()
                 transport.write(_TOO_MANY)
                 handler.force_close()  # the transport sends the 503, then closes
                 return

@@ -73,7 +73,7 @@ def _model_info(state: FrontendState) -> dict[str, Any]:
         "tokenizer_path": state.config.engine.model_path,
         "model_name": state.model_name,
         "model_type": info.arch if info else None,
-        "is_generation": True,
+        "is_generation": state.config.engine.task == "generate",  # the others refuse the generation routes
         "device": info.device if info else None,
         "dtype": info.dtype if info else None,
         "max_context_length": info.max_model_len if info else None,

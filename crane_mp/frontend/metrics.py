@@ -1,10 +1,11 @@
 """Prometheus metrics (prometheus_client), under the names vLLM dashboards already query.
 
-Request-level figures (tokens, latencies, finish reasons, rejections) are observed by the frontend
-that served the request. With several frontends (crane-launch sets PROMETHEUS_MULTIPROC_DIR) they go
-to prometheus_client's shared files and every scrape sums all frontends. Scheduler figures (running,
-waiting, KV usage, preemptions, prefix cache) are whole-server already: they arrive in EngineStats
-when /metrics is scraped and are rendered as they are (the last answer, if the scheduler is silent).
+Request-level figures (tokens, latencies, finish reasons, rejections, refused connections) are
+observed by the frontend that served the request. With several frontends (crane-launch sets
+PROMETHEUS_MULTIPROC_DIR) they go to prometheus_client's shared files and every scrape sums all
+frontends. Scheduler figures (running, waiting, KV usage, preemptions, prefix cache) are whole-server
+already: they arrive in EngineStats when /metrics is scraped and are rendered as they are (the last
+answer, if the scheduler is silent).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Metrics:
                                        labels + ["finished_reason"], registry=reg)
         self.rejected = Counter("crane:requests_rejected", "Requests refused with 429 (--max-queue).", labels,
                                 registry=reg)
+        self.connections_refused = Counter("crane:connections_refused", "Connections refused with 503 past "
+                                           "--max-connections.", labels, registry=reg)
         self.timed_out = Counter("crane:requests_timed_out", "Requests ended by --request-timeout.", labels,
                                  registry=reg)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
@@ -70,6 +73,9 @@ class Metrics:
 
     def request_rejected(self) -> None:
         self.rejected.labels(*self.names).inc()
+
+    def connection_refused(self) -> None:
+        self.connections_refused.labels(*self.names).inc()
 
     def observe_tokens(self, gap: float, count: int) -> None:
         """`count` tokens arrived together, `gap` seconds after the previous ones: the gaps a client

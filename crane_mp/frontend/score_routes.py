@@ -55,7 +55,8 @@ class RerankRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     top_n: Annotated[int, msgspec.Meta(ge=1, le=MAX_DOCUMENTS)] | None = None
     return_documents: bool = True
-    instruction: str | None = None  # the reranker's task text (Qwen3-Reranker's "Instruct")
+    # The reranker's task text: Qwen3-Reranker's "Instruct", a CrossEncoder's prompt (its default where none)
+    instruction: str | None = None
 
 
 class ScoreRequest(msgspec.Struct, kw_only=True):
@@ -84,7 +85,7 @@ async def _score_pairs(request: web.Request, pairs: list[tuple[str, str]], instr
     if state.score_head is not None:
         head = state.score_head
         for index, (query, document) in enumerate(pairs):
-            ids = await _classified_pair_ids(state, query, document)
+            ids = head.pooled_ids(await _classified_pair_ids(state, query, document, instruction or head.prompt))
             _check_room(state, index, len(ids))
             prompts.append(ids)
     else:
@@ -121,23 +122,24 @@ async def _reranker_head(state: FrontendState) -> ScoreHead:
     return state.answer_head
 
 
-async def _classified_pair_ids(state: FrontendState, query: str, document: str) -> list[int]:
+async def _classified_pair_ids(state: FrontendState, query: str, document: str, prompt: str | None) -> list[int]:
     """A pair's tokens as CrossEncoder makes them: query and document messages through the chat
-    template (a checkpoint saved with the message modality), else the tokenizer's text-pair encoding,
-    cut to the tokenizer's and the engine's limit."""
+    template (after `prompt` as a system message), else the tokenizer's text-pair encoding (`prompt`
+    before the query) cut to the tokenizer's and the engine's limit."""
     head = state.score_head
     if head.pair_format is None:  # cut to fit, the longer text first, as CrossEncoder cuts a pair
         tokenizer = state.tokenizer.tokenizer
         limit = min(tokenizer.model_max_length, state.engine_info.max_model_len - 1)
-        return tokenizer(query, document, truncation="longest_first", max_length=limit)["input_ids"]
+        return tokenizer((prompt or "") + query, document, truncation="longest_first", max_length=limit)["input_ids"]
     structured = head.pair_format == "structured"
+    turns = ((("system", prompt),) if prompt else ()) + (("query", query), ("document", document))
     messages = [{"role": role, "content": [{"type": "text", "text": text}] if structured else text}
-                for role, text in (("query", query), ("document", document))]
-    prompt = state.tokenizer.render_chat(messages, False, False, None)
-    if query not in prompt or document not in prompt:
+                for role, text in turns]
+    rendered = state.tokenizer.render_chat(messages, False, False, None)
+    if query not in rendered or document not in rendered:
         raise ApiError(400, "this model's chat template drops the query or the document of a pair (roles `query` and "
                             "`document`); sentence-transformers refuses such a template too", "documents")
-    return await prompt_ids(state, prompt, "documents", add_special_tokens=False)
+    return await prompt_ids(state, rendered, "documents", add_special_tokens=False)
 
 
 def _check_room(state: FrontendState, index: int, tokens: int) -> None:

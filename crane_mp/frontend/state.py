@@ -59,12 +59,14 @@ class FrontendState:
         added = self.tokenizer.added_vocab
         self.reasoning = reasoning_enabled(self.config.reasoning_parser, added)
         self.think_start_token, self.think_end_token = added.get(THINK_START), added.get(THINK_END)
-        self.connections = ConnectionGuard(self.config.max_connections, self.config.read_timeout)
+        self.connections = ConnectionGuard(self.config.max_connections, self.config.read_timeout,
+                                           self.metrics.connection_refused)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.grammar_timeout)
         modules = self.config.engine.lora_modules
         self.adapters = {name: LoraAdapter(i + 1, name, path) for i, (name, path) in enumerate(modules)}
         scoring = self.config.engine.task == "score"
-        self.score_head = load_score_head(Path(self.config.engine.model_path)) if scoring else None
+        template = getattr(self.tokenizer.tokenizer, "chat_template", None)  # how CrossEncoder renders a pair
+        self.score_head = load_score_head(Path(self.config.engine.model_path), template) if scoring else None
         model_dir = Path(self.config.engine.model_path)
         arch = checkpoint_architecture(model_dir, self.config.engine.model_type) if model_dir.is_dir() else None
         if arch is not None and arch.media == "image":

@@ -1,6 +1,7 @@
 """/v1/rerank and /score through the three processes on a Qwen3-Reranker-style checkpoint (a tiny random
 Qwen3 whose vocabulary has `yes` and `no`): scores equal the reference recipe run on transformers'
-float32 model, and the response shapes are Cohere's/Jina's and vLLM's."""
+float32 model, and the response shapes are Cohere's/Jina's and vLLM's. Sequence-classification checkpoints
+(--task score) score as sentence-transformers' CrossEncoder.predict does."""
 
 from __future__ import annotations
 
@@ -127,5 +128,68 @@ def test_a_cross_encoder_checkpoint_scores_as_sentence_transformers_does(cross_e
         chat = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
                              timeout=60)
         assert chat.status_code == 400 and "--task score" in chat.json()["error"]["message"]
+    finally:
+        assert srv.stop() == 0
+
+
+SEQ_CLS_DOCUMENTS = DOCUMENTS + ["Berlin is in Germany.", "x", "France exports wine and cheese.",
+                                 "The moon orbits the earth.", "It ends in the pad token<|endoftext|>"]
+
+
+def _spread_scores(model, encoder, pairs) -> None:
+    """Set the one-label `score` row to spread the pairs' logits about 0 (std 2): the direction along
+    which their final states differ most, less its part along their mean state (transformers' head has
+    no bias to cancel that with)."""
+    features = encoder.preprocess(pairs)  # right-padded: a row's last real token ends its mask
+    with torch.no_grad():
+        states = model.model(input_ids=features["input_ids"], attention_mask=features["attention_mask"])
+        last = features["attention_mask"].sum(dim=1) - 1
+        hidden = states.last_hidden_state[torch.arange(len(pairs)), last]  # [pairs, hidden]
+        mean = hidden.mean(dim=0)
+        row = torch.linalg.svd(hidden - mean).Vh[0]
+        row -= (row @ mean) / (mean @ mean) * mean
+        model.score.weight.copy_(2.0 * row[None] / (hidden @ row).std())
+
+
+@pytest.fixture(scope="module", params=["chat-template", "text-pair"])
+def seq_cls_dir(request, tmp_path_factory):
+    """A one-label Qwen3ForSequenceClassification as transformers saves it (the "seq-cls" form of a Qwen3
+    reranker, no sentence-transformers files): CrossEncoder renders its pairs through the tokenizer's chat
+    template when it has one, else by the tokenizer's text-pair encoding."""
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoConfig, Qwen3Config, Qwen3ForSequenceClassification
+
+    base = make_model("qwen3", "tiny", tmp_path_factory.mktemp("m") / "base", seed=5)
+    config = AutoConfig.from_pretrained(base, num_labels=1)
+    assert isinstance(config, Qwen3Config) and config.pad_token_id is not None  # CrossEncoder batches pad with it
+    model = Qwen3ForSequenceClassification.from_pretrained(base, config=config, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    if request.param == "text-pair":
+        tokenizer.chat_template = None
+    path = tmp_path_factory.mktemp("m") / f"seq-cls-{request.param}"
+    tokenizer.save_pretrained(path)
+    model.save_pretrained(path)
+    pairs = [(QUERY, document) for document in SEQ_CLS_DOCUMENTS]
+    _spread_scores(model, CrossEncoder(str(path), device="cpu"), pairs)
+    model.save_pretrained(path)
+    return path, CrossEncoder(str(path), device="cpu")
+
+
+def test_a_seq_cls_checkpoint_reranks_as_cross_encoder_predicts(seq_cls_dir, tmp_path):
+    path, encoder = seq_cls_dir
+    want = encoder.predict([(QUERY, document) for document in SEQ_CLS_DOCUMENTS]).tolist()
+    assert max(want) - min(want) > 0.6 and min(abs(a - b) for i, a in enumerate(want) for b in want[:i]) > 1e-3
+    instruction = "Judge whether the document answers the query"
+    prompted = encoder.predict([(QUERY, document) for document in SEQ_CLS_DOCUMENTS[:3]], prompt=instruction).tolist()
+    srv = Server(path, "--task", "score", "--dtype", "float32", "--kv-cache-dtype", "float32",
+                 log_path=tmp_path / "server.log")
+    try:
+        ranked = requests.post(f"{srv.url}/v1/rerank", json={"query": QUERY, "documents": SEQ_CLS_DOCUMENTS},
+                               timeout=60).json()["results"]
+        assert [r["index"] for r in ranked] == sorted(range(len(want)), key=lambda i: -want[i])
+        assert [r["relevance_score"] for r in ranked] == pytest.approx([want[r["index"]] for r in ranked], abs=1e-4)
+        scored = requests.post(f"{srv.url}/v1/score", json={"text_1": QUERY, "text_2": SEQ_CLS_DOCUMENTS[:3],
+                                                            "instruction": instruction}, timeout=60).json()
+        assert [d["score"] for d in scored["data"]] == pytest.approx(prompted, abs=1e-4)
     finally:
         assert srv.stop() == 0

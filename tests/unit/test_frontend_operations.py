@@ -1,12 +1,15 @@
 """What operators rely on, in-process over the fake scheduler: request ids, the access log, load
-shedding with 429, request timeouts, and errors that name the request."""
+shedding with 429, connections refused past the cap, request timeouts, and errors that name the request."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import shutil
 
 import pytest
+import torch
 
 from crane_mp.config import EngineConfig
 from crane_mp.protocol import ErrorKind
@@ -98,3 +101,53 @@ async def test_a_request_past_its_deadline_ends_with_408_and_is_aborted(frontend
     events = [json.loads(line[6:]) for line in (await r.text()).splitlines() if line.startswith("data: {")]
     assert r.status == 200 and events[-1]["error"]["code"] == 408
     assert fake.aborts[-1] == fake.requests[-1].rid and state.client.streams == {}
+
+
+@pytest.mark.parametrize("server_args", [{"max_connections": 2}])
+async def test_refused_connections_are_counted_and_logged_at_most_once_a_second(frontend, caplog):
+    client, state, fake = frontend
+    caplog.set_level(logging.INFO, logger="crane_mp.access")
+    host, port = client.server.host, client.server.port
+    held = [await asyncio.open_connection(host, port) for _ in range(2)]
+    while len(state.connections.open) < 2:  # the server accepts in its own turn of the loop
+        await asyncio.sleep(0)
+    for _ in range(3):
+        reader, writer = await asyncio.open_connection(host, port)
+        assert (await asyncio.wait_for(reader.readline(), 30)).startswith(b"HTTP/1.1 503")
+        writer.close()
+
+    def refusals() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "crane_mp.access" and "refused" in r.fields]
+
+    async def all_logged() -> None:  # the last ones wait for their line, a second after the first
+        while sum(r.fields["refused"] for r in refusals()) < 3:
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(all_logged(), 30)
+    lines = refusals()
+    assert lines[0].fields == {"status": 503, "refused": 1} and lines[0].levelno == logging.WARNING
+    assert all(later.created - earlier.created > 0.9 for earlier, later in zip(lines, lines[1:]))
+    for _, writer in held:
+        writer.close()
+    while state.connections.open:
+        await asyncio.sleep(0)
+    metrics = await (await client.get("/metrics")).text()
+    assert 'crane:connections_refused_total{model_name="tiny",replica="127.0.0.1:8080"} 3.0' in metrics
+
+
+@pytest.mark.parametrize("task", ["generate", "embed", "score"])
+async def test_model_info_says_is_generation_only_for_a_generating_server(model_dir, tmp_path, task):
+    """True only where the generation routes serve: an embedding or scoring server (as a transcription one)
+    refuses them."""
+    from safetensors.torch import save_file
+
+    served = tmp_path / "model"
+    shutil.copytree(model_dir, served)
+    save_file({"score.weight": torch.ones(1, 64)}, str(served / "score.safetensors"))  # a one-label head
+    client, state, fake = await start_frontend(served, tmp_path / "run", 256,
+                                               engine=EngineConfig(model_path=str(served), task=task))
+    try:
+        for path in ("/model_info", "/get_model_info"):
+            assert (await (await client.get(path)).json())["is_generation"] is (task == "generate")
+    finally:
+        await stop_frontend(client, state)
