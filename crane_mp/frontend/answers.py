@@ -17,15 +17,15 @@ from crane_mp.frontend.tools.xml_calls import XmlCallParser
 
 @dataclass(frozen=True, slots=True)
 class ReasoningReading:
-    """How to read an answer for thinking: whether the prompt opened a think block, and the `</think>`
-    token, by which thinking tokens are counted."""
+    """How to read an answer for thinking: its mode (reasoning.reading_mode), and the `</think>` token,
+    by which thinking tokens are counted."""
 
-    opened: bool
+    mode: str
     end_token: int | None
 
     def split(self, text: str, token_ids: list[int]) -> tuple[str | None, str, int]:
         """(reasoning or None, content, thinking tokens) of a whole answer."""
-        reasoning, content = split_reasoning(self.opened, text)
+        reasoning, content = split_reasoning(self.mode, text)
         return reasoning, content, reasoning_tokens(token_ids, self.end_token, reasoning is not None)
 
 
@@ -55,11 +55,13 @@ class WholeAnswer:
 
 
 def read_whole(text: str, token_ids: list[int], tools: ToolReading | None,
-               thinking: ReasoningReading | None) -> WholeAnswer:
+               thinking: ReasoningReading | None, finish_reason: str | None = None) -> WholeAnswer:
+    """A finished answer's parts; one that max_tokens cut keeps the calls it finished."""
     reasoning, tokens = None, 0
     if thinking is not None:
         reasoning, text, tokens = thinking.split(text, token_ids)
-    content, calls = (text, None) if tools is None else parse_with(tools.parser(), text)
+    cut = finish_reason == "length"
+    content, calls = (text, None) if tools is None else parse_with(tools.parser(), text, cut)
     return WholeAnswer(reasoning, content, calls, tokens)
 
 
@@ -83,12 +85,14 @@ class AnswerReader:
 
     def __init__(self, tools: ToolReading | None, thinking: ReasoningReading | None) -> None:
         self.parser = tools.parser() if tools else None
-        self.splitter = ReasoningSplitter.opening(thinking.opened) if thinking else None
+        self.splitter = ReasoningSplitter.reading(thinking.mode) if thinking else None
         self.end_token = thinking.end_token if thinking else None
         self.token_ids: list[int] = []  # with thinking: to count its tokens
+        self.finish_reason: str | None = None
 
     def feed(self, delta: Delta) -> AnswerPiece:
         reasoning, content, calls = "", delta.text, []
+        self.finish_reason = delta.finish_reason or self.finish_reason
         if self.splitter is not None:
             self.token_ids += delta.token_ids
             reasoning, content = self.splitter.feed(delta.text)
@@ -105,6 +109,14 @@ class AnswerReader:
     @property
     def called(self) -> bool:
         return self.parser is not None and bool(self.parser.calls)
+
+    @property
+    def cut_calls(self) -> set[int]:
+        """The calls streamed so far that the whole answer drops (read_whole): those max_tokens cut off.
+        Their deltas are sent already; an API whose answer ends with a final object leaves them out of it."""
+        if self.parser is None or self.finish_reason != "length":
+            return set()
+        return set(range(len(self.parser.kept_calls(True)), len(self.parser.calls)))
 
     @property
     def reasoning_tokens(self) -> int:

@@ -76,7 +76,7 @@ async def create_message(request: web.Request, req: MessagesRequest) -> web.Stre
 
         def body(results: list[Collected]) -> dict[str, Any]:
             out = results[0]
-            answer = read_whole(out.text, out.token_ids, chat.tools, chat.thinking)
+            answer = read_whole(out.text, out.token_ids, chat.tools, chat.thinking, out.finish_reason)
             reason = stop_reason(out.finish_reason, out.stop_reason, bool(answer.calls))
             return draft.message(content_blocks(answer), reason, usage(gens[0]))
 

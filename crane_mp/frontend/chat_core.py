@@ -17,7 +17,7 @@ from crane_mp.frontend.chat_images import check_takes_images, load_images, place
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.openai_schemas import NamedFunction, NamedToolChoice
 from crane_mp.frontend.pipeline import Plan, prompt_ids
-from crane_mp.frontend.reasoning import prompt_opens_thinking
+from crane_mp.frontend.reasoning import PLAIN, THINKING, prompt_opens_thinking, reading_mode, template_thinks
 from crane_mp.frontend.state import FrontendState
 from crane_mp.frontend.structured import Constraint
 from crane_mp.frontend.tools.forcing import forced_call_constraint
@@ -107,17 +107,21 @@ async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
     # constraint holds from the first token: the answer does not think (as with enable_thinking false).
     followable = None not in (state.think_start_token, state.think_end_token)
     opens = prompt_opens_thinking(prompt)
-    split = state.reasoning and ask.separate_reasoning and (constraint is None or followable or not opens)
-    thinking = ReasoningReading(opens, state.think_end_token) if split else None
-    budget = ask.thinking_budget
+    mode = reading_mode(prompt, ask.continue_final_message,
+                        template_thinks(state.config.reasoning_parser, state.tokenizer.template_variables))
     if constraint is not None and not opens:
+        mode = PLAIN
+    split = state.reasoning and ask.separate_reasoning and (constraint is None or followable or not opens)
+    thinking = ReasoningReading(mode, state.think_end_token) if split else None
+    budget = ask.thinking_budget
+    if mode == PLAIN:
         budget = None
     elif budget is None and constraint is not None:  # leave the constrained answer half the room
         room = state.engine_info.max_model_len - len(input_ids)
         budget = min(room, ask.max_tokens or room) // 2
-    if split and followable and budget is not None:
+    if split and followable and budget is not None:  # the sampler counts the thinking as the reader reads it
         params = msgspec.structs.replace(params, thinking=ThinkingBudget(
-            budget, state.think_start_token, state.think_end_token, opens))
+            budget, state.think_start_token, state.think_end_token, mode == THINKING))
     plan = Plan([input_ids], params, ask.max_tokens, "messages", ask.n, ask.stop, ask.skip_special_tokens,
                 names=ask.names, media=media)
     return PreparedChat(plan, input_ids, reading, thinking)

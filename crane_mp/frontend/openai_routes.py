@@ -95,7 +95,7 @@ async def chat_completions(request: web.Request, req: ChatCompletionRequest) -> 
         def body(results: list[Collected]) -> dict[str, Any]:
             choices, thought = [], 0
             for index, out in enumerate(results):
-                answer = read_whole(out.text, out.token_ids, reading, thinking)
+                answer = read_whole(out.text, out.token_ids, reading, thinking, out.finish_reason)
                 thought += answer.reasoning_tokens
                 choices.append(chat_choice(
                     index, answer, out.finish_reason, out.stop_reason, reading is not None,

@@ -1,8 +1,14 @@
-"""Reasoning models' thinking, apart from their answer: Qwen3 writes `<think> ... </think>` and then the
-answer; DeepSeek-R1 (and Qwen3's thinking-only releases) get `<think>` from their chat template at the
-end of the prompt and write the thinking, `</think>`, the answer. One rule serves both: a response is
-thinking from its start when the prompt left a `<think>` open, or when it starts with `<think>`; the
-thinking ends at `</think>`; the rest is the answer (a response with neither is all answer).
+"""Reasoning models' thinking, apart from their answer. Qwen3 writes `<think> ... </think>` and then the
+answer; DeepSeek-R1 and Qwen3's thinking releases get `<think>` from their chat template at the end of
+the prompt and write the thinking, `</think>`, the answer; Qwen3 with `enable_thinking: false` gets an
+empty `<think>\n\n</think>` in the prompt and writes the answer alone.
+
+One rule, which a stream can follow without taking text back (vLLM's `qwen3` parser): an answer in
+thinking mode is reasoning until its first `</think>`, whether or not it opened with `<think>` (a
+`<think>` it opens with is dropped), and all of it when `</think>` never comes (cut off while
+thinking); the rest is content. How each prompt's answer is read (reading_mode): thinking mode unless
+the prompt closed a think block just before the answer (then all content) or the model's chat
+template cannot think (then it thinks only inside a `<think>` it opens with).
 
 The split is lossless: (the opening tag the response wrote) + reasoning + `</think>` + content is the
 response's text, however the text arrives in pieces (a tag cut across pieces is held back until it is
@@ -15,6 +21,11 @@ from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
 
+# How an answer is read for thinking (reading_mode).
+THINKING = "thinking"  # reasoning from its start until the first </think>
+LEADING = "leading"  # reasoning only inside a <think> ... </think> it opens with
+PLAIN = "plain"  # all content
+
 
 def reasoning_enabled(parser: str, added_vocab: dict[str, int]) -> bool:
     """--reasoning-parser: qwen3 and deepseek_r1 read the same tags (what differs, whether the prompt
@@ -24,9 +35,30 @@ def reasoning_enabled(parser: str, added_vocab: dict[str, int]) -> bool:
     return parser != "none"
 
 
+def template_thinks(parser: str, template_variables: frozenset[str] | None) -> bool:
+    """Whether the model thinks where its prompt neither opens nor closes a think block. A parser named
+    on the command line says so (as vLLM's do); `auto` asks the chat template: one that takes
+    `enable_thinking` (Qwen3, GLM) thinks unless told not to, while one that does not (Qwen3's
+    instruct-only releases, whose vocabulary has the tags all the same) answers plainly."""
+    return parser != "auto" or template_variables is None or "enable_thinking" in template_variables
+
+
 def prompt_opens_thinking(prompt: str) -> bool:
     """The rendered prompt ends inside a think block (R1's template: the response starts thinking)."""
     return prompt.rfind(START) > prompt.rfind(END)
+
+
+def reading_mode(prompt: str, continued: bool, thinks: bool) -> str:
+    """How the answer to a rendered chat `prompt` is read: thinking where the prompt left a think block
+    open; all content where it closed one just before the answer (`enable_thinking: false`) or the answer
+    continues the final message (`continued`: its text goes on as it was); otherwise thinking mode where
+    the template thinks (template_thinks). An earlier turn's closed block does not count: only the
+    prompt's end does."""
+    if prompt_opens_thinking(prompt):
+        return THINKING
+    if continued or prompt.rstrip().endswith(END):
+        return PLAIN
+    return THINKING if thinks else LEADING
 
 
 @dataclass(slots=True)
@@ -34,26 +66,28 @@ class ReasoningSplitter:
     """Feed a response's text piece by piece; each feed returns the (reasoning, content) it can tell
     apart so far."""
 
-    state: str = "start"  # start: a leading <think> may come; thinking; answer
+    # open: thinking, a leading <think> may still come; start: a leading <think> may come, else the
+    # answer; thinking; answer
+    state: str = "start"
     held: str = ""
     ended: bool = False  # </think> was seen
 
     @classmethod
-    def opening(cls, opened: bool) -> ReasoningSplitter:
-        """A splitter for an answer whose prompt `opened` a think block (prompt_opens_thinking) or not."""
-        return cls("thinking" if opened else "start")
+    def reading(cls, mode: str) -> ReasoningSplitter:
+        """A splitter for an answer read in `mode` (reading_mode)."""
+        return cls({THINKING: "open", LEADING: "start", PLAIN: "answer"}[mode])
 
     def feed(self, text: str) -> tuple[str, str]:
         text, self.held = self.held + text, ""
-        reasoning = content = ""
-        if self.state == "start":
+        if self.state in ("open", "start"):
             if text.startswith(START):
                 self.state, text = "thinking", text[len(START):]
             elif START.startswith(text):
                 self.held = text  # may still become <think>
                 return "", ""
             else:
-                self.state = "answer"
+                self.state = "thinking" if self.state == "open" else "answer"
+        reasoning = ""
         if self.state == "thinking":
             end = text.find(END)
             if end < 0:
@@ -62,23 +96,22 @@ class ReasoningSplitter:
                 return text[: len(text) - keep], ""
             reasoning, text = text[:end], text[end + len(END):]
             self.state, self.ended = "answer", True
-        content = text
-        return reasoning, content
+        return reasoning, text
 
     def finish(self) -> tuple[str, str]:
         """What is held back at the end of the response."""
         held, self.held = self.held, ""
-        return (held, "") if self.state == "thinking" else ("", held)
+        return (held, "") if self.state in ("open", "thinking") else ("", held)
 
     @property
     def thought(self) -> bool:
         """The answer has thought so far (it is thinking, or its thinking ended)."""
-        return self.state == "thinking" or self.ended
+        return self.state in ("open", "thinking") or self.ended
 
 
-def split_reasoning(opened: bool, text: str) -> tuple[str | None, str]:
-    """A whole response's (reasoning, content); reasoning None when the response did not think."""
-    splitter = ReasoningSplitter.opening(opened)
+def split_reasoning(mode: str, text: str) -> tuple[str | None, str]:
+    """A whole response's (reasoning, content), read in `mode`; reasoning None when it did not think."""
+    splitter = ReasoningSplitter.reading(mode)
     reasoning, content = splitter.feed(text)
     more_reasoning, more_content = splitter.finish()
     return (reasoning + more_reasoning if splitter.thought else None), content + more_content

@@ -2,6 +2,9 @@
 calls) from a read answer (answers.py), and the streamed event sequence the `openai` SDK's
 `responses.stream` accumulates (response.created, output items added and done, text and argument
 deltas, response.completed). No I/O here but the store's, so every shape is testable without a server.
+
+Asked for, the output_text carries the logprobs of the answer's tokens after its thinking, in the chat
+API's shape (logprobs_format.py), which is the Responses API's too; a stream sends each delta's with it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from crane_mp.frontend.answers import AnswerReader, ReasoningReading, ToolReadin
 from crane_mp.frontend.errors import error_body
 from crane_mp.frontend.generation import Delta
 from crane_mp.frontend.http import named_sse_event
+from crane_mp.frontend.logprobs_format import TokenText, chat_logprobs
 from crane_mp.frontend.openai_schemas import arguments_object
 from crane_mp.frontend.response_store import ResponseStore
 
@@ -35,9 +39,17 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[s
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(item_id: str, text: str, status: str = "completed", logprobs: list | None = None) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def text_logprobs(token_text: TokenText | None, token_ids: list[int], logprobs: list, thought: int) -> list:
+    """The output_text's logprobs: those of the tokens after the first `thought` (its thinking's);
+    none where they were not asked for (no `token_text`)."""
+    if token_text is None:
+        return []
+    return chat_logprobs(token_text, token_ids[thought:], logprobs[thought:])["content"]
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -45,14 +57,14 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
             "status": status}
 
 
-def output_items(answer: WholeAnswer) -> list[dict[str, Any]]:
+def output_items(answer: WholeAnswer, logprobs: list | None = None) -> list[dict[str, Any]]:
     """A whole answer's items: its thinking, its text (also an empty one when the answer has neither
-    thinking nor calls), its calls."""
+    thinking nor calls) with `logprobs`, its calls."""
     items = []
     if answer.reasoning is not None:
         items.append(reasoning_item(_item_id("rs"), answer.reasoning))
     if answer.content or not (answer.calls or answer.reasoning is not None):
-        items.append(message_item(_item_id("msg"), answer.content or ""))
+        items.append(message_item(_item_id("msg"), answer.content or "", logprobs=logprobs))
     for call in answer.calls or []:
         items.append(call_item(_item_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
     return items
@@ -103,10 +115,13 @@ class ResponsesStream:
     then each call) and close when the next begins; every item is done before response.completed."""
 
     def __init__(self, draft: ResponseDraft, gens: list, tools: ToolReading | None,
-                 thinking: ReasoningReading | None) -> None:
+                 thinking: ReasoningReading | None, token_text: TokenText | None = None) -> None:
         self.draft = draft
         self.gens = gens
         self.reader = AnswerReader(tools, thinking)
+        self.token_text = token_text  # set: the text's logprobs are wanted
+        self.tokens = 0  # the answer's tokens so far
+        self.logprobs: list[dict[str, Any]] = []  # of text tokens whose text has not been sent yet
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # every item, by output index
         self.open: dict[str, Any] | None = None  # the reasoning or message item being written
@@ -120,6 +135,9 @@ class ResponsesStream:
             events += [self._event("response.created", response=started),
                        self._event("response.in_progress", response=started)]
         piece = self.reader.feed(delta)
+        start, self.tokens = self.tokens, self.tokens + len(delta.token_ids)
+        thought = max(0, self.reader.reasoning_tokens - start)  # of this delta's tokens
+        self.logprobs += text_logprobs(self.token_text, delta.token_ids, delta.logprobs, thought)
         if piece.reasoning:
             events += self._text("reasoning", piece.reasoning)
         if piece.content:
@@ -134,14 +152,17 @@ class ResponsesStream:
         events = self._close_open()
         if not self.items:  # an answer with no text at all still has its (empty) message
             events += self._text("message", "") + self._close_open()
-        for item in self.calls.values():
-            item["status"] = "completed"
+        cut = self.reader.cut_calls  # closed as incomplete, and left out of the response as a whole answer leaves them
+        for index, item in self.calls.items():
+            item["status"] = "incomplete" if index in cut else "completed"
             events += [self._event("response.function_call_arguments.done", item_id=item["id"],
                                    output_index=self.items.index(item), name=item["name"],
                                    arguments=item["arguments"]),
                        self._event("response.output_item.done", output_index=self.items.index(item), item=item)]
+        dropped = [self.calls[index]["id"] for index in cut]
+        output = [item for item in self.items if item["id"] not in dropped]
         gen = self.gens[0]
-        final = self.draft.finish(self.items, self.finish_reason, usage(
+        final = self.draft.finish(output, self.finish_reason, usage(
             gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens, self.reader.reasoning_tokens))
         return events + [self._event("response.completed", response=final)]
 
@@ -177,7 +198,7 @@ class ResponsesStream:
         if text:
             self.open["content"][0]["text"] += text
             name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-            extra = {} if kind == "reasoning" else {"logprobs": []}
+            extra = {} if kind == "reasoning" else {"logprobs": self._take_logprobs(self.open["content"][0])}
             events.append(self._event(name, item_id=self.open["id"], output_index=len(self.items) - 1,
                                       content_index=0, delta=text, **extra))
         return events
@@ -193,12 +214,20 @@ class ResponsesStream:
             done = self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                content_index=0, text=part["text"])
         else:
+            self._take_logprobs(part)  # tokens after its last text (a stop token's, say)
             done = self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                               content_index=0, text=part["text"], logprobs=[])
+                               content_index=0, text=part["text"], logprobs=part["logprobs"])
         return [done,
                 self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                             part=part),
                 self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _take_logprobs(self, part: dict[str, Any]) -> list[dict[str, Any]]:
+        """The logprobs held for a message's text, added to its output_text `part` (as a new list: the
+        events already made keep theirs)."""
+        taken, self.logprobs = self.logprobs, []
+        part["logprobs"] = part["logprobs"] + taken
+        return taken
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         events = []

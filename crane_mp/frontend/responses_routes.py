@@ -16,7 +16,7 @@ from crane_mp.frontend.http import json_response, resolve_model
 from crane_mp.frontend.openai_schemas import function_tool
 from crane_mp.frontend.pipeline import serve
 from crane_mp.frontend.response_store import new_response_id
-from crane_mp.frontend.responses_api import ResponseDraft, ResponsesStream, output_items, usage
+from crane_mp.frontend.responses_api import ResponseDraft, ResponsesStream, output_items, text_logprobs, usage
 from crane_mp.frontend.responses_schemas import ResponsesRequest, input_messages
 from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.frontend.state import STATE, FrontendState
@@ -45,7 +45,8 @@ async def create_response(request: web.Request, req: ResponsesRequest) -> web.St
         else named_tool(req.tool_choice.name)
     response_id = new_response_id()
     params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                            top_p=1.0 if req.top_p is None else req.top_p, lora_id=lora_id)
+                            top_p=1.0 if req.top_p is None else req.top_p, logprobs=req.logprobs, lora_id=lora_id)
+    token_text = state.tokenizer.token_text if req.logprobs is not None else None
     thinking_off = req.reasoning is not None and req.reasoning.effort == "none"
     ask = ChatAsk([*system, *conversation], params, req.max_output_tokens, response_id, tools, choice,
                   req.parallel_tool_calls, _constraint(req),
@@ -55,7 +56,7 @@ async def create_response(request: web.Request, req: ResponsesRequest) -> web.St
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
         "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
-        "store": req.store, "temperature": params.temperature, "top_p": params.top_p,
+        "store": req.store, "temperature": params.temperature, "top_p": params.top_p, "top_logprobs": req.top_logprobs,
         "text": {"format": _format_echo(req)}, "tool_choice": _choice_echo(req),
         "tools": [{"type": "function", **tool["function"]} for tool in tools or []], "truncation": "disabled",
         "metadata": req.metadata or {}, "user": req.user,
@@ -64,13 +65,14 @@ async def create_response(request: web.Request, req: ResponsesRequest) -> web.St
 
     def render(gens: list[Generation]):
         if req.stream:
-            return ResponsesStream(draft, gens, chat.tools, chat.thinking)
+            return ResponsesStream(draft, gens, chat.tools, chat.thinking, token_text)
 
         def body(results: list[Collected]) -> dict[str, Any]:
             out = results[0]
-            answer = read_whole(out.text, out.token_ids, chat.tools, chat.thinking)
+            answer = read_whole(out.text, out.token_ids, chat.tools, chat.thinking, out.finish_reason)
+            logprobs = text_logprobs(token_text, out.token_ids, out.logprobs, answer.reasoning_tokens)
             gen = gens[0]
-            return draft.finish(output_items(answer), out.finish_reason, usage(
+            return draft.finish(output_items(answer, logprobs), out.finish_reason, usage(
                 gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens, answer.reasoning_tokens))
 
         return body

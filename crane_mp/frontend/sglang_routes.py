@@ -16,7 +16,8 @@ from crane_mp.frontend.logprobs_format import scored_prompt_positions
 from crane_mp.frontend.http import json_response, resolve_model
 from crane_mp.frontend.openai_schemas import prompt_inputs, stop_strings
 from crane_mp.frontend.pipeline import Plan, prompt_ids, serve
-from crane_mp.frontend.reasoning import START as THINK_START, prompt_opens_thinking, split_reasoning
+from crane_mp.frontend.reasoning import (LEADING, START as THINK_START, THINKING, prompt_opens_thinking,
+                                        split_reasoning)
 from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.frontend.sglang_schemas import (
     AbortBody,
@@ -108,7 +109,8 @@ async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.Stre
                 names=names, lora_ids=lora_ids)
     started = time.monotonic()
     logprob_infos: dict[int, LogprobInfo] = {}
-    opened = [prompt_opens_thinking(t) for t in await _prompt_texts(state, req, prompts)] \
+    # SGLang's reading: a raw prompt's answer thinks from its start only where the prompt opened thinking.
+    modes = [THINKING if prompt_opens_thinking(t) else LEADING for t in await _prompt_texts(state, req, prompts)] \
         if req.separate_reasoning else []
 
     def result(gens: list[Generation], index: int, text: str, ids: list[int], logprobs_list, finish) -> dict[str, Any]:
@@ -122,7 +124,7 @@ async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.Stre
             meta.update(logprob_infos[index].info(ids, logprobs_list))
         body = {"text": text, "output_ids": ids, "meta_info": meta}
         if req.separate_reasoning:  # a stream's chunks split the output so far, as a whole answer is split
-            reasoning, body["text"] = split_reasoning(opened[index // sp.n], text)
+            reasoning, body["text"] = split_reasoning(modes[index // sp.n], text)
             body["reasoning_text"] = reasoning or ""
         if batch or sp.n > 1:
             body["index"] = index
@@ -156,7 +158,7 @@ async def separate_reasoning(request: web.Request, req: SeparateReasoningRequest
     opened = req.reasoning_parser in ("deepseek-r1", "deepseek_r1", "qwen3-thinking")
     if opened and text.lstrip().startswith(THINK_START):  # R1-0528 writes the tag the template also opened
         text = text.lstrip()[len(THINK_START):]
-    reasoning, content = split_reasoning(opened, text)
+    reasoning, content = split_reasoning(THINKING if opened else LEADING, text)
     return json_response({"reasoning_text": reasoning or "", "text": content})
 
 

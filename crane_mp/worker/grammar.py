@@ -40,6 +40,9 @@ _LETTER = "a"
 _WALK_REPEATS = 64
 # The tokens that lengthen a completion path most (a property, an object, an array, a string opened).
 _OPENERS = (",", "{", "[", '"')
+# Where a grammar may end but also go on (after a tool call: another call), the ways on are walked one
+# by one up to this many; more is free text, which can end at any token.
+_CONTINUATIONS = 8
 
 
 class GrammarEngine:
@@ -180,6 +183,32 @@ class GrammarEngine:
             matcher.rollback(1)
             longest = max(longest, limit + 1 if path is None else 1 + len(path))
         return longest
+
+    def shortest_continuation(self, matcher, limit: int) -> int | None:
+        """From a state where the grammar may end: the fewest tokens, counting the first, in which it can
+        go on (a token it allows besides EOS) and reach an end again; None where that is not known: more
+        ways on than _CONTINUATIONS (free text), or one whose walk found no end within `limit` tokens.
+        The matcher is left as it was."""
+        if self._letter and matcher.validate_tokens([self._letter[_LETTER]]) == 1:
+            return None
+        bitmask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        words = np.flatnonzero(bitmask)
+        if len(words) > _CONTINUATIONS + len(self.eos_token_ids):
+            return None
+        tokens = [int(word) * 8 + bit for word in words for bit in range(8) if bitmask[word] >> bit & 1]
+        tokens = [token for token in tokens if token not in self.eos_token_ids]
+        if len(tokens) > _CONTINUATIONS:
+            return None
+        shortest = None
+        for token in tokens:
+            if not matcher.consume_token(token):
+                continue
+            path = self.closing_path(matcher, limit - 1)
+            matcher.rollback(1)
+            if path is None:
+                return None
+            shortest = 1 + len(path) if shortest is None else min(shortest, 1 + len(path))
+        return shortest
 
     def _closing_step(self, matcher) -> int | None:
         forced = matcher.compute_ff_tokens()

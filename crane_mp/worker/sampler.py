@@ -234,6 +234,8 @@ class Sampler:
         if state.closing:
             return state.closing[0]
         left = state.params.max_tokens - state.num_output_tokens
+        if not state.thinking and state.matcher.is_accepting():
+            return self._ending_token(state, left)
         reserve = 1 if state.thinking else 0  # its </think>
         if (state.closing_room >= 0 and left > state.closing_room + reserve + _CLOSING_WINDOW
                 and state.num_output_tokens - state.closing_measured < _CLOSING_REMEASURE):
@@ -255,6 +257,21 @@ class Sampler:
             return state.params.thinking.end_token
         state.closing = path
         return path[0]
+
+    def _ending_token(self, state: SamplingState, left: int) -> int | None:
+        """Where the grammar may end but could go on (after a forced tool call, another call): its end,
+        EOS, once every way on is known to need more than the `left` tokens to end again, so that
+        max_tokens does not cut a second call short of its end; None otherwise. Each way on is walked
+        (GrammarEngine.shortest_continuation) only at such states and in the last _CLOSING_LONGEST
+        tokens of the budget."""
+        eos = self.grammars.eos_token_ids
+        if left > _CLOSING_LONGEST or not eos or state.params.ignore_eos or state.matcher.is_stopped():
+            return None
+        shortest = self.grammars.shortest_continuation(state.matcher, _CLOSING_LONGEST)
+        if shortest is None or shortest <= left:
+            return None
+        state.cut_short = True
+        return eos[0]
 
     def _column(self, values: list[float], neutral: float) -> torch.Tensor | None:
         """A [rows, 1] column of one penalty, or None where every row leaves it at its neutral value."""

@@ -12,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 import requests
+from transformers import AutoTokenizer
 
 from crane_mp.testing.make_model import make_model
 from tests.integration.server import Server
@@ -109,7 +110,8 @@ def test_anthropic_messages_whole_and_streamed(claude, model):
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == "".join(block.text for block in final.content if block.type == "text")
-    assert [block.text for block in final.content] == [block.text for block in whole.content]  # greedy
+    # greedy: the same blocks (the tiny Qwen3 thinks: a thinking block, and text after any </think>)
+    assert [block.model_dump() for block in final.content] == [block.model_dump() for block in whole.content]
     counted = claude.messages.count_tokens(model=model, system="Answer briefly.", messages=turns)
     assert counted.input_tokens == whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0)
 
@@ -155,3 +157,56 @@ def test_anthropic_errors_and_keys(server, model):
         "model": model, "max_tokens": 2,
         "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}]})
     assert image.status_code == 400 and image.json()["error"]["type"] == "invalid_request_error"
+
+
+SHORT_CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
+              "properties": {"city": {"type": "string", "maxLength": 12}}}
+
+
+def _streamed_chat_calls(client, **kwargs) -> tuple[list[tuple[str, str]], str, str | None]:
+    """(name, arguments) of each streamed call, the content, the finish: as a client accumulates them."""
+    calls: dict[int, list[str]] = {}
+    content, finish = "", None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for item in delta.tool_calls or []:
+            call = calls.setdefault(item.index, ["", ""])
+            call[0] += item.function.name or ""
+            call[1] += item.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return [tuple(call) for call in calls.values()], content, finish
+
+
+def test_forced_calls_that_max_tokens_cuts_keep_their_whole_calls(client, model, model_dir):
+    """Issue 47: with tool_choice required and short strings, a model that would call on and on (its EOS
+    disfavoured) starts a second call that max_tokens would cut: the grammar ends after the last call
+    that fits, and the answer, whole and streamed, holds whole calls only with finish_reason length (a cut
+    call used to leave the answer as raw <tool_call> text). Responses' forced calls are as whole."""
+    eos = AutoTokenizer.from_pretrained(str(model_dir)).convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    chat_tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SHORT_CITY}}]
+    for max_tokens in range(60, 130, 10):
+        kwargs = dict(model=model, messages=[{"role": "user", "content": "Weather?"}], tools=chat_tools,
+                      tool_choice="required", max_tokens=max_tokens, temperature=1.0, seed=3,
+                      logit_bias={str(token): -100 for token in eos})
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "length" and choice.message.tool_calls and not choice.message.content, choice
+        whole = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls]
+        for _, arguments in whole:
+            jsonschema.validate(json.loads(arguments), SHORT_CITY)
+        assert _streamed_chat_calls(client, **kwargs) == (whole, "", "length")  # the same seed, the same calls
+
+    tools = [{"type": "function", "name": "get_weather", "parameters": SHORT_CITY}]
+    for max_tokens in (50, 60, 90):
+        ask = dict(model=model, input="Weather?", tools=tools, tool_choice="required", max_output_tokens=max_tokens,
+                   temperature=0)
+        response = client.responses.create(**ask)
+        with client.responses.stream(**ask) as stream:
+            final = stream.get_final_response()
+        calls = [(item.name, item.arguments) for item in response.output if item.type == "function_call"]
+        assert calls and [item.type for item in response.output] == ["function_call"] * len(calls), response.output
+        assert [(item.name, item.arguments) for item in final.output] == calls and final.status == response.status
+        for _, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SHORT_CITY)
+        if response.status == "incomplete":
+            assert response.incomplete_details.reason == "max_output_tokens"

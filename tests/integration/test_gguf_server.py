@@ -1,6 +1,6 @@
 """crane-launch serving a Q4_K_M GGUF file on its own (tokenizer and template from its metadata):
-with float activations greedy tokens equal transformers reading the same file, with the default
-8-bit ones they stream too; weights stay at the file's size, and the start-up log names the file's
+greedy tokens equal transformers reading the same file with float activations, and with the default
+8-bit ones up to a near tie; weights stay at the file's size, and the start-up log names the file's
 types, the KV cache's dtype and the activations."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from tests.integration.server import Server
 
 NUM_TOKENS = 16
 PROMPTS = ["Hello there", "The quick brown fox", "Ünïcödé 日本語 test", "a"]
+# The largest gap between transformers' logits of its token and another that 8-bit activations may pick instead.
+NEAR_TIE = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -35,19 +37,34 @@ def server(gguf_path, tmp_path_factory):
     assert srv.stop() == 0
 
 
-def test_greedy_completions_equal_transformers_on_the_same_file(server, gguf_path):
+@pytest.fixture(scope="module")
+def reference(gguf_path) -> dict[str, tuple[list[int], list[int], list[torch.Tensor]]]:
+    """Each prompt's ids, greedy tokens and the logits that chose them, from transformers reading the
+    file (dequantized to float32)."""
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    out = {}
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
         with torch.inference_mode():
-            want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NUM_TOKENS,
-                                  min_new_tokens=NUM_TOKENS, pad_token_id=0)[0, len(ids):].tolist()
-        body = {"prompt": prompt, "max_tokens": NUM_TOKENS, "min_tokens": NUM_TOKENS, "temperature": 0,
-                "return_token_ids": True}
-        result = requests.post(server.url + "/v1/completions", json=body, timeout=60).json()
-        assert result["prompt_token_ids"] == ids
-        assert result["choices"][0]["token_ids"] == want
+            result = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NUM_TOKENS,
+                                    min_new_tokens=NUM_TOKENS, pad_token_id=0, output_logits=True,
+                                    return_dict_in_generate=True)
+        out[prompt] = ids, result.sequences[0, len(ids):].tolist(), [step[0] for step in result.logits]
+    return out
+
+
+def completion(server: Server, prompt: str, ids: list[int]) -> list[int]:
+    body = {"prompt": prompt, "max_tokens": NUM_TOKENS, "min_tokens": NUM_TOKENS, "temperature": 0,
+            "return_token_ids": True}
+    result = requests.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert result["prompt_token_ids"] == ids
+    return result["choices"][0]["token_ids"]
+
+
+def test_greedy_completions_equal_transformers_on_the_same_file(server, reference):
+    for prompt, (ids, tokens, _) in reference.items():
+        assert completion(server, prompt, ids) == tokens, prompt
 
 
 def test_weights_stay_quantized_and_are_reported(server, gguf_path):
@@ -62,26 +79,37 @@ def test_weights_stay_quantized_and_are_reported(server, gguf_path):
     assert "weights: format=gguf" in log and "types: Q4_K x" in log and "activations=float" in log
 
 
-def test_default_int8_activations_serve_the_same_file(gguf_path, tmp_path):
-    """The default path (8-bit activations, Q4_K repacked): it says so, keeps about the file's size
-    (repacked Q4_K rows take 2.8% more), and generates."""
+def test_default_int8_activations_serve_the_same_file(gguf_path, reference, tmp_path):
+    """The default path (8-bit activations, Q4_K repacked, a 16-bit KV cache): it says so, keeps about
+    the file's size (repacked Q4_K rows take 2.8% more), and generates transformers' float32 greedy
+    tokens up to a near tie: where it first picks another token, the two were within NEAR_TIE of each
+    other in transformers' logits (this model's are peaked: their spread is ~6, make_model.py), and
+    at least half the tokens come before any such tie. Exact equality would not hold: 8-bit
+    activations move logits by a few tenths, and some of this model's top-two gaps are smaller."""
     srv = Server(gguf_path, log_path=tmp_path / "int8.log")
     try:
         info = requests.get(srv.url + "/server_info", timeout=10).json()
         assert info["quantized_activations"] == "int8" and info["kv_cache_dtype"] in ("float16", "bfloat16")
         assert 0 < info["weights_bytes"] <= 1.05 * info["weights_file_bytes"]
-        body = {"prompt": PROMPTS[1], "max_tokens": NUM_TOKENS, "min_tokens": NUM_TOKENS, "temperature": 0,
-                "return_token_ids": True, "stream": False}
-        tokens = requests.post(srv.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
-        assert len(tokens) == NUM_TOKENS
+        agreed = 0
+        for prompt, (ids, tokens, logits) in reference.items():
+            ours = completion(srv, prompt, ids)
+            same = next((i for i, (a, b) in enumerate(zip(ours, tokens)) if a != b), NUM_TOKENS)
+            agreed += same
+            if same < NUM_TOKENS:  # after it, the two continue different texts
+                margin = float(logits[same][tokens[same]] - logits[same][ours[same]])
+                assert margin < NEAR_TIE, (prompt, same, margin)
+        assert agreed >= NUM_TOKENS * len(PROMPTS) // 2
         assert "activations=int8" in srv.log_path.read_text()
     finally:
         assert srv.stop() == 0
 
+
 def test_chat_uses_the_template_from_the_file(server, gguf_path):
     messages = [{"role": "user", "content": "hi"}]
     resp = requests.post(server.url + "/v1/chat/completions",
-                         json={"messages": messages, "max_tokens": 4, "temperature": 0}, timeout=60)
+                         json={"messages": messages, "max_tokens": 4, "temperature": 0,
+                               "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
     assert resp.status_code == 200, resp.text
     assert isinstance(resp.json()["choices"][0]["message"]["content"], str)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)

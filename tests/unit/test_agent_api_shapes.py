@@ -17,11 +17,14 @@ from crane_mp.frontend.anthropic_api import MessageDraft, MessagesStream, conten
 from crane_mp.frontend.anthropic_schemas import MessagesRequest, chat_messages
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.generation import Delta
+from crane_mp.frontend.logprobs_format import TokenText
 from crane_mp.frontend.openai_schemas import decode_body
+from crane_mp.frontend.reasoning import THINKING as THINKING_MODE
 from crane_mp.frontend.response_store import ResponseStore, new_response_id
-from crane_mp.frontend.responses_api import ResponseDraft, ResponsesStream, output_items
+from crane_mp.frontend.responses_api import ResponseDraft, ResponsesStream, output_items, text_logprobs
 from crane_mp.frontend.responses_schemas import input_messages
 from crane_mp.frontend.tools.formats import FORMATS
+from crane_mp.protocol import TokenLogprobs
 
 THOUGHT = "I should look the weather up."
 TEXT = "Let me check."
@@ -29,7 +32,7 @@ CALLS = ('<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days"
          '<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>')
 ANSWER = f"<think>{THOUGHT}</think>{TEXT}{CALLS}"
 TOOLS = ToolReading(FORMATS["hermes"])
-THINKING = ReasoningReading(False, None)
+THINKING = ReasoningReading(THINKING_MODE, None)
 
 
 @dataclass
@@ -118,7 +121,8 @@ def test_responses_input_items_become_chat_turns():
         {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "not json"},
         {"type": "function_call_output", "call_id": "c1", "output": "42"},
     ])
-    assert messages[0] == {"role": "user", "content": "a\nb"}
+    # Text parts stay parts: the renderer gives them to the template as it reads them.
+    assert messages[0] == {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
     assert messages[1]["role"] == "assistant" and [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
     assert messages[1]["tool_calls"][1]["function"]["arguments"] == "not json"
@@ -140,11 +144,11 @@ def test_anthropic_turns_become_chat_turns():
             {"type": "text", "text": "42"}]}, {"type": "text", "text": "thanks"}]},
     ]}).encode(), MessagesRequest)
     messages = chat_messages(req)
-    assert messages[0] == {"role": "system", "content": "sys"}
-    assert messages[2] == {"role": "assistant", "content": "calling", "tool_calls": [
+    assert messages[0] == {"role": "system", "content": [{"type": "text", "text": "sys"}]}
+    assert messages[2] == {"role": "assistant", "content": [{"type": "text", "text": "calling"}], "tool_calls": [
         {"id": "t1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}
-    assert messages[3:] == [{"role": "tool", "tool_call_id": "t1", "content": "42"},
-                            {"role": "user", "content": "thanks"}]
+    assert messages[3:] == [{"role": "tool", "tool_call_id": "t1", "content": [{"type": "text", "text": "42"}]},
+                            {"role": "user", "content": [{"type": "text", "text": "thanks"}]}]
     image = decode_body(json.dumps({"model": "m", "max_tokens": 5, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {}}]}]}).encode(), MessagesRequest)
     with pytest.raises(ApiError, match="'image' blocks are not supported"):
@@ -162,3 +166,47 @@ def test_the_store_keeps_the_newest_within_its_bounds(tmp_path, monkeypatch):
     monkeypatch.setattr(response_store, "MAX_RECORD", 10)
     assert not store.put(new_response_id(), {"response": "x" * 100, "messages": []})
     assert store.delete(ids[-1]) and store.get(ids[-1]) is None and not store.delete(ids[-1])
+
+
+class _Vocabulary:
+    def decode(self, ids: list[int]) -> str:
+        return f"t{ids[0]}"
+
+
+END_THINK = 99
+# An answer that thinks, then writes its text: (text, token ids) per delta, the </think> token in the second.
+THOUGHT_THEN_TEXT = [("<think>I should", [10, 11]), (" look</think>", [12, END_THINK]), ("Let me", [20, 21]),
+                     (" check.", [22])]
+
+
+def _logprobs(ids: list[int]) -> list[TokenLogprobs]:
+    return [TokenLogprobs(-0.1 * i, [i, 7], [-0.1 * i, -3.0]) for i in ids]
+
+
+def test_the_output_text_carries_the_logprobs_of_the_tokens_after_the_thinking_in_the_sdk_shape(tmp_path):
+    from openai.types.responses import ResponseOutputText, ResponseTextDeltaEvent, ResponseTextDoneEvent
+
+    token_text, thinking = TokenText(_Vocabulary()), ReasoningReading(THINKING_MODE, END_THINK)
+    draft = ResponseDraft(new_response_id(), "m", {"store": False}, [], None)
+    stream = ResponsesStream(draft, [Gen()], None, thinking, token_text)
+    deltas = [Delta(text, ids, _logprobs(ids), finish_reason="stop" if i == 3 else None)
+              for i, (text, ids) in enumerate(THOUGHT_THEN_TEXT)]
+    events = [e for delta in deltas for e in stream.chunks(0, delta)] + stream.closing()
+    sent = [lp for e in events if e["type"] == "response.output_text.delta"
+            for lp in ResponseTextDeltaEvent.model_validate(e).logprobs]
+    assert [(lp.token, lp.logprob) for lp in sent] == [("t20", -2.0), ("t21", -2.1), ("t22", -2.2)]
+    [done] = [ResponseTextDoneEvent.model_validate(e) for e in events if e["type"] == "response.output_text.done"]
+    [message] = [item for item in events[-1]["response"]["output"] if item["type"] == "message"]
+    streamed = ResponseOutputText.model_validate(message["content"][0])
+    ids = [token for _, tokens in THOUGHT_THEN_TEXT for token in tokens]
+    answer = read_whole("".join(text for text, _ in THOUGHT_THEN_TEXT), ids, None, thinking)
+    [whole] = [item for item in output_items(answer, text_logprobs(token_text, ids, _logprobs(ids),
+                                                                   answer.reasoning_tokens))
+               if item["type"] == "message"]
+    assert ResponseOutputText.model_validate(whole["content"][0]) == streamed
+    assert [lp.token for lp in done.logprobs] == [lp.token for lp in streamed.logprobs] == ["t20", "t21", "t22"]
+    assert [(top.token, top.logprob, top.bytes) for top in streamed.logprobs[0].top_logprobs] == \
+        [("t20", -2.0, list(b"t20")), ("t7", -3.0, list(b"t7"))]
+    plain = ResponsesStream(draft, [Gen()], None, thinking)  # not asked for: none
+    events = [e for delta in deltas for e in plain.chunks(0, delta)] + plain.closing()
+    assert all(e["logprobs"] == [] for e in events if e["type"].startswith("response.output_text."))

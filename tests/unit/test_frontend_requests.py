@@ -11,6 +11,7 @@ import pytest
 
 from crane_mp.frontend import pipeline
 from crane_mp.frontend.fields import INT64_MAX
+from crane_mp.frontend.responses_schemas import TEXT_LOGPROBS
 from crane_mp.testing.make_model import make_model
 from tests.unit.frontend_harness import start_frontend, stop_frontend
 
@@ -188,3 +189,13 @@ async def test_two_generate_requests_sharing_a_rid_stay_abortable(frontend):
     assert state.client.streams == {}
     r = await client.post("/generate", json={"text": "hi", "model": "another-model"})
     assert r.status == 404
+
+
+@pytest.mark.parametrize(("fields", "logprobs"), [({"top_logprobs": 3}, 3), ({"include": [TEXT_LOGPROBS]}, 0),
+                                                  ({"include": ["reasoning.encrypted_content"]}, None)])
+async def test_the_responses_api_asks_the_engine_for_the_logprobs_it_was_asked_for(frontend, fields, logprobs):
+    client, state, fake = frontend
+    r = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, **fields})
+    assert r.status == 200, await r.text()
+    assert fake.requests[-1].sampling.logprobs == logprobs
+    assert (await r.json())["top_logprobs"] == fields.get("top_logprobs")

@@ -13,6 +13,9 @@ import torch
 from llguidance import LLMatcher
 
 from crane_mp.frontend.structured import Constraint, to_grammar
+from crane_mp.frontend.tools.forcing import forced_call_constraint
+from crane_mp.frontend.tools.formats import FORMATS
+from crane_mp.frontend.tools.parser import parse_tool_calls
 from crane_mp.gguf_file import resolve_model_source
 from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
 from crane_mp.protocol import SamplingParams, ThinkingBudget
@@ -276,3 +279,43 @@ def test_a_walk_lost_in_free_text_stops_early(grammars, tokenizer):
     step = grammars._closing_step
     grammars._closing_step = lambda m: calls.append(1) or step(m)
     assert grammars.closing_path(matcher, 10_000) is None and len(calls) <= 80
+
+
+SHORT_CITY = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"type": "string", "maxLength": 12}}}}}]
+
+
+def forced_calls_grammar(tokenizer) -> str:
+    """tool_choice "required" with parallel calls, as the frontend sends it for the tiny Qwen3."""
+    added = tokenizer.get_added_vocab()
+    markers = {marker: added[marker] for marker in ("<tool_call>", "</tool_call>")}
+    return to_grammar(forced_call_constraint(FORMATS["hermes"], SHORT_CITY, None, True, markers))
+
+
+def test_the_ways_on_from_an_end_are_measured_and_the_matcher_left_as_it_was(grammars, tokenizer):
+    matcher = grammars.new_matcher(None, forced_calls_grammar(tokenizer))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n</tool_call>'
+    assert matcher.consume_tokens(tokenizer.encode(call)) and matcher.is_accepting()
+    before = matcher.compute_bitmask()
+    shortest = grammars.shortest_continuation(matcher, 1024)
+    minimal = '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": ""}}\n</tool_call>'
+    assert shortest is not None and shortest <= len(tokenizer.encode(minimal))  # a second call, at its shortest
+    assert matcher.compute_bitmask() == before
+
+
+@pytest.mark.parametrize("max_tokens", [60, 75, 90, 110])
+def test_forced_calls_end_after_the_last_call_max_tokens_lets_finish(grammars, tokenizer, max_tokens):
+    """A model that would call on and on (EOS never wins freely): once another call could not end
+    within max_tokens, the grammar ends after the current one, and every call the answer holds is whole
+    (issue 47: the cut second call left the answer as raw text)."""
+    sampler = Sampler(512, CPU_PLATFORM, grammars)
+    grammar = forced_calls_grammar(tokenizer)
+    for seed in range(3):
+        state = sampler.new_state(SamplingParams(seed=seed, max_tokens=max_tokens, grammar=grammar), [1], EOS_IDS)
+        out = run_to_budget(sampler, state, tokenizer, seed, list(EOS_IDS))
+        assert out[-1] in EOS_IDS and len(out) <= max_tokens and state.cut_short
+        content, calls = parse_tool_calls(FORMATS["hermes"], tokenizer.decode(out[:-1]))
+        assert calls and content is None, tokenizer.decode(out)
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), SHORT_CITY[0]["function"]["parameters"])

@@ -1,6 +1,7 @@
-"""Reasoning apart from the answer (frontend/reasoning.py): the split is lossless in every chunking,
-a prompt that opens <think> (DeepSeek-R1's template) makes the answer start thinking, and chat
-completions carry reasoning_content, content and reasoning_tokens, whole and streamed."""
+"""Reasoning apart from the answer (frontend/reasoning.py): in thinking mode an answer is reasoning until
+its first </think>, opened or not (all of it when none comes); a prompt that closed the think block
+(enable_thinking false) leaves it all content; the split is lossless and the same in every chunking;
+chat completions, Responses and Messages carry the parts apart, whole and streamed."""
 
 from __future__ import annotations
 
@@ -10,36 +11,60 @@ import random
 
 import pytest
 
-from crane_mp.frontend.reasoning import (END, START, ReasoningSplitter, prompt_opens_thinking, reasoning_enabled,
-                                         split_reasoning)
+from crane_mp.frontend.reasoning import (END, LEADING, PLAIN, START, THINKING, ReasoningSplitter, reading_mode,
+                                         reasoning_enabled, split_reasoning, template_thinks)
 from crane_mp.protocol import FinishReason, ThinkingBudget, TokenOutput
 
-CASES = [  # (prompt, answer, reasoning, content)
-    ("<|im_start|>assistant\n", "<think>\nweigh it</think>\n\nIt is 4.", "\nweigh it", "\n\nIt is 4."),
-    ("<|im_start|>assistant\n", "It is 4.", None, "It is 4."),  # thinking off: no tag
-    ("<|im_start|>assistant\n<think>\n", "weigh it\n</think>It is 4.", "weigh it\n", "It is 4."),  # R1
-    ("<|im_start|>assistant\n<think>\n", "weigh it, cut off", "weigh it, cut off", ""),
-    ("<|im_start|>assistant\n", "<think>still thinking", "still thinking", ""),
-    ("<|im_start|>assistant\n", "<thin>not a tag</think>", None, "<thin>not a tag</think>"),
-    ("x<think>a</think>y", "<think></think>answer", "", "answer"),
+ASKED = "<|im_start|>assistant\n"  # Qwen3's generation prompt: it thinks unless told not to
+OFF = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # the same with enable_thinking false
+OPENED = "<|im_start|>assistant\n<think>\n"  # R1's, and Qwen3's thinking releases'
+CASES = [  # (prompt, the template thinks, answer, reasoning, content)
+    (ASKED, True, "<think>\nweigh it</think>\n\nIt is 4.", "\nweigh it", "\n\nIt is 4."),
+    (ASKED, True, "weigh it</think>It is 4.", "weigh it", "It is 4."),  # no opening tag: still thinking
+    (ASKED, True, "weigh it, cut off", "weigh it, cut off", ""),  # no tag at all: all thinking (vLLM's qwen3)
+    (ASKED, True, "<thin>not a tag</think>", "<thin>not a tag", ""),
+    (ASKED, True, "", "", ""),
+    (OFF, True, "It is 4.", None, "It is 4."),
+    (OFF, True, "<think>a</think>b", None, "<think>a</think>b"),  # thinking off: all content
+    (OPENED, True, "weigh it\n</think>It is 4.", "weigh it\n", "It is 4."),
+    (OPENED, True, "weigh it, cut off", "weigh it, cut off", ""),
+    (OPENED, True, "<think>a</think>b", "a", "b"),  # R1-0528 writes the tag its template opened
+    ("x<think>a</think>y" + ASKED, True, "<think></think>answer", "", "answer"),  # an earlier turn's block
+    (ASKED, False, "It is 4.", None, "It is 4."),  # a template that never thinks (Qwen3 instruct releases)
+    (ASKED, False, "<think>t</think>a", "t", "a"),
+    (ASKED, False, "a</think>b", None, "a</think>b"),
 ]
 
 
-@pytest.mark.parametrize("prompt, answer, reasoning, content", CASES)
-def test_the_split_is_lossless_in_every_chunking(prompt, answer, reasoning, content):
-    assert split_reasoning(prompt_opens_thinking(prompt), answer) == (reasoning, content)
-    opened = answer.startswith(START) and prompt.rfind(START) <= prompt.rfind(END)
-    rebuilt = (START if opened else "") + (reasoning or "") + (END if END in answer and reasoning is not None
-                                                              else "") + content
-    assert rebuilt == answer
+def _pieces(text: str, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8)))) if len(text) > 1 else []
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("prompt, thinks, answer, reasoning, content", CASES)
+def test_the_split_is_lossless_and_the_same_in_every_chunking(prompt, thinks, answer, reasoning, content):
+    mode = reading_mode(prompt, False, thinks)
+    assert split_reasoning(mode, answer) == (reasoning, content)
+    dropped = reasoning is not None and answer.startswith(START)  # the opening tag the answer wrote
+    ended = reasoning is not None and END in answer
+    assert (START if dropped else "") + (reasoning or "") + (END if ended else "") + content == answer
     for seed in range(20):
-        rng = random.Random(seed)
-        cuts = sorted(rng.sample(range(1, len(answer)), min(len(answer) - 1, rng.randint(1, 8))))
-        pieces = [answer[a:b] for a, b in zip([0, *cuts], [*cuts, len(answer)])]
-        splitter = ReasoningSplitter.opening(prompt_opens_thinking(prompt))
-        fed = [splitter.feed(piece) for piece in pieces] + [splitter.finish()]
+        splitter = ReasoningSplitter.reading(mode)
+        fed = [splitter.feed(piece) for piece in _pieces(answer, seed)] + [splitter.finish()]
         assert "".join(r for r, _ in fed) == (reasoning or "")
         assert "".join(c for _, c in fed) == content
+        assert splitter.thought == (reasoning is not None)
+
+
+def test_how_a_prompt_s_answer_is_read():
+    assert reading_mode(ASKED, False, True) == THINKING and reading_mode(OPENED, False, False) == THINKING
+    assert reading_mode(OFF, False, True) == PLAIN and reading_mode(ASKED, False, False) == LEADING
+    assert reading_mode(ASKED + "The answer is", True, True) == PLAIN  # continuing the final message's text
+    assert reading_mode(OPENED + "so far", True, True) == THINKING  # ... or its open thinking
+    assert template_thinks("auto", frozenset({"messages", "enable_thinking"}))
+    assert not template_thinks("auto", frozenset({"messages"})) and template_thinks("auto", None)
+    assert template_thinks("qwen3", frozenset()) and template_thinks("deepseek_r1", frozenset())
 
 
 def test_auto_reads_thinking_where_the_vocabulary_has_both_tags():
@@ -102,10 +127,15 @@ async def test_a_thinking_budget_reaches_the_sampler_with_the_think_tokens(front
         body = {"messages": [{"role": "user", "content": "q"}], field: 7}
         assert (await client.post("/v1/chat/completions", json=body)).status == 200
         budget = fake.requests[-1].sampling.thinking
-        assert budget == ThinkingBudget(7, state.think_start_token, state.think_end_token, False)
+        # Thinking mode: the sampler counts the thinking from the first token, as the answer is read.
+        assert budget == ThinkingBudget(7, state.think_start_token, state.think_end_token, True)
     body = {"messages": [{"role": "user", "content": "q"}], "thinking_budget": 7, "separate_reasoning": False}
     await client.post("/v1/chat/completions", json=body)
     assert fake.requests[-1].sampling.thinking is None  # no reading for thinking: no budget either
+    body = {"messages": [{"role": "user", "content": "q"}], "thinking_budget": 7,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    await client.post("/v1/chat/completions", json=body)
+    assert fake.requests[-1].sampling.thinking is None  # no thinking at all
 
 
 async def test_a_constrained_answer_thinks_first_only_where_the_prompt_opened_thinking(frontend):
@@ -155,3 +185,58 @@ async def test_responses_and_messages_carry_the_thinking_apart(frontend):
     assert message["content"] == [{"type": "thinking", "thinking": "\nsome thought", "signature": ""},
                                   {"type": "text", "text": "\n\nThe answer."}]
     assert message["stop_reason"] == "end_turn"
+
+
+async def _streamed(client, state, fake, path: str, body: dict, ids: list[int]) -> list[dict]:
+    """The data payloads of `path` streamed, the fake scheduler answering `ids` one token a delta."""
+    fake.answer = False
+    seen = len(fake.requests)
+    async with client.post(path, json={**body, "stream": True}) as r:
+        while len(fake.requests) == seen:
+            await asyncio.sleep(0)
+        rid = fake.requests[-1].rid
+        for i, token in enumerate(ids):
+            state.client.streams[rid].push(TokenOutput(rid, [token], 3, i + 1,
+                                                       FinishReason.STOP if i == len(ids) - 1 else None))
+        text = await r.text()
+    fake.answer = True
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+THINK_SHAPES = [  # (answer, chat_template_kwargs, reasoning_content, content)
+    ("<think>a</think>b", None, "a", "b"),
+    ("a</think>b", None, "a", "b"),  # the answer did not open its thinking: still reasoning until </think>
+    ("a b", None, "a b", None),  # no </think>: all thinking, as vLLM's qwen3 parser reads it
+    ("a</think>b", {"enable_thinking": False}, None, "a</think>b"),  # thinking off: all content
+]
+
+
+@pytest.mark.parametrize("answer, kwargs, reasoning, content", THINK_SHAPES)
+async def test_chat_answers_split_alike_whole_and_streamed(frontend, answer, kwargs, reasoning, content):
+    client, state, fake = frontend
+    body = {"messages": [{"role": "user", "content": "q"}], "chat_template_kwargs": kwargs}
+    fake.output_ids = ids = _ids(state, answer)
+    message = (await (await client.post("/v1/chat/completions", json=body)).json())["choices"][0]["message"]
+    assert (message.get("reasoning_content"), message["content"]) == (reasoning, content)
+    events = await _streamed(client, state, fake, "/v1/chat/completions", body, ids)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
+    assert "".join(d.get("content", "") for d in deltas) == (content or "")
+    assert not (reasoning is None and any("reasoning_content" in d for d in deltas))
+
+
+async def test_responses_and_messages_read_an_unopened_thinking_alike_whole_and_streamed(frontend):
+    client, state, fake = frontend
+    fake.output_ids = ids = _ids(state, "a</think>b")
+    response = await (await client.post("/v1/responses", json={"input": "q"})).json()
+    assert [(item["type"], item["content"][0]["text"]) for item in response["output"]] == [
+        ("reasoning", "a"), ("message", "b")]
+    events = await _streamed(client, state, fake, "/v1/responses", {"input": "q"}, ids)
+    assert [(item["type"], item["content"][0]["text"]) for item in events[-1]["response"]["output"]] == [
+        ("reasoning", "a"), ("message", "b")]
+    body = {"model": state.model_name, "max_tokens": 50, "messages": [{"role": "user", "content": "q"}]}
+    message = await (await client.post("/v1/messages", json=body)).json()
+    assert message["content"] == [{"type": "thinking", "thinking": "a", "signature": ""}, {"type": "text", "text": "b"}]
+    events = await _streamed(client, state, fake, "/v1/messages", body, ids)
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert ("".join(d.get("thinking", "") for d in deltas), "".join(d.get("text", "") for d in deltas)) == ("a", "b")

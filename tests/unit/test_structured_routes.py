@@ -122,7 +122,8 @@ async def test_tools_reach_the_template_and_a_named_function_is_forced(frontend)
 
 async def test_auto_tool_calls_stream_as_deltas_and_history_with_calls_renders(frontend):
     client, state, fake = frontend
-    text = 'Checking.<tool_call>\n{"name": "add", "arguments": {"a": 10, "b": 20}}\n</tool_call>'
+    # A thinking model's answer (the template thinks): the thinking, then content and the call.
+    text = '<think>sum</think>Checking.<tool_call>\n{"name": "add", "arguments": {"a": 10, "b": 20}}\n</tool_call>'
     fake.output_ids = state.tokenizer.tokenizer.encode(text, add_special_tokens=False)
     r = await client.post("/v1/chat/completions", json={**CHAT, "tools": [ADD], "stream": True})
     assert r.status == 200

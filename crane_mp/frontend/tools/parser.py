@@ -22,7 +22,8 @@ class ToolCallParser:
     """Feed the output's text as it arrives; get back content text and OpenAI `delta.tool_calls` items.
     `finish()` flushes what was held back (and, when the calls region never opened a call, its text
     as content); `well_formed` then says whether every call was a complete JSON object with a name and
-    JSON arguments (a non-streamed response falls back to plain content when not)."""
+    JSON arguments (a non-streamed response falls back to plain content when not), `kept_calls` which
+    calls an answer returns."""
 
     def __init__(self, fmt: ToolFormat, parallel: bool = True) -> None:
         self.fmt = fmt
@@ -39,6 +40,16 @@ class ToolCallParser:
     def well_formed(self) -> bool:
         return (bool(self.calls) and not self._malformed and self._scanner.idle
                 and all(call.complete and call.name for call in self.calls))
+
+    def kept_calls(self, cut: bool) -> list[ParsedCall]:
+        """The calls an answer returns: all of a well-formed one's; of one that max_tokens `cut`, the
+        whole calls before a last one it left open (dropped), where nothing else is amiss; else none."""
+        if self.well_formed:
+            return self.calls
+        calls = self.calls[:-1] if self.calls and not self.calls[-1].complete else self.calls
+        if not cut or self._malformed or not calls or not all(call.complete and call.name for call in calls):
+            return []
+        return calls
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.in_calls:
@@ -94,14 +105,15 @@ def parse_tool_calls(fmt: ToolFormat, text: str, parallel: bool = True) -> tuple
     return parse_with(ToolCallParser(fmt, parallel), text)
 
 
-def parse_with(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict] | None]:
-    """parse_tool_calls with a fresh parser of any format."""
+def parse_with(parser: ToolCallParser, text: str, cut: bool = False) -> tuple[str | None, list[dict] | None]:
+    """parse_tool_calls with a fresh parser of any format; `cut`: max_tokens ended the output."""
     content, _ = parser.feed(text)
     rest, _ = parser.finish()
-    if not parser.well_formed:
+    kept = parser.kept_calls(cut)
+    if not kept:
         return text, None
     calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-             for c in parser.calls]
+             for c in kept]
     return (content + rest).strip() or None, calls
 
 
