@@ -12,7 +12,8 @@ each server process's resident memory (crane-launch names its children crane-wor
 crane-scheduler, crane-frontendN). When the time is up it waits for the server to fall idle and
 reports requests by kind and status, transport errors, the KV blocks still in use, RSS over time, and
 the bound issue 33 sets: the worker's RSS at the end at most its idle RSS (before the traffic) plus the
-plan's activation reserve plus 256 MiB, and under 2 % of growth over the last half of the run.
+plan's activation reserve plus 256 MiB, and under 2 % of growth over the last half of the run
+(--warmup-rounds first, for a run too short for its warm-up to be a small part of it).
 """
 
 from __future__ import annotations
@@ -120,13 +121,17 @@ def complete(stream: bool, text: str) -> bool:
     return "[DONE]" in text[-64:] and '"error"' not in text
 
 
-async def client(url: str, model: str, seed: int, deadline: float, tally: Tally) -> None:
+async def client(url: str, model: str, seed: int, tally: Tally, deadline: float = float("inf"),
+                 count: int | None = None) -> None:
+    """Requests one after another until `deadline`, or `count` of them."""
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        while time.monotonic() < deadline:
+        sent = 0
+        while time.monotonic() < deadline and (count is None or sent < count):
             kind = ORDER[tally.sent % len(ORDER)]
             await one(session, url, kind, request_for(kind, rng, model), tally)
+            sent += 1
 
 
 def rss_by_name(root: psutil.Process | None) -> dict[str, int]:
@@ -158,12 +163,19 @@ def wait_idle(url: str, timeout: float = 300.0) -> dict:
 
 
 async def soak(url: str, model: str, seconds: float, concurrency: int, sample_seconds: float,
-               root: psutil.Process | None) -> tuple[Tally, list[tuple[float, dict[str, int]]]]:
+               root: psutil.Process | None,
+               warmup_rounds: int = 0) -> tuple[Tally, list[tuple[float, dict[str, int]]]]:
+    """The first sample is the idle server's, before any traffic (the bound's base); warm-up rounds
+    (every client through the whole mix) come before the timed run, whose samples follow."""
     tally = Tally()
+    idle = rss_by_name(root)
+    if warmup_rounds:
+        await asyncio.gather(*(client(url, model, 1000 + seed, tally, count=warmup_rounds * len(ORDER))
+                               for seed in range(concurrency)))
     started = time.monotonic()
     deadline = started + seconds
-    samples = [(0.0, rss_by_name(root))]
-    clients = asyncio.gather(*(client(url, model, seed, deadline, tally) for seed in range(concurrency)))
+    samples = [(0.0, idle), (0.0, rss_by_name(root))]
+    clients = asyncio.gather(*(client(url, model, seed, tally, deadline) for seed in range(concurrency)))
     while time.monotonic() < deadline:
         await asyncio.sleep(min(sample_seconds, max(0.0, deadline - time.monotonic())))
         samples.append((time.monotonic() - started, rss_by_name(root)))
@@ -200,6 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--sample-seconds", type=float, default=60.0)
     parser.add_argument("--prompt-words", type=int, nargs=2, default=PROMPT_WORDS, metavar=("MIN", "MAX"))
+    parser.add_argument("--warmup-rounds", type=int, default=0,
+                        help="before the timed run, each client sends the whole mix this many times: the growth "
+                             "over the run's last half then measures a warm server (a short run's would be warm-up)")
     parser.add_argument("--idle-seconds", type=float, default=5.0,
                         help="wait this long after the server falls idle before the last sample")
     args = parser.parse_args(argv)
@@ -215,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
         info = get_json(url + "/server_info")
         model = get_json(url + "/v1/models")["data"][0]["id"]
         tally, samples = asyncio.run(soak(url, model, 60 * args.minutes, args.concurrency, args.sample_seconds,
-                                          root))
+                                          root, args.warmup_rounds))
         stats = wait_idle(url)
         time.sleep(args.idle_seconds)
         stats = get_json(url + "/server_info")["stats"]
