@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from serving import run_load  # noqa: E402
 
-from crane_mp.gguf_file import check_gguf  # noqa: E402
+from crane_mp.models.gguf_file import check_gguf  # noqa: E402
 
 DEFAULT_LLAMA = Path.home() / "peers/llama/build/bin/llama-server"
 

@@ -21,10 +21,10 @@ import time
 import torch
 from transformers import Qwen3Config
 
+from crane_mp.models.config import model_config_from_hf
 from crane_mp.worker.attention import SeqSpan
 from crane_mp.worker.decode_graphs import graph_batch_sizes
 from crane_mp.worker.loader import weight_bytes
-from crane_mp.worker.model_config import model_config_from_hf
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.platforms import platform_for
 from crane_mp.worker.runner import ModelRunner

@@ -16,21 +16,21 @@ from crane_mp.config import (
     KV_CACHE_DTYPES,
     LOG_FORMATS,
     QUANTIZED_ACTIVATIONS,
-    TASKS,
     REASONING_PARSERS,
+    TASKS,
     TOOL_CALL_PARSERS,
     EngineConfig,
     ServerConfig,
     cpu_isa_cap,
     parse_memory_limit,
 )
-from crane_mp.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
+from crane_mp.models.config import checkpoint_architecture
+from crane_mp.models.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
+from crane_mp.models.pooling import POOLING_METHODS, Pooling, sentence_transformers_pooling
+from crane_mp.models.registry import MODEL_TYPE_ALIASES
+from crane_mp.models.score_head import classifies
 from crane_mp.parallel import ParallelConfig
-from crane_mp.pooling import POOLING_METHODS, Pooling, sentence_transformers_pooling
-from crane_mp.score_head import classifies
 from crane_mp.settings import SettingsError, resolve, settable_actions, unknown_env_names
-from crane_mp.worker.model_config import checkpoint_architecture
-from crane_mp.worker.models.registry import MODEL_TYPE_ALIASES
 
 
 def _int_at_least(minimum: int):

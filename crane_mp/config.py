@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crane_mp.logs import LogSettings
+from crane_mp.models.pooling import Pooling
 from crane_mp.parallel import ParallelConfig
-from crane_mp.pooling import Pooling
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -3,7 +3,7 @@ spells which bytes) both need it: loaded the same way in every process, so token
 
 from __future__ import annotations
 
-from crane_mp.gguf_file import ModelSource, resolve_model_source
+from crane_mp.models.gguf_file import ModelSource, resolve_model_source
 
 # Any of these beside a GGUF file is a tokenizer the user chose over the file's metadata.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

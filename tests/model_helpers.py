@@ -6,14 +6,14 @@ from pathlib import Path
 
 import torch
 
-from crane_mp.gguf_file import ModelSource
+from crane_mp.models.config import ModelConfig
+from crane_mp.models.gguf_file import ModelSource
 from crane_mp.worker.attention import SeqSpan, build_metadata
 from crane_mp.worker.forward_context import ForwardContext, forward_context
 from crane_mp.worker.loader import load_model
-from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.layers import CausalLM
-from crane_mp.worker.runner import ModelRunner
 from crane_mp.worker.platforms import platform_for
+from crane_mp.worker.runner import ModelRunner
 
 CPU = platform_for("cpu")  # what the worker is handed on a CPU host
 

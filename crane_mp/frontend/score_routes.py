@@ -29,9 +29,9 @@ from crane_mp.frontend.http import resolve_model
 from crane_mp.frontend.pipeline import Plan, prompt_ids, serve
 from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.frontend.state import STATE, FrontendState
-from crane_mp.gguf_file import resolve_model_source
+from crane_mp.models.gguf_file import resolve_model_source
+from crane_mp.models.score_head import ScoreHead, answer_head
 from crane_mp.protocol import SamplingParams
-from crane_mp.score_head import ScoreHead, answer_head
 
 api = RouteTable()
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"

@@ -14,17 +14,17 @@ from crane_mp.frontend.engine_client import EngineClient
 from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.gate import LoadGate
 from crane_mp.frontend.images import ImageProcessor, load_image_processor
-from crane_mp.frontend.speech import SpeechModel, load_speech_model
 from crane_mp.frontend.metrics import Metrics
 from crane_mp.frontend.openai_schemas import MAX_BATCH
-from crane_mp.frontend.response_store import ResponseStore
 from crane_mp.frontend.reasoning import END as THINK_END, START as THINK_START, reasoning_enabled
+from crane_mp.frontend.response_store import ResponseStore
+from crane_mp.frontend.speech import SpeechModel, load_speech_model
 from crane_mp.frontend.structured import GrammarCompiler
 from crane_mp.frontend.tokenizer import TokenizerService
+from crane_mp.models.config import checkpoint_architecture
+from crane_mp.models.registry import ARCHITECTURES
+from crane_mp.models.score_head import ScoreHead, load_score_head
 from crane_mp.protocol import LoraAdapter, WorkerReady
-from crane_mp.score_head import ScoreHead, load_score_head
-from crane_mp.worker.model_config import checkpoint_architecture
-from crane_mp.worker.models.registry import ARCHITECTURES
 
 # The body limit of a model that takes images or audio: a data-URL image or an uploaded clip is megabytes
 # (65 s of 44.1 kHz stereo WAV is 11 MB); --max-request-bytes overrides it.

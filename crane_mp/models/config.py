@@ -13,8 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from crane_mp.gguf_file import SERVED_TYPES, check_gguf, rope_freq_factors
-from crane_mp.worker.models.registry import (
+from crane_mp.models.gguf_file import SERVED_TYPES, check_gguf, rope_freq_factors
+from crane_mp.models.registry import (
     ARCHITECTURES,
     GGUF_ARCHITECTURES,
     HF_CLASSES,
@@ -22,7 +22,7 @@ from crane_mp.worker.models.registry import (
     Architecture,
     supported,
 )
-from crane_mp.worker.sharding import Shard
+from crane_mp.models.sharding import Shard
 
 
 class UnsupportedModelError(ValueError):

@@ -1,5 +1,5 @@
 """GGUF model files: find them, read their headers (gguf_header.py), check them, read their
-hyper-parameters. Which architectures a file may declare: worker/models/registry.py.
+hyper-parameters. Which architectures a file may declare: registry.py.
 
 Every problem with a file becomes one GGUFFileError whose message names the file and what is wrong:
 crane-launch checks a file before it starts any process (a bad file exits at once with that line),
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from crane_mp.gguf_header import BigEndianFile, HeaderError, StringArray, read_header
-from crane_mp.worker.models.registry import GGUF_ARCHITECTURES, GGUF_LAYER_NAMES
+from crane_mp.models.registry import GGUF_ARCHITECTURES, GGUF_LAYER_NAMES
 
 # Types served (worker/quantized/formats.py and kernels/gguf_matmul.cpp); ggml's ids.
 SERVED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",

@@ -1,7 +1,8 @@
 """The architectures crane-mp serves: one row each, the only table a new architecture is added to.
 
 Torch-free and importing nothing of crane_mp (the launcher reads it): names, tensor-name maps and config rules only.
-build.py turns a row's `model_class` into the model; model_config.py and gguf_file.py read the rest.
+crane_mp/worker/models/build.py turns a row's `model_class` into the model; config.py and gguf_file.py read
+the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ class Architecture:
     """One served architecture: how checkpoints and GGUF files name it, and the rules that differ by it."""
 
     name: str  # ours: ModelConfig.arch, a --model-type choice
-    model_class: str  # "module.Class" under crane_mp.worker.models
+    model_class: str  # "module.Class" under crane_mp.worker.models, or "package.module.Class" (register_model)
     hf_classes: tuple[str, ...]  # config.json "architectures" entries served as this architecture
     hf_model_type: str  # transformers' model_type (config.json "model_type")
     gguf_arch: str  # general.architecture llama.cpp's converter writes for it
@@ -61,17 +62,52 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  "xlm-roberta", "xlm-roberta", reads_gguf=False, encoder=True),
 )}
 
-# Lookups, all derived from the rows above.
-HF_CLASSES = {hf: arch.name for arch in ARCHITECTURES.values() for hf in arch.hf_classes}
+# Lookups, all derived from the rows (register_model adds to them).
+HF_CLASSES: dict[str, str] = {}
 # --model-type spellings: our names, transformers' model types, llama.cpp's architectures, aliases.
-MODEL_TYPE_ALIASES = {
-    spelling: arch.name
-    for arch in ARCHITECTURES.values()
-    for spelling in (arch.name, arch.hf_model_type, *((arch.gguf_arch,) if arch.reads_gguf else ()),
-                     *arch.model_type_aliases)
-}
-GGUF_ARCHITECTURES = {arch.gguf_arch: arch for arch in ARCHITECTURES.values() if arch.reads_gguf}
-PERMUTED_QK_ARCHS = frozenset(arch.gguf_arch for arch in ARCHITECTURES.values() if arch.gguf_permuted_qk)
+MODEL_TYPE_ALIASES: dict[str, str] = {}
+GGUF_ARCHITECTURES: dict[str, Architecture] = {}
+PERMUTED_QK_ARCHS: set[str] = set()
+
+
+def _index(arch: Architecture) -> None:
+    HF_CLASSES.update(dict.fromkeys(arch.hf_classes, arch.name))
+    spellings = (arch.name, arch.hf_model_type, *((arch.gguf_arch,) if arch.reads_gguf else ()),
+                 *arch.model_type_aliases)
+    MODEL_TYPE_ALIASES.update(dict.fromkeys(spellings, arch.name))
+    if arch.reads_gguf:
+        GGUF_ARCHITECTURES[arch.gguf_arch] = arch
+    if arch.gguf_permuted_qk:
+        PERMUTED_QK_ARCHS.add(arch.gguf_arch)
+
+
+for _arch in ARCHITECTURES.values():
+    _index(_arch)
+
+
+def register_model(arch: Architecture) -> None:
+    """Serve another architecture (as vLLM's ModelRegistry.register_model): its `model_class` names the
+    class in full ("package.module.Class"), imported only where the model is built. Every process
+    reads the registry, so register from a module the `crane_mp.models` entry-point group names (a
+    function called with no arguments when this module is first imported); a name already served is
+    refused."""
+    if arch.name in ARCHITECTURES or arch.name in MODEL_TYPE_ALIASES:
+        raise ValueError(f"architecture {arch.name!r} is already served")
+    taken = sorted(set(arch.hf_classes) & set(HF_CLASSES))
+    if taken:
+        raise ValueError(f"{', '.join(taken)} already served as {HF_CLASSES[taken[0]]!r}")
+    ARCHITECTURES[arch.name] = arch
+    _index(arch)
+    _GGUF_LAYER_BY_HF.update(zip(arch.qk_norms or (), GGUF_QK_NORM_NAMES))
+
+
+def load_plugins() -> None:
+    """Call every function the installed packages name in the `crane_mp.models` entry-point group."""
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group="crane_mp.models"):
+        entry.load()()
+
 
 # GGUF tensor names -> Hugging Face module names, the same for every architecture but the q/k norms
 # (the GGUF loader reads files by these tables, testing/make_gguf.py writes them). Every layer of a
@@ -118,3 +154,6 @@ def gguf_name(hf_name: str) -> str:
     if parts[:2] == ["model", "layers"]:
         return f"blk.{parts[2]}.{_GGUF_LAYER_BY_HF['.'.join(parts[3:])]}.{kind}"
     raise ValueError(f"no GGUF name for {hf_name}")
+
+
+load_plugins()

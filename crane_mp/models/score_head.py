@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from crane_mp.gguf_file import ModelSource, check_gguf
+from crane_mp.models.gguf_file import ModelSource, check_gguf
 
 
 def classifies(model_dir: Path | None) -> bool:

@@ -20,8 +20,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from safetensors.numpy import load_file
 
+from crane_mp.models.registry import ARCHITECTURES, PERMUTED_QK_ARCHS, gguf_name
 from crane_mp.testing import kquants
-from crane_mp.worker.models.registry import ARCHITECTURES, PERMUTED_QK_ARCHS, gguf_name
 
 # transformers' model types -> the general.architecture llama.cpp writes ("llama" for pre-v3 Mistral).
 GGUF_ARCH = {arch.hf_model_type: arch.gguf_arch for arch in ARCHITECTURES.values()

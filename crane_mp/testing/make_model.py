@@ -18,8 +18,8 @@ import transformers
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
+from crane_mp.models.registry import ARCHITECTURES
 from crane_mp.testing.tokenizer import write_json, write_tokenizer
-from crane_mp.worker.models.registry import ARCHITECTURES
 
 
 @dataclass(frozen=True)

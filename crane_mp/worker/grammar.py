@@ -14,8 +14,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from crane_mp.gguf_file import ModelSource
 from crane_mp.model_tokenizer import grammar_tokenizer, source_tokenizer
+from crane_mp.models.gguf_file import ModelSource
 from crane_mp.worker.host_buffers import device_longs
 from crane_mp.worker.platforms import Platform
 

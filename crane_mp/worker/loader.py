@@ -10,10 +10,10 @@ from typing import Iterator
 import psutil
 import torch
 
-from crane_mp.gguf_file import ModelSource, check_gguf
+from crane_mp.models.config import ModelConfig
+from crane_mp.models.gguf_file import ModelSource, check_gguf
 from crane_mp.worker.cpu_packing import pack_linear_weights, spare_copies_fit
 from crane_mp.worker.load_progress import LoadProgress
-from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import Platform

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from crane_mp.worker.model_config import ModelConfig
+from crane_mp.models.config import ModelConfig
+from crane_mp.models.sharding import Shard, whole_config
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import Platform
-from crane_mp.worker.sharding import Shard, whole_config
 
 # Bytes per element of the safetensors dtypes an adapter may hold (anything else counts as 8).
 _ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

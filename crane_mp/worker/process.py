@@ -25,13 +25,13 @@ from crane_mp.config import EngineConfig
 from crane_mp.heap import malloc_trim
 from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.logs import LogSettings, configure_logging
+from crane_mp.models.config import UnsupportedModelError
 from crane_mp.protocol import DropLora, LoadLora, PrepareGrammar, RankInfo, ShutdownWorker, StepPlan, WorkerReady
 from crane_mp.worker.background import BackgroundJobs, load_lora, prepare_grammar
 from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
 from crane_mp.worker.device import RankLost
 from crane_mp.worker.lora import uninstall
 from crane_mp.worker.memory import MemoryBudgetError
-from crane_mp.worker.model_config import UnsupportedModelError
 from crane_mp.worker.platforms import on_cuda
 from crane_mp.worker.tensor_parallel import TensorParallel, split_cores
 

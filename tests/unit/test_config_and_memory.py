@@ -148,7 +148,7 @@ def test_default_concurrency_follows_a_lowered_step_budget(tmp_path):
 def test_qwen2_windows_only_the_layers_from_max_window_layers_on(max_window_layers, expected):
     from transformers import Qwen2Config
 
-    from crane_mp.worker.model_config import UnsupportedModelError, model_config_from_hf
+    from crane_mp.models.config import UnsupportedModelError, model_config_from_hf
 
     hf = Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=max_window_layers,
                      num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,

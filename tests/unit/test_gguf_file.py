@@ -11,10 +11,10 @@ import gguf
 import numpy as np
 import pytest
 
-from crane_mp.gguf_file import GGUFFileError, check_gguf, describe_types, resolve_model_source
+from crane_mp.models.config import load_gguf_config, load_model_config
+from crane_mp.models.gguf_file import GGUFFileError, check_gguf, describe_types, resolve_model_source
 from crane_mp.testing.make_gguf import make_gguf
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.model_config import load_gguf_config, load_model_config
 
 SIZE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 128}
 

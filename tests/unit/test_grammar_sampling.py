@@ -16,13 +16,13 @@ from crane_mp.frontend.structured import Constraint, to_grammar
 from crane_mp.frontend.tools.forcing import forced_call_constraint
 from crane_mp.frontend.tools.formats import FORMATS
 from crane_mp.frontend.tools.parser import parse_tool_calls
-from crane_mp.gguf_file import resolve_model_source
 from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
+from crane_mp.models.gguf_file import resolve_model_source
 from crane_mp.protocol import SamplingParams, ThinkingBudget
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.grammar import GrammarEngine
-from crane_mp.worker.sampler import Sampler
 from crane_mp.worker.platforms import platform_for
+from crane_mp.worker.sampler import Sampler
 
 CPU_PLATFORM = platform_for("cpu")
 EOS = 507  # the tiny model's <|im_end|>; <|endoftext|> (505) ends generation too

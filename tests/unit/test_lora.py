@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import save_file
 
 from crane_mp.cli import build_parser
+from crane_mp.models.config import load_model_config
 from crane_mp.scheduler.adapters import AdapterError, AdapterTable
 from crane_mp.settings import SettingsError, read_config_file, settable_actions
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.forward_context import LoraBatch, lora_batch
 from crane_mp.worker.lora import LoraError, build_adapter, read_adapter
-from crane_mp.worker.model_config import load_model_config
 from tests.model_helpers import load_checkpoint
 
 PREFIX = "base_model.model.model.layers.0."

@@ -12,15 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from crane_mp.gguf_file import GGUFFileError, read_shape
-from crane_mp.testing.make_encoder import ARCHS as ENCODER_ARCHS
-from crane_mp.testing.make_gguf import GGUF_ARCH
-from crane_mp.testing.make_model import ARCHS, build_config
-from crane_mp.worker.model_config import UnsupportedModelError, detect_arch, model_config_from_hf
-from crane_mp.worker.models.bert import BertEncoder
-from crane_mp.worker.models.build import model_class
-from crane_mp.worker.models.layers import CausalLM
-from crane_mp.worker.models.registry import (
+from crane_mp.models.config import UnsupportedModelError, detect_arch, model_config_from_hf
+from crane_mp.models.gguf_file import GGUFFileError, read_shape
+from crane_mp.models.registry import (
     ARCHITECTURES,
     GGUF_ARCHITECTURES,
     HF_CLASSES,
@@ -29,7 +23,12 @@ from crane_mp.worker.models.registry import (
     gguf_name,
     hf_name,
 )
-
+from crane_mp.testing.make_encoder import ARCHS as ENCODER_ARCHS
+from crane_mp.testing.make_gguf import GGUF_ARCH
+from crane_mp.testing.make_model import ARCHS, build_config
+from crane_mp.worker.models.bert import BertEncoder
+from crane_mp.worker.models.build import model_class
+from crane_mp.worker.models.layers import CausalLM
 
 
 def test_the_lookups_are_the_ones_the_four_tables_held():
@@ -118,7 +117,7 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
 
 def test_the_launcher_side_reads_the_registry_without_torch():
     code = ("import sys\n"
-            "import crane_mp.cli, crane_mp.gguf_file, crane_mp.worker.model_config, crane_mp.worker.models.registry\n"
+            "import crane_mp.cli, crane_mp.models.gguf_file, crane_mp.models.config, crane_mp.models.registry\n"
             "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -140,7 +139,7 @@ def test_a_checkpoint_tensor_of_the_wrong_shape_is_refused_not_broadcast():
 def test_a_checkpoint_s_architecture_is_known_from_its_config_alone(tmp_path):
     import json
 
-    from crane_mp.worker.model_config import checkpoint_architecture
+    from crane_mp.models.config import checkpoint_architecture
 
     for name, config, arch in (("bert", {"architectures": ["BertModel"]}, "bert"),
                                ("xlmr", {"model_type": "xlm-roberta"}, "xlm-roberta"),
@@ -153,3 +152,42 @@ def test_a_checkpoint_s_architecture_is_known_from_its_config_alone(tmp_path):
         assert (row.name if row else None) == arch, name
     assert checkpoint_architecture(tmp_path / "qwen", "bert").encoder  # --model-type decides where given
     assert checkpoint_architecture(tmp_path / "missing") is None
+
+
+@pytest.fixture
+def restored_registry():
+    """The registry's tables as they were, whatever a test registers."""
+    from crane_mp.models import registry
+
+    tables = (registry.ARCHITECTURES, HF_CLASSES, MODEL_TYPE_ALIASES, GGUF_ARCHITECTURES, PERMUTED_QK_ARCHS,
+              registry._GGUF_LAYER_BY_HF)
+    saved = [table.copy() for table in tables]
+    yield
+    for table, old in zip(tables, saved):
+        table.clear()
+        table.update(old)
+
+
+def test_an_architecture_registered_from_outside_is_served(tmp_path, restored_registry):
+    """As vLLM's ModelRegistry.register_model: a row whose class lives outside crane_mp's model folder."""
+    import json
+
+    from crane_mp.models.config import checkpoint_architecture
+    from crane_mp.models.registry import Architecture, register_model
+
+    row = Architecture("my-llama", "tests.unit.test_model_registry.MyLlama", ("MyLlamaForCausalLM",), "my_llama",
+                       "my-llama", gguf_permuted_qk=True)
+    register_model(row)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MyLlamaForCausalLM"]}))
+    assert checkpoint_architecture(tmp_path) == row
+    assert MODEL_TYPE_ALIASES["my_llama"] == MODEL_TYPE_ALIASES["my-llama"] == "my-llama"
+    assert GGUF_ARCHITECTURES["my-llama"] == row and "my-llama" in PERMUTED_QK_ARCHS
+    assert model_class("my-llama") is MyLlama
+    with pytest.raises(ValueError, match="already served"):
+        register_model(row)
+    with pytest.raises(ValueError, match="LlamaForCausalLM already served as 'llama'"):
+        register_model(Architecture("other", "llama.LlamaForCausalLM", ("LlamaForCausalLM",), "other", "other"))
+
+
+class MyLlama(CausalLM):
+    """A model class outside crane_mp/worker/models, as a plugin package would hold it."""

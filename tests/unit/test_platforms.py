@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from crane_mp.gguf_file import ModelSource
+from crane_mp.models.config import load_model_config
+from crane_mp.models.gguf_file import ModelSource
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.kernels import cpu_isa
 from crane_mp.worker.loader import load_model
-from crane_mp.worker.model_config import load_model_config
 from crane_mp.worker.platforms import platform_for, select_platform
 from crane_mp.worker.platforms.cpu import CpuPlatform
 from crane_mp.worker.quantized.matmul import TorchGGUF

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from crane_mp.pooling import Pooling, sentence_transformers_pooling
+from crane_mp.models.config import load_model_config
+from crane_mp.models.pooling import Pooling, sentence_transformers_pooling
 from crane_mp.protocol import NewRequest, SamplingParams, ScheduledRequest, StepPlan
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.model_config import load_model_config
 from crane_mp.worker.runner import ModelRunner
 from tests.model_helpers import CPU, load_checkpoint
 
@@ -84,7 +84,7 @@ def test_chunked_and_preempted_prompts_pool_like_one_pass(checkpoint, pooling):
 def test_an_embedding_checkpoint_without_an_lm_head_loads_with_a_stub(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from crane_mp.gguf_file import ModelSource
+    from crane_mp.models.gguf_file import ModelSource
     from crane_mp.worker.loader import load_model
 
     path = make_model("qwen3", "tiny", tmp_path / "q", seed=4)

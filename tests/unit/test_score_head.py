@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from crane_mp.gguf_file import resolve_model_source
-from crane_mp.score_head import answer_head, load_score_head
+from crane_mp.models.gguf_file import resolve_model_source
+from crane_mp.models.score_head import answer_head, load_score_head
 from crane_mp.testing.make_gguf import make_gguf
 from crane_mp.testing.make_model import make_model
 

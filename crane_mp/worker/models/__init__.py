@@ -1,4 +1,5 @@
-"""Model implementations, one architecture per file: registry.py lists them (torch-free), build.py builds one.
+"""Model implementations, one architecture per file: crane_mp/models/registry.py lists them (torch-free),
+build.py builds one.
 
-Imports nothing: the launcher reads registry.py without torch, and no model module imports back into here.
+Imports nothing, so no model module imports back into here.
 """

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from crane_mp.models.config import ModelConfig
 from crane_mp.worker.forward_context import get_forward_context
-from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.checkpoint import copy_named
 from crane_mp.worker.platforms import Platform
 

@@ -7,15 +7,16 @@ import importlib
 import torch
 from torch import nn
 
-from crane_mp.worker.model_config import ModelConfig
-from crane_mp.worker.models.registry import ARCHITECTURES
+from crane_mp.models.config import ModelConfig
+from crane_mp.models.registry import ARCHITECTURES
 from crane_mp.worker.platforms import Platform
 
 
 def model_class(arch: str) -> type[nn.Module]:
-    """The class serving architecture `arch` (registry.py's `model_class`, imported on first use)."""
+    """The class serving architecture `arch` (crane_mp/models/registry.py's `model_class`, imported on
+    first use)."""
     module, _, name = ARCHITECTURES[arch].model_class.rpartition(".")
-    return getattr(importlib.import_module(f"crane_mp.worker.models.{module}"), name)
+    return getattr(importlib.import_module(module if "." in module else f"crane_mp.worker.models.{module}"), name)
 
 
 def build_model(config: ModelConfig, platform: Platform) -> nn.Module:

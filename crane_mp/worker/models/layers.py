@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from crane_mp.models.config import ModelConfig
+from crane_mp.models.sharding import Shard
 from crane_mp.worker.attention import paged_attention
 from crane_mp.worker.forward_context import get_forward_context
-from crane_mp.worker.model_config import ModelConfig
 from crane_mp.worker.models.checkpoint import fill
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.rope import apply_rope
-from crane_mp.worker.sharding import Shard
 from crane_mp.worker.tensor_parallel import all_reduce, gather_columns
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from crane_mp.worker.model_config import ModelConfig
+from crane_mp.models.config import ModelConfig
 from crane_mp.worker.models.layers import CausalLM, PagedSelfAttention
 from crane_mp.worker.platforms import Platform
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from crane_mp.worker.model_config import ModelConfig
+from crane_mp.models.config import ModelConfig
 from crane_mp.worker.models.layers import CausalLM, PagedSelfAttention, RMSNorm
 from crane_mp.worker.platforms import Platform
 
