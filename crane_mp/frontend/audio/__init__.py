@@ -1,0 +1,1 @@
+"""OpenAI's audio routes (/v1/audio/transcriptions, /translations) on a Whisper checkpoint."""

@@ -1,0 +1,1 @@
+"""OpenAI's API: chat and text completions, embeddings, and the tokenize routes."""

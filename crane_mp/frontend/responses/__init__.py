@@ -1,0 +1,1 @@
+"""OpenAI's Responses API, with its store of earlier responses."""

@@ -1,0 +1,1 @@
+"""Scoring and reranking: /v1/score, /v1/rerank (Cohere and Jina shapes)."""

@@ -1,0 +1,1 @@
+"""SGLang's native API (/generate and its companions)."""
