@@ -61,7 +61,7 @@ def _clip(seconds: float, seed: int) -> bytes:
 def whisper(folder: Path, clips: int, seconds: float) -> dict:
     from transformers import AutoProcessor, WhisperForConditionalGeneration
 
-    from crane_mp.frontend.audio import decode_audio
+    from crane_mp.frontend.audio.decode import decode_audio
     from crane_mp.testing.make_whisper import make_whisper
 
     model_dir = make_whisper(folder / "whisper")

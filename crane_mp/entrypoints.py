@@ -59,7 +59,7 @@ def frontend_main(config, addresses, frontend_id: int, life: int, metrics_dir: s
     _die_with_launcher()
     _name_process(f"crane-frontend{frontend_id}")
     # Before prometheus_client is imported: every frontend's metrics go to files that a scrape of
-    # any one of them sums (frontend/metrics.py).
+    # any one of them sums (frontend/web/metrics.py).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     from crane_mp.frontend.process import run_frontend
 

@@ -19,7 +19,7 @@ class FinishReason(enum.IntEnum):
 
 
 class ErrorKind(enum.IntEnum):
-    """Why a request ended with FinishReason.ERROR; frontend/errors.py maps each to its HTTP status."""
+    """Why a request ended with FinishReason.ERROR; frontend/web/errors.py maps each to its HTTP status."""
 
     INVALID = 0  # the request can never run (400)
     OVERLOADED = 1  # --max-queue requests already wait (429)

@@ -1,31 +1,27 @@
-"""Every API route the frontend serves, gathered from each module's declarations (routing.py). The
-app adds these and /openapi.json (openapi.py), which documents them."""
+"""Every API route the frontend serves, gathered from each API folder's declarations (web/routing.py): a
+new API is one folder and one line here. The app adds these and /openapi.json (openapi.py), which
+documents them."""
 
 from __future__ import annotations
 
-from crane_mp.frontend import (
-    anthropic_routes,
-    audio_routes,
-    embedding_routes,
-    lora_routes,
-    management_routes,
-    openai_routes,
-    responses_routes,
-    score_routes,
-    sglang_routes,
-    tokenize_routes,
-)
-from crane_mp.frontend.routing import Route
+from crane_mp.frontend.anthropic import routes as anthropic
+from crane_mp.frontend.audio import routes as audio
+from crane_mp.frontend.management import lora, routes as management
+from crane_mp.frontend.openai import embeddings, routes as openai, tokenize
+from crane_mp.frontend.responses import routes as responses
+from crane_mp.frontend.scoring import routes as scoring
+from crane_mp.frontend.sglang import routes as sglang
+from crane_mp.frontend.web.routing import Route
 
 ROUTES: list[Route] = [
-    *openai_routes.api.routes,
-    *responses_routes.api.routes,
-    *anthropic_routes.api.routes,
-    *score_routes.api.routes,
-    *embedding_routes.api.routes,
-    *lora_routes.api.routes,
-    *tokenize_routes.api.routes,
-    *management_routes.api.routes,
-    *sglang_routes.api.routes,
-    *audio_routes.api.routes,
+    *openai.api.routes,
+    *responses.api.routes,
+    *anthropic.api.routes,
+    *scoring.api.routes,
+    *embeddings.api.routes,
+    *lora.api.routes,
+    *tokenize.api.routes,
+    *management.api.routes,
+    *sglang.api.routes,
+    *audio.api.routes,
 ]

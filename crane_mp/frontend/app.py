@@ -8,12 +8,11 @@ import hmac
 from aiohttp import web
 
 from crane_mp.frontend import openapi
-from crane_mp.frontend.access_log import add_request_id_header, make_access_middleware
 from crane_mp.frontend.api_routes import ROUTES
-from crane_mp.frontend.errors import ApiError, error_middleware
-from crane_mp.frontend.routing import admin_paths, open_paths, served_routes
 from crane_mp.frontend.state import STATE, FrontendState
-
+from crane_mp.frontend.web.access_log import add_request_id_header, make_access_middleware
+from crane_mp.frontend.web.errors import ApiError, error_middleware
+from crane_mp.frontend.web.routing import admin_paths, open_paths, served_routes
 
 # aiohttp's own body limit; bodies above it (up to --max-request-bytes) are read through a clone.
 _APP_BODY_LIMIT = 1 << 20

@@ -14,16 +14,18 @@ import msgspec
 from aiohttp import web
 
 from crane_mp import __version__
-from crane_mp.frontend.anthropic_schemas import MESSAGES_SCHEMA as ANTHROPIC_MESSAGES_SCHEMA
-from crane_mp.frontend.anthropic_schemas import SYSTEM_SCHEMA as ANTHROPIC_SYSTEM_SCHEMA
+from crane_mp.frontend.anthropic.schemas import (
+    MESSAGES_SCHEMA as ANTHROPIC_MESSAGES_SCHEMA,
+    SYSTEM_SCHEMA as ANTHROPIC_SYSTEM_SCHEMA,
+)
 from crane_mp.frontend.api_routes import ROUTES
-from crane_mp.frontend.fields import exactly_one_of, fill_model_limits
-from crane_mp.frontend.http import json_response
-from crane_mp.frontend.openai_schemas import EMBEDDING_INPUT_SCHEMA, PROMPT_SCHEMA
-from crane_mp.frontend.routing import Route, RouteTable, served_routes
-from crane_mp.frontend.responses_schemas import INPUT_SCHEMA as RESPONSES_INPUT_SCHEMA
-from crane_mp.frontend.sglang_schemas import INPUT_IDS_SCHEMA
+from crane_mp.frontend.openai.schemas import EMBEDDING_INPUT_SCHEMA, PROMPT_SCHEMA
+from crane_mp.frontend.responses.schemas import INPUT_SCHEMA as RESPONSES_INPUT_SCHEMA
+from crane_mp.frontend.sglang.schemas import INPUT_IDS_SCHEMA
 from crane_mp.frontend.state import STATE
+from crane_mp.frontend.web.fields import exactly_one_of, fill_model_limits
+from crane_mp.frontend.web.http import json_response
+from crane_mp.frontend.web.routing import Route, RouteTable, served_routes
 
 api = RouteTable()
 

@@ -17,13 +17,13 @@ import msgspec
 from aiohttp import web
 
 from crane_mp.config import ServerConfig
-from crane_mp.frontend.access_log import MalformedRequests
 from crane_mp.frontend.app import create_app
-from crane_mp.frontend.connections import raise_fd_limit
-from crane_mp.frontend.engine_client import EngineClient
-from crane_mp.frontend.response_store import ResponseStore
+from crane_mp.frontend.responses.store import ResponseStore
+from crane_mp.frontend.serving.engine_client import EngineClient
+from crane_mp.frontend.serving.tokenizer import TokenizerService
 from crane_mp.frontend.state import FrontendState
-from crane_mp.frontend.tokenizer import TokenizerService
+from crane_mp.frontend.web.access_log import MalformedRequests
+from crane_mp.frontend.web.connections import raise_fd_limit
 from crane_mp.ipc import Addresses
 from crane_mp.logs import configure_logging
 from crane_mp.protocol import WorkerReady

@@ -9,18 +9,18 @@ from pathlib import Path
 from aiohttp import web
 
 from crane_mp.config import ServerConfig
-from crane_mp.frontend.connections import ConnectionGuard
-from crane_mp.frontend.engine_client import EngineClient
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.gate import LoadGate
-from crane_mp.frontend.images import ImageProcessor, load_image_processor
-from crane_mp.frontend.metrics import Metrics
-from crane_mp.frontend.openai_schemas import MAX_BATCH
-from crane_mp.frontend.reasoning import END as THINK_END, START as THINK_START, reasoning_enabled
-from crane_mp.frontend.response_store import ResponseStore
-from crane_mp.frontend.speech import SpeechModel, load_speech_model
-from crane_mp.frontend.structured import GrammarCompiler
-from crane_mp.frontend.tokenizer import TokenizerService
+from crane_mp.frontend.audio.speech import SpeechModel, load_speech_model
+from crane_mp.frontend.images.processor import ImageProcessor, load_image_processor
+from crane_mp.frontend.openai.schemas import MAX_BATCH
+from crane_mp.frontend.responses.store import ResponseStore
+from crane_mp.frontend.serving.engine_client import EngineClient
+from crane_mp.frontend.serving.reasoning import END as THINK_END, START as THINK_START, reasoning_enabled
+from crane_mp.frontend.serving.structured import GrammarCompiler
+from crane_mp.frontend.serving.tokenizer import TokenizerService
+from crane_mp.frontend.web.connections import ConnectionGuard
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.gate import LoadGate
+from crane_mp.frontend.web.metrics import Metrics
 from crane_mp.models.config import checkpoint_architecture
 from crane_mp.models.registry import ARCHITECTURES
 from crane_mp.models.score_head import ScoreHead, load_score_head

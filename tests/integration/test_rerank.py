@@ -10,7 +10,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from crane_mp.frontend.score_routes import _PREFIX, _SUFFIX, DEFAULT_INSTRUCTION
+from crane_mp.frontend.scoring.routes import _PREFIX, _SUFFIX, DEFAULT_INSTRUCTION
 from crane_mp.testing.make_model import make_model
 from tests.integration.server import Server
 

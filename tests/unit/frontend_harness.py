@@ -16,10 +16,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from crane_mp.config import EngineConfig, ServerConfig
 from crane_mp.frontend.app import create_app
-from crane_mp.frontend.engine_client import EngineClient
-from crane_mp.frontend.response_store import ResponseStore
+from crane_mp.frontend.responses.store import ResponseStore
+from crane_mp.frontend.serving.engine_client import EngineClient
+from crane_mp.frontend.serving.tokenizer import TokenizerService
 from crane_mp.frontend.state import FrontendState
-from crane_mp.frontend.tokenizer import TokenizerService
 from crane_mp.ipc import Addresses, scheduler_decoder
 from crane_mp.protocol import (
     AbortNamed,
@@ -32,7 +32,6 @@ from crane_mp.protocol import (
     TokenOutput,
     WorkerReady,
 )
-
 
 HIDDEN_SIZE = 16  # the width of the fake engine's embeddings: 1, 2, ..., 16
 

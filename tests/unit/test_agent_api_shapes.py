@@ -11,19 +11,19 @@ from dataclasses import dataclass
 
 import pytest
 
-from crane_mp.frontend import response_store
-from crane_mp.frontend.answers import ReasoningReading, ToolReading, read_whole
-from crane_mp.frontend.anthropic_api import MessageDraft, MessagesStream, content_blocks, stop_reason
-from crane_mp.frontend.anthropic_schemas import MessagesRequest, chat_messages
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.generation import Delta
-from crane_mp.frontend.logprobs_format import TokenText
-from crane_mp.frontend.openai_schemas import decode_body
-from crane_mp.frontend.reasoning import THINKING as THINKING_MODE
-from crane_mp.frontend.response_store import ResponseStore, new_response_id
-from crane_mp.frontend.responses_api import ResponseDraft, ResponsesStream, output_items, text_logprobs
-from crane_mp.frontend.responses_schemas import input_messages
+from crane_mp.frontend.anthropic.answers import MessageDraft, MessagesStream, content_blocks, stop_reason
+from crane_mp.frontend.anthropic.schemas import MessagesRequest, chat_messages
+from crane_mp.frontend.openai.schemas import decode_body
+from crane_mp.frontend.responses import store as response_store
+from crane_mp.frontend.responses.answers import ResponseDraft, ResponsesStream, output_items, text_logprobs
+from crane_mp.frontend.responses.schemas import input_messages
+from crane_mp.frontend.responses.store import ResponseStore, new_response_id
+from crane_mp.frontend.serving.answers import ReasoningReading, ToolReading, read_whole
+from crane_mp.frontend.serving.generation import Delta
+from crane_mp.frontend.serving.logprobs_format import TokenText
+from crane_mp.frontend.serving.reasoning import THINKING as THINKING_MODE
 from crane_mp.frontend.tools.formats import FORMATS
+from crane_mp.frontend.web.errors import ApiError
 from crane_mp.protocol import TokenLogprobs
 
 THOUGHT = "I should look the weather up."

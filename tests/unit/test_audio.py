@@ -12,8 +12,8 @@ import soundfile as sf
 from transformers.audio_utils import load_audio
 
 from crane_mp.config import EngineConfig, ServerConfig
-from crane_mp.frontend.audio import audio_duration, decode_audio
-from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.audio.decode import audio_duration, decode_audio
+from crane_mp.frontend.web.errors import ApiError
 
 # (format, subtype, sample rate, channels): resampled and downmixed cases, and one already 16 kHz mono.
 CASES = [("WAV", "PCM_16", 44100, 2), ("WAV", "FLOAT", 16000, 1), ("FLAC", "PCM_24", 22050, 2),

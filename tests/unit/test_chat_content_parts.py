@@ -9,7 +9,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from crane_mp.frontend.tokenizer import TokenizerService
+from crane_mp.frontend.serving.tokenizer import TokenizerService
 from crane_mp.testing.make_model import make_model
 from crane_mp.testing.make_vl import CHAT_TEMPLATE as VL_TEMPLATE
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from crane_mp.frontend.answers import ToolReading, read_whole
-from crane_mp.frontend.anthropic_api import content_blocks, stop_reason
-from crane_mp.frontend.generation import Delta
-from crane_mp.frontend.openai_responses import ChatStream, chat_choice
-from crane_mp.frontend.responses_api import ResponseDraft, ResponsesStream, output_items, usage
+from crane_mp.frontend.anthropic.answers import content_blocks, stop_reason
+from crane_mp.frontend.openai.bodies import ChatStream, chat_choice
+from crane_mp.frontend.responses.answers import ResponseDraft, ResponsesStream, output_items, usage
+from crane_mp.frontend.serving.answers import ToolReading, read_whole
+from crane_mp.frontend.serving.generation import Delta
 from crane_mp.frontend.tools.formats import FORMATS
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from crane_mp.frontend.detokenizer import Detokenizer
+from crane_mp.frontend.serving.detokenizer import Detokenizer
 from crane_mp.testing.make_model import make_model
 
 TEXT = "Héllo wörld, 日本語 and emoji 🎉🎉 end of story. Stop HERE please."

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from crane_mp.frontend.fields import MODEL_LIMIT, fill_model_limits, ids_below_pattern
+from crane_mp.frontend.web.fields import MODEL_LIMIT, fill_model_limits, ids_below_pattern
 
 
 @pytest.mark.parametrize("limit", [1, 2, 9, 10, 11, 99, 100, 101, 512, 1000, 1001, 8192, 151936])

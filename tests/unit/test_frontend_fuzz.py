@@ -10,13 +10,12 @@ import io
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, reject, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, reject, settings, strategies as st
 from hypothesis_jsonschema import from_schema
 from PIL import Image
 
 from crane_mp.config import EngineConfig
-from crane_mp.frontend.openai_schemas import CONSTRAINT_FIELDS
+from crane_mp.frontend.openai.schemas import CONSTRAINT_FIELDS
 from crane_mp.frontend.openapi import build_openapi
 from crane_mp.testing.make_model import make_model
 from crane_mp.testing.make_vl import make_vl

@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from crane_mp.config import EngineConfig
-from crane_mp.frontend.access_log import MalformedRequests
+from crane_mp.frontend.web.access_log import MalformedRequests
 from crane_mp.logs import TextFormatter
 from crane_mp.protocol import FinishReason, TokenLogprobs, TokenOutput
 from tests.unit.frontend_harness import start_frontend, stop_frontend
@@ -326,7 +326,7 @@ async def test_streamed_logprobs_grow_chunk_by_chunk_and_equal_what_was_sampled(
 
 
 async def test_prompt_logprobs_held_for_one_request_are_bounded(frontend, monkeypatch):
-    from crane_mp.frontend import pipeline
+    from crane_mp.frontend.serving import pipeline
 
     # The real bound is a batch of 64 lm-eval contexts of 2k tokens, eight times over; this frontend's
     # context window is 256 tokens, so the test scales it down with the prompts.
@@ -342,7 +342,7 @@ async def test_prompt_logprobs_held_for_one_request_are_bounded(frontend, monkey
 
 
 def test_the_file_descriptor_limit_is_lifted_for_the_connection_cap():
-    code = ("import resource; from crane_mp.frontend.connections import raise_fd_limit\n"
+    code = ("import resource; from crane_mp.frontend.web.connections import raise_fd_limit\n"
             "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
             "resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard))\n"
             "raise_fd_limit(1024)\n"

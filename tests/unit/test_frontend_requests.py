@@ -9,9 +9,9 @@ import json
 import msgspec
 import pytest
 
-from crane_mp.frontend import pipeline
-from crane_mp.frontend.fields import INT64_MAX
-from crane_mp.frontend.responses_schemas import TEXT_LOGPROBS
+from crane_mp.frontend.responses.schemas import TEXT_LOGPROBS
+from crane_mp.frontend.serving import pipeline
+from crane_mp.frontend.web.fields import INT64_MAX
 from crane_mp.testing.make_model import make_model
 from tests.unit.frontend_harness import start_frontend, stop_frontend
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from crane_mp.frontend.structured import Constraint, to_grammar
+from crane_mp.frontend.serving.structured import Constraint, to_grammar
 from crane_mp.frontend.tools.forcing import forced_call_constraint
 from crane_mp.frontend.tools.formats import FORMATS
 from crane_mp.frontend.tools.parser import parse_tool_calls

@@ -1,4 +1,4 @@
-"""Bounded JSON schemas (frontend/json_bounds.py): numbers a schema leaves open end within 16 integer
+"""Bounded JSON schemas (frontend/serving/json_bounds.py): numbers a schema leaves open end within 16 integer
 and 10 fraction digits, free values are any JSON with numbers so bounded, and what a schema states is
 kept; checked by feeding documents to llguidance matchers of the bounded grammars."""
 
@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 from llguidance import LLMatcher
 
-from crane_mp.frontend.json_bounds import bounded_schema
-from crane_mp.frontend.structured import Constraint, to_grammar
+from crane_mp.frontend.serving.json_bounds import bounded_schema
+from crane_mp.frontend.serving.structured import Constraint, to_grammar
 from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["x", "n"],

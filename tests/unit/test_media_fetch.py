@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
-from crane_mp.frontend.media_fetch import is_public_address
+from crane_mp.frontend.images.fetch import is_public_address
 from crane_mp.testing.make_vl import make_vl
 from tests.unit.frontend_harness import start_frontend, stop_frontend
 

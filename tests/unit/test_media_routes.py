@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from crane_mp.frontend import chat_images
+from crane_mp.frontend.images import chat as chat_images
 from crane_mp.frontend.openapi import build_openapi
 from crane_mp.testing.make_vl import make_vl
 from tests.unit.frontend_harness import start_frontend, stop_frontend

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from crane_mp.frontend.metrics import Metrics
+from crane_mp.frontend.web.metrics import Metrics
 from crane_mp.protocol import EngineStats
-
 
 LABELS = "('model_name', 'm'), ('replica', 'host-a:8080')"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from crane_mp.frontend.answers import ToolReading, read_whole
-from crane_mp.frontend.generation import Delta
-from crane_mp.frontend.openai_responses import ChatStream, CompletionStream, chat_choice, completion_choice, usage
+from crane_mp.frontend.openai.bodies import ChatStream, CompletionStream, chat_choice, completion_choice, usage
+from crane_mp.frontend.serving.answers import ToolReading, read_whole
+from crane_mp.frontend.serving.generation import Delta
 from crane_mp.frontend.tools.formats import FORMATS
 from crane_mp.protocol import PromptLogprobs, TokenLogprobs
 

@@ -1,4 +1,4 @@
-"""Reasoning apart from the answer (frontend/reasoning.py): in thinking mode an answer is reasoning until
+"""Reasoning apart from the answer (frontend/serving/reasoning.py): in thinking mode an answer is reasoning until
 its first </think>, opened or not (all of it when none comes); a prompt that closed the think block
 (enable_thinking false) leaves it all content; the split is lossless and the same in every chunking;
 chat completions, Responses and Messages carry the parts apart, whole and streamed."""
@@ -11,8 +11,18 @@ import random
 
 import pytest
 
-from crane_mp.frontend.reasoning import (END, LEADING, PLAIN, START, THINKING, ReasoningSplitter, reading_mode,
-                                         reasoning_enabled, split_reasoning, template_thinks)
+from crane_mp.frontend.serving.reasoning import (
+    END,
+    LEADING,
+    PLAIN,
+    START,
+    THINKING,
+    ReasoningSplitter,
+    reading_mode,
+    reasoning_enabled,
+    split_reasoning,
+    template_thinks,
+)
 from crane_mp.protocol import FinishReason, ThinkingBudget, TokenOutput
 
 ASKED = "<|im_start|>assistant\n"  # Qwen3's generation prompt: it thinks unless told not to

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 from crane_mp.frontend.api_routes import ROUTES
-from crane_mp.frontend.errors import GenerationError
-from crane_mp.frontend.openapi import api as openapi_api
-from crane_mp.frontend.openapi import build_openapi
-from crane_mp.frontend.routing import admin_paths, open_paths
+from crane_mp.frontend.openapi import api as openapi_api, build_openapi
+from crane_mp.frontend.web.errors import GenerationError
+from crane_mp.frontend.web.routing import admin_paths, open_paths
 from crane_mp.protocol import ErrorKind
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 from llguidance import LLMatcher
 
-from crane_mp.frontend.structured import Constraint, to_grammar
+from crane_mp.frontend.serving.structured import Constraint, to_grammar
 from crane_mp.testing.make_model import make_model
 from tests.unit.frontend_harness import start_frontend, stop_frontend
 

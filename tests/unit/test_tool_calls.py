@@ -10,14 +10,14 @@ import random
 import pytest
 from llguidance import LLMatcher
 
-from crane_mp.frontend.answers import ToolReading
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.openai_schemas import NamedFunction, NamedToolChoice
-from crane_mp.frontend.structured import to_grammar
+from crane_mp.frontend.openai.schemas import NamedFunction, NamedToolChoice
+from crane_mp.frontend.serving.answers import ToolReading
+from crane_mp.frontend.serving.structured import to_grammar
+from crane_mp.frontend.serving.tokenizer import writes_xml_calls
 from crane_mp.frontend.tools.forcing import forced_call_constraint
 from crane_mp.frontend.tools.formats import FORMATS, check_tools, tool_format
-from crane_mp.frontend.tokenizer import writes_xml_calls
 from crane_mp.frontend.tools.parser import ToolCallParser, parse_tool_calls, parse_with
+from crane_mp.frontend.web.errors import ApiError
 from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
 from crane_mp.testing.make_model import make_model
 

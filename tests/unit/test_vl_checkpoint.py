@@ -10,7 +10,7 @@ from PIL import Image, ImageDraw
 from safetensors import safe_open
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from crane_mp.frontend.images import load_image_processor
+from crane_mp.frontend.images.processor import load_image_processor
 from crane_mp.testing.make_vl import make_vl, reference_processor
 from crane_mp.worker.models.qwen2_5_vl_vision import Qwen25VisionTower
 

@@ -16,9 +16,13 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.images import (
-    expand_image_tokens, image_bytes_from_data_url, load_image_processor, open_image)
+from crane_mp.frontend.images.processor import (
+    expand_image_tokens,
+    image_bytes_from_data_url,
+    load_image_processor,
+    open_image,
+)
+from crane_mp.frontend.web.errors import ApiError
 from crane_mp.testing.make_vl import make_vl, reference_processor
 
 WHERE = "messages[0].content[1]"

@@ -56,6 +56,6 @@ def test_seeded_and_written_by_the_command(tmp_path):
 
 
 def test_frontend_whisper_modules_import_neither_torch_nor_transformers():
-    code = ("import crane_mp.frontend.audio, crane_mp.frontend.transcript_format, crane_mp.frontend.whisper_plan, "
-            "crane_mp.frontend.whisper_features")
+    code = ("import crane_mp.frontend.audio.decode, crane_mp.frontend.audio.transcript_format, crane_mp.frontend.audio.whisper_plan, "
+            "crane_mp.frontend.audio.whisper_features")
     assert imported_after(code, ("torch", "transformers")) == []

@@ -11,11 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.transcript_format import render
-from crane_mp.frontend.whisper_features import load_feature_extractor, log_mel
-from crane_mp.frontend.whisper_plan import DecodedWindow, init_tokens, make_transcript, prompt_token_ids, transcribe
-from crane_mp.frontend.whisper_settings import GenerationSettings
+from crane_mp.frontend.audio.transcript_format import render
+from crane_mp.frontend.audio.whisper_features import load_feature_extractor, log_mel
+from crane_mp.frontend.audio.whisper_plan import (
+    DecodedWindow,
+    init_tokens,
+    make_transcript,
+    prompt_token_ids,
+    transcribe,
+)
+from crane_mp.frontend.audio.whisper_settings import GenerationSettings
+from crane_mp.frontend.web.errors import ApiError
 from crane_mp.testing.make_whisper import make_whisper
 from crane_mp.worker.whisper_logits import apply_whisper_rules
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
 
-from crane_mp.frontend.whisper_segments import split_window
+from crane_mp.frontend.audio.whisper_segments import split_window
 
 BEGIN = 415  # <|0.00|> of make_whisper's vocabulary
 

@@ -8,8 +8,7 @@ import json
 import pytest
 from openai.types.audio import Transcription, TranscriptionVerbose, TranslationVerbose
 
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.transcript_format import (
+from crane_mp.frontend.audio.transcript_format import (
     Transcript,
     TranscriptSegment,
     check_response_format,
@@ -17,6 +16,7 @@ from crane_mp.frontend.transcript_format import (
     needs_timestamps,
     render,
 )
+from crane_mp.frontend.web.errors import ApiError
 
 
 def _segment(i: int, start: float, end: float, text: str) -> TranscriptSegment:

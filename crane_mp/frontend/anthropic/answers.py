@@ -11,11 +11,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from crane_mp.frontend.answers import AnswerReader, ReasoningReading, ToolReading, WholeAnswer
-from crane_mp.frontend.errors import anthropic_error_body
-from crane_mp.frontend.generation import Delta
-from crane_mp.frontend.http import named_sse_event
-
+from crane_mp.frontend.serving.answers import AnswerReader, ReasoningReading, ToolReading, WholeAnswer
+from crane_mp.frontend.serving.generation import Delta
+from crane_mp.frontend.web.errors import anthropic_error_body
+from crane_mp.frontend.web.http import named_sse_event
 
 
 def new_message_id() -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from crane_mp.frontend.anthropic_api import (
+from crane_mp.frontend.anthropic.answers import (
     MessageDraft,
     MessagesStream,
     content_blocks,
@@ -15,18 +15,18 @@ from crane_mp.frontend.anthropic_api import (
     stop_reason,
     usage,
 )
-from crane_mp.frontend.anthropic_schemas import CountTokensRequest, MessagesRequest, MessagesFields, chat_messages
-from crane_mp.frontend.answers import read_whole
-from crane_mp.frontend.chat_core import ChatAsk, named_tool, prepare_chat, render_prompt
-from crane_mp.frontend.choices import Collected
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.generation import Generation
-from crane_mp.frontend.http import json_response, resolve_model
-from crane_mp.frontend.openai_schemas import function_tool
-from crane_mp.frontend.pipeline import serve
-from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
+from crane_mp.frontend.anthropic.schemas import CountTokensRequest, MessagesFields, MessagesRequest, chat_messages
+from crane_mp.frontend.openai.schemas import function_tool
+from crane_mp.frontend.serving.answers import read_whole
+from crane_mp.frontend.serving.chat_core import ChatAsk, named_tool, prepare_chat, render_prompt
+from crane_mp.frontend.serving.choices import Collected
+from crane_mp.frontend.serving.generation import Generation
+from crane_mp.frontend.serving.pipeline import serve
+from crane_mp.frontend.serving.structured import Constraint
 from crane_mp.frontend.state import STATE, FrontendState
-from crane_mp.frontend.structured import Constraint
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.http import json_response, resolve_model
+from crane_mp.frontend.web.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.protocol import SamplingParams
 
 api = RouteTable()

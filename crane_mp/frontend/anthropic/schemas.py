@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.message_parts import string_field, text_content
-from crane_mp.frontend.fields import Count, PositiveCount, StopString, TopK, TopP
-from crane_mp.frontend.openai_schemas import FunctionName
+from crane_mp.frontend.openai.schemas import FunctionName
+from crane_mp.frontend.serving.message_parts import string_field, text_content
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.fields import Count, PositiveCount, StopString, TopK, TopP
 
 
 class AnthropicTool(msgspec.Struct, kw_only=True):

@@ -14,7 +14,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 
-from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.web.errors import ApiError
 
 SAMPLING_RATE = 16000  # what Whisper's feature extractor takes
 

@@ -17,16 +17,16 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from crane_mp.frontend.access_log import current_record
-from crane_mp.frontend.audio import audio_duration, decode_audio
-from crane_mp.frontend.choices import start_generation
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.http import resolve_model
-from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
+from crane_mp.frontend.audio.decode import audio_duration, decode_audio
+from crane_mp.frontend.audio.transcript_format import check_response_format, needs_timestamps, render
+from crane_mp.frontend.audio.whisper_features import log_mel
+from crane_mp.frontend.audio.whisper_plan import DecodedWindow, make_transcript, prompt_token_ids, transcribe
+from crane_mp.frontend.serving.choices import start_generation
 from crane_mp.frontend.state import STATE, FrontendState
-from crane_mp.frontend.transcript_format import check_response_format, needs_timestamps, render
-from crane_mp.frontend.whisper_features import log_mel
-from crane_mp.frontend.whisper_plan import DecodedWindow, make_transcript, prompt_token_ids, transcribe
+from crane_mp.frontend.web.access_log import current_record
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.http import resolve_model
+from crane_mp.frontend.web.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.protocol import MediaInput, SamplingParams, WhisperDecoding
 
 api = RouteTable()

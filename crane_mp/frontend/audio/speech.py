@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from crane_mp.frontend.whisper_features import load_feature_extractor
-from crane_mp.frontend.whisper_settings import GenerationSettings
+from crane_mp.frontend.audio.whisper_features import load_feature_extractor
+from crane_mp.frontend.audio.whisper_settings import GenerationSettings
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ import math
 import zlib
 from dataclasses import asdict, dataclass
 
-from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.web.errors import ApiError
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 _TIMED_FORMATS = ("srt", "verbose_json", "vtt")

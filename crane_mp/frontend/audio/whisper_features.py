@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from crane_mp.frontend.audio import SAMPLING_RATE
+from crane_mp.frontend.audio.decode import SAMPLING_RATE
 
 
 def load_feature_extractor(model_dir: str | Path):

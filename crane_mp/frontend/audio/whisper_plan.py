@@ -22,10 +22,10 @@ from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.transcript_format import Transcript, TranscriptSegment, compression_ratio
-from crane_mp.frontend.whisper_segments import Segment, split_window
-from crane_mp.frontend.whisper_settings import INPUT_STRIDE, GenerationSettings, language_name, language_token_id
+from crane_mp.frontend.audio.transcript_format import Transcript, TranscriptSegment, compression_ratio
+from crane_mp.frontend.audio.whisper_segments import Segment, split_window
+from crane_mp.frontend.audio.whisper_settings import INPUT_STRIDE, GenerationSettings, language_name, language_token_id
+from crane_mp.frontend.web.errors import ApiError
 from crane_mp.protocol import WhisperDecoding
 
 TASKS = ("transcribe", "translate")

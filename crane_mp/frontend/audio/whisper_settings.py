@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.web.errors import ApiError
 
 INPUT_STRIDE = 2  # mel frames per encoder position (the encoder's convolutions have strides 1 and 2)
 

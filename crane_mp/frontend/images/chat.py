@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 
-from crane_mp.frontend.access_log import current_record
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.images import ImageInput, expand_image_tokens, image_bytes_from_data_url, open_image
-from crane_mp.frontend.media_fetch import fetch_image
+from crane_mp.frontend.images.fetch import fetch_image
+from crane_mp.frontend.images.processor import ImageInput, expand_image_tokens, image_bytes_from_data_url, open_image
 from crane_mp.frontend.state import FrontendState
+from crane_mp.frontend.web.access_log import current_record
+from crane_mp.frontend.web.errors import ApiError
 from crane_mp.protocol import MediaInput
 
 

@@ -24,7 +24,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
 from crane_mp.config import ServerConfig
-from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.web.errors import ApiError
 
 log = logging.getLogger("crane_mp.frontend")
 

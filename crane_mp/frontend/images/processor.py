@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFile
 
-from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.web.errors import ApiError
 
 _PARAM = "messages"
 # Web image formats only: PIL's other plugins include EPS, which runs Ghostscript on the data. (A phone's

@@ -12,9 +12,9 @@ from typing import Annotated
 import msgspec
 from aiohttp import web
 
-from crane_mp.frontend.errors import ApiError, engine_answer
-from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.frontend.web.errors import ApiError, engine_answer
+from crane_mp.frontend.web.routing import GENERATION_ERRORS, RouteTable
 
 api = RouteTable()
 

@@ -12,11 +12,11 @@ from typing import Any
 from aiohttp import web
 
 from crane_mp import __version__
-from crane_mp.frontend.choices import collect, open_choices
-from crane_mp.frontend.errors import ApiError, EngineDeadError, engine_answer
-from crane_mp.frontend.http import json_response
-from crane_mp.frontend.routing import RouteTable
+from crane_mp.frontend.serving.choices import collect, open_choices
 from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.frontend.web.errors import ApiError, EngineDeadError, engine_answer
+from crane_mp.frontend.web.http import json_response
+from crane_mp.frontend.web.routing import RouteTable
 from crane_mp.protocol import EngineStats, SamplingParams
 
 api = RouteTable()

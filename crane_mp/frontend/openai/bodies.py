@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from crane_mp.frontend.answers import AnswerReader, ReasoningReading, ToolReading, WholeAnswer
-from crane_mp.frontend.generation import Delta
-from crane_mp.frontend.logprobs_format import TokenText, chat_logprobs, completion_logprobs
+from crane_mp.frontend.serving.answers import AnswerReader, ReasoningReading, ToolReading, WholeAnswer
+from crane_mp.frontend.serving.generation import Delta
+from crane_mp.frontend.serving.logprobs_format import TokenText, chat_logprobs, completion_logprobs
 from crane_mp.protocol import PromptLogprobs
 
 

@@ -8,15 +8,15 @@ import uuid
 
 from aiohttp import web
 
-from crane_mp.frontend.choices import Collected
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.generation import Generation
-from crane_mp.frontend.http import resolve_model
-from crane_mp.frontend.openai_responses import embedding_item
-from crane_mp.frontend.openai_schemas import MAX_EMBEDDING_INPUTS, EmbeddingRequest, prompt_inputs
-from crane_mp.frontend.pipeline import Plan, prompt_ids, serve
-from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
+from crane_mp.frontend.openai.bodies import embedding_item
+from crane_mp.frontend.openai.schemas import MAX_EMBEDDING_INPUTS, EmbeddingRequest, prompt_inputs
+from crane_mp.frontend.serving.choices import Collected
+from crane_mp.frontend.serving.generation import Generation
+from crane_mp.frontend.serving.pipeline import Plan, prompt_ids, serve
 from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.http import resolve_model
+from crane_mp.frontend.web.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.protocol import SamplingParams
 
 api = RouteTable()

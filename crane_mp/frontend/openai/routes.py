@@ -9,14 +9,8 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from crane_mp.frontend.choices import Collected
-from crane_mp.frontend.generation import Delta, Generation
-from crane_mp.frontend.http import check_model, json_response, resolve_model
-from crane_mp.frontend.logprobs_format import chat_logprobs, completion_logprobs
-from crane_mp.frontend.answers import read_whole
-from crane_mp.frontend.chat_core import ChatAsk, prepare_chat
-from crane_mp.frontend.openai_responses import ChatStream, CompletionStream, chat_choice, completion_choice, usage
-from crane_mp.frontend.openai_schemas import (
+from crane_mp.frontend.openai.bodies import ChatStream, CompletionStream, chat_choice, completion_choice, usage
+from crane_mp.frontend.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     StreamOptions,
@@ -27,9 +21,15 @@ from crane_mp.frontend.openai_schemas import (
     stop_strings,
     tool_dicts,
 )
-from crane_mp.frontend.pipeline import Plan, prompt_ids, serve
-from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
+from crane_mp.frontend.serving.answers import read_whole
+from crane_mp.frontend.serving.chat_core import ChatAsk, prepare_chat
+from crane_mp.frontend.serving.choices import Collected
+from crane_mp.frontend.serving.generation import Delta, Generation
+from crane_mp.frontend.serving.logprobs_format import chat_logprobs, completion_logprobs
+from crane_mp.frontend.serving.pipeline import Plan, prompt_ids, serve
 from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.frontend.web.http import check_model, json_response, resolve_model
+from crane_mp.frontend.web.routing import GENERATION_ERRORS, RouteTable
 
 api = RouteTable()
 # OpenAI's default output budget for /v1/completions (chat's default is all the room left).

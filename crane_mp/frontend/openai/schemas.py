@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.fields import (
+from crane_mp.frontend.serving.structured import Constraint, constraints_in, one_constraint
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.fields import (
     MODEL_LIMIT,
     Count,
     Dimensions,
@@ -33,7 +34,6 @@ from crane_mp.frontend.fields import (
     TopLogprobs,
     TopP,
 )
-from crane_mp.frontend.structured import Constraint, constraints_in, one_constraint
 from crane_mp.protocol import SamplingParams
 
 # JSON nesting a free-form value (chat_template_kwargs) may have; the template engine recurses into it.

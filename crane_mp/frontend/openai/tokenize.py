@@ -7,12 +7,12 @@ from typing import Annotated, Any
 import msgspec
 from aiohttp import web
 
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.fields import TokenId
-from crane_mp.frontend.http import check_model, json_response
-from crane_mp.frontend.openai_schemas import ChatMessage, chat_messages
-from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
+from crane_mp.frontend.openai.schemas import ChatMessage, chat_messages
 from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.fields import TokenId
+from crane_mp.frontend.web.http import check_model, json_response
+from crane_mp.frontend.web.routing import GENERATION_ERRORS, RouteTable
 
 api = RouteTable()
 

@@ -14,14 +14,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from crane_mp.frontend.answers import AnswerReader, ReasoningReading, ToolReading, WholeAnswer
-from crane_mp.frontend.errors import error_body
-from crane_mp.frontend.generation import Delta
-from crane_mp.frontend.http import named_sse_event
-from crane_mp.frontend.logprobs_format import TokenText, chat_logprobs
-from crane_mp.frontend.openai_schemas import arguments_object
-from crane_mp.frontend.response_store import ResponseStore
-
+from crane_mp.frontend.openai.schemas import arguments_object
+from crane_mp.frontend.responses.store import ResponseStore
+from crane_mp.frontend.serving.answers import AnswerReader, ReasoningReading, ToolReading, WholeAnswer
+from crane_mp.frontend.serving.generation import Delta
+from crane_mp.frontend.serving.logprobs_format import TokenText, chat_logprobs
+from crane_mp.frontend.web.errors import error_body
+from crane_mp.frontend.web.http import named_sse_event
 
 
 def _item_id(prefix: str) -> str:

@@ -7,20 +7,20 @@ from typing import Any
 
 from aiohttp import web
 
-from crane_mp.frontend.answers import read_whole
-from crane_mp.frontend.chat_core import ChatAsk, named_tool, prepare_chat
-from crane_mp.frontend.choices import Collected
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.generation import Generation
-from crane_mp.frontend.http import json_response, resolve_model
-from crane_mp.frontend.openai_schemas import function_tool
-from crane_mp.frontend.pipeline import serve
-from crane_mp.frontend.response_store import new_response_id
-from crane_mp.frontend.responses_api import ResponseDraft, ResponsesStream, output_items, text_logprobs, usage
-from crane_mp.frontend.responses_schemas import ResponsesRequest, input_messages
-from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
+from crane_mp.frontend.openai.schemas import function_tool
+from crane_mp.frontend.responses.answers import ResponseDraft, ResponsesStream, output_items, text_logprobs, usage
+from crane_mp.frontend.responses.schemas import ResponsesRequest, input_messages
+from crane_mp.frontend.responses.store import new_response_id
+from crane_mp.frontend.serving.answers import read_whole
+from crane_mp.frontend.serving.chat_core import ChatAsk, named_tool, prepare_chat
+from crane_mp.frontend.serving.choices import Collected
+from crane_mp.frontend.serving.generation import Generation
+from crane_mp.frontend.serving.pipeline import serve
+from crane_mp.frontend.serving.structured import Constraint
 from crane_mp.frontend.state import STATE, FrontendState
-from crane_mp.frontend.structured import Constraint
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.http import json_response, resolve_model
+from crane_mp.frontend.web.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.protocol import SamplingParams
 
 api = RouteTable()

@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.fields import PositiveCount, Temperature, TopLogprobs, TopP
-from crane_mp.frontend.message_parts import string_field, text_content
-from crane_mp.frontend.openai_schemas import FunctionName, arguments_object
+from crane_mp.frontend.openai.schemas import FunctionName, arguments_object
+from crane_mp.frontend.serving.message_parts import string_field, text_content
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.fields import PositiveCount, Temperature, TopLogprobs, TopP
 
 
 class ResponseFormatConfig(msgspec.Struct, kw_only=True):

@@ -22,13 +22,13 @@ from typing import Annotated, Any
 import msgspec
 from aiohttp import web
 
-from crane_mp.frontend.choices import Collected
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.generation import Generation
-from crane_mp.frontend.http import resolve_model
-from crane_mp.frontend.pipeline import Plan, prompt_ids, serve
-from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
+from crane_mp.frontend.serving.choices import Collected
+from crane_mp.frontend.serving.generation import Generation
+from crane_mp.frontend.serving.pipeline import Plan, prompt_ids, serve
 from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.http import resolve_model
+from crane_mp.frontend.web.routing import GENERATION_ERRORS, RouteTable
 from crane_mp.models.gguf_file import resolve_model_source
 from crane_mp.models.score_head import ScoreHead, answer_head
 from crane_mp.protocol import SamplingParams

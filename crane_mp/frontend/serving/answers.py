@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from crane_mp.frontend.generation import Delta
-from crane_mp.frontend.reasoning import ReasoningSplitter, reasoning_tokens, split_reasoning
+from crane_mp.frontend.serving.generation import Delta
+from crane_mp.frontend.serving.reasoning import ReasoningSplitter, reasoning_tokens, split_reasoning
 from crane_mp.frontend.tools.formats import ToolFormat
 from crane_mp.frontend.tools.parser import ToolCallParser, parse_with
 from crane_mp.frontend.tools.xml_calls import XmlCallParser

@@ -12,16 +12,16 @@ from typing import Any
 
 import msgspec
 
-from crane_mp.frontend.answers import ReasoningReading, ToolReading
-from crane_mp.frontend.chat_images import check_takes_images, load_images, place_images, record_images
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.openai_schemas import NamedFunction, NamedToolChoice
-from crane_mp.frontend.pipeline import Plan, prompt_ids
-from crane_mp.frontend.reasoning import PLAIN, THINKING, prompt_opens_thinking, reading_mode, template_thinks
+from crane_mp.frontend.images.chat import check_takes_images, load_images, place_images, record_images
+from crane_mp.frontend.openai.schemas import NamedFunction, NamedToolChoice
+from crane_mp.frontend.serving.answers import ReasoningReading, ToolReading
+from crane_mp.frontend.serving.pipeline import Plan, prompt_ids
+from crane_mp.frontend.serving.reasoning import PLAIN, THINKING, prompt_opens_thinking, reading_mode, template_thinks
+from crane_mp.frontend.serving.structured import Constraint
 from crane_mp.frontend.state import FrontendState
-from crane_mp.frontend.structured import Constraint
 from crane_mp.frontend.tools.forcing import forced_call_constraint
 from crane_mp.frontend.tools.formats import ToolFormat, check_tools, tool_format, tool_prompt
+from crane_mp.frontend.web.errors import ApiError
 from crane_mp.protocol import SamplingParams, ThinkingBudget
 
 

@@ -15,12 +15,12 @@ from typing import AsyncIterator
 
 import msgspec
 
-from crane_mp.frontend.access_log import current_record
-from crane_mp.frontend.detokenizer import Detokenizer
-from crane_mp.frontend.engine_client import EngineClient
-from crane_mp.frontend.errors import ApiError, EngineDeadError, GenerationError
-from crane_mp.frontend.generation import Delta, Generation
+from crane_mp.frontend.serving.detokenizer import Detokenizer
+from crane_mp.frontend.serving.engine_client import EngineClient
+from crane_mp.frontend.serving.generation import Delta, Generation
 from crane_mp.frontend.state import FrontendState
+from crane_mp.frontend.web.access_log import current_record
+from crane_mp.frontend.web.errors import ApiError, EngineDeadError, GenerationError
 from crane_mp.protocol import MediaInput, SamplingParams, TokenLogprobs
 
 

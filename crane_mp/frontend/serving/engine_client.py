@@ -20,13 +20,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from crane_mp.frontend.errors import EngineDeadError
-from crane_mp.frontend.metrics import Metrics
+from crane_mp.frontend.web.errors import EngineDeadError
+from crane_mp.frontend.web.metrics import Metrics
 from crane_mp.ipc import Addresses, encode, frontend_decoder, make_socket
 from crane_mp.protocol import (
+    AbortNamed,
     AbortRequest,
     ControlReply,
-    AbortNamed,
     ControlRequest,
     EngineStats,
     ErrorKind,

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from crane_mp.frontend.detokenizer import Detokenizer
-from crane_mp.frontend.engine_client import EngineClient, RequestStream
-from crane_mp.frontend.errors import GenerationError
+from crane_mp.frontend.serving.detokenizer import Detokenizer
+from crane_mp.frontend.serving.engine_client import EngineClient, RequestStream
+from crane_mp.frontend.web.errors import GenerationError
 from crane_mp.protocol import ErrorKind, FinishReason, PromptLogprobs, TokenLogprobs
 
 FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}

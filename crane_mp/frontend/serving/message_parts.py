@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.web.errors import ApiError
 
 
 def string_field(item: dict[str, Any], key: str, where: str, param: str) -> str:

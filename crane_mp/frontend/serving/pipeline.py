@@ -18,11 +18,18 @@ from typing import Any, Callable, Protocol
 
 from aiohttp import web
 
-from crane_mp.frontend.choices import Collected, admitted, collect, merged_deltas, open_choices, resolve_max_tokens
-from crane_mp.frontend.errors import ApiError, GenerationError, error_body
-from crane_mp.frontend.generation import Delta, Generation
-from crane_mp.frontend.http import SSE_DONE, SSE_HEADERS, json_response, sse_event
+from crane_mp.frontend.serving.choices import (
+    Collected,
+    admitted,
+    collect,
+    merged_deltas,
+    open_choices,
+    resolve_max_tokens,
+)
+from crane_mp.frontend.serving.generation import Delta, Generation
 from crane_mp.frontend.state import FrontendState
+from crane_mp.frontend.web.errors import ApiError, GenerationError, error_body
+from crane_mp.frontend.web.http import SSE_DONE, SSE_HEADERS, json_response, sse_event
 from crane_mp.protocol import MediaInput, SamplingParams
 
 log = logging.getLogger("crane_mp.frontend")

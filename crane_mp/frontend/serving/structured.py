@@ -21,8 +21,8 @@ from typing import Any
 
 import msgspec
 
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.json_bounds import bounded_schema
+from crane_mp.frontend.serving.json_bounds import bounded_schema
+from crane_mp.frontend.web.errors import ApiError
 from crane_mp.model_tokenizer import grammar_tokenizer
 from crane_mp.priority import lower_this_thread
 from crane_mp.protocol import SamplingParams, WorkerReady

@@ -14,10 +14,10 @@ from typing import Any
 
 from jinja2 import Environment, TemplateSyntaxError, meta
 
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.logprobs_format import TokenText
-from crane_mp.frontend.openai_schemas import check_nesting
+from crane_mp.frontend.openai.schemas import check_nesting
+from crane_mp.frontend.serving.logprobs_format import TokenText
 from crane_mp.frontend.tools.formats import MARKER_TEXTS
+from crane_mp.frontend.web.errors import ApiError
 from crane_mp.model_tokenizer import load_tokenizer
 
 # Below this many characters encoding is faster than a thread hand-off.

@@ -9,23 +9,28 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from crane_mp.frontend.choices import Collected
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.generation import Delta, Generation
-from crane_mp.frontend.logprobs_format import scored_prompt_positions
-from crane_mp.frontend.http import json_response, resolve_model
-from crane_mp.frontend.openai_schemas import prompt_inputs, stop_strings
-from crane_mp.frontend.pipeline import Plan, prompt_ids, serve
-from crane_mp.frontend.reasoning import (LEADING, START as THINK_START, THINKING, prompt_opens_thinking,
-                                        split_reasoning)
-from crane_mp.frontend.routing import GENERATION_ERRORS, RouteTable
-from crane_mp.frontend.sglang_schemas import (
+from crane_mp.frontend.openai.schemas import prompt_inputs, stop_strings
+from crane_mp.frontend.serving.choices import Collected
+from crane_mp.frontend.serving.generation import Delta, Generation
+from crane_mp.frontend.serving.logprobs_format import scored_prompt_positions
+from crane_mp.frontend.serving.pipeline import Plan, prompt_ids, serve
+from crane_mp.frontend.serving.reasoning import (
+    LEADING,
+    START as THINK_START,
+    THINKING,
+    prompt_opens_thinking,
+    split_reasoning,
+)
+from crane_mp.frontend.sglang.schemas import (
     AbortBody,
     SeparateReasoningRequest,
     SGLangGenerateRequest,
     SGLangSamplingParams,
 )
 from crane_mp.frontend.state import STATE, FrontendState
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.http import json_response, resolve_model
+from crane_mp.frontend.web.routing import GENERATION_ERRORS, RouteTable
 
 api = RouteTable()
 

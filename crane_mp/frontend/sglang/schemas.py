@@ -7,7 +7,9 @@ from typing import Annotated
 
 import msgspec
 
-from crane_mp.frontend.fields import (
+from crane_mp.frontend.openai.schemas import MAX_BATCH, PROMPT_IDS_BATCH_SCHEMA, PROMPT_IDS_SCHEMA, check_token_ids
+from crane_mp.frontend.serving.structured import Constraint, constraints_in, one_constraint
+from crane_mp.frontend.web.fields import (
     INT64_MAX,
     Count,
     Int64,
@@ -24,8 +26,6 @@ from crane_mp.frontend.fields import (
     TopLogprobs,
     TopP,
 )
-from crane_mp.frontend.openai_schemas import MAX_BATCH, PROMPT_IDS_BATCH_SCHEMA, PROMPT_IDS_SCHEMA, check_token_ids
-from crane_mp.frontend.structured import Constraint, constraints_in, one_constraint
 from crane_mp.protocol import SamplingParams
 
 

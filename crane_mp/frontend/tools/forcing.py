@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from crane_mp.frontend.json_bounds import bounded_schema
-from crane_mp.frontend.structured import Constraint
+from crane_mp.frontend.serving.json_bounds import bounded_schema
+from crane_mp.frontend.serving.structured import Constraint
 from crane_mp.frontend.tools.formats import ToolFormat
 
 

@@ -15,7 +15,7 @@ import secrets
 import string
 from dataclasses import dataclass
 
-from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.web.errors import ApiError
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from crane_mp.frontend.errors import REQUEST_ID
-from crane_mp.frontend.generation import Generation
+from crane_mp.frontend.serving.generation import Generation
+from crane_mp.frontend.web.errors import REQUEST_ID
 
 log = logging.getLogger("crane_mp.access")
 # Probes and scrapes: logged at debug level only, they would drown everything else.

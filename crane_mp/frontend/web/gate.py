@@ -8,8 +8,8 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.heap import HeapTrimmer
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.heap import HeapTrimmer
 
 
 class LoadGate:

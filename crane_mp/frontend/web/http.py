@@ -7,8 +7,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from crane_mp.frontend.errors import ApiError
 from crane_mp.frontend.state import FrontendState
+from crane_mp.frontend.web.errors import ApiError
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SSE_DONE = b"data: [DONE]\n\n"

@@ -19,10 +19,10 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import hdrs, web
 
-from crane_mp.frontend.errors import ApiError
-from crane_mp.frontend.openai_schemas import decode_body
+from crane_mp.frontend.openai.schemas import decode_body
 from crane_mp.frontend.state import STATE, FrontendState
-from crane_mp.frontend.uploads import read_form
+from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.uploads import read_form
 
 # Error statuses a route that reads a body and reaches the engine can answer (besides 401, --api-key).
 GENERATION_ERRORS = ("400", "404", "413", "503")

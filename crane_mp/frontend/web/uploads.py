@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from aiohttp import BodyPartReader, web
 
-from crane_mp.frontend.errors import ApiError
+from crane_mp.frontend.web.errors import ApiError
 
 
 async def read_form(request: web.Request, form: type, timeout: float, limit: int) -> Any:
