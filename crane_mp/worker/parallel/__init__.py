@@ -1,0 +1,1 @@
+"""Tensor parallelism: worker ranks joined by torch.distributed, and shared-memory collectives on one host."""
