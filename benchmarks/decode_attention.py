@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from crane_mp.worker.attention import SeqSpan, build_metadata, paged_attention
+from crane_mp.worker.cache.attention import SeqSpan, build_metadata, paged_attention
 from crane_mp.worker.platforms import platform_for
 
 

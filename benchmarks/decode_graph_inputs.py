@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import torch
 
-from crane_mp.worker.attention import SeqSpan
-from crane_mp.worker.decode_graphs import DecodeGraphs, graph_batch_sizes
+from crane_mp.worker.cache.attention import SeqSpan
+from crane_mp.worker.step.decode_graphs import DecodeGraphs, graph_batch_sizes
 
 BLOCK_SIZE = 16
 

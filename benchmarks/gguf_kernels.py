@@ -22,9 +22,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from crane_mp.testing.random_gguf import random_blocks
-from crane_mp.worker.device import prefer_huge_pages
 from crane_mp.worker.kernels.cpu_isa import kernel_isa
 from crane_mp.worker.platforms import platform_for
+from crane_mp.worker.platforms.device import prefer_huge_pages
 
 SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096)}
 _COPIES = 3

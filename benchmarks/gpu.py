@@ -22,12 +22,12 @@ import torch
 from transformers import Qwen3Config
 
 from crane_mp.models.config import model_config_from_hf
-from crane_mp.worker.attention import SeqSpan
-from crane_mp.worker.decode_graphs import graph_batch_sizes
-from crane_mp.worker.loader import weight_bytes
+from crane_mp.worker.cache.attention import SeqSpan
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.platforms import platform_for
-from crane_mp.worker.runner import ModelRunner
+from crane_mp.worker.step.decode_graphs import graph_batch_sizes
+from crane_mp.worker.step.runner import ModelRunner
+from crane_mp.worker.weights.loader import weight_bytes
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,

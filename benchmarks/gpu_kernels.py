@@ -16,10 +16,10 @@ import argparse
 import statistics
 
 import torch
+from gpu import measure_bandwidth
 
 from crane_mp.worker.kernels import triton_attention, triton_skinny
-from crane_mp.worker.skinny_linears import time_candidates
-from gpu import measure_bandwidth
+from crane_mp.worker.kernels.skinny_linears import time_candidates
 
 # Qwen3-8B: (out features, in features) of each projection, and how many the model holds.
 MATMULS = {"qkv": (6144, 4096, 36), "o": (4096, 4096, 36), "gate_up": (24576, 4096, 36),

@@ -23,8 +23,8 @@ from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.model_tokenizer import load_tokenizer
 from crane_mp.testing.corpus import corpus
-from crane_mp.worker.attention import SeqSpan, build_metadata
-from crane_mp.worker.forward_context import ForwardContext, forward_context
+from crane_mp.worker.cache.attention import SeqSpan, build_metadata
+from crane_mp.worker.step.forward_context import ForwardContext, forward_context
 
 _ROWS_PER_PASS = 64  # [rows, vocabulary] log-probabilities at a time
 

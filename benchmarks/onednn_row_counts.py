@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from crane_mp.heap import cap_native_caches
-from crane_mp.worker.cpu_packing import PackedLinear
+from crane_mp.worker.weights.cpu_packing import PackedLinear
 
 HIDDEN = 512
 OUT_FEATURES = (1536, 512, 3072, 2048, 8192)  # a small model's qkv, o, gate_up, down, LM head

@@ -17,7 +17,7 @@ import torch
 
 from crane_mp.protocol import SamplingParams
 from crane_mp.worker.platforms import platform_for
-from crane_mp.worker.sampler import Sampler
+from crane_mp.worker.sampling.sampler import Sampler
 
 CONFIGS = {
     "greedy": SamplingParams(temperature=0.0),

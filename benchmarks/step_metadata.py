@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from crane_mp.worker.attention import SeqSpan, build_metadata
+from crane_mp.worker.cache.attention import SeqSpan, build_metadata
 
 BLOCK_SIZE = 16
 

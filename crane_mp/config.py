@@ -221,7 +221,7 @@ ATTENTION_BACKENDS = ("triton", "native", "torch")
 
 def attention_backend_override() -> str | None:
     """CRANE_MP_ATTENTION=triton|native|torch: the paged-attention implementation to use instead of the
-    device's default (worker/attention.py), to compare them or to rule one out."""
+    device's default (worker/cache/attention.py), to compare them or to rule one out."""
     value = os.environ.get("CRANE_MP_ATTENTION", "").strip().lower()
     if not value:
         return None

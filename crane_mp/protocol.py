@@ -43,7 +43,7 @@ class ThinkingBudget(msgspec.Struct, frozen=True, array_like=True):
 
 class WhisperDecoding(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """Whisper's logits rules for one decoding window, as transformers' generate applies them
-    (worker/whisper_logits.py). Generated tokens are those after the prompt."""
+    (worker/sampling/whisper_logits.py). Generated tokens are those after the prompt."""
 
     suppress_tokens: list[int] = []  # never sampled
     begin_suppress_tokens: list[int] = []  # not as the first generated token

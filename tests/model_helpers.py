@@ -8,12 +8,12 @@ import torch
 
 from crane_mp.models.config import ModelConfig
 from crane_mp.models.gguf_file import ModelSource
-from crane_mp.worker.attention import SeqSpan, build_metadata
-from crane_mp.worker.forward_context import ForwardContext, forward_context
-from crane_mp.worker.loader import load_model
+from crane_mp.worker.cache.attention import SeqSpan, build_metadata
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import platform_for
-from crane_mp.worker.runner import ModelRunner
+from crane_mp.worker.step.forward_context import ForwardContext, forward_context
+from crane_mp.worker.step.runner import ModelRunner
+from crane_mp.worker.weights.loader import load_model
 
 CPU = platform_for("cpu")  # what the worker is handed on a CPU host
 

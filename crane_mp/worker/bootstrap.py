@@ -13,15 +13,15 @@ from crane_mp.config import EngineConfig, pools_outputs
 from crane_mp.models.config import ModelConfig, load_gguf_config, load_model_config
 from crane_mp.models.gguf_file import describe_types, resolve_model_source
 from crane_mp.models.sharding import shard_config
-from crane_mp.worker.decode_graphs import graph_batch_sizes, static_buffer_bytes, table_width
-from crane_mp.worker.device import prefer_huge_pages
-from crane_mp.worker.grammar import GrammarEngine
-from crane_mp.worker.loader import file_tensor_bytes, load_model, weight_bytes
-from crane_mp.worker.lora import adapter_bytes, load_adapters
-from crane_mp.worker.memory import KVPlan, plan_kv_blocks
+from crane_mp.worker.cache.memory import KVPlan, plan_kv_blocks
+from crane_mp.worker.parallel.tensor_parallel import TensorParallel
 from crane_mp.worker.platforms import Platform, select_platform
-from crane_mp.worker.runner import ModelRunner
-from crane_mp.worker.tensor_parallel import TensorParallel
+from crane_mp.worker.platforms.device import prefer_huge_pages
+from crane_mp.worker.sampling.grammar import GrammarEngine
+from crane_mp.worker.step.decode_graphs import graph_batch_sizes, static_buffer_bytes, table_width
+from crane_mp.worker.step.runner import ModelRunner
+from crane_mp.worker.weights.loader import file_tensor_bytes, load_model, weight_bytes
+from crane_mp.worker.weights.lora import adapter_bytes, load_adapters
 
 log = logging.getLogger(__name__)
 

@@ -27,13 +27,13 @@ from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.logs import LogSettings, configure_logging
 from crane_mp.models.config import UnsupportedModelError
 from crane_mp.protocol import DropLora, LoadLora, PrepareGrammar, RankInfo, ShutdownWorker, StepPlan, WorkerReady
-from crane_mp.worker.background import BackgroundJobs, load_lora, prepare_grammar
 from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
-from crane_mp.worker.device import RankLost
-from crane_mp.worker.lora import uninstall
-from crane_mp.worker.memory import MemoryBudgetError
+from crane_mp.worker.cache.memory import MemoryBudgetError
+from crane_mp.worker.parallel.tensor_parallel import TensorParallel, split_cores
 from crane_mp.worker.platforms import on_cuda
-from crane_mp.worker.tensor_parallel import TensorParallel, split_cores
+from crane_mp.worker.platforms.device import RankLost
+from crane_mp.worker.step.background import BackgroundJobs, load_lora, prepare_grammar
+from crane_mp.worker.weights.lora import uninstall
 
 log = logging.getLogger("crane_mp.worker")
 

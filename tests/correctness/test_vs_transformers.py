@@ -10,8 +10,8 @@ from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.attention import SeqSpan, build_metadata
-from crane_mp.worker.forward_context import ForwardContext, forward_context
+from crane_mp.worker.cache.attention import SeqSpan, build_metadata
+from crane_mp.worker.step.forward_context import ForwardContext, forward_context
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "hunyuan"]
 

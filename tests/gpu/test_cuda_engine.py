@@ -11,7 +11,7 @@ from crane_mp.config import EngineConfig, MemoryLimit, parse_memory_limit
 from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.memory import MemoryBudgetError
+from crane_mp.worker.cache.memory import MemoryBudgetError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from crane_mp.worker.attention import SeqSpan, build_metadata
+from crane_mp.worker.cache.attention import SeqSpan, build_metadata
 
 BLOCK = 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from crane_mp.config import EngineConfig, MemoryLimit, parse_memory_limit
-from crane_mp.worker.memory import MIN_FITTED_MODEL_LEN, MemoryBudgetError, plan_kv_blocks
+from crane_mp.worker.cache.memory import MIN_FITTED_MODEL_LEN, MemoryBudgetError, plan_kv_blocks
 
 GIB = 1 << 30
 
@@ -188,7 +188,7 @@ def test_the_profiled_step_holds_every_penalty_row_through_its_forward(tmp_path)
     every prefill, so the measured peak must include it beside the forward's temporaries."""
     from crane_mp.engine import LLMEngine
     from crane_mp.testing.make_model import make_model
-    from crane_mp.worker.penalties import PenaltyTable
+    from crane_mp.worker.sampling.penalties import PenaltyTable
 
     model = str(make_model("qwen3", "tiny", tmp_path / "m"))
     runner = LLMEngine(EngineConfig(model_path=model, max_num_seqs=16, max_num_batched_tokens=64)).worker.runner

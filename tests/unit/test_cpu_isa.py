@@ -14,10 +14,10 @@ from crane_mp.engine import LLMEngine
 from crane_mp.models.config import load_model_config
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.cpu_packing import PackedLinear
 from crane_mp.worker.kernels import cpu_isa, loader
 from crane_mp.worker.kernels.loader import build_name, kernel_cache_dir
 from crane_mp.worker.platforms import platform_for
+from crane_mp.worker.weights.cpu_packing import PackedLinear
 from tests.model_helpers import load_checkpoint, prefill_logits
 
 CPU = torch.device("cpu")

@@ -10,11 +10,11 @@ import torch
 
 from crane_mp.models.config import load_model_config
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.cpu_packing import WIDE_ROWS, PackedEmbedding, PackedLinear, pack_linear_weights
 from crane_mp.worker.kernels.cpu_isa import amx_gemm, pack_bf16_weights
-from crane_mp.worker.loader import weight_bytes
 from crane_mp.worker.platforms import platform_for
 from crane_mp.worker.platforms.cpu import CpuPlatform
+from crane_mp.worker.weights.cpu_packing import WIDE_ROWS, PackedEmbedding, PackedLinear, pack_linear_weights
+from crane_mp.worker.weights.loader import weight_bytes
 from tests.model_helpers import load_checkpoint, prefill_logits
 
 pytestmark = pytest.mark.skipif(not pack_bf16_weights(torch.bfloat16), reason="this CPU tier packs no bf16 weights")

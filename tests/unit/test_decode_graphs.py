@@ -12,7 +12,7 @@ from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.decode_graphs import bucket_for, graph_batch_sizes
+from crane_mp.worker.step.decode_graphs import bucket_for, graph_batch_sizes
 
 
 def test_buckets_cover_every_batch_up_to_the_largest():

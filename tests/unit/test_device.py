@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from crane_mp.worker.device import prefer_huge_pages
 from crane_mp.worker.kernels.cpu_isa import native_bf16
 from crane_mp.worker.platforms import platform_for
+from crane_mp.worker.platforms.device import prefer_huge_pages
 
 CPU = platform_for("cpu")
 

@@ -20,9 +20,9 @@ from crane_mp.model_tokenizer import grammar_tokenizer, load_tokenizer
 from crane_mp.models.gguf_file import resolve_model_source
 from crane_mp.protocol import SamplingParams, ThinkingBudget
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.grammar import GrammarEngine
 from crane_mp.worker.platforms import platform_for
-from crane_mp.worker.sampler import Sampler
+from crane_mp.worker.sampling.grammar import GrammarEngine
+from crane_mp.worker.sampling.sampler import Sampler
 
 CPU_PLATFORM = platform_for("cpu")
 EOS = 507  # the tiny model's <|im_end|>; <|endoftext|> (505) ends generation too
@@ -101,7 +101,7 @@ def test_choice_grammar_is_cached_and_every_request_gets_its_own_matcher(grammar
 
 
 def test_a_prepared_matcher_is_held_for_its_request_whatever_the_cache_keeps(grammars, monkeypatch):
-    import crane_mp.worker.grammar as grammar_module
+    import crane_mp.worker.sampling.grammar as grammar_module
 
     monkeypatch.setattr(grammar_module, "_CACHED_GRAMMAR_BYTES", 200)
     small = LLMatcher.grammar_from_regex("ab")
@@ -126,7 +126,7 @@ def test_a_prepared_matcher_is_held_for_its_request_whatever_the_cache_keeps(gra
 
 
 def test_the_matcher_cache_keeps_to_its_byte_budget(grammars, monkeypatch):
-    import crane_mp.worker.grammar as grammar_module
+    import crane_mp.worker.sampling.grammar as grammar_module
 
     monkeypatch.setattr(grammar_module, "_CACHED_GRAMMAR_BYTES", 250)  # two of these ~106-byte grammars
     texts = [LLMatcher.grammar_from_regex(f"{word}[0-9]+") for word in ("alpha", "beta", "gamma", "delta")]

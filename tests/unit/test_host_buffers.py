@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from crane_mp.worker.host_buffers import device_bools, device_floats, device_longs, device_tensor
+from crane_mp.worker.step.host_buffers import device_bools, device_floats, device_longs, device_tensor
 
 
 @pytest.fixture

@@ -58,6 +58,6 @@ def test_only_what_runs_the_worker_imports_it(graph):
 
 
 def test_the_checks_see_an_upward_import():
-    assert _layer("crane_mp.models.gguf_file") < _layer("crane_mp.worker.runner")
+    assert _layer("crane_mp.models.gguf_file") < _layer("crane_mp.worker.step.runner")
     fake = {"crane_mp.models.gguf_file": {"crane_mp.worker.models.registry"}, "crane_mp.worker.models.registry": set()}
     assert [t for m, ts in fake.items() for t in ts if _layer(t) > _layer(m)] == ["crane_mp.worker.models.registry"]

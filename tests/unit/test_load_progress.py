@@ -9,8 +9,8 @@ import logging
 import torch
 from safetensors.torch import save_file
 
-from crane_mp.worker.load_progress import LoadProgress
-from crane_mp.worker.loader import iter_safetensors
+from crane_mp.worker.weights.load_progress import LoadProgress
+from crane_mp.worker.weights.loader import iter_safetensors
 
 
 class _Terminal(io.StringIO):
@@ -22,7 +22,7 @@ def test_off_a_terminal_a_load_logs_a_few_plain_lines(tmp_path, monkeypatch, cap
     save_file({f"w{i}": torch.zeros(2) for i in range(50)}, tmp_path / "model.safetensors")
     stderr = io.StringIO()
     monkeypatch.setattr("sys.stderr", stderr)
-    with caplog.at_level(logging.INFO, logger="crane_mp.worker.load_progress"):
+    with caplog.at_level(logging.INFO, logger="crane_mp.worker.weights.load_progress"):
         names = [name for name, _ in iter_safetensors([tmp_path / "model.safetensors"], progress=True)]
     assert len(names) == 50
     assert "\r" not in stderr.getvalue()
@@ -34,7 +34,7 @@ def test_off_a_terminal_a_load_logs_a_few_plain_lines(tmp_path, monkeypatch, cap
 def test_on_a_terminal_a_bar_is_drawn(monkeypatch, caplog):
     terminal = _Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
-    with caplog.at_level(logging.INFO, logger="crane_mp.worker.load_progress"):
+    with caplog.at_level(logging.INFO, logger="crane_mp.worker.weights.load_progress"):
         with LoadProgress(8, "GGUF weights") as bar:
             for _ in range(8):
                 bar.update()
@@ -45,7 +45,7 @@ def test_on_a_terminal_a_bar_is_drawn(monkeypatch, caplog):
 def test_disabled_progress_writes_nothing(monkeypatch, caplog):
     stderr = _Terminal()
     monkeypatch.setattr("sys.stderr", stderr)
-    with caplog.at_level(logging.INFO, logger="crane_mp.worker.load_progress"):
+    with caplog.at_level(logging.INFO, logger="crane_mp.worker.weights.load_progress"):
         with LoadProgress(8, "weights", enabled=False) as bar:
             bar.update(8)
     assert stderr.getvalue() == "" and not caplog.records

@@ -14,8 +14,8 @@ from crane_mp.models.config import load_model_config
 from crane_mp.scheduler.adapters import AdapterError, AdapterTable
 from crane_mp.settings import SettingsError, read_config_file, settable_actions
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.forward_context import LoraBatch, lora_batch
-from crane_mp.worker.lora import LoraError, build_adapter, read_adapter
+from crane_mp.worker.step.forward_context import LoraBatch, lora_batch
+from crane_mp.worker.weights.lora import LoraError, build_adapter, read_adapter
 from tests.model_helpers import load_checkpoint
 
 PREFIX = "base_model.model.model.layers.0."
@@ -171,7 +171,7 @@ def full_adapter(cfg, rank: int) -> dict[str, torch.Tensor]:
 def test_the_memory_plan_holds_room_for_every_adapter_that_may_still_be_loaded(tmp_path):
     from crane_mp.config import EngineConfig
     from crane_mp.engine import LLMEngine
-    from crane_mp.worker.lora import adapter_bytes, load_adapter
+    from crane_mp.worker.weights.lora import adapter_bytes, load_adapter
 
     path = make_model("qwen3", "tiny", tmp_path / "m", seed=2)
     write_adapter(tmp_path / "full", {"r": 8}, full_adapter(load_model_config(path), 8))
@@ -194,7 +194,7 @@ def test_the_memory_plan_holds_room_for_every_adapter_that_may_still_be_loaded(t
 
 def test_an_adapter_some_tensor_parallel_rank_could_not_load_is_kept_by_none(model, tmp_path):
     from crane_mp.protocol import LoadLora, LoraAdapter
-    from crane_mp.worker.background import load_lora
+    from crane_mp.worker.step.background import load_lora
     from tests.model_helpers import CPU
 
     write_adapter(tmp_path / "full", {}, full_adapter(model.config, 4))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from crane_mp.config import native_kernels_disabled
-from crane_mp.worker.attention import SeqSpan, build_metadata, paged_attention
+from crane_mp.worker.cache.attention import SeqSpan, build_metadata, paged_attention
 from crane_mp.worker.kernels.cpu_isa import cpu_isa, kernel_isa
 
 pytestmark = pytest.mark.skipif(

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from crane_mp.worker.kernels.cpu_isa import kernel_isa
-from crane_mp.worker.rope import apply_rope
+from crane_mp.worker.models.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(kernel_isa() is None, reason="native kernels disabled or not built")
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from crane_mp.heap import NATIVE_CACHE_ENTRIES, cap_native_caches
-from crane_mp.worker.cpu_packing import PackedLinear, bucket_rows, in_row_buckets, row_buckets
+from crane_mp.worker.weights.cpu_packing import PackedLinear, bucket_rows, in_row_buckets, row_buckets
 
 
 def test_buckets_hold_every_row_count_with_little_padding():
@@ -62,8 +62,8 @@ def test_cache_caps_are_set_unless_the_operator_set_them(monkeypatch):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this torch build")
 def test_warming_calls_each_weight_shape_once_per_bucket_and_the_plan_hears_of_it():
-    from crane_mp.worker.cpu_packing import warm_row_buckets
     from crane_mp.worker.platforms.cpu import CpuPlatform
+    from crane_mp.worker.weights.cpu_packing import warm_row_buckets
 
     model = torch.nn.ModuleList([PackedLinear(torch.nn.Linear(32, 16)), PackedLinear(torch.nn.Linear(32, 16)),
                                  PackedLinear(torch.nn.Linear(16, 32)), torch.nn.Linear(8, 8)])

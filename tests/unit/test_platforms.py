@@ -13,10 +13,10 @@ from crane_mp.models.config import load_model_config
 from crane_mp.models.gguf_file import ModelSource
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.kernels import cpu_isa
-from crane_mp.worker.loader import load_model
 from crane_mp.worker.platforms import platform_for, select_platform
 from crane_mp.worker.platforms.cpu import CpuPlatform
 from crane_mp.worker.quantized.matmul import TorchGGUF
+from crane_mp.worker.weights.loader import load_model
 from tests.model_helpers import prefill_logits
 
 

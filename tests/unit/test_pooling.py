@@ -15,7 +15,7 @@ from crane_mp.models.config import load_model_config
 from crane_mp.models.pooling import Pooling, sentence_transformers_pooling
 from crane_mp.protocol import NewRequest, SamplingParams, ScheduledRequest, StepPlan
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.runner import ModelRunner
+from crane_mp.worker.step.runner import ModelRunner
 from tests.model_helpers import CPU, load_checkpoint
 
 PROMPT = list(range(3, 43))  # 40 tokens: three KV blocks of 16
@@ -85,7 +85,7 @@ def test_an_embedding_checkpoint_without_an_lm_head_loads_with_a_stub(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from crane_mp.models.gguf_file import ModelSource
-    from crane_mp.worker.loader import load_model
+    from crane_mp.worker.weights.loader import load_model
 
     path = make_model("qwen3", "tiny", tmp_path / "q", seed=4)
     config_file = path / "config.json"

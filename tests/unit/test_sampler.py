@@ -8,9 +8,9 @@ import msgspec
 import torch
 
 from crane_mp.protocol import SamplingParams, ThinkingBudget
-from crane_mp.worker.sampler import Sampler
-from crane_mp.worker.seeded_noise import row_keys, uniform_from_keys
 from crane_mp.worker.platforms import platform_for
+from crane_mp.worker.sampling.sampler import Sampler
+from crane_mp.worker.sampling.seeded_noise import row_keys, uniform_from_keys
 
 VOCAB = 50
 CPU = torch.device("cpu")
@@ -281,7 +281,7 @@ def test_passes_and_the_whole_vocabulary_redo_match_one_pass(monkeypatch):
 def test_a_cdf_summed_out_of_order_never_draws_a_zero_probability_entry():
     """CUDA's one-row scan can step the CDF an ulp across a zero entry, up or down; flat_at_zeros
     undoes that, so every target lands on an entry with probability."""
-    from crane_mp.worker.sampler import flat_at_zeros
+    from crane_mp.worker.sampling.sampler import flat_at_zeros
 
     probs = torch.tensor([[0.25, 0.0, 0.25, 0.0, 0.0, 0.5, 0.0]])
     exact = probs.cumsum(-1)

@@ -14,10 +14,10 @@ from crane_mp.models.config import ModelConfig
 from crane_mp.models.sharding import make_shard, shard_config
 from crane_mp.parallel import ParallelConfig
 from crane_mp.testing.kquants import quantize_q4_k
-from crane_mp.worker.lora import LoraError, _rank_part
 from crane_mp.worker.models.layers import shard_tensor
 from crane_mp.worker.quantized.formats import dequantize
 from crane_mp.worker.quantized.gguf_loader import _shard_rows
+from crane_mp.worker.weights.lora import LoraError, _rank_part
 
 
 def config(heads=8, kv_heads=2, head_dim=4, intermediate=48, vocab=100, arch="qwen3") -> ModelConfig:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from crane_mp.worker import shm_collectives
-from crane_mp.worker.device import RankLost
-from crane_mp.worker.shm_collectives import SharedMemoryCollectives
+from crane_mp.worker.parallel.shm_collectives import SharedMemoryCollectives
+from crane_mp.worker.platforms.device import RankLost
 
 
 def run_ranks(tmp_path, size: int, work) -> list:

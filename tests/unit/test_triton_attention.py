@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 _CHECK = """
 import torch
-from crane_mp.worker.attention import SeqSpan, build_metadata, paged_attention
+from crane_mp.worker.cache.attention import SeqSpan, build_metadata, paged_attention
 from crane_mp.worker.kernels.triton_attention import decode_workspace, paged_decode
 
 CPU = torch.device("cpu")

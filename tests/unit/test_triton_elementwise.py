@@ -14,7 +14,7 @@ _CHECK = """
 import torch
 import torch.nn.functional as F
 from crane_mp.worker.kernels import triton_elementwise as ops
-from crane_mp.worker.rope import apply_rope
+from crane_mp.worker.models.rope import apply_rope
 
 gen = torch.Generator().manual_seed(0)
 def randn(*shape):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from crane_mp.worker import skinny_linears
-from crane_mp.worker.skinny_linears import SkinnyLinear, tune_skinny_linears
+from crane_mp.worker.kernels.skinny_linears import SkinnyLinear, tune_skinny_linears
 from tests.triton_interpreter import run_interpreted
 
 _CHECK = """

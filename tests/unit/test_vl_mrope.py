@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 from transformers import Qwen2_5_VLConfig
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-    Qwen2_5_VLModel, Qwen2_5_VLRotaryEmbedding, rotate_half)
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel, Qwen2_5_VLRotaryEmbedding, rotate_half
 
 from crane_mp.mrope import mrope_positions
-from crane_mp.worker.mrope_tables import mrope_columns, mrope_cos_sin
-from crane_mp.worker.rope import apply_rope, rope_tables
+from crane_mp.worker.models.mrope_tables import mrope_columns, mrope_cos_sin
+from crane_mp.worker.models.rope import apply_rope, rope_tables
 
 IMAGE = 9
 MERGE = 2

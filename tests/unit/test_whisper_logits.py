@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from crane_mp.protocol import WhisperDecoding
-from crane_mp.worker.whisper_logits import apply_whisper_rules
+from crane_mp.worker.sampling.whisper_logits import apply_whisper_rules
 
 # make_whisper's layout: text ids, <|endoftext|> 400, ... <|notimestamps|> 414, then 1501 timestamps.
 VOCAB, EOS, NO_TIMESTAMPS = 1916, 400, 414

@@ -23,7 +23,7 @@ from crane_mp.frontend.audio.whisper_plan import (
 from crane_mp.frontend.audio.whisper_settings import GenerationSettings
 from crane_mp.frontend.web.errors import ApiError
 from crane_mp.testing.make_whisper import make_whisper
-from crane_mp.worker.whisper_logits import apply_whisper_rules
+from crane_mp.worker.sampling.whisper_logits import apply_whisper_rules
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ one longer; llguidance releases the GIL, so the event loop goes on) within --gra
 result is cached by constraint, so a schema sent with every request is checked once. The thread runs
 at the lowest CPU priority (priority.py). A constraint's
 text is at most _MAX_SOURCE_CHARS; JSON schemas get their open numbers bounded (json_bounds.py). The worker builds the same matcher from the text, beside its step
-loop, before the request is scheduled (worker/background.py); an invalid constraint is a 400 here
+loop, before the request is scheduled (worker/step/background.py); an invalid constraint is a 400 here
 that says what is wrong, never a failure there.
 """
 

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from crane_mp.worker.device import num_sms
-from crane_mp.worker.host_buffers import device_longs
+from crane_mp.worker.platforms.device import num_sms
+from crane_mp.worker.step.host_buffers import device_longs
 
 
 @dataclass(slots=True)

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from crane_mp.models.config import ModelConfig
-from crane_mp.worker.forward_context import get_forward_context
 from crane_mp.worker.models.checkpoint import copy_named
 from crane_mp.worker.platforms import Platform
+from crane_mp.worker.step.forward_context import get_forward_context
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

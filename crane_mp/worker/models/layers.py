@@ -16,12 +16,12 @@ from torch import nn
 
 from crane_mp.models.config import ModelConfig
 from crane_mp.models.sharding import Shard
-from crane_mp.worker.attention import paged_attention
-from crane_mp.worker.forward_context import get_forward_context
+from crane_mp.worker.cache.attention import paged_attention
 from crane_mp.worker.models.checkpoint import fill
+from crane_mp.worker.models.rope import apply_rope
+from crane_mp.worker.parallel.tensor_parallel import all_reduce, gather_columns
 from crane_mp.worker.platforms import Platform
-from crane_mp.worker.rope import apply_rope
-from crane_mp.worker.tensor_parallel import all_reduce, gather_columns
+from crane_mp.worker.step.forward_context import get_forward_context
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -61,7 +61,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act = _ACTIVATIONS[config.hidden_act]
-        # LoRA adapters: id -> (A, B) per projection (worker/lora.py); empty without adapters.
+        # LoRA adapters: id -> (A, B) per projection (worker/weights/lora.py); empty without adapters.
         self.lora_gate_up_proj: dict = {}
         self.lora_down_proj: dict = {}
 
@@ -115,7 +115,7 @@ class PagedSelfAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # bound by the runner: [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
         self.qk_norm_weight: torch.Tensor | None = None  # [heads + kv_heads, head_dim], see finalize_weights
-        self.lora_qkv_proj: dict = {}  # LoRA adapters: id -> (A, B) (worker/lora.py)
+        self.lora_qkv_proj: dict = {}  # LoRA adapters: id -> (A, B) (worker/weights/lora.py)
         self.lora_o_proj: dict = {}
 
     def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

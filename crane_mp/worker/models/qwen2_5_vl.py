@@ -18,10 +18,10 @@ import torch
 from crane_mp.models.config import ModelConfig
 from crane_mp.mrope import mrope_positions
 from crane_mp.protocol import MediaInput
-from crane_mp.worker.forward_context import MediaSpan, MediaStep
 from crane_mp.worker.models.qwen2 import Qwen2ForCausalLM
 from crane_mp.worker.models.qwen2_5_vl_vision import Qwen25VisionTower
 from crane_mp.worker.platforms import Platform
+from crane_mp.worker.step.forward_context import MediaSpan, MediaStep
 
 _VISUAL_PREFIXES = ("model.visual.", "visual.")
 

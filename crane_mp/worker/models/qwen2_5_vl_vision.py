@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from crane_mp.worker.models.checkpoint import copy_named
-from crane_mp.worker.rope import apply_rope
+from crane_mp.worker.models.rope import apply_rope
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from crane_mp.worker.device import RankLost
+from crane_mp.worker.platforms.device import RankLost
 
 # A wait this long means the peer is gone or hung (a step's own work between two collectives is
 # far shorter; the first steps after start-up compile nothing on CPU).

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from crane_mp.parallel import ParallelConfig
-from crane_mp.worker.device import RankLost
-from crane_mp.worker.shm_collectives import SharedMemoryCollectives
+from crane_mp.worker.parallel.shm_collectives import SharedMemoryCollectives
+from crane_mp.worker.platforms.device import RankLost
 
 log = logging.getLogger("crane_mp.worker")
 

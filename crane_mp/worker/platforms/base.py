@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 from crane_mp.config import MemoryLimit
-from crane_mp.worker.memory import KVPlan
+from crane_mp.worker.cache.memory import KVPlan
 from crane_mp.worker.quantized.matmul import TorchGGUF
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -74,7 +74,7 @@ class CpuPlatform(Platform):
     def warm_kernel_caches(self, model: torch.nn.Module, max_rows: int) -> tuple[int, str]:
         """oneDNN's kernels for every row count the packed layers will be called with (cpu_packing.py),
         compiled now and measured as the resident memory they added."""
-        from crane_mp.worker.cpu_packing import warm_row_buckets
+        from crane_mp.worker.weights.cpu_packing import warm_row_buckets
 
         before = psutil.Process().memory_info().rss
         shapes, calls = warm_row_buckets(model, max_rows)

@@ -8,8 +8,8 @@ from typing import Any, Callable
 import torch
 
 from crane_mp.config import MemoryLimit, native_kernels_disabled
+from crane_mp.worker.cache.memory import KVPlan
 from crane_mp.worker.kernels import cpu_isa
-from crane_mp.worker.memory import KVPlan
 from crane_mp.worker.platforms.base import DTYPES, Platform
 from crane_mp.worker.quantized.matmul import TorchGGUF, TritonGGUF
 
@@ -84,7 +84,7 @@ class CudaPlatform(Platform):
         if self.elementwise is None:
             return []
         from crane_mp.worker.kernels import triton_skinny
-        from crane_mp.worker.skinny_linears import tune_skinny_linears
+        from crane_mp.worker.kernels.skinny_linears import tune_skinny_linears
 
         return tune_skinny_linears(model, triton_skinny, max_rows)
 

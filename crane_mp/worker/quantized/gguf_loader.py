@@ -22,13 +22,13 @@ from crane_mp.models.config import ModelConfig
 from crane_mp.models.gguf_file import TensorInfo, check_gguf
 from crane_mp.models.registry import PERMUTED_QK_ARCHS, hf_name
 from crane_mp.models.sharding import Shard
-from crane_mp.worker.load_progress import LoadProgress
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.quantized.file_reader import MappedFile, read_ranges
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
 from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
+from crane_mp.worker.weights.load_progress import LoadProgress
 
 log = logging.getLogger(__name__)
 

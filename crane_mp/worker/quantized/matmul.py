@@ -19,9 +19,8 @@ import logging
 import torch
 from gguf import GGMLQuantizationType
 
-from crane_mp.worker.device import is_device_fault
-from crane_mp.worker.quantized.formats import (INT8_TYPES, Q4_K_X8, Q4_K_X16, Q6_K_X8, Q6_K_X16, Q8_0_X8,
-                                              dequantize)
+from crane_mp.worker.platforms.device import is_device_fault
+from crane_mp.worker.quantized.formats import INT8_TYPES, Q4_K_X8, Q4_K_X16, Q6_K_X8, Q6_K_X16, Q8_0_X8, dequantize
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
-from crane_mp.worker.device import num_sms
 from crane_mp.worker.kernels.triton_common import INTERPRETED, dot
+from crane_mp.worker.platforms.device import num_sms
 from crane_mp.worker.quantized.formats import LAYOUTS
 
 TRITON_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})

@@ -16,8 +16,8 @@ import torch
 
 from crane_mp.model_tokenizer import grammar_tokenizer, source_tokenizer
 from crane_mp.models.gguf_file import ModelSource
-from crane_mp.worker.host_buffers import device_longs
 from crane_mp.worker.platforms import Platform
+from crane_mp.worker.step.host_buffers import device_longs
 
 # Pristine matchers kept per grammar text for the requests that repeat it (construction is the costly
 # part; a request gets a copy). A grammar is kept from its second build on (a stream of one-off schemas

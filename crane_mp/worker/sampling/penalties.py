@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from crane_mp.worker.host_buffers import device_longs
+from crane_mp.worker.step.host_buffers import device_longs
 
 
 class PenaltyTable:

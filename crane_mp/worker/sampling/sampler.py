@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from crane_mp.protocol import SamplingParams, ThinkingBudget, TokenLogprobs
-from crane_mp.worker.grammar import GrammarEngine
-from crane_mp.worker.host_buffers import device_bools, device_floats, device_longs
-from crane_mp.worker.penalties import PenaltyTable
 from crane_mp.worker.platforms import Platform
-from crane_mp.worker.seeded_noise import row_keys, uniform_from_keys
+from crane_mp.worker.sampling.grammar import GrammarEngine
+from crane_mp.worker.sampling.penalties import PenaltyTable
+from crane_mp.worker.sampling.seeded_noise import row_keys, uniform_from_keys
+from crane_mp.worker.step.host_buffers import device_bools, device_floats, device_longs
 
 
 @dataclass(slots=True)

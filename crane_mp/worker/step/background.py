@@ -21,10 +21,10 @@ import zmq
 from crane_mp.ipc import encode, make_socket
 from crane_mp.priority import lower_this_thread
 from crane_mp.protocol import GrammarReady, LoadLora, LoraLoaded, PrepareGrammar
-from crane_mp.worker.grammar import GrammarEngine
-from crane_mp.worker.lora import load_adapter, uninstall
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import Platform
+from crane_mp.worker.sampling.grammar import GrammarEngine
+from crane_mp.worker.weights.lora import load_adapter, uninstall
 
 log = logging.getLogger("crane_mp.worker")
 

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from crane_mp.worker.attention import AttentionMetadata, SeqSpan
-from crane_mp.worker.forward_context import ForwardContext, forward_context
+from crane_mp.worker.cache.attention import AttentionMetadata, SeqSpan
+from crane_mp.worker.step.forward_context import ForwardContext, forward_context
 
 log = logging.getLogger("crane_mp.worker")
 

@@ -12,13 +12,13 @@ from typing import Any, Iterator
 
 import torch
 
-from crane_mp.worker.attention import AttentionMetadata, SeqSpan
-from crane_mp.worker.host_buffers import device_longs
+from crane_mp.worker.cache.attention import AttentionMetadata, SeqSpan
+from crane_mp.worker.step.host_buffers import device_longs
 
 
 @dataclass(slots=True)
 class LoraBatch:
-    """Which token rows of this step use which LoRA adapter (worker/lora.py): (adapter id, row indices,
+    """Which token rows of this step use which LoRA adapter (worker/weights/lora.py): (adapter id, row indices,
     or None when every row uses it)."""
 
     groups: list[tuple[int, torch.Tensor | None]]

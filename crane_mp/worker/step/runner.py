@@ -29,24 +29,24 @@ from crane_mp.protocol import (
     StepResult,
     TokenLogprobs,
 )
-from crane_mp.worker.attention import SeqSpan, build_metadata
-from crane_mp.worker.decode_graphs import DecodeGraphs, capture_cuda
-from crane_mp.worker.device import is_device_fault
-from crane_mp.worker.forward_context import (
+from crane_mp.worker.cache.attention import SeqSpan, build_metadata
+from crane_mp.worker.models.layers import CausalLM
+from crane_mp.worker.models.mrope_tables import mrope_columns, mrope_cos_sin
+from crane_mp.worker.models.rope import rope_tables
+from crane_mp.worker.platforms import Platform
+from crane_mp.worker.platforms.device import is_device_fault
+from crane_mp.worker.sampling.grammar import GrammarEngine
+from crane_mp.worker.sampling.sampler import Sampler, SamplingState
+from crane_mp.worker.sampling.whisper_logits import apply_whisper_rules
+from crane_mp.worker.step.decode_graphs import DecodeGraphs, capture_cuda
+from crane_mp.worker.step.forward_context import (
     ForwardContext,
     LoraBatch,
     MediaSpan,
     forward_context,
     lora_batch,
 )
-from crane_mp.worker.grammar import GrammarEngine
-from crane_mp.worker.host_buffers import device_longs
-from crane_mp.worker.models.layers import CausalLM
-from crane_mp.worker.platforms import Platform
-from crane_mp.worker.mrope_tables import mrope_columns, mrope_cos_sin
-from crane_mp.worker.rope import rope_tables
-from crane_mp.worker.whisper_logits import apply_whisper_rules
-from crane_mp.worker.sampler import Sampler, SamplingState
+from crane_mp.worker.step.host_buffers import device_longs
 
 log = logging.getLogger("crane_mp.worker")
 

@@ -12,12 +12,12 @@ import torch
 
 from crane_mp.models.config import ModelConfig
 from crane_mp.models.gguf_file import ModelSource, check_gguf
-from crane_mp.worker.cpu_packing import pack_linear_weights, spare_copies_fit
-from crane_mp.worker.load_progress import LoadProgress
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.quantized.gguf_loader import load_gguf_model
+from crane_mp.worker.weights.cpu_packing import pack_linear_weights, spare_copies_fit
+from crane_mp.worker.weights.load_progress import LoadProgress
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
