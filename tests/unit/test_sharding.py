@@ -193,7 +193,7 @@ def _fake_host(root, nodes: list[str], siblings: dict[int, str] | None = None) -
 
 
 def test_ranks_on_one_host_split_its_cores_by_numa_node_and_physical_core(tmp_path, monkeypatch):
-    from crane_mp.worker import tensor_parallel
+    from crane_mp.worker.parallel import tensor_parallel
 
     monkeypatch.setattr(tensor_parallel.os, "sched_getaffinity", lambda pid: set(range(8)))
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from crane_mp.worker import shm_collectives
+from crane_mp.worker.parallel import shm_collectives
 from crane_mp.worker.parallel.shm_collectives import SharedMemoryCollectives
 from crane_mp.worker.platforms.device import RankLost
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crane_mp.worker import skinny_linears
+from crane_mp.worker.kernels import skinny_linears
 from crane_mp.worker.kernels.skinny_linears import SkinnyLinear, tune_skinny_linears
 from tests.triton_interpreter import run_interpreted
 
