@@ -139,8 +139,9 @@ def random_state_dict(config, seed: int, eos_token_id: int, timestamp_begin: int
     return state
 
 
-def make_whisper(out: str | Path, seed: int = 0) -> Path:
-    """Write the checkpoint to `out` and return it."""
+def make_whisper(out: str | Path, seed: int = 0, english_only: bool = False) -> Path:
+    """Write the checkpoint to `out` and return it. `english_only`: as whisper-*.en's generation config
+    (no language or task tokens to choose, <|notimestamps|> forced after <|startoftranscript|>)."""
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperProcessor
 
     out = Path(out)
@@ -162,15 +163,16 @@ def make_whisper(out: str | Path, seed: int = 0) -> Path:
     config.architectures = ["WhisperForConditionalGeneration"]
     config.dtype = "float32"
     write_json(out / "config.json", json.loads(config.to_json_string(use_diff=True)))
+    languages = {"forced_decoder_ids": [[1, ids["<|notimestamps|>"]]], "is_multilingual": False} if english_only else {
+        "forced_decoder_ids": [[1, None], [2, task_ids["transcribe"]]], "is_multilingual": True,
+        "lang_to_id": {f"<|{code}|>": ids[f"<|{code}|>"] for code in LANGUAGES}, "task_to_id": task_ids}
     write_json(out / "generation_config.json", {
+        **languages,
         "alignment_heads": [[1, 0], [1, 2]],
         "begin_suppress_tokens": begin_suppress,
         "bos_token_id": eos,
         "decoder_start_token_id": ids["<|startoftranscript|>"],
         "eos_token_id": eos,
-        "forced_decoder_ids": [[1, None], [2, task_ids["transcribe"]]],
-        "is_multilingual": True,
-        "lang_to_id": {f"<|{code}|>": ids[f"<|{code}|>"] for code in LANGUAGES},
         "max_initial_timestamp_index": 50,
         "max_length": _SHAPE["max_target_positions"],
         "no_timestamps_token_id": ids["<|notimestamps|>"],
@@ -178,7 +180,6 @@ def make_whisper(out: str | Path, seed: int = 0) -> Path:
         "prev_sot_token_id": ids["<|startofprev|>"],
         "return_timestamps": False,
         "suppress_tokens": suppress,
-        "task_to_id": task_ids,
         "transformers_version": transformers.__version__,
     })
     save_file(random_state_dict(config, seed, eos, timestamp_begin), str(out / "model.safetensors"),

@@ -177,3 +177,32 @@ def test_bad_uploads_are_400s_within_a_second_and_the_server_keeps_serving(serve
 
 def server_model(server: Server) -> str:
     return requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_an_english_only_model_takes_english_and_refuses_other_languages(tmp_path):
+    """whisper-*.en checkpoints: OpenAI clients send language=en, which transcribes as generate does
+    without a language (it refuses one for such a model); another language or a translation is a 400."""
+    from transformers import AutoProcessor, WhisperForConditionalGeneration
+
+    model_dir = make_whisper(tmp_path / "model-en", english_only=True)
+    data = encoded(5, "WAV", seed=4)
+    samples, _ = sf.read(io.BytesIO(data), dtype="float32")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = model.generate(**processor(samples, sampling_rate=16000, return_tensors="pt"))
+    want = processor.batch_decode(ids, skip_special_tokens=True)[0]
+    server = Server(model_dir, log_path=tmp_path / "log")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        model_name = server_model(server)
+        for language in (None, "en", "English"):
+            extra = {} if language is None else {"language": language}
+            got = client.audio.transcriptions.create(model=model_name, file=("a.wav", data), **extra)
+            assert got.text == want, language
+        with pytest.raises(openai.BadRequestError, match="English-only: it cannot transcribe language 'fr'"):
+            client.audio.transcriptions.create(model=model_name, file=("a.wav", data), language="fr")
+        with pytest.raises(openai.BadRequestError, match="English-only"):
+            client.audio.translations.create(model=model_name, file=("a.wav", data))
+    finally:
+        assert server.stop() == 0
