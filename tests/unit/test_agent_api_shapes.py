@@ -184,7 +184,7 @@ def _logprobs(ids: list[int]) -> list[TokenLogprobs]:
 
 
 def test_the_output_text_carries_the_logprobs_of_the_tokens_after_the_thinking_in_the_sdk_shape(tmp_path):
-    from openai.types.responses import ResponseOutputText, ResponseTextDeltaEvent, ResponseTextDoneEvent
+    from openai.types.responses import ResponseOutputText, ResponseTextDeltaEvent, ResponseTextDoneEvent, ResponseUsage
 
     token_text, thinking = TokenText(_Vocabulary()), ReasoningReading(THINKING_MODE, END_THINK)
     draft = ResponseDraft(new_response_id(), "m", {"store": False}, [], None)
@@ -196,6 +196,7 @@ def test_the_output_text_carries_the_logprobs_of_the_tokens_after_the_thinking_i
             for lp in ResponseTextDeltaEvent.model_validate(e).logprobs]
     assert [(lp.token, lp.logprob) for lp in sent] == [("t20", -2.0), ("t21", -2.1), ("t22", -2.2)]
     [done] = [ResponseTextDoneEvent.model_validate(e) for e in events if e["type"] == "response.output_text.done"]
+    ResponseUsage.model_validate(events[-1]["response"]["usage"])  # every field the SDK requires
     [message] = [item for item in events[-1]["response"]["output"] if item["type"] == "message"]
     streamed = ResponseOutputText.model_validate(message["content"][0])
     ids = [token for _, tokens in THOUGHT_THEN_TEXT for token in tokens]

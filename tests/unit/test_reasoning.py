@@ -10,6 +10,7 @@ import json
 import random
 
 import pytest
+from openai.types.responses import Response
 
 from crane_mp.frontend.serving.reasoning import (
     END,
@@ -185,6 +186,7 @@ async def test_responses_and_messages_carry_the_thinking_apart(frontend):
     client, state, fake = frontend
     fake.output_ids = _ids(state, "<think>\nsome thought</think>\n\nThe answer.")
     response = await (await client.post("/v1/responses", json={"input": "q"})).json()
+    Response.model_validate(response)  # every field the SDK requires, of the right types
     assert [item["type"] for item in response["output"]] == ["reasoning", "message"]
     assert response["output"][0]["content"][0]["text"] == "\nsome thought"
     assert response["output"][1]["content"][0]["text"] == "\n\nThe answer."

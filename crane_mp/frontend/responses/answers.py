@@ -28,7 +28,10 @@ def _item_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    """OpenAI's usage object; cache_write_tokens counts tokens written to a paid prompt cache, which this
+    server's prefix cache has no counterpart of (0), but clients require the field."""
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
 
