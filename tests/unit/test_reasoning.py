@@ -10,6 +10,7 @@ import json
 import random
 
 import pytest
+from anthropic.types import Message
 from openai.types.responses import Response
 
 from crane_mp.frontend.serving.reasoning import (
@@ -194,6 +195,7 @@ async def test_responses_and_messages_carry_the_thinking_apart(frontend):
     assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == thought
     message = await (await client.post("/v1/messages", json={
         "model": state.model_name, "max_tokens": 50, "messages": [{"role": "user", "content": "q"}]})).json()
+    Message.model_validate(message)
     assert message["content"] == [{"type": "thinking", "thinking": "\nsome thought", "signature": ""},
                                   {"type": "text", "text": "\n\nThe answer."}]
     assert message["stop_reason"] == "end_turn"
