@@ -1,5 +1,5 @@
 """Anthropic Messages output: the message object and its content blocks (thinking, text, tool_use) from
-a read answer (answers.py), and the streamed event sequence the `anthropic` SDK's `messages.stream`
+a read answer (serving/answers.py), and the streamed event sequence the `anthropic` SDK's `messages.stream`
 accumulates (message_start, content blocks started, their deltas and stops, message_delta,
 message_stop). No I/O here, so every shape is testable without a server.
 """

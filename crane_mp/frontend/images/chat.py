@@ -1,4 +1,4 @@
-"""Images of a chat request: counted, fetched (data: URLs, or http(s) from an allowed host, media_fetch.py),
+"""Images of a chat request: counted, fetched (data: URLs, or http(s) from an allowed host, fetch.py),
 decoded within the pixel budget, run through the model's image processor, and placed at their
 placeholder tokens.
 

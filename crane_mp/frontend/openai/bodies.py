@@ -4,7 +4,7 @@ every shape is testable without a server (tests/unit/test_openai_responses.py).
 A reasoning model's chat answer is split into `reasoning_content` (also sent as `reasoning`, the name
 newer clients read) and `content`; the content of an answer that offered tools is read for tool calls:
 content and `tool_calls` apart, `finish_reason: "tool_calls"` when the model stopped after calling
-(answers.py reads the parts).
+(serving/answers.py reads the parts).
 """
 
 from __future__ import annotations

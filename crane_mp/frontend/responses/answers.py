@@ -1,5 +1,5 @@
 """The Responses API's output: the response object, its output items (reasoning, message, function
-calls) from a read answer (answers.py), and the streamed event sequence the `openai` SDK's
+calls) from a read answer (serving/answers.py), and the streamed event sequence the `openai` SDK's
 `responses.stream` accumulates (response.created, output items added and done, text and argument
 deltas, response.completed). No I/O here but the store's, so every shape is testable without a server.
 

@@ -1,5 +1,5 @@
 """/v1/responses: the OpenAI Responses API over the chat pipeline (chat_core.py), with stored responses
-for previous_response_id (response_store.py), and GET and DELETE of a stored one."""
+for previous_response_id (store.py), and GET and DELETE of a stored one."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """SGLang's native request bodies as msgspec Structs (/generate, /abort_request): decoding validates
-types, unknown fields and ranges, as openai_schemas.py does for the OpenAI routes."""
+types, unknown fields and ranges, as openai/schemas.py does for the OpenAI routes."""
 
 from __future__ import annotations
 
