@@ -34,7 +34,7 @@ def main() -> None:
              for b in range(args.batch)]
     print(f"tiers (cpu, kernels): {platform_for('cpu').describe()}, torch capability {torch.backends.cpu.get_cpu_capability()}")
     for native in (False, True):
-        meta = build_metadata(spans, [], block, torch.device("cpu"), dtype, None, "native" if native else "torch")
+        meta = build_metadata(spans, [], block, torch.device("cpu"), dtype, "native" if native else "torch")
         for _ in range(20):
             paged_attention(q, None, None, k_cache, v_cache, meta, head_dim**-0.5)
         start = time.perf_counter()

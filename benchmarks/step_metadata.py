@@ -29,7 +29,7 @@ def build_ms(decodes: int, context: int, chunk: int, backend: str, repeats: int)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        build_metadata(spans, prefills, BLOCK_SIZE, torch.device("cpu"), torch.bfloat16, None, backend)
+        build_metadata(spans, prefills, BLOCK_SIZE, torch.device("cpu"), torch.bfloat16, backend)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 

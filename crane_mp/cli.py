@@ -24,7 +24,7 @@ from crane_mp.config import (
     cpu_isa_cap,
     parse_memory_limit,
 )
-from crane_mp.models.config import checkpoint_architecture
+from crane_mp.models.config import MODEL_IMPLS, checkpoint_architecture
 from crane_mp.models.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
 from crane_mp.models.pooling import POOLING_METHODS, Pooling, sentence_transformers_pooling
 from crane_mp.models.registry import MODEL_TYPE_ALIASES
@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights format; auto: gguf for a .gguf file, else safetensors")
     p.add_argument("--demo", action="store_true", help="serve the built-in random-weight demo model")
     p.add_argument("--model-type", default="auto", choices=["auto", *sorted(MODEL_TYPE_ALIASES)])
+    p.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS,
+                   help="native: our own layers and kernels; transformers: transformers' modeling code on our "
+                        "paged KV cache and scheduler (any causal LM it knows, slower); auto: native where we "
+                        "have it, else transformers")
     p.add_argument("--model-name", help="name shown in API responses (default: the directory name)")
     p.add_argument("--task", default="auto", choices=TASKS,
                    help="generate text, embed (/v1/embeddings only), score (/v1/rerank and /score with a "
@@ -258,7 +262,7 @@ def _task_and_pooling(args, source: ModelSource, parser) -> tuple[str, Pooling]:
             parser.error(str(err))
         declared = None
     task = args.task
-    arch = checkpoint_architecture(source.model_dir, args.model_type) if source.format == "safetensors" else None
+    arch = checkpoint_architecture(source.model_dir, args.model_type, args.model_impl) if source.format == "safetensors" else None
     encoder = arch is not None and arch.encoder
     speech = arch is not None and arch.media == "audio"
     if task == "auto":
@@ -326,6 +330,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         engine = EngineConfig(
             model_path=str(source.path),
             model_type=args.model_type,
+            model_impl=args.model_impl,
             model_format=source.format,
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,

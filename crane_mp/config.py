@@ -68,6 +68,7 @@ class EngineConfig:
 
     model_path: str
     model_type: str = "auto"
+    model_impl: str = "auto"  # native, transformers (its modeling code on our engine), or auto: native if we have it
     model_format: str = "auto"  # auto | safetensors | gguf (gguf_file.resolve_model_source)
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: 16-bit on CPU, the compute dtype on CUDA (worker/platforms/)

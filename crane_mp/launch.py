@@ -230,6 +230,13 @@ def _frontend_name(index: int, count: int) -> str:
     return "frontend" if count == 1 else f"frontend-{index}"
 
 
+def _described_arch(info: WorkerReady) -> str:
+    """The architecture, and when transformers' modeling code runs it, say so: it is slower than native."""
+    if info.model_impl == "transformers":
+        return f"{info.hf_model_type}(transformers backend: slower than native)"
+    return info.arch
+
+
 def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
@@ -320,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
             "kv_bytes=%d/token "
             "kv_budget=%.2f GiB blocks=%d (%d tokens) max_concurrent=%d max_queue=%d max_model_len=%d "
             "prefix_cache=%s overlap=%s runtime_lora=%s frontends=%d listening on http://%s:%d",
-            time.monotonic() - started, config.model_name, info.arch, info.device, info.dtype, info.kv_cache_dtype,
+            time.monotonic() - started, config.model_name, _described_arch(info), info.device, info.dtype, info.kv_cache_dtype,
             info.quantized_activations, info.isa,
             info.kernel_isa, info.kv_bytes_per_token, info.kv_budget_bytes / gib, info.num_blocks,
             info.num_blocks * info.block_size, config.engine.max_num_seqs, config.max_queue, info.max_model_len,

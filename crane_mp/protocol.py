@@ -408,3 +408,5 @@ class WorkerReady(msgspec.Struct):
     tensor_parallel_size: int = 1
     nnodes: int = 1
     ranks: list[RankInfo] = []  # every worker rank, by rank (weights_bytes above is rank 0's)
+    model_impl: str = "native"  # or "transformers": transformers' modeling code on our engine (slower)
+    hf_model_type: str = ""  # transformers' model_type of the checkpoint (what the transformers backend runs)

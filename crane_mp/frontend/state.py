@@ -68,7 +68,8 @@ class FrontendState:
         template = getattr(self.tokenizer.tokenizer, "chat_template", None)  # how CrossEncoder renders a pair
         self.score_head = load_score_head(Path(self.config.engine.model_path), template) if scoring else None
         model_dir = Path(self.config.engine.model_path)
-        arch = checkpoint_architecture(model_dir, self.config.engine.model_type) if model_dir.is_dir() else None
+        arch = checkpoint_architecture(model_dir, self.config.engine.model_type,
+                                       self.config.engine.model_impl) if model_dir.is_dir() else None
         if arch is not None and arch.media == "image":
             self.image_processor = load_image_processor(model_dir)
         if self.config.engine.task == "transcribe":

@@ -19,6 +19,7 @@ from crane_mp.models.registry import (
     GGUF_ARCHITECTURES,
     HF_CLASSES,
     MODEL_TYPE_ALIASES,
+    TRANSFORMERS,
     Architecture,
     supported,
 )
@@ -76,7 +77,25 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
 
-def detect_arch(hf_config: Any, model_type: str = "auto") -> str:
+MODEL_IMPLS = ("auto", "native", "transformers")  # --model-impl, vLLM's spelling
+
+# Model types whose layers keep recurrent state (state-space or linear attention) rather than only a
+# KV cache: the transformers backend, which gives every layer a paged KV cache, cannot serve them.
+_RECURRENT_MODEL_TYPES = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "nemotron_h", "lfm2",
+    "recurrent_gemma", "rwkv", "xlstm", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "minimax",
+    "plamo2", "kimi_linear", "granitemoehybrid",
+})
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+
+
+def detect_arch(hf_config: Any, model_type: str = "auto", model_impl: str = "auto") -> str:
+    """The registry row serving this checkpoint: its native architecture, else (with `model_impl`
+    auto) the transformers backend when transformers can run it as a causal LM."""
+    if model_impl not in MODEL_IMPLS:
+        raise UnsupportedModelError(f"unknown --model-impl {model_impl!r} (one of {', '.join(MODEL_IMPLS)})")
+    if model_impl == "transformers":
+        return _transformers_arch(hf_config)
     if model_type != "auto":
         if model_type not in MODEL_TYPE_ALIASES:
             raise UnsupportedModelError(f"unknown --model-type {model_type!r}")
@@ -84,22 +103,46 @@ def detect_arch(hf_config: Any, model_type: str = "auto") -> str:
     for name in getattr(hf_config, "architectures", None) or []:
         if name in HF_CLASSES:
             return HF_CLASSES[name]
-    arch = MODEL_TYPE_ALIASES.get(getattr(hf_config, "model_type", ""))
-    if arch is None:
+    hf_type = getattr(hf_config, "model_type", "")
+    arch = MODEL_TYPE_ALIASES.get(hf_type)
+    if arch is not None and arch != TRANSFORMERS:
+        return arch
+    if model_impl == "auto":
+        return _transformers_arch(hf_config)
+    raise UnsupportedModelError(f"model_type {hf_type!r} has no native implementation (native: {supported()}); "
+                                "--model-impl auto or transformers serves it through transformers' modeling code")
+
+
+def _transformers_arch(hf_config: Any) -> str:
+    """TRANSFORMERS, or why the transformers backend cannot serve this checkpoint."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    hf_type = getattr(hf_config, "model_type", "")
+    if hf_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UnsupportedModelError(
-            f"model_type {getattr(hf_config, 'model_type', None)!r} is not supported (supported: {supported()})"
-        )
-    return arch
+            f"model_type {hf_type!r} is not supported: no native implementation (native: {supported()}) and "
+            "transformers has no causal LM for it")
+    kinds = set(getattr(hf_config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES
+    if hf_type in _RECURRENT_MODEL_TYPES or kinds:
+        raise UnsupportedModelError(
+            f"model_type {hf_type!r} keeps recurrent state in its layers ({', '.join(sorted(kinds)) or 'state-space'}"
+            "), which the transformers backend's paged KV cache cannot hold; it is not supported yet")
+    return TRANSFORMERS
 
 
-def checkpoint_architecture(model_dir: Path, model_type: str = "auto") -> Architecture | None:
-    """The registry row of a safetensors checkpoint (None: not one we serve), read from config.json
+def checkpoint_architecture(model_dir: Path, model_type: str = "auto", model_impl: str = "auto",
+                            ) -> Architecture | None:
+    """The registry row of a safetensors checkpoint (None: no native row), read from config.json
     alone, so that the launcher decides the task before any process starts."""
     config_file = model_dir / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     names = SimpleNamespace(architectures=config.get("architectures"), model_type=config.get("model_type", ""))
     try:
-        return ARCHITECTURES[detect_arch(names, model_type)]
+        if model_impl == "transformers":
+            return ARCHITECTURES[TRANSFORMERS]
+        # Native rows only: the launcher stays free of transformers, and the backend's row is neither
+        # an encoder nor a media model, which is all the launcher asks.
+        return ARCHITECTURES[detect_arch(names, model_type, "native")]
     except UnsupportedModelError:
         return None
 
@@ -148,9 +191,12 @@ def _sliding_window(hf_config: Any, arch: str) -> int | None:
                                 "max_window_layers) is not supported: every layer must use the same attention")
 
 
-def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Path | None = None) -> ModelConfig:
+def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Path | None = None,
+                         model_impl: str = "auto") -> ModelConfig:
     """Build our config from a loaded transformers config object."""
-    arch = detect_arch(hf_config, model_type)
+    arch = detect_arch(hf_config, model_type, model_impl)
+    if arch == TRANSFORMERS:
+        return _transformers_config(hf_config, model_dir)
     if arch == "whisper":
         return _whisper_config(hf_config, model_dir)
     if ARCHITECTURES[arch].media == "image":
@@ -187,6 +233,28 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         sep_token_id=_sep_token_id(model_dir) if encoder else None,
         first_position=first_position,
         hf_config=hf_config,
+    )
+
+
+def _transformers_config(hf_config: Any, model_dir: Path | None) -> ModelConfig:
+    """What the engine needs of a model transformers runs: sizes for the KV cache and the memory plan
+    (its attention modules may override the KV shape per layer), tokens, limits. Rope, norms and
+    windows stay transformers' business."""
+    heads = hf_config.num_attention_heads
+    hidden = hf_config.hidden_size
+    eps = next((getattr(hf_config, name) for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon",
+                                                      "layer_norm_epsilon") if getattr(hf_config, name, None)), 1e-6)
+    return ModelConfig(
+        arch=TRANSFORMERS, vocab_size=hf_config.vocab_size, hidden_size=hidden,
+        intermediate_size=getattr(hf_config, "intermediate_size", None) or 4 * hidden,
+        num_hidden_layers=hf_config.num_hidden_layers, num_attention_heads=heads,
+        num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hidden // heads, rms_norm_eps=eps,
+        max_position_embeddings=getattr(hf_config, "max_position_embeddings", None) or 2048,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), attention_bias=False,
+        mlp_bias=False, hidden_act="silu", rope_theta=10000.0, rope_parameters={"rope_type": "default"},
+        bos_token_id=getattr(hf_config, "bos_token_id", None), eos_token_ids=_eos_ids(hf_config, model_dir),
+        torch_dtype=_dtype_name(hf_config), hf_config=hf_config,
     )
 
 
@@ -233,7 +301,7 @@ def _sep_token_id(model_dir: Path | None) -> int | None:
     return AutoTokenizer.from_pretrained(str(model_dir)).sep_token_id
 
 
-def load_model_config(model_path: str | Path, model_type: str = "auto") -> ModelConfig:
+def load_model_config(model_path: str | Path, model_type: str = "auto", model_impl: str = "auto") -> ModelConfig:
     """Read config.json from a model directory."""
     from transformers import AutoConfig
 
@@ -241,7 +309,7 @@ def load_model_config(model_path: str | Path, model_type: str = "auto") -> Model
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} has no config.json")
     hf_config = AutoConfig.from_pretrained(str(model_dir))
-    return model_config_from_hf(hf_config, model_type, model_dir)
+    return model_config_from_hf(hf_config, model_type, model_dir, model_impl)
 
 
 def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:

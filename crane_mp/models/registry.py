@@ -39,6 +39,8 @@ class Architecture:
     media: str | None = None
 
 
+TRANSFORMERS = "transformers"  # the transformers backend's row
+
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture("llama", "llama.LlamaForCausalLM", ("LlamaForCausalLM",), "llama", "llama",
                  gguf_permuted_qk=True),
@@ -60,6 +62,8 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  "roberta", reads_gguf=False, encoder=True),
     Architecture("xlm-roberta", "bert.BertEncoder", ("XLMRobertaModel", "XLMRobertaForSequenceClassification"),
                  "xlm-roberta", "xlm-roberta", reads_gguf=False, encoder=True),
+    # Any other causal LM transformers can run, through its own modeling code (--model-impl).
+    Architecture(TRANSFORMERS, "transformers_backend.TransformersCausalLM", (), "", "", reads_gguf=False),
 )}
 
 # Lookups, all derived from the rows (register_model adds to them).
@@ -74,7 +78,8 @@ def _index(arch: Architecture) -> None:
     HF_CLASSES.update(dict.fromkeys(arch.hf_classes, arch.name))
     spellings = (arch.name, arch.hf_model_type, *((arch.gguf_arch,) if arch.reads_gguf else ()),
                  *arch.model_type_aliases)
-    MODEL_TYPE_ALIASES.update(dict.fromkeys(spellings, arch.name))
+    if arch.name != TRANSFORMERS:  # chosen by --model-impl, not spelled as a model type
+        MODEL_TYPE_ALIASES.update(dict.fromkeys(spellings, arch.name))
     if arch.reads_gguf:
         GGUF_ARCHITECTURES[arch.gguf_arch] = arch
     if arch.gguf_permuted_qk:
@@ -122,8 +127,8 @@ GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.n
 
 
 def supported() -> str:
-    """Our architecture names, for error messages."""
-    return ", ".join(sorted(ARCHITECTURES))
+    """Our native architecture names, for error messages."""
+    return ", ".join(sorted(set(ARCHITECTURES) - {TRANSFORMERS}))
 
 
 def hf_name(gguf_name: str, arch: str) -> str:

@@ -25,7 +25,7 @@ from crane_mp.testing import kquants
 
 # transformers' model types -> the general.architecture llama.cpp writes ("llama" for pre-v3 Mistral).
 GGUF_ARCH = {arch.hf_model_type: arch.gguf_arch for arch in ARCHITECTURES.values()
-             if not arch.encoder and arch.media is None}
+             if arch.gguf_arch and not arch.encoder and arch.media is None}
 
 MIXES = {"Q4_K_M": (T.Q4_K, T.Q6_K), "Q5_K_M": (T.Q5_K, T.Q6_K)}
 _QUANTIZERS = {T.Q4_K: kquants.quantize_q4_k, T.Q5_K: kquants.quantize_q5_k, T.Q6_K: kquants.quantize_q6_k}

@@ -12,6 +12,7 @@ import torch
 from crane_mp.config import EngineConfig, pools_outputs
 from crane_mp.models.config import ModelConfig, load_gguf_config, load_model_config
 from crane_mp.models.gguf_file import describe_types, resolve_model_source
+from crane_mp.models.registry import TRANSFORMERS
 from crane_mp.models.sharding import shard_config
 from crane_mp.worker.cache.memory import KVPlan, plan_kv_blocks
 from crane_mp.worker.parallel.tensor_parallel import TensorParallel
@@ -94,11 +95,16 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     torch.manual_seed(config.seed)
     source = resolve_model_source(config.model_path, config.model_format)
     if source.format == "gguf":
+        if config.model_impl == "transformers":
+            raise ValueError("--model-impl transformers serves safetensors checkpoints, not GGUF files")
         model_config = load_gguf_config(source.gguf_file, config.model_type)
     else:
-        model_config = load_model_config(source.model_dir, config.model_type)
+        model_config = load_model_config(source.model_dir, config.model_type, config.model_impl)
     timer.done("config")
     # The model this process holds: the whole of it, or a rank's part (heads, units, vocabulary rows).
+    if tp is not None and model_config.arch == TRANSFORMERS:
+        raise ValueError("the transformers backend runs on one device: --tensor-parallel-size 1, or a model "
+                         "with a native implementation")
     rank_config = model_config if tp is None else shard_config(model_config, tp.rank, tp.size)
     # Builds or loads the CPU kernels: reported on their own.
     platform = select_platform(config.force_cpu, 0 if tp is None else tp.device.index or 0)
@@ -160,7 +166,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     # Not with tensor parallelism yet: a captured step would replay its collectives too, untested. Not
     # for a media model: its steps read per-request state (rope positions, a window's cross-attention).
     graphs = (platform.cuda_graphs(config.cuda_graphs, runner.attention_backend) and not model_config.encoder
-              and model_config.media is None and tp is None)
+              and model_config.media is None and tp is None and model_config.arch != TRANSFORMERS)
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
     reserved_bytes = kernel_cache_bytes + (graph_pool_bytes(runner, graph_sizes, rank_config) if graphs else 0)
     if config.runtime_lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank

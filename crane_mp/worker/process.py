@@ -26,6 +26,7 @@ from crane_mp.heap import malloc_trim
 from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.logs import LogSettings, configure_logging
 from crane_mp.models.config import UnsupportedModelError
+from crane_mp.models.registry import TRANSFORMERS
 from crane_mp.protocol import DropLora, LoadLora, PrepareGrammar, RankInfo, ShutdownWorker, StepPlan, WorkerReady
 from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
 from crane_mp.worker.cache.memory import MemoryBudgetError
@@ -70,6 +71,8 @@ def worker_ready(loaded: LoadedWorker, ranks: list[RankInfo]) -> WorkerReady:
         vocab_size=loaded.model_config.vocab_size,
         eos_token_ids=list(loaded.model_config.eos_token_ids),
         arch=loaded.model_config.arch,
+        model_impl="transformers" if loaded.model_config.arch == TRANSFORMERS else "native",
+        hf_model_type=getattr(loaded.model_config.hf_config, "model_type", "") or "",
         device=loaded.platform.label(),
         device_type=loaded.platform.name,
         dtype=str(loaded.dtype).removeprefix("torch."),

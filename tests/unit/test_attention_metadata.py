@@ -33,7 +33,7 @@ def test_metadata_equals_a_per_token_reference(backend, seed):
     decodes = [_span(rng, free, rng.randrange(0, 40), 1) for _ in range(rng.randrange(0, 5))]
     prefills = [_span(rng, free, rng.choice([0, rng.randrange(1, 30)]), rng.randrange(1, 20))
                 for _ in range(rng.randrange(0 if decodes else 1, 4))]
-    meta = build_metadata(decodes, prefills, BLOCK, torch.device("cpu"), torch.float32, None, backend)
+    meta = build_metadata(decodes, prefills, BLOCK, torch.device("cpu"), torch.float32, backend)
 
     want_slots = [s.block_table[p // BLOCK] * BLOCK + p % BLOCK
                   for s in decodes + prefills for p in range(s.ctx_before, s.ctx_before + s.q_len)]
@@ -42,8 +42,7 @@ def test_metadata_equals_a_per_token_reference(backend, seed):
     if decodes:
         lengths = [s.ctx_before + 1 for s in decodes]
         assert meta.decode_block_tables.tolist() == _padded(decodes, lengths)
-        if backend != "torch":
-            assert meta.decode_ctx_lens.tolist() == lengths
+        assert meta.decode_ctx_lens.tolist() == lengths
     if meta.prefill_block_tables is not None:
         assert meta.prefill_block_tables.tolist() == _padded(prefills, [s.ctx_before + s.q_len for s in prefills])
     if backend == "triton" and prefills:

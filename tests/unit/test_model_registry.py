@@ -20,6 +20,7 @@ from crane_mp.models.registry import (
     HF_CLASSES,
     MODEL_TYPE_ALIASES,
     PERMUTED_QK_ARCHS,
+    TRANSFORMERS,
     gguf_name,
     hf_name,
 )
@@ -51,7 +52,10 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                          "hunyuan_v1_dense": "hunyuan-dense"}
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+NATIVE = sorted(set(ARCHITECTURES) - {TRANSFORMERS})
+
+
+@pytest.mark.parametrize("arch", NATIVE)
 def test_every_architecture_round_trips_its_names(arch):
     row = ARCHITECTURES[arch]
     hf_config = SimpleNamespace(architectures=list(row.hf_classes), model_type=row.hf_model_type)
@@ -72,7 +76,7 @@ def test_every_architecture_round_trips_its_names(arch):
     assert arch in ARCHS  # make_model can write one
 
 
-DECODERS = sorted(name for name, row in ARCHITECTURES.items() if not row.encoder and not row.media)
+DECODERS = sorted(name for name in NATIVE if not ARCHITECTURES[name].encoder and not ARCHITECTURES[name].media)
 
 
 def test_every_encoder_is_served_by_the_encoder_class():
@@ -105,14 +109,37 @@ def test_every_checkpoint_tensor_round_trips_through_its_gguf_name(arch):
 
 
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
-    unknown = SimpleNamespace(architectures=["GPT2LMHeadModel"], model_type="gpt2")
-    with pytest.raises(UnsupportedModelError, match=r"'gpt2' is not supported \(supported: "
-                                                    r"bert, hunyuan, llama, mistral, qwen2, qwen2_5_vl, qwen3, roberta, whisper, "
-                                                    r"xlm-roberta\)"):
+    gpt2 = SimpleNamespace(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2' has no native implementation \(native: .*llama.*\); "
+                                                    r"--model-impl auto or transformers serves it"):
+        detect_arch(gpt2, model_impl="native")
+    assert detect_arch(gpt2) == TRANSFORMERS  # auto: transformers' own modeling code
+    unknown = SimpleNamespace(architectures=["NoSuchModel"], model_type="no_such_model")
+    with pytest.raises(UnsupportedModelError, match=r"'no_such_model' is not supported: no native implementation "
+                                                    r"\(native: bert, hunyuan, llama, .*\) and transformers has no "
+                                                    r"causal LM for it"):
         model_config_from_hf(unknown)
     with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
                                             r"hunyuan-dense, llama, qwen2, qwen3\)"):
         read_shape({"general.architecture": "gpt2"}, {}, tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("hf_config", [
+    SimpleNamespace(model_type="mamba"),
+    SimpleNamespace(model_type="qwen3_next"),
+    SimpleNamespace(model_type="olmo3", layer_types=["full_attention", "linear_attention"]),
+])
+def test_the_transformers_backend_refuses_recurrent_layers_by_name(hf_config):
+    with pytest.raises(UnsupportedModelError, match=f"'{hf_config.model_type}' keeps recurrent state"):
+        detect_arch(hf_config, model_impl="transformers")
+
+
+def test_model_impl_transformers_takes_a_natively_served_model_too():
+    llama = SimpleNamespace(architectures=["LlamaForCausalLM"], model_type="llama")
+    assert detect_arch(llama) == "llama"
+    assert detect_arch(llama, model_impl="transformers") == TRANSFORMERS
+    with pytest.raises(UnsupportedModelError, match="unknown --model-impl 'vllm'"):
+        detect_arch(llama, model_impl="vllm")
 
 
 def test_the_launcher_side_reads_the_registry_without_torch():

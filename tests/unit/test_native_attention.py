@@ -42,7 +42,7 @@ def test_native_decode_matches_torch_path(dtype, cache_dtype, heads, kv_heads, h
     v = torch.randn(len(spans), kv_heads, head_dim, generator=gen).to(dtype)
     outs = []
     for native in (True, False):
-        meta = build_metadata(spans, [], block_size, CPU, dtype, window, "native" if native else "torch")
-        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5))
+        meta = build_metadata(spans, [], block_size, CPU, dtype, "native" if native else "torch")
+        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5, window))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)

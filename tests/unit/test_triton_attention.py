@@ -42,16 +42,16 @@ for dtype, heads, kv_heads, head_dim, block_size, window in [
     v = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
     outs = []
     for backend in ("triton", "torch"):
-        meta = build_metadata(decodes, prefills, block_size, CPU, dtype, window, backend)
+        meta = build_metadata(decodes, prefills, block_size, CPU, dtype, backend)
         assert meta.backend == backend
-        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim ** -0.5))
+        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim ** -0.5, window))
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
 
     # Every split count gives the same decode (the merge is exact up to rounding).
-    meta = build_metadata(decodes, [], block_size, CPU, dtype, window, "triton")
+    meta = build_metadata(decodes, [], block_size, CPU, dtype, "triton")
     cache_k, cache_v = k_cache.clone(), v_cache.clone()
-    paged_attention(q[:3], k[:3], v[:3], cache_k, cache_v, meta, head_dim ** -0.5)  # writes the new keys
+    paged_attention(q[:3], k[:3], v[:3], cache_k, cache_v, meta, head_dim ** -0.5, window)  # writes the new keys
     by_split = []
     for splits in (1, 3, 16):
         out = torch.empty(3, heads, head_dim, dtype=dtype)

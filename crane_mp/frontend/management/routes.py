@@ -72,7 +72,8 @@ def _model_info(state: FrontendState) -> dict[str, Any]:
         "model_path": state.config.engine.model_path,
         "tokenizer_path": state.config.engine.model_path,
         "model_name": state.model_name,
-        "model_type": info.arch if info else None,
+        "model_type": (info.hf_model_type if info.model_impl == "transformers" else info.arch) if info else None,
+        "model_impl": info.model_impl if info else None,
         "is_generation": state.config.engine.task == "generate",  # the others refuse the generation routes
         "device": info.device if info else None,
         "dtype": info.dtype if info else None,
@@ -92,7 +93,7 @@ def _server_args(state: FrontendState) -> dict[str, Any]:
     limit = engine.memory_limit
     return {
         "model_path": engine.model_path, "model_name": cfg.model_name, "model_type": engine.model_type,
-        "host": cfg.host, "port": cfg.port, "cpu": engine.force_cpu, "dtype": engine.dtype,
+        "model_impl_requested": engine.model_impl, "host": cfg.host, "port": cfg.port, "cpu": engine.force_cpu, "dtype": engine.dtype,
         "max_concurrent": engine.max_num_seqs, "prefix_cache": engine.enable_prefix_caching,
         "overlap_schedule": engine.overlap_schedule,
         "tp_size": engine.parallel.tensor_parallel_size, "dist_init_addr": engine.parallel.dist_init_addr,
@@ -118,6 +119,8 @@ async def server_info(request: web.Request) -> web.Response:
         **_server_args(state),
         "isa": info.isa,
         "kernel_isa": info.kernel_isa,
+        # "transformers": transformers' modeling code runs the model on our engine, slower than native.
+        "model_impl": info.model_impl,
         "model_format": info.model_format,
         "weight_types": info.weight_types,
         "weights_bytes": info.weights_bytes,

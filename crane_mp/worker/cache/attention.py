@@ -22,7 +22,7 @@ Every integer of a step's metadata goes to the device in one copy (host_buffers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,20 +46,42 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot each new token's K/V is written to
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_keys] additive (torch path only)
-    decode_ctx_lens: torch.Tensor | None  # [num_decodes] int64 keys per decode (native and Triton kernels)
-    sliding_window: int | None
+    decode_ctx_lens: torch.Tensor | None  # [num_decodes] int64 keys per decode
     prefill_token_index: torch.Tensor | None  # [num_prefills * max_q] index into the prefill tokens
-    prefill_valid_index: torch.Tensor | None  # [num_prefill_tokens] rows of the padded output to keep
+    prefill_valid_index: torch.Tensor | None  # [num_prefills * max_q] rows of the padded output to keep
     prefill_block_tables: torch.Tensor | None  # [num_prefills, max_blocks]
-    prefill_mask: torch.Tensor | None  # [num_prefills, 1, max_q, max_keys] additive
     num_prefills: int
     max_prefill_q: int
     prefill_is_fresh_single: bool  # one prefill with no cached context: plain causal attention
     backend: str = "torch"
     prefill_q_start: torch.Tensor | None = None  # [num_prefills] first row of each chunk in q (Triton only)
     prefill_q_len: torch.Tensor | None = None  # [num_prefills] (Triton only)
-    prefill_ctx_before: torch.Tensor | None = None  # [num_prefills] (Triton only)
+    prefill_ctx_before: torch.Tensor | None = None  # [num_prefills]
+    prefill_ctx_lens: torch.Tensor | None = None  # [num_prefills] keys of each chunk's last query
+    dtype: torch.dtype = torch.float32  # the additive masks'
+    block_width: int = 1  # tokens per KV block (the tables' unit)
+    # Additive masks by (kind, sliding window), built on first use in a step: every layer of one
+    # attention kind shares its mask, and a model with two kinds (sliding and global layers) builds two.
+    masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_keys] additive mask of the decodes' keys (torch path)."""
+        key = ("decode", window)
+        if key not in self.masks:
+            ctx_len = self.decode_ctx_lens
+            width = self.decode_block_tables.shape[1] * self.block_width
+            self.masks[key] = _key_mask((ctx_len - 1)[:, None], ctx_len, width, window, self.dtype)
+        return self.masks[key]
+
+    def prefill_mask(self, window: int | None) -> torch.Tensor:
+        """[num_prefills, 1, max_q, max_keys] additive mask of the padded prefill chunks (torch path)."""
+        key = ("prefill", window)
+        if key not in self.masks:
+            device = self.prefill_ctx_before.device
+            q_pos = self.prefill_ctx_before[:, None] + torch.arange(self.max_prefill_q, device=device)[None, :]
+            width = self.prefill_block_tables.shape[1] * self.block_width
+            self.masks[key] = _key_mask(q_pos, self.prefill_ctx_lens, width, window, self.dtype)
+        return self.masks[key]
 
 
 def _padded_tables(spans: list[SeqSpan], num_blocks_needed: list[int]) -> np.ndarray:
@@ -119,7 +141,6 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype,
-    sliding_window: int | None = None,
     backend: str = "torch",
 ) -> AttentionMetadata:
     """Called by the runner once per step; `decodes` each have q_len == 1 and come first."""
@@ -135,7 +156,7 @@ def build_metadata(
         parts["decode_ctx"] = pack.add(ctx)
 
     max_q = max((s.q_len for s in prefills), default=0)
-    fresh_single = len(prefills) == 1 and prefills[0].ctx_before == 0 and sliding_window is None
+    fresh_single = len(prefills) == 1 and prefills[0].ctx_before == 0
     triton_prefill = backend == "triton" and bool(prefills)
     if prefills and (triton_prefill or not fresh_single):
         ctx = [s.ctx_before + s.q_len for s in prefills]
@@ -157,35 +178,24 @@ def build_metadata(
     tensors = pack.unpack(device)
     get = {name: tensors[i] for name, i in parts.items()}.get
 
-    decode_mask = None
-    if decodes and backend == "torch":
-        ctx_len = get("decode_ctx")
-        width = get("decode_tables").shape[1] * block_size
-        decode_mask = _key_mask((ctx_len - 1)[:, None], ctx_len, width, sliding_window, dtype)
-    prefill_mask = None
-    if get("prefill_index") is not None:
-        q_pos = get("prefill_ctx_before")[:, None] + torch.arange(max_q, device=device)[None, :]
-        width = get("prefill_tables").shape[1] * block_size
-        prefill_mask = _key_mask(q_pos, get("prefill_ctx"), width, sliding_window, dtype)
-
     return AttentionMetadata(
         slot_mapping=get("slots"),
         num_decode_tokens=len(decodes),
         decode_block_tables=get("decode_tables"),
-        decode_mask=decode_mask,
-        decode_ctx_lens=get("decode_ctx") if backend != "torch" else None,
-        sliding_window=sliding_window,
+        decode_ctx_lens=get("decode_ctx"),
         prefill_token_index=get("prefill_index"),
         prefill_valid_index=get("prefill_valid"),
         prefill_block_tables=get("prefill_tables"),
-        prefill_mask=prefill_mask,
         num_prefills=len(prefills),
         max_prefill_q=max_q,
         prefill_is_fresh_single=fresh_single and not triton_prefill,
         backend=backend,
         prefill_q_start=get("prefill_q_start"),
         prefill_q_len=get("prefill_q_len"),
-        prefill_ctx_before=get("prefill_ctx_before") if triton_prefill else None,
+        prefill_ctx_before=get("prefill_ctx_before"),
+        prefill_ctx_lens=get("prefill_ctx"),
+        dtype=dtype,
+        block_width=block_size,
     )
 
 
@@ -205,23 +215,27 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KH, D], written into the cache here, or None when the caller already
-    wrote them (the fused CPU kernel). Returns [T, H * D]."""
+    wrote them (the fused CPU kernel). Returns [T, H * D]. `window`: this layer's sliding window (a
+    query sees the keys less than `window` positions back); `softcap`: its attention logits go
+    through softcap * tanh(logits / softcap) (Gemma 2), which only the torch math path computes."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     if k is not None:
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    if meta.backend == "triton":
-        return _triton_attention(q, k_cache, v_cache, meta, scale)
+    if meta.backend == "triton" and softcap is None:
+        return _triton_attention(q, k_cache, v_cache, meta, scale, window)
     outputs = []
 
     num_decodes = meta.num_decode_tokens
-    if num_decodes and meta.decode_ctx_lens is not None:
+    if num_decodes and meta.backend == "native" and softcap is None:
         out = torch.ops.crane_mp.paged_decode_attention(
             q[:num_decodes].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens,
-            scale, meta.sliding_window or 0,
+            scale, window or 0,
         )  # [num_decodes, H, D]
         outputs.append(out.view(num_decodes, num_heads * head_dim))
     elif num_decodes:
@@ -229,7 +243,7 @@ def paged_attention(
         qd = q[:num_decodes].view(num_decodes, kv_heads, num_heads // kv_heads, head_dim)
         kd = _gather(k_cache, meta.decode_block_tables).to(q.dtype)
         vd = _gather(v_cache, meta.decode_block_tables).to(q.dtype)
-        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out = _attend(qd, kd, vd, meta.decode_mask(window), scale, softcap)
         outputs.append(out.reshape(num_decodes, num_heads * head_dim))
 
     if meta.num_prefills:
@@ -242,32 +256,54 @@ def paged_attention(
             else:
                 kp, vp = k[num_decodes:], v[num_decodes:]
             # 4-D inputs: with 3-D ones SDPA falls back to its math backend (5-10x slower on CPU).
-            out = F.scaled_dot_product_attention(
-                qp.transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], is_causal=True,
-                scale=scale, enable_gqa=True,
-            )  # [1, H, T, D]
-            outputs.append(out[0].transpose(0, 1).reshape(-1, num_heads * head_dim))
+            qp, kp, vp = qp.transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None]
+            if (window is None or window >= qp.shape[2]) and softcap is None:
+                out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                out = _attend(qp, kp, vp, _fresh_mask(meta, qp.shape[2], window), scale, softcap)
+            outputs.append(out[0].transpose(0, 1).reshape(-1, num_heads * head_dim))  # out: [1, H, T, D]
         else:
             batch, max_q = meta.num_prefills, meta.max_prefill_q
             qs = qp.index_select(0, meta.prefill_token_index).view(batch, max_q, num_heads, head_dim)
             # Gathered in the cache's dtype (half the bytes of a float copy when it is 16-bit), then widened.
             kp = _gather(k_cache, meta.prefill_block_tables).to(q.dtype)
             vp = _gather(v_cache, meta.prefill_block_tables).to(q.dtype)
-            out = F.scaled_dot_product_attention(
-                qs.transpose(1, 2), kp, vp, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True
-            )  # [B, H, max_q, D]
+            out = _attend(qs.transpose(1, 2), kp, vp, meta.prefill_mask(window), scale, softcap)  # [B, H, max_q, D]
             out = out.transpose(1, 2).reshape(batch * max_q, num_heads * head_dim)
             outputs.append(out.index_select(0, meta.prefill_valid_index))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
+def _fresh_mask(meta: AttentionMetadata, length: int, window: int | None) -> torch.Tensor:
+    """The additive causal (and windowed) mask of a lone fresh prefill of `length` tokens."""
+    key = ("fresh", window)
+    if key not in meta.masks:
+        positions = torch.arange(length, device=meta.slot_mapping.device)
+        meta.masks[key] = _key_mask(positions[None], positions[-1:] + 1, length, window, meta.dtype)
+    return meta.masks[key]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """Attention of q [B, H, Q, D] over k, v [B, KH, K, D] (H a multiple of KH) under an additive mask.
+    With `softcap`, the logits are capped as transformers' eager attention does: scaled, capped, masked,
+    softmax in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    logits = torch.matmul(q, k.transpose(2, 3)) * scale
+    logits = torch.tanh(logits / softcap) * softcap + mask
+    return torch.matmul(torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int | None) -> torch.Tensor:
     from crane_mp.worker.kernels import triton_attention as kernels
 
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
-    window = meta.sliding_window or 0
+    window = window or 0
     num_decodes = meta.num_decode_tokens
     if num_decodes:
         splits = kernels.decode_splits(num_decodes, k_cache.shape[2], num_sms(q.device))

@@ -257,7 +257,11 @@ class CausalLM(nn.Module):
         # Each rank's logits are a slice of the vocabulary, gathered whole (False for a stub head).
         self.vocab_parallel = config.shard is not None
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """The head reads the embedding's rows (again after the meta-device model is materialised)."""
+        self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -165,9 +165,9 @@ class DecodeGraphs:
         runner = self.runner
         meta = AttentionMetadata(
             slot_mapping=self.slots[:size], num_decode_tokens=size, decode_block_tables=self.tables[:size],
-            decode_mask=None, decode_ctx_lens=self.ctx_lens[:size], sliding_window=runner.config.sliding_window,
-            prefill_token_index=None, prefill_valid_index=None, prefill_block_tables=None, prefill_mask=None,
-            num_prefills=0, max_prefill_q=0, prefill_is_fresh_single=False, backend=runner.attention_backend,
+            decode_ctx_lens=self.ctx_lens[:size], prefill_token_index=None, prefill_valid_index=None,
+            prefill_block_tables=None, num_prefills=0, max_prefill_q=0, prefill_is_fresh_single=False,
+            backend=runner.attention_backend, dtype=runner.dtype, block_width=runner.block_size,
         )
         pos = self.positions[:size]
         ctx = ForwardContext(meta, runner.cos[pos].unsqueeze(1), runner.sin[pos].unsqueeze(1))

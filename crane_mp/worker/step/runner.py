@@ -101,12 +101,17 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """`num_blocks` for the scheduler, and one spare block past them for padded decode-graph rows."""
-        cfg = self.config
-        shape = (num_blocks + 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         for attn in self.model.attention_layers():
+            shape = (num_blocks + 1, self.block_size, *self._kv_shape(attn))
             attn.k_cache = self.platform.zeros(shape, self.kv_dtype)
             attn.v_cache = self.platform.zeros(shape, self.kv_dtype)
         self.num_blocks = num_blocks
+
+    def _kv_shape(self, attn) -> tuple[int, int]:
+        """(KV heads, head size) of one attention layer's cache: the config's, unless the layer has its
+        own (Gemma 4's global layers, a transformers-backend module)."""
+        return (getattr(attn, "num_kv_heads", self.config.num_key_value_heads),
+                getattr(attn, "head_dim", self.config.head_dim))
 
     @torch.inference_mode()
     def enable_decode_graphs(self, sizes: list[int], capture=capture_cuda) -> None:
@@ -117,8 +122,9 @@ class ModelRunner:
         self.decode_graphs = graphs
 
     def kv_bytes_per_token(self) -> int:
-        cfg = self.config
-        return 2 * cfg.num_hidden_layers * cfg.kv_size * self.kv_dtype.itemsize
+        shapes = [self._kv_shape(attn) for attn in self.model.attention_layers()] or [
+            (self.config.num_key_value_heads, self.config.head_dim)] * self.config.num_hidden_layers
+        return 2 * sum(heads * size for heads, size in shapes) * self.kv_dtype.itemsize
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -307,10 +313,7 @@ class ModelRunner:
                 lora: LoraBatch | None = None, media: list[MediaSpan] | None = None) -> torch.Tensor:
         """Eager forward of one step's tokens (decode-first layout); returns hidden states [T, hidden].
         `media`: a media model's requests of the step (every one of them)."""
-        meta = build_metadata(
-            decodes, prefills, self.block_size, self.device, self.dtype, self.config.sliding_window,
-            self.attention_backend,
-        )
+        meta = build_metadata(decodes, prefills, self.block_size, self.device, self.dtype, self.attention_backend)
         ids_and_positions = device_longs(input_ids + positions, self.device)
         ids, pos = ids_and_positions[: len(input_ids)], ids_and_positions[len(input_ids) :]
         step = self.model.prepare_media(media, pos) if media else None

@@ -60,7 +60,7 @@ def load_model(
     else:
         model = load_safetensors_model(config, source.model_dir, dtype, platform, progress, embed_only)
         types = Counter()
-    if platform.pack_bf16_weights(dtype):
+    if platform.pack_bf16_weights(dtype) and getattr(model, "packs_linears", True):
         pack_linear_weights(model, spare=spare_copies_fit(model, psutil.virtual_memory().total),
                             fuse_activation=not lora)
     return model.eval(), types
@@ -75,7 +75,7 @@ def load_safetensors_model(
     device = platform.device
     materialize(model, device)
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.tie_weights()
     loaded = model.load_weights(iter_safetensors(safetensors_files(Path(model_dir)), progress))
     missing = model.expected_weights() - loaded
     if embed_only and "lm_head.weight" in missing:

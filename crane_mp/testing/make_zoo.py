@@ -1,0 +1,112 @@
+"""Tiny seeded checkpoints of the 2026 model families, each built from transformers' own config class.
+
+Every family gets the shapes that exercise its differences: both layer kinds of its attention pattern
+(sliding and global layers, rope and no-rope layers) with a window a short prompt crosses, GQA, its
+multipliers off their defaults. Weights follow make_model.py's rules (peaked logits, norms off 1) by
+tensor name, so any family's state dict gets them.
+
+Run: python -m crane_mp.testing.make_zoo --family gemma3_text --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+
+from crane_mp.testing.make_model import BIAS_STD, LOGIT_SCALE, NORM_NOISE, OUT_GAIN, _tensor_seed, write_weights
+from crane_mp.testing.tokenizer import write_json, write_tokenizer
+
+WINDOW = 6  # sliding layers' window: the tests' prompts are longer
+_SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 512}
+_MIXED = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+# transformers' model_type -> the config fields that make its tiny checkpoint exercise the family.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "gemma2": {"layer_types": _MIXED, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+    "gemma3_text": {"layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                    "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                           "rope_theta": 1000000.0}}},
+    "phi3": {"num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 0.75}},
+    "olmo2": {},
+    "olmo3": {"layer_types": _MIXED, "sliding_window": WINDOW},
+    "smollm3": {"no_rope_layers": [1, 1, 0, 1], "no_rope_layer_interval": 3},
+    "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+                "logits_scaling": 2.0},
+    "glm4": {"attention_bias": True},
+    "cohere2": {"layer_types": _MIXED, "sliding_window": WINDOW, "logit_scale": 0.5},
+    "exaone4": {"layer_types": _MIXED, "sliding_window": WINDOW},
+    "seed_oss": {"attention_bias": True, "attention_out_bias": False},
+    # No native implementation: served by the transformers backend.
+    "ernie4_5": {"use_bias": False},
+    "starcoder2": {"use_bias": True},
+}
+
+
+def build_zoo_config(family: str, overrides: dict[str, Any] | None = None) -> PreTrainedConfig:
+    config = AutoConfig.for_model(family, **{**_SHAPE, **FAMILIES[family], **(overrides or {})})
+    config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
+    return config
+
+
+def _init_tensor(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
+    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+    module, _, kind = name.rpartition(".")
+    leaf = module.rpartition(".")[2]
+    if name == "model.norm.weight":
+        return LOGIT_SCALE * (1.0 + NORM_NOISE * noise)
+    if kind == "bias":
+        return BIAS_STD * noise if "norm" not in leaf else NORM_NOISE * noise
+    if len(shape) == 1:  # norms (and per-layer scalars): near 1, so that ignoring one changes tokens
+        return 1.0 + NORM_NOISE * noise
+    if leaf in ("embed_tokens", "lm_head", "wte"):
+        return noise / math.sqrt(shape[1])
+    gain = OUT_GAIN if leaf in ("o_proj", "down_proj", "dense", "c_proj") else 1.0
+    return gain * noise / math.sqrt(shape[1])
+
+
+def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: dict[str, Any] | None = None,
+                   dtype: str = "float32") -> Path:
+    """Write family `family`'s tiny checkpoint (config, safetensors, tokenizer) to `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = build_zoo_config(family, overrides)
+    ids = write_tokenizer("llama", config.vocab_size, config.max_position_embeddings, out)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = ids.bos, ids.eos, ids.pad
+    config.dtype = dtype
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = {name: _init_tensor(name, meta.shape, seed).to(getattr(torch, dtype)).contiguous()
+             for name, meta in skeleton.state_dict().items() if not (tied and name == "lm_head.weight")}
+    config.save_pretrained(out)
+    write_json(out / "generation_config.json", {
+        "bos_token_id": ids.bos, "eos_token_id": ids.generation_eos, "pad_token_id": ids.pad,
+        "do_sample": False, "transformers_version": transformers.__version__,
+    })
+    write_weights(state, out, 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", required=True, choices=sorted(FAMILIES))
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--seed", default=0, type=int)
+    args = parser.parse_args(argv)
+    print(make_zoo_model(args.family, args.out, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()
