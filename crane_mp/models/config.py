@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from crane_mp.models.gguf_file import SERVED_TYPES, check_gguf, rope_freq_factors
+from crane_mp.models.layouts import DecoderLayout, decoder_layout, split_rope
 from crane_mp.models.registry import (
     ARCHITECTURES,
     GGUF_ARCHITECTURES,
@@ -62,6 +63,7 @@ class ModelConfig:
     # Qwen2.5-VL's multimodal rope: how many of the head's frequencies follow the temporal, height and
     # width positions; None: one position per token.
     mrope_section: tuple[int, ...] | None = None
+    layout: DecoderLayout = DecoderLayout()
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     @property
@@ -84,7 +86,7 @@ MODEL_IMPLS = ("auto", "native", "transformers")  # --model-impl, vLLM's spellin
 _RECURRENT_MODEL_TYPES = frozenset({
     "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "nemotron_h", "lfm2",
     "recurrent_gemma", "rwkv", "xlstm", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "minimax",
-    "plamo2", "kimi_linear", "granitemoehybrid",
+    "plamo2", "kimi_linear", 
 })
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 
@@ -160,8 +162,9 @@ def _eos_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:
 
 
 def _rope(hf_config: Any) -> tuple[float, dict[str, Any]]:
-    # transformers >= 5 folds rope_theta into rope_parameters; 4.x keeps rope_theta + rope_scaling.
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    """The global layers' (rope_theta, rope parameters). transformers >= 5 folds rope_theta into
+    rope_parameters (per layer type for some families); 4.x keeps rope_theta + rope_scaling."""
+    params, _ = split_rope(hf_config)
     theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params["type"]
@@ -218,12 +221,12 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         num_attention_heads=heads,
         num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
-        rms_norm_eps=hf_config.layer_norm_eps if encoder else hf_config.rms_norm_eps,
+        rms_norm_eps=getattr(hf_config, "rms_norm_eps", None) or hf_config.layer_norm_eps,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048) - first_position,
         tie_word_embeddings=not encoder and bool(getattr(hf_config, "tie_word_embeddings", False)),
         attention_bias=encoder or bool(getattr(hf_config, "attention_bias", False)),
         mlp_bias=encoder or bool(getattr(hf_config, "mlp_bias", False)),
-        hidden_act=getattr(hf_config, "hidden_act", "silu"),
+        hidden_act=getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu"),
         rope_theta=theta,
         rope_parameters=rope_params,
         sliding_window=sliding_window,
@@ -232,6 +235,7 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
         sep_token_id=_sep_token_id(model_dir) if encoder else None,
         first_position=first_position,
+        layout=decoder_layout(arch, hf_config, head_dim),
         hf_config=hf_config,
     )
 

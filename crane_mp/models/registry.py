@@ -62,6 +62,27 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  "roberta", reads_gguf=False, encoder=True),
     Architecture("xlm-roberta", "bert.BertEncoder", ("XLMRobertaModel", "XLMRobertaForSequenceClassification"),
                  "xlm-roberta", "xlm-roberta", reads_gguf=False, encoder=True),
+    # The 2026 dense families (DecoderLayout says how each departs from Llama's layer); their GGUF
+    # files are not read yet.
+    Architecture("gemma2", "gemma.Gemma2ForCausalLM", ("Gemma2ForCausalLM",), "gemma2", "gemma2", reads_gguf=False),
+    Architecture("gemma3", "gemma.Gemma3ForCausalLM", ("Gemma3ForCausalLM",), "gemma3_text", "gemma3",
+                 reads_gguf=False, qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
+    Architecture("phi3", "llama.LlamaForCausalLM", ("Phi3ForCausalLM",), "phi3", "phi3", reads_gguf=False),
+    Architecture("olmo2", "olmo.Olmo2ForCausalLM", ("Olmo2ForCausalLM",), "olmo2", "olmo2", reads_gguf=False,
+                 qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
+    Architecture("olmo3", "olmo.Olmo2ForCausalLM", ("Olmo3ForCausalLM",), "olmo3", "olmo3", reads_gguf=False,
+                 qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
+    Architecture("smollm3", "llama.LlamaForCausalLM", ("SmolLM3ForCausalLM",), "smollm3", "smollm3",
+                 reads_gguf=False),
+    Architecture("granite", "llama.LlamaForCausalLM", ("GraniteForCausalLM",), "granite", "granite",
+                 reads_gguf=False),
+    Architecture("glm4", "glm4.Glm4ForCausalLM", ("Glm4ForCausalLM",), "glm4", "glm4", reads_gguf=False),
+    Architecture("cohere2", "llama.LlamaForCausalLM", ("Cohere2ForCausalLM",), "cohere2", "cohere2",
+                 reads_gguf=False),
+    Architecture("exaone4", "qwen3.Qwen3ForCausalLM", ("Exaone4ForCausalLM",), "exaone4", "exaone4",
+                 reads_gguf=False, qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
+    Architecture("seed_oss", "llama.LlamaForCausalLM", ("SeedOssForCausalLM",), "seed_oss", "seed_oss",
+                 reads_gguf=False),
     # Any other causal LM transformers can run, through its own modeling code (--model-impl).
     Architecture(TRANSFORMERS, "transformers_backend.TransformersCausalLM", (), "", "", reads_gguf=False),
 )}

@@ -20,12 +20,12 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from safetensors.numpy import load_file
 
-from crane_mp.models.registry import ARCHITECTURES, PERMUTED_QK_ARCHS, gguf_name
+from crane_mp.models.registry import ARCHITECTURES, GGUF_ARCHITECTURES, PERMUTED_QK_ARCHS, gguf_name
 from crane_mp.testing import kquants
 
 # transformers' model types -> the general.architecture llama.cpp writes ("llama" for pre-v3 Mistral).
 GGUF_ARCH = {arch.hf_model_type: arch.gguf_arch for arch in ARCHITECTURES.values()
-             if arch.gguf_arch and not arch.encoder and arch.media is None}
+             if arch.gguf_arch in GGUF_ARCHITECTURES}
 
 MIXES = {"Q4_K_M": (T.Q4_K, T.Q6_K), "Q5_K_M": (T.Q5_K, T.Q6_K)}
 _QUANTIZERS = {T.Q4_K: kquants.quantize_q4_k, T.Q5_K: kquants.quantize_q5_k, T.Q6_K: kquants.quantize_q6_k}

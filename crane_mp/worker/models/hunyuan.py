@@ -12,8 +12,8 @@ from crane_mp.worker.platforms import Platform
 class HunYuanDenseAttention(PagedSelfAttention):
     qk_norm_position = "after_rope"
 
-    def __init__(self, config: ModelConfig, platform: Platform) -> None:
-        super().__init__(config, platform)
+    def __init__(self, config: ModelConfig, platform: Platform, layer: int = 0) -> None:
+        super().__init__(config, platform, layer)
         self.query_layernorm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.key_layernorm = RMSNorm(config.head_dim, config.rms_norm_eps)
 

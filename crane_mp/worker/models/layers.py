@@ -52,6 +52,40 @@ class RMSNorm(nn.Module):
         return F.rms_norm(residual, (x.shape[-1],), self.weight, self.eps), residual
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x * (1 + w), computed in float32 and rounded once (the checkpoint holds w)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class WeightOnlyLayerNorm(nn.Module):
+    """Cohere's LayerNorm: mean-centred, scaled by a weight and no bias, in float32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), None, self.eps).to(x.dtype)
+
+
+def make_norm(size: int, eps: float, kind: str, ops: Any = None) -> nn.Module:
+    """The norm a family's DecoderLayout names ("rms", "gemma" or "layer")."""
+    if kind == "gemma":
+        return GemmaRMSNorm(size, eps)
+    if kind == "layer":
+        return WeightOnlyLayerNorm(size, eps)
+    return RMSNorm(size, eps, ops)
+
+
 class GatedMLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: Any = None) -> None:
         super().__init__()
@@ -90,26 +124,37 @@ _QK_NORM_CODES = {None: 0, "before_rope": 1, "after_rope": 2}  # qkv_rope_cache'
 class PagedSelfAttention(nn.Module):
     """Fused QKV projection, rope on queries and keys together, paged attention, output projection.
 
-    Subclasses with per-head query/key norms set `qk_norm_position` and provide `qk_norm_weights()`.
+    Subclasses with per-head query/key norms set `qk_norm_position` and provide `qk_norm_weights()`;
+    "full_width" norms all of the queries (and all of the keys) of a token as one vector (OLMo 2).
+    Layer `layer`'s window, rope (its table, or none) and soft-cap come from the config's DecoderLayout.
     """
 
-    qk_norm_position: str | None = None  # "before_rope" (Qwen3) or "after_rope" (Hunyuan)
+    qk_norm_position: str | None = None  # "before_rope" (Qwen3), "after_rope" (Hunyuan) or "full_width"
 
-    def __init__(self, config: ModelConfig, platform: Platform, qkv_bias: bool | None = None,
+    def __init__(self, config: ModelConfig, platform: Platform, layer: int = 0, qkv_bias: bool | None = None,
                  o_bias: bool | None = None) -> None:
         super().__init__()
-        # q/k norm, rope and the KV-cache write in one pass over qkv, where the platform has that kernel.
-        self.fused = platform.elementwise if platform.fused_qkv(config.head_dim) else None
+        layout = config.layout
+        self.window = layout.window(layer, config.sliding_window)
+        self.rope = layout.rope_kind(layer)  # "global", "sliding" or None
+        self.interleaved = layout.rope_interleaved
+        self.softcap = layout.attn_softcap
+        # q/k norm, rope and the KV-cache write in one pass over qkv, where the platform has that kernel
+        # and the layer's rope is the whole head's, turning halves.
+        plain_rope = self.rope is not None and layout.rotary_dim is None and not self.interleaved
+        fusable = plain_rope and self.qk_norm_position != "full_width" and platform.fused_qkv(config.head_dim)
+        self.fused = platform.elementwise if fusable else None
         self.row_parallel = config.shard is not None  # o_proj's output is this rank's part of a sum
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = layout.attention_scale or self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
-        o_bias = config.attention_bias if o_bias is None else o_bias
+        if o_bias is None:
+            o_bias = config.attention_bias if layout.attention_out_bias is None else layout.attention_out_bias
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.k_cache: torch.Tensor | None = None  # bound by the runner: [num_blocks, block_size, kv_heads, head_dim]
@@ -123,7 +168,7 @@ class PagedSelfAttention(nn.Module):
 
     def finalize_weights(self) -> None:
         """After loading: stack the query and key norm weights so one op normalises both."""
-        if self.qk_norm_position is not None:
+        if self.qk_norm_position in ("before_rope", "after_rope"):
             q_weight, k_weight = self.qk_norm_weights()
             self.qk_norm_weight = torch.cat(
                 [q_weight.expand(self.num_heads, -1), k_weight.expand(self.num_kv_heads, -1)]
@@ -138,11 +183,13 @@ class PagedSelfAttention(nn.Module):
         if ctx.lora is not None and self.lora_qkv_proj:
             qkv = ctx.lora.apply(x, qkv, self.lora_qkv_proj)
         if self.fused is not None:
+            cos, sin = self._rope_rows(ctx)
             q = self.fused.qkv_rope_cache(
-                qkv, ctx.cos, ctx.sin, self.qk_norm_weight, _QK_NORM_CODES[self.qk_norm_position], self.eps,
+                qkv, cos, sin, self.qk_norm_weight, _QK_NORM_CODES[self.qk_norm_position], self.eps,
                 ctx.attn.slot_mapping, self.k_cache, self.v_cache, self.num_heads,
             )
-            out = paged_attention(q, None, None, self.k_cache, self.v_cache, ctx.attn, self.scale)
+            out = paged_attention(q, None, None, self.k_cache, self.v_cache, ctx.attn, self.scale, self.window,
+                                  self.softcap)
         else:
             out = self._attend_unfused(qkv, ctx)
         projected = self.o_proj(out)
@@ -150,49 +197,102 @@ class PagedSelfAttention(nn.Module):
             projected = ctx.lora.apply(out, projected, self.lora_o_proj)
         return all_reduce(projected) if self.row_parallel else projected
 
+    def _rope_rows(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        return ctx.sliding_rope if self.rope == "sliding" else (ctx.cos, ctx.sin)
+
+    def full_width_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
     def _attend_unfused(self, qkv: torch.Tensor, ctx) -> torch.Tensor:
         num_tokens = qkv.shape[0]
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm_position == "full_width":
+            q, k = self.full_width_qk_norm(qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size])
+            qk = torch.cat([q, k], dim=1).view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+                                                           self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KH, D]
         if self.qk_norm_position == "before_rope":
             qk = self._qk_norm(qk)
-        qk = apply_rope(qk, ctx.cos, ctx.sin)  # [T, H + KH, D]
+        if self.rope is not None:
+            qk = apply_rope(qk, *self._rope_rows(ctx), self.interleaved)  # [T, H + KH, D]
         if self.qk_norm_position == "after_rope":
             qk = self._qk_norm(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.attn, self.scale)  # [T, H * D]
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.attn, self.scale, self.window,
+                               self.softcap)  # [T, H * D]
+
+
+# The norms of each block kind, in the order the block applies them (DecoderLayout.block); a family
+# naming them otherwise sets CausalLM.norm_names (GLM-4).
+BLOCK_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "parallel": ("input_layernorm",),
+}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: PagedSelfAttention, ops: Any) -> None:
+    def __init__(self, config: ModelConfig, attention: PagedSelfAttention, ops: Any,
+                 norm_names: tuple[str, ...] | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        layout = config.layout
+        self.block = layout.block
+        self.residual_scale = layout.residual_scale
+        self.norm_names = norm_names or BLOCK_NORMS[self.block]
+        fused_ops = ops if layout.norm == "rms" else None
+        for name in self.norm_names:
+            setattr(self, name, make_norm(config.hidden_size, config.rms_norm_eps, layout.norm, fused_ops))
         self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = GatedMLP(config, ops)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's
-        output. Passing them apart lets the next layer fuse the residual add into its first norm."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A "pre" block returns (this layer's MLP output, the residual stream before it); their sum is
+        the layer's output. Passing them apart lets the next layer fuse the residual add into its first
+        norm. The other blocks return (the layer's output, None)."""
+        if self.block != "pre":
+            return self._forward_other(x), None
+        input_norm, post_attention_norm = (getattr(self, name) for name in self.norm_names)
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, input_norm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = input_norm(x, residual)
         x = self.self_attn(x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        if self.residual_scale != 1.0:
+            x = x * self.residual_scale
+        x, residual = post_attention_norm(x, residual)
+        x = self.mlp(x)
+        return (x * self.residual_scale if self.residual_scale != 1.0 else x), residual
+
+    def _forward_other(self, x: torch.Tensor) -> torch.Tensor:
+        norms = [getattr(self, name) for name in self.norm_names]
+        if self.block == "sandwich":
+            x = x + norms[1](self.self_attn(norms[0](x)))
+            return x + norms[3](self.mlp(norms[2](x)))
+        if self.block == "post":
+            x = x + norms[0](self.self_attn(x))
+            return x + norms[1](self.mlp(x))
+        normed = norms[0](x)  # parallel
+        return x + self.self_attn(normed) + self.mlp(normed)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, make_attention, platform: Platform) -> None:
+    def __init__(self, config: ModelConfig, make_attention, platform: Platform,
+                 norm_names: tuple[str, ...] | None = None) -> None:
         super().__init__()
         self.shard = config.shard
         rows = config.vocab_size if config.shard is None else config.shard.vocab_rows
         # Given its weight, nn.Embedding skips its random init (1.5-2 s of torch's init path, even on meta).
         self.embed_tokens = nn.Embedding(rows, config.hidden_size, _weight=torch.empty(rows, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, make_attention(config, platform), platform.elementwise)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, platform.elementwise)
+        self.embedding_scale = config.layout.embedding_scale
+        # Gemma rounds its sqrt(hidden) scale to the model dtype before multiplying; Granite does not.
+        self.round_embedding_scale = config.layout.norm == "gemma"
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, make_attention(config, platform, layer), platform.elementwise, norm_names)
+            for layer in range(config.num_hidden_layers))
+        self.norm = make_norm(config.hidden_size, config.rms_norm_eps, config.layout.norm, platform.elementwise)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Returns the last layer's output before the final norm, which compute_logits applies to the
@@ -205,9 +305,16 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual)
-        return x + residual
+        return x if residual is None else x + residual
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self._lookup(input_ids)
+        if self.embedding_scale == 1.0:
+            return x
+        scale = torch.tensor(self.embedding_scale, dtype=x.dtype) if self.round_embedding_scale else self.embedding_scale
+        return x * scale
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard is None:
             return self.embed_tokens(input_ids)
         # Vocabulary-parallel: each rank looks up the ids in its rows (zeros for the others'), then the sum.
@@ -241,17 +348,21 @@ PACKED_WEIGHTS = {
 }
 
 
+_FUSED_NAMES = {"qkv_proj": 3, "gate_up_proj": 2}  # our fused parameters: how many checkpoint tensors each packs
+
+
 class CausalLM(nn.Module):
     """Model + LM head. Subclasses pick the attention class; checkpoint names are Hugging Face's."""
 
     attention_class: type[PagedSelfAttention] = PagedSelfAttention
     # Checkpoint-name fragments renamed to ours before loading (e.g. Hunyuan's query_layernorm).
     renamed_weights: dict[str, str] = {}
+    norm_names: tuple[str, ...] | None = None  # a layer's norms, where not BLOCK_NORMS' names
 
     def __init__(self, config: ModelConfig, platform: Platform) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.attention_class, platform)
+        self.model = DecoderModel(config, self.attention_class, platform, self.norm_names)
         rows = config.vocab_size if config.shard is None else config.shard.vocab_rows
         self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         # Each rank's logits are a slice of the vocabulary, gathered whole (False for a stub head).
@@ -280,7 +391,14 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] rows of forward()'s output -> logits [N, vocab]."""
         logits = self.lm_head(self.model.norm(hidden))
-        return gather_columns(logits, self.config.vocab_size) if self.vocab_parallel else logits
+        if self.vocab_parallel:
+            logits = gather_columns(logits, self.config.vocab_size)
+        layout = self.config.layout
+        if layout.logit_scale != 1.0:
+            logits = logits * layout.logit_scale
+        if layout.final_softcap:
+            logits = torch.tanh(logits / layout.final_softcap) * layout.final_softcap
+        return logits
 
     def attention_layers(self) -> list[PagedSelfAttention]:
         return [layer.self_attn for layer in self.model.layers]
@@ -310,6 +428,10 @@ class CausalLM(nn.Module):
                 tensor = shard_tensor(self.config.shard, name, tensor)
             parts = name.split(".")
             packed = PACKED_WEIGHTS.get(parts[-2]) if len(parts) >= 2 else None
+            if parts[-2] in _FUSED_NAMES and name in params:  # a checkpoint that fuses them too (Phi-3, GLM-4)
+                fill(params[name].data, tensor, name)
+                loaded.update(f"{name}#{i}" for i in range(_FUSED_NAMES[parts[-2]]))
+                continue
             if packed is not None:
                 fused, shard = packed
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
@@ -330,9 +452,8 @@ class CausalLM(nn.Module):
         expected = set()
         for name, param in self.named_parameters():
             fused = name.split(".")[-2]
-            if fused in ("qkv_proj", "gate_up_proj"):
-                shards = 3 if fused == "qkv_proj" else 2
-                expected.update(f"{name}#{i}" for i in range(shards))
+            if fused in _FUSED_NAMES:
+                expected.update(f"{name}#{i}" for i in range(_FUSED_NAMES[fused]))
             else:
                 expected.add(name)
         return expected

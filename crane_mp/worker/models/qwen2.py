@@ -8,8 +8,8 @@ from crane_mp.worker.platforms import Platform
 
 
 class Qwen2Attention(PagedSelfAttention):
-    def __init__(self, config: ModelConfig, platform: Platform) -> None:
-        super().__init__(config, platform, qkv_bias=True, o_bias=False)
+    def __init__(self, config: ModelConfig, platform: Platform, layer: int = 0) -> None:
+        super().__init__(config, platform, layer, qkv_bias=True, o_bias=False)
 
 
 class Qwen2ForCausalLM(CausalLM):

@@ -1,4 +1,4 @@
-"""Qwen3: Llama layout with a per-head RMSNorm on queries and keys, applied before rope."""
+"""Qwen3: Llama layout with a per-head RMSNorm on queries and keys, applied before rope (EXAONE 4's too)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from crane_mp.worker.platforms import Platform
 class Qwen3Attention(PagedSelfAttention):
     qk_norm_position = "before_rope"
 
-    def __init__(self, config: ModelConfig, platform: Platform) -> None:
-        super().__init__(config, platform)
+    def __init__(self, config: ModelConfig, platform: Platform, layer: int = 0) -> None:
+        super().__init__(config, platform, layer)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 

@@ -170,6 +170,7 @@ class DecodeGraphs:
             backend=runner.attention_backend, dtype=runner.dtype, block_width=runner.block_size,
         )
         pos = self.positions[:size]
-        ctx = ForwardContext(meta, runner.cos[pos].unsqueeze(1), runner.sin[pos].unsqueeze(1))
+        ctx = ForwardContext(meta, runner.cos[pos].unsqueeze(1), runner.sin[pos].unsqueeze(1),
+                             sliding_rope=runner.sliding_rope_rows(pos))
         with forward_context(ctx):
             return runner.model(self.ids[:size])

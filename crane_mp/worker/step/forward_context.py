@@ -86,6 +86,7 @@ class ForwardContext:
     positions: torch.Tensor | None = None  # [num_tokens], each row's position in its sequence
     media: list[MediaSpan] | None = None  # a media model's requests of the step, in row order
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # MediaStep.embeds
+    sliding_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) rows of the sliding layers' rope
 
 
 _current: ForwardContext | None = None

@@ -87,6 +87,9 @@ class ModelRunner:
         self.dtype = model.compute_dtype
         self.kv_dtype = kv_dtype or self.dtype  # the cache's storage (Platform.kv_dtype)
         self.cos, self.sin = rope_tables(self.config, max_positions, self.dtype, self.device)
+        # The sliding layers' own rope (Gemma 3's local base), where the family gives them one.
+        self.sliding_rope = (rope_tables(self.config, max_positions, self.dtype, self.device, sliding=True)
+                             if self.config.layout.sliding_rope is not None else None)
         section = self.config.mrope_section
         self.mrope_columns = mrope_columns(section).to(self.device) if section else None
         self.grammars = grammars
@@ -322,9 +325,15 @@ class ModelRunner:
         else:
             cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
         ctx = ForwardContext(meta, cos, sin, lora, decodes + prefills, pos, media,
-                             step.embeds if step is not None else None)
+                             step.embeds if step is not None else None, self.sliding_rope_rows(pos))
         with forward_context(ctx):
             return self.model(ids)  # [T, hidden]
+
+    def sliding_rope_rows(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.sliding_rope is None:
+            return None
+        cos, sin = self.sliding_rope
+        return cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
 
     def _whisper_rules(self, logits: torch.Tensor, req_ids: list[int]) -> torch.Tensor:
         """Whisper windows' rows of `logits` after their timestamp and suppression rules (float32, as

@@ -1,0 +1,141 @@
+"""How each decoder family's layers depart from Llama's, read once from its transformers config.
+
+One reader per family in FAMILY_LAYOUTS; the layers (crane_mp/worker/models/layers.py) act on the
+DecoderLayout and never see the transformers config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderLayout:
+    """Where a decoder family departs from Llama's layer; the defaults are Llama's."""
+
+    # Per layer: "full_attention" or "sliding_attention" (the window is ModelConfig.sliding_window);
+    # empty: every layer alike, windowed when sliding_window is set (Mistral).
+    layer_types: tuple[str, ...] = ()
+    rope_layers: tuple[bool, ...] = ()  # per layer: whether it applies rope (False: NoPE); empty: every layer
+    # Rope parameters (with rope_theta) of the sliding layers where they differ from the global layers'.
+    sliding_rope: dict[str, Any] | None = None
+    rotary_dim: int | None = None  # partial rotary: the leading dims rope turns; None: all of head_dim
+    rope_interleaved: bool = False  # rope turns pairs (2i, 2i + 1) (GLM, Cohere) instead of the halves
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attention_out_bias: bool | None = None  # o_proj's bias where it differs from q/k/v's (attention_bias)
+    attn_softcap: float | None = None  # attention logits -> softcap * tanh(logits / softcap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the output logits
+    embedding_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(hidden), Granite)
+    residual_scale: float = 1.0  # each block's output before the residual add (Granite)
+    logit_scale: float = 1.0  # output logits are multiplied by it (Cohere; Granite: 1 / logits_scaling)
+    norm: str = "rms"  # "rms"; "gemma": x * (1 + w) in float32; "layer": mean-centred, weight only (Cohere)
+    # "pre" (Llama); "sandwich": norms before and after attention and MLP (Gemma, GLM-4); "post": after
+    # only (OLMo 2, EXAONE 4); "parallel": attention and MLP side by side on one norm (Cohere).
+    block: str = "pre"
+
+    def window(self, layer: int, sliding_window: int | None) -> int | None:
+        """Layer `layer`'s attention window (None: it sees every earlier key)."""
+        if not self.layer_types:
+            return sliding_window
+        return sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def rope_kind(self, layer: int) -> str | None:
+        """"global", "sliding" (the sliding layers' own table) or None (no rope) for layer `layer`."""
+        if self.rope_layers and not self.rope_layers[layer]:
+            return None
+        sliding = bool(self.layer_types) and self.layer_types[layer] == SLIDING
+        return "sliding" if sliding and self.sliding_rope is not None else "global"
+
+
+def split_rope(hf_config: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(global rope parameters, the sliding layers' where the config gives each layer type its own)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    if isinstance(params.get(FULL), dict):
+        full, sliding = dict(params[FULL], layer_type=FULL), dict(params.get(SLIDING) or params[FULL])
+        sliding["layer_type"] = SLIDING
+        same = {k: v for k, v in sliding.items() if k != "layer_type"} == {
+            k: v for k, v in full.items() if k != "layer_type"}
+        return full, None if same else sliding
+    return params, None
+
+
+def _layer_types(hf_config: Any) -> tuple[str, ...]:
+    kinds = tuple(getattr(hf_config, "layer_types", None) or ())
+    return kinds if SLIDING in kinds else ()
+
+
+def _rotary_dim(hf_config: Any, head_dim: int) -> int | None:
+    full, _ = split_rope(hf_config)
+    factor = full.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0
+    return None if factor == 1.0 else int(head_dim * factor)
+
+
+def _gemma(hf_config: Any, head_dim: int) -> DecoderLayout:
+    _, sliding = split_rope(hf_config)
+    return DecoderLayout(
+        layer_types=_layer_types(hf_config), sliding_rope=sliding,
+        attention_scale=hf_config.query_pre_attn_scalar**-0.5,
+        attn_softcap=getattr(hf_config, "attn_logit_softcapping", None),
+        final_softcap=getattr(hf_config, "final_logit_softcapping", None),
+        embedding_scale=math.sqrt(hf_config.hidden_size), norm="gemma", block="sandwich")
+
+
+def _olmo(hf_config: Any, head_dim: int) -> DecoderLayout:
+    _, sliding = split_rope(hf_config)
+    return DecoderLayout(layer_types=_layer_types(hf_config), sliding_rope=sliding, block="post")
+
+
+def _exaone4(hf_config: Any, head_dim: int) -> DecoderLayout:
+    kinds = _layer_types(hf_config)
+    # With a window, only the sliding layers turn queries and keys; the global ones are NoPE.
+    rope = tuple(kind == SLIDING for kind in kinds) if getattr(hf_config, "sliding_window", None) else ()
+    return DecoderLayout(layer_types=kinds, rope_layers=rope, block="post")
+
+
+def _cohere2(hf_config: Any, head_dim: int) -> DecoderLayout:
+    kinds = _layer_types(hf_config)
+    return DecoderLayout(layer_types=kinds, rope_layers=tuple(kind == SLIDING for kind in kinds),
+                         rope_interleaved=True, logit_scale=float(hf_config.logit_scale), norm="layer",
+                         block="parallel")
+
+
+def _granite(hf_config: Any, head_dim: int) -> DecoderLayout:
+    return DecoderLayout(attention_scale=float(hf_config.attention_multiplier),
+                         embedding_scale=float(hf_config.embedding_multiplier),
+                         residual_scale=float(hf_config.residual_multiplier),
+                         logit_scale=1.0 / float(hf_config.logits_scaling))
+
+
+def _smollm3(hf_config: Any, head_dim: int) -> DecoderLayout:
+    return DecoderLayout(rope_layers=tuple(bool(use) for use in hf_config.no_rope_layers))
+
+
+def _phi3(hf_config: Any, head_dim: int) -> DecoderLayout:
+    return DecoderLayout(rotary_dim=_rotary_dim(hf_config, head_dim))
+
+
+def _glm4(hf_config: Any, head_dim: int) -> DecoderLayout:
+    return DecoderLayout(rotary_dim=_rotary_dim(hf_config, head_dim), rope_interleaved=True,
+                         attention_out_bias=False, block="sandwich")
+
+
+def _seed_oss(hf_config: Any, head_dim: int) -> DecoderLayout:
+    return DecoderLayout(attention_out_bias=bool(hf_config.attention_out_bias))
+
+
+# Our architecture name -> its layout reader; the rest are Llama's layer.
+FAMILY_LAYOUTS: dict[str, Callable[[Any, int], DecoderLayout]] = {
+    "gemma2": _gemma, "gemma3": _gemma, "olmo2": _olmo, "olmo3": _olmo, "exaone4": _exaone4,
+    "cohere2": _cohere2, "granite": _granite, "smollm3": _smollm3, "phi3": _phi3, "glm4": _glm4,
+    "seed_oss": _seed_oss,
+}
+
+
+def decoder_layout(arch: str, hf_config: Any, head_dim: int) -> DecoderLayout:
+    read = FAMILY_LAYOUTS.get(arch)
+    return read(hf_config, head_dim) if read is not None else DecoderLayout()
