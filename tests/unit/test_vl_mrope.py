@@ -11,6 +11,7 @@ import torch
 from transformers import Qwen2_5_VLConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel, Qwen2_5_VLRotaryEmbedding, rotate_half
 
+from crane_mp.models.layouts import DecoderLayout
 from crane_mp.mrope import mrope_positions
 from crane_mp.worker.models.mrope_tables import mrope_columns, mrope_cos_sin
 from crane_mp.worker.models.rope import apply_rope, rope_tables
@@ -97,7 +98,7 @@ def test_composed_tables_equal_the_rotary_embedding(head_dim, section):
     positions = torch.randint(0, 8000, (3, num_tokens), generator=torch.Generator().manual_seed(0))
     ref_cos, ref_sin = Qwen2_5_VLRotaryEmbedding(config)(torch.zeros(1, num_tokens, 1), positions[:, None])
     ours = SimpleNamespace(rope_parameters=config.rope_parameters, head_dim=head_dim, rope_theta=theta,
-                           hf_config=config)
+                           layout=DecoderLayout(), hf_config=config)
     table_cos, table_sin = rope_tables(ours, 8192, torch.float32, torch.device("cpu"))
     cos, signed_sin = mrope_cos_sin(table_cos, table_sin, positions, mrope_columns(section))
     assert cos.shape == (num_tokens, 1, head_dim)
@@ -109,7 +110,8 @@ def test_composed_tables_equal_the_rotary_embedding(head_dim, section):
 
 def test_equal_positions_give_the_one_position_rows():
     """Text-only rows (all three ids equal) read the plain rope tables."""
-    config = SimpleNamespace(rope_parameters={"rope_type": "default"}, head_dim=16, rope_theta=10000.0, hf_config=None)
+    config = SimpleNamespace(rope_parameters={"rope_type": "default"}, head_dim=16, rope_theta=10000.0, hf_config=None,
+                             layout=DecoderLayout())
     cos, signed_sin = rope_tables(config, 64, torch.float32, torch.device("cpu"))
     positions = torch.arange(40).expand(3, -1)
     mcos, msin = mrope_cos_sin(cos, signed_sin, positions, mrope_columns([2, 3, 3]))
