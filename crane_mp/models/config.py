@@ -124,12 +124,21 @@ def _transformers_arch(hf_config: Any) -> str:
         raise UnsupportedModelError(
             f"model_type {hf_type!r} is not supported: no native implementation (native: {supported()}) and "
             "transformers has no causal LM for it")
-    kinds = set(getattr(hf_config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES
-    if hf_type in _RECURRENT_MODEL_TYPES or kinds:
-        raise UnsupportedModelError(
-            f"model_type {hf_type!r} keeps recurrent state in its layers ({', '.join(sorted(kinds)) or 'state-space'}"
-            "), which the transformers backend's paged KV cache cannot hold; it is not supported yet")
+    if hf_type in _RECURRENT_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type {hf_type!r} keeps recurrent state in its layers (state-space or "
+                                    "linear attention), which a paged KV cache cannot hold; it is not supported yet")
+    _refuse_recurrent_layers(hf_config)
     return TRANSFORMERS
+
+
+def _refuse_recurrent_layers(hf_config: Any) -> None:
+    """A config whose layer_types name layers other than attention (a hybrid checkpoint) is refused by
+    name, natively too: serving them as attention would give wrong tokens."""
+    kinds = set(getattr(hf_config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES
+    if kinds:
+        raise UnsupportedModelError(
+            f"model_type {getattr(hf_config, 'model_type', '')!r} keeps recurrent state in its layers "
+            f"({', '.join(sorted(kinds))}), which a paged KV cache cannot hold; it is not supported yet")
 
 
 def checkpoint_architecture(model_dir: Path, model_type: str = "auto", model_impl: str = "auto",
@@ -198,6 +207,7 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
                          model_impl: str = "auto") -> ModelConfig:
     """Build our config from a loaded transformers config object."""
     arch = detect_arch(hf_config, model_type, model_impl)
+    _refuse_recurrent_layers(hf_config)
     if arch == TRANSFORMERS:
         return _transformers_config(hf_config, model_dir)
     if arch == "whisper":

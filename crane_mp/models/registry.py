@@ -37,6 +37,8 @@ class Architecture:
     # What a request may bring besides text: "image" (a vision-language model's image parts) or "audio"
     # (a speech model's window, served by /v1/audio/transcriptions only).
     media: str | None = None
+    # Activations overflow float16 (Gemma's residual stream): where auto would pick float16, float32 runs.
+    overflows_float16: bool = False
 
 
 TRANSFORMERS = "transformers"  # the transformers backend's row
@@ -64,9 +66,10 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  "xlm-roberta", "xlm-roberta", reads_gguf=False, encoder=True),
     # The 2026 dense families (DecoderLayout says how each departs from Llama's layer); their GGUF
     # files are not read yet.
-    Architecture("gemma2", "gemma.Gemma2ForCausalLM", ("Gemma2ForCausalLM",), "gemma2", "gemma2", reads_gguf=False),
+    Architecture("gemma2", "gemma.Gemma2ForCausalLM", ("Gemma2ForCausalLM",), "gemma2", "gemma2", reads_gguf=False,
+                 overflows_float16=True),
     Architecture("gemma3", "gemma.Gemma3ForCausalLM", ("Gemma3ForCausalLM",), "gemma3_text", "gemma3",
-                 reads_gguf=False, qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
+                 reads_gguf=False, qk_norms=("self_attn.q_norm", "self_attn.k_norm"), overflows_float16=True),
     Architecture("phi3", "llama.LlamaForCausalLM", ("Phi3ForCausalLM",), "phi3", "phi3", reads_gguf=False),
     Architecture("olmo2", "olmo.Olmo2ForCausalLM", ("Olmo2ForCausalLM",), "olmo2", "olmo2", reads_gguf=False,
                  qk_norms=("self_attn.q_norm", "self_attn.k_norm")),

@@ -12,7 +12,7 @@ import torch
 from crane_mp.config import EngineConfig, pools_outputs
 from crane_mp.models.config import ModelConfig, load_gguf_config, load_model_config
 from crane_mp.models.gguf_file import describe_types, resolve_model_source
-from crane_mp.models.registry import TRANSFORMERS
+from crane_mp.models.registry import ARCHITECTURES, TRANSFORMERS
 from crane_mp.models.sharding import shard_config
 from crane_mp.worker.cache.memory import KVPlan, plan_kv_blocks
 from crane_mp.worker.parallel.tensor_parallel import TensorParallel
@@ -58,6 +58,20 @@ def _activation_estimate_per_token(cfg: ModelConfig) -> int:
     # Live float32 tensors of one layer at its widest point (MLP gate/up + output, attention q/k/v/out).
     widths = cfg.hidden_size * 4 + cfg.intermediate_size * 3 + (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * 2
     return widths * 4
+
+
+def model_dtype(platform: Platform, requested: str, model_config: ModelConfig) -> torch.dtype:
+    """The compute dtype: the platform's choice, but never an automatic float16 for a model whose
+    activations overflow it (Gemma): float32 there, which every device computes exactly."""
+    dtype = platform.compute_dtype(requested, model_config.torch_dtype)
+    if dtype != torch.float16 or not ARCHITECTURES[model_config.arch].overflows_float16:
+        return dtype
+    if requested == "auto":
+        log.info("%s overflows float16 and this device has no bf16: computing in float32", model_config.arch)
+        return torch.float32
+    log.warning("--dtype float16: %s's activations overflow float16 (inf/NaN logits are likely); "
+                "bfloat16 or float32 is safe", model_config.arch)
+    return dtype
 
 
 def graph_pool_bytes(runner: ModelRunner, sizes: list[int], cfg: ModelConfig) -> int:
@@ -110,7 +124,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     platform = select_platform(config.force_cpu, 0 if tp is None else tp.device.index or 0)
     timer.done("kernels")
     allocated_before = platform.allocated_bytes()  # others' tensors in this process (an in-process engine)
-    dtype = platform.compute_dtype(config.dtype, model_config.torch_dtype)
+    dtype = model_dtype(platform, config.dtype, model_config)
     int8 = platform.int8_matmuls(config.quantized_activations)
     model, weight_types = load_model(rank_config, source, dtype, platform, progress, pools_outputs(config.task),
                                      lora=config.lora, int8_activations=int8)

@@ -122,3 +122,24 @@ def test_layers_call_the_kernels_their_platform_handed_them(tmp_path):
     # Each layer: two norms (the first of the first layer has no residual yet), one SiLU*mul; then the final norm.
     assert ops.calls == Counter(rms_norm=2, add_rms_norm_=2 * layers - 1, silu_and_mul=layers)
     torch.testing.assert_close(recorded, logits(platform_for("cpu")), rtol=1e-4, atol=1e-4)
+
+
+class _Float16Device:
+    """A device whose automatic dtype is float16 (a GPU without bf16)."""
+
+    def compute_dtype(self, requested: str, checkpoint_dtype: str | None) -> torch.dtype:
+        return torch.float16 if requested in ("auto", "float16") else getattr(torch, requested)
+
+
+def test_gemma_never_runs_in_an_automatic_float16(caplog):
+    from crane_mp.models.config import model_config_from_hf
+    from crane_mp.testing.make_zoo import build_zoo_config
+    from crane_mp.worker.bootstrap import model_dtype
+
+    gemma = model_config_from_hf(build_zoo_config("gemma3_text"))
+    olmo = model_config_from_hf(build_zoo_config("olmo2"))
+    assert model_dtype(_Float16Device(), "auto", gemma) == torch.float32
+    assert model_dtype(_Float16Device(), "auto", olmo) == torch.float16
+    assert model_dtype(_Float16Device(), "float16", gemma) == torch.float16  # asked for: served, with a warning
+    assert "overflow float16" in caplog.text
+    assert model_dtype(_Float16Device(), "bfloat16", gemma) == torch.bfloat16

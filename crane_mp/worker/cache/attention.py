@@ -286,13 +286,13 @@ def _fresh_mask(meta: AttentionMetadata, length: int, window: int | None) -> tor
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
             softcap: float | None) -> torch.Tensor:
     """Attention of q [B, H, Q, D] over k, v [B, KH, K, D] (H a multiple of KH) under an additive mask.
-    With `softcap`, the logits are capped as transformers' eager attention does: scaled, capped, masked,
-    softmax in float32."""
+    With `softcap`, the logits are capped as transformers' eager attention does (scaled, capped, masked,
+    softmax), all in float32: tanh flattens 16-bit logits into ties."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    logits = torch.matmul(q, k.transpose(2, 3)) * scale
+    logits = torch.matmul(q, k.transpose(2, 3)).float() * scale
     logits = torch.tanh(logits / softcap) * softcap + mask
     return torch.matmul(torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype), v)
 

@@ -396,8 +396,8 @@ class CausalLM(nn.Module):
         layout = self.config.layout
         if layout.logit_scale != 1.0:
             logits = logits * layout.logit_scale
-        if layout.final_softcap:
-            logits = torch.tanh(logits / layout.final_softcap) * layout.final_softcap
+        if layout.final_softcap:  # in float32: tanh flattens 16-bit logits into ties
+            logits = torch.tanh(logits.float() / layout.final_softcap) * layout.final_softcap
         return logits
 
     def attention_layers(self) -> list[PagedSelfAttention]:

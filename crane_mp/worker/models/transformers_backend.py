@@ -104,8 +104,8 @@ class TransformersCausalLM(nn.Module):
         logits = self.hf.get_output_embeddings()(hidden)
         if self.logit_multiplier != 1.0:
             logits = logits * self.logit_multiplier
-        if self.final_softcap:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        if self.final_softcap:  # in float32: tanh flattens 16-bit logits into ties
+            logits = torch.tanh(logits.float() / self.final_softcap) * self.final_softcap
         return logits
 
     def attention_layers(self) -> list[nn.Module]:

@@ -1,0 +1,62 @@
+"""crane-launch on this year's families as a new user starts it: a Gemma 3 checkpoint natively, an
+Ernie 4.5 one (no native code) through the transformers backend. SGLang-style /generate callers get
+transformers' greedy tokens; the start-up line and /server_info say which implementation runs."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from crane_mp.testing.make_zoo import make_zoo_model
+from crane_mp.testing.tokenizer import write_tokenizer
+from tests.integration.server import Server
+
+NUM_TOKENS = 10
+
+
+def greedy(path, prompts: list[list[int]]) -> list[list[int]]:
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+@pytest.mark.parametrize(("family", "impl"), [("gemma3_text", "native"), ("ernie4_5", "transformers")])
+def test_generate_gives_transformers_greedy_tokens(tmp_path, family, impl):
+    path = make_zoo_model(family, tmp_path / family)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (19, 33)]
+    server = Server(path, "--kv-cache-dtype", "float32", log_path=tmp_path / "server.log")
+    try:
+        body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": NUM_TOKENS, "temperature": 0,
+                                                          "ignore_eos": True}}
+        answers = requests.post(server.url + "/generate", json=body, timeout=120).json()
+        info = requests.get(server.url + "/server_info", timeout=10).json()
+    finally:
+        assert server.stop() == 0
+    assert [a["output_ids"] for a in answers] == greedy(path, prompts)
+    assert info["model_impl"] == impl
+    ready = next(line for line in (tmp_path / "server.log").read_text().splitlines() if "ready in" in line)
+    if impl == "transformers":
+        assert "arch=ernie4_5(transformers backend: slower than native)" in ready
+    else:
+        assert "arch=gemma3 " in ready
+
+
+def test_a_hybrid_recurrent_model_is_refused_at_start_by_name(tmp_path):
+    """Qwen3-Next interleaves linear-attention layers: refused with its name, not served as attention."""
+    config = AutoConfig.for_model("qwen3_next", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
+    config.architectures = ["Qwen3NextForCausalLM"]
+    config.save_pretrained(tmp_path)
+    write_tokenizer("llama", 512, 512, tmp_path)
+    save_file({"model.embed_tokens.weight": torch.zeros(512, 64)}, str(tmp_path / "model.safetensors"))
+    server = Server(tmp_path, log_path=tmp_path / "server.log", wait=False)
+    try:
+        assert server.proc.wait(timeout=120) != 0
+    finally:
+        server.kill_all()
+    assert "model_type 'qwen3_next' keeps recurrent state in its layers" in (tmp_path / "server.log").read_text()
