@@ -214,6 +214,17 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         return _whisper_config(hf_config, model_dir)
     if ARCHITECTURES[arch].media == "image":
         return _vision_language_config(hf_config, arch, model_dir)
+    text = getattr(hf_config, "text_config", None)
+    if text is not None and text is not hf_config:
+        # A vision-language checkpoint of a text family (Gemma 3 4B and up): its language model, served
+        # for text; the model class skips the vision tower's tensors.
+        config = model_config_from_hf(text, arch, model_dir)
+        return dataclasses.replace(config, torch_dtype=_dtype_name(hf_config) or config.torch_dtype,
+                                   tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings",
+                                                                    config.tie_word_embeddings)))
+    if getattr(hf_config, "num_local_experts", 0):
+        raise UnsupportedModelError(f"{arch} with {hf_config.num_local_experts} experts per layer: mixture-of-"
+                                    "experts layers are not supported yet")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     theta, rope_params = _rope(hf_config)
@@ -226,7 +237,8 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         arch=arch,
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size,
+        # Granite 4 names its (only) MLP the shared one.
+        intermediate_size=getattr(hf_config, "shared_intermediate_size", None) or hf_config.intermediate_size,
         num_hidden_layers=hf_config.num_hidden_layers,
         num_attention_heads=heads,
         num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
@@ -250,10 +262,20 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
     )
 
 
+def _uniform(hf_config: Any, name: str) -> Any:
+    """A config attribute, or None where it varies by layer (Gemma 4's head_dim: transformers refuses
+    the global read; each attention module then says its own)."""
+    try:
+        return getattr(hf_config, name, None)
+    except Exception:
+        return None
+
+
 def _transformers_config(hf_config: Any, model_dir: Path | None) -> ModelConfig:
     """What the engine needs of a model transformers runs: sizes for the KV cache and the memory plan
     (its attention modules may override the KV shape per layer), tokens, limits. Rope, norms and
-    windows stay transformers' business."""
+    windows stay transformers' business. A vision-language checkpoint's sizes are its language model's."""
+    top, hf_config = hf_config, hf_config.get_text_config()
     heads = hf_config.num_attention_heads
     hidden = hf_config.hidden_size
     eps = next((getattr(hf_config, name) for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon",
@@ -263,12 +285,12 @@ def _transformers_config(hf_config: Any, model_dir: Path | None) -> ModelConfig:
         intermediate_size=getattr(hf_config, "intermediate_size", None) or 4 * hidden,
         num_hidden_layers=hf_config.num_hidden_layers, num_attention_heads=heads,
         num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hidden // heads, rms_norm_eps=eps,
+        head_dim=_uniform(hf_config, "head_dim") or hidden // heads, rms_norm_eps=eps,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", None) or 2048,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), attention_bias=False,
         mlp_bias=False, hidden_act="silu", rope_theta=10000.0, rope_parameters={"rope_type": "default"},
-        bos_token_id=getattr(hf_config, "bos_token_id", None), eos_token_ids=_eos_ids(hf_config, model_dir),
-        torch_dtype=_dtype_name(hf_config), hf_config=hf_config,
+        bos_token_id=getattr(hf_config, "bos_token_id", None), eos_token_ids=_eos_ids(top, model_dir),
+        torch_dtype=_dtype_name(top), hf_config=top,
     )
 
 

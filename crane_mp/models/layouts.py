@@ -111,6 +111,15 @@ def _granite(hf_config: Any, head_dim: int) -> DecoderLayout:
                          logit_scale=1.0 / float(hf_config.logits_scaling))
 
 
+def _granite4(hf_config: Any, head_dim: int) -> DecoderLayout:
+    """Granite 4 dense: Granite's multipliers; rope only where position_embedding_type says "rope"."""
+    rope = () if hf_config.position_embedding_type == "rope" else (False,) * hf_config.num_hidden_layers
+    return DecoderLayout(rope_layers=rope, attention_scale=float(hf_config.attention_multiplier),
+                         embedding_scale=float(hf_config.embedding_multiplier),
+                         residual_scale=float(hf_config.residual_multiplier),
+                         logit_scale=1.0 / float(hf_config.logits_scaling))
+
+
 def _smollm3(hf_config: Any, head_dim: int) -> DecoderLayout:
     return DecoderLayout(rope_layers=tuple(bool(use) for use in hf_config.no_rope_layers))
 
@@ -132,7 +141,7 @@ def _seed_oss(hf_config: Any, head_dim: int) -> DecoderLayout:
 FAMILY_LAYOUTS: dict[str, Callable[[Any, int], DecoderLayout]] = {
     "gemma2": _gemma, "gemma3": _gemma, "olmo2": _olmo, "olmo3": _olmo, "exaone4": _exaone4,
     "cohere2": _cohere2, "granite": _granite, "smollm3": _smollm3, "phi3": _phi3, "glm4": _glm4,
-    "seed_oss": _seed_oss,
+    "seed_oss": _seed_oss, "granite4": _granite4,
 }
 
 

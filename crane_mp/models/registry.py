@@ -68,7 +68,8 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     # files are not read yet.
     Architecture("gemma2", "gemma.Gemma2ForCausalLM", ("Gemma2ForCausalLM",), "gemma2", "gemma2", reads_gguf=False,
                  overflows_float16=True),
-    Architecture("gemma3", "gemma.Gemma3ForCausalLM", ("Gemma3ForCausalLM",), "gemma3_text", "gemma3",
+    Architecture("gemma3", "gemma.Gemma3ForCausalLM", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+                 "gemma3_text", "gemma3",
                  reads_gguf=False, qk_norms=("self_attn.q_norm", "self_attn.k_norm"), overflows_float16=True),
     Architecture("phi3", "llama.LlamaForCausalLM", ("Phi3ForCausalLM",), "phi3", "phi3", reads_gguf=False),
     Architecture("olmo2", "olmo.Olmo2ForCausalLM", ("Olmo2ForCausalLM",), "olmo2", "olmo2", reads_gguf=False,
@@ -79,6 +80,9 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  reads_gguf=False),
     Architecture("granite", "llama.LlamaForCausalLM", ("GraniteForCausalLM",), "granite", "granite",
                  reads_gguf=False),
+    # Granite 4 dense: the hybrid family's checkpoint with attention in every layer and no experts.
+    Architecture("granite4", "granite.Granite4ForCausalLM", ("GraniteMoeHybridForCausalLM",), "granitemoehybrid",
+                 "granitehybrid", reads_gguf=False),
     Architecture("glm4", "glm4.Glm4ForCausalLM", ("Glm4ForCausalLM",), "glm4", "glm4", reads_gguf=False),
     Architecture("cohere2", "llama.LlamaForCausalLM", ("Cohere2ForCausalLM",), "cohere2", "cohere2",
                  reads_gguf=False),

@@ -36,6 +36,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                         "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                            "rope_theta": 1000000.0}}},
+    # Gemma 3 4B and up: a vision-language checkpoint, its language model served for text.
+    "gemma3": {"text_config": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                               "full_attention"], "sliding_window": WINDOW,
+                               "query_pre_attn_scalar": 24},
+               "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                 "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+               "mm_tokens_per_image": 4},
     "phi3": {"num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                             "partial_rotary_factor": 0.75}},
     "olmo2": {},
@@ -47,14 +54,27 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "cohere2": {"layer_types": _MIXED, "sliding_window": WINDOW, "logit_scale": 0.5},
     "exaone4": {"layer_types": _MIXED, "sliding_window": WINDOW},
     "seed_oss": {"attention_bias": True, "attention_out_bias": False},
-    # No native implementation: served by the transformers backend.
+    # No native implementation: served by the transformers backend. Gemma 4: per-layer input
+    # embeddings, global layers with their own head size and partial rope, the last layers reusing
+    # earlier layers' keys and values.
+    "gemma4_text": {"layer_types": _MIXED, "sliding_window": WINDOW, "global_head_dim": 32,
+                    "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512},
     "ernie4_5": {"use_bias": False},
+    # Granite 4 dense (granite-4.0-micro): the hybrid family's config with attention in every layer.
+    "granitemoehybrid": {"layer_types": ["attention"] * 4, "num_local_experts": 0, "shared_intermediate_size": 96,
+                         "position_embedding_type": "rope", "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                         "attention_multiplier": 0.2, "logits_scaling": 2.0},
     "starcoder2": {"use_bias": True},
 }
 
 
 def build_zoo_config(family: str, overrides: dict[str, Any] | None = None) -> PreTrainedConfig:
-    config = AutoConfig.for_model(family, **{**_SHAPE, **FAMILIES[family], **(overrides or {})})
+    fields = FAMILIES[family]
+    if "text_config" in fields:  # the tiny shape is the language model's
+        fields = {**fields, "text_config": {**_SHAPE, **fields["text_config"]}}
+    else:
+        fields = {**_SHAPE, **fields}
+    config = AutoConfig.for_model(family, **{**fields, **(overrides or {})})
     config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
     return config
 
@@ -82,7 +102,8 @@ def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: di
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = build_zoo_config(family, overrides)
-    ids = write_tokenizer("llama", config.vocab_size, config.max_position_embeddings, out)
+    text = config.get_text_config()
+    ids = write_tokenizer("llama", text.vocab_size, text.max_position_embeddings, out)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = ids.bos, ids.eos, ids.pad
     config.dtype = dtype
     with torch.device("meta"):

@@ -12,13 +12,14 @@ from transformers import AutoModelForCausalLM
 from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.models.config import checkpoint_architecture
+from crane_mp.models.registry import MODEL_TYPE_ALIASES
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_zoo import FAMILIES, make_zoo_model
 
 NUM_TOKENS = 12
 PROMPT_LENGTHS = [23, 9, 40, 17, 31, 5]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-NATIVE = sorted(f for f in FAMILIES if f not in ("ernie4_5", "starcoder2"))
+NATIVE = sorted(f for f in FAMILIES if f in MODEL_TYPE_ALIASES)  # the rest: transformers backend only
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,10 @@ def engine(path, impl: str, **kwargs) -> LLMEngine:
     kwargs.setdefault("max_num_seqs", 32)
     return LLMEngine(EngineConfig(model_path=str(path), dtype="float32", force_cpu=True, kv_cache_dtype="float32",
                                   model_impl=impl, **kwargs))
+
+
+def test_only_the_families_without_native_code_need_the_backend():
+    assert set(FAMILIES) - set(NATIVE) == {"ernie4_5", "starcoder2", "gemma4_text"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

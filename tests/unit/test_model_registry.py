@@ -33,8 +33,8 @@ from crane_mp.worker.models.build import model_class
 from crane_mp.worker.models.layers import CausalLM
 
 
-FAMILIES_2026 = ["gemma2", "gemma3", "phi3", "olmo2", "olmo3", "smollm3", "granite", "glm4", "cohere2", "exaone4",
-                 "seed_oss"]
+FAMILIES_2026 = ["gemma2", "gemma3", "phi3", "olmo2", "olmo3", "smollm3", "granite", "granite4", "glm4", "cohere2",
+                 "exaone4", "seed_oss"]
 
 
 def test_the_lookups_are_the_ones_the_four_tables_held():
@@ -42,7 +42,8 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                                   "qwen3": "qwen3", "hunyuan": "hunyuan", "hunyuan_v1_dense": "hunyuan",
                                   "hunyuan-dense": "hunyuan", "bert": "bert", "roberta": "roberta",
                                   "xlm-roberta": "xlm-roberta", "qwen2_5_vl": "qwen2_5_vl", "whisper": "whisper",
-                                  **{name: name for name in FAMILIES_2026}, "gemma3_text": "gemma3"}
+                                  **{name: name for name in FAMILIES_2026}, "gemma3_text": "gemma3",
+                                  "granitemoehybrid": "granite4", "granitehybrid": "granite4"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                           "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
                           "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
@@ -50,10 +51,11 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                           "XLMRobertaForSequenceClassification": "xlm-roberta",
                           "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
                           "WhisperForConditionalGeneration": "whisper",
-                          **{ARCHITECTURES[name].hf_classes[0]: name for name in FAMILIES_2026}}
+                          **{cls: name for name in FAMILIES_2026 for cls in ARCHITECTURES[name].hf_classes}}
     assert [ARCHITECTURES[name].hf_classes for name in FAMILIES_2026] == [
-        ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM",), ("Phi3ForCausalLM",), ("Olmo2ForCausalLM",),
-        ("Olmo3ForCausalLM",), ("SmolLM3ForCausalLM",), ("GraniteForCausalLM",), ("Glm4ForCausalLM",),
+        ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("Phi3ForCausalLM",), ("Olmo2ForCausalLM",),
+        ("Olmo3ForCausalLM",), ("SmolLM3ForCausalLM",), ("GraniteForCausalLM",), ("GraniteMoeHybridForCausalLM",),
+        ("Glm4ForCausalLM",),
         ("Cohere2ForCausalLM",), ("Exaone4ForCausalLM",), ("SeedOssForCausalLM",)]
     assert {gguf: (arch.name, arch.hf_model_type) for gguf, arch in GGUF_ARCHITECTURES.items()} == {
         "llama": ("llama", "llama"), "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"),

@@ -28,4 +28,9 @@ class Gemma3Attention(PagedSelfAttention):
 
 
 class Gemma3ForCausalLM(CausalLM):
+    """Also the language model of a Gemma 3 vision-language checkpoint, served for text (its images
+    are the vision issue's)."""
+
     attention_class = Gemma3Attention
+    renamed_weights = {"model.language_model.": "model."}
+    ignored_weights = ("model.vision_tower.", "model.multi_modal_projector.")

@@ -358,6 +358,7 @@ class CausalLM(nn.Module):
     # Checkpoint-name fragments renamed to ours before loading (e.g. Hunyuan's query_layernorm).
     renamed_weights: dict[str, str] = {}
     norm_names: tuple[str, ...] | None = None  # a layer's norms, where not BLOCK_NORMS' names
+    ignored_weights: tuple[str, ...] = ()  # checkpoint-name prefixes of parts not served (a vision tower)
 
     def __init__(self, config: ModelConfig, platform: Platform) -> None:
         super().__init__()
@@ -416,7 +417,7 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or name.startswith("score."):
+            if "rotary_emb.inv_freq" in name or name.startswith(("score.", *self.ignored_weights)):
                 continue  # score.*: a classification head, which the frontend applies (--task score)
             for old, new in self.renamed_weights.items():
                 name = name.replace(old, new)

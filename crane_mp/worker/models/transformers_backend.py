@@ -112,7 +112,8 @@ class TransformersCausalLM(nn.Module):
         return self._attention
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.hf.named_parameters())
+        # Persistent buffers are checkpoint tensors too (Gemma 4's per-layer scalars).
+        params = dict(self.hf.named_buffers()) | dict(self.hf.named_parameters())
         tied = self.hf.get_output_embeddings().weight is self.hf.get_input_embeddings().weight
         loaded: set[str] = set()
         for name, tensor in weights:
