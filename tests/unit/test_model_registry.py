@@ -43,7 +43,7 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                                   "hunyuan-dense": "hunyuan", "bert": "bert", "roberta": "roberta",
                                   "xlm-roberta": "xlm-roberta", "qwen2_5_vl": "qwen2_5_vl", "whisper": "whisper",
                                   **{name: name for name in FAMILIES_2026}, "gemma3_text": "gemma3",
-                                  "granitemoehybrid": "granite4", "granitehybrid": "granite4"}
+                                  "granitemoehybrid": "granite4"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                           "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
                           "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
