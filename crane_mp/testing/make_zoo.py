@@ -20,6 +20,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from crane_mp.testing.make_model import BIAS_STD, LOGIT_SCALE, NORM_NOISE, OUT_GAIN, _tensor_seed, write_weights
+from crane_mp.models.layouts import FULL, SLIDING
 from crane_mp.testing.tokenizer import write_json, write_tokenizer
 
 WINDOW = 6  # sliding layers' window: the tests' prompts are longer
@@ -68,6 +69,19 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+# Real shapes for benchmarks (python -m crane_mp.testing.make_zoo --family gemma3_text --preset gemma3-4b).
+PRESETS: dict[str, dict[str, Any]] = {
+    "gemma3-4b": {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34, "num_attention_heads": 8,
+                  "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 262144, "max_position_embeddings": 131072,
+                  "sliding_window": 1024, "query_pre_attn_scalar": 256,
+                  "layer_types": [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(34)],
+                  "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                      "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                         "rope_theta": 1000000.0}}},
+}
+_TRAINED_VOCAB = 16384  # larger vocabularies are padded with <unusedN> tokens
+
+
 def build_zoo_config(family: str, overrides: dict[str, Any] | None = None) -> PreTrainedConfig:
     fields = FAMILIES[family]
     if "text_config" in fields:  # the tiny shape is the language model's
@@ -103,7 +117,8 @@ def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: di
     out.mkdir(parents=True, exist_ok=True)
     config = build_zoo_config(family, overrides)
     text = config.get_text_config()
-    ids = write_tokenizer("llama", text.vocab_size, text.max_position_embeddings, out)
+    trained = _TRAINED_VOCAB if text.vocab_size > _TRAINED_VOCAB else None
+    ids = write_tokenizer("llama", text.vocab_size, text.max_position_embeddings, out, trained)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = ids.bos, ids.eos, ids.pad
     config.dtype = dtype
     with torch.device("meta"):
@@ -125,8 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--family", required=True, choices=sorted(FAMILIES))
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seed", default=0, type=int)
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a real model's shape instead of the tiny one")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
-    print(make_zoo_model(args.family, args.out, seed=args.seed))
+    print(make_zoo_model(args.family, args.out, seed=args.seed, dtype=args.dtype,
+                         overrides=PRESETS[args.preset] if args.preset else None))
 
 
 if __name__ == "__main__":

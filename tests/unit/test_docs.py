@@ -39,3 +39,12 @@ def test_relative_links_name_existing_files(page):
     targets = [t.partition("#")[0] for t in LINK.findall(page.read_text())
                if not re.match(r"[a-z]+:", t)]
     assert [t for t in targets if t and not (page.parent / t).exists()] == []
+
+
+def test_the_models_page_names_every_architecture():
+    from crane_mp.models.registry import ARCHITECTURES, TRANSFORMERS
+
+    page = (REPO / "docs" / "models.md").read_text()
+    missing = [arch.hf_model_type for arch in ARCHITECTURES.values()
+               if arch.name != TRANSFORMERS and f"`{arch.hf_model_type}`" not in page]
+    assert missing == []
