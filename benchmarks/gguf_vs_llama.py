@@ -16,6 +16,13 @@ one sample taken while the host is busy reads low), so every decode figure state
 fraction of the roofline: weight bytes streamed per decode step (the file's tensors less the token
 table, which is looked up, not streamed) times steps per second (1 / TPOT), over the bandwidth.
 Prints one JSON line per measurement and a table. Nothing else should run meanwhile.
+
+A 16-bit model is compared the way its users run each server: crane-mp on the safetensors checkpoint
+(`--crane-model DIR`), llama-server on the GGUF llama.cpp's converter made of it:
+
+    python -m crane_mp.testing.make_zoo --family gemma3_text --preset gemma3-4b --dtype bfloat16 --out /models/g3
+    bash ../shared/peers/setup.sh gguf /models/g3 /models/g3-bf16.gguf bf16
+    python benchmarks/gguf_vs_llama.py /models/g3-bf16.gguf --crane-model /models/g3 --concurrency 1 16
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from serving import run_load  # noqa: E402
 
-from crane_mp.models.gguf_file import check_gguf  # noqa: E402
+from gguf import GGUFReader  # noqa: E402
 
 DEFAULT_LLAMA = Path.home() / "peers/llama/build/bin/llama-server"
 
@@ -60,15 +67,19 @@ def _timed(fn) -> float:
 
 
 def streamed_bytes(path: Path) -> int:
-    """Weight bytes a decode step reads: every tensor but the token table."""
-    tensors = check_gguf(path).tensors
-    return sum(info.n_bytes for name, info in tensors.items() if name != "token_embd.weight")
+    """Weight bytes a decode step reads: every tensor but the token table (unless the head reads it:
+    tied embeddings). Read with the gguf package, so files of architectures crane-mp does not read
+    yet count too."""
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    tied = "output.weight" not in sizes
+    return sum(size for name, size in sizes.items() if tied or name != "token_embd.weight")
 
 
 def start(server: str, path: Path, port: int, args) -> subprocess.Popen:
     if server == "crane-mp":
         limit = args.memory_limit or f"{max(8, -(-streamed_bytes(path) // 2**30) + 3)}G"
-        cmd = [sys.executable, "-m", "crane_mp", "--model-path", str(path), "--gpu-memory-limit", limit,
+        model = args.crane_model or path
+        cmd = [sys.executable, "-m", "crane_mp", "--model-path", str(model), "--gpu-memory-limit", limit,
                "--port", str(port), *args.crane_args]
         env = dict(os.environ)
     else:
@@ -169,6 +180,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--port", type=int, default=8311)
     parser.add_argument("--servers", nargs="+", default=["crane-mp", "llama-server"])
+    parser.add_argument("--crane-model", type=Path,
+                        help="what crane-mp serves instead of the file: the safetensors checkpoint it was converted from")
     parser.add_argument("--crane-args", nargs=argparse.REMAINDER, default=[], help="extra crane-launch flags (last)")
     args = parser.parse_args()
     print(json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d")}), flush=True)

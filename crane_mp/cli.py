@@ -238,8 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "where the chat template writes <function=...> calls, else by the vocabulary's markers and "
                         "the architecture; none refuses tools")
     p.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
-                   help="read chat answers for thinking (<think> ... </think>: Qwen3, DeepSeek-R1) into "
-                        "reasoning_content; auto does when the vocabulary has both tags as tokens; none never")
+                   help="read chat answers for thinking (<think> ... </think>: Qwen3, DeepSeek-R1, SmolLM3, "
+                        "EXAONE 4; <seed:think> ... </seed:think>: Seed-OSS) into reasoning_content; auto does "
+                        "when the vocabulary has both tags of a pair as tokens; none never")
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,

@@ -14,7 +14,7 @@ from crane_mp.frontend.images.processor import ImageProcessor, load_image_proces
 from crane_mp.frontend.openai.schemas import MAX_BATCH
 from crane_mp.frontend.responses.store import ResponseStore
 from crane_mp.frontend.serving.engine_client import EngineClient
-from crane_mp.frontend.serving.reasoning import END as THINK_END, START as THINK_START, reasoning_enabled
+from crane_mp.frontend.serving.reasoning import THINK, Markers, reasoning_markers
 from crane_mp.frontend.serving.structured import GrammarCompiler
 from crane_mp.frontend.serving.tokenizer import TokenizerService
 from crane_mp.frontend.web.connections import ConnectionGuard
@@ -46,6 +46,7 @@ class FrontendState:
     gate: LoadGate = field(init=False)
     connections: ConnectionGuard = field(init=False)
     reasoning: bool = field(init=False)  # answers are read for thinking (--reasoning-parser)
+    think_markers: Markers = field(init=False)  # the family's thinking tags
     think_start_token: int | None = field(init=False)
     think_end_token: int | None = field(init=False)
     score_head: ScoreHead | None = field(init=False)  # --task score: the classification head
@@ -57,8 +58,10 @@ class FrontendState:
         self.metrics = Metrics(self.config.model_name, self.config.replica)
         self.gate = LoadGate(self.config.engine.max_num_seqs + self.config.max_queue)
         added = self.tokenizer.added_vocab
-        self.reasoning = reasoning_enabled(self.config.reasoning_parser, added)
-        self.think_start_token, self.think_end_token = added.get(THINK_START), added.get(THINK_END)
+        markers = reasoning_markers(self.config.reasoning_parser, added)
+        self.reasoning, self.think_markers = markers is not None, markers or THINK
+        self.think_start_token = added.get(self.think_markers.start)
+        self.think_end_token = added.get(self.think_markers.end)
         self.connections = ConnectionGuard(self.config.max_connections, self.config.read_timeout,
                                            self.metrics.connection_refused)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.grammar_timeout)

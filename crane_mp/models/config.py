@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from crane_mp.models.gguf_families import family_fields
 from crane_mp.models.gguf_file import SERVED_TYPES, check_gguf, rope_freq_factors
 from crane_mp.models.layouts import DecoderLayout, decoder_layout, split_rope
 from crane_mp.models.registry import (
@@ -350,8 +351,9 @@ def load_model_config(model_path: str | Path, model_type: str = "auto", model_im
 
 def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:
     """Our config from a GGUF file's metadata: the hyper-parameters become a transformers config (so
-    rope variants resolve as for any checkpoint), tying follows the absence of output.weight, and
-    Llama 3's rope scaling comes from its rope_freqs tensor."""
+    rope variants resolve as for any checkpoint), tying follows the absence of output.weight,
+    Llama 3's rope scaling comes from its rope_freqs tensor, and what a 2026 family adds (windows,
+    scales, no-rope layers) from gguf_families.py."""
     from transformers import AutoConfig
 
     contents = check_gguf(path)
@@ -363,8 +365,7 @@ def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:
     matrix_types = {SERVED_TYPES[info.qtype] for info in names.values() if len(info.dims) == 2}
     float_kind = matrix_types & {"F16", "BF16"} if matrix_types <= {"F16", "BF16", "F32"} else set()
     rope_parameters = {"rope_theta": shape.rope_base, "rope_type": "default", **shape.rope_scaling}
-    hf_config = AutoConfig.for_model(
-        arch.hf_model_type,
+    fields = dict(
         vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim, rms_norm_eps=shape.rms_eps, max_position_embeddings=shape.context,
@@ -373,6 +374,7 @@ def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=eos[0] if eos else None,
         use_sliding_window=False, sliding_window=None,
     )
+    hf_config = AutoConfig.for_model(arch.hf_model_type, **fields | family_fields(shape.gguf_arch, shape, meta, names))
     config = model_config_from_hf(hf_config, arch.name if model_type == "auto" else model_type)
     dtype = ("bfloat16" if "BF16" in float_kind else "float16") if float_kind else "float32"
     replace = {"eos_token_ids": tuple(dict.fromkeys(int(i) for i in eos)), "torch_dtype": dtype}

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from crane_mp.gguf_header import BigEndianFile, HeaderError, StringArray, read_header
-from crane_mp.models.registry import GGUF_ARCHITECTURES, GGUF_LAYER_NAMES
+from crane_mp.models.registry import GGUF_ARCHITECTURES, GGUF_QK_NORM_NAMES, gguf_layer_names
 
 # Types served (worker/quantized/formats.py and kernels/gguf_matmul.cpp); ggml's ids.
 SERVED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
@@ -145,12 +145,19 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
             raise GGUFFileError(f"{path}: metadata gives {name} = {getattr(shape, name)}")
     # Bounded before anything is sized by them (a tiny file may claim a billion layers): every layer
     # needs its own tensors, and the longest context sizes tables at start-up.
-    if shape.layers * len(GGUF_LAYER_NAMES) + 2 > len(tensor_dims):
+    per_layer = len(required_layer_names(arch))
+    if shape.layers * per_layer + 2 > len(tensor_dims):
         raise GGUFFileError(f"{path}: metadata gives {shape.layers} layers, but the file holds {len(tensor_dims)} "
-                            f"tensors ({len(GGUF_LAYER_NAMES)} per layer needed)")
+                            f"tensors ({per_layer} per layer needed)")
     if shape.context > MAX_CONTEXT:
         raise GGUFFileError(f"{path}: metadata gives a context of {shape.context} tokens (at most {MAX_CONTEXT})")
     return shape
+
+
+def required_layer_names(gguf_arch: str) -> list[str]:
+    """The per-layer tensors every layer of a file of `gguf_arch` holds (q/k norms are the model's to
+    ask for)."""
+    return [name for name in gguf_layer_names(GGUF_ARCHITECTURES[gguf_arch].name) if name not in GGUF_QK_NORM_NAMES]
 
 
 def expected_shapes(shape: GGUFShape) -> dict[str, tuple[int, ...]]:
@@ -167,10 +174,13 @@ def expected_shapes(shape: GGUFShape) -> dict[str, tuple[int, ...]]:
         "attn_q.weight": (q, shape.hidden), "attn_k.weight": (kv, shape.hidden), "attn_v.weight": (kv, shape.hidden),
         "attn_output.weight": (shape.hidden, q), "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
         "attn_output.bias": (shape.hidden,), "attn_q_norm.weight": (shape.head_dim,),
-        "attn_k_norm.weight": (shape.head_dim,), "ffn_gate.weight": (shape.ffn, shape.hidden),
+        "attn_k_norm.weight": (shape.head_dim,), "post_attention_norm.weight": (shape.hidden,),
+        "post_ffw_norm.weight": (shape.hidden,), "ffn_gate.weight": (shape.ffn, shape.hidden),
         "ffn_up.weight": (shape.ffn, shape.hidden), "ffn_down.weight": (shape.hidden, shape.ffn),
         "ffn_gate.bias": (shape.ffn,), "ffn_up.bias": (shape.ffn,), "ffn_down.bias": (shape.hidden,),
     }
+    if GGUF_ARCHITECTURES[shape.gguf_arch].full_width_qk_norms:  # OLMo 2: one norm over all heads
+        per_layer |= {"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)}
     for layer in range(shape.layers):
         shapes.update({f"blk.{layer}.{name}": dims for name, dims in per_layer.items()})
     return shapes
@@ -219,7 +229,9 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
         raise GGUFFileError(f"{path}: a big-endian GGUF file; crane-mp serves little-endian files only") from None
     except (HeaderError, OSError) as err:
         raise GGUFFileError(f"{path}: not a readable GGUF file (truncated or corrupt?): {err}") from None
-    meta = {key: value for key, value in header.metadata.items() if not isinstance(value, (StringArray, np.ndarray))}
+    # Scalars and strings, and short number arrays (a sliding-window pattern); not the tokenizer's.
+    meta = {key: value.tolist() if isinstance(value, np.ndarray) else value for key, value in header.metadata.items()
+            if not isinstance(value, StringArray) and not (isinstance(value, np.ndarray) and value.size > 4096)}
     dims_of = {t.name: tuple(reversed(t.dims)) for t in header.tensors}  # ggml: fastest first
     shape = read_shape(meta, dims_of, path)
     expected = expected_shapes(shape)
@@ -247,7 +259,7 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
         types[SERVED_TYPES[qtype]] += 1
         infos[tensor.name] = TensorInfo(tensor.name, int(qtype), dims, tensor.offset, n_bytes)
     required = ["token_embd.weight", "output_norm.weight"] + [
-        f"blk.{i}.{name}.weight" for i in range(shape.layers) for name in GGUF_LAYER_NAMES
+        f"blk.{i}.{name}.weight" for i in range(shape.layers) for name in required_layer_names(shape.gguf_arch)
     ]
     missing = [name for name in required if name not in infos]
     if missing:

@@ -39,9 +39,29 @@ class Architecture:
     media: str | None = None
     # Activations overflow float16 (Gemma's residual stream): where auto would pick float16, float32 runs.
     overflows_float16: bool = False
+    # Split over ranks by --tensor-parallel-size (sharding.py); the 2026 families are not validated
+    # there yet (fused checkpoint tensors, OLMo's whole-width q/k norms) and run on one device.
+    tensor_parallel: bool = True
+    # Per-layer GGUF tensor names -> Hugging Face module names where the family's differ from
+    # GGUF_LAYER_NAMES (the whole map then; its q/k norms come from `qk_norms`).
+    gguf_layer_names: tuple[tuple[str, str], ...] = ()
+    gguf_norm_offset: float = 0.0  # llama.cpp's converter stores Gemma's norm weights as 1 + w
+    full_width_qk_norms: bool = False  # q/k norms over all heads at once (OLMo 2): their GGUF shapes
 
 
 TRANSFORMERS = "transformers"  # the transformers backend's row
+
+# The projections' GGUF names, and each block kind's norms (llama.cpp's names for the 2026 families).
+_PROJECTIONS = (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                ("ffn_down", "mlp.down_proj"))
+_SANDWICH_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                  ("ffn_norm", "pre_feedforward_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm"),
+                  *_PROJECTIONS)
+_POST_GGUF = (("post_attention_norm", "post_attention_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm"),
+              *_PROJECTIONS)
+_SEED_OSS_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"), *_PROJECTIONS)
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture("llama", "llama.LlamaForCausalLM", ("LlamaForCausalLM",), "llama", "llama",
@@ -64,32 +84,35 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  "roberta", reads_gguf=False, encoder=True),
     Architecture("xlm-roberta", "bert.BertEncoder", ("XLMRobertaModel", "XLMRobertaForSequenceClassification"),
                  "xlm-roberta", "xlm-roberta", reads_gguf=False, encoder=True),
-    # The 2026 dense families (DecoderLayout says how each departs from Llama's layer); their GGUF
-    # files are not read yet.
+    # The 2026 dense families (DecoderLayout says how each departs from Llama's layer), GGUF files as
+    # llama.cpp's converter writes them; its Gemma 2, Phi-3, GLM-4 and Cohere2 files are not read yet.
     Architecture("gemma2", "gemma.Gemma2ForCausalLM", ("Gemma2ForCausalLM",), "gemma2", "gemma2", reads_gguf=False,
-                 overflows_float16=True),
+                 overflows_float16=True, tensor_parallel=False),
     Architecture("gemma3", "gemma.Gemma3ForCausalLM", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
-                 "gemma3_text", "gemma3",
-                 reads_gguf=False, qk_norms=("self_attn.q_norm", "self_attn.k_norm"), overflows_float16=True),
-    Architecture("phi3", "llama.LlamaForCausalLM", ("Phi3ForCausalLM",), "phi3", "phi3", reads_gguf=False),
-    Architecture("olmo2", "olmo.Olmo2ForCausalLM", ("Olmo2ForCausalLM",), "olmo2", "olmo2", reads_gguf=False,
-                 qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
-    Architecture("olmo3", "olmo.Olmo2ForCausalLM", ("Olmo3ForCausalLM",), "olmo3", "olmo3", reads_gguf=False,
-                 qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
+                 "gemma3_text", "gemma3", qk_norms=_QK_NORMS, overflows_float16=True, tensor_parallel=False,
+                 gguf_layer_names=_SANDWICH_GGUF, gguf_norm_offset=1.0),
+    Architecture("phi3", "llama.LlamaForCausalLM", ("Phi3ForCausalLM",), "phi3", "phi3", reads_gguf=False,
+                 tensor_parallel=False),
+    Architecture("olmo2", "olmo.Olmo2ForCausalLM", ("Olmo2ForCausalLM",), "olmo2", "olmo2", qk_norms=_QK_NORMS,
+                 tensor_parallel=False, gguf_layer_names=_POST_GGUF, full_width_qk_norms=True),
+    # llama.cpp files OLMo 3 as "olmo2" with its sliding pattern: read as the olmo2 row (the same class).
+    Architecture("olmo3", "olmo.Olmo2ForCausalLM", ("Olmo3ForCausalLM",), "olmo3", "olmo2", reads_gguf=False,
+                 qk_norms=_QK_NORMS, tensor_parallel=False, gguf_layer_names=_POST_GGUF, full_width_qk_norms=True),
     Architecture("smollm3", "llama.LlamaForCausalLM", ("SmolLM3ForCausalLM",), "smollm3", "smollm3",
-                 reads_gguf=False),
+                 gguf_permuted_qk=True, tensor_parallel=False),
     Architecture("granite", "llama.LlamaForCausalLM", ("GraniteForCausalLM",), "granite", "granite",
-                 reads_gguf=False),
+                 gguf_permuted_qk=True, tensor_parallel=False),
     # Granite 4 dense: the hybrid family's checkpoint with attention in every layer and no experts.
     Architecture("granite4", "granite.Granite4ForCausalLM", ("GraniteMoeHybridForCausalLM",), "granitemoehybrid",
-                 "granitehybrid", reads_gguf=False),
-    Architecture("glm4", "glm4.Glm4ForCausalLM", ("Glm4ForCausalLM",), "glm4", "glm4", reads_gguf=False),
+                 "granitehybrid", reads_gguf=False, tensor_parallel=False),
+    Architecture("glm4", "glm4.Glm4ForCausalLM", ("Glm4ForCausalLM",), "glm4", "glm4", reads_gguf=False,
+                 tensor_parallel=False),
     Architecture("cohere2", "llama.LlamaForCausalLM", ("Cohere2ForCausalLM",), "cohere2", "cohere2",
-                 reads_gguf=False),
+                 reads_gguf=False, tensor_parallel=False),
     Architecture("exaone4", "qwen3.Qwen3ForCausalLM", ("Exaone4ForCausalLM",), "exaone4", "exaone4",
-                 reads_gguf=False, qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
+                 qk_norms=_QK_NORMS, tensor_parallel=False, gguf_layer_names=_POST_GGUF),
     Architecture("seed_oss", "llama.LlamaForCausalLM", ("SeedOssForCausalLM",), "seed_oss", "seed_oss",
-                 reads_gguf=False),
+                 tensor_parallel=False, gguf_layer_names=_SEED_OSS_GGUF),
     # Any other causal LM transformers can run, through its own modeling code (--model-impl).
     Architecture(TRANSFORMERS, "transformers_backend.TransformersCausalLM", (), "", "", reads_gguf=False),
 )}
@@ -131,7 +154,8 @@ def register_model(arch: Architecture) -> None:
         raise ValueError(f"{', '.join(taken)} already served as {HF_CLASSES[taken[0]]!r}")
     ARCHITECTURES[arch.name] = arch
     _index(arch)
-    _GGUF_LAYER_BY_HF.update(zip(arch.qk_norms or (), GGUF_QK_NORM_NAMES))
+    if not arch.gguf_layer_names:
+        _GGUF_LAYER_BY_HF.update(zip(arch.qk_norms or (), GGUF_QK_NORM_NAMES))
 
 
 def load_plugins() -> None:
@@ -159,17 +183,21 @@ def supported() -> str:
     return ", ".join(sorted(set(ARCHITECTURES) - {TRANSFORMERS}))
 
 
+def gguf_layer_names(arch: str) -> dict[str, str]:
+    """Architecture `arch`'s (ours) per-layer GGUF names -> Hugging Face module names, q/k norms
+    included where it has them; every layer of a file holds all but the q/k norms' (gguf_file.py)."""
+    row = ARCHITECTURES[arch]
+    names = dict(row.gguf_layer_names) or dict(GGUF_LAYER_NAMES)
+    return names | dict(zip(GGUF_QK_NORM_NAMES, row.qk_norms or ()))
+
+
 def hf_name(gguf_name: str, arch: str) -> str:
     """A GGUF tensor name -> its Hugging Face checkpoint name under architecture `arch` (ours)."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem in GGUF_GLOBAL_NAMES:
         return f"{GGUF_GLOBAL_NAMES[stem]}.{kind}"
     _, layer, short = stem.split(".")
-    if short in GGUF_QK_NORM_NAMES:
-        module = ARCHITECTURES[arch].qk_norms[GGUF_QK_NORM_NAMES.index(short)]
-    else:
-        module = GGUF_LAYER_NAMES[short]
-    return f"model.layers.{layer}.{module}.{kind}"
+    return f"model.layers.{layer}.{gguf_layer_names(arch)[short]}.{kind}"
 
 
 _GGUF_GLOBAL_BY_HF = {hf: short for short, hf in GGUF_GLOBAL_NAMES.items()}
@@ -178,14 +206,16 @@ _GGUF_LAYER_BY_HF = {hf: short for short, hf in GGUF_LAYER_NAMES.items()} | {
 }
 
 
-def gguf_name(hf_name: str) -> str:
-    """A Hugging Face checkpoint name -> its GGUF tensor name (hf_name's inverse, for any architecture)."""
+def gguf_name(hf_name: str, arch: str | None = None) -> str:
+    """A Hugging Face checkpoint name -> its GGUF tensor name: hf_name's inverse, for architecture
+    `arch` (ours), or with None for any that uses GGUF_LAYER_NAMES."""
     stem, _, kind = hf_name.rpartition(".")
     if stem in _GGUF_GLOBAL_BY_HF:
         return f"{_GGUF_GLOBAL_BY_HF[stem]}.{kind}"
     parts = stem.split(".")
     if parts[:2] == ["model", "layers"]:
-        return f"blk.{parts[2]}.{_GGUF_LAYER_BY_HF['.'.join(parts[3:])]}.{kind}"
+        by_hf = _GGUF_LAYER_BY_HF if arch is None else {hf: short for short, hf in gguf_layer_names(arch).items()}
+        return f"blk.{parts[2]}.{by_hf['.'.join(parts[3:])]}.{kind}"
     raise ValueError(f"no GGUF name for {hf_name}")
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from crane_mp.models.registry import ARCHITECTURES
+
 # Logit rows per rank round up to this, so that a quantized LM head's rows repack in whole groups.
 _VOCAB_ROW_MULTIPLE = 16
 
@@ -97,6 +99,9 @@ def make_shard(config, rank: int, size: int) -> Shard:
     if config.media:
         raise ValueError(f"tensor parallelism serves text models; {config.arch} (its {config.media} encoder is not "
                          "split) runs on one rank")
+    if not ARCHITECTURES[config.arch].tensor_parallel:
+        raise ValueError(f"tensor parallelism is not validated for {config.arch} yet: it runs on one rank "
+                         "(--tensor-parallel-size 1)")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     _even(heads, size, "attention heads")
     if kv_heads % size and size % kv_heads:

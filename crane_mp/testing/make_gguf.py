@@ -97,6 +97,35 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: dict, pri
     writer.add_chat_template(tok_config["chat_template"])
 
 
+def _rope_theta(config: dict, layer_type: str = "full_attention") -> float:
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get(layer_type, rope) if isinstance(rope.get(layer_type), dict) else rope
+    return float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+
+
+def _write_family(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
+    """What a 2026 family's file says beyond Llama's keys, as llama.cpp's converter writes it (the
+    sliding pattern always as an array, which llama.cpp also reads, so any layer pattern round-trips)."""
+    key = f"{arch}."
+    kinds = config.get("layer_types") or []
+    if config.get("sliding_window") and "sliding_attention" in kinds:
+        writer.add_uint32(key + "attention.sliding_window", config["sliding_window"])
+        writer.add_array(key + "attention.sliding_window_pattern", [kind == "sliding_attention" for kind in kinds])
+    rope = config.get("rope_parameters") or {}
+    if isinstance(rope.get("sliding_attention"), dict):
+        writer.add_float32(key + "rope.freq_base_swa", _rope_theta(config, "sliding_attention"))
+        full = rope["full_attention"]
+        if full.get("rope_type") == "linear":
+            writer.add_string(key + "rope.scaling.type", "linear")
+            writer.add_float32(key + "rope.scaling.factor", float(full["factor"]))
+    for field, name in (("final_logit_softcapping", "final_logit_softcapping"),
+                        ("attn_logit_softcapping", "attn_logit_softcapping"), ("attention_multiplier", "attention.scale"),
+                        ("embedding_multiplier", "embedding_scale"), ("residual_multiplier", "residual_scale"),
+                        ("logits_scaling", "logit_scale")):
+        if config.get(field) is not None:
+            writer.add_float32(key + name, float(config[field]))
+
+
 def _write_hparams(writer: gguf.GGUFWriter, config: dict, file_type: str) -> None:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -109,7 +138,7 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict, file_type: str) -> Non
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta") or 10000.0))
+    writer.add_rope_freq_base(_rope_theta(config))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(_FILE_TYPES[file_type])
@@ -140,9 +169,11 @@ def make_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", name:
         raise ValueError(f"unknown type {qtype}; choose from {', '.join(_FILE_TYPES)}")
     config = json.loads((model_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
+    served = GGUF_ARCHITECTURES[arch]  # the registry row reading the file
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(name or model_dir.name)
     _write_hparams(writer, config, qtype)
+    _write_family(writer, arch, config)
     _write_tokenizer(writer, model_dir, config)
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     factors = llama3_rope_factors(config)
@@ -151,7 +182,9 @@ def make_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", name:
     state = load_file(str(model_dir / "model.safetensors"))
     for hf_name in sorted(state):
         w = state[hf_name].astype(np.float32)
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, served.name)
+        if served.gguf_norm_offset and name.endswith("norm.weight"):
+            w = w + served.gguf_norm_offset
         if arch in PERMUTED_QK_ARCHS and (".attn_q." in name or ".attn_k." in name):
             w = permute_rows(w, heads if ".attn_q." in name else kv_heads)
         if w.ndim == 1:

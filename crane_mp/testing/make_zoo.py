@@ -25,7 +25,8 @@ from crane_mp.testing.tokenizer import write_json, write_tokenizer
 
 WINDOW = 6  # sliding layers' window: the tests' prompts are longer
 _SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 512}
+          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 512,
+          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # make_zoo_model sets its tokenizer's
 _MIXED = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 # transformers' model_type -> the config fields that make its tiny checkpoint exercise the family.

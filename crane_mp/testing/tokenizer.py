@@ -236,12 +236,17 @@ def train_tokenizer(family: str, vocab_size: int) -> Tokenizer:
 def write_tokenizer(family: str, vocab_size: int, model_max_length: int, out_dir: Path,
                     trained: int | None = None) -> TokenIds:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return the ids configs need.
-    `trained`: train that many tokens and fill the rest of `vocab_size` with <unusedN> tokens, as large
-    vocabularies (Gemma's 262k) hold them; training that many merges would take long."""
+    `trained`: train that many tokens and fill the rest of `vocab_size` with <unusedN> vocabulary entries
+    (no merge reaches them), as large vocabularies (Gemma's 262k) hold unused tokens; training that
+    many merges would take long, and as added tokens they would slow every tokenizer that loads them."""
     spec = FAMILIES[family]
     tok = train_tokenizer(family, trained or vocab_size)
     if trained is not None and vocab_size > trained:
-        tok.add_tokens([AddedToken(f"<unused{i}>", normalized=False) for i in range(vocab_size - trained)])
+        data = json.loads(tok.to_str())
+        data["model"]["vocab"].update({f"<unused{i}>": trained + i for i in range(vocab_size - trained)})
+        # Added tokens keep their ids only where the vocabulary holds them too.
+        data["model"]["vocab"].update({token["content"]: token["id"] for token in data["added_tokens"]})
+        tok = Tokenizer.from_str(json.dumps(data))
     tok.save(str(out_dir / "tokenizer.json"))
     ids = {content: tok.token_to_id(content) for content, _ in spec.added}
     named = {"bos_token": spec.bos, "eos_token": spec.eos, "pad_token": spec.pad, "unk_token": spec.unk}

@@ -27,7 +27,7 @@ from crane_mp.models.registry import (
 from crane_mp.testing.make_encoder import ARCHS as ENCODER_ARCHS
 from crane_mp.testing.make_gguf import GGUF_ARCH
 from crane_mp.testing.make_model import ARCHS, build_config
-from crane_mp.testing.make_zoo import FAMILIES as ZOO_FAMILIES
+from crane_mp.testing.make_zoo import FAMILIES as ZOO_FAMILIES, build_zoo_config
 from crane_mp.worker.models.bert import BertEncoder
 from crane_mp.worker.models.build import model_class
 from crane_mp.worker.models.layers import CausalLM
@@ -59,10 +59,14 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
         ("Cohere2ForCausalLM",), ("Exaone4ForCausalLM",), ("SeedOssForCausalLM",)]
     assert {gguf: (arch.name, arch.hf_model_type) for gguf, arch in GGUF_ARCHITECTURES.items()} == {
         "llama": ("llama", "llama"), "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"),
-        "hunyuan-dense": ("hunyuan", "hunyuan_v1_dense")}
-    assert PERMUTED_QK_ARCHS == {"llama"}
+        "hunyuan-dense": ("hunyuan", "hunyuan_v1_dense"), "gemma3": ("gemma3", "gemma3_text"),
+        "olmo2": ("olmo2", "olmo2"), "smollm3": ("smollm3", "smollm3"), "granite": ("granite", "granite"),
+        "exaone4": ("exaone4", "exaone4"), "seed_oss": ("seed_oss", "seed_oss")}
+    assert PERMUTED_QK_ARCHS == {"llama", "smollm3", "granite"}  # llama.cpp's LlamaModel converters permute
     assert GGUF_ARCH == {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                         "hunyuan_v1_dense": "hunyuan-dense"}
+                         "hunyuan_v1_dense": "hunyuan-dense", "gemma3_text": "gemma3", "olmo2": "olmo2",
+                         "olmo3": "olmo2", "smollm3": "smollm3", "granite": "granite", "exaone4": "exaone4",
+                         "seed_oss": "seed_oss"}
 
 
 NATIVE = sorted(set(ARCHITECTURES) - {TRANSFORMERS})
@@ -82,14 +86,15 @@ def test_every_architecture_round_trips_its_names(arch):
         assert not row.reads_gguf and row.gguf_arch not in GGUF_ARCHITECTURES
         return
     served = GGUF_ARCHITECTURES.get(row.gguf_arch)
-    if served is None:  # a 2026 family: no GGUF files read yet, its checkpoints written by make_zoo
-        assert not row.reads_gguf and row.hf_model_type in ZOO_FAMILIES
-        return
+    if row.hf_model_type in ZOO_FAMILIES:  # a 2026 family: its checkpoints written by make_zoo
+        assert (served is not None) == (row.reads_gguf or row.name == "olmo3")
+        if served is None:
+            return
     # A GGUF file names the architecture, or (Mistral) one served by the same class, q/k rows alike.
     assert served is row if row.reads_gguf else served.model_class == row.model_class
     assert (row.gguf_arch in PERMUTED_QK_ARCHS) == row.gguf_permuted_qk
     assert GGUF_ARCH[row.hf_model_type] == row.gguf_arch
-    assert arch in ARCHS  # make_model can write one
+    assert arch in ARCHS or row.hf_model_type in ZOO_FAMILIES  # make_model or make_zoo can write one
 
 
 DECODERS = sorted(name for name in NATIVE if not ARCHITECTURES[name].encoder and not ARCHITECTURES[name].media)
@@ -114,14 +119,18 @@ def test_every_architecture_has_a_model_class_with_its_qk_norms(arch):
     assert (cls.attention_class.qk_norm_position is not None) == (row.qk_norms is not None)
 
 
-@pytest.mark.parametrize("arch", [name for name in DECODERS if ARCHITECTURES[name].reads_gguf or name == "mistral"])
+@pytest.mark.parametrize("arch", [name for name in DECODERS if ARCHITECTURES[name].gguf_arch in GGUF_ARCHITECTURES])
 def test_every_checkpoint_tensor_round_trips_through_its_gguf_name(arch):
+    untied = {"tie_word_embeddings": False}
+    config = (build_config(arch, "tiny", overrides=untied) if arch in ARCHS
+              else build_zoo_config(ARCHITECTURES[arch].hf_model_type, untied))
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(build_config(arch, "tiny", overrides={"tie_word_embeddings": False}))
+        hf = AutoModelForCausalLM.from_config(config)
     names = [name for name in hf.state_dict() if "rotary_emb" not in name]
     assert any("norm" in name for name in names)
-    for name in names:
-        assert hf_name(gguf_name(name), arch) == name
+    served = GGUF_ARCHITECTURES[ARCHITECTURES[arch].gguf_arch].name  # Mistral's and OLMo 3's files are read as
+    for name in names:                                                # another row's
+        assert hf_name(gguf_name(name, served), served) == name
 
 
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
@@ -136,7 +145,7 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
                                                     r"causal LM for it"):
         model_config_from_hf(unknown)
     with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
-                                            r"hunyuan-dense, llama, qwen2, qwen3\)"):
+                                            r"exaone4, gemma3, granite, hunyuan-dense, llama, olmo2, qwen2, qwen3, seed_oss, smollm3\)"):
         read_shape({"general.architecture": "gpt2"}, {}, tmp_path / "m.gguf")
 
 

@@ -17,11 +17,13 @@ from crane_mp.frontend.serving.reasoning import (
     END,
     LEADING,
     PLAIN,
+    SEED_THINK,
     START,
+    THINK,
     THINKING,
     ReasoningSplitter,
     reading_mode,
-    reasoning_enabled,
+    reasoning_markers,
     split_reasoning,
     template_thinks,
 )
@@ -54,15 +56,25 @@ def _pieces(text: str, seed: int) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
 
-@pytest.mark.parametrize("prompt, thinks, answer, reasoning, content", CASES)
-def test_the_split_is_lossless_and_the_same_in_every_chunking(prompt, thinks, answer, reasoning, content):
-    mode = reading_mode(prompt, False, thinks)
-    assert split_reasoning(mode, answer) == (reasoning, content)
-    dropped = reasoning is not None and answer.startswith(START)  # the opening tag the answer wrote
-    ended = reasoning is not None and END in answer
-    assert (START if dropped else "") + (reasoning or "") + (END if ended else "") + content == answer
+def _tagged(text: str | None, markers) -> str | None:
+    """A case's text with Seed-OSS's tags where it has Qwen3's."""
+    if text is None:
+        return None
+    return text.replace(END, "\0").replace(START, markers.start).replace("\0", markers.end)
+
+
+@pytest.mark.parametrize("markers", [THINK, SEED_THINK], ids=["think", "seed_think"])
+@pytest.mark.parametrize("case", CASES)
+def test_the_split_is_lossless_and_the_same_in_every_chunking(case, markers):
+    prompt, answer, reasoning, content = (_tagged(text, markers) for text in (case[0], *case[2:]))
+    thinks = case[1]
+    mode = reading_mode(prompt, False, thinks, markers)
+    assert split_reasoning(mode, answer, markers) == (reasoning, content)
+    dropped = reasoning is not None and answer.startswith(markers.start)  # the opening tag the answer wrote
+    ended = reasoning is not None and markers.end in answer
+    assert (markers.start if dropped else "") + (reasoning or "") + (markers.end if ended else "") + content == answer
     for seed in range(20):
-        splitter = ReasoningSplitter.reading(mode)
+        splitter = ReasoningSplitter.reading(mode, markers)
         fed = [splitter.feed(piece) for piece in _pieces(answer, seed)] + [splitter.finish()]
         assert "".join(r for r, _ in fed) == (reasoning or "")
         assert "".join(c for _, c in fed) == content
@@ -80,9 +92,13 @@ def test_how_a_prompt_s_answer_is_read():
 
 
 def test_auto_reads_thinking_where_the_vocabulary_has_both_tags():
-    assert reasoning_enabled("auto", {START: 1, END: 2})
-    assert not reasoning_enabled("auto", {START: 1})
-    assert reasoning_enabled("deepseek_r1", {}) and not reasoning_enabled("none", {START: 1, END: 2})
+    assert reasoning_markers("auto", {START: 1, END: 2}) == THINK
+    assert reasoning_markers("auto", {START: 1}) is None
+    assert reasoning_markers("auto", {"<seed:think>": 5, "</seed:think>": 6}) == SEED_THINK  # Seed-OSS
+    assert reasoning_markers("deepseek_r1", {}) == THINK and reasoning_markers("seed_oss", {}) == SEED_THINK
+    assert reasoning_markers("none", {START: 1, END: 2}) is None
+    # Qwen3's tags are not Seed-OSS's: its answer's <think> is content.
+    assert split_reasoning(LEADING, "<think>a</think>b", SEED_THINK) == (None, "<think>a</think>b")
 
 
 def _ids(state, text: str) -> list[int]:

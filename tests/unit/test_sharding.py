@@ -95,6 +95,8 @@ def test_the_vocabulary_splits_into_equal_padded_rows():
     ({"arch": "bert"}, 2, "decoder models"),
     ({"arch": "qwen2_5_vl"}, 2, "qwen2_5_vl .its image encoder"),
     ({"arch": "whisper"}, 2, "whisper .its audio encoder"),
+    ({"arch": "olmo2"}, 2, "not validated for olmo2"),
+    ({"arch": "gemma3"}, 2, "not validated for gemma3"),
 ])
 def test_a_size_that_does_not_split_the_model_is_refused_by_name(kwargs, size, message):
     with pytest.raises(ValueError, match=message):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from crane_mp.frontend.serving.generation import Delta
-from crane_mp.frontend.serving.reasoning import ReasoningSplitter, reasoning_tokens, split_reasoning
+from crane_mp.frontend.serving.reasoning import THINK, Markers, ReasoningSplitter, reasoning_tokens, split_reasoning
 from crane_mp.frontend.tools.formats import ToolFormat
 from crane_mp.frontend.tools.parser import ToolCallParser, parse_with
 from crane_mp.frontend.tools.xml_calls import XmlCallParser
@@ -22,10 +22,11 @@ class ReasoningReading:
 
     mode: str
     end_token: int | None
+    markers: Markers = THINK
 
     def split(self, text: str, token_ids: list[int]) -> tuple[str | None, str, int]:
         """(reasoning or None, content, thinking tokens) of a whole answer."""
-        reasoning, content = split_reasoning(self.mode, text)
+        reasoning, content = split_reasoning(self.mode, text, self.markers)
         return reasoning, content, reasoning_tokens(token_ids, self.end_token, reasoning is not None)
 
 
@@ -85,7 +86,7 @@ class AnswerReader:
 
     def __init__(self, tools: ToolReading | None, thinking: ReasoningReading | None) -> None:
         self.parser = tools.parser() if tools else None
-        self.splitter = ReasoningSplitter.reading(thinking.mode) if thinking else None
+        self.splitter = ReasoningSplitter.reading(thinking.mode, thinking.markers) if thinking else None
         self.end_token = thinking.end_token if thinking else None
         self.token_ids: list[int] = []  # with thinking: to count its tokens
         self.finish_reason: str | None = None

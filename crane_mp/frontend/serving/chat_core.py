@@ -106,13 +106,14 @@ async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
     # after a prompt that opened thinking (R1): the constraint waits until the block ends. Otherwise a
     # constraint holds from the first token: the answer does not think (as with enable_thinking false).
     followable = None not in (state.think_start_token, state.think_end_token)
-    opens = prompt_opens_thinking(prompt)
+    markers = state.think_markers
+    opens = prompt_opens_thinking(prompt, markers)
     mode = reading_mode(prompt, ask.continue_final_message,
-                        template_thinks(state.config.reasoning_parser, state.tokenizer.template_variables))
+                        template_thinks(state.config.reasoning_parser, state.tokenizer.template_variables), markers)
     if constraint is not None and not opens:
         mode = PLAIN
     split = state.reasoning and ask.separate_reasoning and (constraint is None or followable or not opens)
-    thinking = ReasoningReading(mode, state.think_end_token) if split else None
+    thinking = ReasoningReading(mode, state.think_end_token, markers) if split else None
     budget = ask.thinking_budget
     if mode == PLAIN:
         budget = None

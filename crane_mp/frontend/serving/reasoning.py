@@ -12,14 +12,28 @@ template cannot think (then it thinks only inside a `<think>` it opens with).
 
 The split is lossless: (the opening tag the response wrote) + reasoning + `</think>` + content is the
 response's text, however the text arrives in pieces (a tag cut across pieces is held back until it is
-whole or proves not to be one).
+whole or proves not to be one). Seed-OSS thinks between `<seed:think>` and `</seed:think>`: the tags
+are per family (Markers), the rule the same.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-START, END = "<think>", "</think>"
+
+@dataclass(frozen=True, slots=True)
+class Markers:
+    """A family's thinking tags."""
+
+    start: str
+    end: str
+
+
+THINK = Markers("<think>", "</think>")  # Qwen3, DeepSeek-R1, SmolLM3, EXAONE 4, Phi-4-reasoning, GLM
+SEED_THINK = Markers("<seed:think>", "</seed:think>")  # Seed-OSS
+START, END = THINK.start, THINK.end
+# --reasoning-parser names -> their tags; auto looks for each pair among the vocabulary's tokens.
+PARSER_MARKERS = {"qwen3": THINK, "deepseek_r1": THINK, "seed_oss": SEED_THINK}
 
 # How an answer is read for thinking (reading_mode).
 THINKING = "thinking"  # reasoning from its start until the first </think>
@@ -27,12 +41,15 @@ LEADING = "leading"  # reasoning only inside a <think> ... </think> it opens wit
 PLAIN = "plain"  # all content
 
 
-def reasoning_enabled(parser: str, added_vocab: dict[str, int]) -> bool:
-    """--reasoning-parser: qwen3 and deepseek_r1 read the same tags (what differs, whether the prompt
-    opens the thinking, is seen per request); auto reads them when the vocabulary has both as tokens."""
+def reasoning_markers(parser: str, added_vocab: dict[str, int]) -> Markers | None:
+    """The tags answers are read by, None: not read for thinking. --reasoning-parser: qwen3 and
+    deepseek_r1 read the same tags (what differs, whether the prompt opens the thinking, is seen per
+    request), seed_oss Seed-OSS's; auto reads the first pair the vocabulary has both of as tokens."""
+    if parser == "none":
+        return None
     if parser == "auto":
-        return START in added_vocab and END in added_vocab
-    return parser != "none"
+        return next((m for m in (THINK, SEED_THINK) if m.start in added_vocab and m.end in added_vocab), None)
+    return PARSER_MARKERS[parser]
 
 
 def template_thinks(parser: str, template_variables: frozenset[str] | None) -> bool:
@@ -43,20 +60,20 @@ def template_thinks(parser: str, template_variables: frozenset[str] | None) -> b
     return parser != "auto" or template_variables is None or "enable_thinking" in template_variables
 
 
-def prompt_opens_thinking(prompt: str) -> bool:
+def prompt_opens_thinking(prompt: str, markers: Markers = THINK) -> bool:
     """The rendered prompt ends inside a think block (R1's template: the response starts thinking)."""
-    return prompt.rfind(START) > prompt.rfind(END)
+    return prompt.rfind(markers.start) > prompt.rfind(markers.end)
 
 
-def reading_mode(prompt: str, continued: bool, thinks: bool) -> str:
+def reading_mode(prompt: str, continued: bool, thinks: bool, markers: Markers = THINK) -> str:
     """How the answer to a rendered chat `prompt` is read: thinking where the prompt left a think block
     open; all content where it closed one just before the answer (`enable_thinking: false`) or the answer
     continues the final message (`continued`: its text goes on as it was); otherwise thinking mode where
     the template thinks (template_thinks). An earlier turn's closed block does not count: only the
     prompt's end does."""
-    if prompt_opens_thinking(prompt):
+    if prompt_opens_thinking(prompt, markers):
         return THINKING
-    if continued or prompt.rstrip().endswith(END):
+    if continued or prompt.rstrip().endswith(markers.end):
         return PLAIN
     return THINKING if thinks else LEADING
 
@@ -70,31 +87,33 @@ class ReasoningSplitter:
     # answer; thinking; answer
     state: str = "start"
     held: str = ""
-    ended: bool = False  # </think> was seen
+    ended: bool = False  # the end tag was seen
+    markers: Markers = THINK
 
     @classmethod
-    def reading(cls, mode: str) -> ReasoningSplitter:
+    def reading(cls, mode: str, markers: Markers = THINK) -> ReasoningSplitter:
         """A splitter for an answer read in `mode` (reading_mode)."""
-        return cls({THINKING: "open", LEADING: "start", PLAIN: "answer"}[mode])
+        return cls({THINKING: "open", LEADING: "start", PLAIN: "answer"}[mode], markers=markers)
 
     def feed(self, text: str) -> tuple[str, str]:
         text, self.held = self.held + text, ""
+        start, end_tag = self.markers.start, self.markers.end
         if self.state in ("open", "start"):
-            if text.startswith(START):
-                self.state, text = "thinking", text[len(START):]
-            elif START.startswith(text):
+            if text.startswith(start):
+                self.state, text = "thinking", text[len(start):]
+            elif start.startswith(text):
                 self.held = text  # may still become <think>
                 return "", ""
             else:
                 self.state = "thinking" if self.state == "open" else "answer"
         reasoning = ""
         if self.state == "thinking":
-            end = text.find(END)
+            end = text.find(end_tag)
             if end < 0:
-                keep = _partial_suffix(text, END)
+                keep = _partial_suffix(text, end_tag)
                 self.held = text[len(text) - keep:] if keep else ""
                 return text[: len(text) - keep], ""
-            reasoning, text = text[:end], text[end + len(END):]
+            reasoning, text = text[:end], text[end + len(end_tag):]
             self.state, self.ended = "answer", True
         return reasoning, text
 
@@ -109,9 +128,9 @@ class ReasoningSplitter:
         return self.state in ("open", "thinking") or self.ended
 
 
-def split_reasoning(mode: str, text: str) -> tuple[str | None, str]:
+def split_reasoning(mode: str, text: str, markers: Markers = THINK) -> tuple[str | None, str]:
     """A whole response's (reasoning, content), read in `mode`; reasoning None when it did not think."""
-    splitter = ReasoningSplitter.reading(mode)
+    splitter = ReasoningSplitter.reading(mode, markers)
     reasoning, content = splitter.feed(text)
     more_reasoning, more_content = splitter.finish()
     return (reasoning + more_reasoning if splitter.thought else None), content + more_content

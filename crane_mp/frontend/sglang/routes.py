@@ -16,7 +16,8 @@ from crane_mp.frontend.serving.logprobs_format import scored_prompt_positions
 from crane_mp.frontend.serving.pipeline import Plan, prompt_ids, serve
 from crane_mp.frontend.serving.reasoning import (
     LEADING,
-    START as THINK_START,
+    PARSER_MARKERS,
+    THINK,
     THINKING,
     prompt_opens_thinking,
     split_reasoning,
@@ -115,7 +116,8 @@ async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.Stre
     started = time.monotonic()
     logprob_infos: dict[int, LogprobInfo] = {}
     # SGLang's reading: a raw prompt's answer thinks from its start only where the prompt opened thinking.
-    modes = [THINKING if prompt_opens_thinking(t) else LEADING for t in await _prompt_texts(state, req, prompts)] \
+    modes = [THINKING if prompt_opens_thinking(t, state.think_markers) else LEADING
+             for t in await _prompt_texts(state, req, prompts)] \
         if req.separate_reasoning else []
 
     def result(gens: list[Generation], index: int, text: str, ids: list[int], logprobs_list, finish) -> dict[str, Any]:
@@ -129,7 +131,7 @@ async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.Stre
             meta.update(logprob_infos[index].info(ids, logprobs_list))
         body = {"text": text, "output_ids": ids, "meta_info": meta}
         if req.separate_reasoning:  # a stream's chunks split the output so far, as a whole answer is split
-            reasoning, body["text"] = split_reasoning(modes[index // sp.n], text)
+            reasoning, body["text"] = split_reasoning(modes[index // sp.n], text, state.think_markers)
             body["reasoning_text"] = reasoning or ""
         if batch or sp.n > 1:
             body["index"] = index
@@ -161,9 +163,10 @@ async def separate_reasoning(request: web.Request, req: SeparateReasoningRequest
     """SGLang's native endpoint: {"reasoning_text", "text"} of a whole answer."""
     text = req.text
     opened = req.reasoning_parser in ("deepseek-r1", "deepseek_r1", "qwen3-thinking")
-    if opened and text.lstrip().startswith(THINK_START):  # R1-0528 writes the tag the template also opened
-        text = text.lstrip()[len(THINK_START):]
-    reasoning, content = split_reasoning(THINKING if opened else LEADING, text)
+    markers = PARSER_MARKERS.get((req.reasoning_parser or "").replace("-", "_"), THINK)
+    if opened and text.lstrip().startswith(markers.start):  # R1-0528 writes the tag the template also opened
+        text = text.lstrip()[len(markers.start):]
+    reasoning, content = split_reasoning(THINKING if opened else LEADING, text, markers)
     return json_response({"reasoning_text": reasoning or "", "text": content})
 
 

@@ -1,11 +1,12 @@
 """The tool-call formats the supported models write, which one a server reads, the prompt that describes
 tools to a template that does not, and the checks on a request's tools and tool_choice.
 
-Four formats cover the supported models: Hermes (`<tool_call>{"name": .., "arguments": ..}</tool_call>`,
-Qwen2.5 and Qwen3), Qwen3-Coder's XML (`<tool_call><function=..><parameter=..>..</parameter></function>
-</tool_call>`, tools/xml_calls.py), Llama 3's JSON (`{"name": .., "parameters": ..}`, calls separated by
-`;`) and Mistral's (`[TOOL_CALLS][{"name": .., "arguments": ..}, ..]`; the marker is a control token,
-gone from the text, so a leading `[` opens the calls too).
+Five formats cover the supported models: Hermes (`<tool_call>{"name": .., "arguments": ..}</tool_call>`,
+Qwen2.5, Qwen3 and most fine-tunes), Qwen3-Coder's XML (`<tool_call><function=..><parameter=..>..
+</parameter></function></tool_call>`, tools/xml_calls.py), Llama 3's JSON (`{"name": .., "parameters": ..}`,
+calls separated by `;`), Mistral's (`[TOOL_CALLS][{"name": .., "arguments": ..}, ..]`; the marker is a
+control token, gone from the text, so a leading `[` opens the calls too) and Granite's (`<|tool_call|>`
+and the same list; Phi-4-mini writes it too).
 """
 
 from __future__ import annotations
@@ -39,15 +40,19 @@ FORMATS = {
     "llama3_json": ToolFormat("llama3_json", ("<|python_tag|>",), "{", ("parameters", "arguments"), separator="; "),
     "mistral": ToolFormat("mistral", ("[TOOL_CALLS]",), "[", ("arguments",),
                           separator=", ", list_open="[TOOL_CALLS][", list_close="]", id_length=9),
+    "granite": ToolFormat("granite", ("<|tool_call|>",), "", ("arguments",), separator=", ",
+                          list_open="<|tool_call|>[", list_close="]"),
     "qwen3_coder": ToolFormat("qwen3_coder", ("<tool_call>",), "", ("arguments",),
                               call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n", xml=True),
 }
 # Texts of the formats that a vocabulary may hold as one (added) token.
-MARKER_TEXTS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
+MARKER_TEXTS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>")
 # --tool-call-parser auto: the format whose marker the vocabulary holds as a token, else by architecture
 # (a Mistral GGUF says "llama"; fine-tunes of other families mostly follow Hermes).
-_BY_MARKER = {"[TOOL_CALLS]": "mistral", "<tool_call>": "hermes", "<|python_tag|>": "llama3_json"}
-_BY_ARCH = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral"}
+_BY_MARKER = {"[TOOL_CALLS]": "mistral", "<tool_call>": "hermes", "<|python_tag|>": "llama3_json",
+              "<|tool_call|>": "granite"}
+_BY_ARCH = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral", "granite": "granite",
+            "granite4": "granite", "phi3": "granite"}
 
 
 def tool_format(parser: str, arch: str, marker_tokens: dict[str, int] | None = None,

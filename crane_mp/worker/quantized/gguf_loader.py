@@ -20,7 +20,7 @@ from torch import nn
 
 from crane_mp.models.config import ModelConfig
 from crane_mp.models.gguf_file import TensorInfo, check_gguf
-from crane_mp.models.registry import PERMUTED_QK_ARCHS, hf_name
+from crane_mp.models.registry import ARCHITECTURES, PERMUTED_QK_ARCHS, hf_name
 from crane_mp.models.sharding import Shard
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
@@ -196,10 +196,15 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
     if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
         model.lm_head.weight = model.model.embed_tokens.weight
 
+    norm_offset = ARCHITECTURES[config.arch].gguf_norm_offset  # Gemma's norms are stored as 1 + w
+
     def float_weights():
         for name in tensors.infos:
             if name not in consumed and name != "rope_freqs.weight":  # rope_freqs: read by the config
-                yield hf_name(name, config.arch), tensors.floats(name, torch.float32)
+                tensor = tensors.floats(name, torch.float32)
+                if norm_offset and name.endswith("norm.weight"):
+                    tensor = tensor - norm_offset
+                yield hf_name(name, config.arch), tensor
             if name not in consumed:
                 bar.update(1)
 

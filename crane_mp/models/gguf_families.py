@@ -1,0 +1,53 @@
+"""What a GGUF file of a 2026 family says beyond the Llama hyper-parameters, as the transformers
+config fields its DecoderLayout reader (layouts.py) reads: llama.cpp's metadata keys and, where its
+converter writes none, the defaults llama.cpp itself assumes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from crane_mp.models.layouts import FULL, SLIDING
+
+# llama.cpp's sliding-window pattern where a file has no attention.sliding_window_pattern: every
+# n-th layer global (llama_hparams::set_swa_pattern).
+_SWA_PATTERN = {"gemma3": 6, "gemma2": 2}
+_NO_ROPE_STEP = {"smollm3": 4}  # every 4th layer without rope (llama.cpp's n_no_rope_layer_step)
+_GEMMA_27B_LAYERS = 62  # Gemma 3 27B scales queries by hidden / heads, not head_dim (as llama.cpp does)
+
+
+def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """transformers config fields for a file of `gguf_arch` with GGUFShape `shape`."""
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{gguf_arch}.{name}", default)
+
+    fields: dict[str, Any] = {}
+    window = key("attention.sliding_window")
+    if window:
+        pattern = key("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            sliding = [bool(flag) for flag in pattern]
+        else:
+            every = int(pattern or _SWA_PATTERN.get(gguf_arch, 0))
+            sliding = [every == 0 or i % every < every - 1 for i in range(shape.layers)]
+        fields |= {"sliding_window": int(window), "layer_types": [SLIDING if s else FULL for s in sliding]}
+        local_base = key("rope.freq_base_swa")
+        if local_base is not None and float(local_base) != shape.rope_base:
+            full = {"rope_type": "default", "rope_theta": shape.rope_base, **shape.rope_scaling}
+            fields["rope_parameters"] = {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": float(local_base)}}
+    if gguf_arch in ("gemma2", "gemma3"):
+        fields["query_pre_attn_scalar"] = (shape.hidden // shape.heads if shape.layers == _GEMMA_27B_LAYERS
+                                           else shape.head_dim)
+        fields["final_logit_softcapping"] = key("final_logit_softcapping")
+        fields["attn_logit_softcapping"] = key("attn_logit_softcapping")
+    if gguf_arch == "granite":
+        fields |= {"attention_multiplier": float(key("attention.scale", shape.head_dim**-0.5)),
+                   "embedding_multiplier": float(key("embedding_scale", 1.0)),
+                   "residual_multiplier": float(key("residual_scale", 1.0)),
+                   "logits_scaling": float(key("logit_scale", 1.0))}
+    if gguf_arch in _NO_ROPE_STEP:
+        step = _NO_ROPE_STEP[gguf_arch]
+        fields["no_rope_layers"] = [int((i + 1) % step != 0) for i in range(shape.layers)]
+    if gguf_arch == "seed_oss":
+        fields["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
+    return fields

@@ -1,0 +1,68 @@
+"""GGUF files of the 2026 families: a tiny checkpoint of each, converted to GGUF, gives transformers'
+greedy tokens on the safetensors. Converted by make_gguf (llama.cpp's keys, names and norm offsets),
+and, where ../shared/peers installed it, by llama.cpp's own convert_hf_to_gguf.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from crane_mp.config import EngineConfig
+from crane_mp.engine import LLMEngine
+from crane_mp.models.layouts import FULL, SLIDING
+from crane_mp.protocol import SamplingParams
+from crane_mp.testing.make_gguf import make_gguf
+from crane_mp.testing.make_zoo import make_zoo_model
+
+NUM_TOKENS = 10
+# The families whose files we read, with the layer patterns llama.cpp's converter can state: Gemma 3's
+# files carry no pattern (llama.cpp assumes every 6th layer global) and no query scale (head_dim's, as
+# Gemma 3 below 27B has), SmolLM3's no-rope step is 4.
+GGUF_FAMILIES = {
+    "gemma3_text": {"num_hidden_layers": 6, "layer_types": [SLIDING] * 5 + [FULL], "query_pre_attn_scalar": 16},
+    "olmo2": {},
+    "olmo3": {},
+    "exaone4": {},
+    "granite": {},
+    "seed_oss": {},
+    "smollm3": {"no_rope_layers": [1, 1, 1, 0]},
+}
+LLAMA_CPP = Path(os.environ.get("PEERS", Path.home() / "peers")) / "llama"
+CONVERTER = LLAMA_CPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
+
+
+def greedy_pair(hf_dir: Path, gguf: Path) -> tuple[list[list[int]], list[list[int]]]:
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (23, 9, 40)]
+    with torch.inference_mode():
+        expected = [hf.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    engine = LLMEngine(EngineConfig(model_path=str(gguf), dtype="float32", force_cpu=True, kv_cache_dtype="float32"))
+    got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True))
+    return got, expected
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
+def test_a_float32_gguf_file_gives_transformers_greedy_tokens(tmp_path, family):
+    hf_dir = make_zoo_model(family, tmp_path / family, overrides=GGUF_FAMILIES[family])
+    got, expected = greedy_pair(hf_dir, make_gguf(hf_dir, tmp_path / f"{family}.gguf", "F32"))
+    assert got == expected
+
+
+@pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
+@pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
+def test_llama_cpp_s_own_conversion_gives_transformers_greedy_tokens(tmp_path, family):
+    hf_dir = make_zoo_model(family, tmp_path / family, overrides=GGUF_FAMILIES[family])
+    out = tmp_path / f"{family}.gguf"
+    python = LLAMA_CPP.parent / "venv-conv/bin/python"
+    subprocess.run([str(python), str(CONVERTER), str(hf_dir), "--outtype", "f32", "--outfile", str(out)],
+                   cwd=CONVERTER.parent, env={**os.environ, "GGUF_FORCE_PRE": "qwen2"}, check=True,
+                   capture_output=True)
+    got, expected = greedy_pair(hf_dir, out)
+    assert got == expected
