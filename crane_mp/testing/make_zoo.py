@@ -45,8 +45,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
                "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                                  "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
                "mm_tokens_per_image": 4},
-    "phi3": {"num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                            "partial_rotary_factor": 0.75}},
+    # Phi-4-mini's shape of rope: partial, LongRoPE (the tests' sequences stay within its original context).
+    "phi3": {"num_key_value_heads": 2, "original_max_position_embeddings": 64,
+             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                 "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0],
+                                 "original_max_position_embeddings": 64}},
     "olmo2": {},
     "olmo3": {"layer_types": _MIXED, "sliding_window": WINDOW},
     "smollm3": {"no_rope_layers": [1, 1, 0, 1], "no_rope_layer_interval": 3},
@@ -70,15 +74,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+def _gemma3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int) -> dict[str, Any]:
+    """Gemma 3's real shape at one size: 5 sliding layers to 1 global, window 1024, 262k vocabulary."""
+    return {"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 256, "vocab_size": 262144,
+            "max_position_embeddings": 131072, "sliding_window": 1024, "query_pre_attn_scalar": 256,
+            "layer_types": [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)],
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}}
+
+
 # Real shapes for benchmarks (python -m crane_mp.testing.make_zoo --family gemma3_text --preset gemma3-4b).
 PRESETS: dict[str, dict[str, Any]] = {
-    "gemma3-4b": {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34, "num_attention_heads": 8,
-                  "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 262144, "max_position_embeddings": 131072,
-                  "sliding_window": 1024, "query_pre_attn_scalar": 256,
-                  "layer_types": [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(34)],
-                  "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                      "full_attention": {"rope_type": "linear", "factor": 8.0,
-                                                         "rope_theta": 1000000.0}}},
+    "gemma3-4b": _gemma3(2560, 10240, 34, 8, 4),
+    "gemma3-12b": _gemma3(3840, 15360, 48, 16, 8),
 }
 _TRAINED_VOCAB = 16384  # larger vocabularies are padded with <unusedN> tokens
 

@@ -2,6 +2,7 @@
 8B-shape Q4_K_M (4.7 GB) in seconds, for memory and speed checks that no small model can stand in for.
 
 Run: python -m crane_mp.testing.random_gguf --out qwen3-8b-q4_k_m.gguf [--shape 8b|1.7b|0.6b|small] [--type Q4_K_M]
+     python -m crane_mp.testing.random_gguf --out gemma3-12b-q4_k_m.gguf --shape gemma3-12b   (make_zoo's presets)
 
 Every block gets random quant bits and a fixed small scale (so weights stay in a trained model's range
 and the forward pass stays finite); norms are ones. Metadata and tensor names are make_gguf's, and the
@@ -15,6 +16,7 @@ and time is an 8B model's.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -24,8 +26,10 @@ import torch
 from gguf import GGMLQuantizationType as T
 from transformers import AutoModelForCausalLM
 
-from crane_mp.testing.make_gguf import GGUF_ARCH, _write_hparams, _write_tokenizer, finish, gguf_name, pick_type
+from crane_mp.models.registry import GGUF_ARCHITECTURES, gguf_name
+from crane_mp.testing.make_gguf import GGUF_ARCH, _write_family, _write_hparams, _write_tokenizer, finish, pick_type
 from crane_mp.testing.make_model import _config_json, build_config
+from crane_mp.testing.make_zoo import PRESETS, build_zoo_config
 from crane_mp.testing.tokenizer import write_json, write_tokenizer
 
 SHAPES = {
@@ -41,6 +45,7 @@ SHAPES = {
     "small": {"tie_word_embeddings": False},
 }
 _TOKENIZER_VOCAB = 8192
+_PRESET_FAMILIES = {"gemma3-12b": "gemma3_text", "gemma3-4b": "gemma3_text"}
 # Offsets of each block's float16 scale fields, and the value they get: weights of a few hundredths.
 _SCALES = {T.Q8_0: ((0,), 2e-4), T.Q4_K: ((0, 2), 1e-4), T.Q6_K: ((208,), 1.5e-5)}
 _ROWS_PER_CHUNK = 1024
@@ -71,24 +76,32 @@ def silent_token_ids(tokenizer_json: Path) -> list[int]:
 
 
 def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch: str = "qwen3", seed: int = 0) -> Path:
+    """`shape`: one of SHAPES (a make_model `arch`), or a make_zoo preset (its family)."""
     out = Path(out)
-    config = build_config(arch, "small", dtype="bfloat16", overrides=SHAPES[shape])
+    if shape in PRESETS:  # a 2026 family at a real shape (family from the preset's name)
+        config = build_zoo_config(_PRESET_FAMILIES[shape], PRESETS[shape])
+        arch = "llama"  # the tokenizer family
+    else:
+        config = build_config(arch, "small", dtype="bfloat16", overrides=SHAPES[shape])
+    gguf_arch = GGUF_ARCH[config.model_type]
+    served = GGUF_ARCHITECTURES[gguf_arch].name
     with tempfile.TemporaryDirectory() as tmp:
         ids = write_tokenizer(arch, min(_TOKENIZER_VOCAB, config.vocab_size), config.max_position_embeddings, Path(tmp))
         silent = silent_token_ids(Path(tmp) / "tokenizer.json")
         config.bos_token_id, config.eos_token_id, config.pad_token_id = ids.bos, ids.eos, ids.pad
-        config_json = _config_json(config)
+        config_json = json.loads(config.to_json_string()) if shape in PRESETS else _config_json(config)
         write_json(Path(tmp) / "config.json", config_json)
-        writer = gguf.GGUFWriter(str(out), GGUF_ARCH[config.model_type])
-        writer.add_name(f"random-{arch}-{shape}")
+        writer = gguf.GGUFWriter(str(out), gguf_arch)
+        writer.add_name(f"random-{gguf_arch}-{shape}")
         _write_hparams(writer, config_json, qtype)
+        _write_family(writer, gguf_arch, config_json)
         _write_tokenizer(writer, Path(tmp), config_json, printable_padding=True)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     rng = np.random.default_rng(seed)
     for hf_name, meta in sorted(skeleton.state_dict().items()):
-        name = gguf_name(hf_name)
-        if meta.ndim == 1:
+        name = gguf_name(hf_name, served)
+        if meta.ndim == 1:  # norms of one (Gemma's stored as 1 + w: the same ones)
             writer.add_tensor(name, np.ones(meta.shape, dtype=np.float32))
             continue
         rows, cols = meta.shape
@@ -108,7 +121,7 @@ def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="8b", choices=sorted([*SHAPES, *_PRESET_FAMILIES]))
     parser.add_argument("--type", default="Q4_K_M", choices=["Q4_K_M", "Q4_K", "Q6_K", "Q8_0"])
     args = parser.parse_args(argv)
     print(random_gguf(args.out, args.shape, args.type))

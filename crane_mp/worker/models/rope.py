@@ -7,7 +7,7 @@ import torch
 from crane_mp.models.config import ModelConfig
 
 
-def _inv_freq(config: ModelConfig, params: dict, theta: float) -> tuple[torch.Tensor, float]:
+def _inv_freq(config: ModelConfig, params: dict, theta: float, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     rope_type = params.get("rope_type", "default")
     dim = config.layout.rotary_dim or config.head_dim
     if rope_type in ("dynamic", "ntk_alpha") and params.get("alpha"):
@@ -30,7 +30,8 @@ def _inv_freq(config: ModelConfig, params: dict, theta: float) -> tuple[torch.Te
         raise ValueError(f"rope type {rope_type!r} is not supported")
     # Scaled variants (llama3, linear, yarn, longrope) are pure functions of the config: reuse the reference.
     layer_type = {"layer_type": params["layer_type"]} if "layer_type" in params else {}
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config.hf_config, torch.device("cpu"), **layer_type)
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config.hf_config, torch.device("cpu"),
+                                                                 seq_len=seq_len, **layer_type)
     return inv_freq.float(), float(attention_scaling)
 
 
@@ -47,6 +48,12 @@ def rope_tables(config: ModelConfig, max_positions: int, dtype: torch.dtype, dev
     inv_freq, scaling = _inv_freq(config, params, theta)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary dims / 2]
+    if params.get("rope_type") == "longrope":
+        # Phi-3's LongRoPE: the short factors up to the original context, the long ones past it, per
+        # position (vLLM's reading; transformers switches a whole batch once its longest sequence is past).
+        original = int(params["original_max_position_embeddings"])
+        long_inv_freq, _ = _inv_freq(config, params, theta, seq_len=original + 1)
+        freqs[original:] = positions[original:, None] * long_inv_freq[None, :]
     if config.layout.rope_interleaved:
         emb = freqs.repeat_interleave(2, dim=-1)
         sign = torch.tensor([-1.0, 1.0]).repeat(freqs.shape[-1])
