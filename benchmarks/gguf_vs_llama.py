@@ -41,11 +41,10 @@ from types import SimpleNamespace
 
 import psutil
 import torch
+from gguf import GGUFReader
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serving import run_load  # noqa: E402
-
-from gguf import GGUFReader  # noqa: E402
 
 DEFAULT_LLAMA = Path.home() / "peers/llama/build/bin/llama-server"
 
@@ -180,8 +179,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--port", type=int, default=8311)
     parser.add_argument("--servers", nargs="+", default=["crane-mp", "llama-server"])
-    parser.add_argument("--crane-model", type=Path,
-                        help="what crane-mp serves instead of the file: the safetensors checkpoint it was converted from")
+    parser.add_argument("--crane-model", type=Path, help="what crane-mp serves instead of the file: the "
+                        "safetensors checkpoint it was converted from")
     parser.add_argument("--crane-args", nargs=argparse.REMAINDER, default=[], help="extra crane-launch flags (last)")
     args = parser.parse_args()
     print(json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d")}), flush=True)

@@ -263,7 +263,8 @@ def _task_and_pooling(args, source: ModelSource, parser) -> tuple[str, Pooling]:
             parser.error(str(err))
         declared = None
     task = args.task
-    arch = checkpoint_architecture(source.model_dir, args.model_type, args.model_impl) if source.format == "safetensors" else None
+    arch = (checkpoint_architecture(source.model_dir, args.model_type, args.model_impl)
+            if source.format == "safetensors" else None)
     encoder = arch is not None and arch.encoder
     speech = arch is not None and arch.media == "audio"
     if task == "auto":

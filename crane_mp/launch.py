@@ -327,8 +327,8 @@ def main(argv: list[str] | None = None) -> None:
             "kv_bytes=%d/token "
             "kv_budget=%.2f GiB blocks=%d (%d tokens) max_concurrent=%d max_queue=%d max_model_len=%d "
             "prefix_cache=%s overlap=%s runtime_lora=%s frontends=%d listening on http://%s:%d",
-            time.monotonic() - started, config.model_name, _described_arch(info), info.device, info.dtype, info.kv_cache_dtype,
-            info.quantized_activations, info.isa,
+            time.monotonic() - started, config.model_name, _described_arch(info), info.device, info.dtype,
+            info.kv_cache_dtype, info.quantized_activations, info.isa,
             info.kernel_isa, info.kv_bytes_per_token, info.kv_budget_bytes / gib, info.num_blocks,
             info.num_blocks * info.block_size, config.engine.max_num_seqs, config.max_queue, info.max_model_len,
             _on_off(config.engine.enable_prefix_caching and not info.whole_prompts),

@@ -87,7 +87,7 @@ MODEL_IMPLS = ("auto", "native", "transformers")  # --model-impl, vLLM's spellin
 _RECURRENT_MODEL_TYPES = frozenset({
     "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "nemotron_h", "lfm2",
     "recurrent_gemma", "rwkv", "xlstm", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "minimax",
-    "plamo2", "kimi_linear", 
+    "plamo2", "kimi_linear",
 })
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 

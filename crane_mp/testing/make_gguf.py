@@ -119,9 +119,9 @@ def _write_family(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
             writer.add_string(key + "rope.scaling.type", "linear")
             writer.add_float32(key + "rope.scaling.factor", float(full["factor"]))
     for field, name in (("final_logit_softcapping", "final_logit_softcapping"),
-                        ("attn_logit_softcapping", "attn_logit_softcapping"), ("attention_multiplier", "attention.scale"),
-                        ("embedding_multiplier", "embedding_scale"), ("residual_multiplier", "residual_scale"),
-                        ("logits_scaling", "logit_scale")):
+                        ("attn_logit_softcapping", "attn_logit_softcapping"),
+                        ("attention_multiplier", "attention.scale"), ("embedding_multiplier", "embedding_scale"),
+                        ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):
         if config.get(field) is not None:
             writer.add_float32(key + name, float(config[field]))
 

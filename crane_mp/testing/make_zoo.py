@@ -19,8 +19,8 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from crane_mp.testing.make_model import BIAS_STD, LOGIT_SCALE, NORM_NOISE, OUT_GAIN, _tensor_seed, write_weights
 from crane_mp.models.layouts import FULL, SLIDING
+from crane_mp.testing.make_model import BIAS_STD, LOGIT_SCALE, NORM_NOISE, OUT_GAIN, _tensor_seed, write_weights
 from crane_mp.testing.tokenizer import write_json, write_tokenizer
 
 WINDOW = 6  # sliding layers' window: the tests' prompts are longer

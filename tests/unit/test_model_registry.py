@@ -32,7 +32,6 @@ from crane_mp.worker.models.bert import BertEncoder
 from crane_mp.worker.models.build import model_class
 from crane_mp.worker.models.layers import CausalLM
 
-
 FAMILIES_2026 = ["gemma2", "gemma3", "phi3", "olmo2", "olmo3", "smollm3", "granite", "granite4", "glm4", "cohere2",
                  "exaone4", "seed_oss"]
 
@@ -53,10 +52,10 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                           "WhisperForConditionalGeneration": "whisper",
                           **{cls: name for name in FAMILIES_2026 for cls in ARCHITECTURES[name].hf_classes}}
     assert [ARCHITECTURES[name].hf_classes for name in FAMILIES_2026] == [
-        ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("Phi3ForCausalLM",), ("Olmo2ForCausalLM",),
-        ("Olmo3ForCausalLM",), ("SmolLM3ForCausalLM",), ("GraniteForCausalLM",), ("GraniteMoeHybridForCausalLM",),
-        ("Glm4ForCausalLM",),
-        ("Cohere2ForCausalLM",), ("Exaone4ForCausalLM",), ("SeedOssForCausalLM",)]
+        ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("Phi3ForCausalLM",),
+        ("Olmo2ForCausalLM",), ("Olmo3ForCausalLM",), ("SmolLM3ForCausalLM",), ("GraniteForCausalLM",),
+        ("GraniteMoeHybridForCausalLM",), ("Glm4ForCausalLM",), ("Cohere2ForCausalLM",), ("Exaone4ForCausalLM",),
+        ("SeedOssForCausalLM",)]
     assert {gguf: (arch.name, arch.hf_model_type) for gguf, arch in GGUF_ARCHITECTURES.items()} == {
         "llama": ("llama", "llama"), "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"),
         "hunyuan-dense": ("hunyuan", "hunyuan_v1_dense"), "gemma3": ("gemma3", "gemma3_text"),
@@ -145,7 +144,8 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
                                                     r"causal LM for it"):
         model_config_from_hf(unknown)
     with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
-                                            r"exaone4, gemma3, granite, hunyuan-dense, llama, olmo2, qwen2, qwen3, seed_oss, smollm3\)"):
+                                            r"exaone4, gemma3, granite, hunyuan-dense, llama, olmo2, qwen2, qwen3, "
+                                            r"seed_oss, smollm3\)"):
         read_shape({"general.architecture": "gpt2"}, {}, tmp_path / "m.gguf")
 
 

@@ -40,7 +40,8 @@ CASES = [
     (MISTRAL, '[TOOL_CALLS][{"name": "add", "arguments": {"a": 5, "b": 6}}]', None, [("add", {"a": 5, "b": 6})]),
     # Granite 3/4 (and Phi-4-mini): a marker token, then Mistral's list.
     (GRANITE, 'Sure.<|tool_call|>[{"name": "add", "arguments": {"a": 5, "b": 6}}, {"name": "get_weather", '
-              '"arguments": {"city": "Rome"}}]', "Sure.", [("add", {"a": 5, "b": 6}), ("get_weather", {"city": "Rome"})]),
+              '"arguments": {"city": "Rome"}}]', "Sure.",
+     [("add", {"a": 5, "b": 6}), ("get_weather", {"city": "Rome"})]),
     # Llama 3 models also write "arguments"; braces in text after a call are not a call.
     (LLAMA, '{"name": "add", "arguments": {"a": 2, "b": 3}}', None, [("add", {"a": 2, "b": 3})]),
     (HERMES, '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> Note {see above}', None,
@@ -137,7 +138,8 @@ def test_auto_picks_the_format_whose_marker_the_vocabulary_holds():
     assert tool_format("auto", "llama", {"[TOOL_CALLS]": 5}) is MISTRAL
     assert tool_format("auto", "llama", {"<tool_call>": 9, "</tool_call>": 10}) is HERMES
     assert tool_format("auto", "llama", {}) is LLAMA and tool_format("mistral", "qwen3", {}) is MISTRAL
-    assert tool_format("auto", "granite", {"<|tool_call|>": 7}) is GRANITE and tool_format("auto", "granite4") is GRANITE
+    assert tool_format("auto", "granite", {"<|tool_call|>": 7}) is GRANITE
+    assert tool_format("auto", "granite4") is GRANITE
     assert tool_format("auto", "gemma3", {}) is HERMES  # no format of its own: what most fine-tunes write
 
 

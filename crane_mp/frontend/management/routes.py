@@ -93,7 +93,8 @@ def _server_args(state: FrontendState) -> dict[str, Any]:
     limit = engine.memory_limit
     return {
         "model_path": engine.model_path, "model_name": cfg.model_name, "model_type": engine.model_type,
-        "model_impl_requested": engine.model_impl, "host": cfg.host, "port": cfg.port, "cpu": engine.force_cpu, "dtype": engine.dtype,
+        "model_impl_requested": engine.model_impl,
+        "host": cfg.host, "port": cfg.port, "cpu": engine.force_cpu, "dtype": engine.dtype,
         "max_concurrent": engine.max_num_seqs, "prefix_cache": engine.enable_prefix_caching,
         "overlap_schedule": engine.overlap_schedule,
         "tp_size": engine.parallel.tensor_parallel_size, "dist_init_addr": engine.parallel.dist_init_addr,

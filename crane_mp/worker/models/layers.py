@@ -311,8 +311,9 @@ class DecoderModel(nn.Module):
         x = self._lookup(input_ids)
         if self.embedding_scale == 1.0:
             return x
-        scale = torch.tensor(self.embedding_scale, dtype=x.dtype) if self.round_embedding_scale else self.embedding_scale
-        return x * scale
+        if self.round_embedding_scale:
+            return x * torch.tensor(self.embedding_scale, dtype=x.dtype)
+        return x * self.embedding_scale
 
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard is None:

@@ -7,7 +7,8 @@ import torch
 from crane_mp.models.config import ModelConfig
 
 
-def _inv_freq(config: ModelConfig, params: dict, theta: float, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+def _inv_freq(config: ModelConfig, params: dict, theta: float,
+              seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     rope_type = params.get("rope_type", "default")
     dim = config.layout.rotary_dim or config.head_dim
     if rope_type in ("dynamic", "ntk_alpha") and params.get("alpha"):
