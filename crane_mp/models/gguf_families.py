@@ -12,8 +12,10 @@ from crane_mp.models.layouts import FULL, SLIDING
 # llama.cpp's sliding-window pattern where a file has no attention.sliding_window_pattern: every
 # n-th layer global (llama_hparams::set_swa_pattern).
 _SWA_PATTERN = {"gemma3": 6, "gemma2": 2}
+_DEFAULT_WINDOW = {"gemma2": 4096}  # Gemma 2's files may not say; every Gemma 2 slides
 _NO_ROPE_STEP = {"smollm3": 4}  # every 4th layer without rope (llama.cpp's n_no_rope_layer_step)
-_GEMMA_27B_LAYERS = 62  # Gemma 3 27B scales queries by hidden / heads, not head_dim (as llama.cpp does)
+# The 27B Gemmas scale queries by hidden / heads, not head_dim; llama.cpp knows them by layer count.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict) -> dict[str, Any]:
@@ -22,7 +24,7 @@ def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict) ->
         return meta.get(f"{gguf_arch}.{name}", default)
 
     fields: dict[str, Any] = {}
-    window = key("attention.sliding_window")
+    window = key("attention.sliding_window", _DEFAULT_WINDOW.get(gguf_arch))
     if window:
         pattern = key("attention.sliding_window_pattern")
         if isinstance(pattern, list):
@@ -36,8 +38,8 @@ def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict) ->
             full = {"rope_type": "default", "rope_theta": shape.rope_base, **shape.rope_scaling}
             fields["rope_parameters"] = {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": float(local_base)}}
     if gguf_arch in ("gemma2", "gemma3"):
-        fields["query_pre_attn_scalar"] = (shape.hidden // shape.heads if shape.layers == _GEMMA_27B_LAYERS
-                                           else shape.head_dim)
+        is_27b = shape.layers == _GEMMA_27B_LAYERS[gguf_arch]
+        fields["query_pre_attn_scalar"] = shape.hidden // shape.heads if is_27b else shape.head_dim
         fields["final_logit_softcapping"] = key("final_logit_softcapping")
         fields["attn_logit_softcapping"] = key("attn_logit_softcapping")
     if gguf_arch == "granite":

@@ -85,9 +85,9 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture("xlm-roberta", "bert.BertEncoder", ("XLMRobertaModel", "XLMRobertaForSequenceClassification"),
                  "xlm-roberta", "xlm-roberta", reads_gguf=False, encoder=True),
     # The 2026 dense families (DecoderLayout says how each departs from Llama's layer), GGUF files as
-    # llama.cpp's converter writes them; its Gemma 2, Phi-3, GLM-4 and Cohere2 files are not read yet.
-    Architecture("gemma2", "gemma.Gemma2ForCausalLM", ("Gemma2ForCausalLM",), "gemma2", "gemma2", reads_gguf=False,
-                 overflows_float16=True, tensor_parallel=False),
+    # llama.cpp's converter writes them; its Phi-3, GLM-4 and Cohere2 files are not read yet.
+    Architecture("gemma2", "gemma.Gemma2ForCausalLM", ("Gemma2ForCausalLM",), "gemma2", "gemma2",
+                 overflows_float16=True, tensor_parallel=False, gguf_layer_names=_SANDWICH_GGUF, gguf_norm_offset=1.0),
     Architecture("gemma3", "gemma.Gemma3ForCausalLM", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
                  "gemma3_text", "gemma3", qk_norms=_QK_NORMS, overflows_float16=True, tensor_parallel=False,
                  gguf_layer_names=_SANDWICH_GGUF, gguf_norm_offset=1.0),
