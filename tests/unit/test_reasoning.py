@@ -12,6 +12,7 @@ import random
 import pytest
 from anthropic.types import Message
 from openai.types.responses import Response
+from tokenizers import AddedToken, Tokenizer
 
 from crane_mp.frontend.serving.reasoning import (
     END,
@@ -28,6 +29,8 @@ from crane_mp.frontend.serving.reasoning import (
     template_thinks,
 )
 from crane_mp.protocol import FinishReason, ThinkingBudget, TokenOutput
+from crane_mp.testing.make_zoo import make_zoo_model
+from tests.unit.frontend_harness import start_frontend, stop_frontend
 
 ASKED = "<|im_start|>assistant\n"  # Qwen3's generation prompt: it thinks unless told not to
 OFF = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # the same with enable_thinking false
@@ -270,3 +273,25 @@ async def test_responses_and_messages_read_an_unopened_thinking_alike_whole_and_
     events = await _streamed(client, state, fake, "/v1/messages", body, ids)
     deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
     assert ("".join(d.get("thinking", "") for d in deltas), "".join(d.get("text", "") for d in deltas)) == ("a", "b")
+
+
+async def test_seed_oss_thinks_in_its_own_tags_and_auto_reads_them(tmp_path):
+    """A vocabulary holding Seed-OSS's tags (and not Qwen3's): chat answers split at </seed:think>, and
+    its end token counts the thinking."""
+    model_dir = make_zoo_model("seed_oss", tmp_path / "seed")
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    # Added but not special, as Seed-OSS's tokenizer has them: they stay in the decoded text.
+    tokenizer.add_tokens([AddedToken(SEED_THINK.start, normalized=False), AddedToken(SEED_THINK.end, normalized=False)])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    client, state, fake = await start_frontend(model_dir, tmp_path)
+    try:
+        assert state.reasoning and state.think_markers == SEED_THINK and state.think_end_token is not None
+        fake.output_ids = _ids(state, "<seed:think>weigh it</seed:think>The answer.")
+        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}]})
+        body = await r.json()
+        message = body["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("weigh it", "The answer.")
+        thought = fake.output_ids.index(state.think_end_token) + 1
+        assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
+    finally:
+        await stop_frontend(client, state)
