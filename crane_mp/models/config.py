@@ -129,6 +129,14 @@ def _transformers_arch(hf_config: Any) -> str:
         raise UnsupportedModelError(f"model_type {hf_type!r} keeps recurrent state in its layers (state-space or "
                                     "linear attention), which a paged KV cache cannot hold; it is not supported yet")
     _refuse_recurrent_layers(hf_config)
+    import transformers
+
+    # Code that computes attention itself (older models) would attend across the flattened batch.
+    if not getattr(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_type]), "_supports_attention_backend",
+                   False):
+        raise UnsupportedModelError(
+            f"model_type {hf_type!r}: transformers' code for it computes attention itself, not through its "
+            "attention interface, so the transformers backend cannot run it on the paged KV cache; not supported")
     return TRANSFORMERS
 
 

@@ -162,6 +162,11 @@ def test_the_transformers_backend_refuses_recurrent_layers_by_name(hf_config):
         detect_arch(hf_config, model_impl="transformers")
 
 
+def test_the_transformers_backend_refuses_code_that_attends_on_its_own():
+    with pytest.raises(UnsupportedModelError, match="'bloom': transformers' code for it computes attention itself"):
+        detect_arch(SimpleNamespace(architectures=["BloomForCausalLM"], model_type="bloom"))
+
+
 def test_model_impl_transformers_takes_a_natively_served_model_too():
     llama = SimpleNamespace(architectures=["LlamaForCausalLM"], model_type="llama")
     assert detect_arch(llama) == "llama"
