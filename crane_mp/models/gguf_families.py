@@ -18,8 +18,10 @@ _NO_ROPE_STEP = {"smollm3": 4}  # every 4th layer without rope (llama.cpp's n_no
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict) -> dict[str, Any]:
-    """transformers config fields for a file of `gguf_arch` with GGUFShape `shape`."""
+def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict,
+                  rope_factors: dict[str, list[float]]) -> dict[str, Any]:
+    """transformers config fields for a file of `gguf_arch` with GGUFShape `shape`; `rope_factors`: its
+    rope factor tensors' values by name (Phi-3's LongRoPE)."""
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{gguf_arch}.{name}", default)
 
@@ -50,6 +52,18 @@ def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict) ->
     if gguf_arch in _NO_ROPE_STEP:
         step = _NO_ROPE_STEP[gguf_arch]
         fields["no_rope_layers"] = [int((i + 1) % step != 0) for i in range(shape.layers)]
+    if gguf_arch == "phi3":
+        rope = {"rope_type": "default", "rope_theta": shape.rope_base,
+                "partial_rotary_factor": (shape.rope_dims or shape.head_dim) / shape.head_dim}
+        if "rope_factors_long.weight" in rope_factors:
+            original = int(key("rope.scaling.original_context_length"))
+            rope |= {"rope_type": "longrope", "long_factor": rope_factors["rope_factors_long.weight"],
+                     "short_factor": rope_factors["rope_factors_short.weight"],
+                     "original_max_position_embeddings": original}
+            fields["original_max_position_embeddings"] = original
+        fields["rope_parameters"] = rope
+        fields["sliding_window"] = key("attention.sliding_window") or None  # 0: none (Phi-4)
+        fields.pop("layer_types", None)  # Phi-3's window is every layer's
     if gguf_arch == "seed_oss":
         fields["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
     return fields

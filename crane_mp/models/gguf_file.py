@@ -102,6 +102,7 @@ class GGUFShape:
     rms_eps: float
     rope_base: float
     rope_scaling: dict[str, Any]
+    rope_dims: int = 0  # the leading dims of a head rope turns (partial rotary); 0: all of head_dim
 
 
 # The longest context a GGUF file may declare: past any released model's (10M tokens).
@@ -139,6 +140,7 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
         rms_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_base=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
+        rope_dims=int(key("rope.dimension_count", 0)),
     )
     for name in ("hidden", "layers", "ffn", "heads", "kv_heads", "head_dim", "vocab", "context"):
         if getattr(shape, name) <= 0:
@@ -181,6 +183,11 @@ def expected_shapes(shape: GGUFShape) -> dict[str, tuple[int, ...]]:
     }
     if GGUF_ARCHITECTURES[shape.gguf_arch].full_width_qk_norms:  # OLMo 2: one norm over all heads
         per_layer |= {"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)}
+    names = gguf_layer_names(GGUF_ARCHITECTURES[shape.gguf_arch].name)
+    if names.get("attn_qkv") == "self_attn.qkv_proj":  # Phi-3: fused q/k/v and gate/up, LongRoPE factors
+        per_layer |= {"attn_qkv.weight": (q + 2 * kv, shape.hidden), "ffn_up.weight": (2 * shape.ffn, shape.hidden)}
+        factors = ((shape.rope_dims or shape.head_dim) // 2,)
+        shapes |= {"rope_factors_long.weight": factors, "rope_factors_short.weight": factors}
     for layer in range(shape.layers):
         shapes.update({f"blk.{layer}.{name}": dims for name, dims in per_layer.items()})
     return shapes
@@ -279,11 +286,15 @@ def _tensor_type(type_id: int, path: Path):
         ) from None
 
 
-def rope_freq_factors(path: Path, infos: dict[str, TensorInfo]) -> list[float]:
-    """Llama 3's rope scaling, which llama.cpp stores as a per-frequency divisor tensor (F32)."""
-    info = infos["rope_freqs.weight"]
+# Tensors the config reads (rope factors), not model weights.
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def rope_freq_factors(path: Path, infos: dict[str, TensorInfo], name: str = "rope_freqs.weight") -> list[float]:
+    """A rope factor tensor (F32): Llama 3's per-frequency divisors (rope_freqs), Phi-3's LongRoPE factors."""
+    info = infos[name]
     if SERVED_TYPES[info.qtype] != "F32":
-        raise ValueError(f"{path}: rope_freqs.weight must be F32")
+        raise ValueError(f"{path}: {name} must be F32")
     with open(path, "rb") as file:
         file.seek(info.offset)
         return np.frombuffer(file.read(info.n_bytes), dtype="<f4").astype(float).tolist()

@@ -62,6 +62,10 @@ _POST_GGUF = (("post_attention_norm", "post_attention_layernorm"), ("post_ffw_no
               *_PROJECTIONS)
 _SEED_OSS_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"), *_PROJECTIONS)
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+# Phi-3's files keep its fused projections fused, as its checkpoints do.
+_PHI3_GGUF = (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+              ("attn_qkv", "self_attn.qkv_proj"), ("attn_output", "self_attn.o_proj"), ("ffn_up", "mlp.gate_up_proj"),
+              ("ffn_down", "mlp.down_proj"))
 
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture("llama", "llama.LlamaForCausalLM", ("LlamaForCausalLM",), "llama", "llama",
@@ -85,14 +89,14 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture("xlm-roberta", "bert.BertEncoder", ("XLMRobertaModel", "XLMRobertaForSequenceClassification"),
                  "xlm-roberta", "xlm-roberta", reads_gguf=False, encoder=True),
     # The 2026 dense families (DecoderLayout says how each departs from Llama's layer), GGUF files as
-    # llama.cpp's converter writes them; its Phi-3, GLM-4 and Cohere2 files are not read yet.
+    # llama.cpp's converter writes them; its GLM-4 and Cohere2 files are not read yet.
     Architecture("gemma2", "gemma.Gemma2ForCausalLM", ("Gemma2ForCausalLM",), "gemma2", "gemma2",
                  overflows_float16=True, tensor_parallel=False, gguf_layer_names=_SANDWICH_GGUF, gguf_norm_offset=1.0),
     Architecture("gemma3", "gemma.Gemma3ForCausalLM", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
                  "gemma3_text", "gemma3", qk_norms=_QK_NORMS, overflows_float16=True, tensor_parallel=False,
                  gguf_layer_names=_SANDWICH_GGUF, gguf_norm_offset=1.0),
-    Architecture("phi3", "llama.LlamaForCausalLM", ("Phi3ForCausalLM",), "phi3", "phi3", reads_gguf=False,
-                 tensor_parallel=False),
+    Architecture("phi3", "llama.LlamaForCausalLM", ("Phi3ForCausalLM",), "phi3", "phi3", tensor_parallel=False,
+                 gguf_layer_names=_PHI3_GGUF),
     Architecture("olmo2", "olmo.Olmo2ForCausalLM", ("Olmo2ForCausalLM",), "olmo2", "olmo2", qk_norms=_QK_NORMS,
                  tensor_parallel=False, gguf_layer_names=_POST_GGUF, full_width_qk_norms=True),
     # llama.cpp files OLMo 3 as "olmo2" with its sliding pattern: read as the olmo2 row (the same class).

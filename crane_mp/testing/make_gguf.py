@@ -118,6 +118,12 @@ def _write_family(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
         if full.get("rope_type") == "linear":
             writer.add_string(key + "rope.scaling.type", "linear")
             writer.add_float32(key + "rope.scaling.factor", float(full["factor"]))
+    if rope.get("rope_type") == "longrope":
+        writer.add_uint32(key + "rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    if arch == "phi3":
+        writer.add_uint32(key + "attention.sliding_window", config.get("sliding_window") or 0)
     for field, name in (("final_logit_softcapping", "final_logit_softcapping"),
                         ("attn_logit_softcapping", "attn_logit_softcapping"),
                         ("attention_multiplier", "attention.scale"), ("embedding_multiplier", "embedding_scale"),
@@ -137,7 +143,10 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict, file_type: str) -> Non
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    rope = config.get("rope_parameters") or {}
+    partial = rope.get("partial_rotary_factor") if isinstance(rope.get("partial_rotary_factor"), float) else None
+    # Partial rotary (Phi-3) as its converter counts the dims: of hidden / heads.
+    writer.add_rope_dimension_count(int(partial * config["hidden_size"]) // heads if partial else head_dim)
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])

@@ -24,7 +24,7 @@ NUM_TOKENS = 10
 # files carry no pattern (llama.cpp assumes every 6th layer global) and no query scale (head_dim's, as
 # Gemma 3 below 27B has), SmolLM3's no-rope step is 4. llama.cpp's converter wants a sentencepiece
 # tokenizer.model for Gemma 2: trained for the test with the converter's own sentencepiece.
-NEEDS_SENTENCEPIECE = {"gemma2"}
+NEEDS_SENTENCEPIECE = {"gemma2", "phi3"}
 _TRAIN_SENTENCEPIECE = """
 import random, sys, sentencepiece
 words = ["alpha", "beta", "gamma", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "token"]
@@ -38,6 +38,7 @@ GGUF_FAMILIES = {
     "gemma2": {"query_pre_attn_scalar": 16},  # every other layer sliding, as llama.cpp assumes
     "gemma3_text": {"num_hidden_layers": 6, "layer_types": [SLIDING] * 5 + [FULL], "query_pre_attn_scalar": 16},
     "olmo2": {},
+    "phi3": {},  # LongRoPE, partial rotary, fused q/k/v and gate/up
     "olmo3": {},
     "exaone4": {},
     "granite": {},

@@ -19,8 +19,8 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from crane_mp.models.config import ModelConfig
-from crane_mp.models.gguf_file import TensorInfo, check_gguf
-from crane_mp.models.registry import ARCHITECTURES, PERMUTED_QK_ARCHS, hf_name
+from crane_mp.models.gguf_file import ROPE_TENSORS, TensorInfo, check_gguf
+from crane_mp.models.registry import ARCHITECTURES, PERMUTED_QK_ARCHS, gguf_layer_names, hf_name
 from crane_mp.models.sharding import Shard
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
@@ -36,9 +36,18 @@ log = logging.getLogger(__name__)
 # compute, say) stays in the file's bytes, as quantized types do, so memory never exceeds the file.
 _FLOAT_DTYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
                  GGMLQuantizationType.BF16: torch.bfloat16}
-# Our fused projections and the GGUF tensors that fill them, in row order.
-_FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
-          "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+# Our fused projections and the checkpoint modules that fill them, in row order.
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+          "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def fused_groups(arch: str) -> dict[str, tuple[str, ...]]:
+    """Our fused projections -> the GGUF tensors (short names) that fill them, in row order: one
+    tensor each where the file fuses them as we do (Phi-3)."""
+    by_module = {module: short for short, module in gguf_layer_names(arch).items()}
+    return {ours: (by_module[ours],) if ours in by_module else tuple(by_module[part] for part in parts)
+            for ours, parts in _FUSED.items()}
 
 
 def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
@@ -170,7 +179,7 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
 
     consumed: set[str] = set()
     groups = {f"model.layers.{i}.{ours}": [f"blk.{i}.{part}.weight" for part in parts]
-              for i in range(config.num_hidden_layers) for ours, parts in _FUSED.items()}
+              for i in range(config.num_hidden_layers) for ours, parts in fused_groups(config.arch).items()}
     groups["lm_head"] = ["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
     for ours, names in groups.items():
         if all(_FLOAT_DTYPES.get(tensors.qtype(n)) == dtype for n in names):
@@ -200,7 +209,7 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
 
     def float_weights():
         for name in tensors.infos:
-            if name not in consumed and name != "rope_freqs.weight":  # rope_freqs: read by the config
+            if name not in consumed and name not in ROPE_TENSORS:  # rope factors: read by the config
                 tensor = tensors.floats(name, torch.float32)
                 if norm_offset and name.endswith("norm.weight"):
                     tensor = tensor - norm_offset
