@@ -11,7 +11,7 @@ from crane_mp.models.layouts import FULL, SLIDING
 
 # llama.cpp's sliding-window pattern where a file has no attention.sliding_window_pattern: every
 # n-th layer global (llama_hparams::set_swa_pattern).
-_SWA_PATTERN = {"gemma3": 6, "gemma2": 2}
+_SWA_PATTERN = {"gemma3": 6, "gemma2": 2, "cohere2": 4}
 _DEFAULT_WINDOW = {"gemma2": 4096}  # Gemma 2's files may not say; every Gemma 2 slides
 _NO_ROPE_STEP = {"smollm3": 4}  # every 4th layer without rope (llama.cpp's n_no_rope_layer_step)
 # The 27B Gemmas scale queries by hidden / heads, not head_dim; llama.cpp knows them by layer count.
@@ -52,6 +52,11 @@ def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict,
     if gguf_arch in _NO_ROPE_STEP:
         step = _NO_ROPE_STEP[gguf_arch]
         fields["no_rope_layers"] = [int((i + 1) % step != 0) for i in range(shape.layers)]
+    if gguf_arch == "glm4":  # rope on the leading part of each head, in pairs (llama.cpp's "normal" rope)
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": shape.rope_base,
+                                     "partial_rotary_factor": (shape.rope_dims or shape.head_dim) / shape.head_dim}
+    if gguf_arch == "cohere2":
+        fields["logit_scale"] = float(key("logit_scale", 1.0))
     if gguf_arch == "phi3":
         rope = {"rope_type": "default", "rope_theta": shape.rope_base,
                 "partial_rotary_factor": (shape.rope_dims or shape.head_dim) / shape.head_dim}

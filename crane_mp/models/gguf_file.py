@@ -137,7 +137,9 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
         head_dim=int(key("attention.key_length", hidden // heads)),
         vocab=int(vocab),
         context=int(key("context_length", 2048)),
-        rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+        # Cohere's LayerNorm has a plain epsilon.
+        rms_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon")
+                      or key("attention.layer_norm_epsilon")),
         rope_base=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         rope_dims=int(key("rope.dimension_count", 0)),
@@ -184,10 +186,12 @@ def expected_shapes(shape: GGUFShape) -> dict[str, tuple[int, ...]]:
     if GGUF_ARCHITECTURES[shape.gguf_arch].full_width_qk_norms:  # OLMo 2: one norm over all heads
         per_layer |= {"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)}
     names = gguf_layer_names(GGUF_ARCHITECTURES[shape.gguf_arch].name)
-    if names.get("attn_qkv") == "self_attn.qkv_proj":  # Phi-3: fused q/k/v and gate/up, LongRoPE factors
-        per_layer |= {"attn_qkv.weight": (q + 2 * kv, shape.hidden), "ffn_up.weight": (2 * shape.ffn, shape.hidden)}
+    if names.get("attn_qkv") == "self_attn.qkv_proj":  # Phi-3: fused q/k/v, LongRoPE factors
+        per_layer["attn_qkv.weight"] = (q + 2 * kv, shape.hidden)
         factors = ((shape.rope_dims or shape.head_dim) // 2,)
         shapes |= {"rope_factors_long.weight": factors, "rope_factors_short.weight": factors}
+    if names.get("ffn_up") == "mlp.gate_up_proj":  # Phi-3, GLM-4: gate and up in one tensor
+        per_layer["ffn_up.weight"] = (2 * shape.ffn, shape.hidden)
     for layer in range(shape.layers):
         shapes.update({f"blk.{layer}.{name}": dims for name, dims in per_layer.items()})
     return shapes

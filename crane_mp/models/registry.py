@@ -62,6 +62,12 @@ _POST_GGUF = (("post_attention_norm", "post_attention_layernorm"), ("post_ffw_no
               *_PROJECTIONS)
 _SEED_OSS_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"), *_PROJECTIONS)
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+# GLM-4's four norms, and its gate/up kept fused.
+_GLM4_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_self_attn_layernorm"),
+              ("ffn_norm", "post_attention_layernorm"), ("post_ffw_norm", "post_mlp_layernorm"),
+              *_PROJECTIONS[:4], ("ffn_up", "mlp.gate_up_proj"), ("ffn_down", "mlp.down_proj"))
+# Cohere's parallel block has one norm.
+_PARALLEL_GGUF = (("attn_norm", "input_layernorm"), *_PROJECTIONS)
 # Phi-3's files keep its fused projections fused, as its checkpoints do.
 _PHI3_GGUF = (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
               ("attn_qkv", "self_attn.qkv_proj"), ("attn_output", "self_attn.o_proj"), ("ffn_up", "mlp.gate_up_proj"),
@@ -89,7 +95,7 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture("xlm-roberta", "bert.BertEncoder", ("XLMRobertaModel", "XLMRobertaForSequenceClassification"),
                  "xlm-roberta", "xlm-roberta", reads_gguf=False, encoder=True),
     # The 2026 dense families (DecoderLayout says how each departs from Llama's layer), GGUF files as
-    # llama.cpp's converter writes them; its GLM-4 and Cohere2 files are not read yet.
+    # llama.cpp's converter writes them.
     Architecture("gemma2", "gemma.Gemma2ForCausalLM", ("Gemma2ForCausalLM",), "gemma2", "gemma2",
                  overflows_float16=True, tensor_parallel=False, gguf_layer_names=_SANDWICH_GGUF, gguf_norm_offset=1.0),
     Architecture("gemma3", "gemma.Gemma3ForCausalLM", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
@@ -109,10 +115,10 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     # Granite 4 dense: the hybrid family's checkpoint with attention in every layer and no experts.
     Architecture("granite4", "granite.Granite4ForCausalLM", ("GraniteMoeHybridForCausalLM",), "granitemoehybrid",
                  "granitehybrid", reads_gguf=False, tensor_parallel=False),
-    Architecture("glm4", "glm4.Glm4ForCausalLM", ("Glm4ForCausalLM",), "glm4", "glm4", reads_gguf=False,
-                 tensor_parallel=False),
+    Architecture("glm4", "glm4.Glm4ForCausalLM", ("Glm4ForCausalLM",), "glm4", "glm4", tensor_parallel=False,
+                 gguf_layer_names=_GLM4_GGUF),
     Architecture("cohere2", "llama.LlamaForCausalLM", ("Cohere2ForCausalLM",), "cohere2", "cohere2",
-                 reads_gguf=False, tensor_parallel=False),
+                 tensor_parallel=False, gguf_layer_names=_PARALLEL_GGUF),
     Architecture("exaone4", "qwen3.Qwen3ForCausalLM", ("Exaone4ForCausalLM",), "exaone4", "exaone4",
                  qk_norms=_QK_NORMS, tensor_parallel=False, gguf_layer_names=_POST_GGUF),
     Architecture("seed_oss", "llama.LlamaForCausalLM", ("SeedOssForCausalLM",), "seed_oss", "seed_oss",

@@ -124,6 +124,8 @@ def _write_family(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
         writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     if arch == "phi3":
         writer.add_uint32(key + "attention.sliding_window", config.get("sliding_window") or 0)
+    if arch == "cohere2":
+        writer.add_float32(key + "logit_scale", float(config["logit_scale"]))
     for field, name in (("final_logit_softcapping", "final_logit_softcapping"),
                         ("attn_logit_softcapping", "attn_logit_softcapping"),
                         ("attention_multiplier", "attention.scale"), ("embedding_multiplier", "embedding_scale"),
@@ -148,7 +150,10 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict, file_type: str) -> Non
     # Partial rotary (Phi-3) as its converter counts the dims: of hidden / heads.
     writer.add_rope_dimension_count(int(partial * config["hidden_size"]) // heads if partial else head_dim)
     writer.add_rope_freq_base(_rope_theta(config))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if "layer_norm_eps" in config:  # Cohere's LayerNorm
+        writer.add_layer_norm_eps(config["layer_norm_eps"])
+    else:
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(_FILE_TYPES[file_type])
 

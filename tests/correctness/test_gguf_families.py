@@ -4,6 +4,7 @@ and, where ../shared/peers installed it, by llama.cpp's own convert_hf_to_gguf.p
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -35,7 +36,11 @@ sentencepiece.SentencePieceTrainer.train(input=sys.argv[1] + "/corpus.txt", mode
                                          vocab_size=256, model_type="bpe", hard_vocab_limit=False, minloglevel=2)
 """
 GGUF_FAMILIES = {
+    # Every 4th layer global, as llama.cpp assumes; its converter wants rotary_pct (transformers' config
+    # has none: all of each head turns).
+    "cohere2": {"layer_types": [SLIDING] * 3 + [FULL], "rotary_pct": 1.0},
     "gemma2": {"query_pre_attn_scalar": 16},  # every other layer sliding, as llama.cpp assumes
+    "glm4": {},
     "gemma3_text": {"num_hidden_layers": 6, "layer_types": [SLIDING] * 5 + [FULL], "query_pre_attn_scalar": 16},
     "olmo2": {},
     "phi3": {},  # LongRoPE, partial rotary, fused q/k/v and gate/up
@@ -47,6 +52,16 @@ GGUF_FAMILIES = {
 }
 LLAMA_CPP = Path(os.environ.get("PEERS", Path.home() / "peers")) / "llama"
 CONVERTER = LLAMA_CPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
+
+
+def _rename_added_tokens(model_dir: Path, names: dict[str, str]) -> None:
+    """Give added tokens other texts (their ids unchanged), in tokenizer.json and tokenizer_config.json."""
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    for token in [*tokenizer["added_tokens"], *config["added_tokens_decoder"].values()]:
+        token["content"] = names.get(token["content"], token["content"])
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def greedy_pair(hf_dir: Path, gguf: Path) -> tuple[list[list[int]], list[list[int]]]:
@@ -76,6 +91,9 @@ def test_llama_cpp_s_own_conversion_gives_transformers_greedy_tokens(tmp_path, f
     python = LLAMA_CPP.parent / "venv-conv/bin/python"
     if family in NEEDS_SENTENCEPIECE:  # tokenizer.model beside tokenizer.json: the ids the test uses are the same
         subprocess.run([str(python), "-c", _TRAIN_SENTENCEPIECE, str(hf_dir)], check=True, capture_output=True)
+    if family == "glm4":  # its converter looks these up among the added tokens
+        _rename_added_tokens(hf_dir, {"<|reserved_special_token_0|>": "<|endoftext|>",
+                                      "<|reserved_special_token_1|>": "<|user|>"})
     subprocess.run([str(python), str(CONVERTER), str(hf_dir), "--outtype", "f32", "--outfile", str(out)],
                    cwd=CONVERTER.parent, env={**os.environ, "GGUF_FORCE_PRE": "qwen2"}, check=True,
                    capture_output=True)

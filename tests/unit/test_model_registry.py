@@ -61,12 +61,12 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
         "hunyuan-dense": ("hunyuan", "hunyuan_v1_dense"), "gemma2": ("gemma2", "gemma2"),
         "gemma3": ("gemma3", "gemma3_text"),
         "olmo2": ("olmo2", "olmo2"), "smollm3": ("smollm3", "smollm3"), "granite": ("granite", "granite"),
-        "phi3": ("phi3", "phi3"),
+        "phi3": ("phi3", "phi3"), "glm4": ("glm4", "glm4"), "cohere2": ("cohere2", "cohere2"),
         "exaone4": ("exaone4", "exaone4"), "seed_oss": ("seed_oss", "seed_oss")}
     assert PERMUTED_QK_ARCHS == {"llama", "smollm3", "granite"}  # llama.cpp's LlamaModel converters permute
     assert GGUF_ARCH == {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                          "hunyuan_v1_dense": "hunyuan-dense", "gemma2": "gemma2", "gemma3_text": "gemma3",
-                         "olmo2": "olmo2", "phi3": "phi3",
+                         "olmo2": "olmo2", "phi3": "phi3", "glm4": "glm4", "cohere2": "cohere2",
                          "olmo3": "olmo2", "smollm3": "smollm3", "granite": "granite", "exaone4": "exaone4",
                          "seed_oss": "seed_oss"}
 
@@ -147,8 +147,8 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
                                                     r"causal LM for it"):
         model_config_from_hf(unknown)
     with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
-                                            r"exaone4, gemma2, gemma3, granite, hunyuan-dense, llama, olmo2, phi3, "
-                                            r"qwen2, qwen3, "
+                                            r"cohere2, exaone4, gemma2, gemma3, glm4, granite, hunyuan-dense, llama, "
+                                            r"olmo2, phi3, qwen2, qwen3, "
                                             r"seed_oss, smollm3\)"):
         read_shape({"general.architecture": "gpt2"}, {}, tmp_path / "m.gguf")
 
