@@ -60,6 +60,19 @@ def _activation_estimate_per_token(cfg: ModelConfig) -> int:
     return widths * 4
 
 
+def _check_transformers_backend(config: EngineConfig, tp: TensorParallel | None) -> None:
+    """What the transformers backend does not serve, refused at start rather than at the first request."""
+    if tp is not None:
+        raise ValueError("the transformers backend runs on one device: --tensor-parallel-size 1, or a model "
+                         "with a native implementation")
+    if pools_outputs(config.task):
+        raise ValueError(f"--task {config.task} needs a native implementation; the transformers backend "
+                         "serves --task generate")
+    if config.lora:
+        raise ValueError("LoRA adapters need a native implementation; the transformers backend serves the base "
+                         "model only")
+
+
 def model_dtype(platform: Platform, requested: str, model_config: ModelConfig) -> torch.dtype:
     """The compute dtype: the platform's choice, but never an automatic float16 for a model whose
     activations overflow it (Gemma): float32 there, which every device computes exactly."""
@@ -116,9 +129,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         model_config = load_model_config(source.model_dir, config.model_type, config.model_impl)
     timer.done("config")
     # The model this process holds: the whole of it, or a rank's part (heads, units, vocabulary rows).
-    if tp is not None and model_config.arch == TRANSFORMERS:
-        raise ValueError("the transformers backend runs on one device: --tensor-parallel-size 1, or a model "
-                         "with a native implementation")
+    if model_config.arch == TRANSFORMERS:
+        _check_transformers_backend(config, tp)
     rank_config = model_config if tp is None else shard_config(model_config, tp.rank, tp.size)
     # Builds or loads the CPU kernels: reported on their own.
     platform = select_platform(config.force_cpu, 0 if tp is None else tp.device.index or 0)

@@ -82,3 +82,13 @@ def test_each_2026_family_runs_natively_with_transformers_greedy_tokens(zoo, fam
     eng = engine(path, "auto")
     assert eng.worker.model_config.arch != "transformers"
     assert eng.generate(prompts, GREEDY) == expected
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"task": "embed"}, "--task embed needs a native implementation"),
+    ({"enable_lora": True}, "LoRA adapters need a native implementation"),
+])
+def test_what_the_transformers_backend_does_not_serve_is_refused_at_start(zoo, kwargs, message):
+    path, _, _ = zoo("ernie4_5")
+    with pytest.raises(ValueError, match=message):
+        engine(path, "auto", **kwargs)
