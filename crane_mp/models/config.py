@@ -15,7 +15,7 @@ from typing import Any
 
 from crane_mp.models.gguf_families import family_fields
 from crane_mp.models.gguf_file import ROPE_TENSORS, SERVED_TYPES, check_gguf, rope_freq_factors
-from crane_mp.models.layouts import DecoderLayout, decoder_layout, split_rope
+from crane_mp.models.layouts import SLIDING, DecoderLayout, decoder_layout, split_rope, windowed_layer_types
 from crane_mp.models.registry import (
     ARCHITECTURES,
     GGUF_ARCHITECTURES,
@@ -191,25 +191,13 @@ def _rope(hf_config: Any) -> tuple[float, dict[str, Any]]:
 
 
 def _sliding_window(hf_config: Any, arch: str) -> int | None:
-    """The attention window of every layer, or None. Architectures marked `window_by_layer` (Qwen2,
-    Qwen3) window only the layers from max_window_layers on (transformers' layer_types lists them); a
-    model mixing windowed and full layers is refused rather than served with the wrong attention."""
+    """The attention window of the windowed layers, or None. Architectures marked `window_by_layer`
+    (Qwen2, Qwen3) window only the layers from max_window_layers on, and only with use_sliding_window
+    (layouts.windowed_layer_types says which; a mix of windowed and full layers is the layout's)."""
     window = getattr(hf_config, "sliding_window", None)
     if not ARCHITECTURES[arch].window_by_layer:
         return window
-    if window is None or not getattr(hf_config, "use_sliding_window", False):
-        return None
-    layer_types = getattr(hf_config, "layer_types", None) or [
-        "sliding_attention" if i >= getattr(hf_config, "max_window_layers", 0) else "full_attention"
-        for i in range(hf_config.num_hidden_layers)
-    ]
-    kinds = set(layer_types)
-    if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"}:
-        return window
-    raise UnsupportedModelError(f"{arch} with a sliding window on some layers only (layer_types {sorted(kinds)}, "
-                                "max_window_layers) is not supported: every layer must use the same attention")
+    return window if SLIDING in windowed_layer_types(hf_config) else None
 
 
 def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Path | None = None,

@@ -64,6 +64,21 @@ def split_rope(hf_config: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     return params, None
 
 
+def windowed_layer_types(hf_config: Any) -> tuple[str, ...]:
+    """Qwen2/Qwen3's layer kinds: the layers from max_window_layers on slide, and only with
+    use_sliding_window (transformers' layer_types lists them)."""
+    if getattr(hf_config, "sliding_window", None) is None or not getattr(hf_config, "use_sliding_window", False):
+        return ()
+    return tuple(getattr(hf_config, "layer_types", None) or [
+        SLIDING if i >= getattr(hf_config, "max_window_layers", 0) else FULL for i in range(hf_config.num_hidden_layers)
+    ])
+
+
+def _qwen(hf_config: Any, head_dim: int) -> DecoderLayout:
+    kinds = windowed_layer_types(hf_config)
+    return DecoderLayout(layer_types=kinds if len(set(kinds)) > 1 else ())
+
+
 def _layer_types(hf_config: Any) -> tuple[str, ...]:
     kinds = tuple(getattr(hf_config, "layer_types", None) or ())
     return kinds if SLIDING in kinds else ()
@@ -141,7 +156,7 @@ def _seed_oss(hf_config: Any, head_dim: int) -> DecoderLayout:
 FAMILY_LAYOUTS: dict[str, Callable[[Any, int], DecoderLayout]] = {
     "gemma2": _gemma, "gemma3": _gemma, "olmo2": _olmo, "olmo3": _olmo, "exaone4": _exaone4,
     "cohere2": _cohere2, "granite": _granite, "smollm3": _smollm3, "phi3": _phi3, "glm4": _glm4,
-    "seed_oss": _seed_oss, "granite4": _granite4,
+    "seed_oss": _seed_oss, "granite4": _granite4, "qwen2": _qwen, "qwen3": _qwen,
 }
 
 

@@ -37,6 +37,8 @@ VARIANTS = {
     "hunyuan-untied": ("hunyuan", {"tie_word_embeddings": False, "num_key_value_heads": 4}),
     "llama-all-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "hunyuan-ntk-alpha": ("hunyuan", {"rope_scaling": {"type": "dynamic", "alpha": 1000.0, "factor": 1.0}}),
+    # Sliding windows from max_window_layers on: layer 0 full, layer 1 windowed (prompts cross 6 tokens).
+    "qwen2-windowed-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
 }
 
 PROMPT_LENGTHS = [5, 17, 33, 9, 1, 24]

@@ -144,20 +144,19 @@ def test_default_concurrency_follows_a_lowered_step_budget(tmp_path):
         parse_args(["--model-path", model, "--max-num-batched-tokens", "128", "--max-concurrent", "200"])
 
 
-@pytest.mark.parametrize("max_window_layers, expected", [(0, 64), (4, None), (2, "refused")])
+@pytest.mark.parametrize("max_window_layers, expected", [(0, 64), (4, None), (2, 64)])
 def test_qwen2_windows_only_the_layers_from_max_window_layers_on(max_window_layers, expected):
     from transformers import Qwen2Config
 
-    from crane_mp.models.config import UnsupportedModelError, model_config_from_hf
+    from crane_mp.models.config import model_config_from_hf
 
     hf = Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=max_window_layers,
                      num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=256)
-    if expected == "refused":
-        with pytest.raises(UnsupportedModelError, match="sliding window on some layers"):
-            model_config_from_hf(hf)
-    else:
-        assert model_config_from_hf(hf).sliding_window == expected
+    config = model_config_from_hf(hf)
+    assert config.sliding_window == expected
+    windows = [config.layout.window(layer, config.sliding_window) for layer in range(4)]
+    assert windows == [None if layer < max_window_layers else expected for layer in range(4)]
     hf.use_sliding_window = False
     assert model_config_from_hf(hf).sliding_window is None
 
