@@ -291,7 +291,8 @@ def _tensor_type(type_id: int, path: Path):
 
 
 # Tensors the config reads (rope factors), not model weights.
-ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's
+ROPE_TENSORS = ("rope_freqs.weight", *LONGROPE_TENSORS)
 
 
 def rope_freq_factors(path: Path, infos: dict[str, TensorInfo], name: str = "rope_freqs.weight") -> list[float]:
