@@ -28,7 +28,7 @@ class LLMEngine:
             config, self.worker.kv_plan.num_blocks, self.worker.max_model_len,
             self.worker.model_config.eos_token_ids, on_cpu=self.worker.platform.on_cpu,
             prefill_seconds_per_token=self.worker.prefill_seconds_per_token,
-            whole_prompts=self.worker.model_config.encoder,
+            whole_prompts=self.worker.model_config.encoder, kv_windows=self.worker.runner.kv_groups.windows,
         ))
         self.overlap = config.overlap_schedule
         self._in_flight: StepResult | None = None  # with overlap: executed, not yet applied

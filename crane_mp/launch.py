@@ -114,7 +114,7 @@ class Launcher:
         sched_cfg = scheduler_config(
             cfg.engine, info.num_blocks, info.max_model_len, tuple(info.eos_token_ids), on_cpu=info.device_type == "cpu",
             max_queue=cfg.max_queue, prefill_seconds_per_token=info.prefill_seconds_per_token,
-            whole_prompts=info.whole_prompts,
+            whole_prompts=info.whole_prompts, kv_windows=tuple(info.kv_windows),
         )
         sched_conn = self._spawn(
             "scheduler", scheduler_main, sched_cfg, self.addresses, cfg.num_frontends, cfg.engine.overlap_schedule,
@@ -237,6 +237,15 @@ def _described_arch(info: WorkerReady) -> str:
     return info.arch
 
 
+def _kv_bytes(info: WorkerReady) -> str:
+    """KV bytes a token keeps; with sliding layers in KV groups of their own, past their windows and within."""
+    if len(info.kv_windows) == 1:
+        return f"{info.kv_bytes_per_token}/token"
+    window = max(info.kv_windows)
+    return (f"{info.kv_bytes_per_long_token}/token past the {window}-token sliding windows "
+            f"({info.kv_bytes_per_token * len(info.kv_windows)}/token within)")
+
+
 def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
@@ -324,12 +333,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         log.info(
             "ready in %.1f s: model=%s arch=%s device=%s dtype=%s kv_dtype=%s activations=%s isa=%s kernels=%s "
-            "kv_bytes=%d/token "
+            "kv_bytes=%s "
             "kv_budget=%.2f GiB blocks=%d (%d tokens) max_concurrent=%d max_queue=%d max_model_len=%d "
             "prefix_cache=%s overlap=%s runtime_lora=%s frontends=%d listening on http://%s:%d",
             time.monotonic() - started, config.model_name, _described_arch(info), info.device, info.dtype,
             info.kv_cache_dtype, info.quantized_activations, info.isa,
-            info.kernel_isa, info.kv_bytes_per_token, info.kv_budget_bytes / gib, info.num_blocks,
+            info.kernel_isa, _kv_bytes(info), info.kv_budget_bytes / gib, info.num_blocks,
             info.num_blocks * info.block_size, config.engine.max_num_seqs, config.max_queue, info.max_model_len,
             _on_off(config.engine.enable_prefix_caching and not info.whole_prompts),
             _on_off(config.engine.overlap_schedule),

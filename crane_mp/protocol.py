@@ -138,6 +138,8 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     """Compute tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of a request this step.
 
     `new_block_ids` extend the worker's block table; after a preemption `reset_blocks` replaces it.
+    `group_block_ids` do the same for KV groups 1, 2, ... of a model whose sliding-window layers have
+    their own block tables (models/kv_groups.py).
     The worker samples a token for the request when the span reaches the end of its known tokens.
     """
 
@@ -146,6 +148,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     num_new_tokens: int
     new_block_ids: list[int]
     reset_blocks: bool = False
+    group_block_ids: list[list[int]] = []
 
 
 class StepPlan(msgspec.Struct, array_like=True, tag=True):
@@ -384,7 +387,7 @@ class WorkerReady(msgspec.Struct):
 
     num_blocks: int
     block_size: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # of one block id (every layer, or one KV group), per token
     kv_budget_bytes: int
     weights_bytes: int
     max_model_len: int
@@ -408,5 +411,8 @@ class WorkerReady(msgspec.Struct):
     tensor_parallel_size: int = 1
     nnodes: int = 1
     ranks: list[RankInfo] = []  # every worker rank, by rank (weights_bytes above is rank 0's)
+    # Per KV group (models/kv_groups.py): 0 (full attention) or its sliding layers' window.
+    kv_windows: list[int] = msgspec.field(default_factory=lambda: [0])
+    kv_bytes_per_long_token: int = 0  # what a token keeps once a sequence is past its sliding windows
     model_impl: str = "native"  # or "transformers": transformers' modeling code on our engine (slower)
     hf_model_type: str = ""  # transformers' model_type of the checkpoint (what the transformers backend runs)

@@ -34,18 +34,21 @@ class FakeWorker:
 
     The next token depends only on the request's full token history, so outputs are identical whatever
     the batching, chunking or preemption, exactly the property a real greedy model has. It also keeps a
-    fake KV cache (slot -> token id) through the block tables and checks, before every sample, that each
-    position's slot holds that position's token: a wrong prefix-cache hit or an overwritten shared block
-    fails the test.
+    fake KV cache (slot -> token id) through the block tables of every KV group and checks, before every
+    sample, that each position a group reads (all of them, or a sliding group's window before the
+    step's first query onwards) holds that position's token: a wrong prefix-cache hit, an overwritten
+    shared block or a window released too early fails the test.
     """
 
     def __init__(self, eos_after: dict[int, int] | None = None, block_size: int = 4,
-                 fail_at: dict[int, int] | None = None, cut_short: frozenset[int] = frozenset()) -> None:
+                 fail_at: dict[int, int] | None = None, cut_short: frozenset[int] = frozenset(),
+                 windows: tuple[int, ...] = (0,)) -> None:
+        self.windows = windows  # the scheduler's kv_windows
         self.cut_short = cut_short  # req ids whose EOS ends a grammar closed early (StepResult.cut_short_req_ids)
         self.fail_at = fail_at or {}  # req id -> the sequence length at which sampling it "raises"
         self.failed: set[int] = set()  # as the real runner: skipped until the scheduler finishes them
         self.tokens: dict[int, list[int]] = {}
-        self.blocks: dict[int, list[int]] = {}
+        self.blocks: dict[int, list[list[int]]] = {}  # req id -> a block table per KV group
         self.eos_after = eos_after or {}
         self.block_size = block_size
         self.kv: dict[int, int] = {}
@@ -59,23 +62,28 @@ class FakeWorker:
             self.blocks.pop(req_id)
             self.failed.discard(req_id)
         for req_id in plan.preempted_req_ids:
-            self.blocks[req_id] = []
+            self.blocks[req_id] = [[] for _ in self.windows]
         for new in plan.new_requests:
             self.tokens[new.req_id] = list(new.prompt_ids)
-            self.blocks[new.req_id] = []
+            self.blocks[new.req_id] = [[] for _ in self.windows]
         req_ids, token_ids, failed = [], [], []
         for sched in plan.scheduled:
             if sched.req_id in self.failed:
                 continue
-            table = self.blocks[sched.req_id]
-            self.blocks[sched.req_id] = list(sched.new_block_ids) if sched.reset_blocks else table + sched.new_block_ids
+            tables = self.blocks[sched.req_id]
+            new = [sched.new_block_ids, *sched.group_block_ids]
+            assert len(new) == len(self.windows)
+            self.blocks[sched.req_id] = [list(n) if sched.reset_blocks else t + n for t, n in zip(tables, new)]
             tokens = self.tokens[sched.req_id]
-            end = sched.num_computed_tokens + sched.num_new_tokens
-            for pos in range(sched.num_computed_tokens, end):
-                self.kv[self._slot(sched.req_id, pos)] = tokens[pos]
+            start, end = sched.num_computed_tokens, sched.num_computed_tokens + sched.num_new_tokens
+            for group in range(len(self.windows)):
+                for pos in range(start, end):
+                    self.kv[self._slot(sched.req_id, pos, group)] = tokens[pos]
             self.num_computed += sched.num_new_tokens
-            for pos in range(end):
-                assert self.kv.get(self._slot(sched.req_id, pos)) == tokens[pos], f"KV of position {pos} is wrong"
+            for group, window in enumerate(self.windows):
+                for pos in range(max(0, start - window + 1) if window else 0, end):
+                    slot = self._slot(sched.req_id, pos, group)
+                    assert self.kv.get(slot) == tokens[pos], f"KV of position {pos} in group {group} is wrong"
             if end == len(tokens) and len(tokens) >= self.fail_at.get(sched.req_id, 1 << 30):
                 self.failed.add(sched.req_id)
                 failed.append(sched.req_id)
@@ -88,8 +96,8 @@ class FakeWorker:
         return StepResult(plan.step_id, req_ids, token_ids, failed_req_ids=failed, errors=["boom"] * len(failed),
                           cut_short_req_ids=cut)
 
-    def _slot(self, req_id: int, pos: int) -> int:
-        return self.blocks[req_id][pos // self.block_size] * self.block_size + pos % self.block_size
+    def _slot(self, req_id: int, pos: int, group: int = 0) -> int:
+        return self.blocks[req_id][group][pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _next_token(self, req_id: int, tokens: list[int]) -> int:
         if req_id in self.eos_after and len(tokens) >= self.eos_after[req_id]:

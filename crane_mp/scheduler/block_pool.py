@@ -106,6 +106,10 @@ class BlockPool:
                 hits.append(block)
         return hits
 
+    def cached_block(self, key: BlockKey) -> int | None:
+        """The cached block of `key`, if any (not yet referenced by the caller)."""
+        return self._cached.get(key) if self.enable_caching else None
+
     def num_evictable(self, ids: list[int]) -> int:
         """How many of `ids` nobody holds: taking them uses up free blocks."""
         return sum(self._refs[b] == 0 for b in ids)
@@ -133,6 +137,10 @@ class BlockPool:
                 if block in self._evictable:
                     del self._evictable[block]
                     self._free.append(block)
+
+    def uncache_keys(self, keys: list[BlockKey]) -> None:
+        """Make the blocks cached under `keys` unfindable (uncache, by key)."""
+        self.uncache([self._cached[key] for key in keys if key in self._cached])
 
     def flush(self) -> int:
         """Forget every cached key; returns how many blocks were dropped. Held blocks stay held."""

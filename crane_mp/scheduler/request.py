@@ -25,7 +25,11 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is computed or being computed by a planned step
     num_pending: int = 0  # tokens a planned step samples that have not come back yet (overlap)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # KV group 0's block table
+    # The block tables of KV groups 1, 2, ... (models/kv_groups.py), as long as block_ids; a sliding group's
+    # blocks before its window are the pool's spare id (nothing held).
+    group_block_ids: list[list[int]] = field(default_factory=list)
+    window_start: list[int] = field(default_factory=list)  # per group: blocks before it were released
     block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of the full blocks so far
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled
     status: RequestStatus = RequestStatus.WAITING

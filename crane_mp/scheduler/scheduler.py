@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from crane_mp.config import EngineConfig
+from crane_mp.models.kv_groups import FULL, first_live_block, sequence_blocks
 from crane_mp.protocol import ErrorKind, FinishReason, NewRequest, ScheduledRequest, StepPlan, StepResult, TokenOutput
 from crane_mp.scheduler.block_pool import BlockPool, chain_keys
 from crane_mp.scheduler.pacing import PrefillPace
@@ -68,10 +69,16 @@ class SchedulerConfig:
     # An encoder's prompts attend to all of themselves: each is computed whole in one step (beyond the
     # token budget if it must, when it is the step's first), and none is served from the prefix cache.
     whole_prompts: bool = False
+    # Per KV group (models/kv_groups.py): FULL, or the window of its sliding layers, whose blocks before
+    # a sequence's window go back to the pool.
+    kv_windows: tuple[int, ...] = (FULL,)
 
     def __post_init__(self) -> None:
-        if self.num_blocks * self.block_size < self.max_model_len:
+        if self.num_blocks < self.sequence_blocks(self.max_model_len):
             raise ValueError("the KV cache must hold at least one max_model_len sequence")
+
+    def sequence_blocks(self, num_tokens: int) -> int:
+        return sequence_blocks(self.kv_windows, num_tokens, self.block_size, self.max_num_batched_tokens)
 
 
 # A CPU step's share of prompt work: long enough that weights streamed per step stay a small part of
@@ -82,6 +89,7 @@ CPU_PREFILL_STEP_SECONDS = 3.0
 def scheduler_config(
     engine: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: tuple[int, ...], on_cpu: bool,
     max_queue: int | None = None, prefill_seconds_per_token: float = 0.0, whole_prompts: bool = False,
+    kv_windows: tuple[int, ...] = (FULL,),
 ) -> SchedulerConfig:
     """The scheduler's config from the engine's and the facts the worker reported at start-up."""
     return SchedulerConfig(
@@ -99,11 +107,17 @@ def scheduler_config(
         prefill_step_seconds=CPU_PREFILL_STEP_SECONDS if on_cpu else 0.0,
         prefill_seconds_per_token=prefill_seconds_per_token,
         whole_prompts=whole_prompts,
+        kv_windows=tuple(kv_windows),
     )
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def _group_key(group: int, key: int) -> int:
+    """A block's prefix-cache key in KV group `group`: the groups hold different layers of one prefix."""
+    return key if group == 0 else hash((key, group))
 
 
 def _decodes(req: Request, num_tokens: int) -> bool:
@@ -115,6 +129,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.warm_blocks_first)
+        # A sliding group's table entry before its window: the block past the pool's (the worker's spare).
+        self.no_block = config.num_blocks
+        self.windows = config.kv_windows
+        self.sliding = any(window != FULL for window in self.windows)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -168,7 +186,10 @@ class Scheduler:
         req = self.requests.get(req_id)
         if req is None:
             return None
-        self.pool.uncache(req.block_ids[(req.num_cached_tokens or 0) // self.config.block_size :])
+        first = (req.num_cached_tokens or 0) // self.config.block_size
+        self.pool.uncache(req.block_ids[first:])
+        for group in range(1, len(self.windows)):  # blocks already released from a window too, by key
+            self.pool.uncache_keys([_group_key(group, key) for key in req.block_keys[first:]])
         self._finish(req, FinishReason.ERROR, cache_blocks=False)
         out = self._output(req, finish_reason=FinishReason.ERROR)
         out.error, out.error_kind = message, ErrorKind.INTERNAL
@@ -198,18 +219,20 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[int] = []
         prompt_tokens = 0  # planned so far (decode rows are not prompt work)
+        if self.sliding:
+            for req in self.running:
+                self._release_behind_windows(req)
 
         def plan(req: Request, num_tokens: int) -> None:
             nonlocal prompt_tokens
             prompt_tokens += 0 if _decodes(req, num_tokens) else num_tokens
-            new_blocks = self._grow_blocks(req, req.num_computed_tokens + num_tokens)
+            new_blocks, group_blocks = self._grow_blocks(req, req.num_computed_tokens + num_tokens)
             if not req.known_to_worker:
                 new_requests.append(NewRequest(req.req_id, req.prompt_ids, req.sampling, req.media))
                 req.known_to_worker = True
                 req.queue_time = max(0.0, time.time() - req.arrival_time) if req.arrival_time else 0.0
-            scheduled.append(
-                ScheduledRequest(req.req_id, req.num_computed_tokens, num_tokens, new_blocks, req.blocks_reset)
-            )
+            scheduled.append(ScheduledRequest(req.req_id, req.num_computed_tokens, num_tokens, new_blocks,
+                                              req.blocks_reset, group_blocks))
             req.blocks_reset = False
             req.num_computed_tokens += num_tokens
             if req.num_computed_tokens == req.num_tokens:
@@ -229,15 +252,15 @@ class Scheduler:
             if not self._may_sample(req):
                 break  # its last token is still coming back; it finishes on that update
             hits = self._cache_hits(req)
-            num_cached = len(hits) * self.config.block_size
+            num_cached = len(hits[0]) * self.config.block_size
             num_tokens = min(req.num_tokens - num_cached, budget, prompt_budget - prompt_tokens)
             if self.config.whole_prompts and num_tokens < req.num_tokens:
                 if scheduled:
                     break  # the next step takes it whole
                 num_tokens = req.num_tokens
             needed = (
-                _blocks_for(num_cached + num_tokens, self.config.block_size) - len(hits)
-                + self.pool.num_evictable(hits)
+                (_blocks_for(num_cached + num_tokens, self.config.block_size) - len(hits[0])) * len(self.windows)
+                + sum(self.pool.num_evictable([b for b in table if b != self.no_block]) for table in hits)
             )
             reserve = self.watermark_blocks if self.running else 0
             if not self.pool.can_allocate(needed + reserve):
@@ -263,17 +286,45 @@ class Scheduler:
             and req.num_tokens < self.config.max_model_len
         )
 
-    def _cache_hits(self, req: Request) -> list[int]:
-        """Cached blocks that start this request, leaving at least one token to compute (its logits).
-        Requests that score their prompt or pool more than its last position (mean, CLS) compute every
-        position, so they look nothing up."""
+    def _cache_hits(self, req: Request) -> list[list[int]]:
+        """Per KV group, the cached blocks that start this request, leaving at least one token to compute
+        (its logits); every group's list is as long. A sliding group needs only the blocks of the window
+        before the first token computed, the rest of its list is `no_block`. Requests that score their
+        prompt or pool more than its last position (mean, CLS) compute every position, so they look
+        nothing up."""
         params = req.sampling
         if not self.pool.enable_caching or params.prompt_logprobs is not None or params.pools_prompt:
-            return []
+            return [[] for _ in self.windows]
         num_known = req.num_prompt_tokens + len(req.output_ids)
         limit = min(num_known, req.num_tokens - 1) // self.config.block_size
         self._extend_keys(req, limit)
-        return self.pool.lookup(req.block_keys[:limit])
+        keys = req.block_keys[:limit]
+        if len(self.windows) == 1 and not self.sliding:
+            return [self.pool.lookup(keys)]
+        for group, window in enumerate(self.windows):
+            if window == FULL:
+                limit = min(limit, len(self.pool.lookup([_group_key(group, key) for key in keys[:limit]])))
+        size = self.config.block_size
+        while limit > 0:  # the longest prefix every sliding group holds the window before of
+            missing = None
+            for group, window in enumerate(self.windows):
+                if window == FULL:
+                    continue
+                for i in range(limit - 1, first_live_block(window, limit * size, size) - 1, -1):
+                    if self.pool.cached_block(_group_key(group, keys[i])) is None:
+                        missing = i
+                        break
+                if missing is not None:
+                    break
+            if missing is None:
+                break
+            limit = missing  # every longer prefix reads block `missing` in that group's window
+        hits = []
+        for group, window in enumerate(self.windows):
+            start = first_live_block(window, limit * size, size)
+            hits.append([self.no_block] * start
+                        + [self.pool.cached_block(_group_key(group, key)) for key in keys[start:limit]])
+        return hits
 
     def _extend_keys(self, req: Request, num_blocks: int) -> None:
         """Compute the keys of the request's first `num_blocks` blocks (all their tokens are known)."""
@@ -282,12 +333,15 @@ class Scheduler:
             parent = req.block_keys[-1] if have else _chain_root(req)
             req.block_keys += chain_keys(req.cache_key_ids, self.config.block_size, num_blocks, parent, start=have)
 
-    def _admit(self, req: Request, hits: list[int]) -> None:
-        self.pool.take(hits)
-        req.block_ids = list(hits)
+    def _admit(self, req: Request, hits: list[list[int]]) -> None:
+        for table in hits:
+            self.pool.take([block for block in table if block != self.no_block])
+        req.block_ids, req.group_block_ids = hits[0], hits[1:]
         req.blocks_reset = True  # the worker gets the whole table: cached blocks first
-        req.num_computed_tokens = len(hits) * self.config.block_size
-        self._num_registered[req.req_id] = len(hits)
+        req.num_computed_tokens = len(hits[0]) * self.config.block_size
+        req.window_start = [first_live_block(window, req.num_computed_tokens, self.config.block_size)
+                            for window in self.windows]
+        self._num_registered[req.req_id] = len(hits[0])
         if req.num_cached_tokens is None:
             req.num_cached_tokens = req.num_computed_tokens
             self.prefix_cache_queries += req.num_prompt_tokens
@@ -295,11 +349,33 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
-    def _grow_blocks(self, req: Request, num_tokens: int) -> list[int]:
+    def _grow_blocks(self, req: Request, num_tokens: int) -> tuple[list[int], list[list[int]]]:
+        """Blocks for the request's first `num_tokens` in every KV group: (group 0's, the others'), new
+        ones only, or whole tables after a reset."""
         needed = _blocks_for(num_tokens, self.config.block_size) - len(req.block_ids)
-        new_blocks = self.pool.allocate(needed) if needed > 0 else []
-        req.block_ids.extend(new_blocks)
-        return list(req.block_ids) if req.blocks_reset else new_blocks
+        grown = []
+        for table in self._tables(req):
+            new_blocks = self.pool.allocate(needed) if needed > 0 else []
+            table.extend(new_blocks)
+            grown.append(list(table) if req.blocks_reset else new_blocks)
+        return grown[0], grown[1:]
+
+    def _tables(self, req: Request) -> list[list[int]]:
+        return [req.block_ids, *req.group_block_ids]
+
+    def _release_behind_windows(self, req: Request) -> None:
+        """Give back each sliding group's blocks wholly before the window of the request's next query
+        (the blocks of the steps already planned run before any step planned now), findable in the
+        prefix cache first."""
+        self._register_full_blocks(req)
+        size = self.config.block_size
+        for group, (window, table) in enumerate(zip(self.windows, self._tables(req))):
+            end = min(first_live_block(window, req.num_computed_tokens, size), len(table))
+            start = req.window_start[group]
+            if end > start:
+                self.pool.free([block for block in table[start:end] if block != self.no_block])
+                table[start:end] = [self.no_block] * (end - start)
+                req.window_start[group] = end
 
     def _running_demand(self, budget: int, prompt_budget: int) -> list[tuple[Request, int, int]]:
         """(request, tokens, new blocks) for each running request this step; decodes first, then prefills
@@ -312,7 +388,7 @@ class Scheduler:
             if num_tokens == 0 or (samples and not self._may_sample(req)):
                 continue
             total = _blocks_for(req.num_computed_tokens + num_tokens, self.config.block_size)
-            demand.append((req, num_tokens, total - len(req.block_ids)))
+            demand.append((req, num_tokens, (total - len(req.block_ids)) * len(self.windows)))
             budget -= num_tokens
             prompt_budget -= 0 if _decodes(req, num_tokens) else num_tokens
         return demand
@@ -340,8 +416,9 @@ class Scheduler:
 
     def _release_blocks(self, req: Request) -> None:
         # Cached blocks stay findable after this: a resumed request usually finds its own prefix again.
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        for table in self._tables(req):
+            self.pool.free([block for block in table if block != self.no_block])
+        req.block_ids, req.group_block_ids, req.window_start = [], [], []
         self._num_registered.pop(req.req_id, None)
 
     # ---- results --------------------------------------------------------------------------------
@@ -397,8 +474,10 @@ class Scheduler:
         done = self._num_registered.get(req.req_id, 0)
         if full > done:
             self._extend_keys(req, full)
-            for i in range(done, full):
-                self.pool.cache(req.block_ids[i], req.block_keys[i])
+            for group, table in enumerate(self._tables(req)):
+                for i in range(done, full):
+                    if table[i] != self.no_block:
+                        self.pool.cache(table[i], _group_key(group, req.block_keys[i]))
             self._num_registered[req.req_id] = full
 
     def _output(self, req: Request, finish_reason: FinishReason | None = None) -> TokenOutput:
@@ -459,8 +538,11 @@ class Scheduler:
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
             assert len(req.block_ids) >= _blocks_for(req.num_computed_tokens, self.config.block_size)
-            assert len(set(req.block_ids)) == len(req.block_ids), "a request holds a block twice"
-            for block in req.block_ids:
+            tables = self._tables(req)
+            assert len(tables) == len(self.windows) and len({len(t) for t in tables}) == 1, "tables disagree"
+            blocks = [block for table in tables for block in table if block != self.no_block]
+            assert len(set(blocks)) == len(blocks), "a request holds a block twice"
+            for block in blocks:
                 held[block] = held.get(block, 0) + 1
         self.pool.check_invariants(held)
         for req in self.waiting:

@@ -12,6 +12,7 @@ import torch
 from crane_mp.config import EngineConfig, pools_outputs
 from crane_mp.models.config import ModelConfig, load_gguf_config, load_model_config
 from crane_mp.models.gguf_file import describe_types, resolve_model_source
+from crane_mp.models.kv_groups import sequence_blocks
 from crane_mp.models.registry import ARCHITECTURES, TRANSFORMERS
 from crane_mp.models.sharding import shard_config
 from crane_mp.worker.cache.memory import KVPlan, plan_kv_blocks
@@ -191,8 +192,10 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     timer.done("warm-up")
     # Not with tensor parallelism yet: a captured step would replay its collectives too, untested. Not
     # for a media model: its steps read per-request state (rope positions, a window's cross-attention).
+    # Not for sliding layers in KV groups of their own yet: a graph's static inputs hold one block table.
     graphs = (platform.cuda_graphs(config.cuda_graphs, runner.attention_backend) and not model_config.encoder
-              and model_config.media is None and tp is None and model_config.arch != TRANSFORMERS)
+              and model_config.media is None and tp is None and model_config.arch != TRANSFORMERS
+              and not runner.kv_groups.hybrid)
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
     reserved_bytes = kernel_cache_bytes + (graph_pool_bytes(runner, graph_sizes, rank_config) if graphs else 0)
     if config.runtime_lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank
@@ -216,6 +219,9 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         resident_bytes=resident_bytes,
         runtime_bytes=platform.runtime_bytes(activation_bytes),
         fit_model_len=not config.max_model_len,
+        sequence_blocks=lambda num_tokens: sequence_blocks(runner.kv_groups.windows, num_tokens, config.block_size,
+                                                           config.max_num_batched_tokens),
+        kv_bytes_per_long_token=runner.kv_bytes_per_long_token(),
     )
     if tp is not None:
         num_blocks, fitted_len = tp.agree_min([kv_plan.num_blocks, kv_plan.max_model_len])

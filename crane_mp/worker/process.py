@@ -64,6 +64,8 @@ def worker_ready(loaded: LoadedWorker, ranks: list[RankInfo]) -> WorkerReady:
         num_blocks=plan.num_blocks,
         block_size=loaded.runner.block_size,
         kv_bytes_per_token=plan.kv_bytes_per_token,
+        kv_bytes_per_long_token=plan.kv_bytes_per_long_token,
+        kv_windows=list(loaded.runner.kv_groups.windows),
         kv_budget_bytes=plan.kv_budget_bytes,
         activation_bytes=plan.activation_bytes,
         weights_bytes=plan.weights_bytes,

@@ -131,7 +131,11 @@ async def server_info(request: web.Request) -> web.Response:
         "nnodes": info.nnodes,
         "ranks": [{"rank": r.rank, "node": r.node, "device": r.device, "weights_bytes": r.weights_bytes}
                   for r in info.ranks],
-        "kv_bytes_per_token": info.kv_bytes_per_token,
+        # What a token keeps at long context (past sliding windows), and within them; 0 in kv_windows: the
+        # KV groups whose layers attend to every earlier key.
+        "kv_bytes_per_token": info.kv_bytes_per_long_token or info.kv_bytes_per_token,
+        "kv_bytes_per_token_in_window": info.kv_bytes_per_token * len(info.kv_windows),
+        "kv_windows": info.kv_windows,
         "kv_cache_dtype": info.kv_cache_dtype,
         "quantized_activations": info.quantized_activations,
         "kv_budget_bytes": info.kv_budget_bytes,

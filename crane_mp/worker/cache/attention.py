@@ -34,11 +34,19 @@ from crane_mp.worker.step.host_buffers import device_longs
 
 @dataclass(slots=True)
 class SeqSpan:
-    """One scheduled sequence in a step: `q_len` new tokens after `ctx_before` cached ones."""
+    """One scheduled sequence in a step: `q_len` new tokens after `ctx_before` cached ones. `group_tables`:
+    the block tables of KV groups 1, 2, ... (models/kv_groups.py); none: every group reads `block_table`."""
 
     ctx_before: int
     q_len: int
     block_table: list[int]
+    group_tables: list[list[int]] = field(default_factory=list)
+
+
+def group_spans(spans: list[SeqSpan], group: int) -> list[SeqSpan]:
+    """`spans` as KV group `group` (1, 2, ...) sees them: its own block tables."""
+    return [SeqSpan(s.ctx_before, s.q_len, s.group_tables[group - 1] if s.group_tables else s.block_table)
+            for s in spans]
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ platform's to measure (platforms/).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from crane_mp.config import MemoryLimit
 
@@ -38,6 +39,7 @@ class KVPlan:
     runtime_bytes: int = 0  # outside the engine's tensors: CUDA context, libraries, allocator slack
     bound: str = "limit"  # what sized the cache: limit, free memory, max_num_seqs or max_total_tokens
     max_model_len: int = 0  # the longest sequence served: the caller's, or lowered to fit (fit_model_len)
+    kv_bytes_per_long_token: int = 0  # what a token keeps past its sliding windows (models/kv_groups.py)
 
     def describe(self) -> str:
         runtime = f"CUDA runtime and allocator slack {_size(self.runtime_bytes)}, " if self.runtime_bytes else ""
@@ -69,6 +71,8 @@ def plan_kv_blocks(
     resident_bytes: int = 0,
     runtime_bytes: int = 0,
     fit_model_len: bool = False,
+    sequence_blocks: Callable[[int], int] | None = None,
+    kv_bytes_per_long_token: int = 0,
 ) -> KVPlan:
     """Pure sizing rule. Without a limit (the CPU default) the KV cache may use a quarter of host RAM.
 
@@ -85,7 +89,12 @@ def plan_kv_blocks(
     can, down to MIN_FITTED_MODEL_LEN.
 
     Never more blocks than every running sequence could fill at full length: memory past that is waste.
+    `sequence_blocks(n)`: the blocks a sequence of n tokens holds at most (KV groups whose sliding
+    layers keep only their windows); by default one per `block_size` tokens.
     """
+    if sequence_blocks is None:
+        def sequence_blocks(num_tokens: int) -> int:
+            return -(-num_tokens // block_size)
     if limit is not None:
         limit_bytes = limit.resolve(total_bytes)
     else:
@@ -97,11 +106,11 @@ def plan_kv_blocks(
     if free_bytes is not None and free_bytes - activation_bytes - reserved_bytes - block_bytes < budget:
         budget = free_bytes - activation_bytes - reserved_bytes - block_bytes
         bound = "free memory"
-    blocks_per_seq = -(-max_model_len // block_size)
+    blocks_per_seq = sequence_blocks(max_model_len)
     num_blocks = max(0, budget // block_bytes)
-    fitted_len = num_blocks * block_size
+    fitted_len = _longest_sequence(num_blocks, max_model_len, block_size, sequence_blocks)
     if num_blocks < blocks_per_seq and fit_model_len and fitted_len >= min(max_model_len, MIN_FITTED_MODEL_LEN):
-        max_model_len, blocks_per_seq = fitted_len, num_blocks
+        max_model_len, blocks_per_seq = fitted_len, sequence_blocks(fitted_len)
     if num_blocks < blocks_per_seq:
         held = reserved_bytes + resident_bytes + runtime_bytes
         needs = (f"activations ({_size(activation_bytes)}), reserved memory ({_size(held)}) and the KV "
@@ -116,4 +125,17 @@ def plan_kv_blocks(
     if max_total_tokens is not None and num_blocks > max(blocks_per_seq, max_total_tokens // block_size):
         num_blocks, bound = max(blocks_per_seq, max_total_tokens // block_size), "max_total_tokens"
     return KVPlan(num_blocks, kv_bytes_per_token, num_blocks * block_bytes, limit_bytes, weights_bytes,
-                  activation_bytes, reserved_bytes + resident_bytes, runtime_bytes, bound, max_model_len)
+                  activation_bytes, reserved_bytes + resident_bytes, runtime_bytes, bound, max_model_len,
+                  kv_bytes_per_long_token or kv_bytes_per_token)
+
+
+def _longest_sequence(num_blocks: int, limit: int, block_size: int, sequence_blocks: Callable[[int], int]) -> int:
+    """The most tokens (a multiple of block_size, at most `limit`) one sequence may have in `num_blocks`."""
+    low, high = 0, -(-limit // block_size)  # in blocks of tokens
+    while low < high:
+        mid = (low + high + 1) // 2
+        if sequence_blocks(mid * block_size) <= num_blocks:
+            low = mid
+        else:
+            high = mid - 1
+    return min(limit, low * block_size)

@@ -159,6 +159,7 @@ class PagedSelfAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.k_cache: torch.Tensor | None = None  # bound by the runner: [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
+        self.kv_group = 0  # which KV group's block tables the layer reads (set by the runner)
         self.qk_norm_weight: torch.Tensor | None = None  # [heads + kv_heads, head_dim], see finalize_weights
         self.lora_qkv_proj: dict = {}  # LoRA adapters: id -> (A, B) (worker/weights/lora.py)
         self.lora_o_proj: dict = {}
@@ -184,11 +185,12 @@ class PagedSelfAttention(nn.Module):
             qkv = ctx.lora.apply(x, qkv, self.lora_qkv_proj)
         if self.fused is not None:
             cos, sin = self._rope_rows(ctx)
+            meta = ctx.attn_of(self)
             q = self.fused.qkv_rope_cache(
                 qkv, cos, sin, self.qk_norm_weight, _QK_NORM_CODES[self.qk_norm_position], self.eps,
-                ctx.attn.slot_mapping, self.k_cache, self.v_cache, self.num_heads,
+                meta.slot_mapping, self.k_cache, self.v_cache, self.num_heads,
             )
-            out = paged_attention(q, None, None, self.k_cache, self.v_cache, ctx.attn, self.scale, self.window,
+            out = paged_attention(q, None, None, self.k_cache, self.v_cache, meta, self.scale, self.window,
                                   self.softcap)
         else:
             out = self._attend_unfused(qkv, ctx)
@@ -219,7 +221,7 @@ class PagedSelfAttention(nn.Module):
         if self.qk_norm_position == "after_rope":
             qk = self._qk_norm(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.attn, self.scale, self.window,
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.attn_of(self), self.scale, self.window,
                                self.softcap)  # [T, H * D]
 
 

@@ -33,7 +33,7 @@ def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     _, num_heads, num_tokens, head_dim = query.shape
     scale = scaling if scaling is not None else head_dim**-0.5
     out = paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                          module.k_cache, module.v_cache, get_forward_context().attn, scale, sliding_window,
+                          module.k_cache, module.v_cache, get_forward_context().attn_of(module), scale, sliding_window,
                           softcap or None)
     return out.view(1, num_tokens, num_heads, head_dim), None
 

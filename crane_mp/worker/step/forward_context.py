@@ -87,6 +87,12 @@ class ForwardContext:
     media: list[MediaSpan] | None = None  # a media model's requests of the step, in row order
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # MediaStep.embeds
     sliding_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) rows of the sliding layers' rope
+    group_attn: list[AttentionMetadata] = field(default_factory=list)  # KV groups 1, 2, ...' metadata
+
+    def attn_of(self, layer) -> AttentionMetadata:
+        """The attention metadata of `layer`'s KV group (its block tables and slots)."""
+        group = getattr(layer, "kv_group", 0)
+        return self.group_attn[group - 1] if group else self.attn
 
 
 _current: ForwardContext | None = None

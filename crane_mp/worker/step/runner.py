@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from crane_mp.config import attention_backend_override, fault_injection_token
+from crane_mp.models.kv_groups import KVGroups, group_layers
 from crane_mp.protocol import (
     PooledOutput,
     PromptLogprobs,
@@ -29,7 +30,7 @@ from crane_mp.protocol import (
     StepResult,
     TokenLogprobs,
 )
-from crane_mp.worker.cache.attention import SeqSpan, build_metadata
+from crane_mp.worker.cache.attention import SeqSpan, build_metadata, group_spans
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.models.mrope_tables import mrope_columns, mrope_cos_sin
 from crane_mp.worker.models.rope import rope_tables
@@ -57,6 +58,7 @@ class RequestMirror:
     num_prompt_tokens: int
     block_table: list[int]
     sampling: SamplingState
+    group_tables: list[list[int]]  # the block tables of KV groups 1, 2, ... (models/kv_groups.py)
     num_prompt_scored: int = 1  # prompt logprobs are reported for tokens [1, num_prompt_scored) so far
     pool_sum: torch.Tensor | None = None  # mean or CLS pooling: sum of the pooled tokens' final hidden states
     num_pooled: int = 0  # ... of prompt positions [0, num_pooled)
@@ -101,13 +103,22 @@ class ModelRunner:
         self._newly_failed: list[int] = []
         self.fault_token = fault_injection_token()
         self.decode_graphs: DecodeGraphs | None = None
+        layers = self.model.attention_layers()
+        self.kv_groups: KVGroups = group_layers([getattr(attn, "window", None) for attn in layers],
+                                                [self._kv_shape(attn) for attn in layers])
+        for attn, (group, _) in zip(layers, self.kv_groups.layer_slots):
+            attn.kv_group = group
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """`num_blocks` for the scheduler, and one spare block past them for padded decode-graph rows."""
-        for attn in self.model.attention_layers():
-            shape = (num_blocks + 1, self.block_size, *self._kv_shape(attn))
-            attn.k_cache = self.platform.zeros(shape, self.kv_dtype)
-            attn.v_cache = self.platform.zeros(shape, self.kv_dtype)
+        """`num_blocks` for the scheduler, and one spare block past them for padded decode-graph rows (and
+        for the entries of sliding groups' tables before their windows). The i-th layer of every KV
+        group shares the i-th pair of cache tensors: the groups hold different block ids of them."""
+        tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for attn, (_, slot) in zip(self.model.attention_layers(), self.kv_groups.layer_slots):
+            if slot not in tensors:
+                shape = (num_blocks + 1, self.block_size, *self._kv_shape(attn))
+                tensors[slot] = (self.platform.zeros(shape, self.kv_dtype), self.platform.zeros(shape, self.kv_dtype))
+            attn.k_cache, attn.v_cache = tensors[slot]
         self.num_blocks = num_blocks
 
     def _kv_shape(self, attn) -> tuple[int, int]:
@@ -125,9 +136,16 @@ class ModelRunner:
         self.decode_graphs = graphs
 
     def kv_bytes_per_token(self) -> int:
-        shapes = [self._kv_shape(attn) for attn in self.model.attention_layers()] or [
+        """Bytes of one block id's KV per token: every layer's, or one KV group's."""
+        layers = self.model.attention_layers()
+        shapes = [self._kv_shape(attn) for attn in layers[: self.kv_groups.layers_per_group]] or [
             (self.config.num_key_value_heads, self.config.head_dim)] * self.config.num_hidden_layers
         return 2 * sum(heads * size for heads, size in shapes) * self.kv_dtype.itemsize
+
+    def kv_bytes_per_long_token(self) -> int:
+        """KV bytes a token keeps once a sequence is past its sliding windows: its full groups'."""
+        full_groups = sum(window == 0 for window in self.kv_groups.windows)
+        return full_groups * self.kv_bytes_per_token()
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -141,7 +159,7 @@ class ModelRunner:
             self.failed.pop(req_id, None)
         for req_id in plan.preempted_req_ids:
             if req_id in self.requests:
-                self.requests[req_id].block_table = []
+                self.requests[req_id].block_table, self.requests[req_id].group_tables = [], []
         eos = self.config.eos_token_ids
         for new in plan.new_requests:
             try:
@@ -150,7 +168,7 @@ class ModelRunner:
             except Exception as err:
                 self._fail(new.req_id, err)
                 continue
-            self.requests[new.req_id] = RequestMirror(list(new.prompt_ids), len(new.prompt_ids), [], state,
+            self.requests[new.req_id] = RequestMirror(list(new.prompt_ids), len(new.prompt_ids), [], state, [],
                                                       media=media)
         for sched in plan.scheduled:
             if sched.req_id in self.failed:
@@ -158,8 +176,11 @@ class ModelRunner:
             mirror = self.requests[sched.req_id]
             if sched.reset_blocks:
                 mirror.block_table = list(sched.new_block_ids)
+                mirror.group_tables = [list(ids) for ids in sched.group_block_ids]
             else:
                 mirror.block_table.extend(sched.new_block_ids)
+                for table, ids in zip(mirror.group_tables, sched.group_block_ids):
+                    table.extend(ids)
 
     def _media_state(self, prompt_ids: list[int], media: list) -> Any:
         """A media model's state of a new request (None for a text model's request, or a text-only one)."""
@@ -262,7 +283,7 @@ class ModelRunner:
             input_ids.extend(mirror.token_ids[start:end])
             positions.extend(range(start, end))
             adapters.extend([mirror.sampling.params.lora_id] * (end - start))
-            span = SeqSpan(start, sched.num_new_tokens, mirror.block_table)
+            span = SeqSpan(start, sched.num_new_tokens, mirror.block_table, mirror.group_tables)
             (decodes if sched.num_new_tokens == 1 else prefills).append(span)
             if end == len(mirror.token_ids):
                 sample_rows[sched.req_id] = len(input_ids) - 1
@@ -317,6 +338,9 @@ class ModelRunner:
         """Eager forward of one step's tokens (decode-first layout); returns hidden states [T, hidden].
         `media`: a media model's requests of the step (every one of them)."""
         meta = build_metadata(decodes, prefills, self.block_size, self.device, self.dtype, self.attention_backend)
+        group_meta = [build_metadata(group_spans(decodes, group), group_spans(prefills, group), self.block_size,
+                                     self.device, self.dtype, self.attention_backend)
+                      for group in range(1, len(self.kv_groups.windows))]
         ids_and_positions = device_longs(input_ids + positions, self.device)
         ids, pos = ids_and_positions[: len(input_ids)], ids_and_positions[len(input_ids) :]
         step = self.model.prepare_media(media, pos) if media else None
@@ -325,7 +349,7 @@ class ModelRunner:
         else:
             cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
         ctx = ForwardContext(meta, cos, sin, lora, decodes + prefills, pos, media,
-                             step.embeds if step is not None else None, self.sliding_rope_rows(pos))
+                             step.embeds if step is not None else None, self.sliding_rope_rows(pos), group_meta)
         with forward_context(ctx):
             return self.model(ids)  # [T, hidden]
 
