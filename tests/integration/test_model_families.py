@@ -1,6 +1,7 @@
 """crane-launch on this year's families as a new user starts it: a Gemma 3 checkpoint natively, an
 Ernie 4.5 one (no native code) through the transformers backend. SGLang-style /generate callers get
-transformers' greedy tokens; the start-up line and /server_info say which implementation runs."""
+transformers' greedy tokens; the start-up line and /server_info say which implementation runs, and what
+a token's KV costs past the sliding windows."""
 
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ def test_generate_gives_transformers_greedy_tokens(tmp_path, family, impl):
     ready = next(line for line in (tmp_path / "server.log").read_text().splitlines() if "ready in" in line)
     if impl == "transformers":
         assert "arch=ernie4_5(transformers backend: slower than native)" in ready
-    else:
-        assert "arch=gemma3 " in ready
+    else:  # its sliding layers (6-token windows) in KV groups of their own, which keep only their windows
+        assert "arch=gemma3 " in ready and "sliding windows" in ready
+        assert sorted(set(info["kv_windows"])) == [0, 6]
+        assert info["kv_bytes_per_token"] * 2 <= info["kv_bytes_per_token_in_window"]
 
 
 def test_a_hybrid_recurrent_model_is_refused_at_start_by_name(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from crane_mp.config import EngineConfig, MemoryLimit, parse_memory_limit
+from crane_mp.models.kv_groups import FULL, sequence_blocks
 from crane_mp.worker.cache.memory import MIN_FITTED_MODEL_LEN, MemoryBudgetError, plan_kv_blocks
 
 GIB = 1 << 30
@@ -130,6 +131,19 @@ def test_a_model_length_the_operator_did_not_choose_is_lowered_to_what_fits():
     with pytest.raises(MemoryBudgetError, match="one 40960-token sequence"):
         plan(max_model_len=40960, fit_model_len=True, limit=kv_room(2048 + 15))
     assert plan(max_model_len=40960, fit_model_len=True, limit=kv_room(2048 + 16)).max_model_len == MIN_FITTED_MODEL_LEN
+
+
+def test_sliding_groups_fit_a_longer_sequence_in_the_same_blocks():
+    # One full KV group and two of 1024-token windows: a sequence holds its full blocks and about
+    # (1024 + 2048) / 16 per sliding group, so 767 blocks hold far more than 767 * 16 / 3 tokens.
+    windows = (FULL, 1024, 1024)
+    fitted = plan(max_model_len=40960, fit_model_len=True,
+                  sequence_blocks=lambda n: sequence_blocks(windows, n, 16, 2048))
+    assert fitted.num_blocks == 3 * GIB // 4 // BLOCK - 1
+    assert fitted.max_model_len == (fitted.num_blocks - 2 * 193) * 16
+    assert sequence_blocks(windows, fitted.max_model_len, 16, 2048) == fitted.num_blocks
+    held = plan(max_model_len=4096, max_num_seqs=1, sequence_blocks=lambda n: sequence_blocks(windows, n, 16, 2048))
+    assert (held.num_blocks, held.bound) == (256 + 2 * 193 + 1, "max_num_seqs")
 
 
 def test_default_concurrency_follows_a_lowered_step_budget(tmp_path):
