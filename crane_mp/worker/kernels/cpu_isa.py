@@ -79,6 +79,12 @@ def amx_gemm() -> bool:
     return kernel_isa() == "amx" and bool(torch.ops.crane_mp.amx_available())
 
 
+@lru_cache(maxsize=1)
+def bf16_gemv() -> bool:
+    """Our AVX512-BF16 matrix-vector kernel (kernels/bf16_gemv.cpp) is built and allowed to run."""
+    return _at_least(kernel_isa(), "avx512_bf16") and bool(torch.ops.crane_mp.bf16_gemv_available())
+
+
 def native_bf16() -> bool:
     """bf16 math runs at full speed (AVX512-BF16 or AMX), so bf16 weights beat float32 ones."""
     return _at_least(cpu_isa(), "avx512_bf16")

@@ -10,8 +10,10 @@ is faster with identical math. Two backends:
 
 The packed tensor replaces the plain weight (no second copy). An LM head tied to the embedding is
 packed in place only for AMX, whose layout the embedding lookup can read rows back from; with oneDNN
-the lookup needs the plain layout, so a tied head is packed as a copy where memory allows (`spare`:
-a plain bf16 head multiplies at less than half the speed at one row) and stays plain otherwise.
+the lookup needs the plain layout: a tied head then multiplies its few decode rows with our
+AVX512-BF16 kernel (kernels/bf16_gemv.cpp) on the plain weight, at the memory bus's rate; without that
+kernel it is packed as a copy where memory allows (`spare`: oneDNN multiplies a plain bf16 head at
+less than half the speed at one row) and stays plain otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crane_mp.worker.kernels.cpu_isa import amx_gemm
+from crane_mp.worker.kernels.cpu_isa import amx_gemm, bf16_gemv
 
 
 # From this many rows on, a float32 copy of the weights multiplies faster than oneDNN's bf16 kernels
@@ -144,6 +146,35 @@ class PackedEmbedding(nn.Module):
         return torch.ops.crane_mp.amx_embedding(input_ids, self.packed_weight)
 
 
+# Up to this many rows our kernel beats oneDNN on a plain bf16 weight (1.4x at one row, even at 16 on
+# a 262k x 2560 head); past it oneDNN's blocked GEMM does better.
+GEMV_ROWS = 16
+
+
+class GemvLinear(nn.Module):
+    """A bf16 nn.Linear kept plain (its weight shared with a tied embedding) whose calls of up to
+    GEMV_ROWS rows take our matrix-vector kernel."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > GEMV_ROWS or x.dtype != torch.bfloat16:
+            return F.linear(x, self.weight, self.bias)
+        out = torch.ops.crane_mp.bf16_gemv(x.reshape(rows, self.in_features), self.weight)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def _gemv_fits(linear: nn.Linear) -> bool:
+    return bf16_gemv() and linear.weight.dtype == torch.bfloat16 and linear.in_features % 32 == 0
+
+
 def spare_copies_fit(model: nn.Module, host_bytes: int) -> bool:
     """The extra copies oneDNN serves faster from (a float32 copy of every linear weight, a packed copy
     of a tied head) are worth their memory if they take at most an eighth of host RAM: small and
@@ -167,10 +198,13 @@ def pack_linear_weights(model: nn.Module, spare: bool = False, fuse_activation: 
             continue
         tied_embedding = embeddings.get(id(module.weight))
         in_place = tied_embedding is not None and amx_gemm() and _amx_shape_ok(module)
-        if tied_embedding is not None and not in_place and not spare:
-            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        if tied_embedding is not None and not in_place and _gemv_fits(module):
+            setattr(parent, child, GemvLinear(module))
+            continue
+        if tied_embedding is not None and not in_place and not spare:
+            continue
         silu = fuse_activation and child == "gate_up_proj" and getattr(parent, "act", None) is F.silu
         packed = PackedLinear(module, gate_up_silu=silu, wide_float32=spare)
         setattr(parent, child, packed)
