@@ -50,7 +50,7 @@ def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
     assert weight_bytes(packed) == weight_bytes(plain) + sum(t.numel() * t.element_size() for t in spare)
 
     outputs = [prefill_logits(model, list(range(3, 40))) for model in (packed, plain)]
-    if amx_gemm() or head_gemv:
+    if amx_gemm() or bf16_gemv():
         torch.testing.assert_close(outputs[0], outputs[1], atol=0.3, rtol=0.05)
         packed_top, plain_logits = outputs[0].argmax(-1), outputs[1]
         margin = plain_logits.max(-1).values - plain_logits.gather(1, packed_top[:, None]).squeeze(1)
@@ -98,6 +98,29 @@ def test_the_gemv_kernel_computes_the_bf16_product(rows, bias):
         exact = products + linear.bias.float() if bias else products
     # At most one bf16 rounding of the sum and one of the sum plus the bias apart.
     ulp = (products.abs() + exact.abs()) * 2**-8 + 1e-6
+    assert ((out.float() - exact).abs() <= ulp).all()
+
+
+@pytest.mark.skipif(not bf16_gemv() or amx_gemm(), reason="our AVX512-BF16 kernel serves CPUs without AMX")
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_our_packed_bf16_linear_computes_the_bf16_product(rows, bias):
+    # in 1088: two 512-wide blocks of K and a remainder when more than 6 rows walk K in blocks
+    gen = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(1088, 192, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(192, 1088, generator=gen) / 30)
+        if bias:
+            linear.bias.copy_(torch.randn(192, generator=gen))
+    packed = PackedLinear(linear)
+    assert packed.ours and packed.packed_weight.shape == linear.weight.shape  # no copy besides it
+    x = torch.randn(rows, 1088, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        out = packed(x)
+        products = x.float() @ linear.weight.float().T  # bf16 products are exact in float32
+        exact = products + linear.bias.float() if bias else products
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 192)
+    ulp = exact.abs() * 2**-8 + products.abs() * 2**-16 + 1e-6  # one rounding; float sums' order
     assert ((out.float() - exact).abs() <= ulp).all()
 
 

@@ -81,7 +81,7 @@ def amx_gemm() -> bool:
 
 @lru_cache(maxsize=1)
 def bf16_gemv() -> bool:
-    """Our AVX512-BF16 matrix-vector kernel (kernels/bf16_gemv.cpp) is built and allowed to run."""
+    """Our AVX512-BF16 linear kernels (kernels/bf16_linear.cpp) are built and allowed to run."""
     return _at_least(kernel_isa(), "avx512_bf16") and bool(torch.ops.crane_mp.bf16_gemv_available())
 
 

@@ -1,17 +1,22 @@
 """Pre-packed bf16 linear weights for the CPU's matrix units.
 
 A plain bf16 weight is reordered into a blocked layout on every call; packing it once at load time
-is faster with identical math. Two backends:
+is faster with identical math. Three backends:
 
 - our AMX kernel (worker/kernels/amx_linear.cpp) when the CPU has AMX and the native kernels are
   built: ~2x oneDNN on decode-sized GEMMs; results equal up to float summation order;
-- oneDNN's packed linear otherwise: ~20% faster than a plain weight at 32 rows, identical results;
-  for prefill-sized calls a float32 copy of the weight besides it, when memory allows.
+- our AVX512-BF16 kernel (worker/kernels/bf16_linear.cpp) on CPUs with AVX512-BF16 but no AMX (Zen 4
+  and 5): 1.2-1.6x oneDNN's packed linear at up to 8 rows (decode at the memory bus's rate),
+  0.85-0.95x at 16 to 256; results equal up to float summation order;
+- oneDNN's packed linear otherwise (or for shapes ours cannot block): ~20% faster than a plain weight
+  at 32 rows, identical results.
+
+With oneDNN or ours, prefill-sized calls take a float32 copy of the weight besides it, when memory allows.
 
 The packed tensor replaces the plain weight (no second copy). An LM head tied to the embedding is
 packed in place only for AMX, whose layout the embedding lookup can read rows back from; with oneDNN
 the lookup needs the plain layout: a tied head then multiplies its few decode rows with our
-AVX512-BF16 kernel (kernels/bf16_gemv.cpp) on the plain weight, at the memory bus's rate; without that
+AVX512-BF16 kernel (kernels/bf16_linear.cpp) on the plain weight, at the memory bus's rate; without that
 kernel it is packed as a copy where memory allows (`spare`: oneDNN multiplies a plain bf16 head at
 less than half the speed at one row) and stays plain otherwise.
 """
@@ -35,6 +40,11 @@ def _amx_shape_ok(linear: nn.Linear) -> bool:
     return linear.in_features % 32 == 0 and linear.out_features % 32 == 0
 
 
+def _bf16_shape_ok(linear: nn.Linear) -> bool:
+    """Our AVX512-BF16 kernel's blocking: 64 outputs by two inputs."""
+    return linear.in_features % 2 == 0 and linear.out_features % 64 == 0
+
+
 def _interleave_halves(t: torch.Tensor) -> torch.Tensor:
     """Rows [a0..a(n-1), b0..b(n-1)] -> 16-row blocks [a0-15, b0-15, a16-31, b16-31, ...]."""
     half = t.shape[0] // 2
@@ -44,23 +54,26 @@ def _interleave_halves(t: torch.Tensor) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """With `gate_up_silu` (a gated MLP's fused gate/up projection with SiLU) and AMX, the module
     returns silu(gate) * up directly: the activation runs in the GEMM's epilogue (`silu_mul`).
-    With `wide_float32` (oneDNN only) a float32 copy of the weight serves calls of WIDE_ROWS rows or
+    With `wide_float32` (oneDNN or ours) a float32 copy of the weight serves calls of WIDE_ROWS rows or
     more: prefill chunks."""
 
     def __init__(self, linear: nn.Linear, gate_up_silu: bool = False, wide_float32: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.amx = amx_gemm() and _amx_shape_ok(linear)
+        self.ours = not self.amx and bf16_gemv() and _bf16_shape_ok(linear)  # our AVX512-BF16 kernel
         self.silu_mul = self.amx and gate_up_silu
         weight = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach()
         if self.silu_mul:
             weight = _interleave_halves(weight)
             bias = None if bias is None else _interleave_halves(bias)
-        packed = (
-            torch.ops.crane_mp.amx_pack_weight(weight) if self.amx
-            else torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        )
+        if self.amx:
+            packed = torch.ops.crane_mp.amx_pack_weight(weight)
+        elif self.ours:
+            packed = torch.ops.crane_mp.bf16_pack_weight(weight)
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed_weight", packed)
         self.register_buffer("bias", bias)
         wide = wide_float32 and not self.amx
@@ -75,6 +88,8 @@ class PackedLinear(nn.Module):
         if self.wide_weight is not None and x.shape[0] >= WIDE_ROWS:
             # bf16 x bf16 products are exact in float32: this is the bf16 GEMM up to summation order.
             return in_row_buckets(x.float(), self._wide).to(x.dtype)
+        if self.ours:
+            return torch.ops.crane_mp.bf16_packed_linear(x, self.packed_weight, self.bias)
         return in_row_buckets(x, self._packed)
 
     def _wide(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,12 +141,13 @@ def warm_row_buckets(model: nn.Module, max_rows: int) -> tuple[int, int]:
     buckets = row_buckets(max_rows)
     shapes = {}
     for module in model.modules():
-        if isinstance(module, PackedLinear) and not module.amx:
+        if isinstance(module, PackedLinear) and not module.amx and (module.wide_weight is not None or not module.ours):
             shapes.setdefault((module.in_features, module.out_features, module.wide_weight is not None), module)
     with torch.inference_mode():
         for module in shapes.values():
             for rows in buckets:
-                module(torch.zeros(rows, module.in_features, dtype=module.packed_weight.dtype))
+                if rows >= WIDE_ROWS or not module.ours:  # ours compiles nothing per row count
+                    module(torch.zeros(rows, module.in_features, dtype=module.packed_weight.dtype))
     return len(shapes), len(shapes) * len(buckets)
 
 

@@ -1,0 +1,209 @@
+// bf16 linear layers with AVX512-BF16 dot products (vdpbf16ps), for CPUs that have them but no AMX
+// (Zen 4 and 5, Cooper Lake): oneDNN streams a packed bf16 weight at about half the memory bus's rate
+// at one row, and multiplies a plain one slower still.
+//
+//   bf16_gemv_available() -> bool                    compiled for AVX512-BF16
+//   bf16_pack_weight(weight [N, K]) -> packed        pairs of k interleaved in blocks of 16 outputs
+//   bf16_packed_linear(x [R, K], packed, bias?) -> [R, N]
+//   bf16_gemv(x [R, K], weight [N, K]) -> [R, N]     a plain weight (a tied LM head), few rows
+//
+// The packed layout is [N / 16][K / 2][16][2]: one 64-byte load holds two k of 16 outputs, the pair of
+// an activation row broadcast against it accumulates 16 outputs in one register, no horizontal sums.
+// The micro-kernel keeps 6 rows x 64 outputs in 24 registers. Decode-sized calls (up to 6 rows) read
+// each weight byte once, at the bus's rate (1.2-1.6x oneDNN's packed GEMV); larger calls walk K in
+// blocks of 512 so that a block of 64 outputs' weights stays in cache for every row (0.85-0.95x
+// oneDNN's GEMM at 16 to 256 rows; benchmarks/RESULTS.md). Sums in float32, rounded once.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kRows = 6;       // activation rows per micro-kernel call
+constexpr int64_t kBlocks = 4;     // 16-output blocks per micro-kernel call: 64 outputs
+constexpr int64_t kPairsStep = 256;  // k pairs per block of a call with more than kRows rows
+
+#if defined(__AVX512BF16__)
+
+// Outputs [n, n + 64) of `rows` activation rows over k pairs [kp0, kp1). `sums` holds the running
+// float sums of an earlier block (unless `first`); on the `last` block the bias is added and the
+// rows are written as bf16 to `out` instead.
+template <int R>
+void micro_kernel(const at::BFloat16* x, int64_t K, const at::BFloat16* packed, int64_t n, int64_t kp0,
+                  int64_t kp1, float* sums, at::BFloat16* out, int64_t N, const float* bias, bool first, bool last) {
+  const int64_t pairs = K / 2;
+  __m512 acc[R][kBlocks];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kBlocks; ++j)
+      acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * N + n + 16 * j);
+  const auto* panel = packed + (n / 16) * pairs * 32;
+  const auto* xi = reinterpret_cast<const int32_t*>(x);
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
+    __m512bh w[kBlocks];
+    for (int j = 0; j < kBlocks; ++j)
+      w[j] = (__m512bh)_mm512_loadu_si512(panel + (j * pairs + kp) * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xi[r * pairs + kp]);
+      for (int j = 0; j < kBlocks; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kBlocks; ++j) {
+      if (!last) {
+        _mm512_storeu_ps(sums + r * N + n + 16 * j, acc[r][j]);
+        continue;
+      }
+      __m512 v = acc[r][j];
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n + 16 * j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + n + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+void micro_rows(int64_t rows, const at::BFloat16* x, int64_t K, const at::BFloat16* packed, int64_t n, int64_t kp0,
+                int64_t kp1, float* sums, at::BFloat16* out, int64_t N, const float* bias, bool first, bool last) {
+  switch (rows) {
+    case 1: micro_kernel<1>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    case 2: micro_kernel<2>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    case 3: micro_kernel<3>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    case 4: micro_kernel<4>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    case 5: micro_kernel<5>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    default: micro_kernel<6>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+  }
+}
+
+// out[r, n + j] for r < R, j < W (W plain weight rows from row n); K a multiple of 32.
+template <int R, int W>
+void plain_tile(const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t n, int64_t K, int64_t N) {
+  __m512 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512i* rows[W];
+  for (int j = 0; j < W; ++j) rows[j] = reinterpret_cast<const __m512i*>(w + (n + j) * K);
+  for (int64_t k = 0; k < K / 32; ++k) {
+    __m512bh b[W];
+    for (int j = 0; j < W; ++j) b[j] = (__m512bh)_mm512_loadu_si512(rows[j] + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const __m512i*>(x + r * K) + k);
+      for (int j = 0; j < W; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) out[r * N + n + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+template <int W>
+void plain_rows(int64_t rows, const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t n, int64_t K,
+                int64_t N) {
+  switch (rows) {
+    case 1: plain_tile<1, W>(x, w, out, n, K, N); break;
+    case 2: plain_tile<2, W>(x, w, out, n, K, N); break;
+    case 3: plain_tile<3, W>(x, w, out, n, K, N); break;
+    default: plain_tile<4, W>(x, w, out, n, K, N); break;
+  }
+}
+
+#endif
+
+bool bf16_gemv_available() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void check_bf16(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(bf16_gemv_available(), "the bf16 kernels need a build for AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [R, K], weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16 inputs only");
+}
+
+at::Tensor bf16_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight [N, K] bf16");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N % (16 * kBlocks) == 0 && K % 2 == 0, "bf16_pack_weight: N a multiple of 64, K even");
+  const at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::empty({N, K}, w.options());
+  const auto* src = reinterpret_cast<const int16_t*>(w.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<int16_t*>(packed.data_ptr<at::BFloat16>());
+  const int64_t pairs = K / 2;
+  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block)
+      for (int64_t kp = 0; kp < pairs; ++kp)
+        for (int64_t i = 0; i < 16; ++i) {
+          const int16_t* from = src + (block * 16 + i) * K + 2 * kp;
+          int16_t* to = dst + ((block * pairs + kp) * 16 + i) * 2;
+          to[0] = from[0];
+          to[1] = from[1];
+        }
+  });
+  return packed;
+}
+
+at::Tensor bf16_packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  check_bf16(x, packed);
+  const at::Tensor xc = x.contiguous();
+  const int64_t R = xc.size(0), K = xc.size(1), N = packed.size(0);
+  TORCH_CHECK(N % (16 * kBlocks) == 0 && K % 2 == 0, "bf16_packed_linear: a weight from bf16_pack_weight");
+  at::Tensor out = at::empty({R, N}, xc.options());
+  at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+#if defined(__AVX512BF16__)
+  const int64_t pairs = K / 2;
+  const int64_t step = R <= kRows ? pairs : kPairsStep;  // decode-sized: the whole K in one pass
+  at::Tensor sums = step < pairs ? at::empty({R, N}, xc.options().dtype(at::kFloat)) : at::Tensor();
+  const auto* xp = xc.data_ptr<at::BFloat16>();
+  const auto* wp = packed.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  float* sp = sums.defined() ? sums.data_ptr<float>() : nullptr;
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const int64_t width = 16 * kBlocks;
+  at::parallel_for(0, N / width, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t kp0 = 0; kp0 < pairs; kp0 += step) {
+      const int64_t kp1 = std::min(pairs, kp0 + step);
+      for (int64_t group = begin; group < end; ++group)
+        for (int64_t r0 = 0; r0 < R; r0 += kRows)
+          micro_rows(std::min(kRows, R - r0), xp + r0 * K, K, wp, group * width, kp0, kp1,
+                     sp == nullptr ? nullptr : sp + r0 * N, op + r0 * N, N, bp, kp0 == 0, kp1 == pairs);
+    }
+  });
+#endif
+  return out;
+}
+
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
+  check_bf16(x, weight);
+  TORCH_CHECK(x.size(1) % 32 == 0, "bf16_gemv: K must be a multiple of 32");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const int64_t R = xc.size(0), K = xc.size(1), N = wc.size(0);
+  at::Tensor sums = at::empty({R, N}, xc.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__)
+  const auto* xp = xc.data_ptr<at::BFloat16>();
+  const auto* wp = wc.data_ptr<at::BFloat16>();
+  float* out = sums.data_ptr<float>();
+  const int64_t blocks = N / 4;
+  // Four weight rows at a time, each read once per four activation rows (the next four find it in
+  // cache); at least 16 blocks a thread: fewer and the fork costs more than it saves.
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block)
+      for (int64_t r0 = 0; r0 < R; r0 += 4)
+        plain_rows<4>(std::min<int64_t>(4, R - r0), xp + r0 * K, wp, out + r0 * N, block * 4, K, N);
+  });
+  for (int64_t n = blocks * 4; n < N; ++n)
+    for (int64_t r0 = 0; r0 < R; r0 += 4)
+      plain_rows<1>(std::min<int64_t>(4, R - r0), xp + r0 * K, wp, out + r0 * N, n, K, N);
+#endif
+  return sums.to(at::kBFloat16);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
+  m.def("bf16_gemv_available() -> bool", &bf16_gemv_available);
+  m.def("bf16_pack_weight(Tensor weight) -> Tensor", &bf16_pack_weight);
+  m.def("bf16_packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &bf16_packed_linear);
+  m.def("bf16_gemv(Tensor x, Tensor weight) -> Tensor", &bf16_gemv);
+}
