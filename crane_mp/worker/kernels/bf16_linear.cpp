@@ -9,10 +9,11 @@
 //
 // The packed layout is [N / 16][K / 2][16][2]: one 64-byte load holds two k of 16 outputs, the pair of
 // an activation row broadcast against it accumulates 16 outputs in one register, no horizontal sums.
-// The micro-kernel keeps 6 rows x 64 outputs in 24 registers. Decode-sized calls (up to 6 rows) read
-// each weight byte once, at the bus's rate (1.2-1.6x oneDNN's packed GEMV); larger calls walk K in
-// blocks of 512 so that a block of 64 outputs' weights stays in cache for every row (0.85-0.95x
-// oneDNN's GEMM at 16 to 256 rows; benchmarks/RESULTS.md). Sums in float32, rounded once.
+// The micro-kernel keeps 4 rows x 96 outputs in 24 registers (six loads of weights and four
+// broadcasts per 24 dot products). Decode-sized calls (up to 4 rows) read each weight byte once, at
+// the bus's rate (1.3-1.8x oneDNN's packed GEMV); larger calls walk K in blocks of 512 so that the
+// weights of 96 outputs stay in cache for every row (0.93-1.0x oneDNN's GEMM at 16 to 256 rows;
+// benchmarks/RESULTS.md). Sums in float32, rounded once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -23,36 +24,36 @@
 
 namespace {
 
-constexpr int64_t kRows = 6;       // activation rows per micro-kernel call
-constexpr int64_t kBlocks = 4;     // 16-output blocks per micro-kernel call: 64 outputs
+constexpr int64_t kRows = 4;       // activation rows per micro-kernel call
+constexpr int64_t kBlocks = 6;     // 16-output blocks per micro-kernel call: 96 outputs (fewer at the end)
 constexpr int64_t kPairsStep = 256;  // k pairs per block of a call with more than kRows rows
 
 #if defined(__AVX512BF16__)
 
-// Outputs [n, n + 64) of `rows` activation rows over k pairs [kp0, kp1). `sums` holds the running
+// Outputs [n, n + 16 * B) of R activation rows over k pairs [kp0, kp1). `sums` holds the running
 // float sums of an earlier block (unless `first`); on the `last` block the bias is added and the
 // rows are written as bf16 to `out` instead.
-template <int R>
+template <int R, int B>
 void micro_kernel(const at::BFloat16* x, int64_t K, const at::BFloat16* packed, int64_t n, int64_t kp0,
                   int64_t kp1, float* sums, at::BFloat16* out, int64_t N, const float* bias, bool first, bool last) {
   const int64_t pairs = K / 2;
-  __m512 acc[R][kBlocks];
+  __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kBlocks; ++j)
+    for (int j = 0; j < B; ++j)
       acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * N + n + 16 * j);
   const auto* panel = packed + (n / 16) * pairs * 32;
   const auto* xi = reinterpret_cast<const int32_t*>(x);
   for (int64_t kp = kp0; kp < kp1; ++kp) {
-    __m512bh w[kBlocks];
-    for (int j = 0; j < kBlocks; ++j)
+    __m512bh w[B];
+    for (int j = 0; j < B; ++j)
       w[j] = (__m512bh)_mm512_loadu_si512(panel + (j * pairs + kp) * 32);
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(xi[r * pairs + kp]);
-      for (int j = 0; j < kBlocks; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+      for (int j = 0; j < B; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kBlocks; ++j) {
+    for (int j = 0; j < B; ++j) {
       if (!last) {
         _mm512_storeu_ps(sums + r * N + n + 16 * j, acc[r][j]);
         continue;
@@ -63,15 +64,27 @@ void micro_kernel(const at::BFloat16* x, int64_t K, const at::BFloat16* packed, 
     }
 }
 
+template <int B>
 void micro_rows(int64_t rows, const at::BFloat16* x, int64_t K, const at::BFloat16* packed, int64_t n, int64_t kp0,
                 int64_t kp1, float* sums, at::BFloat16* out, int64_t N, const float* bias, bool first, bool last) {
   switch (rows) {
-    case 1: micro_kernel<1>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
-    case 2: micro_kernel<2>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
-    case 3: micro_kernel<3>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
-    case 4: micro_kernel<4>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
-    case 5: micro_kernel<5>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
-    default: micro_kernel<6>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    case 1: micro_kernel<1, B>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    case 2: micro_kernel<2, B>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    case 3: micro_kernel<3, B>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    default: micro_kernel<4, B>(x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+  }
+}
+
+void micro_call(int64_t rows, int64_t blocks, const at::BFloat16* x, int64_t K, const at::BFloat16* packed, int64_t n,
+                int64_t kp0, int64_t kp1, float* sums, at::BFloat16* out, int64_t N, const float* bias, bool first,
+                bool last) {
+  switch (blocks) {
+    case 1: micro_rows<1>(rows, x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    case 2: micro_rows<2>(rows, x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    case 3: micro_rows<3>(rows, x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    case 4: micro_rows<4>(rows, x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    case 5: micro_rows<5>(rows, x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
+    default: micro_rows<6>(rows, x, K, packed, n, kp0, kp1, sums, out, N, bias, first, last); break;
   }
 }
 
@@ -125,21 +138,20 @@ void check_bf16(const at::Tensor& x, const at::Tensor& weight) {
 at::Tensor bf16_pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight [N, K] bf16");
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(N % (16 * kBlocks) == 0 && K % 2 == 0, "bf16_pack_weight: N a multiple of 64, K even");
+  TORCH_CHECK(N % 16 == 0 && K % 2 == 0, "bf16_pack_weight: N a multiple of 16, K even");
   const at::Tensor w = weight.contiguous();
   at::Tensor packed = at::empty({N, K}, w.options());
-  const auto* src = reinterpret_cast<const int16_t*>(w.data_ptr<at::BFloat16>());
-  auto* dst = reinterpret_cast<int16_t*>(packed.data_ptr<at::BFloat16>());
+  // A pair of bf16 moves as one 32-bit word: each block of 16 rows is a [16][pairs] -> [pairs][16] transpose.
+  const auto* src = reinterpret_cast<const int32_t*>(w.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<int32_t*>(packed.data_ptr<at::BFloat16>());
   const int64_t pairs = K / 2;
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block)
+    for (int64_t block = begin; block < end; ++block) {
+      const int32_t* from = src + block * 16 * pairs;
+      int32_t* to = dst + block * 16 * pairs;
       for (int64_t kp = 0; kp < pairs; ++kp)
-        for (int64_t i = 0; i < 16; ++i) {
-          const int16_t* from = src + (block * 16 + i) * K + 2 * kp;
-          int16_t* to = dst + ((block * pairs + kp) * 16 + i) * 2;
-          to[0] = from[0];
-          to[1] = from[1];
-        }
+        for (int64_t i = 0; i < 16; ++i) to[kp * 16 + i] = from[i * pairs + kp];
+    }
   });
   return packed;
 }
@@ -148,7 +160,7 @@ at::Tensor bf16_packed_linear(const at::Tensor& x, const at::Tensor& packed, con
   check_bf16(x, packed);
   const at::Tensor xc = x.contiguous();
   const int64_t R = xc.size(0), K = xc.size(1), N = packed.size(0);
-  TORCH_CHECK(N % (16 * kBlocks) == 0 && K % 2 == 0, "bf16_packed_linear: a weight from bf16_pack_weight");
+  TORCH_CHECK(N % 16 == 0 && K % 2 == 0, "bf16_packed_linear: a weight from bf16_pack_weight");
   at::Tensor out = at::empty({R, N}, xc.options());
   at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
 #if defined(__AVX512BF16__)
@@ -160,14 +172,15 @@ at::Tensor bf16_packed_linear(const at::Tensor& x, const at::Tensor& packed, con
   auto* op = out.data_ptr<at::BFloat16>();
   float* sp = sums.defined() ? sums.data_ptr<float>() : nullptr;
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  const int64_t width = 16 * kBlocks;
-  at::parallel_for(0, N / width, 1, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = N / 16;
+  at::parallel_for(0, (blocks + kBlocks - 1) / kBlocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t kp0 = 0; kp0 < pairs; kp0 += step) {
       const int64_t kp1 = std::min(pairs, kp0 + step);
       for (int64_t group = begin; group < end; ++group)
         for (int64_t r0 = 0; r0 < R; r0 += kRows)
-          micro_rows(std::min(kRows, R - r0), xp + r0 * K, K, wp, group * width, kp0, kp1,
-                     sp == nullptr ? nullptr : sp + r0 * N, op + r0 * N, N, bp, kp0 == 0, kp1 == pairs);
+          micro_call(std::min(kRows, R - r0), std::min(kBlocks, blocks - group * kBlocks), xp + r0 * K, K, wp,
+                     group * kBlocks * 16, kp0, kp1, sp == nullptr ? nullptr : sp + r0 * N, op + r0 * N, N, bp,
+                     kp0 == 0, kp1 == pairs);
     }
   });
 #endif
