@@ -59,7 +59,7 @@ def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
         assert torch.equal(outputs[0], outputs[1])
 
 
-@pytest.mark.skipif(amx_gemm() or not pack_bf16_weights(torch.bfloat16),
+@pytest.mark.skipif(amx_gemm() or bf16_gemv() or not pack_bf16_weights(torch.bfloat16),
                     reason="the float32 copy serves oneDNN-packed bf16 weights only")
 @pytest.mark.parametrize("rows", [WIDE_ROWS - 1, WIDE_ROWS, 300])
 def test_wide_float32_copy_computes_the_bf16_gemm(rows):

@@ -11,7 +11,7 @@ is faster with identical math. Three backends:
 - oneDNN's packed linear otherwise (or for shapes ours cannot block): ~20% faster than a plain weight
   at 32 rows, identical results.
 
-With oneDNN or ours, prefill-sized calls take a float32 copy of the weight besides it, when memory allows.
+With oneDNN, prefill-sized calls take a float32 copy of the weight besides it, when memory allows.
 
 The packed tensor replaces the plain weight (no second copy). An LM head tied to the embedding is
 packed in place only for AMX, whose layout the embedding lookup can read rows back from; with oneDNN
@@ -40,9 +40,10 @@ def _amx_shape_ok(linear: nn.Linear) -> bool:
     return linear.in_features % 32 == 0 and linear.out_features % 32 == 0
 
 
-def _bf16_shape_ok(linear: nn.Linear) -> bool:
-    """Our AVX512-BF16 kernel's blocking: 16 outputs by two inputs."""
-    return linear.in_features % 2 == 0 and linear.out_features % 16 == 0
+def _bf16_ours(linear: nn.Linear) -> bool:
+    """Our AVX512-BF16 kernel runs here and takes this bf16 weight (its blocks: 16 outputs by two inputs)."""
+    return (bf16_gemv() and linear.weight.dtype == torch.bfloat16 and linear.in_features % 2 == 0
+            and linear.out_features % 16 == 0)
 
 
 def _interleave_halves(t: torch.Tensor) -> torch.Tensor:
@@ -54,14 +55,14 @@ def _interleave_halves(t: torch.Tensor) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """With `gate_up_silu` (a gated MLP's fused gate/up projection with SiLU) and AMX, the module
     returns silu(gate) * up directly: the activation runs in the GEMM's epilogue (`silu_mul`).
-    With `wide_float32` (oneDNN or ours) a float32 copy of the weight serves calls of WIDE_ROWS rows or
+    With `wide_float32` (oneDNN only) a float32 copy of the weight serves calls of WIDE_ROWS rows or
     more: prefill chunks."""
 
     def __init__(self, linear: nn.Linear, gate_up_silu: bool = False, wide_float32: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.amx = amx_gemm() and _amx_shape_ok(linear)
-        self.ours = not self.amx and bf16_gemv() and _bf16_shape_ok(linear)  # our AVX512-BF16 kernel
+        self.ours = not self.amx and _bf16_ours(linear)  # our AVX512-BF16 kernel
         self.silu_mul = self.amx and gate_up_silu
         weight = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach()
@@ -76,7 +77,8 @@ class PackedLinear(nn.Module):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed_weight", packed)
         self.register_buffer("bias", bias)
-        wide = wide_float32 and not self.amx
+        # Not beside ours: on Zen 4 the float32 GEMM runs at half the bf16 rate (benchmarks/cpu_gemm.py).
+        wide = wide_float32 and not self.amx and not self.ours
         self.register_buffer("wide_weight", torch.ops.mkldnn._reorder_linear_weight(weight.float(), None) if wide else None)
         self.register_buffer("wide_bias", bias.float() if wide and bias is not None else None)
 
@@ -141,13 +143,12 @@ def warm_row_buckets(model: nn.Module, max_rows: int) -> tuple[int, int]:
     buckets = row_buckets(max_rows)
     shapes = {}
     for module in model.modules():
-        if isinstance(module, PackedLinear) and not module.amx and (module.wide_weight is not None or not module.ours):
+        if isinstance(module, PackedLinear) and not module.amx and not module.ours:
             shapes.setdefault((module.in_features, module.out_features, module.wide_weight is not None), module)
     with torch.inference_mode():
         for module in shapes.values():
             for rows in buckets:
-                if rows >= WIDE_ROWS or not module.ours:  # ours compiles nothing per row count
-                    module(torch.zeros(rows, module.in_features, dtype=module.packed_weight.dtype))
+                module(torch.zeros(rows, module.in_features, dtype=module.packed_weight.dtype))
     return len(shapes), len(shapes) * len(buckets)
 
 
