@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from crane_mp.worker.kernels.cpu_isa import amx_gemm, bf16_gemv
+from crane_mp.worker.kernels.cpu_isa import amx_gemm, bf16_linear
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
         "bf16": [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in weights],
         "float32": [[torch.ops.mkldnn._reorder_linear_weight(w.float(), None) for w in layer] for layer in weights],
     }
-    if bf16_gemv() and not amx_gemm():
+    if bf16_linear() and not amx_gemm():
         packed["ours"] = [[torch.ops.crane_mp.bf16_pack_weight(w) for w in layer] for layer in weights]
     flops_per_row = 2 * sum(k * n for k, n in shapes) * args.layers
     for rows in args.rows:

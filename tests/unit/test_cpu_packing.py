@@ -1,8 +1,8 @@
 """Pre-packed bf16 weights give the logits of plain weights, and replace them in memory.
 
-oneDNN's packed weights give identical logits; the AMX kernel and our bf16 matrix-vector kernel (a tied
-head's decode rows) sum in a different order, so their logits agree to bf16 rounding, and the greedy
-token differs only where the plain model has a near tie."""
+oneDNN's packed weights give identical logits; the AMX kernel and our AVX512-BF16 kernel sum in a
+different order, so their logits agree to bf16 rounding, and the greedy token differs only where the
+plain model has a near tie."""
 
 from __future__ import annotations
 
@@ -11,17 +11,10 @@ import torch
 
 from crane_mp.models.config import load_model_config
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.kernels.cpu_isa import amx_gemm, bf16_gemv, pack_bf16_weights
+from crane_mp.worker.kernels.cpu_isa import amx_gemm, bf16_linear, pack_bf16_weights
 from crane_mp.worker.platforms import platform_for
 from crane_mp.worker.platforms.cpu import CpuPlatform
-from crane_mp.worker.weights.cpu_packing import (
-    GEMV_ROWS,
-    WIDE_ROWS,
-    GemvLinear,
-    PackedEmbedding,
-    PackedLinear,
-    pack_linear_weights,
-)
+from crane_mp.worker.weights.cpu_packing import WIDE_ROWS, PackedEmbedding, PackedLinear, pack_linear_weights
 from crane_mp.worker.weights.loader import weight_bytes
 from tests.model_helpers import load_checkpoint, prefill_logits
 
@@ -37,20 +30,18 @@ def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
     plain = load_checkpoint(config, path, torch.bfloat16)
     assert any(isinstance(m, PackedLinear) for m in packed.modules())
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
-    # A tied head: in place with AMX, else plain for our matrix-vector kernel, else a packed copy.
-    head_in_place = amx_gemm() and config.tie_word_embeddings
-    head_gemv = config.tie_word_embeddings and not head_in_place and bf16_gemv()
-    assert isinstance(packed.lm_head, GemvLinear if head_gemv else PackedLinear)
+    assert isinstance(packed.lm_head, PackedLinear)  # a tied head: in place for our kernels, else a packed copy
+    head_in_place = (amx_gemm() or bf16_linear()) and config.tie_word_embeddings
     assert isinstance(packed.model.embed_tokens, PackedEmbedding) == head_in_place
     spare = [t for m in packed.modules() if isinstance(m, PackedLinear) for t in (m.wide_weight, m.wide_bias)
              if t is not None]
-    if config.tie_word_embeddings and not head_in_place and not head_gemv:
+    if config.tie_word_embeddings and not head_in_place:
         spare.append(packed.lm_head.packed_weight)
     assert not (spare and amx_gemm())
     assert weight_bytes(packed) == weight_bytes(plain) + sum(t.numel() * t.element_size() for t in spare)
 
     outputs = [prefill_logits(model, list(range(3, 40))) for model in (packed, plain)]
-    if amx_gemm() or bf16_gemv():
+    if amx_gemm() or bf16_linear():
         torch.testing.assert_close(outputs[0], outputs[1], atol=0.3, rtol=0.05)
         packed_top, plain_logits = outputs[0].argmax(-1), outputs[1]
         margin = plain_logits.max(-1).values - plain_logits.gather(1, packed_top[:, None]).squeeze(1)
@@ -59,7 +50,7 @@ def test_packed_model_matches_plain_exactly(tmp_path, arch, monkeypatch):
         assert torch.equal(outputs[0], outputs[1])
 
 
-@pytest.mark.skipif(amx_gemm() or bf16_gemv() or not pack_bf16_weights(torch.bfloat16),
+@pytest.mark.skipif(amx_gemm() or bf16_linear() or not pack_bf16_weights(torch.bfloat16),
                     reason="the float32 copy serves oneDNN-packed bf16 weights only")
 @pytest.mark.parametrize("rows", [WIDE_ROWS - 1, WIDE_ROWS, 300])
 def test_wide_float32_copy_computes_the_bf16_gemm(rows):
@@ -79,29 +70,7 @@ def test_wide_float32_copy_computes_the_bf16_gemm(rows):
     assert ((out.float() - exact.float()).abs() <= ulp).all()  # at most one bf16 rounding step apart
 
 
-@pytest.mark.skipif(not bf16_gemv(), reason="our bf16 matrix-vector kernel needs AVX512-BF16")
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, GEMV_ROWS, GEMV_ROWS + 1])
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_gemv_kernel_computes_the_bf16_product(rows, bias):
-    gen = torch.Generator().manual_seed(rows)
-    linear = torch.nn.Linear(96, 163, bias=bias).to(torch.bfloat16)  # 163: rows past the last group of 4
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(163, 96, generator=gen) / 10)
-        if bias:
-            linear.bias.copy_(torch.randn(163, generator=gen))
-    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
-    with torch.no_grad():
-        out = GemvLinear(linear)(x[None])[0]
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, 163)
-    with torch.no_grad():
-        products = x.float() @ linear.weight.float().T  # bf16 products are exact in float32
-        exact = products + linear.bias.float() if bias else products
-    # At most one bf16 rounding of the sum and one of the sum plus the bias apart.
-    ulp = (products.abs() + exact.abs()) * 2**-8 + 1e-6
-    assert ((out.float() - exact).abs() <= ulp).all()
-
-
-@pytest.mark.skipif(not bf16_gemv() or amx_gemm(), reason="our AVX512-BF16 kernel serves CPUs without AMX")
+@pytest.mark.skipif(not bf16_linear() or amx_gemm(), reason="our AVX512-BF16 kernel serves CPUs without AMX")
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_our_packed_bf16_linear_computes_the_bf16_product(rows, bias):
@@ -122,6 +91,10 @@ def test_our_packed_bf16_linear_computes_the_bf16_product(rows, bias):
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 208)
     ulp = exact.abs() * 2**-8 + products.abs() * 2**-16 + 1e-6  # one rounding; float sums' order
     assert ((out.float() - exact).abs() <= ulp).all()
+    ids = torch.tensor([[0, 207], [16, 31], [77, 200]])  # a tied embedding reads rows back out of it
+    assert torch.equal(torch.ops.crane_mp.bf16_packed_embedding(ids, packed.packed_weight), linear.weight[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.crane_mp.bf16_packed_embedding(torch.tensor([208]), packed.packed_weight)
 
 
 def test_pack_linear_weights_counts_modules(tmp_path):
@@ -162,15 +135,13 @@ def test_amx_linear_matches_float_reference(rows, bias):
 def test_shapes_amx_cannot_tile_fall_back_and_still_match(tmp_path):
     # vocab 500 and intermediate 120 are not multiples of 32: those layers (and the tied head with its
     # embedding) keep oneDNN or the plain layout, the rest may use AMX; greedy tokens are unchanged.
+    # Without AMX the tied head (500 rows: not blocks of 16 for ours either) is a packed oneDNN copy.
     path = make_model("qwen3", "tiny", tmp_path / "odd", dtype="bfloat16",
                       overrides={"vocab_size": 500, "intermediate_size": 120})
     config = load_model_config(path)
     model = load_checkpoint(config, path, torch.bfloat16)
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
-    # AMX cannot tile it: plain, for our matrix-vector kernel where it runs, else a packed oneDNN copy
-    # without AMX, else plain.
-    head = GemvLinear if bf16_gemv() else (torch.nn.Linear if amx_gemm() else PackedLinear)
-    assert type(model.lm_head) is head
+    assert isinstance(model.lm_head, PackedLinear) == (not amx_gemm())  # AMX cannot tile it: stays plain
     mlp = model.model.layers[0].mlp
     assert not (mlp.gate_up_proj.amx or mlp.down_proj.amx)
     from crane_mp.config import EngineConfig

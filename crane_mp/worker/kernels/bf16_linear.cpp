@@ -2,10 +2,12 @@
 // (Zen 4 and 5, Cooper Lake): oneDNN streams a packed bf16 weight at about half the memory bus's rate
 // at one row, and multiplies a plain one slower still.
 //
-//   bf16_gemv_available() -> bool                    compiled for AVX512-BF16
+//   bf16_linear_available() -> bool                    compiled for AVX512-BF16
 //   bf16_pack_weight(weight [N, K]) -> packed        pairs of k interleaved in blocks of 16 outputs
 //   bf16_packed_linear(x [R, K], packed, bias?) -> [R, N]
-//   bf16_gemv(x [R, K], weight [N, K]) -> [R, N]     a plain weight (a tied LM head), few rows
+//   bf16_packed_embedding(ids [T], packed) -> [T, K] = weight[ids]: rows read back out of the packed
+//                                                    layout, so an LM head tied to the embedding needs
+//                                                    no second copy
 //
 // The packed layout is [N / 16][K / 2][16][2]: one 64-byte load holds two k of 16 outputs, the pair of
 // an activation row broadcast against it accumulates 16 outputs in one register, no horizontal sums.
@@ -17,6 +19,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -88,40 +92,9 @@ void micro_call(int64_t rows, int64_t blocks, const at::BFloat16* x, int64_t K, 
   }
 }
 
-// out[r, n + j] for r < R, j < W (W plain weight rows from row n); K a multiple of 32.
-template <int R, int W>
-void plain_tile(const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t n, int64_t K, int64_t N) {
-  __m512 acc[R][W];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) acc[r][j] = _mm512_setzero_ps();
-  const __m512i* rows[W];
-  for (int j = 0; j < W; ++j) rows[j] = reinterpret_cast<const __m512i*>(w + (n + j) * K);
-  for (int64_t k = 0; k < K / 32; ++k) {
-    __m512bh b[W];
-    for (int j = 0; j < W; ++j) b[j] = (__m512bh)_mm512_loadu_si512(rows[j] + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const __m512i*>(x + r * K) + k);
-      for (int j = 0; j < W; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) out[r * N + n + j] = _mm512_reduce_add_ps(acc[r][j]);
-}
-
-template <int W>
-void plain_rows(int64_t rows, const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t n, int64_t K,
-                int64_t N) {
-  switch (rows) {
-    case 1: plain_tile<1, W>(x, w, out, n, K, N); break;
-    case 2: plain_tile<2, W>(x, w, out, n, K, N); break;
-    case 3: plain_tile<3, W>(x, w, out, n, K, N); break;
-    default: plain_tile<4, W>(x, w, out, n, K, N); break;
-  }
-}
-
 #endif
 
-bool bf16_gemv_available() {
+bool bf16_linear_available() {
 #if defined(__AVX512BF16__)
   return true;
 #else
@@ -130,7 +103,7 @@ bool bf16_gemv_available() {
 }
 
 void check_bf16(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(bf16_gemv_available(), "the bf16 kernels need a build for AVX512-BF16");
+  TORCH_CHECK(bf16_linear_available(), "the bf16 kernels need a build for AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [R, K], weight [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16 inputs only");
 }
@@ -187,36 +160,35 @@ at::Tensor bf16_packed_linear(const at::Tensor& x, const at::Tensor& packed, con
   return out;
 }
 
-at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
-  check_bf16(x, weight);
-  TORCH_CHECK(x.size(1) % 32 == 0, "bf16_gemv: K must be a multiple of 32");
-  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  const int64_t R = xc.size(0), K = xc.size(1), N = wc.size(0);
-  at::Tensor sums = at::empty({R, N}, xc.options().dtype(at::kFloat));
-#if defined(__AVX512BF16__)
-  const auto* xp = xc.data_ptr<at::BFloat16>();
-  const auto* wp = wc.data_ptr<at::BFloat16>();
-  float* out = sums.data_ptr<float>();
-  const int64_t blocks = N / 4;
-  // Four weight rows at a time, each read once per four activation rows (the next four find it in
-  // cache); at least 16 blocks a thread: fewer and the fork costs more than it saves.
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block)
-      for (int64_t r0 = 0; r0 < R; r0 += 4)
-        plain_rows<4>(std::min<int64_t>(4, R - r0), xp + r0 * K, wp, out + r0 * N, block * 4, K, N);
+at::Tensor bf16_packed_embedding(const at::Tensor& ids, const at::Tensor& packed) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "token ids must be int64");
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) % 16 == 0 && packed.size(1) % 2 == 0, "a bf16_pack_weight weight");
+  const int64_t N = packed.size(0), K = packed.size(1), pairs = K / 2;
+  const at::Tensor flat = ids.reshape({-1}).contiguous();
+  const int64_t T = flat.numel();
+  const int64_t* idp = flat.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(idp[t] >= 0 && idp[t] < N, "token id ", idp[t], " is out of range for a vocabulary of ", N);
+  std::vector<int64_t> out_shape(ids.sizes().begin(), ids.sizes().end());
+  out_shape.push_back(K);
+  at::Tensor out = at::empty(out_shape, packed.options());
+  // A row's values sit in pairs (32 bits), one per k pair of its block, 64 bytes apart.
+  const auto* src = reinterpret_cast<const int32_t*>(packed.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<int32_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int32_t* block = src + (idp[t] / 16) * pairs * 16 + idp[t] % 16;
+      for (int64_t kp = 0; kp < pairs; ++kp) dst[t * pairs + kp] = block[kp * 16];
+    }
   });
-  for (int64_t n = blocks * 4; n < N; ++n)
-    for (int64_t r0 = 0; r0 < R; r0 += 4)
-      plain_rows<1>(std::min<int64_t>(4, R - r0), xp + r0 * K, wp, out + r0 * N, n, K, N);
-#endif
-  return sums.to(at::kBFloat16);
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
-  m.def("bf16_gemv_available() -> bool", &bf16_gemv_available);
+  m.def("bf16_linear_available() -> bool", &bf16_linear_available);
   m.def("bf16_pack_weight(Tensor weight) -> Tensor", &bf16_pack_weight);
   m.def("bf16_packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &bf16_packed_linear);
-  m.def("bf16_gemv(Tensor x, Tensor weight) -> Tensor", &bf16_gemv);
+  m.def("bf16_packed_embedding(Tensor ids, Tensor packed) -> Tensor", &bf16_packed_embedding);
 }

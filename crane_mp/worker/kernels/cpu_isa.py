@@ -80,9 +80,9 @@ def amx_gemm() -> bool:
 
 
 @lru_cache(maxsize=1)
-def bf16_gemv() -> bool:
+def bf16_linear() -> bool:
     """Our AVX512-BF16 linear kernels (kernels/bf16_linear.cpp) are built and allowed to run."""
-    return _at_least(kernel_isa(), "avx512_bf16") and bool(torch.ops.crane_mp.bf16_gemv_available())
+    return _at_least(kernel_isa(), "avx512_bf16") and bool(torch.ops.crane_mp.bf16_linear_available())
 
 
 def native_bf16() -> bool:

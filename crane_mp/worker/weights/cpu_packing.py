@@ -14,11 +14,10 @@ is faster with identical math. Three backends:
 With oneDNN, prefill-sized calls take a float32 copy of the weight besides it, when memory allows.
 
 The packed tensor replaces the plain weight (no second copy). An LM head tied to the embedding is
-packed in place only for AMX, whose layout the embedding lookup can read rows back from; with oneDNN
-the lookup needs the plain layout: a tied head then multiplies its few decode rows with our
-AVX512-BF16 kernel (kernels/bf16_linear.cpp) on the plain weight, at the memory bus's rate; without that
-kernel it is packed as a copy where memory allows (`spare`: oneDNN multiplies a plain bf16 head at
-less than half the speed at one row) and stays plain otherwise.
+packed in place for our kernels (AMX or AVX512-BF16), whose layouts the embedding lookup reads rows
+back from; with oneDNN the lookup needs the plain layout, so a tied head is packed as a copy where
+memory allows (`spare`: oneDNN multiplies a plain bf16 head at less than half the speed at one row)
+and stays plain otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crane_mp.worker.kernels.cpu_isa import amx_gemm, bf16_gemv
+from crane_mp.worker.kernels.cpu_isa import amx_gemm, bf16_linear
 
 
 # From this many rows on, a float32 copy of the weights multiplies faster than oneDNN's bf16 kernels
@@ -42,7 +41,7 @@ def _amx_shape_ok(linear: nn.Linear) -> bool:
 
 def _bf16_ours(linear: nn.Linear) -> bool:
     """Our AVX512-BF16 kernel runs here and takes this bf16 weight (its blocks: 16 outputs by two inputs)."""
-    return (bf16_gemv() and linear.weight.dtype == torch.bfloat16 and linear.in_features % 2 == 0
+    return (bf16_linear() and linear.weight.dtype == torch.bfloat16 and linear.in_features % 2 == 0
             and linear.out_features % 16 == 0)
 
 
@@ -153,43 +152,15 @@ def warm_row_buckets(model: nn.Module, max_rows: int) -> tuple[int, int]:
 
 
 class PackedEmbedding(nn.Module):
-    """Embedding lookup from an AMX-packed weight shared with the tied LM head."""
+    """Embedding lookup from the packed weight of the tied LM head (AMX's layout, or ours)."""
 
-    def __init__(self, packed_weight: torch.Tensor) -> None:
+    def __init__(self, packed_weight: torch.Tensor, amx: bool) -> None:
         super().__init__()
         self.register_buffer("packed_weight", packed_weight)
+        self.lookup = torch.ops.crane_mp.amx_embedding if amx else torch.ops.crane_mp.bf16_packed_embedding
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return torch.ops.crane_mp.amx_embedding(input_ids, self.packed_weight)
-
-
-# Up to this many rows our kernel beats oneDNN on a plain bf16 weight (1.4x at one row, even at 16 on
-# a 262k x 2560 head); past it oneDNN's blocked GEMM does better.
-GEMV_ROWS = 16
-
-
-class GemvLinear(nn.Module):
-    """A bf16 nn.Linear kept plain (its weight shared with a tied embedding) whose calls of up to
-    GEMV_ROWS rows take our matrix-vector kernel."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if rows > GEMV_ROWS or x.dtype != torch.bfloat16:
-            return F.linear(x, self.weight, self.bias)
-        out = torch.ops.crane_mp.bf16_gemv(x.reshape(rows, self.in_features), self.weight)
-        if self.bias is not None:
-            out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
-
-
-def _gemv_fits(linear: nn.Linear) -> bool:
-    return bf16_gemv() and linear.weight.dtype == torch.bfloat16 and linear.in_features % 32 == 0
+        return self.lookup(input_ids, self.packed_weight)
 
 
 def spare_copies_fit(model: nn.Module, host_bytes: int) -> bool:
@@ -203,7 +174,7 @@ def spare_copies_fit(model: nn.Module, host_bytes: int) -> bool:
 
 
 def pack_linear_weights(model: nn.Module, spare: bool = False, fuse_activation: bool = True) -> int:
-    """Swap every nn.Linear for a PackedLinear (a tied LM head in place with AMX, as a copy with
+    """Swap every nn.Linear for a PackedLinear (a tied LM head in place for our kernels, as a copy with
     `spare`, see above); returns how many were packed. `spare` also adds the float32 copies.
     `fuse_activation` off keeps gate_up's raw output (a LoRA adapter adds to it before SiLU)."""
     embeddings = {
@@ -214,19 +185,17 @@ def pack_linear_weights(model: nn.Module, spare: bool = False, fuse_activation: 
         if not isinstance(module, nn.Linear):
             continue
         tied_embedding = embeddings.get(id(module.weight))
-        in_place = tied_embedding is not None and amx_gemm() and _amx_shape_ok(module)
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        if tied_embedding is not None and not in_place and _gemv_fits(module):
-            setattr(parent, child, GemvLinear(module))
-            continue
+        ours = amx_gemm() and _amx_shape_ok(module) or not amx_gemm() and _bf16_ours(module)
+        in_place = tied_embedding is not None and ours
         if tied_embedding is not None and not in_place and not spare:
             continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
         silu = fuse_activation and child == "gate_up_proj" and getattr(parent, "act", None) is F.silu
         packed = PackedLinear(module, gate_up_silu=silu, wide_float32=spare)
         setattr(parent, child, packed)
         if in_place:
-            _replace(model, tied_embedding, PackedEmbedding(packed.packed_weight))
+            _replace(model, tied_embedding, PackedEmbedding(packed.packed_weight, packed.amx))
         count += 1
     return count
 
