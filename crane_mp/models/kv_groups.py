@@ -27,10 +27,6 @@ class KVGroups:
     layer_slots: tuple[tuple[int, int], ...]  # per attention layer: (group, index of its cache tensor)
     layers_per_group: int  # cache tensors: the i-th layer of every group uses tensor i
 
-    @property
-    def hybrid(self) -> bool:
-        return len(self.windows) > 1
-
 
 def group_layers(windows: list[int | None], shapes: list[tuple[int, ...]]) -> KVGroups:
     """Groups of the attention layers whose windows (None: full attention) and KV shapes are given."""

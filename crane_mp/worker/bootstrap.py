@@ -94,7 +94,8 @@ def graph_pool_bytes(runner: ModelRunner, sizes: list[int], cfg: ModelConfig) ->
     allocated, and their static input buffers."""
     peak = runner.platform.measure_activation_bytes(lambda _: runner.profile_decode(sizes[-1]), 0)
     outputs = sum(sizes) * cfg.hidden_size * runner.dtype.itemsize
-    inputs = static_buffer_bytes(sizes[-1], table_width(runner.max_positions, runner.block_size))
+    inputs = static_buffer_bytes(sizes[-1], table_width(runner.max_positions, runner.block_size),
+                                 len(runner.kv_groups.windows))
     return int(1.25 * peak) + outputs + inputs + _GRAPH_POOL_SLACK
 
 
@@ -192,10 +193,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     timer.done("warm-up")
     # Not with tensor parallelism yet: a captured step would replay its collectives too, untested. Not
     # for a media model: its steps read per-request state (rope positions, a window's cross-attention).
-    # Not for sliding layers in KV groups of their own yet: a graph's static inputs hold one block table.
     graphs = (platform.cuda_graphs(config.cuda_graphs, runner.attention_backend) and not model_config.encoder
-              and model_config.media is None and tp is None and model_config.arch != TRANSFORMERS
-              and not runner.kv_groups.hybrid)
+              and model_config.media is None and tp is None and model_config.arch != TRANSFORMERS)
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
     reserved_bytes = kernel_cache_bytes + (graph_pool_bytes(runner, graph_sizes, rank_config) if graphs else 0)
     if config.runtime_lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank

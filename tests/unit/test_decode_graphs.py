@@ -71,3 +71,23 @@ def test_replayed_decodes_equal_eager_ones_between_buckets_and_under_preemption(
     spare = replayed.worker.runner.num_blocks
     assert replayed.worker.kv_plan.num_blocks == spare
     assert replayed.worker.runner.model.attention_layers()[0].k_cache[spare].abs().sum() > 0
+
+
+def test_replayed_decodes_read_each_kv_group_s_own_tables(tmp_path):
+    """A Gemma 3 keeps its sliding layers in KV groups of their own (6-token windows the prompts cross):
+    each group's slots and block tables go through the graph's static buffers."""
+    from crane_mp.testing.make_zoo import make_zoo_model
+
+    path = str(make_zoo_model("gemma3_text", tmp_path / "gemma3"))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (3, 40, 17, 9, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    eager = engine(path, graphs=False, max_total_tokens=384, kv_cache_dtype="float32")
+    replayed = engine(path, graphs=True, max_total_tokens=384, kv_cache_dtype="float32")
+    assert len(replayed.worker.runner.kv_groups.windows) > 1
+    calls = []
+    graphs = replayed.worker.runner.decode_graphs
+    original_run = graphs.run
+    graphs.run = lambda decodes, *args: calls.append(len(decodes)) or original_run(decodes, *args)
+    assert replayed.generate(prompts, params) == eager.generate(prompts, params)
+    assert calls and replayed.scheduler.num_free_blocks == replayed.worker.kv_plan.num_blocks

@@ -2,8 +2,8 @@
 replayed each step, so a decode step costs a few host microseconds instead of hundreds of kernel launches.
 
 A graph replays fixed kernels on fixed addresses, so every input of a decode forward lives in a static
-device buffer: token ids, positions, KV slots, block tables (one row per sequence, as wide as the
-longest sequence allowed) and context lengths. A step writes them into one pinned host buffer, block
+device buffer: token ids, positions, context lengths, and per KV group (models/kv_groups.py) the KV
+slots and block tables (one row per sequence, as wide as the longest sequence allowed). A step writes them into one pinned host buffer, block
 tables only as wide as this batch's longest context, copies that in one go, widens the tables on the
 device, pads the batch to its bucket and replays. Padded rows read and write only the KV cache's
 spare block (see memory.py), so they never touch a live sequence. Attention must read block tables and
@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from crane_mp.worker.cache.attention import AttentionMetadata, SeqSpan
+from crane_mp.worker.cache.attention import AttentionMetadata, SeqSpan, group_spans
 from crane_mp.worker.step.forward_context import ForwardContext, forward_context
 
 log = logging.getLogger("crane_mp.worker")
@@ -82,10 +82,10 @@ def table_width(max_positions: int, block_size: int) -> int:
     return -(-max_positions // block_size)
 
 
-def static_buffer_bytes(max_batch: int, width: int) -> int:
-    """Device memory of DecodeGraphs' static inputs: the staged copy (ids, positions, slots, context
-    lengths and packed tables) and the widened block tables, all int64."""
-    return (4 * max_batch + 2 * max_batch * width) * 8
+def static_buffer_bytes(max_batch: int, width: int, groups: int = 1) -> int:
+    """Device memory of DecodeGraphs' static inputs: the staged copy (ids, positions, context lengths,
+    and each KV group's slots and packed tables) and the widened block tables, all int64."""
+    return ((3 + groups) * max_batch + 2 * groups * max_batch * width) * 8
 
 
 class DecodeGraphs:
@@ -99,16 +99,19 @@ class DecodeGraphs:
         max_batch = sizes[-1]
         self.width = table_width(runner.max_positions, runner.block_size)
         self.spare_block = runner.num_blocks  # the block past the scheduler's, see memory.py
-        # ids, positions, slots, context lengths, then this step's block tables packed [count, widest]:
-        # one buffer, one copy per step; the tables are then widened on the device into their static
-        # [max_batch, width] buffer (a 32k-token model has 2k columns, mostly unused).
-        numel = 4 * max_batch + max_batch * self.width
+        self.groups = len(runner.kv_groups.windows)
+        # ids, positions, context lengths, each KV group's slots, then this step's block tables packed
+        # [groups, count, widest]: one buffer, one copy per step; the tables are then widened on the
+        # device into their static [groups, max_batch, width] buffer (a 32k-token model has 2k columns,
+        # mostly unused).
+        self._head = (3 + self.groups) * max_batch
+        numel = self._head + self.groups * max_batch * self.width
         pinned = runner.platform.pinned
         self._host = torch.zeros(numel, dtype=torch.long, pin_memory=pinned)
         self._staged = torch.zeros(numel, dtype=torch.long, device=device)
-        ids, pos, slots, ctx = self._staged[: 4 * max_batch].view(4, max_batch)
-        self.ids, self.positions, self.slots, self.ctx_lens = ids, pos, slots, ctx
-        self.tables = torch.zeros(max_batch, self.width, dtype=torch.long, device=device)
+        head = self._staged[: self._head].view(3 + self.groups, max_batch)
+        self.ids, self.positions, self.ctx_lens, self.slots = head[0], head[1], head[2], head[3:]
+        self.tables = torch.zeros(self.groups, max_batch, self.width, dtype=torch.long, device=device)
         # The pinned buffer is rewritten only once the GPU has copied it out (steps need not sync).
         self._copied = torch.cuda.Event() if pinned else None
         self.graphs: dict[int, Captured] = {}
@@ -137,10 +140,13 @@ class DecodeGraphs:
     def _fill(self, decodes: list[SeqSpan], input_ids: list[int], positions: list[int]) -> None:
         """Padded rows write only the spare block's first slot; their block-table rows may hold stale
         block ids, which they only read from (their output is dropped)."""
-        max_batch, block_size = self.sizes[-1], self.runner.block_size
+        max_batch, block_size, groups = self.sizes[-1], self.runner.block_size, self.groups
         count = len(decodes)
         pad = max_batch - count
-        slots = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(decodes, positions)]
+        spans = [decodes] + [group_spans(decodes, group) for group in range(1, groups)]
+        slots = [slot for group in spans for slot in
+                 [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(group, positions)]
+                 + [self.spare_block * block_size] * pad]
         used = [-(-(p + 1) // block_size) for p in positions]
         widest = max(used, default=0)
         if self._copied is not None:
@@ -148,29 +154,31 @@ class DecodeGraphs:
         # Written through numpy, row by row: building a [count, widest] tensor from nested lists takes
         # 3 ms at 256 sequences of 2k tokens, longer than an 8B decode step on an H100; this takes 0.5 ms.
         host = self._host.numpy()
-        host[: 4 * max_batch] = input_ids + [0] * pad + positions + [0] * pad + slots + \
-            [self.spare_block * block_size] * pad + [p + 1 for p in positions] + [1] * pad
-        numel = 4 * max_batch + count * widest
-        tables = host[4 * max_batch : numel].reshape(count, widest)
-        for row, span, n in zip(tables, decodes, used):
-            row[:n] = span.block_table[:n]
-            row[n:] = 0
+        host[: self._head] = (input_ids + [0] * pad + positions + [0] * pad + [p + 1 for p in positions]
+                              + [1] * pad + slots)
+        numel = self._head + groups * count * widest
+        tables = host[self._head : numel].reshape(groups, count, widest)
+        for group_tables, group in zip(tables, spans):
+            for row, span, n in zip(group_tables, group, used):
+                row[:n] = span.block_table[:n]
+                row[n:] = 0
         self._staged[:numel].copy_(self._host[:numel], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         if count:
-            self.tables[:count, :widest].copy_(self._staged[4 * max_batch : numel].view(count, widest))
+            self.tables[:, :count, :widest].copy_(self._staged[self._head : numel].view(groups, count, widest))
 
     def _forward(self, size: int) -> torch.Tensor:
         runner = self.runner
-        meta = AttentionMetadata(
-            slot_mapping=self.slots[:size], num_decode_tokens=size, decode_block_tables=self.tables[:size],
-            decode_ctx_lens=self.ctx_lens[:size], prefill_token_index=None, prefill_valid_index=None,
-            prefill_block_tables=None, num_prefills=0, max_prefill_q=0, prefill_is_fresh_single=False,
-            backend=runner.attention_backend, dtype=runner.dtype, block_width=runner.block_size,
-        )
+        metas = [AttentionMetadata(
+            slot_mapping=self.slots[group, :size], num_decode_tokens=size,
+            decode_block_tables=self.tables[group, :size], decode_ctx_lens=self.ctx_lens[:size],
+            prefill_token_index=None, prefill_valid_index=None, prefill_block_tables=None, num_prefills=0,
+            max_prefill_q=0, prefill_is_fresh_single=False, backend=runner.attention_backend, dtype=runner.dtype,
+            block_width=runner.block_size,
+        ) for group in range(self.groups)]
         pos = self.positions[:size]
-        ctx = ForwardContext(meta, runner.cos[pos].unsqueeze(1), runner.sin[pos].unsqueeze(1),
-                             sliding_rope=runner.sliding_rope_rows(pos))
+        ctx = ForwardContext(metas[0], runner.cos[pos].unsqueeze(1), runner.sin[pos].unsqueeze(1),
+                             sliding_rope=runner.sliding_rope_rows(pos), group_attn=metas[1:])
         with forward_context(ctx):
             return runner.model(self.ids[:size])
