@@ -23,8 +23,7 @@ from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.model_tokenizer import load_tokenizer
 from crane_mp.testing.corpus import corpus
-from crane_mp.worker.cache.attention import SeqSpan, build_metadata
-from crane_mp.worker.step.forward_context import ForwardContext, forward_context
+from crane_mp.worker.cache.attention import SeqSpan
 
 _ROWS_PER_PASS = 64  # [rows, vocabulary] log-probabilities at a time
 
@@ -43,11 +42,8 @@ def final_hidden(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Hidden states after the last layer at every position: one paged prefill over fresh blocks."""
     runner = engine.worker.runner
     span = SeqSpan(0, len(ids), list(range(-(-len(ids) // runner.block_size))))
-    meta = build_metadata([], [span], runner.block_size, runner.device, runner.dtype)
-    positions = torch.arange(len(ids))
-    with torch.inference_mode(), forward_context(ForwardContext(meta, runner.cos[positions, None],
-                                                                runner.sin[positions, None])):
-        return runner.model(torch.tensor(ids))
+    with torch.inference_mode():
+        return runner.forward([], [span], ids, list(range(len(ids))))
 
 
 def compare(path: Path, count: int) -> dict:

@@ -8,10 +8,9 @@ import torch
 
 from crane_mp.models.config import ModelConfig
 from crane_mp.models.gguf_file import ModelSource
-from crane_mp.worker.cache.attention import SeqSpan, build_metadata
+from crane_mp.worker.cache.attention import SeqSpan
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import platform_for
-from crane_mp.worker.step.forward_context import ForwardContext, forward_context
 from crane_mp.worker.step.runner import ModelRunner
 from crane_mp.worker.weights.loader import load_model
 
@@ -23,11 +22,9 @@ def prefill_logits(model: CausalLM, prompt: list[int], block_size: int = 16) -> 
     runner = ModelRunner(model, block_size, len(prompt) + block_size, CPU)
     num_blocks = -(-len(prompt) // block_size)
     runner.allocate_kv_cache(num_blocks)
-    meta = build_metadata([], [SeqSpan(0, len(prompt), list(range(num_blocks)))], block_size, CPU.device,
-                          runner.dtype)
-    pos = torch.arange(len(prompt))
-    with torch.inference_mode(), forward_context(ForwardContext(meta, runner.cos[pos, None], runner.sin[pos, None])):
-        return model.compute_logits(model(torch.tensor(prompt))).float()
+    span = SeqSpan(0, len(prompt), list(range(num_blocks)))
+    with torch.inference_mode():
+        return model.compute_logits(runner.forward([], [span], prompt, list(range(len(prompt))))).float()
 
 
 def load_checkpoint(config: ModelConfig, model_dir: Path, dtype: torch.dtype) -> CausalLM:

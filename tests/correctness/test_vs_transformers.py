@@ -10,8 +10,7 @@ from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.cache.attention import SeqSpan, build_metadata
-from crane_mp.worker.step.forward_context import ForwardContext, forward_context
+from crane_mp.worker.cache.attention import SeqSpan
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "hunyuan"]
 
@@ -72,10 +71,8 @@ def engine_prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     runner = engine.worker.runner
     num_blocks = -(-len(prompt) // runner.block_size)
     span = SeqSpan(0, len(prompt), list(range(num_blocks)))
-    meta = build_metadata([], [span], runner.block_size, runner.device, runner.dtype)
-    pos = torch.arange(len(prompt))
-    with torch.inference_mode(), forward_context(ForwardContext(meta, runner.cos[pos, None], runner.sin[pos, None])):
-        return runner.model.compute_logits(runner.model(torch.tensor(prompt)))
+    with torch.inference_mode():
+        return runner.model.compute_logits(runner.forward([], [span], prompt, list(range(len(prompt)))))
 
 
 def hf_greedy(hf, prompt: list[int], num_tokens: int) -> list[int]:
