@@ -3,9 +3,9 @@ replayed each step, so a decode step costs a few host microseconds instead of hu
 
 A graph replays fixed kernels on fixed addresses, so every input of a decode forward lives in a static
 device buffer: token ids, positions, context lengths, and per KV group (models/kv_groups.py) the KV
-slots and block tables (one row per sequence, as wide as the longest sequence allowed). A step writes them into one pinned host buffer, block
-tables only as wide as this batch's longest context, copies that in one go, widens the tables on the
-device, pads the batch to its bucket and replays. Padded rows read and write only the KV cache's
+slots and block tables (one row per sequence, as wide as the longest sequence allowed). A step writes
+them into one pinned host buffer, block tables only as wide as this batch's longest context, copies
+that in one go, widens the tables on the device, pads the batch to its bucket and replays. Padded rows read and write only the KV cache's
 spare block (see memory.py), so they never touch a live sequence. Attention must read block tables and
 context lengths directly (the Triton and native kernels), not a per-step gathered copy.
 

@@ -28,7 +28,6 @@ from torch import nn
 
 from crane_mp.worker.kernels.cpu_isa import amx_gemm, bf16_linear
 
-
 # From this many rows on, a float32 copy of the weights multiplies faster than oneDNN's bf16 kernels
 # on CPUs without AMX (with AVX512-BF16, bf16 has the same peak FLOPs and pays for conversions):
 # 1.2x at 64 rows, 1.4x at 128-2048 rows, the same at 32 (benchmarks/RESULTS.md).
