@@ -2,7 +2,7 @@
 // (Zen 4 and 5, Cooper Lake): oneDNN streams a packed bf16 weight at about half the memory bus's rate
 // at one row, and multiplies a plain one slower still.
 //
-//   bf16_linear_available() -> bool                    compiled for AVX512-BF16
+//   bf16_linear_available() -> bool                  compiled for AVX512-BF16
 //   bf16_pack_weight(weight [N, K]) -> packed        pairs of k interleaved in blocks of 16 outputs
 //   bf16_packed_linear(x [R, K], packed, bias?) -> [R, N]
 //   bf16_packed_embedding(ids [T], packed) -> [T, K] = weight[ids]: rows read back out of the packed
@@ -13,8 +13,8 @@
 // an activation row broadcast against it accumulates 16 outputs in one register, no horizontal sums.
 // The micro-kernel keeps 4 rows x 96 outputs in 24 registers (six loads of weights and four
 // broadcasts per 24 dot products). Decode-sized calls (up to 4 rows) read each weight byte once, at
-// the bus's rate (1.3-1.8x oneDNN's packed GEMV); larger calls walk K in blocks of 512 so that the
-// weights of 96 outputs stay in cache for every row (0.93-1.0x oneDNN's GEMM at 16 to 256 rows;
+// the bus's rate (1.2-1.4x oneDNN's packed GEMV); larger calls walk K in blocks of 512 so that the
+// weights of 96 outputs stay in cache for every row (0.9-1.0x oneDNN's GEMM at 16 to 256 rows;
 // benchmarks/RESULTS.md). Sums in float32, rounded once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
