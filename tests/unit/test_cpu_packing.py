@@ -74,16 +74,16 @@ def test_wide_float32_copy_computes_the_bf16_gemm(rows):
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_our_packed_bf16_linear_computes_the_bf16_product(rows, bias):
-    # in 1088: two 512-wide blocks of K and a remainder when more than 4 rows walk K in blocks
+    # in 2624 (1312 pairs): more than 4 rows walk K in two blocks of 656 pairs
     gen = torch.Generator().manual_seed(rows)
-    linear = torch.nn.Linear(1088, 208, bias=bias).to(torch.bfloat16)  # 13 blocks of 16: 6, 6 and 1
+    linear = torch.nn.Linear(2624, 208, bias=bias).to(torch.bfloat16)  # 13 blocks of 16: 6, 6 and 1
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(208, 1088, generator=gen) / 30)
+        linear.weight.copy_(torch.randn(208, 2624, generator=gen) / 50)
         if bias:
             linear.bias.copy_(torch.randn(208, generator=gen))
     packed = PackedLinear(linear)
     assert packed.ours and packed.packed_weight.shape == linear.weight.shape  # no copy besides it
-    x = torch.randn(rows, 1088, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 2624, generator=gen).to(torch.bfloat16)
     with torch.no_grad():
         out = packed(x)
         products = x.float() @ linear.weight.float().T  # bf16 products are exact in float32

@@ -13,9 +13,9 @@
 // an activation row broadcast against it accumulates 16 outputs in one register, no horizontal sums.
 // The micro-kernel keeps 4 rows x 96 outputs in 24 registers (six loads of weights and four
 // broadcasts per 24 dot products). Decode-sized calls (up to 4 rows) read each weight byte once, at
-// the bus's rate (1.2-1.4x oneDNN's packed GEMV); larger calls walk K in blocks of 512 so that the
-// weights of 96 outputs stay in cache for every row (0.9-1.0x oneDNN's GEMM at 16 to 256 rows;
-// benchmarks/RESULTS.md). Sums in float32, rounded once.
+// the bus's rate (1.2-1.4x oneDNN's packed GEMV); larger calls walk K in blocks of at most 2560 so
+// that the weights of 96 outputs stay in L2 for every row (0.94-1.05x oneDNN's GEMM at 16 to 256
+// rows; benchmarks/RESULTS.md). Sums in float32, rounded once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,7 +30,9 @@ namespace {
 
 constexpr int64_t kRows = 4;       // activation rows per micro-kernel call
 constexpr int64_t kBlocks = 6;     // 16-output blocks per micro-kernel call: 96 outputs (fewer at the end)
-constexpr int64_t kPairsStep = 256;  // k pairs per block of a call with more than kRows rows
+// Most k pairs per block of a call with more than kRows rows: the weights of 96 outputs over 1280 pairs
+// (480 KiB) stay in a Zen 4 core's 1 MiB L2 while every row tile passes over them.
+constexpr int64_t kPanelPairs = 1280;
 
 #if defined(__AVX512BF16__)
 
@@ -138,7 +140,9 @@ at::Tensor bf16_packed_linear(const at::Tensor& x, const at::Tensor& packed, con
   at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
 #if defined(__AVX512BF16__)
   const int64_t pairs = K / 2;
-  const int64_t step = R <= kRows ? pairs : kPairsStep;  // decode-sized: the whole K in one pass
+  // Decode-sized calls take the whole K in one pass; larger ones equal blocks of at most kPanelPairs.
+  const int64_t num_steps = R <= kRows ? 1 : (pairs + kPanelPairs - 1) / kPanelPairs;
+  const int64_t step = (pairs + num_steps - 1) / num_steps;
   at::Tensor sums = step < pairs ? at::empty({R, N}, xc.options().dtype(at::kFloat)) : at::Tensor();
   const auto* xp = xc.data_ptr<at::BFloat16>();
   const auto* wp = packed.data_ptr<at::BFloat16>();
