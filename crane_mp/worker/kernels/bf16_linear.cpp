@@ -13,8 +13,8 @@
 // an activation row broadcast against it accumulates 16 outputs in one register, no horizontal sums.
 // The micro-kernel keeps 4 rows x 96 outputs in 24 registers (six loads of weights and four
 // broadcasts per 24 dot products). Decode-sized calls (up to 4 rows) read each weight byte once, at
-// the bus's rate (1.2-1.4x oneDNN's packed GEMV); larger calls walk K in blocks of at most 2560 so
-// that the weights of 96 outputs stay in L2 for every row (0.94-1.05x oneDNN's GEMM at 16 to 256
+// the bus's rate (1.4-1.7x oneDNN's packed GEMV); larger calls walk K in blocks of at most 2560 so
+// that the weights of 96 outputs stay in L2 for every row (0.99-1.2x oneDNN's GEMM at 16 to 256
 // rows; benchmarks/RESULTS.md). Sums in float32, rounded once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

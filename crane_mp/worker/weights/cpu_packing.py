@@ -6,8 +6,8 @@ is faster with identical math. Three backends:
 - our AMX kernel (worker/kernels/amx_linear.cpp) when the CPU has AMX and the native kernels are
   built: ~2x oneDNN on decode-sized GEMMs; results equal up to float summation order;
 - our AVX512-BF16 kernel (worker/kernels/bf16_linear.cpp) on CPUs with AVX512-BF16 but no AMX (Zen 4
-  and 5): 1.1-1.4x oneDNN's packed linear at up to 8 rows (decode at the memory bus's rate),
-  0.9-1.0x at 16 to 256; results equal up to float summation order;
+  and 5): 1.4-1.7x oneDNN's packed linear at up to 8 rows (decode at the memory bus's rate),
+  1.2x at 16, 0.99-1.05x at 32 to 256; results equal up to float summation order;
 - oneDNN's packed linear otherwise (or for shapes ours cannot block): ~20% faster than a plain weight
   at 32 rows, identical results.
 
