@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "packed_rows.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define CRANE_MP_HAVE_AMX 1
@@ -258,17 +259,11 @@ at::Tensor amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, co
 }
 
 at::Tensor amx_embedding(const at::Tensor& ids, const at::Tensor& packed) {
-  TORCH_CHECK(ids.scalar_type() == at::kLong, "token ids must be int64");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 32, "weight not packed by amx_pack_weight");
   const int64_t N = packed.size(0) * 16, KB = packed.size(1), K = KB * 32;
-  const at::Tensor flat = ids.reshape({-1}).contiguous();
+  auto [flat, out] = crane_mp::packed_row_lookup(ids, N, K, packed.options());
   const int64_t T = flat.numel();
   const int64_t* idp = flat.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(idp[t] >= 0 && idp[t] < N, "token id ", idp[t], " is out of range for a vocabulary of ", N);
-  std::vector<int64_t> out_shape(ids.sizes().begin(), ids.sizes().end());
-  out_shape.push_back(K);
-  at::Tensor out = at::empty(out_shape, packed.options());
   // A row's values sit in pairs (32 bits), one pair per tile row, 64 bytes apart.
   const uint32_t* src = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr());

@@ -20,7 +20,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <vector>
+#include "cpu_vec.h"
+#include "packed_rows.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -165,21 +166,15 @@ at::Tensor bf16_packed_linear(const at::Tensor& x, const at::Tensor& packed, con
 }
 
 at::Tensor bf16_packed_embedding(const at::Tensor& ids, const at::Tensor& packed) {
-  TORCH_CHECK(ids.scalar_type() == at::kLong, "token ids must be int64");
   TORCH_CHECK(packed.dim() == 2 && packed.size(0) % 16 == 0 && packed.size(1) % 2 == 0, "a bf16_pack_weight weight");
   const int64_t N = packed.size(0), K = packed.size(1), pairs = K / 2;
-  const at::Tensor flat = ids.reshape({-1}).contiguous();
+  auto [flat, out] = crane_mp::packed_row_lookup(ids, N, K, packed.options());
   const int64_t T = flat.numel();
   const int64_t* idp = flat.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(idp[t] >= 0 && idp[t] < N, "token id ", idp[t], " is out of range for a vocabulary of ", N);
-  std::vector<int64_t> out_shape(ids.sizes().begin(), ids.sizes().end());
-  out_shape.push_back(K);
-  at::Tensor out = at::empty(out_shape, packed.options());
   // A row's values sit in pairs (32 bits), one per k pair of its block, 64 bytes apart.
   const auto* src = reinterpret_cast<const int32_t*>(packed.data_ptr<at::BFloat16>());
   auto* dst = reinterpret_cast<int32_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, crane_mp::parallel_grain(K), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int32_t* block = src + (idp[t] / 16) * pairs * 16 + idp[t] % 16;
       for (int64_t kp = 0; kp < pairs; ++kp) dst[t * pairs + kp] = block[kp * 16];

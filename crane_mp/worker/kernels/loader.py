@@ -39,7 +39,7 @@ _SOURCES = [
         "gguf_matmul.cpp", "gguf_int8.cpp", "gguf_repack.cpp", "bf16_linear.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "gguf_blocks.h", "gguf_int8.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "gguf_blocks.h", "gguf_int8.h", "packed_rows.h")]
 
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
