@@ -102,18 +102,44 @@ def detect_arch(hf_config: Any, model_type: str = "auto", model_impl: str = "aut
     if model_type != "auto":
         if model_type not in MODEL_TYPE_ALIASES:
             raise UnsupportedModelError(f"unknown --model-type {model_type!r}")
-        return MODEL_TYPE_ALIASES[model_type]
+        return _native_or_backend(MODEL_TYPE_ALIASES[model_type], hf_config, model_impl)
     for name in getattr(hf_config, "architectures", None) or []:
         if name in HF_CLASSES:
-            return HF_CLASSES[name]
+            return _native_or_backend(HF_CLASSES[name], hf_config, model_impl)
     hf_type = getattr(hf_config, "model_type", "")
     arch = MODEL_TYPE_ALIASES.get(hf_type)
     if arch is not None and arch != TRANSFORMERS:
-        return arch
+        return _native_or_backend(arch, hf_config, model_impl)
     if model_impl == "auto":
         return _transformers_arch(hf_config)
     raise UnsupportedModelError(f"model_type {hf_type!r} has no native implementation (native: {supported()}); "
                                 "--model-impl auto or transformers serves it through transformers' modeling code")
+
+
+def _native_gap(arch: str, hf_config: Any) -> str | None:
+    """What of this checkpoint architecture `arch`'s native code does not implement (None: nothing)."""
+    if arch != "gemma4":
+        return None
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if getattr(text, "enable_moe_block", False):
+        return "Gemma 4's mixture-of-experts layers"
+    if getattr(text, "use_bidirectional_attention", None) == "all":
+        return "bidirectional attention"
+    if getattr(text, "num_kv_shared_layers", 0) >= getattr(text, "num_hidden_layers", 1):
+        return "every layer reading another model's keys and values (a draft model)"
+    return None
+
+
+def _native_or_backend(arch: str, hf_config: Any, model_impl: str) -> str:
+    """`arch`, or where its native code lacks part of this checkpoint, the transformers backend (with
+    --model-impl auto) or why not."""
+    gap = _native_gap(arch, hf_config)
+    if gap is None:
+        return arch
+    if model_impl == "auto":
+        return _transformers_arch(hf_config)
+    raise UnsupportedModelError(f"{arch} checkpoint with {gap}: not implemented natively yet; --model-impl auto "
+                                "or transformers serves it through transformers' modeling code")
 
 
 def _transformers_arch(hf_config: Any) -> str:
@@ -223,7 +249,7 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         raise UnsupportedModelError(f"{arch} with {hf_config.num_local_experts} experts per layer: mixture-of-"
                                     "experts layers are not supported yet")
     heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    head_dim = _base_attr(hf_config, "head_dim") or hf_config.hidden_size // heads
     theta, rope_params = _rope(hf_config)
     sliding_window = _sliding_window(hf_config, arch)
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -238,7 +264,7 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         intermediate_size=getattr(hf_config, "shared_intermediate_size", None) or hf_config.intermediate_size,
         num_hidden_layers=hf_config.num_hidden_layers,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        num_key_value_heads=_base_attr(hf_config, "num_key_value_heads") or heads,
         head_dim=head_dim,
         rms_norm_eps=getattr(hf_config, "rms_norm_eps", None) or hf_config.layer_norm_eps,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048) - first_position,
@@ -259,13 +285,14 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
     )
 
 
-def _uniform(hf_config: Any, name: str) -> Any:
-    """A config attribute, or None where it varies by layer (Gemma 4's head_dim: transformers refuses
-    the global read; each attention module then says its own)."""
+def _base_attr(hf_config: Any, name: str) -> Any:
+    """head_dim or num_key_value_heads (None: absent); where it varies by layer (Gemma 4, whose global
+    layers have their own: the layout's) its first sliding layer's."""
     try:
         return getattr(hf_config, name, None)
-    except Exception:
-        return None
+    except RuntimeError:  # transformers refuses the global read of a per-layer attribute
+        kinds = list(hf_config.layer_types)
+        return getattr(hf_config.per_layer_config[kinds.index(SLIDING) if SLIDING in kinds else 0], name, None)
 
 
 def _transformers_config(hf_config: Any, model_dir: Path | None) -> ModelConfig:
@@ -281,8 +308,8 @@ def _transformers_config(hf_config: Any, model_dir: Path | None) -> ModelConfig:
         arch=TRANSFORMERS, vocab_size=hf_config.vocab_size, hidden_size=hidden,
         intermediate_size=getattr(hf_config, "intermediate_size", None) or 4 * hidden,
         num_hidden_layers=hf_config.num_hidden_layers, num_attention_heads=heads,
-        num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=_uniform(hf_config, "head_dim") or hidden // heads, rms_norm_eps=eps,
+        num_key_value_heads=_base_attr(hf_config, "num_key_value_heads") or heads,
+        head_dim=_base_attr(hf_config, "head_dim") or hidden // heads, rms_norm_eps=eps,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", None) or 2048,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), attention_bias=False,
         mlp_bias=False, hidden_act="silu", rope_theta=10000.0, rope_parameters={"rope_type": "default"},

@@ -37,6 +37,18 @@ class DecoderLayout:
     # "pre" (Llama); "sandwich": norms before and after attention and MLP (Gemma, GLM-4); "post": after
     # only (OLMo 2, EXAONE 4); "parallel": attention and MLP side by side on one norm (Cohere).
     block: str = "pre"
+    round_embedding_scale: bool = False  # the embedding scale is rounded to the model dtype first (Gemma)
+    # Gemma 4: the full-attention layers' own head size and KV heads, where they differ from the config's.
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    values_are_keys: bool = False  # the full-attention layers' values are their keys' projection (k_eq_v)
+    value_norm: bool = False  # values go through a scale-less per-head RMSNorm before the cache
+    # Per layer: the layer whose KV cache it reads (itself; an earlier one where layers share KV and
+    # it projects no keys or values); empty: every layer its own.
+    kv_sources: tuple[int, ...] = ()
+    layer_intermediate: tuple[int, ...] = ()  # per layer: the MLP's width where layers differ
+    per_layer_input_size: int = 0  # Gemma 4's per-layer input embeddings: their width per layer (0: none)
+    per_layer_input_vocab: int = 0  # and the rows of their table
 
     def window(self, layer: int, sliding_window: int | None) -> int | None:
         """Layer `layer`'s attention window (None: it sees every earlier key)."""
@@ -50,6 +62,27 @@ class DecoderLayout:
             return None
         sliding = bool(self.layer_types) and self.layer_types[layer] == SLIDING
         return "sliding" if sliding and self.sliding_rope is not None else "global"
+
+    @property
+    def varies_by_layer(self) -> bool:
+        """Whether layers differ in their weights' shapes (LoRA and tensor parallelism assume not)."""
+        return bool(self.global_head_dim or self.global_kv_heads or self.values_are_keys or self.kv_sources
+                    or len(set(self.layer_intermediate)) > 1)
+
+    def is_global(self, layer: int) -> bool:
+        return not self.layer_types or self.layer_types[layer] != SLIDING
+
+    def head_shape(self, layer: int, head_dim: int, kv_heads: int) -> tuple[int, int]:
+        """(head size, KV heads) of layer `layer`; the config's are `head_dim` and `kv_heads`."""
+        if self.global_head_dim is None or not self.is_global(layer):
+            return head_dim, kv_heads
+        return self.global_head_dim, self.global_kv_heads or kv_heads
+
+    def kv_source(self, layer: int) -> int:
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def intermediate_size(self, layer: int, default: int) -> int:
+        return self.layer_intermediate[layer] if self.layer_intermediate else default
 
 
 def split_rope(hf_config: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -97,7 +130,39 @@ def _gemma(hf_config: Any, head_dim: int) -> DecoderLayout:
         attention_scale=hf_config.query_pre_attn_scalar**-0.5,
         attn_softcap=getattr(hf_config, "attn_logit_softcapping", None),
         final_softcap=getattr(hf_config, "final_logit_softcapping", None),
-        embedding_scale=math.sqrt(hf_config.hidden_size), norm="gemma", block="sandwich")
+        embedding_scale=math.sqrt(hf_config.hidden_size), norm="gemma", block="sandwich", round_embedding_scale=True)
+
+
+def _gemma4(hf_config: Any, head_dim: int) -> DecoderLayout:
+    """Gemma 4 (text): plain (x * w) norms around attention and MLP, attention scale 1, the global
+    layers' own head shape and (proportional) rope, the last layers reading earlier layers' KV."""
+    kinds = tuple(hf_config.layer_types)
+    per_layer = hf_config.per_layer_config
+    shapes = {kind: {(per_layer[i].head_dim, per_layer[i].num_key_value_heads)
+                     for i in range(len(kinds)) if kinds[i] == kind} for kind in set(kinds)}
+    if any(len(shape) > 1 for shape in shapes.values()):
+        raise ValueError(f"gemma4: layers of one kind with different head shapes {shapes}")
+    base = next(iter(shapes.get(SLIDING) or shapes[FULL]))
+    full_shape = next(iter(shapes.get(FULL) or {base}))
+    full, sliding = split_rope(hf_config)
+    layers = hf_config.num_hidden_layers
+    first_shared = layers - hf_config.num_kv_shared_layers
+    # A sharing layer reads the cache of the last layer of its kind before the shared ones.
+    sources = tuple(i if i < first_shared else max(j for j in range(first_shared) if kinds[j] == kinds[i])
+                    for i in range(layers))
+    wide = 2 if hf_config.use_double_wide_mlp else 1
+    return DecoderLayout(
+        layer_types=kinds if SLIDING in kinds else (), sliding_rope=sliding or dict(full, layer_type=SLIDING),
+        attention_scale=1.0, final_softcap=getattr(hf_config, "final_logit_softcapping", None),
+        embedding_scale=math.sqrt(hf_config.hidden_size), round_embedding_scale=True, block="sandwich",
+        global_head_dim=full_shape[0] if full_shape != base else None,
+        global_kv_heads=full_shape[1] if full_shape != base else None,
+        values_are_keys=bool(hf_config.attention_k_eq_v), value_norm=True,
+        kv_sources=sources if first_shared < layers else (),
+        layer_intermediate=tuple(hf_config.intermediate_size * (wide if i >= first_shared else 1)
+                                 for i in range(layers)),
+        per_layer_input_size=hf_config.hidden_size_per_layer_input or 0,
+        per_layer_input_vocab=hf_config.vocab_size_per_layer_input or 0)
 
 
 def _olmo(hf_config: Any, head_dim: int) -> DecoderLayout:
@@ -154,7 +219,7 @@ def _seed_oss(hf_config: Any, head_dim: int) -> DecoderLayout:
 
 # Our architecture name -> its layout reader; the rest are Llama's layer.
 FAMILY_LAYOUTS: dict[str, Callable[[Any, int], DecoderLayout]] = {
-    "gemma2": _gemma, "gemma3": _gemma, "olmo2": _olmo, "olmo3": _olmo, "exaone4": _exaone4,
+    "gemma2": _gemma, "gemma3": _gemma, "gemma4": _gemma4, "olmo2": _olmo, "olmo3": _olmo, "exaone4": _exaone4,
     "cohere2": _cohere2, "granite": _granite, "smollm3": _smollm3, "phi3": _phi3, "glm4": _glm4,
     "seed_oss": _seed_oss, "granite4": _granite4, "qwen2": _qwen, "qwen3": _qwen,
 }

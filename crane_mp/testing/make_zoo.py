@@ -60,11 +60,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "cohere2": {"layer_types": _MIXED, "sliding_window": WINDOW, "logit_scale": 0.5},
     "exaone4": {"layer_types": _MIXED, "sliding_window": WINDOW},
     "seed_oss": {"attention_bias": True, "attention_out_bias": False},
-    # No native implementation: served by the transformers backend. Gemma 4: per-layer input
-    # embeddings, global layers with their own head size and partial rope, the last layers reusing
-    # earlier layers' keys and values.
+    # Gemma 4: per-layer input embeddings, global layers with their own head size, KV heads and
+    # proportional rope whose values are their keys, the last layers (double-wide MLPs) reusing earlier
+    # layers' keys and values. Every option at once (the released sizes each take some).
     "gemma4_text": {"layer_types": _MIXED, "sliding_window": WINDOW, "global_head_dim": 32,
-                    "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512},
+                    "num_global_key_value_heads": 1, "attention_k_eq_v": True, "use_double_wide_mlp": True,
+                    "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512,
+                    "final_logit_softcapping": 3.0},
+    # No native implementation: served by the transformers backend.
     "ernie4_5": {"use_bias": False},
     # Granite 4 dense (granite-4.0-micro): the hybrid family's config with attention in every layer.
     "granitemoehybrid": {"layer_types": ["attention"] * 4, "num_local_experts": 0, "shared_intermediate_size": 96,

@@ -57,7 +57,12 @@ class LoadedWorker:
 
 def _activation_estimate_per_token(cfg: ModelConfig) -> int:
     # Live float32 tensors of one layer at its widest point (MLP gate/up + output, attention q/k/v/out).
-    widths = cfg.hidden_size * 4 + cfg.intermediate_size * 3 + (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * 2
+    layout = cfg.layout
+    intermediate = max(layout.layer_intermediate or (cfg.intermediate_size,))
+    head_dim = max(cfg.head_dim, layout.global_head_dim or 0)
+    kv_heads = max(cfg.num_key_value_heads, layout.global_kv_heads or 0)
+    widths = (cfg.hidden_size * 4 + intermediate * 3 + (cfg.num_attention_heads + 2 * kv_heads) * head_dim * 2
+              + cfg.num_hidden_layers * layout.per_layer_input_size * 3)
     return widths * 4
 
 
@@ -133,6 +138,9 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     # The model this process holds: the whole of it, or a rank's part (heads, units, vocabulary rows).
     if model_config.arch == TRANSFORMERS:
         _check_transformers_backend(config, tp)
+    elif config.lora and model_config.layout.varies_by_layer:
+        raise ValueError(f"LoRA adapters for {model_config.arch} (layers of different shapes) are not supported "
+                         "yet; the base model is served without --enable-lora")
     rank_config = model_config if tp is None else shard_config(model_config, tp.rank, tp.size)
     # Builds or loads the CPU kernels: reported on their own.
     platform = select_platform(config.force_cpu, 0 if tp is None else tp.device.index or 0)

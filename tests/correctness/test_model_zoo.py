@@ -49,7 +49,7 @@ def engine(path, impl: str, **kwargs) -> LLMEngine:
 
 
 def test_only_the_families_without_native_code_need_the_backend():
-    assert set(FAMILIES) - set(NATIVE) == {"ernie4_5", "starcoder2", "gemma4_text"}
+    assert set(FAMILIES) - set(NATIVE) == {"ernie4_5", "starcoder2"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

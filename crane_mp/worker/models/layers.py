@@ -53,16 +53,18 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm: x * (1 + w), computed in float32 and rounded once (the checkpoint holds w)."""
+    """Gemma's RMSNorm: x * (1 + w), computed in float32 and rounded once (the checkpoint holds w);
+    `offset` 0: x * w (Gemma 4's)."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, offset: float = 1.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return (normed * (self.offset + self.weight.float())).to(x.dtype)
 
 
 class WeightOnlyLayerNorm(nn.Module):
@@ -87,13 +89,16 @@ def make_norm(size: int, eps: float, kind: str, ops: Any = None) -> nn.Module:
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Any = None) -> None:
+    def __init__(self, config: ModelConfig, ops: Any = None, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: this layer's width where it is not the config's."""
         super().__init__()
         self.ops = ops
         self.row_parallel = config.shard is not None  # down_proj's output is this rank's part of a sum
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        # The checkpoint tensors gate_up_proj packs: their rows, in order (CausalLM.load_weights).
+        self.fused_sizes = {"gate_up_proj": [self.intermediate_size, self.intermediate_size]}
         self.act = _ACTIVATIONS[config.hidden_act]
         # LoRA adapters: id -> (A, B) per projection (worker/weights/lora.py); empty without adapters.
         self.lora_gate_up_proj: dict = {}
@@ -146,16 +151,20 @@ class PagedSelfAttention(nn.Module):
         self.fused = platform.elementwise if fusable else None
         self.row_parallel = config.shard is not None  # o_proj's output is this rank's part of a sum
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.head_dim, self.num_kv_heads = layout.head_shape(layer, config.head_dim, config.num_key_value_heads)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        # Gemma 4: a global layer's values are its keys' projection; values are normalised (no scale).
+        self.values_are_keys = layout.values_are_keys and layout.is_global(layer)
+        self.value_norm = layout.value_norm
         self.scale = layout.attention_scale or self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
         if o_bias is None:
             o_bias = config.attention_bias if layout.attention_out_bias is None else layout.attention_out_bias
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        # The checkpoint tensors qkv_proj packs: their rows, in order (CausalLM.load_weights).
+        self.fused_sizes = {"qkv_proj": [self.q_size, self.kv_size] + ([] if self.values_are_keys else [self.kv_size])}
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.fused_sizes["qkv_proj"]), bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.k_cache: torch.Tensor | None = None  # bound by the runner: [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
@@ -183,6 +192,8 @@ class PagedSelfAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (H + 2 * KH) * D]
         if ctx.lora is not None and self.lora_qkv_proj:
             qkv = ctx.lora.apply(x, qkv, self.lora_qkv_proj)
+        if self.values_are_keys or self.value_norm:
+            qkv = self._with_values(qkv)
         if self.fused is not None:
             cos, sin = self._rope_rows(ctx)
             meta = ctx.attn_of(self)
@@ -198,6 +209,19 @@ class PagedSelfAttention(nn.Module):
         if ctx.lora is not None and self.lora_o_proj:
             projected = ctx.lora.apply(out, projected, self.lora_o_proj)
         return all_reduce(projected) if self.row_parallel else projected
+
+    def _with_values(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with the values the cache keeps: the keys' projection where the layer has no values of
+        its own, normalised per head without a scale (value_norm)."""
+        num_tokens, values_at = qkv.shape[0], self.q_size + self.kv_size
+        v = qkv[:, self.q_size : values_at] if self.values_are_keys else qkv[:, values_at:]
+        if self.value_norm:
+            heads = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).float()
+            v = F.rms_norm(heads, (self.head_dim,), None, self.eps).to(qkv.dtype).view(num_tokens, self.kv_size)
+        if self.values_are_keys:
+            return torch.cat([qkv, v], dim=1)
+        qkv[:, values_at:] = v
+        return qkv
 
     def _rope_rows(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         return ctx.sliding_rope if self.rope == "sliding" else (ctx.cos, ctx.sin)
@@ -238,7 +262,7 @@ BLOCK_NORMS = {
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, attention: PagedSelfAttention, ops: Any,
-                 norm_names: tuple[str, ...] | None = None) -> None:
+                 norm_names: tuple[str, ...] | None = None, layer: int = 0) -> None:
         super().__init__()
         layout = config.layout
         self.block = layout.block
@@ -248,7 +272,7 @@ class DecoderLayer(nn.Module):
         for name in self.norm_names:
             setattr(self, name, make_norm(config.hidden_size, config.rms_norm_eps, layout.norm, fused_ops))
         self.self_attn = attention
-        self.mlp = GatedMLP(config, ops)
+        self.mlp = GatedMLP(config, ops, layout.intermediate_size(layer, config.intermediate_size))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A "pre" block returns (this layer's MLP output, the residual stream before it); their sum is
@@ -281,6 +305,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    layer_class: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, config: ModelConfig, make_attention, platform: Platform,
                  norm_names: tuple[str, ...] | None = None) -> None:
         super().__init__()
@@ -290,9 +316,9 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(rows, config.hidden_size, _weight=torch.empty(rows, config.hidden_size))
         self.embedding_scale = config.layout.embedding_scale
         # Gemma rounds its sqrt(hidden) scale to the model dtype before multiplying; Granite does not.
-        self.round_embedding_scale = config.layout.norm == "gemma"
+        self.round_embedding_scale = config.layout.round_embedding_scale
         self.layers = nn.ModuleList(
-            DecoderLayer(config, make_attention(config, platform, layer), platform.elementwise, norm_names)
+            self.layer_class(config, make_attention(config, platform, layer), platform.elementwise, norm_names, layer)
             for layer in range(config.num_hidden_layers))
         self.norm = make_norm(config.hidden_size, config.rms_norm_eps, config.layout.norm, platform.elementwise)
 
@@ -351,8 +377,6 @@ PACKED_WEIGHTS = {
 }
 
 
-_FUSED_NAMES = {"qkv_proj": 3, "gate_up_proj": 2}  # our fused parameters: how many checkpoint tensors each packs
-
 
 class CausalLM(nn.Module):
     """Model + LM head. Subclasses pick the attention class; checkpoint names are Hugging Face's."""
@@ -361,12 +385,13 @@ class CausalLM(nn.Module):
     # Checkpoint-name fragments renamed to ours before loading (e.g. Hunyuan's query_layernorm).
     renamed_weights: dict[str, str] = {}
     norm_names: tuple[str, ...] | None = None  # a layer's norms, where not BLOCK_NORMS' names
-    ignored_weights: tuple[str, ...] = ()  # checkpoint-name prefixes of parts not served (a vision tower)
+    ignored_weights: tuple[str, ...] = ()  # checkpoint-name prefixes (ours) of parts not served (a vision tower)
+    decoder_class: type[DecoderModel] = DecoderModel
 
     def __init__(self, config: ModelConfig, platform: Platform) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.attention_class, platform, self.norm_names)
+        self.model = self.decoder_class(config, self.attention_class, platform, self.norm_names)
         rows = config.vocab_size if config.shard is None else config.shard.vocab_rows
         self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         # Each rank's logits are a slice of the vocabulary, gathered whole (False for a stub head).
@@ -407,57 +432,59 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[PagedSelfAttention]:
         return [layer.self_attn for layer in self.model.layers]
 
-    def _shard_offsets(self, fused_name: str) -> list[int]:
-        cfg = self.config
-        if fused_name == "qkv_proj":
-            sizes = [cfg.num_attention_heads * cfg.head_dim, cfg.kv_size, cfg.kv_size]
-        else:
-            sizes = [cfg.intermediate_size, cfg.intermediate_size]
-        return [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    def _fused_sizes(self, param_name: str) -> list[int] | None:
+        """The rows of the checkpoint tensors a fused parameter packs, in order (None: not fused)."""
+        parts = param_name.rsplit(".", 2)
+        if len(parts) < 3:
+            return None
+        return getattr(self.get_submodule(parts[0]), "fused_sizes", {}).get(parts[1])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into our (possibly packed) parameters; returns the parameter names filled."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or name.startswith(("score.", *self.ignored_weights)):
+            if "rotary_emb.inv_freq" in name or name.startswith("score."):
                 continue  # score.*: a classification head, which the frontend applies (--task score)
             for old, new in self.renamed_weights.items():
                 name = name.replace(old, new)
             if not name.startswith(("model.", "lm_head.")):
                 name = "model." + name  # a bare decoder's checkpoint (e.g. saved as Qwen3Model for embeddings)
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if name.startswith(self.ignored_weights) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             if self.config.shard is not None:
                 tensor = shard_tensor(self.config.shard, name, tensor)
             parts = name.split(".")
             packed = PACKED_WEIGHTS.get(parts[-2]) if len(parts) >= 2 else None
-            if parts[-2] in _FUSED_NAMES and name in params:  # a checkpoint that fuses them too (Phi-3, GLM-4)
+            if name in params and self._fused_sizes(name):  # a checkpoint that fuses them too (Phi-3, GLM-4)
                 fill(params[name].data, tensor, name)
-                loaded.update(f"{name}#{i}" for i in range(_FUSED_NAMES[parts[-2]]))
+                loaded.update(f"{name}#{i}" for i in range(len(self._fused_sizes(name))))
                 continue
             if packed is not None:
                 fused, shard = packed
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
-                offsets = self._shard_offsets(fused)
-                fill(params[target].data[offsets[shard] : offsets[shard + 1]], tensor, name)
+                sizes = self._fused_sizes(target) if target in params else None
+                if sizes is None or shard >= len(sizes):
+                    raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
+                start = sum(sizes[:shard])
+                fill(params[target].data[start : start + sizes[shard]], tensor, name)
                 loaded.add(f"{target}#{shard}")
                 continue
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
             fill(params[name].data, tensor, name)
             loaded.add(name)
-        for attn in self.attention_layers():
-            attn.finalize_weights()
+        for layer in self.model.layers:
+            layer.self_attn.finalize_weights()
         return loaded
 
     def expected_weights(self) -> set[str]:
         """The names `load_weights` must fill for the model to be complete."""
         expected = set()
-        for name, param in self.named_parameters():
-            fused = name.split(".")[-2]
-            if fused in _FUSED_NAMES:
-                expected.update(f"{name}#{i}" for i in range(_FUSED_NAMES[fused]))
+        for name, _ in self.named_parameters():
+            sizes = self._fused_sizes(name)
+            if sizes:
+                expected.update(f"{name}#{i}" for i in range(len(sizes)))
             else:
                 expected.add(name)
         return expected

@@ -7,10 +7,10 @@ import torch
 from crane_mp.models.config import ModelConfig
 
 
-def _inv_freq(config: ModelConfig, params: dict, theta: float,
+def _inv_freq(config: ModelConfig, params: dict, theta: float, head_dim: int,
               seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     rope_type = params.get("rope_type", "default")
-    dim = config.layout.rotary_dim or config.head_dim
+    dim = config.layout.rotary_dim or head_dim
     if rope_type in ("dynamic", "ntk_alpha") and params.get("alpha"):
         # Hunyuan's fixed NTK-alpha: stretches the base once, independent of sequence length.
         base = theta * params["alpha"] ** (dim / (dim - 2))
@@ -46,14 +46,17 @@ def rope_tables(config: ModelConfig, max_positions: int, dtype: torch.dtype, dev
     """
     params = config.layout.sliding_rope if sliding else config.rope_parameters
     theta = float(params.get("rope_theta", config.rope_theta)) if sliding else config.rope_theta
-    inv_freq, scaling = _inv_freq(config, params, theta)
+    # The global layers' head size where it is their own (Gemma 4); the variants transformers computes
+    # read it from the config's per-layer view themselves.
+    head_dim = config.head_dim if sliding else config.layout.global_head_dim or config.head_dim
+    inv_freq, scaling = _inv_freq(config, params, theta, head_dim)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary dims / 2]
     if params.get("rope_type") == "longrope":
         # Phi-3's LongRoPE: the short factors up to the original context, the long ones past it, per
         # position (vLLM's reading; transformers switches a whole batch once its longest sequence is past).
         original = int(params["original_max_position_embeddings"])
-        long_inv_freq, _ = _inv_freq(config, params, theta, seq_len=original + 1)
+        long_inv_freq, _ = _inv_freq(config, params, theta, head_dim, seq_len=original + 1)
         freqs[original:] = positions[original:, None] * long_inv_freq[None, :]
     if config.layout.rope_interleaved:
         emb = freqs.repeat_interleave(2, dim=-1)

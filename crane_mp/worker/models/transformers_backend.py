@@ -75,8 +75,11 @@ class TransformersCausalLM(nn.Module):
             module.k_cache = module.v_cache = None  # bound by the runner
             module.head_dim = getattr(module, "head_dim", config.head_dim)
             k_proj = getattr(module, "k_proj", None)
-            module.num_kv_heads = (k_proj.out_features // module.head_dim if isinstance(k_proj, nn.Linear)
-                                   else config.num_key_value_heads)
+            groups = getattr(module, "num_key_value_groups", None)  # also on a layer reading another's KV
+            if isinstance(k_proj, nn.Linear):
+                module.num_kv_heads = k_proj.out_features // module.head_dim
+            else:
+                module.num_kv_heads = config.num_attention_heads // groups if groups else config.num_key_value_heads
         hf_config = config.hf_config
         # What transformers' *ForCausalLM.forward does to the head's logits (which we compute ourselves).
         self.final_softcap = getattr(hf_config, "final_logit_softcapping", None)

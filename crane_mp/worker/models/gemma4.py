@@ -1,0 +1,149 @@
+"""Gemma 4 (text): Gemma 3's sandwich block with plain (x * w) norms and attention scale 1, global
+layers with their own head shape and proportional rope (their values the keys' projection where
+attention_k_eq_v), values normalised without a scale, the last layers reading the KV cache of the last
+earlier layer of their kind (projecting queries only), per-layer input embeddings added after each
+MLP, and a learned scalar on each layer's output. The DecoderLayout carries the shapes; its
+mixture-of-experts variant runs through the transformers backend (config.py)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from crane_mp.models.config import ModelConfig
+from crane_mp.worker.cache.attention import paged_attention
+from crane_mp.worker.models.layers import (
+    _ACTIVATIONS,
+    CausalLM,
+    DecoderLayer,
+    DecoderModel,
+    GemmaRMSNorm,
+    PagedSelfAttention,
+    RMSNorm,
+)
+from crane_mp.worker.models.rope import apply_rope
+from crane_mp.worker.platforms import Platform
+from crane_mp.worker.step.forward_context import get_forward_context
+
+
+class Gemma4Attention(PagedSelfAttention):
+    qk_norm_position = "before_rope"
+
+    def __init__(self, config: ModelConfig, platform: Platform, layer: int = 0) -> None:
+        super().__init__(config, platform, layer)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm.weight, self.k_norm.weight
+
+
+class Gemma4SharedKVAttention(PagedSelfAttention):
+    """A layer that projects queries only and attends over the keys and values that `kv_source`'s
+    layer keeps in its cache (written there this step, before this layer runs); it writes none."""
+
+    def __init__(self, config: ModelConfig, platform: Platform, layer: int = 0) -> None:
+        super().__init__(config, platform, layer)
+        self.fused = None
+        self.fused_sizes = {"qkv_proj": [self.q_size]}
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size, bias=config.attention_bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, offset=0.0)
+        self.kv_source: tuple[PagedSelfAttention, ...] = ()  # set by the model; a tuple, not a submodule
+
+    def finalize_weights(self) -> None:
+        """Nothing to stack: the query norm runs alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        (source,) = self.kv_source
+        q = self.q_norm(self.qkv_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
+        q = apply_rope(q, *self._rope_rows(ctx))
+        out = paged_attention(q, None, None, source.k_cache, source.v_cache, ctx.attn_of(source), self.scale,
+                              self.window, self.softcap)
+        return self.o_proj(out)
+
+
+def gemma4_attention(config: ModelConfig, platform: Platform, layer: int) -> PagedSelfAttention:
+    shared = config.layout.kv_source(layer) != layer
+    return (Gemma4SharedKVAttention if shared else Gemma4Attention)(config, platform, layer)
+
+
+class Gemma4DecoderLayer(DecoderLayer):
+    """The sandwich block, then the layer's per-layer input through a gate and a projection (added
+    after its norm), then the layer's scalar."""
+
+    def __init__(self, config: ModelConfig, attention: PagedSelfAttention, ops, norm_names=None, layer: int = 0):
+        super().__init__(config, attention, ops, norm_names, layer)
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+        size = config.layout.per_layer_input_size
+        if size:
+            self.act = _ACTIVATIONS[config.hidden_act]
+            self.per_layer_input_gate = nn.Linear(config.hidden_size, size, bias=False)
+            self.per_layer_projection = nn.Linear(size, config.hidden_size, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(self, x: torch.Tensor, per_layer_input: torch.Tensor | None) -> torch.Tensor:
+        x = self._forward_other(x)
+        if per_layer_input is not None:
+            gated = self.act(self.per_layer_input_gate(x)) * per_layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar
+
+
+class Gemma4TextModel(DecoderModel):
+    layer_class = Gemma4DecoderLayer
+
+    def __init__(self, config: ModelConfig, make_attention, platform: Platform, norm_names=None) -> None:
+        super().__init__(config, make_attention, platform, norm_names)
+        layout = config.layout
+        for layer, decoder_layer in enumerate(self.layers):
+            if layout.kv_source(layer) != layer:
+                decoder_layer.self_attn.kv_source = (self.layers[layout.kv_source(layer)].self_attn,)
+        self.per_layer_input_size = size = layout.per_layer_input_size
+        if size:
+            rows, width = layout.per_layer_input_vocab, config.num_hidden_layers * size
+            self.embed_tokens_per_layer = nn.Embedding(rows, width, _weight=torch.empty(rows, width))
+            self.per_layer_model_projection = nn.Linear(config.hidden_size, width, bias=False)
+            self.per_layer_projection_norm = GemmaRMSNorm(size, config.rms_norm_eps, offset=0.0)
+            self.projection_scale = config.hidden_size**-0.5
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self._embed(input_ids)  # [T, hidden]
+        per_layer = self._per_layer_inputs(input_ids, x) if self.per_layer_input_size else None
+        for layer, decoder_layer in enumerate(self.layers):
+            x = decoder_layer(x, per_layer[:, layer] if per_layer is not None else None)
+        return x
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[T, layers, size]: each token's own per-layer embedding (scaled by sqrt(size), rounded as
+        the token embedding's scale is) with the normalised projection of its embedding."""
+        shape = (x.shape[0], len(self.layers), self.per_layer_input_size)
+        scale = torch.tensor(math.sqrt(self.per_layer_input_size), dtype=x.dtype)
+        token = self.embed_tokens_per_layer(input_ids).view(shape) * scale
+        context = self.per_layer_projection_norm((self.per_layer_model_projection(x) * self.projection_scale).view(shape))
+        return (context + token) * 2**-0.5
+
+
+class Gemma4ForCausalLM(CausalLM):
+    """Also the language model of Gemma 4's multimodal checkpoints, served for text."""
+
+    attention_class = staticmethod(gemma4_attention)
+    decoder_class = Gemma4TextModel
+    renamed_weights = {"model.language_model.": "model."}
+    ignored_weights = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
+    def __init__(self, config: ModelConfig, platform: Platform) -> None:
+        super().__init__(config, platform)
+        layout = config.layout
+        # Checkpoints may hold the unused key/value weights of the layers that read others' KV.
+        self.ignored_weights = (*type(self).ignored_weights, *(
+            f"model.layers.{layer}.self_attn.{name}." for layer in range(config.num_hidden_layers)
+            if layout.kv_source(layer) != layer for name in ("k_proj", "v_proj", "k_norm", "v_norm")))
+
+    def attention_layers(self) -> list[PagedSelfAttention]:
+        """The layers that keep a KV cache (the sharing ones read theirs)."""
+        return [layer.self_attn for layer in self.model.layers if not isinstance(layer.self_attn,
+                                                                                  Gemma4SharedKVAttention)]
