@@ -101,10 +101,11 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture("gemma3", "gemma.Gemma3ForCausalLM", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
                  "gemma3_text", "gemma3", qk_norms=_QK_NORMS, overflows_float16=True, tensor_parallel=False,
                  gguf_layer_names=_SANDWICH_GGUF, gguf_norm_offset=1.0),
-    # Gemma 4 (text; its mixture-of-experts variant through the transformers backend): no GGUF read
-    # (llama.cpp's gemma4 files pack the per-layer embeddings its own way).
+    # Gemma 4 (text; its mixture-of-experts variant runs through the transformers backend): from
+    # safetensors only so far.
     Architecture("gemma4", "gemma4.Gemma4ForCausalLM", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
-                 "gemma4_text", "gemma4", reads_gguf=False, model_type_aliases=("gemma4",), overflows_float16=True,
+                 "gemma4_text", "gemma4", reads_gguf=False, model_type_aliases=("gemma4",), qk_norms=_QK_NORMS,
+                 overflows_float16=True,
                  tensor_parallel=False),
     Architecture("phi3", "llama.LlamaForCausalLM", ("Phi3ForCausalLM",), "phi3", "phi3", tensor_parallel=False,
                  gguf_layer_names=_PHI3_GGUF),

@@ -11,10 +11,11 @@ from transformers import AutoModelForCausalLM
 
 from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
-from crane_mp.models.config import checkpoint_architecture
+from crane_mp.models.config import UnsupportedModelError, checkpoint_architecture, detect_arch, load_model_config
 from crane_mp.models.registry import MODEL_TYPE_ALIASES
 from crane_mp.protocol import SamplingParams
-from crane_mp.testing.make_zoo import FAMILIES, make_zoo_model
+from crane_mp.testing.make_zoo import FAMILIES, build_zoo_config, make_zoo_model
+from tests.model_helpers import load_checkpoint, prefill_logits
 
 NUM_TOKENS = 12
 PROMPT_LENGTHS = [23, 9, 40, 17, 31, 5]
@@ -92,3 +93,37 @@ def test_what_the_transformers_backend_does_not_serve_is_refused_at_start(zoo, k
     path, _, _ = zoo("ernie4_5")
     with pytest.raises(ValueError, match=message):
         engine(path, "auto", **kwargs)
+
+
+# Gemma 4's released sizes take its options apart: the E models per-layer inputs and shared KV, the
+# large ones global layers whose values are their keys (no per-layer inputs, no sharing).
+@pytest.mark.parametrize("overrides", [
+    {"attention_k_eq_v": False, "num_global_key_value_heads": None, "use_double_wide_mlp": False},
+    {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "final_logit_softcapping": None},
+])
+def test_each_gemma4_variant_gives_transformers_logits_and_caches_only_its_own_layers(tmp_path, overrides):
+    path = make_zoo_model("gemma4_text", tmp_path, overrides=overrides)
+    config = load_model_config(path)
+    model = load_checkpoint(config, path, torch.float32)
+    prompt = torch.randint(3, 500, (PROMPT_LENGTHS[2],), generator=torch.Generator().manual_seed(1)).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    ours = prefill_logits(model, prompt)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=2e-3)  # float32 summation order only
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+    shared = overrides.get("num_kv_shared_layers", FAMILIES["gemma4_text"]["num_kv_shared_layers"])
+    assert len(model.attention_layers()) == config.num_hidden_layers - shared
+
+
+def test_gemma4_mixture_of_experts_runs_through_the_backend_and_lora_is_refused(zoo):
+    moe = build_zoo_config("gemma4_text", {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                                           "moe_intermediate_size": 32})
+    assert detect_arch(moe) == "transformers"
+    with pytest.raises(UnsupportedModelError, match="gemma4 checkpoint with Gemma 4's mixture-of-experts layers: "
+                                                    "not implemented natively yet"):
+        detect_arch(moe, model_impl="native")
+    assert detect_arch(build_zoo_config("gemma4_text")) == "gemma4"
+    path, _, _ = zoo("gemma4_text")
+    with pytest.raises(ValueError, match=r"LoRA adapters for gemma4 \(layers of different shapes\) are not supported"):
+        engine(path, "auto", enable_lora=True)

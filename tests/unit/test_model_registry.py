@@ -32,7 +32,7 @@ from crane_mp.worker.models.bert import BertEncoder
 from crane_mp.worker.models.build import model_class
 from crane_mp.worker.models.layers import CausalLM
 
-FAMILIES_2026 = ["gemma2", "gemma3", "phi3", "olmo2", "olmo3", "smollm3", "granite", "granite4", "glm4", "cohere2",
+FAMILIES_2026 = ["gemma2", "gemma3", "gemma4", "phi3", "olmo2", "olmo3", "smollm3", "granite", "granite4", "glm4", "cohere2",
                  "exaone4", "seed_oss"]
 
 
@@ -42,7 +42,7 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                                   "hunyuan-dense": "hunyuan", "bert": "bert", "roberta": "roberta",
                                   "xlm-roberta": "xlm-roberta", "qwen2_5_vl": "qwen2_5_vl", "whisper": "whisper",
                                   **{name: name for name in FAMILIES_2026}, "gemma3_text": "gemma3",
-                                  "granitemoehybrid": "granite4"}
+                                  "gemma4_text": "gemma4", "granitemoehybrid": "granite4"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                           "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
                           "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
@@ -52,7 +52,8 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                           "WhisperForConditionalGeneration": "whisper",
                           **{cls: name for name in FAMILIES_2026 for cls in ARCHITECTURES[name].hf_classes}}
     assert [ARCHITECTURES[name].hf_classes for name in FAMILIES_2026] == [
-        ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("Phi3ForCausalLM",),
+        ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+        ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("Phi3ForCausalLM",),
         ("Olmo2ForCausalLM",), ("Olmo3ForCausalLM",), ("SmolLM3ForCausalLM",), ("GraniteForCausalLM",),
         ("GraniteMoeHybridForCausalLM",), ("Glm4ForCausalLM",), ("Cohere2ForCausalLM",), ("Exaone4ForCausalLM",),
         ("SeedOssForCausalLM",)]

@@ -66,11 +66,6 @@ class Gemma4SharedKVAttention(PagedSelfAttention):
         return self.o_proj(out)
 
 
-def gemma4_attention(config: ModelConfig, platform: Platform, layer: int) -> PagedSelfAttention:
-    shared = config.layout.kv_source(layer) != layer
-    return (Gemma4SharedKVAttention if shared else Gemma4Attention)(config, platform, layer)
-
-
 class Gemma4DecoderLayer(DecoderLayer):
     """The sandwich block, then the layer's per-layer input through a gate and a projection (added
     after its norm), then the layer's scalar."""
@@ -97,8 +92,13 @@ class Gemma4TextModel(DecoderModel):
     layer_class = Gemma4DecoderLayer
 
     def __init__(self, config: ModelConfig, make_attention, platform: Platform, norm_names=None) -> None:
-        super().__init__(config, make_attention, platform, norm_names)
         layout = config.layout
+
+        def attention(config: ModelConfig, platform: Platform, layer: int) -> PagedSelfAttention:
+            shared = layout.kv_source(layer) != layer
+            return (Gemma4SharedKVAttention if shared else make_attention)(config, platform, layer)
+
+        super().__init__(config, attention, platform, norm_names)
         for layer, decoder_layer in enumerate(self.layers):
             if layout.kv_source(layer) != layer:
                 decoder_layer.self_attn.kv_source = (self.layers[layout.kv_source(layer)].self_attn,)
@@ -130,7 +130,7 @@ class Gemma4TextModel(DecoderModel):
 class Gemma4ForCausalLM(CausalLM):
     """Also the language model of Gemma 4's multimodal checkpoints, served for text."""
 
-    attention_class = staticmethod(gemma4_attention)
+    attention_class = Gemma4Attention
     decoder_class = Gemma4TextModel
     renamed_weights = {"model.language_model.": "model."}
     ignored_weights = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
