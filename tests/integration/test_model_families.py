@@ -1,4 +1,4 @@
-"""crane-launch on this year's families as a new user starts it: a Gemma 3 checkpoint natively, an
+"""crane-launch on this year's families as a new user starts it: Gemma 3 and Gemma 4 checkpoints natively, an
 Ernie 4.5 one (no native code) through the transformers backend. SGLang-style /generate callers get
 transformers' greedy tokens; the start-up line and /server_info say which implementation runs, and what
 a token's KV costs past the sliding windows."""
@@ -25,7 +25,8 @@ def greedy(path, prompts: list[list[int]]) -> list[list[int]]:
                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
 
-@pytest.mark.parametrize(("family", "impl"), [("gemma3_text", "native"), ("ernie4_5", "transformers")])
+@pytest.mark.parametrize(("family", "impl"), [("gemma3_text", "native"), ("gemma4_text", "native"),
+                                             ("ernie4_5", "transformers")])
 def test_generate_gives_transformers_greedy_tokens(tmp_path, family, impl):
     path = make_zoo_model(family, tmp_path / family)
     gen = torch.Generator().manual_seed(3)
@@ -43,6 +44,9 @@ def test_generate_gives_transformers_greedy_tokens(tmp_path, family, impl):
     ready = next(line for line in (tmp_path / "server.log").read_text().splitlines() if "ready in" in line)
     if impl == "transformers":
         assert "arch=ernie4_5(transformers backend: slower than native)" in ready
+    elif family == "gemma4_text":  # the KV of its first sliding (2 x 16 wide) and global (1 x 32) layers only
+        assert "arch=gemma4 " in ready
+        assert info["kv_bytes_per_token"] == 2 * (2 * 16 + 1 * 32) * 4
     else:  # its sliding layers (6-token windows) in KV groups of their own, which keep only their windows
         assert "arch=gemma3 " in ready and "sliding windows" in ready
         assert sorted(set(info["kv_windows"])) == [0, 6]
