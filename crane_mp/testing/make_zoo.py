@@ -87,10 +87,20 @@ def _gemma3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: i
                                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}}
 
 
+# Gemma 4 E2B's shape: 35 layers (4 sliding : 1 global, window 512), the last 20 reading earlier
+# layers' KV with double-wide MLPs, 256-wide per-layer inputs, global layers of 512-wide heads.
+_GEMMA4_E2B = {"hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35, "num_attention_heads": 8,
+               "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512, "vocab_size": 262144,
+               "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 20,
+               "use_double_wide_mlp": True, "attention_k_eq_v": False, "num_global_key_value_heads": None,
+               "max_position_embeddings": 131072, "sliding_window": 512, "final_logit_softcapping": 30.0,
+               "layer_types": [FULL if (i + 1) % 5 == 0 else SLIDING for i in range(35)]}
+
 # Real shapes for benchmarks (python -m crane_mp.testing.make_zoo --family gemma3_text --preset gemma3-4b).
 PRESETS: dict[str, dict[str, Any]] = {
     "gemma3-4b": _gemma3(2560, 10240, 34, 8, 4),
     "gemma3-12b": _gemma3(3840, 15360, 48, 16, 8),
+    "gemma4-e2b": _GEMMA4_E2B,  # --family gemma4_text
 }
 _TRAINED_VOCAB = 16384  # larger vocabularies are padded with <unusedN> tokens
 
@@ -106,9 +116,23 @@ def build_zoo_config(family: str, overrides: dict[str, Any] | None = None) -> Pr
     return config
 
 
-def _init_tensor(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+_CHUNK = 1 << 26  # elements: larger matrices are drawn in row blocks, never whole in float32
+
+
+def _init_tensor(name: str, shape: torch.Size, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
-    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if len(shape) != 2 or shape.numel() <= _CHUNK:
+        return _scaled(name, shape, torch.randn(shape, generator=gen, dtype=torch.float32)).to(dtype)
+    out = torch.empty(shape, dtype=dtype)  # Gemma 4's per-layer embeddings: 2.3 B values
+    rows = max(1, _CHUNK // shape[1])
+    for start in range(0, shape[0], rows):
+        block = torch.randn((min(rows, shape[0] - start), shape[1]), generator=gen, dtype=torch.float32)
+        out[start : start + block.shape[0]] = _scaled(name, shape, block)
+    return out
+
+
+def _scaled(name: str, shape: torch.Size, noise: torch.Tensor) -> torch.Tensor:
+    """Standard-normal `noise` scaled as tensor `name` of `shape` wants it."""
     module, _, kind = name.rpartition(".")
     leaf = module.rpartition(".")[2]
     if name == "model.norm.weight":
@@ -137,7 +161,7 @@ def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: di
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    state = {name: _init_tensor(name, meta.shape, seed).to(getattr(torch, dtype)).contiguous()
+    state = {name: _init_tensor(name, meta.shape, seed, getattr(torch, dtype)).contiguous()
              for name, meta in skeleton.state_dict().items() if not (tied and name == "lm_head.weight")}
     config.save_pretrained(out)
     write_json(out / "generation_config.json", {
