@@ -20,7 +20,7 @@ from crane_mp.worker.models.checkpoint import copy_named
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.step.forward_context import get_forward_context
 
-_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # Checkpoint tensors an encoder's own forward does not read: its pooler and classification head (the
 # frontend's), an MLM head, position-id buffers.
@@ -76,7 +76,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.act = _ACTIVATIONS[config.hidden_act]
+        self.act = ACTIVATIONS[config.hidden_act]
         self.attention = Attention(config)
         self.intermediate = Intermediate(config)
         self.output = Dense(config.intermediate_size, config)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from crane_mp.models.config import ModelConfig
 from crane_mp.worker.cache.attention import paged_attention
 from crane_mp.worker.models.layers import (
-    _ACTIVATIONS,
+    ACTIVATIONS,
     CausalLM,
     DecoderLayer,
     DecoderModel,
@@ -75,7 +74,7 @@ class Gemma4DecoderLayer(DecoderLayer):
         self.layer_scalar = nn.Parameter(torch.ones(1))
         size = config.layout.per_layer_input_size
         if size:
-            self.act = _ACTIVATIONS[config.hidden_act]
+            self.act = ACTIVATIONS[config.hidden_act]
             self.per_layer_input_gate = nn.Linear(config.hidden_size, size, bias=False)
             self.per_layer_projection = nn.Linear(size, config.hidden_size, bias=False)
             self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -123,7 +122,8 @@ class Gemma4TextModel(DecoderModel):
         shape = (x.shape[0], len(self.layers), self.per_layer_input_size)
         scale = torch.tensor(math.sqrt(self.per_layer_input_size), dtype=x.dtype)
         token = self.embed_tokens_per_layer(input_ids).view(shape) * scale
-        context = self.per_layer_projection_norm((self.per_layer_model_projection(x) * self.projection_scale).view(shape))
+        context = (self.per_layer_model_projection(x) * self.projection_scale).view(shape)
+        context = self.per_layer_projection_norm(context)
         return (context + token) * 2**-0.5
 
 

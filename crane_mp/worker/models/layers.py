@@ -23,7 +23,7 @@ from crane_mp.worker.parallel.tensor_parallel import all_reduce, gather_columns
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.step.forward_context import get_forward_context
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +99,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         # The checkpoint tensors gate_up_proj packs: their rows, in order (CausalLM.load_weights).
         self.fused_sizes = {"gate_up_proj": [self.intermediate_size, self.intermediate_size]}
-        self.act = _ACTIVATIONS[config.hidden_act]
+        self.act = ACTIVATIONS[config.hidden_act]
         # LoRA adapters: id -> (A, B) per projection (worker/weights/lora.py); empty without adapters.
         self.lora_gate_up_proj: dict = {}
         self.lora_down_proj: dict = {}

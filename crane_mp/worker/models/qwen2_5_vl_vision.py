@@ -18,7 +18,7 @@ from torch import nn
 from crane_mp.worker.models.checkpoint import copy_named
 from crane_mp.worker.models.rope import apply_rope
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +107,7 @@ class VisionMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -23,7 +23,7 @@ from crane_mp.worker.models.checkpoint import copy_named
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.step.forward_context import MediaSpan, get_forward_context
 
-_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class WhisperAttention(nn.Module):
@@ -75,7 +75,7 @@ class WhisperEncoder(nn.Module):
         self.conv1 = nn.Conv1d(hf.num_mel_bins, dim, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(dim, dim, kernel_size=3, stride=2, padding=1)
         self.embed_positions = nn.Embedding(hf.max_source_positions, dim)
-        act = _ACTIVATIONS[hf.activation_function]
+        act = ACTIVATIONS[hf.activation_function]
         self.layers = nn.ModuleList(EncoderLayer(dim, hf.encoder_attention_heads, hf.encoder_ffn_dim, act)
                                     for _ in range(hf.encoder_layers))
         self.layer_norm = nn.LayerNorm(dim)
@@ -162,7 +162,7 @@ class WhisperDecoder(nn.Module):
         self.embed_scale = dim**0.5 if hf.scale_embedding else 1.0
         self.embed_tokens = nn.Embedding(hf.vocab_size, dim, _weight=torch.empty(hf.vocab_size, dim))
         self.embed_positions = nn.Embedding(hf.max_target_positions, dim)
-        act = _ACTIVATIONS[hf.activation_function]
+        act = ACTIVATIONS[hf.activation_function]
         self.layers = nn.ModuleList(DecoderLayer(dim, hf.decoder_attention_heads, hf.decoder_ffn_dim, act)
                                     for _ in range(hf.decoder_layers))
         for index, layer in enumerate(self.layers):
