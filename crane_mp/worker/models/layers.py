@@ -377,7 +377,6 @@ PACKED_WEIGHTS = {
 }
 
 
-
 class CausalLM(nn.Module):
     """Model + LM head. Subclasses pick the attention class; checkpoint names are Hugging Face's."""
 
