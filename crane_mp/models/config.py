@@ -13,8 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from crane_mp.models.gguf_families import family_fields
-from crane_mp.models.gguf_file import LONGROPE_TENSORS, SERVED_TYPES, check_gguf, rope_freq_factors
+from crane_mp.models.gguf_families import PROPORTIONAL_ROPE, family_fields
+from crane_mp.models.gguf_file import LONGROPE_TENSORS, ROPE_TENSORS, SERVED_TYPES, check_gguf, rope_freq_factors
 from crane_mp.models.layouts import SLIDING, DecoderLayout, decoder_layout, split_rope, windowed_layer_types
 from crane_mp.models.registry import (
     ARCHITECTURES,
@@ -397,12 +397,14 @@ def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=eos[0] if eos else None,
         use_sliding_window=False, sliding_window=None,
     )
-    factors = {name: rope_freq_factors(path, names, name) for name in LONGROPE_TENSORS if name in names}
+    proportional = shape.gguf_arch in PROPORTIONAL_ROPE
+    factors = {name: rope_freq_factors(path, names, name) for name in ROPE_TENSORS
+               if name in names and (proportional or name in LONGROPE_TENSORS)}
     fields |= family_fields(shape.gguf_arch, shape, meta, names, factors)
     hf_config = AutoConfig.for_model(arch.hf_model_type, **fields)
     config = model_config_from_hf(hf_config, arch.name if model_type == "auto" else model_type)
     dtype = ("bfloat16" if "BF16" in float_kind else "float16") if float_kind else "float32"
     replace = {"eos_token_ids": tuple(dict.fromkeys(int(i) for i in eos)), "torch_dtype": dtype}
-    if "rope_freqs.weight" in names:
+    if "rope_freqs.weight" in names and not proportional:
         replace["rope_parameters"] = {**config.rope_parameters, "freq_factors": rope_freq_factors(path, names)}
     return dataclasses.replace(config, **replace)

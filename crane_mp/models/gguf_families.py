@@ -16,6 +16,9 @@ _DEFAULT_WINDOW = {"gemma2": 4096}  # Gemma 2's files may not say; every Gemma 2
 _NO_ROPE_STEP = {"smollm3": 4}  # every 4th layer without rope (llama.cpp's n_no_rope_layer_step)
 # The 27B Gemmas scale queries by hidden / heads, not head_dim; llama.cpp knows them by layer count.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Files whose rope_freqs tensor marks the global layers' unrotated dims (factor 1e30: proportional
+# rope), rather than holding Llama 3's per-frequency divisors.
+PROPORTIONAL_ROPE = frozenset({"gemma4"})
 
 
 def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict,
@@ -69,6 +72,39 @@ def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict,
         fields["rope_parameters"] = rope
         fields["sliding_window"] = key("attention.sliding_window") or None  # 0: none (Phi-4)
         fields.pop("layer_types", None)  # Phi-3's window is every layer's
+    if gguf_arch == "gemma4":
+        fields |= _gemma4_fields(shape, meta, tensors, rope_factors.get("rope_freqs.weight"))
     if gguf_arch == "seed_oss":
         fields["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
     return fields
+
+
+def _gemma4_fields(shape, meta: dict[str, Any], tensors: dict, rope_freqs: list[float] | None) -> dict[str, Any]:
+    """Gemma 4: head_dim and KV heads are the sliding layers' (the file's key_length is the global
+    layers'), proportional rope on the global layers (rope_freqs: 1 on the rotated angles), values =
+    keys where a global layer has no attn_v, shared KV, per-layer inputs, double-wide shared MLPs."""
+    sliding = shape.sliding or (False,) * shape.layers
+    first_global = sliding.index(False) if False in sliding else 0
+    first_sliding = sliding.index(True) if True in sliding else first_global
+    kv_heads = shape.layer_kv_heads or (shape.kv_heads,) * shape.layers
+    shared = int(meta.get("gemma4.attention.shared_kv_layers", 0))
+    first_shared = shape.layers - shared
+    rotated = sum(1 for factor in rope_freqs if factor < 1e29) if rope_freqs else shape.head_dim // 2
+    return {
+        "head_dim": shape.head_dim_swa or shape.head_dim, "global_head_dim": shape.head_dim,
+        "num_key_value_heads": kv_heads[first_sliding],
+        "num_global_key_value_heads": kv_heads[first_global] if kv_heads[first_global] != kv_heads[first_sliding]
+        else None,
+        "attention_k_eq_v": f"blk.{first_global}.attn_v.weight" not in tensors,
+        "rope_parameters": {
+            FULL: {"rope_type": "proportional", "rope_theta": shape.rope_base,
+                   "partial_rotary_factor": 2 * rotated / shape.head_dim},
+            SLIDING: {"rope_type": "default",
+                      "rope_theta": float(meta.get("gemma4.rope.freq_base_swa", shape.rope_base))}},
+        "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": shape.per_layer_input,
+        "vocab_size_per_layer_input": shape.per_layer_vocab or shape.vocab,
+        "use_double_wide_mlp": bool(shape.layer_ffn) and first_shared < shape.layers
+        and shape.layer_ffn[first_shared] == 2 * shape.ffn,
+        "final_logit_softcapping": meta.get("gemma4.final_logit_softcapping"),
+    }

@@ -103,6 +103,21 @@ class GGUFShape:
     rope_base: float
     rope_scaling: dict[str, Any]
     rope_dims: int = 0  # the leading dims of a head rope turns (partial rotary); 0: all of head_dim
+    # Where layers differ (Gemma 4): per layer, whether it slides, its feed-forward width and KV heads;
+    # the sliding layers' head size (head_dim is the global layers'); the per-layer input width and rows.
+    sliding: tuple[bool, ...] = ()
+    layer_ffn: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    head_dim_swa: int = 0
+    per_layer_input: int = 0
+    per_layer_vocab: int = 0
+
+    def layer_dims(self, layer: int) -> tuple[int, int, int]:
+        """(head size, KV heads, feed-forward width) of layer `layer`."""
+        slides = bool(self.sliding) and self.sliding[layer]
+        return (self.head_dim_swa if slides and self.head_dim_swa else self.head_dim,
+                self.layer_kv_heads[layer] if self.layer_kv_heads else self.kv_heads,
+                self.layer_ffn[layer] if self.layer_ffn else self.ffn)
 
 
 # The longest context a GGUF file may declare: past any released model's (10M tokens).
@@ -127,13 +142,19 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
         scaling = {"rope_type": scaling_type, "factor": float(meta[f"{arch}.rope.scaling.factor"])}
         if f"{arch}.rope.scaling.original_context_length" in meta:
             scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
+    # Per-layer lists where layers differ (Gemma 4); the scalar fields then hold the first layer's.
+    ffn, kv_heads = key("feed_forward_length"), key("attention.head_count_kv", heads)
+    layer_ffn = tuple(int(n) for n in ffn) if isinstance(ffn, list) else ()
+    layer_kv = tuple(int(n) for n in kv_heads) if isinstance(kv_heads, list) else ()
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    per_layer_table = tensor_dims.get("per_layer_token_embd.weight")
     shape = GGUFShape(
         gguf_arch=arch,
         hidden=hidden,
         layers=int(key("block_count")),
-        ffn=int(key("feed_forward_length")),
+        ffn=layer_ffn[0] if layer_ffn else int(ffn),
         heads=heads,
-        kv_heads=int(key("attention.head_count_kv", heads)),
+        kv_heads=layer_kv[0] if layer_kv else int(kv_heads),
         head_dim=int(key("attention.key_length", hidden // heads)),
         vocab=int(vocab),
         context=int(key("context_length", 2048)),
@@ -143,10 +164,20 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
         rope_base=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         rope_dims=int(key("rope.dimension_count", 0)),
+        sliding=tuple(bool(flag) for flag in pattern) if isinstance(pattern, list) else (),
+        layer_ffn=layer_ffn,
+        layer_kv_heads=layer_kv,
+        head_dim_swa=int(key("attention.key_length_swa", 0)),
+        per_layer_input=int(key("embedding_length_per_layer_input", 0)),
+        per_layer_vocab=per_layer_table[0] if per_layer_table else 0,
     )
     for name in ("hidden", "layers", "ffn", "heads", "kv_heads", "head_dim", "vocab", "context"):
         if getattr(shape, name) <= 0:
             raise GGUFFileError(f"{path}: metadata gives {name} = {getattr(shape, name)}")
+    for name in ("sliding", "layer_ffn", "layer_kv_heads"):
+        values = getattr(shape, name)
+        if values and (len(values) != shape.layers or (name != "sliding" and min(values) <= 0)):
+            raise GGUFFileError(f"{path}: metadata gives {name} {list(values)} for {shape.layers} layers")
     # Bounded before anything is sized by them (a tiny file may claim a billion layers): every layer
     # needs its own tensors, and the longest context sizes tables at start-up.
     per_layer = len(required_layer_names(arch))
@@ -161,40 +192,59 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
 def required_layer_names(gguf_arch: str) -> list[str]:
     """The per-layer tensors every layer of a file of `gguf_arch` holds (q/k norms are the model's to
     ask for)."""
-    return [name for name in gguf_layer_names(GGUF_ARCHITECTURES[gguf_arch].name) if name not in GGUF_QK_NORM_NAMES]
+    row = GGUF_ARCHITECTURES[gguf_arch]
+    return [name for name in gguf_layer_names(row.name)
+            if name not in GGUF_QK_NORM_NAMES and name not in row.gguf_optional_layer_names]
 
 
 def expected_shapes(shape: GGUFShape) -> dict[str, tuple[int, ...]]:
     """Tensor name -> numpy shape ([rows, cols]) the metadata implies; optional tensors included."""
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    row = GGUF_ARCHITECTURES[shape.gguf_arch]
+    names = gguf_layer_names(row.name)
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (shape.vocab, shape.hidden),
         "output_norm.weight": (shape.hidden,),
         "output.weight": (shape.vocab, shape.hidden),
         "rope_freqs.weight": (shape.head_dim // 2,),
     }
-    per_layer = {
-        "attn_norm.weight": (shape.hidden,), "ffn_norm.weight": (shape.hidden,),
-        "attn_q.weight": (q, shape.hidden), "attn_k.weight": (kv, shape.hidden), "attn_v.weight": (kv, shape.hidden),
-        "attn_output.weight": (shape.hidden, q), "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
-        "attn_output.bias": (shape.hidden,), "attn_q_norm.weight": (shape.head_dim,),
-        "attn_k_norm.weight": (shape.head_dim,), "post_attention_norm.weight": (shape.hidden,),
-        "post_ffw_norm.weight": (shape.hidden,), "ffn_gate.weight": (shape.ffn, shape.hidden),
-        "ffn_up.weight": (shape.ffn, shape.hidden), "ffn_down.weight": (shape.hidden, shape.ffn),
-        "ffn_gate.bias": (shape.ffn,), "ffn_up.bias": (shape.ffn,), "ffn_down.bias": (shape.hidden,),
-    }
-    if GGUF_ARCHITECTURES[shape.gguf_arch].full_width_qk_norms:  # OLMo 2: one norm over all heads
-        per_layer |= {"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)}
-    names = gguf_layer_names(GGUF_ARCHITECTURES[shape.gguf_arch].name)
-    if names.get("attn_qkv") == "self_attn.qkv_proj":  # Phi-3: fused q/k/v, LongRoPE factors
-        per_layer["attn_qkv.weight"] = (q + 2 * kv, shape.hidden)
+    if names.get("attn_qkv") == "self_attn.qkv_proj":  # Phi-3: LongRoPE factors
         factors = ((shape.rope_dims or shape.head_dim) // 2,)
         shapes |= {"rope_factors_long.weight": factors, "rope_factors_short.weight": factors}
-    if names.get("ffn_up") == "mlp.gate_up_proj":  # Phi-3, GLM-4: gate and up in one tensor
-        per_layer["ffn_up.weight"] = (2 * shape.ffn, shape.hidden)
+    if shape.per_layer_input:  # Gemma 4's per-layer inputs: one table and projection for all layers
+        width = shape.layers * shape.per_layer_input
+        shapes |= {"per_layer_token_embd.weight": (shape.per_layer_vocab, width),
+                   "per_layer_model_proj.weight": (width, shape.hidden),
+                   "per_layer_proj_norm.weight": (shape.per_layer_input,)}
     for layer in range(shape.layers):
-        shapes.update({f"blk.{layer}.{name}": dims for name, dims in per_layer.items()})
+        shapes.update({f"blk.{layer}.{name}": dims for name, dims in _layer_shapes(shape, layer, row, names).items()})
     return shapes
+
+
+def _layer_shapes(shape: GGUFShape, layer: int, row, names: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    head_dim, kv_heads, ffn = shape.layer_dims(layer)
+    hidden, q, kv = shape.hidden, shape.heads * head_dim, kv_heads * head_dim
+    dims: dict[str, tuple[int, ...]] = {
+        "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
+        "attn_q.weight": (q, hidden), "attn_k.weight": (kv, hidden), "attn_v.weight": (kv, hidden),
+        "attn_output.weight": (hidden, q), "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+        "attn_output.bias": (hidden,), "attn_q_norm.weight": (head_dim,),
+        "attn_k_norm.weight": (head_dim,), "post_attention_norm.weight": (hidden,),
+        "post_ffw_norm.weight": (hidden,), "ffn_gate.weight": (ffn, hidden),
+        "ffn_up.weight": (ffn, hidden), "ffn_down.weight": (hidden, ffn),
+        "ffn_gate.bias": (ffn,), "ffn_up.bias": (ffn,), "ffn_down.bias": (hidden,),
+    }
+    if row.full_width_qk_norms:  # OLMo 2: one norm over all heads
+        dims |= {"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)}
+    if names.get("attn_qkv") == "self_attn.qkv_proj":  # Phi-3: fused q/k/v
+        dims["attn_qkv.weight"] = (q + 2 * kv, hidden)
+    if names.get("ffn_up") == "mlp.gate_up_proj":  # Phi-3, GLM-4: gate and up in one tensor
+        dims["ffn_up.weight"] = (2 * ffn, hidden)
+    if shape.per_layer_input:
+        dims |= {"inp_gate.weight": (shape.per_layer_input, hidden), "proj.weight": (hidden, shape.per_layer_input),
+                 "post_norm.weight": (hidden,)}
+    if "layer_output_scale" in names:
+        dims["layer_output_scale.weight"] = (1,)
+    return dims
 
 
 @dataclass(frozen=True, slots=True)

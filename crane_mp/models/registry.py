@@ -47,6 +47,8 @@ class Architecture:
     gguf_layer_names: tuple[tuple[str, str], ...] = ()
     gguf_norm_offset: float = 0.0  # llama.cpp's converter stores Gemma's norm weights as 1 + w
     full_width_qk_norms: bool = False  # q/k norms over all heads at once (OLMo 2): their GGUF shapes
+    # Per-layer GGUF tensors some layers lack (Gemma 4: no keys or values where a layer reads another's).
+    gguf_optional_layer_names: tuple[str, ...] = ()
 
 
 TRANSFORMERS = "transformers"  # the transformers backend's row
@@ -60,6 +62,9 @@ _SANDWICH_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "pos
                   *_PROJECTIONS)
 _POST_GGUF = (("post_attention_norm", "post_attention_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm"),
               *_PROJECTIONS)
+# Gemma 4's per-layer input gate, projection and norm, and each layer's output scalar.
+_GEMMA4_GGUF = (*_SANDWICH_GGUF, ("inp_gate", "per_layer_input_gate"), ("proj", "per_layer_projection"),
+                ("post_norm", "post_per_layer_input_norm"), ("layer_output_scale", "layer_scalar"))
 _SEED_OSS_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"), *_PROJECTIONS)
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 # GLM-4's four norms, and its gate/up kept fused.
@@ -101,12 +106,11 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture("gemma3", "gemma.Gemma3ForCausalLM", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
                  "gemma3_text", "gemma3", qk_norms=_QK_NORMS, overflows_float16=True, tensor_parallel=False,
                  gguf_layer_names=_SANDWICH_GGUF, gguf_norm_offset=1.0),
-    # Gemma 4 (text; its mixture-of-experts variant runs through the transformers backend): from
-    # safetensors only so far.
+    # Gemma 4 (text; its mixture-of-experts variant runs through the transformers backend).
     Architecture("gemma4", "gemma4.Gemma4ForCausalLM", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
-                 "gemma4_text", "gemma4", reads_gguf=False, model_type_aliases=("gemma4",), qk_norms=_QK_NORMS,
-                 overflows_float16=True,
-                 tensor_parallel=False),
+                 "gemma4_text", "gemma4", qk_norms=_QK_NORMS, overflows_float16=True, tensor_parallel=False,
+                 gguf_layer_names=_GEMMA4_GGUF, gguf_optional_layer_names=("attn_k", "attn_v", "inp_gate", "proj",
+                                                                          "post_norm")),
     Architecture("phi3", "llama.LlamaForCausalLM", ("Phi3ForCausalLM",), "phi3", "phi3", tensor_parallel=False,
                  gguf_layer_names=_PHI3_GGUF),
     Architecture("olmo2", "olmo.Olmo2ForCausalLM", ("Olmo2ForCausalLM",), "olmo2", "olmo2", qk_norms=_QK_NORMS,
@@ -191,7 +195,13 @@ GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 GGUF_QK_NORM_NAMES = ("attn_q_norm", "attn_k_norm")
-GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Checkpoint tensors that are a layer's own buffer, not a module's weight (a file names them `.weight`).
+BARE_LAYER_TENSORS = frozenset({"layer_scalar"})  # Gemma 4's
+GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+                     # Gemma 4's per-layer input embeddings
+                     "per_layer_token_embd": "model.embed_tokens_per_layer",
+                     "per_layer_model_proj": "model.per_layer_model_projection",
+                     "per_layer_proj_norm": "model.per_layer_projection_norm"}
 
 
 def supported() -> str:
@@ -213,7 +223,8 @@ def hf_name(gguf_name: str, arch: str) -> str:
     if stem in GGUF_GLOBAL_NAMES:
         return f"{GGUF_GLOBAL_NAMES[stem]}.{kind}"
     _, layer, short = stem.split(".")
-    return f"model.layers.{layer}.{gguf_layer_names(arch)[short]}.{kind}"
+    module = gguf_layer_names(arch)[short]
+    return f"model.layers.{layer}.{module}" if module in BARE_LAYER_TENSORS else f"model.layers.{layer}.{module}.{kind}"
 
 
 _GGUF_GLOBAL_BY_HF = {hf: short for short, hf in GGUF_GLOBAL_NAMES.items()}
@@ -226,6 +237,8 @@ def gguf_name(hf_name: str, arch: str | None = None) -> str:
     """A Hugging Face checkpoint name -> its GGUF tensor name: hf_name's inverse, for architecture
     `arch` (ours), or with None for any that uses GGUF_LAYER_NAMES."""
     stem, _, kind = hf_name.rpartition(".")
+    if kind in BARE_LAYER_TENSORS:
+        stem, kind = hf_name, "weight"
     if stem in _GGUF_GLOBAL_BY_HF:
         return f"{_GGUF_GLOBAL_BY_HF[stem]}.{kind}"
     parts = stem.split(".")

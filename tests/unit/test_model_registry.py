@@ -32,8 +32,8 @@ from crane_mp.worker.models.bert import BertEncoder
 from crane_mp.worker.models.build import model_class
 from crane_mp.worker.models.layers import CausalLM
 
-FAMILIES_2026 = ["gemma2", "gemma3", "gemma4", "phi3", "olmo2", "olmo3", "smollm3", "granite", "granite4", "glm4", "cohere2",
-                 "exaone4", "seed_oss"]
+FAMILIES_2026 = ["gemma2", "gemma3", "gemma4", "phi3", "olmo2", "olmo3", "smollm3", "granite", "granite4", "glm4",
+                 "cohere2", "exaone4", "seed_oss"]
 
 
 def test_the_lookups_are_the_ones_the_four_tables_held():
@@ -60,15 +60,15 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
     assert {gguf: (arch.name, arch.hf_model_type) for gguf, arch in GGUF_ARCHITECTURES.items()} == {
         "llama": ("llama", "llama"), "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"),
         "hunyuan-dense": ("hunyuan", "hunyuan_v1_dense"), "gemma2": ("gemma2", "gemma2"),
-        "gemma3": ("gemma3", "gemma3_text"),
+        "gemma3": ("gemma3", "gemma3_text"), "gemma4": ("gemma4", "gemma4_text"),
         "olmo2": ("olmo2", "olmo2"), "smollm3": ("smollm3", "smollm3"), "granite": ("granite", "granite"),
         "phi3": ("phi3", "phi3"), "glm4": ("glm4", "glm4"), "cohere2": ("cohere2", "cohere2"),
         "exaone4": ("exaone4", "exaone4"), "seed_oss": ("seed_oss", "seed_oss")}
     assert PERMUTED_QK_ARCHS == {"llama", "smollm3", "granite"}  # llama.cpp's LlamaModel converters permute
     assert GGUF_ARCH == {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                          "hunyuan_v1_dense": "hunyuan-dense", "gemma2": "gemma2", "gemma3_text": "gemma3",
-                         "olmo2": "olmo2", "phi3": "phi3", "glm4": "glm4", "cohere2": "cohere2",
-                         "olmo3": "olmo2", "smollm3": "smollm3", "granite": "granite", "exaone4": "exaone4",
+                         "gemma4_text": "gemma4", "olmo2": "olmo2", "phi3": "phi3", "glm4": "glm4",
+                         "cohere2": "cohere2", "olmo3": "olmo2", "smollm3": "smollm3", "granite": "granite", "exaone4": "exaone4",
                          "seed_oss": "seed_oss"}
 
 
@@ -148,8 +148,8 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
                                                     r"causal LM for it"):
         model_config_from_hf(unknown)
     with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
-                                            r"cohere2, exaone4, gemma2, gemma3, glm4, granite, hunyuan-dense, llama, "
-                                            r"olmo2, phi3, qwen2, qwen3, "
+                                            r"cohere2, exaone4, gemma2, gemma3, gemma4, glm4, granite, hunyuan-dense, "
+                                            r"llama, olmo2, phi3, qwen2, qwen3, "
                                             r"seed_oss, smollm3\)"):
         read_shape({"general.architecture": "gpt2"}, {}, tmp_path / "m.gguf")
 

@@ -178,7 +178,9 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
         return kernels.layout(qtype, part.to(device), in_features, int8_rows)
 
     consumed: set[str] = set()
-    groups = {f"model.layers.{i}.{ours}": [f"blk.{i}.{part}.weight" for part in parts]
+    # A layer's parts that the file holds: Gemma 4's layers reading another's KV have no keys or values.
+    groups = {f"model.layers.{i}.{ours}": [f"blk.{i}.{part}.weight" for part in parts
+                                           if f"blk.{i}.{part}.weight" in tensors.infos]
               for i in range(config.num_hidden_layers) for ours, parts in fused_groups(config.arch).items()}
     groups["lm_head"] = ["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
     for ours, names in groups.items():
@@ -200,6 +202,13 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
         if "token_embd.weight" not in consumed:
             consumed.add("token_embd.weight")
             bar.update(1)
+    per_layer_table = "per_layer_token_embd.weight"  # Gemma 4's, looked up like the token table
+    if per_layer_table in tensors.infos and _FLOAT_DTYPES.get(tensors.qtype(per_layer_table)) != dtype:
+        width = tensors.infos[per_layer_table].dims[1]
+        _replace(model, "model.embed_tokens_per_layer", GGUFEmbedding(
+            tensors.qtype(per_layer_table), tensors.rows(per_layer_table).to(device), width, dtype, kernels))
+        consumed.add(per_layer_table)
+        bar.update(1)
 
     materialize(model, device)
     if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
