@@ -120,7 +120,7 @@ def test_llama_cpp_s_own_conversion_gives_transformers_greedy_tokens(tmp_path, f
 
 
 @pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
-def test_a_quantized_gemma4_file_keeps_its_per_layer_table_quantized(tmp_path):
+def test_llama_cpp_s_own_conversion_of_gemma4_to_q8_0_keeps_its_per_layer_table_quantized(tmp_path):
     from crane_mp.worker.quantized.layers import GGUFEmbedding
 
     hf_dir = make_zoo_model("gemma4_text", tmp_path / "gemma4")
