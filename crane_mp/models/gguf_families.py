@@ -47,11 +47,16 @@ def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict,
         fields["query_pre_attn_scalar"] = shape.hidden // shape.heads if is_27b else shape.head_dim
         fields["final_logit_softcapping"] = key("final_logit_softcapping")
         fields["attn_logit_softcapping"] = key("attn_logit_softcapping")
-    if gguf_arch == "granite":
+    if gguf_arch in ("granite", "granitehybrid"):
         fields |= {"attention_multiplier": float(key("attention.scale", shape.head_dim**-0.5)),
                    "embedding_multiplier": float(key("embedding_scale", 1.0)),
                    "residual_multiplier": float(key("residual_scale", 1.0)),
                    "logits_scaling": float(key("logit_scale", 1.0))}
+    if gguf_arch == "granitehybrid":  # Granite 4 dense: every layer attention, its one MLP the shared one
+        # The file cannot say position_embedding_type: Granite 4 dense checkpoints turn rope.
+        fields |= {"layer_types": ["attention"] * shape.layers, "num_local_experts": 0,
+                   "shared_intermediate_size": int(key("expert_shared_feed_forward_length", shape.ffn)),
+                   "position_embedding_type": "rope"}
     if gguf_arch in _NO_ROPE_STEP:
         step = _NO_ROPE_STEP[gguf_arch]
         fields["no_rope_layers"] = [int((i + 1) % step != 0) for i in range(shape.layers)]

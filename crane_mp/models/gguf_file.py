@@ -146,6 +146,8 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
     ffn, kv_heads = key("feed_forward_length"), key("attention.head_count_kv", heads)
     layer_ffn = tuple(int(n) for n in ffn) if isinstance(ffn, list) else ()
     layer_kv = tuple(int(n) for n in kv_heads) if isinstance(kv_heads, list) else ()
+    if 0 in layer_kv:  # llama.cpp's recurrent-layer mark; a layer holding keys has attention after all
+        layer_kv = _kv_heads_from_keys(layer_kv, tensor_dims, int(key("attention.key_length", hidden // heads)))
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
     per_layer_table = tensor_dims.get("per_layer_token_embd.weight")
     shape = GGUFShape(
@@ -174,6 +176,9 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
     for name in ("hidden", "layers", "ffn", "heads", "kv_heads", "head_dim", "vocab", "context"):
         if getattr(shape, name) <= 0:
             raise GGUFFileError(f"{path}: metadata gives {name} = {getattr(shape, name)}")
+    if 0 in shape.layer_kv_heads:
+        raise GGUFFileError(f"{path}: layer {shape.layer_kv_heads.index(0)} keeps recurrent state (no attention "
+                            "tensors), which a paged KV cache cannot hold; hybrid models are not supported yet")
     for name in ("sliding", "layer_ffn", "layer_kv_heads"):
         values = getattr(shape, name)
         if values and (len(values) != shape.layers or (name != "sliding" and min(values) <= 0)):
@@ -187,6 +192,16 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
     if shape.context > MAX_CONTEXT:
         raise GGUFFileError(f"{path}: metadata gives a context of {shape.context} tokens (at most {MAX_CONTEXT})")
     return shape
+
+
+def _kv_heads_from_keys(layer_kv: tuple[int, ...], tensor_dims: dict[str, tuple[int, ...]],
+                        head_dim: int) -> tuple[int, ...]:
+    """Per-layer KV heads where the metadata's 0 marks a recurrent layer but the layer holds attn_k:
+    llama.cpp's converter writes a Granite 4 dense checkpoint whose config spells its layers
+    "full_attention" (transformers 5) as all recurrent, its attention tensors intact. A layer
+    without keys keeps its 0 (refused: recurrent layers are not served)."""
+    keys = [tensor_dims.get(f"blk.{layer}.attn_k.weight") for layer in range(len(layer_kv))]
+    return tuple(n or (dims[0] // head_dim if dims else 0) for n, dims in zip(layer_kv, keys))
 
 
 def required_layer_names(gguf_arch: str) -> list[str]:

@@ -124,7 +124,7 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  gguf_permuted_qk=True, tensor_parallel=False),
     # Granite 4 dense: the hybrid family's checkpoint with attention in every layer and no experts.
     Architecture("granite4", "granite.Granite4ForCausalLM", ("GraniteMoeHybridForCausalLM",), "granitemoehybrid",
-                 "granitehybrid", reads_gguf=False, tensor_parallel=False),
+                 "granitehybrid", tensor_parallel=False),
     Architecture("glm4", "glm4.Glm4ForCausalLM", ("Glm4ForCausalLM",), "glm4", "glm4", tensor_parallel=False,
                  gguf_layer_names=_GLM4_GGUF),
     Architecture("cohere2", "llama.LlamaForCausalLM", ("Cohere2ForCausalLM",), "cohere2", "cohere2",

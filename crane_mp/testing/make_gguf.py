@@ -183,8 +183,8 @@ def make_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", name:
         raise ValueError(f"unknown type {qtype}; choose from {', '.join(_FILE_TYPES)}")
     config = json.loads((model_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
-    if arch == "gemma4":
-        raise ValueError("gemma4: its per-layer shapes are not written here; convert with llama.cpp's "
+    if arch in ("gemma4", "granitehybrid"):
+        raise ValueError(f"{arch}: its per-layer metadata is not written here; convert with llama.cpp's "
                          "convert_hf_to_gguf.py")
     served = GGUF_ARCHITECTURES[arch]  # the registry row reading the file
     writer = gguf.GGUFWriter(str(out), arch)

@@ -50,9 +50,12 @@ GGUF_FAMILIES = {
     "seed_oss": {},
     "smollm3": {"no_rope_layers": [1, 1, 1, 0]},
 }
-# Read from llama.cpp's own files only (make_gguf writes no per-layer shapes): Gemma 4 with every option
-# (per-layer inputs, shared KV, global layers of their own shape whose values are their keys).
-CONVERTER_ONLY = {"gemma4_text": {}}
+# Read from llama.cpp's own files only (make_gguf writes no per-layer metadata): Gemma 4 with every
+# option (per-layer inputs, shared KV, global layers of their own shape whose values are their keys);
+# Granite 4 dense, which llama.cpp's converter writes as "granitehybrid" with every layer marked
+# recurrent (KV heads 0) when transformers 5 spells its layers "full_attention", and as "granite" when
+# the config says "attention" with no experts per token (as released checkpoints do).
+CONVERTER_ONLY = {"gemma4_text": {}, "granitemoehybrid": {}, "granitemoehybrid-attention": {"num_experts_per_tok": 0}}
 LLAMA_CPP = Path(os.environ.get("PEERS", Path.home() / "peers")) / "llama"
 CONVERTER = LLAMA_CPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
 
@@ -102,7 +105,12 @@ def test_a_float32_gguf_file_gives_transformers_greedy_tokens(tmp_path, family):
 @pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES | CONVERTER_ONLY))
 def test_llama_cpp_s_own_conversion_gives_transformers_greedy_tokens(tmp_path, family):
-    hf_dir = make_zoo_model(family, tmp_path / family, overrides=(GGUF_FAMILIES | CONVERTER_ONLY)[family])
+    zoo_family, _, spelling = family.partition("-")
+    hf_dir = make_zoo_model(zoo_family, tmp_path / family, overrides=(GGUF_FAMILIES | CONVERTER_ONLY)[family])
+    if spelling == "attention":  # the released checkpoints' layer_types
+        config = json.loads((hf_dir / "config.json").read_text())
+        config["layer_types"] = ["attention"] * len(config["layer_types"])
+        (hf_dir / "config.json").write_text(json.dumps(config))
     out = tmp_path / f"{family}.gguf"
     python = LLAMA_CPP.parent / "venv-conv/bin/python"
     if family in NEEDS_SENTENCEPIECE:  # tokenizer.model beside tokenizer.json: the ids the test uses are the same

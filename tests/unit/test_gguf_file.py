@@ -140,3 +140,20 @@ def test_safetensors_flag_on_a_gguf_file_is_refused(good):
     run = subprocess.run([sys.executable, "-m", "crane_mp", "--model-path", str(good), "--format", "safetensors"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "is a file" in run.stderr and run.stderr.strip().count("\n") == 0
+
+
+def test_keys_in_a_layer_marked_recurrent_give_its_kv_heads_and_a_truly_recurrent_layer_is_refused(tmp_path):
+    from crane_mp.models.gguf_file import read_shape
+
+    meta = {"general.architecture": "granitehybrid", "granitehybrid.embedding_length": 64,
+            "granitehybrid.attention.head_count": 4, "granitehybrid.attention.head_count_kv": [0, 0],
+            "granitehybrid.block_count": 2, "granitehybrid.feed_forward_length": 96,
+            "granitehybrid.attention.layer_norm_rms_epsilon": 1e-6}
+    layer = {"attn_norm": (64,), "ffn_norm": (64,), "attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64),
+             "attn_output": (64, 64), "ffn_gate": (96, 64), "ffn_up": (96, 64), "ffn_down": (64, 96)}
+    dims = {"token_embd.weight": (512, 64), "output_norm.weight": (64,),
+            **{f"blk.{i}.{name}.weight": shape for i in range(2) for name, shape in layer.items()}}
+    assert read_shape(meta, dims, tmp_path / "g.gguf").layer_dims(1) == (16, 2, 96)
+    del dims["blk.1.attn_k.weight"]
+    with pytest.raises(GGUFFileError, match="layer 1 keeps recurrent state"):
+        read_shape(meta, dims, tmp_path / "g.gguf")
