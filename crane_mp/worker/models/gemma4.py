@@ -24,21 +24,10 @@ from crane_mp.worker.models.layers import (
     PagedSelfAttention,
     RMSNorm,
 )
+from crane_mp.worker.models.qwen3 import Qwen3Attention
 from crane_mp.worker.models.rope import apply_rope
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.step.forward_context import get_forward_context
-
-
-class Gemma4Attention(PagedSelfAttention):
-    qk_norm_position = "before_rope"
-
-    def __init__(self, config: ModelConfig, platform: Platform, layer: int = 0) -> None:
-        super().__init__(config, platform, layer)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm.weight, self.k_norm.weight
 
 
 class Gemma4SharedKVAttention(PagedSelfAttention):
@@ -134,7 +123,7 @@ _MAPPED_TABLE = "model.embed_tokens_per_layer.weight"
 class Gemma4ForCausalLM(CausalLM):
     """Also the language model of Gemma 4's multimodal checkpoints, served for text."""
 
-    attention_class = Gemma4Attention
+    attention_class = Qwen3Attention  # its q/k norms multiply by w, before rope, at each layer's head size
     decoder_class = Gemma4TextModel
     renamed_weights = {"model.language_model.": "model."}
     ignored_weights = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")

@@ -14,8 +14,8 @@ class Qwen3Attention(PagedSelfAttention):
 
     def __init__(self, config: ModelConfig, platform: Platform, layer: int = 0) -> None:
         super().__init__(config, platform, layer)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # the layer's own head size (Gemma 4)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm.weight, self.k_norm.weight
