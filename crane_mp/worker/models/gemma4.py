@@ -146,8 +146,8 @@ class Gemma4ForCausalLM(CausalLM):
         def rest() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal adopted
             for name, tensor in weights:
-                mine = name.replace("model.language_model.", "model.") == _MAPPED_TABLE
-                if mine and isinstance(table, nn.Embedding) and _same_kind(tensor, table.weight):
+                mine = self.parameter_name(name) == _MAPPED_TABLE and isinstance(table, nn.Embedding)
+                if mine and _same_kind(tensor, table.weight):
                     table.weight = nn.Parameter(tensor, requires_grad=False)
                     adopted = True
                 else:

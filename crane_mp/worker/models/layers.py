@@ -431,6 +431,14 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[PagedSelfAttention]:
         return [layer.self_attn for layer in self.model.layers]
 
+    def parameter_name(self, checkpoint_name: str) -> str:
+        """A checkpoint tensor's name as ours: renamed_weights applied, under `model.`."""
+        for old, new in self.renamed_weights.items():
+            checkpoint_name = checkpoint_name.replace(old, new)
+        if not checkpoint_name.startswith(("model.", "lm_head.")):
+            return "model." + checkpoint_name  # a bare decoder's checkpoint (e.g. saved as Qwen3Model for embeddings)
+        return checkpoint_name
+
     def _fused_sizes(self, param_name: str) -> list[int] | None:
         """The rows of the checkpoint tensors a fused parameter packs, in order (None: not fused)."""
         parts = param_name.rsplit(".", 2)
@@ -445,10 +453,7 @@ class CausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or name.startswith("score."):
                 continue  # score.*: a classification head, which the frontend applies (--task score)
-            for old, new in self.renamed_weights.items():
-                name = name.replace(old, new)
-            if not name.startswith(("model.", "lm_head.")):
-                name = "model." + name  # a bare decoder's checkpoint (e.g. saved as Qwen3Model for embeddings)
+            name = self.parameter_name(name)
             if name.startswith(self.ignored_weights) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             if self.config.shard is not None:
