@@ -2,7 +2,8 @@
 # Every GPU check of issue 32 in one run, for a lent GPU machine whose time is counted: tests/gpu, the
 # decode kernels one by one, the decode roofline (graphs on and off; cublas: the chosen decode matmuls
 # against cuBLAS alone), the GGUF decode matmul's K splits, and the 8B Q4_K_M under
-# --gpu-memory-limit 8G. Each step has its own time limit so a hang costs only that step; logs go to
+# --gpu-memory-limit 8G; "integration": the real server on CUDA (images, audio, the 2026 families), beside
+# tests/gpu when both are asked for. Each step has its own time limit so a hang costs only that step; logs go to
 # $OUT (default benchmarks/out/gpu). Wheels the machine lacks (pyzmq, msgspec, gguf, llguidance) are
 # installed from .whl/ when that folder exists.
 #
@@ -54,9 +55,19 @@ if [[ " $STEPS " == *" profile "* ]]; then
     log "decode step at batch 1: graph, logits, host; kernels"
     timeout 90 python3 benchmarks/gpu.py --steps 20 --batches 1 64 --profile 2>&1 | tee "$OUT/profile.log" | tail -45
 fi
+if [[ " $STEPS " == *" integration "* ]]; then
+    log "integration tests on CUDA, in the background"
+    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout 150 -rfE \
+        ${INTEGRATION:-tests/integration/test_vision_language.py tests/integration/test_audio_api.py \
+        tests/integration/test_model_families.py} >"$OUT/integration.log" 2>&1 &
+fi
 if [[ " $STEPS " == *" tests "* ]]; then
     log tests/gpu
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/tests.log" | tail -60
+fi
+if [[ " $STEPS " == *" integration "* ]]; then
+    wait
+    log "integration tests on CUDA"; tail -40 "$OUT/integration.log"
 fi
 if [[ " $STEPS " == *" memcap "* ]]; then
     log "8B Q4_K_M under 8G"

@@ -1,6 +1,6 @@
 """The CUDA path's Triton paged-attention kernels, run on CPU through Triton's interpreter, against the
 portable torch path on the same paged cache: mixed steps of decodes, fresh prefills and chunks after
-cached context, GQA groups, padded head dims, sliding windows, split decode. Skipped without Triton."""
+cached context, GQA groups, padded head dims, sliding windows, soft-capped logits, split decode. Skipped without Triton."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from crane_mp.worker.kernels.triton_attention import decode_workspace, paged_dec
 
 CPU = torch.device("cpu")
 cases = 0
-for dtype, heads, kv_heads, head_dim, block_size, window in [
-    (torch.float32, 8, 2, 64, 16, None), (torch.bfloat16, 8, 2, 128, 16, None), (torch.float32, 6, 1, 40, 4, None),
-    (torch.float32, 4, 4, 64, 16, 21), (torch.bfloat16, 4, 2, 64, 4, 9),
+for dtype, heads, kv_heads, head_dim, block_size, window, softcap in [
+    (torch.float32, 8, 2, 64, 16, None, None), (torch.bfloat16, 8, 2, 128, 16, None, None),
+    (torch.float32, 6, 1, 40, 4, None, None), (torch.float32, 4, 4, 64, 16, 21, None),
+    (torch.bfloat16, 4, 2, 64, 4, 9, None), (torch.float32, 4, 2, 64, 16, 21, 2.0), (torch.bfloat16, 8, 2, 64, 16, None, 3.0),
 ]:
     gen = torch.Generator().manual_seed(heads * head_dim + block_size)
     num_blocks = 96
@@ -37,26 +38,28 @@ for dtype, heads, kv_heads, head_dim, block_size, window in [
     decodes = [span(0, 1), span(16, 1), span(149, 1)]
     prefills = [span(0, 70), span(40, 5)]
     total = len(decodes) + sum(s.q_len for s in prefills)
-    q = torch.randn(total, heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(total, heads, head_dim, generator=gen).to(dtype) * (4 if softcap else 1)  # logits past the cap
     k = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
     outs = []
     for backend in ("triton", "torch"):
         meta = build_metadata(decodes, prefills, block_size, CPU, dtype, backend)
         assert meta.backend == backend
-        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim ** -0.5, window))
+        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim ** -0.5, window,
+                                    softcap))
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
 
     # Every split count gives the same decode (the merge is exact up to rounding).
     meta = build_metadata(decodes, [], block_size, CPU, dtype, "triton")
     cache_k, cache_v = k_cache.clone(), v_cache.clone()
-    paged_attention(q[:3], k[:3], v[:3], cache_k, cache_v, meta, head_dim ** -0.5, window)  # writes the new keys
+    paged_attention(q[:3], k[:3], v[:3], cache_k, cache_v, meta, head_dim ** -0.5, window, softcap)  # writes the new keys
     by_split = []
     for splits in (1, 3, 16):
         out = torch.empty(3, heads, head_dim, dtype=dtype)
         paged_decode(q[:3], cache_k, cache_v, meta.decode_block_tables, meta.decode_ctx_lens, out,
-                     head_dim ** -0.5, window or 0, splits, decode_workspace(3, heads, head_dim, splits, CPU))
+                     head_dim ** -0.5, window or 0, splits, decode_workspace(3, heads, head_dim, splits, CPU),
+                     softcap=softcap or 0.0)
         by_split.append(out.float())
     for other in by_split[1:]:
         torch.testing.assert_close(other, by_split[0], atol=tol, rtol=tol)
@@ -68,7 +71,7 @@ print("checked", cases)
 
 @pytest.mark.slow  # the Triton kernel interpreted with numpy: ~20 s; tests/gpu runs it compiled
 def test_triton_paged_attention_equals_the_torch_path_in_the_interpreter():
-    assert "checked 5" in run_interpreted(_CHECK)
+    assert "checked 7" in run_interpreted(_CHECK)
 
 
 _ENGINE_CHECK = """

@@ -229,14 +229,14 @@ def paged_attention(
     """q: [T, H, D]; k, v: [T, KH, D], written into the cache here, or None when the caller already
     wrote them (the fused CPU kernel). Returns [T, H * D]. `window`: this layer's sliding window (a
     query sees the keys less than `window` positions back); `softcap`: its attention logits go
-    through softcap * tanh(logits / softcap) (Gemma 2), which only the torch math path computes."""
+    through softcap * tanh(logits / softcap) (Gemma 2), in the Triton kernels or the torch math path."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     if k is not None:
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    if meta.backend == "triton" and softcap is None:
-        return _triton_attention(q, k_cache, v_cache, meta, scale, window)
+    if meta.backend == "triton":
+        return _triton_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     outputs = []
 
     num_decodes = meta.num_decode_tokens
@@ -306,7 +306,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, window: int | None) -> torch.Tensor:
+                      scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
     from crane_mp.worker.kernels import triton_attention as kernels
 
     num_tokens, num_heads, head_dim = q.shape
@@ -317,8 +317,9 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         splits = kernels.decode_splits(num_decodes, k_cache.shape[2], num_sms(q.device))
         workspace = kernels.decode_workspace(num_decodes, num_heads, head_dim, splits, q.device)
         kernels.paged_decode(q[:num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens,
-                             out[:num_decodes], scale, window, splits, workspace)
+                             out[:num_decodes], scale, window, splits, workspace, softcap=softcap or 0.0)
     if meta.num_prefills:
         kernels.paged_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_q_start,
-                              meta.prefill_q_len, meta.prefill_ctx_before, meta.max_prefill_q, out, scale, window)
+                              meta.prefill_q_len, meta.prefill_ctx_before, meta.max_prefill_q, out, scale, window,
+                              softcap or 0.0)
     return out.view(num_tokens, num_heads * head_dim)

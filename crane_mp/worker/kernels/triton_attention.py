@@ -11,6 +11,9 @@ program attends one (sequence, KV head, split) with the whole query-head group a
 products, so every key is loaded once for the group; a second kernel merges the splits. The number
 of splits is fixed per batch size (CUDA graphs replay fixed grids); each sequence divides its own
 context among them at run time.
+
+Soft-capped logits (Gemma 2: softcap * tanh(logits / softcap)) are capped in the kernels, in float32,
+before the mask: a SOFTCAP of 0 compiles the plain kernels.
 """
 
 from __future__ import annotations
@@ -26,11 +29,19 @@ _MAX_SPLITS = 16
 
 
 @triton.jit
+def _capped(s, softcap):
+    """softcap * tanh(s / softcap), tanh from one exponential of a non-positive argument (no overflow)."""
+    e = tl.exp(-2.0 * tl.abs(s) / softcap)
+    t = (1.0 - e) / (1.0 + e)
+    return softcap * tl.where(s < 0, -t, t)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    scale, window, num_heads,
+    scale, window, softcap, num_heads,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -61,6 +72,8 @@ def _decode_split_kernel(
         kv_mask = k_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = dot(q, tl.trans(k), PRECISION, UPCAST) * scale  # [GROUP_PAD, TILE]
+        if SOFTCAP:
+            s = _capped(s, softcap)
         s = tl.where(k_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -104,9 +117,9 @@ def _decode_merge_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, q_start_ptr, q_len_ptr, ctx_before_ptr,
-    scale, window,
+    scale, window, softcap,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -137,6 +150,8 @@ def _prefill_kernel(
             kv_mask = k_valid[:, None] & d_mask[None, :]
             k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = dot(q, tl.trans(k), PRECISION, UPCAST) * scale  # [BLOCK_M, BLOCK_N]
+            if SOFTCAP:
+                s = _capped(s, softcap)
             allowed = k_valid[None, :] & (keys[None, :] <= q_pos[:, None])
             allowed = allowed & ((window == 0) | (keys[None, :] > q_pos[:, None] - window))
             s = tl.where(allowed, s, float("-inf"))
@@ -183,8 +198,10 @@ def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, splits: int, 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  ctx_lens: torch.Tensor, out: torch.Tensor, scale: float, window: int, splits: int,
-                 workspace: tuple[torch.Tensor, ...], tile: int = _DECODE_TILE, num_warps: int = 4) -> None:
-    """q: [S, H, D] one query per sequence; writes out [S, H, D]. `window` 0: no sliding window.
+                 workspace: tuple[torch.Tensor, ...], tile: int = _DECODE_TILE, num_warps: int = 4,
+                 softcap: float = 0.0) -> None:
+    """q: [S, H, D] one query per sequence; writes out [S, H, D]. `window` 0: no sliding window;
+    `softcap` 0: logits not capped.
     `tile` (keys per inner iteration) and `num_warps`: what benchmarks/gpu_kernels.py compares."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -193,10 +210,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     part_acc, part_max, part_sum = workspace
     _decode_split_kernel[(num_seqs, kv_heads, splits)](
         q, k_cache, v_cache, out, block_tables, ctx_lens, part_acc, part_max, part_sum,
-        scale, window, num_heads,
+        scale, window, softcap or 1.0, num_heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        SOFTCAP=bool(softcap), NUM_SPLITS=splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1], TILE=tile, PRECISION=_precision(q.dtype), UPCAST=INTERPRETED,
         num_warps=num_warps,
     )
@@ -209,7 +226,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   q_start: torch.Tensor, q_len: torch.Tensor, ctx_before: torch.Tensor, max_q: int,
-                  out: torch.Tensor, scale: float, window: int) -> None:
+                  out: torch.Tensor, scale: float, window: int, softcap: float = 0.0) -> None:
     """Causal attention of prefill chunks whose keys (cached context and the chunk itself) are all in
     the cache. Sequence p's queries are rows [q_start[p], q_start[p] + q_len[p]) of q and out [T, H, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -218,9 +235,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grid = (block_tables.shape[0], triton.cdiv(max_q, block_m), num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, q_start, q_len, ctx_before,
-        scale, window,
+        scale, window, softcap or 1.0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        SOFTCAP=bool(softcap), GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype), UPCAST=INTERPRETED,
     )
