@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cuda-graph", action="store_true")
     parser.add_argument("--cublas-only", action="store_true",
                         help="keep cuBLAS for every projection (no start-up choice of decode matmul kernels)")
+    parser.add_argument("--no-prologues", action="store_true",
+                        help="keep each norm and SiLU*mul a kernel of its own (the projections fold them in at batch 1)")
     parser.add_argument("--kv-fraction", type=float, default=0.8, help="of free memory after weights, for KV")
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
     parser.add_argument("--profile", action="store_true",
@@ -157,6 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
     max_positions = args.context + args.steps + BLOCK_SIZE
     model, config = random_model(args.shape, dtype, device, max_positions)
+    if args.no_prologues:
+        for module in model.modules():
+            module.__dict__.pop("prologue", None)
     if not args.cublas_only:
         for line in platform_for(device).tune_linears(model, max(args.batches)):
             print("decode matmul", line)

@@ -4,7 +4,8 @@
 # against cuBLAS alone), the GGUF decode matmul's K splits, and the 8B Q4_K_M under
 # --gpu-memory-limit 8G; "integration": the real server on CUDA (images, audio, the 2026 families), beside
 # tests/gpu when both are asked for. Each step has its own time limit so a hang costs only that step; logs go to
-# $OUT (default benchmarks/out/gpu). Wheels the machine lacks (pyzmq, msgspec, gguf, llguidance) are
+# $OUT (default benchmarks/out/gpu). "batch1": the batch-1 roofline in PROCESSES (5) processes, after one
+# with each norm and SiLU*mul a kernel of its own. Wheels the machine lacks (pyzmq, msgspec, gguf, llguidance) are
 # installed from .whl/ when that folder exists.
 #
 #   bash benchmarks/gpu_checks.sh                 # tests roofline splits memcap
@@ -42,6 +43,15 @@ fi
 if [[ " $STEPS " == *" roofline "* ]]; then
     log "roofline, graphs on"
     timeout 120 python3 benchmarks/gpu.py --steps 30 2>&1 | tee "$OUT/roofline.log" | tail -30
+fi
+if [[ " $STEPS " == *" batch1 "* ]]; then
+    log "batch 1 without the prologues, then in ${PROCESSES:-5} processes with them (the bar holds per process)"
+    timeout 90 python3 benchmarks/gpu.py --steps 30 --batches 1 --no-prologues 2>&1 | tee "$OUT/batch1.log" \
+        | grep -E "^\| [0-9]|GB/s"
+    for i in $(seq ${PROCESSES:-5}); do
+        timeout 90 python3 benchmarks/gpu.py --steps 30 --batches 1 $([ "$i" = 1 ] && echo 64) 2>&1 \
+            | tee -a "$OUT/batch1.log" | grep -E "^\| [0-9]|GB/s|after"
+    done
 fi
 if [[ " $STEPS " == *" cublas "* ]]; then
     log "roofline, graphs on, cuBLAS only"

@@ -108,7 +108,8 @@ def compile_launch(launch: Launch, capability: int) -> Compiled:
 
 
 def attention_launches(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
-    """Decode (one split and the most splits, with its merge) and prefill over a paged cache."""
+    """Decode (one split and the most splits, with its merge) and prefill over a paged cache, the
+    most splits and prefill also with soft-capped logits (Gemma 2)."""
     from crane_mp.worker.kernels import triton_attention as kernels
 
     cache = torch.empty(8, 16, kv_heads, head_dim, dtype=dtype)
@@ -118,9 +119,11 @@ def attention_launches(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: 
     for splits in (1, 16):
         workspace = kernels.decode_workspace(4, heads, head_dim, splits, "cpu")
         kernels.paged_decode(q, cache, cache, tables, lengths, torch.empty_like(q), 0.1, 0, splits, workspace)
+    kernels.paged_decode(q, cache, cache, tables, lengths, torch.empty_like(q), 0.1, 0, 16, workspace, softcap=50.0)
     chunk = torch.empty(100, heads, head_dim, dtype=dtype)
-    kernels.paged_prefill(chunk, cache, cache, tables, lengths, lengths, lengths, 100, torch.empty_like(chunk), 0.1,
-                          4096)
+    for softcap in (0.0, 50.0):
+        kernels.paged_prefill(chunk, cache, cache, tables, lengths, lengths, lengths, 100, torch.empty_like(chunk),
+                              0.1, 4096, softcap)
 
 
 def elementwise_launches(dtype: torch.dtype, hidden: int, intermediate: int, heads: int, kv_heads: int,
@@ -155,13 +158,20 @@ def gguf_launches(dtype: torch.dtype, in_features: int = 4096) -> None:
 
 def skinny_launches(dtype: torch.dtype) -> None:
     """The decode matmul of few rows, every candidate config, for one and several rows, with and
-    without a bias, on a shape that divides the tiles and one that does not."""
+    without a bias, on a shape that divides the tiles and one that does not; one row also with each
+    input prologue (the RMSNorm with and without the residual add, SiLU*mul)."""
     from crane_mp.worker.kernels import triton_skinny as kernels
 
     for out_features, in_features in ((4096, 12288), (1000, 1000)):
         weight = torch.empty(out_features, in_features, dtype=dtype)
+        norm = (torch.empty(in_features, dtype=dtype), 1e-6)
         for rows in (1, 8):
             x = torch.empty(rows, in_features, dtype=dtype)
             for config in kernels.candidates_for(rows):
                 kernels.skinny_linear(x, weight, None, config)
                 kernels.skinny_linear(x, weight, torch.empty(out_features, dtype=dtype), config)
+                if rows <= kernels.PROLOGUE_ROWS:
+                    kernels.skinny_linear(x, weight, None, config, norm=norm)
+                    kernels.skinny_linear(x, weight, None, config, norm=norm, residual=torch.empty_like(x))
+                    kernels.skinny_linear(torch.empty(rows, 2 * in_features, dtype=dtype), weight, None, config,
+                                          silu_mul=True)

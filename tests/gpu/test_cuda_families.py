@@ -17,7 +17,7 @@ from crane_mp.engine import LLMEngine
 from crane_mp.models.registry import MODEL_TYPE_ALIASES
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_zoo import FAMILIES, make_zoo_model
-from tests.gpu.test_cuda_paths import greedy_with_gaps, hf_greedy
+from tests.gpu.test_cuda_paths import greedy_with_gaps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -68,16 +68,28 @@ def test_float32_on_cuda_gives_transformers_greedy_tokens_also_under_preemption(
     assert tight.scheduler.num_free_blocks == tight.worker.kv_plan.num_blocks
 
 
+def tie_width(logits: torch.Tensor) -> float:
+    """Gaps between the two best logits under which bf16 runs may pick differently: 1/32 of the best's
+    magnitude (0.6 at logits of ~20; the tiny models' soft-capped logits stay within +-3)."""
+    return max(logits.float().max().abs().item(), 1.0) / 32
+
+
 @pytest.mark.parametrize("family", NATIVE)
 def test_bf16_on_cuda_equals_transformers_bf16_up_to_its_first_near_tie(zoo, family):
     path, prompts, _ = zoo(family)
-    ours, gaps = greedy_with_gaps(engine(path, "bfloat16"), prompts)
+    ours, our_gaps = greedy_with_gaps(engine(path, "bfloat16"), prompts, NUM_TOKENS)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
-    hf.generation_config.eos_token_id = None
     compared = 0
-    for prompt, tokens, our_gaps in zip(prompts, ours, gaps):
-        want, unstable = hf_greedy(hf, prompt, NUM_TOKENS)
-        stable = min(unstable, next((i for i, gap in enumerate(our_gaps) if gap < 0.5), NUM_TOKENS))
+    for prompt, tokens, gaps in zip(prompts, ours, our_gaps):
+        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NUM_TOKENS, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        want = out.sequences[0, len(prompt):].tolist()
+        stable = NUM_TOKENS
+        for step, (scores, gap) in enumerate(zip(out.scores, gaps)):
+            top = scores[0].float().topk(2).values
+            if min(gap, (top[0] - top[1]).item()) < tie_width(scores[0]):
+                stable = step
+                break
         assert tokens[:stable] == want[:stable]
         compared += stable
-    assert compared >= NUM_TOKENS  # the peaked tiny models leave most steps comparable
+    assert compared >= NUM_TOKENS  # most steps of the peaked tiny models are no near ties

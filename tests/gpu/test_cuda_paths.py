@@ -44,9 +44,10 @@ def engine(model_dir, dtype="float32", **kwargs) -> LLMEngine:
     return LLMEngine(EngineConfig(model_path=model_dir, dtype=dtype, max_model_len=2048, max_num_seqs=16, **kwargs))
 
 
-def greedy_with_gaps(eng: LLMEngine, batch: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+def greedy_with_gaps(eng: LLMEngine, batch: list[list[int]],
+                     max_tokens: int = GREEDY.max_tokens) -> tuple[list[list[int]], list[list[float]]]:
     """Each prompt's greedy tokens and, step by step, the gap between its two best logits."""
-    params = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     ids = [eng.add_request(prompt, params) for prompt in batch]
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     gaps: dict[int, list[float]] = {i: [] for i in ids}
@@ -183,3 +184,55 @@ def test_the_decode_matmuls_on_the_device_equal_f_linear():
             for config in kernels.candidates_for(rows):
                 got = kernels.skinny_linear(x, weight, bias, config)
                 torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-2)
+
+
+def test_the_input_prologues_on_the_device_equal_the_separate_kernels():
+    """One row, as batch-1 decode steps run them: the RMSNorm (with and without the residual add) and
+    SiLU*mul computed by the projection as it reads its input, against the separate Triton kernels then
+    a float32 F.linear; the residual sum comes back as the separate kernel stores it."""
+    import torch.nn.functional as F
+
+    from crane_mp.worker.kernels import triton_elementwise as ops, triton_skinny as kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for out_features, in_features in ((6144, 4096), (1000, 300)):
+        weight = torch.randn(out_features, in_features, device="cuda", generator=gen).bfloat16()
+        norm_weight = (1 + 0.3 * torch.randn(in_features, device="cuda", generator=gen)).bfloat16()
+        x = (3 * torch.randn(1, in_features, device="cuda", generator=gen)).bfloat16()
+        residual = torch.randn(1, in_features, device="cuda", generator=gen).bfloat16()
+        gate_up = torch.randn(1, 2 * in_features, device="cuda", generator=gen).bfloat16()
+        for config in kernels.candidates_for(1):
+            for res in (None, residual):
+                got, summed = kernels.skinny_linear(x, weight, None, config, norm=(norm_weight, 1e-6), residual=res)
+                if res is None:
+                    normed, want_sum = ops.rms_norm(x, norm_weight, 1e-6), x
+                else:
+                    normed, want_sum = x.clone(), res.clone()
+                    ops.add_rms_norm_(normed, want_sum, norm_weight, 1e-6)
+                assert torch.equal(summed, want_sum)
+                want = F.linear(normed.float(), weight.float())
+                torch.testing.assert_close(got.float(), want, rtol=2**-6, atol=2e-2 * want.abs().max().item())
+            got = kernels.skinny_linear(gate_up, weight, None, config, silu_mul=True)
+            want = F.linear(ops.silu_and_mul(gate_up).float(), weight.float())
+            torch.testing.assert_close(got.float(), want, rtol=2**-6, atol=2e-2 * want.abs().max().item())
+
+
+def test_one_sequence_decodes_through_projections_that_take_their_norms_in(model_dir):
+    """bf16 at batch 1: where start-up found the fused kernels faster, each layer's norms and SiLU*mul run
+    inside its projections; greedy tokens stay transformers' up to its first near tie."""
+    eng = engine(model_dir, "bfloat16")
+    folded = [m for m in eng.worker.runner.model.modules()
+              if getattr(m, "prologue", None) and 1 in getattr(m, "configs", {})]
+    assert folded, "start-up kept cuBLAS after every norm and SiLU*mul: the fused kernels were slower"
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    hf.generation_config.eos_token_id = None
+    compared = 0
+    for prompt in prompts([45, 300, 17], seed=5):
+        ours, gaps = greedy_with_gaps(eng, [prompt])
+        want, unstable = hf_greedy(hf, prompt, GREEDY.max_tokens)
+        stable = min(unstable, stable_steps(gaps[0]))
+        assert ours[0][:stable] == want[:stable]
+        compared += stable
+    assert compared > 0

@@ -44,16 +44,126 @@ def test_skinny_matmul_equals_f_linear_under_the_interpreter():
     assert int(run_interpreted(_CHECK)) > 50
 
 
+_PROLOGUE_CHECK = """
+import torch
+import torch.nn.functional as F
+from crane_mp.worker.kernels import triton_skinny as kernels
+
+gen = torch.Generator().manual_seed(1)
+checked = 0
+dtype = torch.bfloat16
+for out_features, in_features in ((64, 1024), (40, 300)):
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    norm_weight = (1 + 0.3 * torch.randn(in_features, generator=gen)).to(dtype)
+    for rows in (1,):
+        x = (3 * torch.randn(rows, in_features, generator=gen)).to(dtype)
+        residual = torch.randn(rows, in_features, generator=gen).to(dtype)
+        gate_up = torch.randn(rows, 2 * in_features, generator=gen).to(dtype)
+        hidden = (F.silu(gate_up[:, :in_features].float()) * gate_up[:, in_features:].float()).to(dtype)
+        summed = (x.float() + residual.float()).to(dtype)
+        for config in kernels.candidates_for(rows)[:2]:
+            for b in (None, bias):
+                fb = None if b is None else b.float()
+                for res, rows_in in ((None, x), (residual, summed)):
+                    before = residual.clone()
+                    got, normalised = kernels.skinny_linear(x, weight, b, config, norm=(norm_weight, 1e-6),
+                                                            residual=res)
+                    assert torch.equal(residual, before)  # the sum goes to a tensor of its own
+                    # the interpreter truncates to bf16 (the GPU rounds to nearest): up to one step
+                    torch.testing.assert_close(normalised.float(), rows_in.float(), rtol=2 ** -7, atol=0)
+                    normed = F.rms_norm(rows_in.float(), (in_features,), norm_weight.float(), 1e-6)
+                    want = F.linear(normed, weight.float(), fb)
+                    # several rows take bf16 tensor-core products: the input is rounded once there
+                    torch.testing.assert_close(got.float(), want, rtol=2 ** -5, atol=0.05 * want.abs().max().item())
+                    checked += 1
+                got = kernels.skinny_linear(gate_up, weight, b, config, silu_mul=True)
+                want = F.linear(hidden.float(), weight.float(), fb)
+                torch.testing.assert_close(got.float(), want, rtol=2 ** -6, atol=1e-2 * want.abs().max().item())
+                checked += 1
+print(checked)
+"""
+
+
+def test_the_norm_and_silu_mul_prologues_equal_the_unfused_ops_under_the_interpreter():
+    """RMSNorm (with and without the residual add, whose sum comes back as stored) and SiLU*mul computed
+    as the projection reads its input, against the unfused ops then F.linear."""
+    pytest.importorskip("triton")
+    assert int(run_interpreted(_PROLOGUE_CHECK)) == 2 * 1 * 2 * 2 * 3
+
+
+_LAYERS_CHECK = """
+import torch
+from transformers import Qwen3Config
+from crane_mp.models.config import model_config_from_hf
+from crane_mp.worker.kernels import triton_skinny
+from crane_mp.worker.kernels.skinny_linears import ROW_BUCKETS, SkinnyLinear, _replace
+from crane_mp.worker.models.build import build_meta_model, materialize
+from tests.model_helpers import CPU, prefill_logits
+
+config = model_config_from_hf(Qwen3Config(hidden_size=256, intermediate_size=384, num_hidden_layers=3,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                          vocab_size=300, max_position_embeddings=64))
+model = build_meta_model(config, torch.bfloat16, CPU)
+materialize(model, torch.device("cpu"))
+gen = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for name, param in model.named_parameters():
+        param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen) if name.endswith("norm.weight")
+                    else 0.05 * torch.randn(param.shape, generator=gen))
+for attn in model.attention_layers():
+    attn.finalize_weights()
+prompts = [[42], [7]]  # one row: a decode step of one sequence
+plain = [prefill_logits(model, p) for p in prompts]
+calls = []
+def counted(*args, **kwargs):
+    calls.append(tuple(k for k in ("norm", "silu_mul") if kwargs.get(k)))
+    return triton_skinny.skinny_linear(*args, **kwargs)
+class Kernels:
+    PROLOGUE_ROWS = triton_skinny.PROLOGUE_ROWS
+    skinny_linear = staticmethod(counted)
+for name, module in list(model.named_modules()):
+    if type(module) is torch.nn.Linear:
+        _replace(model, name, SkinnyLinear(module, {b: triton_skinny.CANDIDATES[1] for b in ROW_BUCKETS}, Kernels))
+for prompt, want in zip(prompts, plain):
+    calls.clear()
+    got = prefill_logits(model, prompt)
+    # each layer: qkv after its input norm, gate/up after its post-attention norm, down after SiLU*mul
+    assert calls.count(("norm",)) == 2 * 3 and calls.count(("silu_mul",)) == 3, calls
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() < 0.03 * scale, ((got - want).abs().max(), scale)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+print("layers ok")
+"""
+
+
+def test_a_decoder_s_norms_and_silu_mul_run_inside_its_projections_with_the_same_logits():
+    """A bf16 Qwen3 whose projections all take the Triton kernel: every layer hands its norms (the first
+    without a residual) and SiLU*mul to the projections after them, and the logits stay those of the
+    unfused layers up to bf16 roundings."""
+    pytest.importorskip("triton")
+    assert "layers ok" in run_interpreted(_LAYERS_CHECK)
+
+
 class _FakeKernels:
     """What tuning uses of the kernels module (timings are stubbed): configs named by strings, a matmul
     that records its calls."""
 
     MAX_ROWS = 16
+    PROLOGUE_ROWS = 1
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, str]] = []
 
-    def skinny_linear(self, x, weight, bias, config):
+    def skinny_linear(self, x, weight, bias, config, norm=None, residual=None, silu_mul=False):
+        if norm is not None:
+            self.calls.append((x.shape[0], config, "norm"))
+            summed = x if residual is None else x + residual
+            return F.linear(F.rms_norm(summed, (x.shape[-1],), norm[0], norm[1]), weight, bias), summed
+        if silu_mul:
+            self.calls.append((x.shape[0], config, "silu_mul"))
+            gate, up = x.chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, weight, bias)
         self.calls.append((x.shape[0], config))
         return F.linear(x, weight, bias)
 
@@ -71,7 +181,7 @@ class _Model(nn.Module):
 def test_tuning_swaps_in_the_kernel_where_it_won_and_keeps_parameters_and_ties(monkeypatch):
     # Triton wins one row ("wide", 4 % faster) and two rows ("narrow"); at 4 rows it is within the
     # margin and cuBLAS stays; the head's shape never wins.
-    def timings(kernels, weights, rows):
+    def timings(kernels, weights, rows, prologue=None):
         if weights[0][0].shape[0] == 32:
             return {None: 1.0, "narrow": 1.5, "wide": 1.2}
         return {1: {None: 1.0, "narrow": 0.99, "wide": 0.96}, 2: {None: 1.0, "narrow": 0.5, "wide": 0.9},
@@ -101,6 +211,37 @@ def test_tuning_swaps_in_the_kernel_where_it_won_and_keeps_parameters_and_ties(m
     assert len(kernels.calls) == calls
     batched = model.layers[2](x[:2].view(1, 2, 8))  # leading dimensions are rows too
     assert batched.shape == (1, 2, 12) and kernels.calls[-1] == (2, "narrow")
+
+
+def test_projections_after_a_norm_or_silu_mul_are_timed_with_it_and_take_it_in_where_they_won(monkeypatch):
+    """Start-up times a marked projection with its input's op (cuBLAS after the separate kernel against
+    the fused kernel), apart from unmarked ones of the same shape; where the Triton kernel won, the layer's
+    call hands it the norm or gate_up, elsewhere it answers None and the layer runs the op itself."""
+    timed = []
+
+    def timings(kernels, weights, rows, prologue=None):
+        timed.append((rows, prologue, len(weights)))
+        return {None: 1.0, "fused": 0.5 if rows == 1 and prologue else 2.0}
+
+    monkeypatch.setattr(skinny_linears, "time_candidates", timings)
+    model = nn.ModuleDict({"qkv": nn.Linear(8, 12, bias=False, dtype=torch.bfloat16),
+                           "other": nn.Linear(8, 12, bias=False, dtype=torch.bfloat16),
+                           "down": nn.Linear(8, 12, bias=False, dtype=torch.bfloat16)})
+    model["qkv"].prologue, model["down"].prologue = "rms", "silu_mul"
+    kernels = _FakeKernels()
+    tune_skinny_linears(model, kernels, max_rows=2)
+    assert sorted(timed, key=str) == sorted([(1, None, 1), (1, "rms", 1), (1, "silu_mul", 1)] + [(2, None, 1)] * 3,
+                                            key=str)  # several rows: the prologues serve one
+    assert type(model["other"]) is nn.Linear and model["qkv"].configs == {1: "fused"}
+    norm = nn.RMSNorm(8, eps=1e-6, dtype=torch.bfloat16)
+    x, residual = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(2, 8, dtype=torch.bfloat16)
+    out, summed = model["qkv"].after_norm(x[:1], residual[:1], norm)
+    assert kernels.calls[-1] == (1, "fused", "norm") and torch.equal(summed, x[:1] + residual[:1])
+    assert model["qkv"].after_norm(x, residual, norm) is None  # two rows
+    assert model["down"].after_silu_mul(torch.randn(2, 16, dtype=torch.bfloat16)) is None
+    model["down"].after_silu_mul(torch.randn(1, 16, dtype=torch.bfloat16))
+    assert kernels.calls[-1] == (1, "fused", "silu_mul")
+    assert model["down"].after_norm(x[:1], residual[:1], norm) is None  # not what its layer puts before it
 
 
 def test_tuning_without_a_16_bit_linear_changes_nothing(monkeypatch):

@@ -4,6 +4,11 @@ and keeps the faster; larger steps (prefill, big batches) always take cuBLAS.
 
 The timing runs each candidate over every layer's weight of the shape in turn, as a decode step reads
 them: one weight alone would sit in the GPU's L2 cache and time a bandwidth the step never sees.
+
+A projection whose layer marks its input's op (`prologue` on the nn.Linear: "rms" for the RMSNorm and
+residual add before qkv and gate/up, "silu_mul" before down) is timed with that op: cuBLAS after the
+separate kernel against the Triton kernel that computes the input as it reads it; where the Triton
+kernel wins, the layer calls `after_norm` / `after_silu_mul` and one launch does both.
 """
 
 from __future__ import annotations
@@ -33,10 +38,38 @@ class SkinnyLinear(nn.Linear):
         self.bias = linear.bias
         self.configs = configs  # row bucket -> SkinnyConfig; buckets cuBLAS won are absent
         self.kernels = kernels
+        self.prologue = getattr(linear, "prologue", None)
+
+    def _config(self, rows: int):
+        return self.configs.get(_bucket(rows)) if rows else None
+
+    def _prologue_config(self, x: torch.Tensor, prologue: str):
+        """The config of a fused call on x, or None: another prologue, too many rows, or cuBLAS's bucket."""
+        if self.prologue != prologue or x.dim() != 2 or not x.is_contiguous():
+            return None
+        return self._config(x.shape[0]) if x.shape[0] <= self.kernels.PROLOGUE_ROWS else None
+
+    def after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                   norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(self(norm(x + residual)), x + residual) in one kernel, the residual optional; None where this
+        row count takes cuBLAS (the caller runs the norm on its own)."""
+        config = self._prologue_config(x, "rms")
+        if config is None or (residual is not None and not residual.is_contiguous()):
+            return None
+        return self.kernels.skinny_linear(x, self.weight, self.bias, config, norm=(norm.weight, norm.eps),
+                                          residual=residual)
+
+    def after_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """self(SiLU(gate) * up) of a [rows, 2 * in_features] gate_up in one kernel; None where this row
+        count takes cuBLAS."""
+        config = self._prologue_config(gate_up, "silu_mul")
+        if config is None:
+            return None
+        return self.kernels.skinny_linear(gate_up, self.weight, self.bias, config, silu_mul=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if x.dim() else 0
-        config = self.configs.get(_bucket(rows)) if rows else None
+        config = self._config(rows)
         if config is None:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()
@@ -73,14 +106,25 @@ def _seconds_per_call(device: torch.device, run: Callable[[torch.Tensor, torch.T
     return statistics.median(times)
 
 
-def time_candidates(kernels, weights: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int) -> dict:
-    """Seconds per call of cuBLAS (key None) and of each Triton config that fits `rows`."""
+def time_candidates(kernels, weights: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int,
+                    prologue: str | None = None) -> dict:
+    """Seconds per call of cuBLAS (key None) and of each Triton config that fits `rows`, each with the
+    op that computes the projection's input (`prologue`): a kernel of its own before cuBLAS."""
     weight = weights[0][0]
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    results = {None: _seconds_per_call(weight.device, lambda w, b: F.linear(x, w, b), weights)}
+    width = weight.shape[1] * (2 if prologue == "silu_mul" else 1)
+    x = torch.randn(rows, width, dtype=weight.dtype, device=weight.device)
+    fused: dict = {}
+    if prologue == "rms":
+        residual = torch.randn_like(x)
+        norm = (torch.ones(width, dtype=weight.dtype, device=weight.device), 1e-6)
+        fused = {"norm": norm, "residual": residual}
+    elif prologue == "silu_mul":
+        fused = {"silu_mul": True}
+    results = {None: _seconds_per_call(
+        weight.device, lambda w, b: F.linear(kernels.unfused_input(x, **fused) if fused else x, w, b), weights)}
     for config in kernels.candidates_for(rows):
         results[config] = _seconds_per_call(
-            weight.device, lambda w, b, c=config: kernels.skinny_linear(x, w, b, c), weights)
+            weight.device, lambda w, b, c=config: kernels.skinny_linear(x, w, b, c, **fused), weights)
     return results
 
 
@@ -89,7 +133,8 @@ def _shape_groups(model: nn.Module) -> dict[tuple, list[tuple[str, nn.Linear]]]:
     for name, module in model.named_modules():
         if type(module) is nn.Linear and module.weight.dtype in (torch.bfloat16, torch.float16) \
                 and module.weight.is_contiguous():
-            key = (tuple(module.weight.shape), module.weight.dtype, module.bias is not None)
+            key = (tuple(module.weight.shape), module.weight.dtype, module.bias is not None,
+                   getattr(module, "prologue", None))
             groups.setdefault(key, []).append((name, module))
     return groups
 
@@ -100,17 +145,18 @@ def tune_skinny_linears(model: nn.Module, kernels, max_rows: int) -> list[str]:
     buckets = [b for b in ROW_BUCKETS if b <= max(1, min(max_rows, kernels.MAX_ROWS))]
     lines = []
     with torch.inference_mode():
-        for (shape, _, _), modules in _shape_groups(model).items():
+        for (shape, _, _, prologue), modules in _shape_groups(model).items():
             weights = [(m.weight, m.bias) for _, m in modules]
             configs, picks = {}, []
             for rows in buckets:
-                timed = time_candidates(kernels, weights, rows)
+                timed = time_candidates(kernels, weights, rows, prologue if rows <= kernels.PROLOGUE_ROWS else None)
                 best = min((c for c in timed if c is not None), key=timed.get, default=None)
                 if best is not None and timed[best] < _MARGIN * timed[None]:
                     configs[rows] = best
                 picks.append(f"{rows}: {'triton' if rows in configs else 'cublas'} "
                              f"{1e6 * min(timed.values()):.1f} us (cublas {1e6 * timed[None]:.1f})")
-            lines.append(f"{shape[0]}x{shape[1]} x{len(modules)}: " + ", ".join(picks))
+            after = f" after {prologue}" if prologue else ""
+            lines.append(f"{shape[0]}x{shape[1]}{after} x{len(modules)}: " + ", ".join(picks))
             if configs:
                 for name, module in modules:
                     _replace(model, name, SkinnyLinear(module, configs, kernels))

@@ -100,18 +100,26 @@ class GatedMLP(nn.Module):
         # The checkpoint tensors gate_up_proj packs: their rows, in order (CausalLM.load_weights).
         self.fused_sizes = {"gate_up_proj": [self.intermediate_size, self.intermediate_size]}
         self.act = ACTIVATIONS[config.hidden_act]
+        if self.act is F.silu:  # SiLU*mul may run inside down_proj (kernels/skinny_linears.py)
+            self.down_proj.prologue = "silu_mul"
         # LoRA adapters: id -> (A, B) per projection (worker/weights/lora.py); empty without adapters.
         self.lora_gate_up_proj: dict = {}
         self.lora_down_proj: dict = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None, gate_up: torch.Tensor | None = None) -> torch.Tensor:
+        """`gate_up`: the gate/up projection of the layer's input, where the layer computed it (x None)."""
         lora = get_forward_context().lora
-        if getattr(self.gate_up_proj, "silu_mul", False):  # packed with SiLU*mul in its epilogue (cpu_packing.py)
-            hidden = self.gate_up_proj(x)  # never packed so when adapters may adapt gate_up (bootstrap.py)
+        if gate_up is None and getattr(self.gate_up_proj, "silu_mul", False):  # packed with SiLU*mul in its
+            hidden = self.gate_up_proj(x)  # epilogue (cpu_packing.py); never so when adapters may adapt gate_up
         else:
-            gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-            if lora is not None and self.lora_gate_up_proj:
-                gate_up = lora.apply(x, gate_up, self.lora_gate_up_proj)
+            if gate_up is None:
+                gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+                if lora is not None and self.lora_gate_up_proj:
+                    gate_up = lora.apply(x, gate_up, self.lora_gate_up_proj)
+            folded = getattr(self.down_proj, "after_silu_mul", None)
+            out = folded(gate_up) if folded is not None and lora is None else None
+            if out is not None:
+                return all_reduce(out) if self.row_parallel else out
             if self.act is F.silu and self.ops is not None:
                 hidden = self.ops.silu_and_mul(gate_up)
             else:
@@ -187,11 +195,13 @@ class PagedSelfAttention(nn.Module):
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm_weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None, qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """`qkv`: the projection of the layer's input, where the layer computed it (x None)."""
         ctx = get_forward_context()
-        qkv = self.qkv_proj(x)  # [T, (H + 2 * KH) * D]
-        if ctx.lora is not None and self.lora_qkv_proj:
-            qkv = ctx.lora.apply(x, qkv, self.lora_qkv_proj)
+        if qkv is None:
+            qkv = self.qkv_proj(x)  # [T, (H + 2 * KH) * D]
+            if ctx.lora is not None and self.lora_qkv_proj:
+                qkv = ctx.lora.apply(x, qkv, self.lora_qkv_proj)
         if self.values_are_keys or self.value_norm:
             qkv = self._with_values(qkv)
         if self.fused is not None:
@@ -260,6 +270,14 @@ BLOCK_NORMS = {
 }
 
 
+def _after_norm(proj: nn.Module | None, x: torch.Tensor, residual: torch.Tensor | None,
+                norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(proj(norm(x + residual)), x + residual) from one kernel where the projection computes its input
+    (decode rows on CUDA, kernels/skinny_linears.py); None where the norm runs on its own."""
+    after_norm = getattr(proj, "after_norm", None)
+    return None if after_norm is None else after_norm(x, residual, norm)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, attention: PagedSelfAttention, ops: Any,
                  norm_names: tuple[str, ...] | None = None, layer: int = 0) -> None:
@@ -273,6 +291,10 @@ class DecoderLayer(nn.Module):
             setattr(self, name, make_norm(config.hidden_size, config.rms_norm_eps, layout.norm, fused_ops))
         self.self_attn = attention
         self.mlp = GatedMLP(config, ops, layout.intermediate_size(layer, config.intermediate_size))
+        if self.block == "pre" and layout.norm == "rms":  # each norm may run inside the projection after it
+            for proj in (getattr(attention, "qkv_proj", None), self.mlp.gate_up_proj):
+                if type(proj) is nn.Linear:
+                    proj.prologue = "rms"
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A "pre" block returns (this layer's MLP output, the residual stream before it); their sum is
@@ -281,15 +303,26 @@ class DecoderLayer(nn.Module):
         if self.block != "pre":
             return self._forward_other(x), None
         input_norm, post_attention_norm = (getattr(self, name) for name in self.norm_names)
-        if residual is None:
-            residual, x = x, input_norm(x)
+        adapted = get_forward_context().lora is not None  # adapters read each projection's own input
+        folded = None if adapted else _after_norm(getattr(self.self_attn, "qkv_proj", None), x, residual, input_norm)
+        if folded is not None:
+            qkv, residual = folded
+            x = self.self_attn(None, qkv=qkv)
         else:
-            x, residual = input_norm(x, residual)
-        x = self.self_attn(x)
+            if residual is None:
+                residual, x = x, input_norm(x)
+            else:
+                x, residual = input_norm(x, residual)
+            x = self.self_attn(x)
         if self.residual_scale != 1.0:
             x = x * self.residual_scale
-        x, residual = post_attention_norm(x, residual)
-        x = self.mlp(x)
+        folded = None if adapted else _after_norm(self.mlp.gate_up_proj, x, residual, post_attention_norm)
+        if folded is not None:
+            gate_up, residual = folded
+            x = self.mlp(None, gate_up=gate_up)
+        else:
+            x, residual = post_attention_norm(x, residual)
+            x = self.mlp(x)
         return (x * self.residual_scale if self.residual_scale != 1.0 else x), residual
 
     def _forward_other(self, x: torch.Tensor) -> torch.Tensor:
