@@ -158,7 +158,7 @@ def gguf_launches(dtype: torch.dtype, in_features: int = 4096) -> None:
 
 def skinny_launches(dtype: torch.dtype) -> None:
     """The decode matmul of few rows, every candidate config, for one and several rows, with and
-    without a bias, on a shape that divides the tiles and one that does not; one row also with each
+    without a bias, on a shape that divides the tiles and one that does not; one bf16 row also with each
     input prologue (the RMSNorm with and without the residual add, SiLU*mul)."""
     from crane_mp.worker.kernels import triton_skinny as kernels
 
@@ -170,7 +170,7 @@ def skinny_launches(dtype: torch.dtype) -> None:
             for config in kernels.candidates_for(rows):
                 kernels.skinny_linear(x, weight, None, config)
                 kernels.skinny_linear(x, weight, torch.empty(out_features, dtype=dtype), config)
-                if rows <= kernels.PROLOGUE_ROWS:
+                if rows <= kernels.PROLOGUE_ROWS and dtype == torch.bfloat16:  # float16 compiles alike
                     kernels.skinny_linear(x, weight, None, config, norm=norm)
                     kernels.skinny_linear(x, weight, None, config, norm=norm, residual=torch.empty_like(x))
                     kernels.skinny_linear(torch.empty(rows, 2 * in_features, dtype=dtype), weight, None, config,
