@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cublas-only", action="store_true",
                         help="keep cuBLAS for every projection (no start-up choice of decode matmul kernels)")
     parser.add_argument("--no-prologues", action="store_true",
-                        help="keep each norm and SiLU*mul a kernel of its own (the projections fold them in at batch 1)")
+                        help="keep each norm and SiLU*mul a kernel of its own (else folded in at batch 1)")
     parser.add_argument("--kv-fraction", type=float, default=0.8, help="of free memory after weights, for KV")
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
     parser.add_argument("--profile", action="store_true",

@@ -6,9 +6,9 @@ The timing runs each candidate over every layer's weight of the shape in turn, a
 them: one weight alone would sit in the GPU's L2 cache and time a bandwidth the step never sees.
 
 A projection whose layer marks its input's op (`prologue` on the nn.Linear: "rms" for the RMSNorm and
-residual add before qkv and gate/up, "silu_mul" before down) is timed with that op: cuBLAS after the
-separate kernel against the Triton kernel that computes the input as it reads it; where the Triton
-kernel wins, the layer calls `after_norm` / `after_silu_mul` and one launch does both.
+residual add before qkv and gate/up, "silu_mul" before down) is timed with that op: the separate
+kernel then cuBLAS or the plain Triton kernel, against the Triton kernel that computes the input as
+it reads it; where that wins, the layer calls `after_norm` / `after_silu_mul` and one launch does both.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ class SkinnyLinear(nn.Linear):
     """An nn.Linear (same parameters, shared with a tied embedding) whose few-row calls take the
     Triton config chosen for their row bucket."""
 
-    def __init__(self, linear: nn.Linear, configs: dict, kernels) -> None:
+    def __init__(self, linear: nn.Linear, configs: dict, kernels, fused: frozenset = frozenset()) -> None:
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
         self.weight = linear.weight
         self.bias = linear.bias
         self.configs = configs  # row bucket -> SkinnyConfig; buckets cuBLAS won are absent
+        self.fused = fused  # the buckets whose calls compute the input too (after_norm, after_silu_mul)
         self.kernels = kernels
         self.prologue = getattr(linear, "prologue", None)
 
@@ -44,10 +45,11 @@ class SkinnyLinear(nn.Linear):
         return self.configs.get(_bucket(rows)) if rows else None
 
     def _prologue_config(self, x: torch.Tensor, prologue: str):
-        """The config of a fused call on x, or None: another prologue, too many rows, or cuBLAS's bucket."""
-        if self.prologue != prologue or x.dim() != 2 or not x.is_contiguous():
+        """The config of a fused call on x, or None: another prologue, or a bucket where the separate
+        kernel then cuBLAS or the plain Triton kernel was faster."""
+        if self.prologue != prologue or x.dim() != 2 or not x.is_contiguous() or _bucket(x.shape[0]) not in self.fused:
             return None
-        return self._config(x.shape[0]) if x.shape[0] <= self.kernels.PROLOGUE_ROWS else None
+        return self._config(x.shape[0])
 
     def after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                    norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -147,20 +149,40 @@ def tune_skinny_linears(model: nn.Module, kernels, max_rows: int) -> list[str]:
     with torch.inference_mode():
         for (shape, _, _, prologue), modules in _shape_groups(model).items():
             weights = [(m.weight, m.bias) for _, m in modules]
-            configs, picks = {}, []
+            configs, fused, picks = {}, set(), []
             for rows in buckets:
-                timed = time_candidates(kernels, weights, rows, prologue if rows <= kernels.PROLOGUE_ROWS else None)
-                best = min((c for c in timed if c is not None), key=timed.get, default=None)
-                if best is not None and timed[best] < _MARGIN * timed[None]:
-                    configs[rows] = best
-                picks.append(f"{rows}: {'triton' if rows in configs else 'cublas'} "
-                             f"{1e6 * min(timed.values()):.1f} us (cublas {1e6 * timed[None]:.1f})")
+                op = prologue if rows <= kernels.PROLOGUE_ROWS else None
+                config, kind, line = _choose(kernels, weights, rows, op)
+                if config is not None:
+                    configs[rows] = config
+                if kind == "fused":
+                    fused.add(rows)
+                picks.append(f"{rows}: {line}")
             after = f" after {prologue}" if prologue else ""
             lines.append(f"{shape[0]}x{shape[1]}{after} x{len(modules)}: " + ", ".join(picks))
             if configs:
                 for name, module in modules:
-                    _replace(model, name, SkinnyLinear(module, configs, kernels))
+                    _replace(model, name, SkinnyLinear(module, configs, kernels, frozenset(fused)))
     return lines
+
+
+def _choose(kernels, weights: list, rows: int, prologue: str | None) -> tuple[object, str, str]:
+    """(Triton config or None for cuBLAS, "cublas" / "triton" / "fused", a line saying what won). With a
+    prologue, three ways are timed: the separate kernel then cuBLAS, the separate kernel then the plain
+    Triton kernel (the separate kernel's time taken from the first), the fused Triton kernel."""
+    plain = time_candidates(kernels, weights, rows)
+    options = {(c, "triton"): t for c, t in plain.items() if c is not None}
+    cublas = plain[None]
+    if prologue is not None:
+        with_op = time_candidates(kernels, weights, rows, prologue)
+        op = max(0.0, with_op[None] - cublas)
+        options = {key: t + op for key, t in options.items()}
+        options.update({(c, "fused"): t for c, t in with_op.items() if c is not None})
+        cublas = with_op[None]
+    best = min(options, key=options.get, default=None)
+    if best is None or options[best] >= _MARGIN * cublas:
+        return None, "cublas", f"cublas {1e6 * cublas:.1f} us"
+    return best[0], best[1], f"{best[1]} {1e6 * options[best]:.1f} us (cublas {1e6 * cublas:.1f})"
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
