@@ -234,13 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds /health_generate waits for its one-token generation before answering 503")
     p.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5, Qwen3), qwen3_coder "
-                        "(<tool_call> XML: Qwen3-Coder), llama3_json, mistral ([TOOL_CALLS]); auto picks qwen3_coder "
+                        "(<tool_call> XML: Qwen3-Coder), llama3_json, mistral ([TOOL_CALLS]), granite, gemma4 "
+                        "(<|tool_call>call:NAME{...}); auto picks qwen3_coder "
                         "where the chat template writes <function=...> calls, else by the vocabulary's markers and "
                         "the architecture; none refuses tools")
     p.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
                    help="read chat answers for thinking (<think> ... </think>: Qwen3, DeepSeek-R1, SmolLM3, "
-                        "EXAONE 4; <seed:think> ... </seed:think>: Seed-OSS) into reasoning_content; auto does "
-                        "when the vocabulary has both tags of a pair as tokens; none never")
+                        "EXAONE 4; <seed:think> ... </seed:think>: Seed-OSS; <|channel>thought ... <channel|>: "
+                        "Gemma 4) into reasoning_content; auto does when the vocabulary has a family's tags as "
+                        "tokens; none never")
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,

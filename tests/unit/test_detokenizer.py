@@ -73,3 +73,33 @@ def test_finish_renders_an_unfinished_character_like_a_full_decode(tokenizer):
     detok = Detokenizer(tokenizer._tokenizer, [], [])
     text = "".join(detok.add([i]) for i in ids) + detok.finish()
     assert text == tokenizer.decode(ids) and text.endswith("\ufffd")
+
+
+@pytest.mark.parametrize("step", [1, 4])
+def test_skip_ids_keeps_the_special_marks_an_answer_is_read_by_and_only_them(tokenizer, step):
+    """Gemma 4's tool-call marks are special tokens: an answer read for calls keeps their text, while
+    every other special token (an end of turn) still leaves it, streamed and whole alike."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from crane_mp.frontend.serving.tokenizer import TokenizerService
+
+    backend = Tokenizer.from_str(tokenizer._tokenizer.to_str())  # the module's tokenizer stays as it was
+    marks = ["<|tool_call>", "<tool_call|>", '<|"|>', "<turn|>"]
+    backend.add_special_tokens([AddedToken(mark, special=True, normalized=False) for mark in marks])
+    mark_id = {mark: backend.token_to_id(mark) for mark in marks}
+    text = 'Sure.<|tool_call>call:f{a:<|"|>x y<|"|>}<tool_call|><turn|>'
+    ids = backend.encode(text, add_special_tokens=False).ids
+    assert all(mark_id[mark] in ids for mark in marks)
+    special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+    skip = special - {mark_id[m] for m in marks[:3]}
+    detok = Detokenizer(backend, [], [], skip_ids=skip)
+    assert feed(detok, ids, step) + detok.finish() == text.removesuffix("<turn|>")
+    assert detok.num_tokens == len(ids)
+    plain = Detokenizer(backend, [], [])
+    assert feed(plain, ids, step) == "Sure.call:f{a:x y}"
+    assert Detokenizer(backend, [], [], skip_special_tokens=False, skip_ids=skip).skip_ids is None
+
+    service = TokenizerService.__new__(TokenizerService)  # skip_ids alone: what it reads of the vocabulary
+    service.added_vocab, service.special_ids = {**mark_id, "<think>": 5}, special
+    assert service.skip_ids(("<|tool_call>", "<tool_call|>", '<|"|>')) == skip
+    assert service.skip_ids(("<think>",)) is None  # not a special token: nothing to keep

@@ -16,6 +16,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from crane_mp.frontend.serving.reasoning import (
     END,
+    GEMMA4_THINK,
     LEADING,
     PLAIN,
     SEED_THINK,
@@ -102,6 +103,30 @@ def test_auto_reads_thinking_where_the_vocabulary_has_both_tags():
     assert reasoning_markers("none", {START: 1, END: 2}) is None
     # Qwen3's tags are not Seed-OSS's: its answer's <think> is content.
     assert split_reasoning(LEADING, "<think>a</think>b", SEED_THINK) == (None, "<think>a</think>b")
+
+
+GEMMA4_PROMPT = "<|turn>user\nhi<turn|>\n<|turn>model\n"
+
+
+@pytest.mark.parametrize(("answer", "reasoning", "content"), [
+    ("<|channel>thought\nweigh it<channel|>It is 4.", "weigh it", "It is 4."),
+    ("<|channel>thought\nweigh it, cut off", "weigh it, cut off", ""),
+    ("It is 4.", None, "It is 4."),  # no thinking asked for (enable_thinking false): the answer alone
+    ("It is 4.<channel|>", None, "It is 4.<channel|>"),
+])
+def test_gemma4_thinks_only_in_a_channel_it_opens_itself(answer, reasoning, content):
+    """Gemma 4's template takes enable_thinking, yet the answer is read for a block it opens itself
+    (Qwen3's rule would make an answer that never thinks all reasoning); the label `thought\n` is the
+    block's own, not the reasoning's."""
+    mode = reading_mode(GEMMA4_PROMPT, False, template_thinks("auto", frozenset({"enable_thinking"})), GEMMA4_THINK)
+    assert mode == LEADING
+    assert split_reasoning(mode, answer, GEMMA4_THINK) == (reasoning, content)
+    for seed in range(10):
+        splitter = ReasoningSplitter.reading(mode, GEMMA4_THINK)
+        fed = [splitter.feed(piece) for piece in _pieces(answer, seed)] + [splitter.finish()]
+        assert ("".join(r for r, _ in fed), "".join(c for _, c in fed)) == (reasoning or "", content)
+    assert reasoning_markers("auto", {"<|channel>": 100, "<channel|>": 101}) == GEMMA4_THINK
+    assert reasoning_markers("gemma4", {}) == GEMMA4_THINK
 
 
 def _ids(state, text: str) -> list[int]:

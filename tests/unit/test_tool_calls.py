@@ -314,3 +314,58 @@ def test_a_forced_xml_call_grammar_admits_calls_of_the_offered_tools_only(vocabu
     assert not admitted(call("get_weather", city="Oslo", unit="k"))
     assert not admitted(call("sub", a="1", b="2"))
     assert not admitted("Sure! " + add)
+
+
+GEMMA4 = FORMATS["gemma4"]
+Q = '<|"|>'
+GEMMA4_TEXT = (f"Checking.<|tool_call>call:get_weather{{city:{Q}Paris, {{FR}} [x]: y{Q},days:3,"
+               f"units:{{metric:true,scale:-2.5e1}},tags:[{Q}a{Q},{{k:null}},[]],{Q}odd key{Q}:false}}<tool_call|>"
+               f"<|tool_call>call:add{{}}<tool_call|>")
+GEMMA4_CALLS = [("get_weather", {"city": "Paris, {FR} [x]: y", "days": 3, "units": {"metric": True, "scale": -25.0},
+                                 "tags": ["a", {"k": None}, []], "odd key": False}), ("add", {})]
+
+
+def test_gemma4_calls_are_read_into_json_arguments():
+    reading = ToolReading(GEMMA4)
+    content, calls = parse_with(reading.parser(), GEMMA4_TEXT)
+    assert content == "Checking."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == GEMMA4_CALLS
+    _, calls = parse_with(ToolReading(GEMMA4, parallel=False).parser(), GEMMA4_TEXT)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_gemma4_calls_stream_to_the_same_calls(seed):
+    parser = ToolReading(GEMMA4).parser()
+    content, calls = stream_through(parser, GEMMA4_TEXT, random.Random(seed), 6)
+    assert content == "Checking." and parser.well_formed
+    assert calls == GEMMA4_CALLS
+
+
+def test_gemma4_sends_a_call_s_name_once_whole_and_its_arguments_once_it_closes():
+    parser = ToolReading(GEMMA4).parser()
+    assert parser.feed("<|tool_call>call:get_wea") == ("", [])
+    _, named = parser.feed(f"ther{{city:{Q}Pa")
+    assert named == [{"index": 0, "id": parser.calls[0].id, "type": "function",
+                      "function": {"name": "get_weather", "arguments": ""}}]
+    assert parser.feed(f"ris{Q}}}<tool_") == ("", [])
+    _, closed = parser.feed("call|>")
+    assert closed == [{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]
+
+
+@pytest.mark.parametrize("text", [
+    f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}",  # cut off by max_tokens
+    "<|tool_call>call:get_weather{city:}<tool_call|>",  # a key without a value
+    "<|tool_call>get_weather{}<tool_call|>",  # no call: prefix
+    f"<|tool_call>call:add{{a:1 b:2}}<tool_call|>",  # no comma between pairs
+    "Plain text that mentions call:add{a:1}.",
+])
+def test_gemma4_text_that_is_not_a_whole_call_stays_content(text):
+    assert parse_with(ToolReading(GEMMA4).parser(), text) == (text, None)
+
+
+def test_auto_picks_gemma4_by_its_marker_or_architecture_and_refuses_forcing_it():
+    assert tool_format("auto", "llama", {"<|tool_call>": 48, "<tool_call|>": 49}) is GEMMA4
+    assert tool_format("auto", "gemma4", {}) is GEMMA4
+    with pytest.raises(ApiError, match="use tool_choice 'auto'"):
+        forced_call_constraint(GEMMA4, [ADD], None, True, {})

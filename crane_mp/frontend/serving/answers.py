@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from crane_mp.frontend.serving.generation import Delta
 from crane_mp.frontend.serving.reasoning import THINK, Markers, ReasoningSplitter, reasoning_tokens, split_reasoning
 from crane_mp.frontend.tools.formats import ToolFormat
+from crane_mp.frontend.tools.gemma4_calls import Gemma4CallParser
 from crane_mp.frontend.tools.parser import ToolCallParser, parse_with
 from crane_mp.frontend.tools.xml_calls import XmlCallParser
 
@@ -41,6 +42,8 @@ class ToolReading:
     def parser(self) -> ToolCallParser:
         if self.fmt.xml:
             return XmlCallParser(self.fmt, self.parallel, self.tools)
+        if self.fmt.gemma:
+            return Gemma4CallParser(self.fmt, self.parallel)
         return ToolCallParser(self.fmt, self.parallel)
 
 

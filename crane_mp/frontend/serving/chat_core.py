@@ -21,6 +21,7 @@ from crane_mp.frontend.serving.structured import Constraint
 from crane_mp.frontend.state import FrontendState
 from crane_mp.frontend.tools.forcing import forced_call_constraint
 from crane_mp.frontend.tools.formats import ToolFormat, check_tools, tool_format, tool_prompt
+from crane_mp.frontend.tools.gemma4_calls import MARKS as GEMMA4_MARKS
 from crane_mp.frontend.web.errors import ApiError
 from crane_mp.protocol import SamplingParams, ThinkingBudget
 
@@ -123,6 +124,7 @@ async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
     if split and followable and budget is not None:  # the sampler counts the thinking as the reader reads it
         params = msgspec.structs.replace(params, thinking=ThinkingBudget(
             budget, state.think_start_token, state.think_end_token, mode == THINKING))
+    kept = (GEMMA4_MARKS if reading is not None and fmt.gemma else ()) + (markers.tokens if thinking else ())
     plan = Plan([input_ids], params, ask.max_tokens, "messages", ask.n, ask.stop, ask.skip_special_tokens,
-                names=ask.names, media=media)
+                names=ask.names, media=media, skip_ids=state.tokenizer.skip_ids(kept) if kept else None)
     return PreparedChat(plan, input_ids, reading, thinking)

@@ -55,6 +55,7 @@ async def start_generation(
     discard_output: bool = False,
     names: list[str] | None = None,
     media: list[MediaInput] | None = None,
+    skip_ids: frozenset[int] | None = None,
 ) -> Generation:
     """Submit one request. `names`: what the client may call it in /abort_request; the access log
     of the HTTP request being served (if any) records it. `media`: its images or audio window."""
@@ -64,7 +65,8 @@ async def start_generation(
     if record is not None:
         names.append(record.request_id)
     stream = await client.submit(rid, input_ids, sampling, names, media)
-    gen = Generation(client, stream, Detokenizer(backend, input_ids, stop, skip_special_tokens), discard_output)
+    gen = Generation(client, stream, Detokenizer(backend, input_ids, stop, skip_special_tokens, skip_ids),
+                     discard_output)
     if record is not None:
         gen.request_id = record.request_id
         record.add(gen, input_ids)
@@ -84,6 +86,7 @@ async def open_choices(
     names: str | list[str] | None = None,
     lora_ids: list[int] | None = None,
     media: list[MediaInput] | None = None,
+    skip_ids: frozenset[int] | None = None,
 ) -> AsyncIterator[list[Generation]]:
     """Submit every prompt n times (prompt i with max_tokens[i]; a seeded request gives sample j the
     seed + j) and yield the generations. `names`: what /abort_request may call them, one for all or
@@ -104,7 +107,7 @@ async def open_choices(
                 try:
                     gens.append(await start_generation(
                         state.client, state.tokenizer.backend, prompt_ids, params, stop, skip_special_tokens,
-                        discard_output, [name] if name else None, media,
+                        discard_output, [name] if name else None, media, skip_ids,
                     ))
                 except EngineDeadError as err:
                     raise ApiError(503, f"the engine stopped: {err}") from err

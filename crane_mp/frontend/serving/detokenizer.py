@@ -3,6 +3,8 @@
 DecodeStream (from `tokenizers`), primed with the prompt, turns token ids into text correctly across
 multi-byte UTF-8 characters split over tokens. While streaming, the last max(len(stop)) - 1
 characters are held back so a partial stop string never reaches the client; they are flushed at the end.
+`skip_ids` drops those tokens and keeps every other special token's text: an answer read for marks
+that are special tokens (Gemma 4's tool calls) keeps them, and only them.
 """
 
 from __future__ import annotations
@@ -11,8 +13,12 @@ from tokenizers.decoders import DecodeStream
 
 
 class Detokenizer:
-    def __init__(self, backend, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True) -> None:
+    def __init__(self, backend, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
+                 skip_ids: frozenset[int] | None = None) -> None:
         self.backend = backend
+        self.skip_ids = skip_ids if skip_special_tokens else None
+        if self.skip_ids is not None:
+            skip_special_tokens = False
         self.stream = DecodeStream(ids=prompt_ids[-8:], skip_special_tokens=skip_special_tokens)
         self.stop = [s for s in stop if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
@@ -24,7 +30,7 @@ class Detokenizer:
         self.matched_stop: str | None = None
         self.num_tokens = 0  # tokens consumed (they stop counting at a matched stop string)
         self.token_ids: list[int] = []
-        self.skip_special_tokens = skip_special_tokens
+        self.skip_special_tokens = skip_special_tokens  # as the stream decodes
 
     @property
     def text(self) -> str:
@@ -43,9 +49,11 @@ class Detokenizer:
         pending, self.pending = self.pending, ""
         for token_id in token_ids:
             start = len(pending)
-            piece = self.stream.step(self.backend, token_id)
             self.num_tokens += 1
             self.token_ids.append(token_id)
+            if self.skip_ids is not None and token_id in self.skip_ids:
+                continue
+            piece = self.stream.step(self.backend, token_id)
             if piece:
                 pending += piece
                 if self.stop and self._find_stop(pending, start):
@@ -60,7 +68,8 @@ class Detokenizer:
         """At the end of a request: the rest of the text, including bytes of a character the output
         never completed, which a full decode renders as U+FFFD (DecodeStream keeps waiting for them)."""
         if self.matched_stop is None:
-            full = self.backend.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+            ids = self.token_ids if self.skip_ids is None else [i for i in self.token_ids if i not in self.skip_ids]
+            full = self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
             text = self.text
             if full.startswith(text):
                 self.pending += full[len(text):]

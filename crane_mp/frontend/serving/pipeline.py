@@ -63,6 +63,7 @@ class Plan:
     names: str | list[str] | None = None  # what /abort_request may call the generations
     lora_ids: list[int] | None = None  # per prompt, where prompts use different adapters
     media: list[MediaInput] | None = None  # the images of a single prompt
+    skip_ids: frozenset[int] | None = None  # the special tokens dropped, where some are kept (Detokenizer)
 
 
 class EventStream(Protocol):
@@ -90,7 +91,7 @@ async def serve(request: web.Request, state: FrontendState, plan: Plan,
     budgets = [resolve_max_tokens(state, len(prompt), requested, plan.param) for prompt in plan.prompts]
     async with open_choices(state, plan.prompts, plan.n, plan.params, budgets, plan.stop or [],
                             plan.skip_special_tokens, discard_output=hidden, names=plan.names,
-                            lora_ids=plan.lora_ids, media=plan.media) as gens:
+                            lora_ids=plan.lora_ids, media=plan.media, skip_ids=plan.skip_ids) as gens:
         rendered = render(gens)
         if callable(rendered):
             return json_response(rendered(await collect(gens)))

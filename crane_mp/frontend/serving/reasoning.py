@@ -13,7 +13,9 @@ template cannot think (then it thinks only inside a `<think>` it opens with).
 The split is lossless: (the opening tag the response wrote) + reasoning + `</think>` + content is the
 response's text, however the text arrives in pieces (a tag cut across pieces is held back until it is
 whole or proves not to be one). Seed-OSS thinks between `<seed:think>` and `</seed:think>`: the tags
-are per family (Markers), the rule the same.
+are per family (Markers), the rule the same. Gemma 4 opens its thinking itself, `<|channel>thought\n`
+... `<channel|>` (its template's `enable_thinking` asks for it): its answers are read for a block they
+open with, whatever the template (its tags are special tokens the detokenizer keeps for this reading).
 """
 
 from __future__ import annotations
@@ -23,17 +25,25 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Markers:
-    """A family's thinking tags."""
+    """A family's thinking tags; `tokens`: the vocabulary tokens that tell the family (auto), the tags
+    themselves where empty; `opened_by_model`: an answer thinks only inside a block it opens."""
 
     start: str
     end: str
+    tokens: tuple[str, ...] = ()
+    opened_by_model: bool = False
+
+    @property
+    def vocabulary_tokens(self) -> tuple[str, ...]:
+        return self.tokens or (self.start, self.end)
 
 
 THINK = Markers("<think>", "</think>")  # Qwen3, DeepSeek-R1, SmolLM3, EXAONE 4, Phi-4-reasoning, GLM
 SEED_THINK = Markers("<seed:think>", "</seed:think>")  # Seed-OSS
+GEMMA4_THINK = Markers("<|channel>thought\n", "<channel|>", ("<|channel>", "<channel|>"), opened_by_model=True)
 START, END = THINK.start, THINK.end
-# --reasoning-parser names -> their tags; auto looks for each pair among the vocabulary's tokens.
-PARSER_MARKERS = {"qwen3": THINK, "deepseek_r1": THINK, "seed_oss": SEED_THINK}
+# --reasoning-parser names -> their tags; auto looks for each family's tokens in the vocabulary.
+PARSER_MARKERS = {"qwen3": THINK, "deepseek_r1": THINK, "seed_oss": SEED_THINK, "gemma4": GEMMA4_THINK}
 
 # How an answer is read for thinking (reading_mode).
 THINKING = "thinking"  # reasoning from its start until the first </think>
@@ -44,11 +54,13 @@ PLAIN = "plain"  # all content
 def reasoning_markers(parser: str, added_vocab: dict[str, int]) -> Markers | None:
     """The tags answers are read by, None: not read for thinking. --reasoning-parser: qwen3 and
     deepseek_r1 read the same tags (what differs, whether the prompt opens the thinking, is seen per
-    request), seed_oss Seed-OSS's; auto reads the first pair the vocabulary has both of as tokens."""
+    request), seed_oss Seed-OSS's, gemma4 Gemma 4's; auto reads the first family whose tokens the
+    vocabulary has."""
     if parser == "none":
         return None
     if parser == "auto":
-        return next((m for m in (THINK, SEED_THINK) if m.start in added_vocab and m.end in added_vocab), None)
+        return next((m for m in (THINK, SEED_THINK, GEMMA4_THINK)
+                     if all(token in added_vocab for token in m.vocabulary_tokens)), None)
     return PARSER_MARKERS[parser]
 
 
@@ -69,13 +81,13 @@ def reading_mode(prompt: str, continued: bool, thinks: bool, markers: Markers = 
     """How the answer to a rendered chat `prompt` is read: thinking where the prompt left a think block
     open; all content where it closed one just before the answer (`enable_thinking: false`) or the answer
     continues the final message (`continued`: its text goes on as it was); otherwise thinking mode where
-    the template thinks (template_thinks). An earlier turn's closed block does not count: only the
-    prompt's end does."""
+    the template thinks (template_thinks) and the family does not open its thinking itself. An earlier
+    turn's closed block does not count: only the prompt's end does."""
     if prompt_opens_thinking(prompt, markers):
         return THINKING
     if continued or prompt.rstrip().endswith(markers.end):
         return PLAIN
-    return THINKING if thinks else LEADING
+    return THINKING if thinks and not markers.opened_by_model else LEADING
 
 
 @dataclass(slots=True)

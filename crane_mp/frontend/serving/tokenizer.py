@@ -40,6 +40,7 @@ class TokenizerService:
         self.template_variables = _template_variables(getattr(self.tokenizer, "chat_template", None))
         self.added_vocab = added = self.tokenizer.get_added_vocab()
         self.marker_tokens = {text: added[text] for text in MARKER_TEXTS if text in added}  # tool-call markers
+        self.special_ids = frozenset(i for i, token in self.backend.get_added_tokens_decoder().items() if token.special)
         self.xml_tool_calls = writes_xml_calls(getattr(self.tokenizer, "chat_template", None))
         self.template_reads_parts = self.has_chat_template and _reads_text_parts(self.tokenizer)
 
@@ -105,6 +106,12 @@ class TokenizerService:
             )
         except Exception as err:  # a template's own raise_exception() or a malformed message
             raise ApiError(400, f"chat template failed: {err}", "messages") from err
+
+    def skip_ids(self, kept: tuple[str, ...]) -> frozenset[int] | None:
+        """The special tokens an answer drops when it keeps the marks of `kept` that are special tokens
+        (Gemma 4's tool-call and thinking marks); None where none of them is one."""
+        kept_ids = {self.added_vocab[text] for text in kept if text in self.added_vocab} & self.special_ids
+        return self.special_ids - kept_ids if kept_ids else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -9,6 +9,7 @@ import json
 from crane_mp.frontend.serving.json_bounds import bounded_schema
 from crane_mp.frontend.serving.structured import Constraint
 from crane_mp.frontend.tools.formats import ToolFormat
+from crane_mp.frontend.web.errors import ApiError
 
 
 def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None, parallel: bool,
@@ -16,6 +17,9 @@ def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None,
     """A Lark grammar that admits only calls, in the model's own format, of the offered tools (or one
     call of `only`). A marker that is one token of the vocabulary (`special_tokens`) is written as that token,
     as the model was trained to produce it."""
+    if fmt.gemma:
+        raise ApiError(400, "tool_choice 'required' or a named function needs a call grammar, which Gemma 4's "
+                       "call format does not have here yet; use tool_choice 'auto'", "tool_choice")
     rules = _xml_rules(tools, only) if fmt.xml else _json_rules(fmt, tools, only)
 
     def text(value: str) -> str:

@@ -5,8 +5,9 @@ Five formats cover the supported models: Hermes (`<tool_call>{"name": .., "argum
 Qwen2.5, Qwen3 and most fine-tunes), Qwen3-Coder's XML (`<tool_call><function=..><parameter=..>..
 </parameter></function></tool_call>`, tools/xml_calls.py), Llama 3's JSON (`{"name": .., "parameters": ..}`,
 calls separated by `;`), Mistral's (`[TOOL_CALLS][{"name": .., "arguments": ..}, ..]`; the marker is a
-control token, gone from the text, so a leading `[` opens the calls too) and Granite's (`<|tool_call|>`
-and the same list; Phi-4-mini writes it too).
+control token, gone from the text, so a leading `[` opens the calls too), Granite's (`<|tool_call|>`
+and the same list; Phi-4-mini writes it too) and Gemma 4's (`<|tool_call>call:NAME{key:<|"|>text<|"|>}
+<tool_call|>`, tools/gemma4_calls.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class ToolFormat:
     list_close: str = ""
     id_length: int = 0  # Mistral's templates insist on 9-character call ids; 0: OpenAI's call_<hex>
     xml: bool = False  # Qwen3-Coder's calls: a function element of parameter elements, not a JSON object
+    gemma: bool = False  # Gemma 4's calls: call:NAME{...} of its own syntax, not a JSON object
 
 
 FORMATS = {
@@ -44,15 +46,18 @@ FORMATS = {
                           list_open="<|tool_call|>[", list_close="]"),
     "qwen3_coder": ToolFormat("qwen3_coder", ("<tool_call>",), "", ("arguments",),
                               call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n", xml=True),
+    "gemma4": ToolFormat("gemma4", ("<|tool_call>",), "", ("arguments",), call_open="<|tool_call>",
+                         call_close="<tool_call|>", gemma=True),
 }
 # Texts of the formats that a vocabulary may hold as one (added) token.
-MARKER_TEXTS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>")
+MARKER_TEXTS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", "<|tool_call>",
+                "<tool_call|>", '<|"|>')
 # --tool-call-parser auto: the format whose marker the vocabulary holds as a token, else by architecture
 # (a Mistral GGUF says "llama"; fine-tunes of other families mostly follow Hermes).
-_BY_MARKER = {"[TOOL_CALLS]": "mistral", "<tool_call>": "hermes", "<|python_tag|>": "llama3_json",
-              "<|tool_call|>": "granite"}
+_BY_MARKER = {"<|tool_call>": "gemma4", "[TOOL_CALLS]": "mistral", "<tool_call>": "hermes",
+              "<|python_tag|>": "llama3_json", "<|tool_call|>": "granite"}
 _BY_ARCH = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral", "granite": "granite",
-            "granite4": "granite", "phi3": "granite"}
+            "granite4": "granite", "phi3": "granite", "gemma4": "gemma4"}
 
 
 def tool_format(parser: str, arch: str, marker_tokens: dict[str, int] | None = None,
@@ -82,6 +87,8 @@ def tool_prompt(fmt: ToolFormat, tools: list[dict]) -> str:
     example = json.dumps({"name": "NAME", fmt.arguments_keys[0]: {"ARGUMENT": "VALUE"}})
     if fmt.xml:
         example = "<function=NAME>\n<parameter=ARGUMENT>\nVALUE\n</parameter>\n</function>"
+    if fmt.gemma:
+        example = 'call:NAME{ARGUMENT:<|"|>VALUE<|"|>}'
     call = f"{fmt.list_open}{fmt.call_open}{example}{fmt.call_close}{fmt.list_close}"
     listing = "\n".join(json.dumps(tool["function"]) for tool in tools)
     return f"You can call these functions, described as JSON:\n{listing}\nTo call one, answer with only:\n{call}"

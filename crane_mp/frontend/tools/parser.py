@@ -97,7 +97,7 @@ class ToolCallParser:
                 call.complete = is_json(call.arguments)
             elif event == "invalid" and not self.calls:  # after a call: text that happens to hold braces
                 self._malformed = True
-        return _merge(deltas)
+        return merge_deltas(deltas)
 
 
 def parse_tool_calls(fmt: ToolFormat, text: str, parallel: bool = True) -> tuple[str | None, list[dict] | None]:
@@ -117,7 +117,7 @@ def parse_with(parser: ToolCallParser, text: str, cut: bool = False) -> tuple[st
     return (content + rest).strip() or None, calls
 
 
-def _merge(deltas: list[dict]) -> list[dict]:
+def merge_deltas(deltas: list[dict]) -> list[dict]:
     """One item per call per chunk: argument pieces of the same call are joined."""
     merged: list[dict] = []
     for delta in deltas:

@@ -1,0 +1,75 @@
+"""Gemma 4's chat answers through the frontend: its thinking channel and tool calls, whose marks are
+special tokens of its vocabulary, come back apart (reasoning_content, tool_calls) whole and streamed,
+while its other special tokens still leave the text; a forced call is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import AddedToken, Tokenizer
+
+from crane_mp.testing.make_zoo import make_zoo_model
+from tests.unit.frontend_harness import start_frontend, stop_frontend
+
+MARKS = ["<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<turn|>"]
+ANSWER = '<|channel>thought\nweigh it<channel|><|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+ASK = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER]}
+
+
+@pytest.fixture
+async def gemma4(tmp_path):
+    model_dir = make_zoo_model("gemma4_text", tmp_path / "gemma4")
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(mark, special=True, normalized=False) for mark in MARKS])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    client, state, fake = await start_frontend(model_dir, tmp_path, tool_call_parser="auto", reasoning_parser="auto")
+    try:
+        yield client, state, fake
+    finally:
+        await stop_frontend(client, state)
+
+
+def _ids(state, text: str) -> list[int]:
+    return state.tokenizer.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def test_thinking_and_calls_come_back_apart_whole(gemma4):
+    client, state, fake = gemma4
+    fake.output_ids = _ids(state, ANSWER + "<turn|>")
+    body = await (await client.post("/v1/chat/completions", json=ASK)).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["reasoning_content"] == "weigh it" and not message["content"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "Paris", "days": 2})]
+
+
+async def test_thinking_and_calls_come_back_apart_streamed(gemma4):
+    client, state, fake = gemma4
+    fake.output_ids = _ids(state, ANSWER)
+    r = await client.post("/v1/chat/completions", json={**ASK, "stream": True})
+    reasoning, content, arguments, names = "", "", "", []
+    for line in (await r.text()).splitlines():
+        if not line.startswith("data: {"):
+            continue
+        delta = json.loads(line[6:])["choices"][0]["delta"]
+        reasoning += delta.get("reasoning_content") or ""
+        content += delta.get("content") or ""
+        for call in delta.get("tool_calls") or []:
+            names += [call["function"]["name"]] if "name" in call["function"] else []
+            arguments += call["function"].get("arguments", "")
+    assert (reasoning, content, names) == ("weigh it", "", ["get_weather"])
+    assert json.loads(arguments) == {"city": "Paris", "days": 2}
+
+
+async def test_without_tools_the_marks_leave_the_text_and_a_forced_call_is_refused(gemma4):
+    client, state, fake = gemma4
+    fake.output_ids = _ids(state, 'A <|"|>quoted<|"|> word.<turn|>')
+    body = await (await client.post("/v1/chat/completions", json={"messages": ASK["messages"]})).json()
+    assert body["choices"][0]["message"]["content"] == "A quoted word."
+    r = await client.post("/v1/chat/completions", json={**ASK, "tool_choice": "required"})
+    assert r.status == 400 and "Gemma 4" in (await r.json())["error"]["message"]
