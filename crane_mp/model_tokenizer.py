@@ -3,10 +3,13 @@ spells which bytes) both need it: loaded the same way in every process, so token
 
 from __future__ import annotations
 
+import logging
+
 from crane_mp.models.gguf_file import ModelSource, resolve_model_source
 
 # Any of these beside a GGUF file is a tokenizer the user chose over the file's metadata.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+log = logging.getLogger("crane_mp")
 
 
 def load_tokenizer(model_path: str, model_format: str = "auto"):
@@ -24,7 +27,15 @@ def source_tokenizer(source: ModelSource):
     # The generic fast tokenizer, not AutoTokenizer: that one first reads the file's config through the
     # gguf package's reader, 6-10 s for a 150k vocabulary, only to pick a class with the same backend
     # (and knows no config for hunyuan-dense).
-    return PreTrainedTokenizerFast.from_pretrained(str(source.model_dir), gguf_file=source.gguf_file.name)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(source.model_dir), gguf_file=source.gguf_file.name)
+    backend = tokenizer.backend_tokenizer
+    model = backend.model
+    if getattr(model, "unk_token", None) and model.unk_token not in backend.get_vocab(with_added_tokens=False):
+        # transformers names `<unk>` for a file whose model vocabulary has none (llama.cpp's Gemma 4
+        # conversion of a vocabulary without it): every encode would raise; text it cannot spell is dropped.
+        log.warning("the GGUF vocabulary has no %s token: text it cannot spell is dropped", model.unk_token)
+        model.unk_token = None
+    return tokenizer
 
 
 def grammar_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
