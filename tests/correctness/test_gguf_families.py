@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM
 
 from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
+from crane_mp.model_tokenizer import load_tokenizer
 from crane_mp.models.layouts import FULL, SLIDING
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_gguf import make_gguf
-from crane_mp.model_tokenizer import load_tokenizer
 from crane_mp.testing.make_zoo import make_zoo_model
 
 NUM_TOKENS = 10
