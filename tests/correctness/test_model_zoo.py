@@ -127,3 +127,23 @@ def test_gemma4_mixture_of_experts_runs_through_the_backend_and_lora_is_refused(
     path, _, _ = zoo("gemma4_text")
     with pytest.raises(ValueError, match=r"LoRA adapters for gemma4 \(layers of different shapes\) are not supported"):
         engine(path, "auto", enable_lora=True)
+
+
+def test_gemma4_s_sharing_layers_compute_only_the_rows_a_step_reads(zoo):
+    """The layers that read other layers' KV write none: a step runs them on the rows it samples from
+    alone (a finished prompt's last row, the decodes), each as a decode over its cache, and none for a
+    chunk that ends mid-prompt; the tokens stay transformers'."""
+    path, prompts, expected = zoo("gemma4_text")
+    eng = engine(path, "auto", max_num_seqs=8, max_num_batched_tokens=16)  # chunked: steps finishing no prompt
+    model = eng.worker.runner.model.model
+    assert 0 < model.first_sharing < len(model.layers)
+    seen: dict[str, list[int]] = {"caching": [], "sharing": []}
+    hooks = [layer.register_forward_pre_hook(lambda _, args, kind=kind: seen[kind].append(args[0].shape[0]))
+             for kind, layer in (("caching", model.layers[0]), ("sharing", model.layers[model.first_sharing]))]
+    try:
+        assert eng.generate(prompts, GREEDY) == expected
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert max(seen["caching"]) == 16 and max(seen["sharing"]) <= len(prompts)
+    assert len(seen["sharing"]) < len(seen["caching"])  # steps of prompt chunks alone skip them

@@ -3,7 +3,11 @@ layers with their own head shape and proportional rope (their values the keys' p
 attention_k_eq_v), values normalised without a scale, the last layers reading the KV cache of the last
 earlier layer of their kind (projecting queries only), per-layer input embeddings added after each
 MLP, and a learned scalar on each layer's output. The DecoderLayout carries the shapes; its
-mixture-of-experts variant runs through the transformers backend (config.py)."""
+mixture-of-experts variant runs through the transformers backend (config.py).
+
+The sharing layers write no cache, so a step computes them only for the rows it reads (each finished
+prompt's last row and the decodes; ForwardContext.needed_rows), each as a decode over its sequence's
+cache: a prompt's other rows stop at the last caching layer (vLLM's kv_sharing_fast_prefill)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import torch
 from torch import nn
 
 from crane_mp.models.config import ModelConfig
-from crane_mp.worker.cache.attention import paged_attention
+from crane_mp.worker.cache.attention import SeqSpan, build_metadata, group_spans, paged_attention
 from crane_mp.worker.models.layers import (
     ACTIVATIONS,
     CausalLM,
@@ -27,7 +31,7 @@ from crane_mp.worker.models.layers import (
 from crane_mp.worker.models.qwen3 import Qwen3Attention
 from crane_mp.worker.models.rope import apply_rope
 from crane_mp.worker.platforms import Platform
-from crane_mp.worker.step.forward_context import get_forward_context
+from crane_mp.worker.step.forward_context import ForwardContext, forward_context, get_forward_context
 
 
 class Gemma4SharedKVAttention(PagedSelfAttention):
@@ -91,6 +95,10 @@ class Gemma4TextModel(DecoderModel):
         for layer, decoder_layer in enumerate(self.layers):
             if layout.kv_source(layer) != layer:
                 decoder_layer.self_attn.kv_source = (self.layers[layout.kv_source(layer)].self_attn,)
+        # The sharing layers are the last ones (num_kv_shared_layers): from here on no layer writes KV.
+        sharing = [layer for layer in range(len(self.layers)) if layout.kv_source(layer) != layer]
+        self.first_sharing = sharing[0] if sharing == list(range(len(self.layers) - len(sharing), len(self.layers))) \
+            and sharing else len(self.layers)
         self.per_layer_input_size = size = layout.per_layer_input_size
         if size:
             rows, width = layout.per_layer_input_vocab, config.num_hidden_layers * size
@@ -102,9 +110,52 @@ class Gemma4TextModel(DecoderModel):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self._embed(input_ids)  # [T, hidden]
         per_layer = self._per_layer_inputs(input_ids, x) if self.per_layer_input_size else None
-        for layer, decoder_layer in enumerate(self.layers):
-            x = decoder_layer(x, per_layer[:, layer] if per_layer is not None else None)
+        for layer in range(self.first_sharing):
+            x = self.layers[layer](x, per_layer[:, layer] if per_layer is not None else None)
+        reading = self._reading_rows(x.shape[0]) if self.first_sharing < len(self.layers) else None
+        if reading is None:
+            return self._sharing_layers(x, per_layer)
+        rows, ctx = reading
+        if rows.numel() == 0:  # no row is read this step (prompt chunks only)
+            return x
+        with forward_context(ctx):
+            read = self._sharing_layers(x.index_select(0, rows),
+                                        per_layer.index_select(0, rows) if per_layer is not None else None)
+        return x.index_copy(0, rows, read)
+
+    def _sharing_layers(self, x: torch.Tensor, per_layer: torch.Tensor | None) -> torch.Tensor:
+        for layer in range(self.first_sharing, len(self.layers)):
+            x = self.layers[layer](x, per_layer[:, layer] if per_layer is not None else None)
         return x
+
+    def _reading_rows(self, num_rows: int) -> tuple[torch.Tensor, ForwardContext] | None:
+        """The rows the step reads and a context that runs each as one decode over its sequence's cache,
+        or None where every row is read (or the step does not say which)."""
+        ctx = get_forward_context()
+        needed = ctx.needed_rows
+        if needed is None or ctx.spans is None or len(needed) == num_rows:
+            return None
+        wanted, ends, spans, end = set(needed), [], [], 0
+        for span in ctx.spans:  # in row order; a read row is its sequence's last of the step
+            end += span.q_len
+            if end - 1 in wanted:
+                ends.append(end - 1)
+                spans.append(SeqSpan(span.ctx_before + span.q_len - 1, 1, span.block_table, span.group_tables))
+        if ends != sorted(needed):
+            return None
+        rows = torch.tensor(ends, dtype=torch.long, device=ctx.cos.device)
+        if not ends:
+            return rows, ctx
+        attn = ctx.attn
+
+        def metadata(group_view: list[SeqSpan]):
+            return build_metadata(group_view, [], attn.block_width, rows.device, attn.dtype, attn.backend)
+
+        sliding = tuple(t.index_select(0, rows) for t in ctx.sliding_rope) if ctx.sliding_rope else None
+        return rows, ForwardContext(
+            metadata(spans), ctx.cos.index_select(0, rows), ctx.sin.index_select(0, rows), ctx.lora, spans,
+            ctx.positions.index_select(0, rows) if ctx.positions is not None else None, sliding_rope=sliding,
+            group_attn=[metadata(group_spans(spans, group)) for group in range(1, len(ctx.group_attn) + 1)])
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[T, layers, size]: each token's own per-layer embedding (scaled by sqrt(size), rounded as

@@ -88,6 +88,9 @@ class ForwardContext:
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # MediaStep.embeds
     sliding_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) rows of the sliding layers' rope
     group_attn: list[AttentionMetadata] = field(default_factory=list)  # KV groups 1, 2, ...' metadata
+    # The rows whose hidden states the step reads (the sampled ones), None: every row (prompt logprobs,
+    # pooling, media). Layers that write no KV cache may then compute only these (Gemma 4's shared ones).
+    needed_rows: list[int] | None = None
 
     def attn_of(self, layer) -> AttentionMetadata:
         """The attention metadata of `layer`'s KV group (its block tables and slots)."""
@@ -101,11 +104,11 @@ _current: ForwardContext | None = None
 @contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[None]:
     global _current
-    _current = ctx
+    outer, _current = _current, ctx
     try:
         yield
     finally:
-        _current = None
+        _current = outer
 
 
 def get_forward_context() -> ForwardContext:

@@ -303,7 +303,8 @@ class ModelRunner:
         if self.decode_graphs is not None and not prefills and lora is None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(decodes, input_ids, positions)
         else:
-            hidden = self.forward(decodes, prefills, input_ids, positions, lora, media)
+            needed = None if score_rows or sum_rows or media else sorted(sample_rows.values())
+            hidden = self.forward(decodes, prefills, input_ids, positions, lora, media, needed)
         for req_id, row, count in score_rows:
             prompt_logprobs.append(self._score_prompt(req_id, hidden[row : row + count]))
         for req_id, row, count in sum_rows:
@@ -334,9 +335,11 @@ class ModelRunner:
         return sampled_ids + embedded_ids, tokens + [_PLACEHOLDER_TOKEN] * len(embedded_ids), logprobs
 
     def forward(self, decodes: list[SeqSpan], prefills: list[SeqSpan], input_ids: list[int], positions: list[int],
-                lora: LoraBatch | None = None, media: list[MediaSpan] | None = None) -> torch.Tensor:
+                lora: LoraBatch | None = None, media: list[MediaSpan] | None = None,
+                needed_rows: list[int] | None = None) -> torch.Tensor:
         """Eager forward of one step's tokens (decode-first layout); returns hidden states [T, hidden].
-        `media`: a media model's requests of the step (every one of them)."""
+        `media`: a media model's requests of the step (every one of them); `needed_rows`: the only rows
+        read afterwards (ForwardContext.needed_rows; the others may hold anything)."""
         meta = build_metadata(decodes, prefills, self.block_size, self.device, self.dtype, self.attention_backend)
         group_meta = [build_metadata(group_spans(decodes, group), group_spans(prefills, group), self.block_size,
                                      self.device, self.dtype, self.attention_backend)
@@ -349,7 +352,8 @@ class ModelRunner:
         else:
             cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
         ctx = ForwardContext(meta, cos, sin, lora, decodes + prefills, pos, media,
-                             step.embeds if step is not None else None, self.sliding_rope_rows(pos), group_meta)
+                             step.embeds if step is not None else None, self.sliding_rope_rows(pos), group_meta,
+                             needed_rows)
         with forward_context(ctx):
             return self.model(ids)  # [T, hidden]
 
