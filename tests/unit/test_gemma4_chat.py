@@ -1,6 +1,6 @@
 """Gemma 4's chat answers through the frontend: its thinking channel and tool calls, whose marks are
 special tokens of its vocabulary, come back apart (reasoning_content, tool_calls) whole and streamed,
-while its other special tokens still leave the text; a forced call is refused by name."""
+while its other special tokens still leave the text; a forced call goes to the engine with its grammar."""
 
 from __future__ import annotations
 
@@ -66,10 +66,14 @@ async def test_thinking_and_calls_come_back_apart_streamed(gemma4):
     assert json.loads(arguments) == {"city": "Paris", "days": 2}
 
 
-async def test_without_tools_the_marks_leave_the_text_and_a_forced_call_is_refused(gemma4):
+async def test_without_tools_the_marks_leave_the_text_and_a_forced_call_carries_its_grammar(gemma4):
     client, state, fake = gemma4
     fake.output_ids = _ids(state, 'A <|"|>quoted<|"|> word.<turn|>')
     body = await (await client.post("/v1/chat/completions", json={"messages": ASK["messages"]})).json()
     assert body["choices"][0]["message"]["content"] == "A quoted word."
-    r = await client.post("/v1/chat/completions", json={**ASK, "tool_choice": "required"})
-    assert r.status == 400 and "Gemma 4" in (await r.json())["error"]["message"]
+    fake.output_ids = _ids(state, ANSWER.split("<channel|>")[1])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = await (await client.post("/v1/chat/completions", json={**ASK, "tool_choice": named})).json()
+    assert body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    grammar = fake.requests[-1].sampling.grammar
+    assert grammar is not None and "call:get_weather" in grammar

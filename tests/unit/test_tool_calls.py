@@ -364,8 +364,41 @@ def test_gemma4_text_that_is_not_a_whole_call_stays_content(text):
     assert parse_with(ToolReading(GEMMA4).parser(), text) == (text, None)
 
 
-def test_auto_picks_gemma4_by_its_marker_or_architecture_and_refuses_forcing_it():
+def test_auto_picks_gemma4_by_its_marker_or_architecture():
     assert tool_format("auto", "llama", {"<|tool_call>": 48, "<tool_call|>": 49}) is GEMMA4
     assert tool_format("auto", "gemma4", {}) is GEMMA4
-    with pytest.raises(ApiError, match="use tool_choice 'auto'"):
-        forced_call_constraint(GEMMA4, [ADD], None, True, {})
+
+
+@pytest.mark.parametrize("quote_is_token", [True, False])
+@pytest.mark.parametrize("only,parallel", [(None, True), ("get_weather", False)])
+def test_a_forced_gemma4_call_grammar_admits_typed_calls_of_the_offered_tools_only(only, parallel, quote_is_token,
+                                                                                   tmp_path):
+    from tokenizers import AddedToken
+
+    tokenizer = load_tokenizer(str(make_model("qwen3", "tiny", tmp_path / "q")))
+    marks = ["<|tool_call>", "<tool_call|>"] + (['<|"|>'] if quote_is_token else [])
+    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken(m, normalized=False) for m in marks]})
+    markers = {mark: tokenizer.convert_tokens_to_ids(mark) for mark in marks}
+    ll_tokenizer = grammar_tokenizer(tokenizer, 512, [507])
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["c", "f"]},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"]}},
+        "required": ["city"]}}}
+    grammar = to_grammar(forced_call_constraint(GEMMA4, [weather, ADD], only, parallel, markers))
+    assert LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer) == (False, [])
+
+    def admitted(text: str) -> bool:
+        matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    call = f"<|tool_call>call:get_weather{{city:{Q}Oslo, <NO>{Q},unit:{Q}c{Q},where:{{lat:-1.5e2}}}}<tool_call|>"
+    add = "<|tool_call>call:add{a:1,b:2}<tool_call|>"
+    assert admitted(call) and admitted(f"<|tool_call>call:get_weather{{city:{Q}x{Q},days:3}}<tool_call|>")
+    assert parse_with(ToolReading(GEMMA4).parser(), call)[1] is not None  # what the grammar admits reads back
+    assert admitted(add) is (only is None)
+    assert admitted(call + call) is parallel
+    assert not admitted(f"<|tool_call>call:get_weather{{days:3}}<tool_call|>")  # city is required
+    assert not admitted(f"<|tool_call>call:get_weather{{city:{Q}x{Q},unit:{Q}k{Q}}}<tool_call|>")  # not in the enum
+    assert not admitted(f"<|tool_call>call:get_weather{{unit:{Q}c{Q},city:{Q}x{Q}}}<tool_call|>")  # schema order
+    assert not admitted(f"<|tool_call>call:get_weather{{city:{Q}x{Q},days:2.5}}<tool_call|>")  # not an integer
+    assert not admitted("Sure! " + call)

@@ -1,6 +1,6 @@
 """Forcing a call (tool_choice "required" or a named function): a grammar that admits only calls of the
-offered tools, in the model's own format (a JSON object, or Qwen3-Coder's XML elements), their
-arguments' numbers bounded (json_bounds.py)."""
+offered tools, in the model's own format (a JSON object, Qwen3-Coder's XML elements, or Gemma 4's
+syntax: gemma4_grammar.py), JSON arguments' numbers bounded (json_bounds.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import json
 from crane_mp.frontend.serving.json_bounds import bounded_schema
 from crane_mp.frontend.serving.structured import Constraint
 from crane_mp.frontend.tools.formats import ToolFormat
-from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.tools.gemma4_calls import QUOTE
+from crane_mp.frontend.tools.gemma4_grammar import gemma4_call_rules
 
 
 def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None, parallel: bool,
@@ -18,9 +19,9 @@ def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None,
     call of `only`). A marker that is one token of the vocabulary (`special_tokens`) is written as that token,
     as the model was trained to produce it."""
     if fmt.gemma:
-        raise ApiError(400, "tool_choice 'required' or a named function needs a call grammar, which Gemma 4's "
-                       "call format does not have here yet; use tool_choice 'auto'", "tool_choice")
-    rules = _xml_rules(tools, only) if fmt.xml else _json_rules(fmt, tools, only)
+        rules = gemma4_call_rules(tools, only, special_tokens.get(QUOTE))
+    else:
+        rules = _xml_rules(tools, only) if fmt.xml else _json_rules(fmt, tools, only)
 
     def text(value: str) -> str:
         parts = []
