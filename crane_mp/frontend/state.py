@@ -60,8 +60,9 @@ class FrontendState:
         added = self.tokenizer.added_vocab
         markers = reasoning_markers(self.config.reasoning_parser, added)
         self.reasoning, self.think_markers = markers is not None, markers or THINK
-        self.think_start_token = added.get(self.think_markers.start)
-        self.think_end_token = added.get(self.think_markers.end)
+        # The tokens that open and close a think block (Gemma 4's open it before the `thought` label).
+        start, end = self.think_markers.vocabulary_tokens
+        self.think_start_token, self.think_end_token = added.get(start), added.get(end)
         self.connections = ConnectionGuard(self.config.max_connections, self.config.read_timeout,
                                            self.metrics.connection_refused)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.grammar_timeout)

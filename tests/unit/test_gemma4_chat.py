@@ -9,6 +9,7 @@ import json
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
+from crane_mp.protocol import ThinkingBudget
 from crane_mp.testing.make_zoo import make_zoo_model
 from tests.unit.frontend_harness import start_frontend, stop_frontend
 
@@ -64,6 +65,14 @@ async def test_thinking_and_calls_come_back_apart_streamed(gemma4):
             arguments += call["function"].get("arguments", "")
     assert (reasoning, content, names) == ("weigh it", "", ["get_weather"])
     assert json.loads(arguments) == {"city": "Paris", "days": 2}
+
+
+async def test_a_thinking_budget_counts_from_the_channel_the_answer_opens(gemma4):
+    client, state, fake = gemma4
+    body = {"messages": ASK["messages"], "thinking_budget": 7}
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    vocab = state.tokenizer.added_vocab
+    assert fake.requests[-1].sampling.thinking == ThinkingBudget(7, vocab["<|channel>"], vocab["<channel|>"], False)
 
 
 async def test_without_tools_the_marks_leave_the_text_and_a_forced_call_carries_its_grammar(gemma4):
