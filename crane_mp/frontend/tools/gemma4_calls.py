@@ -37,19 +37,31 @@ class Malformed(Exception):
 
 def read_object(text: str, i: int) -> tuple[dict, int]:
     """The object whose `{` ends just before `i`, and where its `}` ends."""
-    result: dict = {}
+    pairs, end = _read_items(text, i, "}", _read_pair)
+    return dict(pairs), end
+
+
+def _read_pair(text: str, i: int) -> tuple[tuple[str, object], int]:
+    key, i = _read_key(text, i)
+    value, i = read_value(text, _skip_space(text, i))
+    return (key, value), i
+
+
+def _read_items(text: str, i: int, close: str, read_item) -> tuple[list, int]:
+    """The comma-separated items (each read by `read_item`) from `i` to `close`, and where it ends."""
+    items: list = []
     while True:
         i = _skip_space(text, i)
         if i >= len(text):
             raise Incomplete
-        if text[i] == "}":
-            return result, i + 1
-        if result:
+        if text[i] == close:
+            return items, i + 1
+        if items:
             if text[i] != ",":
                 raise Malformed
             i = _skip_space(text, i + 1)
-        key, i = _read_key(text, i)
-        result[key], i = read_value(text, _skip_space(text, i))
+        item, i = read_item(text, i)
+        items.append(item)
 
 
 def read_value(text: str, i: int) -> tuple[object, int]:
@@ -64,29 +76,13 @@ def read_value(text: str, i: int) -> tuple[object, int]:
     if text[i] == "{":
         return read_object(text, i + 1)
     if text[i] == "[":
-        return _read_array(text, i + 1)
+        return _read_items(text, i + 1, "]", read_value)
     end = i
     while end < len(text) and text[end] not in ",}]":
         end += 1
     if end == len(text):
         raise Incomplete  # a bare value is whole only once what follows it arrived
     return _bare(text[i:end].strip()), end
-
-
-def _read_array(text: str, i: int) -> tuple[list, int]:
-    items: list = []
-    while True:
-        i = _skip_space(text, i)
-        if i >= len(text):
-            raise Incomplete
-        if text[i] == "]":
-            return items, i + 1
-        if items:
-            if text[i] != ",":
-                raise Malformed
-            i = _skip_space(text, i + 1)
-        item, i = read_value(text, i)
-        items.append(item)
 
 
 def _read_key(text: str, i: int) -> tuple[str, int]:
