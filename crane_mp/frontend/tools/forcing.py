@@ -18,10 +18,11 @@ def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None,
     """A Lark grammar that admits only calls, in the model's own format, of the offered tools (or one
     call of `only`). A marker that is one token of the vocabulary (`special_tokens`) is written as that token,
     as the model was trained to produce it."""
+    functions = [tool["function"] for tool in tools if only is None or tool["function"]["name"] == only]
     if fmt.gemma:
-        rules = gemma4_call_rules(tools, only, special_tokens.get(QUOTE))
+        rules = gemma4_call_rules(functions, special_tokens.get(QUOTE))
     else:
-        rules = _xml_rules(tools, only) if fmt.xml else _json_rules(fmt, tools, only)
+        rules = _xml_rules(functions) if fmt.xml else _json_rules(fmt, functions)
 
     def text(value: str) -> str:
         parts = []
@@ -37,14 +38,11 @@ def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None,
     return Constraint("lark", lark, "tool_choice")
 
 
-def _json_rules(fmt: ToolFormat, tools: list[dict], only: str | None) -> list[str]:
-    """One rule per callable tool: its call object, `name` and the arguments under the format's key."""
+def _json_rules(fmt: ToolFormat, functions: list[dict]) -> list[str]:
+    """One rule per callable function: its call object, `name` and the arguments under the format's key."""
     key = fmt.arguments_keys[0]
     rules = []
-    for tool in tools:
-        function = tool["function"]
-        if only is not None and function["name"] != only:
-            continue
+    for function in functions:
         parameters = dict(function.get("parameters") or {"type": "object"})
         # References such as "#/$defs/X" resolve from the root of the tool's own schema: keep them there.
         hoisted = {name: parameters.pop(name) for name in ("$defs", "definitions") if name in parameters}
@@ -59,16 +57,12 @@ def _json_rules(fmt: ToolFormat, tools: list[dict], only: str | None) -> list[st
 _NEWLINE = "\n"
 
 
-def _xml_rules(tools: list[dict], only: str | None) -> list[str]:
-    """One rule per callable tool: its function element, then a rule per parameter value. Parameters
+def _xml_rules(functions: list[dict]) -> list[str]:
+    """One rule per callable function: its function element, then a rule per parameter value. Parameters
     come in the schema's order, the required ones always; a string is any text, other values their
     JSON (numbers bounded)."""
     rules: list[str] = []
-    calls = 0
-    for tool in tools:
-        function = tool["function"]
-        if only is not None and function["name"] != only:
-            continue
+    for calls, function in enumerate(functions):
         parameters = function.get("parameters") or {}
         defs = {name: parameters[name] for name in ("$defs", "definitions") if name in parameters}
         required = set(parameters.get("required") or ())
@@ -80,7 +74,6 @@ def _xml_rules(tools: list[dict], only: str | None) -> list[str]:
             parts.append(element if name in required else f"({element})?")
         parts.append(json.dumps("</function>"))
         rules.append(f"obj{calls}: " + " ".join(parts))
-        calls += 1
     return rules
 
 

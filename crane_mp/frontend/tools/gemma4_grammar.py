@@ -113,14 +113,10 @@ class _Rules:
         return None
 
 
-def gemma4_call_rules(tools: list[dict], only: str | None, quote_token: int | None) -> list[str]:
-    """One `obj{i}` rule per callable tool (`call:NAME{...}`), and the rules they use."""
+def gemma4_call_rules(functions: list[dict], quote_token: int | None) -> list[str]:
+    """One `obj{i}` rule per callable function (`call:NAME{...}`), and the rules they use."""
     lines: list[str] = []
-    calls = 0
-    for tool in tools:
-        function = tool["function"]
-        if only is not None and function["name"] != only:
-            continue
+    for calls, function in enumerate(functions):
         parameters = function.get("parameters") or {}
         defs = {**(parameters.get("definitions") or {}), **(parameters.get("$defs") or {})}
         rules = _Rules(quote_token, f"g{calls}")
@@ -130,5 +126,4 @@ def gemma4_call_rules(tools: list[dict], only: str | None, quote_token: int | No
             arguments = '"{" "}"'
         lines += rules.lines
         lines.append(f"obj{calls}: {json.dumps('call:' + function['name'])} {arguments}")
-        calls += 1
     return lines
