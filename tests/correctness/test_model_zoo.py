@@ -15,32 +15,16 @@ from crane_mp.models.config import UnsupportedModelError, checkpoint_architectur
 from crane_mp.models.registry import MODEL_TYPE_ALIASES
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_zoo import FAMILIES, build_zoo_config, make_zoo_model
-from tests.model_helpers import load_checkpoint, prefill_logits
+from tests.model_helpers import ZOO_PROMPT_LENGTHS, load_checkpoint, prefill_logits, zoo_references
 
 NUM_TOKENS = 12
-PROMPT_LENGTHS = [23, 9, 40, 17, 31, 5]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 NATIVE = sorted(f for f in FAMILIES if f in MODEL_TYPE_ALIASES)  # the rest: transformers backend only
 
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zoo")
-    made: dict[str, tuple] = {}
-
-    def get(family: str):
-        if family not in made:
-            path = make_zoo_model(family, root / family)
-            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-            gen = torch.Generator().manual_seed(len(family))
-            prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-            with torch.inference_mode():
-                expected = [hf.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS, do_sample=False,
-                                        eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-            made[family] = path, prompts, expected
-        return made[family]
-
-    return get
+    return zoo_references(tmp_path_factory.mktemp("zoo"), NUM_TOKENS)
 
 
 def engine(path, impl: str, **kwargs) -> LLMEngine:
@@ -105,7 +89,7 @@ def test_each_gemma4_variant_gives_transformers_logits_and_caches_only_its_own_l
     path = make_zoo_model("gemma4_text", tmp_path, overrides=overrides)
     config = load_model_config(path)
     model = load_checkpoint(config, path, torch.float32)
-    prompt = torch.randint(3, 500, (PROMPT_LENGTHS[2],), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(3, 500, (ZOO_PROMPT_LENGTHS[2],), generator=torch.Generator().manual_seed(1)).tolist()
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.inference_mode():
         expected = hf(torch.tensor([prompt])).logits[0]

@@ -16,8 +16,9 @@ from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.models.registry import MODEL_TYPE_ALIASES
 from crane_mp.protocol import SamplingParams
-from crane_mp.testing.make_zoo import FAMILIES, make_zoo_model
+from crane_mp.testing.make_zoo import FAMILIES
 from tests.gpu.test_cuda_paths import greedy_with_gaps
+from tests.model_helpers import zoo_references
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -28,22 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zoo")
-    made: dict[str, tuple] = {}
-
-    def get(family: str):
-        if family not in made:
-            path = make_zoo_model(family, root / family)
-            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-            gen = torch.Generator().manual_seed(len(family))
-            prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (23, 9, 40, 17, 31, 5)]
-            with torch.inference_mode():  # on CPU: the reference the CPU engine already matches
-                expected = [hf.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS, do_sample=False,
-                                        eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-            made[family] = path, prompts, expected
-        return made[family]
-
-    return get
+    return zoo_references(tmp_path_factory.mktemp("zoo"), NUM_TOKENS)  # on CPU: the CPU engine's reference
 
 
 def engine(path, dtype: str, **kwargs) -> LLMEngine:
