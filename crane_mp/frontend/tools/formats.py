@@ -36,6 +36,9 @@ class ToolFormat:
     gemma: bool = False  # Gemma 4's calls: call:NAME{...} of its own syntax, not a JSON object
 
 
+# Gemma 4's call marks: a call's start and end, and the quote around its strings (tools/gemma4_calls.py).
+GEMMA4_MARKS = ("<|tool_call>", "<tool_call|>", '<|"|>')
+
 FORMATS = {
     "hermes": ToolFormat("hermes", ("<tool_call>",), "", ("arguments",),
                          call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n"),
@@ -46,15 +49,14 @@ FORMATS = {
                           list_open="<|tool_call|>[", list_close="]"),
     "qwen3_coder": ToolFormat("qwen3_coder", ("<tool_call>",), "", ("arguments",),
                               call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n", xml=True),
-    "gemma4": ToolFormat("gemma4", ("<|tool_call>",), "", ("arguments",), call_open="<|tool_call>",
-                         call_close="<tool_call|>", gemma=True),
+    "gemma4": ToolFormat("gemma4", GEMMA4_MARKS[:1], "", ("arguments",), call_open=GEMMA4_MARKS[0],
+                         call_close=GEMMA4_MARKS[1], gemma=True),
 }
 # Texts of the formats that a vocabulary may hold as one (added) token.
-MARKER_TEXTS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", "<|tool_call>",
-                "<tool_call|>", '<|"|>')
+MARKER_TEXTS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", *GEMMA4_MARKS)
 # --tool-call-parser auto: the format whose marker the vocabulary holds as a token, else by architecture
 # (a Mistral GGUF says "llama"; fine-tunes of other families mostly follow Hermes).
-_BY_MARKER = {"<|tool_call>": "gemma4", "[TOOL_CALLS]": "mistral", "<tool_call>": "hermes",
+_BY_MARKER = {GEMMA4_MARKS[0]: "gemma4", "[TOOL_CALLS]": "mistral", "<tool_call>": "hermes",
               "<|python_tag|>": "llama3_json", "<|tool_call|>": "granite"}
 _BY_ARCH = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral", "granite": "granite",
             "granite4": "granite", "phi3": "granite", "gemma4": "gemma4"}

@@ -14,13 +14,11 @@ from __future__ import annotations
 import json
 import re
 
-from crane_mp.frontend.tools.formats import ToolFormat, new_call_id
+from crane_mp.frontend.tools.formats import GEMMA4_MARKS, ToolFormat, new_call_id
 from crane_mp.frontend.tools.parser import ParsedCall, ToolCallParser, merge_deltas
 
-QUOTE = '<|"|>'
-CALL_START = "<|tool_call>"
-CALL_END = "<tool_call|>"
-MARKS = (CALL_START, CALL_END, QUOTE)  # special tokens whose text the reader needs
+MARKS = GEMMA4_MARKS  # special tokens whose text the reader needs
+CALL_START, CALL_END, QUOTE = MARKS
 _CALL_HEAD = re.compile(r"\s*call:([\w.\-]+)\{")
 _NAME_ARRIVING = re.compile(r"call:[\w.\-]*")
 _BARE_WORD = re.compile(r"[^\s:<>\"']+")
