@@ -4,7 +4,7 @@ every layer kept for every token. The layout is the worker's (group_layers over 
 kinds, bf16 KV), the plan is memory.plan_kv_blocks and the scheduling is the real Scheduler's, driven
 step by step by an executor that samples a fixed token: what it measures is memory, not speed.
 
-    python benchmarks/sliding_window_kv.py                                   # Gemma-3-4B and 12B shapes
+    python benchmarks/sliding_window_kv.py                       # Gemma-3-4B and 12B, Gemma-4-E2B shapes
     python benchmarks/sliding_window_kv.py --kv-gib 2 --prompt 16000 --streams 32
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from crane_mp.config import MemoryLimit
-from crane_mp.models.kv_groups import FULL, group_layers, sequence_blocks
+from crane_mp.models.kv_groups import FULL, group_layers, page_rows, sequence_blocks
 from crane_mp.protocol import SamplingParams, StepResult
 from crane_mp.scheduler.request import Request
 from crane_mp.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -27,14 +27,24 @@ CHUNK = 2048  # --max-num-batched-tokens' default
 def layout(preset: str, grouped: bool) -> tuple[tuple[int, ...], int, int]:
     """(group windows, bytes per block id per token, bytes per token past the windows) of a preset."""
     shape = PRESETS[preset]
-    kinds = shape["layer_types"]
+    kinds = shape["layer_types"][: shape["num_hidden_layers"] - shape.get("num_kv_shared_layers", 0)]
     windows = [shape["sliding_window"] if kind == "sliding_attention" else None for kind in kinds]
-    layer_bytes = 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2  # K and V, bf16
+    shapes = [kv_shape(shape, kind == "sliding_attention") for kind in kinds]
+    rows = [heads * size for heads, size in shapes]
     if not grouped:
-        return (FULL,), layer_bytes * len(kinds), layer_bytes * len(kinds)
-    groups = group_layers(windows, [(shape["num_key_value_heads"], shape["head_dim"])] * len(kinds))
-    per_token = layer_bytes * groups.layers_per_group
+        per_token = 2 * sum(rows) * 2  # K and V, bf16
+        return (FULL,), per_token, per_token
+    groups = group_layers(windows, shapes)
+    per_token = 2 * sum(page_rows(groups, rows).values()) * 2
     return groups.windows, per_token, per_token * groups.windows.count(FULL)
+
+
+def kv_shape(shape: dict, sliding: bool) -> tuple[int, int]:
+    """(KV heads, head size) of a sliding or a global layer (Gemma 4's global ones have their own)."""
+    if sliding:
+        return shape["num_key_value_heads"], shape["head_dim"]
+    return (shape.get("num_global_key_value_heads") or shape["num_key_value_heads"],
+            shape.get("global_head_dim") or shape["head_dim"])
 
 
 def most_streams(windows: tuple[int, ...], num_blocks: int, streams: int, prompt: int, output: int) -> tuple[int, int]:
@@ -56,7 +66,8 @@ def most_streams(windows: tuple[int, ...], num_blocks: int, streams: int, prompt
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", nargs="+", default=["gemma3-4b", "gemma3-12b"], choices=sorted(PRESETS))
+    parser.add_argument("--presets", nargs="+", default=["gemma3-4b", "gemma3-12b", "gemma4-e2b"],
+                        choices=sorted(PRESETS))
     parser.add_argument("--kv-gib", type=float, default=4.0, help="the KV cache's budget")
     parser.add_argument("--prompt", type=int, default=8192)
     parser.add_argument("--output", type=int, default=64)

@@ -21,11 +21,19 @@ CPU = platform_for("cpu")  # what the worker is handed on a CPU host
 def prefill_logits(model: CausalLM, prompt: list[int], block_size: int = 16) -> torch.Tensor:
     """Float32 logits [len(prompt), vocab] of one fresh prefill of `prompt` on CPU."""
     runner = ModelRunner(model, block_size, len(prompt) + block_size, CPU)
-    num_blocks = -(-len(prompt) // block_size)
-    runner.allocate_kv_cache(num_blocks)
-    span = SeqSpan(0, len(prompt), list(range(num_blocks)))
+    runner.allocate_kv_cache(-(-len(prompt) // block_size) * len(runner.kv_groups.windows))
+    span = prefill_span(runner, len(prompt))
     with torch.inference_mode():
         return model.compute_logits(runner.forward([], [span], prompt, list(range(len(prompt))))).float()
+
+
+def prefill_span(runner: ModelRunner, num_tokens: int) -> SeqSpan:
+    """A fresh prefill of `num_tokens` over the first blocks of `runner`'s cache, each KV group its own
+    (as ids into its cache views, kv_groups.py): groups share cache tensors."""
+    num_blocks = -(-num_tokens // runner.block_size)
+    tables = [[(group * num_blocks + block) * scale for block in range(num_blocks)]
+              for group, scale in enumerate(runner.kv_groups.scales)]
+    return SeqSpan(0, num_tokens, tables[0], tables[1:])
 
 
 def load_checkpoint(config: ModelConfig, model_dir: Path, dtype: torch.dtype) -> CausalLM:
@@ -39,8 +47,6 @@ ZOO_PROMPT_LENGTHS = [23, 9, 40, 17, 31, 5]
 def zoo_references(root: Path, num_tokens: int) -> Callable[[str], tuple[Path, list[list[int]], list[list[int]]]]:
     """family -> (its tiny zoo checkpoint under `root`, seeded prompts, transformers' float32 greedy tokens
     on CPU), each family built once."""
-    from transformers import AutoModelForCausalLM
-
     from crane_mp.testing.make_zoo import make_zoo_model
 
     made: dict[str, tuple] = {}
@@ -48,13 +54,19 @@ def zoo_references(root: Path, num_tokens: int) -> Callable[[str], tuple[Path, l
     def get(family: str):
         if family not in made:
             path = make_zoo_model(family, root / family)
-            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
             gen = torch.Generator().manual_seed(len(family))
             prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in ZOO_PROMPT_LENGTHS]
-            with torch.inference_mode():
-                expected = [hf.generate(torch.tensor([p]), max_new_tokens=num_tokens, do_sample=False,
-                                        eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-            made[family] = path, prompts, expected
+            made[family] = path, prompts, transformers_greedy(path, prompts, num_tokens)
         return made[family]
 
     return get
+
+
+def transformers_greedy(path: Path, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """transformers' float32 greedy tokens on CPU for each prompt (no end of sequence)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=num_tokens, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]

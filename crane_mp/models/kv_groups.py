@@ -10,12 +10,16 @@ wholly before the window of a sequence's next query go back to the pool. At long
 worth for each sliding group, instead of every layer's keys for every token.
 
 A model with one attention kind is one group of all its layers (the plain layout; a window then
-still frees blocks, as for Mistral). Layers of different KV shapes cannot share a tensor: such a model
-keeps the plain layout, and its sliding layers' blocks stay held.
+still frees blocks, as for Mistral). Kinds of different KV shapes (Gemma 4's global layers have wider
+heads) share one page size: a cache tensor keeps the widest kind's row per token, and a kind whose rows
+are k times narrower views it as k times as many blocks, its block ids scaled by k (`scales`), so one
+block id covers the same bytes in every group. Where a kind mixes shapes, or a narrower row does not
+divide the widest, the model keeps the plain layout and its sliding layers' blocks stay held.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 FULL = 0  # a group's window when its layers attend to every earlier key
@@ -26,14 +30,21 @@ class KVGroups:
     windows: tuple[int, ...]  # per group: FULL, or the window in tokens
     layer_slots: tuple[tuple[int, int], ...]  # per attention layer: (group, index of its cache tensor)
     layers_per_group: int  # cache tensors: the i-th layer of every group uses tensor i
+    # Per group: how many of its layers' blocks one block id's page holds, its ids' multiplier in their views.
+    scales: tuple[int, ...] = (1,)
 
 
 def group_layers(windows: list[int | None], shapes: list[tuple[int, ...]]) -> KVGroups:
-    """Groups of the attention layers whose windows (None: full attention) and KV shapes are given."""
+    """Groups of the attention layers whose windows (None: full attention) and KV shapes (heads, head
+    size) are given."""
     kinds: dict[int, list[int]] = {}
     for layer, window in enumerate(windows):
         kinds.setdefault(window or FULL, []).append(layer)
-    if len(kinds) <= 1 or len(set(shapes)) > 1:
+    kind_shapes = {window: {shapes[layer] for layer in layers} for window, layers in kinds.items()}
+    rows = {window: math.prod(next(iter(found))) for window, found in kind_shapes.items()}
+    widest = max(rows.values(), default=0)
+    if len(kinds) <= 1 or any(len(found) > 1 for found in kind_shapes.values()) or any(
+            widest % row for row in rows.values()):
         window = next(iter(kinds)) if len(kinds) == 1 else FULL
         return KVGroups((window,), tuple((0, layer) for layer in range(len(windows))), len(windows))
     per_group = min(len(layers) for layers in kinds.values())
@@ -45,7 +56,17 @@ def group_layers(windows: list[int | None], shapes: list[tuple[int, ...]]) -> KV
             for slot, layer in enumerate(layers[start : start + per_group]):
                 slots[layer] = (len(group_windows), slot)
             group_windows.append(window)
-    return KVGroups(tuple(group_windows), tuple(slots[layer] for layer in range(len(windows))), per_group)
+    scales = tuple(widest // rows[window] for window in group_windows)
+    return KVGroups(tuple(group_windows), tuple(slots[layer] for layer in range(len(windows))), per_group, scales)
+
+
+def page_rows(groups: KVGroups, rows: list[int]) -> dict[int, int]:
+    """Per cache tensor: the KV elements it keeps per token, the widest of the rows (heads x head size)
+    of the attention layers using it, given per layer."""
+    widest: dict[int, int] = {}
+    for row, (_, slot) in zip(rows, groups.layer_slots):
+        widest[slot] = max(widest.get(slot, 0), row)
+    return widest
 
 
 def first_live_block(window: int, first_query: int, block_size: int) -> int:

@@ -11,11 +11,23 @@ from transformers import AutoModelForCausalLM
 
 from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
-from crane_mp.models.config import UnsupportedModelError, checkpoint_architecture, detect_arch, load_model_config
+from crane_mp.models.config import (
+    UnsupportedModelError,
+    checkpoint_architecture,
+    detect_arch,
+    load_model_config,
+)
+from crane_mp.models.kv_groups import FULL
 from crane_mp.models.registry import MODEL_TYPE_ALIASES
 from crane_mp.protocol import SamplingParams
-from crane_mp.testing.make_zoo import FAMILIES, build_zoo_config, make_zoo_model
-from tests.model_helpers import ZOO_PROMPT_LENGTHS, load_checkpoint, prefill_logits, zoo_references
+from crane_mp.testing.make_zoo import FAMILIES, WINDOW, build_zoo_config, make_zoo_model
+from tests.model_helpers import (
+    ZOO_PROMPT_LENGTHS,
+    load_checkpoint,
+    prefill_logits,
+    transformers_greedy,
+    zoo_references,
+)
 
 NUM_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -98,6 +110,30 @@ def test_each_gemma4_variant_gives_transformers_logits_and_caches_only_its_own_l
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
     shared = overrides.get("num_kv_shared_layers", FAMILIES["gemma4_text"]["num_kv_shared_layers"])
     assert len(model.attention_layers()) == config.num_hidden_layers - shared
+
+
+# Global rows wider than the sliding ones (E2B: one KV head of 512 beside 256) or narrower (31B: 4 global
+# KV heads beside 16 sliding ones): either way one page size, the sliding layers keep only their window.
+@pytest.mark.parametrize("global_head_dim", [64, 16])
+def test_gemma4_s_sliding_layers_keep_only_their_window_whatever_its_global_rows(tmp_path, global_head_dim):
+    path = make_zoo_model("gemma4_text", tmp_path, overrides={"global_head_dim": global_head_dim})
+    gen = torch.Generator().manual_seed(global_head_dim)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in ZOO_PROMPT_LENGTHS]
+    expected = transformers_greedy(path, prompts, NUM_TOKENS)
+    tight = engine(path, "auto", max_num_seqs=6, max_total_tokens=96, max_num_batched_tokens=16,
+                   enable_prefix_caching=True)
+    runner = tight.worker.runner
+    sliding_row, global_row = 2 * 16, global_head_dim  # the zoo's 2 KV heads of 16; one global head
+    assert runner.kv_groups.windows == (FULL, WINDOW)
+    assert runner.kv_groups.scales == (max(sliding_row, global_row) // global_row,
+                                       max(sliding_row, global_row) // sliding_row)
+    # Past the window a token keeps the global layer's page only (the wider row of the two), not both.
+    assert runner.kv_bytes_per_long_token() == 2 * 4 * max(sliding_row, global_row)
+    assert tight.generate(prompts, GREEDY) == expected
+    assert tight.scheduler.num_preemptions > 0
+    shared = [prompts[2][:20] + p for p in prompts[:3]]
+    assert tight.generate(shared, GREEDY) == engine(path, "auto", enable_prefix_caching=False).generate(shared, GREEDY)
+    assert tight.scheduler.num_free_blocks == tight.worker.kv_plan.num_blocks
 
 
 def test_gemma4_mixture_of_experts_runs_through_the_backend_and_lora_is_refused(zoo):

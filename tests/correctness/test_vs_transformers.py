@@ -10,7 +10,7 @@ from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
-from crane_mp.worker.cache.attention import SeqSpan
+from tests.model_helpers import prefill_span
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "hunyuan"]
 
@@ -69,8 +69,7 @@ def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[i
 def engine_prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     """Logits at every prompt position from one paged prefill over scratch blocks."""
     runner = engine.worker.runner
-    num_blocks = -(-len(prompt) // runner.block_size)
-    span = SeqSpan(0, len(prompt), list(range(num_blocks)))
+    span = prefill_span(runner, len(prompt))
     with torch.inference_mode():
         return runner.model.compute_logits(runner.forward([], [span], prompt, list(range(len(prompt)))))
 

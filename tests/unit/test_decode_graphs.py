@@ -73,12 +73,14 @@ def test_replayed_decodes_equal_eager_ones_between_buckets_and_under_preemption(
     assert replayed.worker.runner.model.attention_layers()[0].k_cache[spare].abs().sum() > 0
 
 
-def test_replayed_decodes_read_each_kv_group_s_own_tables(tmp_path):
-    """A Gemma 3 keeps its sliding layers in KV groups of their own (6-token windows the prompts cross):
-    each group's slots and block tables go through the graph's static buffers."""
+# Gemma 4 with global rows twice as wide as the sliding ones': the sliding group's ids are scaled.
+@pytest.mark.parametrize(("family", "overrides"), [("gemma3_text", {}), ("gemma4_text", {"global_head_dim": 64})])
+def test_replayed_decodes_read_each_kv_group_s_own_tables(tmp_path, family, overrides):
+    """A Gemma 3 or 4 keeps its sliding layers in KV groups of their own (6-token windows the prompts
+    cross): each group's slots and block tables go through the graph's static buffers."""
     from crane_mp.testing.make_zoo import make_zoo_model
 
-    path = str(make_zoo_model("gemma3_text", tmp_path / "gemma3"))
+    path = str(make_zoo_model(family, tmp_path / family, overrides=overrides))
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (3, 40, 17, 9, 33)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -38,9 +38,21 @@ def test_layers_group_by_kind_with_equally_many_layers_per_group():
     assert len(set(groups.layer_slots)) == 10  # no two layers share a group's tensor
     assert group_layers([None] * 3, [(4, 64)] * 3).windows == (FULL,)
     assert group_layers([8] * 3, [(4, 64)] * 3).windows == (8,)  # Mistral: one sliding group
-    # Different KV shapes cannot share tensors: the plain layout, nothing released.
-    plain = group_layers([None, 512], [(4, 64), (2, 128)])
-    assert plain.windows == (FULL,) and plain.layer_slots == ((0, 0), (0, 1))
+    assert groups.scales == (1,) * 5
+
+
+def test_kinds_of_different_kv_shapes_share_one_page_size():
+    # Gemma 4: the global kind's rows twice as wide, or (its large sizes) half as wide, as the sliding ones'.
+    windows = [512, 512, None, 512, 512, None]
+    wide = group_layers(windows, [(1, 512) if w is None else (1, 256) for w in windows])
+    assert wide.windows == (FULL, 512, 512) and wide.scales == (1, 2, 2) and wide.layers_per_group == 2
+    narrow = group_layers(windows, [(4, 512) if w is None else (16, 256) for w in windows])
+    assert narrow.scales == (2, 1, 1)
+    assert group_layers([None, 512], [(4, 64), (2, 128)]).scales == (1, 1)  # equal rows
+    # A kind of two shapes, or rows that do not divide the widest: the plain layout, nothing released.
+    for shapes in ([(4, 64), (2, 64), (1, 64)], [(3, 64), (2, 64), (2, 64)]):
+        plain = group_layers([None, 512, 512], shapes)
+        assert plain.windows == (FULL,) and plain.layer_slots == ((0, 0), (0, 1), (0, 2)) and plain.scales == (1,)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

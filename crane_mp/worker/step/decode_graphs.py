@@ -98,8 +98,9 @@ class DecodeGraphs:
         device = runner.device
         max_batch = sizes[-1]
         self.width = table_width(runner.max_positions, runner.block_size)
-        self.spare_block = runner.num_blocks  # the block past the scheduler's, see memory.py
         self.groups = len(runner.kv_groups.windows)
+        # Per group: the first slot of the block past the scheduler's (memory.py), in the group's cache views.
+        self.spare_slots = [runner.num_blocks * scale * runner.block_size for scale in runner.kv_groups.scales]
         # ids, positions, context lengths, each KV group's slots, then this step's block tables packed
         # [groups, count, widest]: one buffer, one copy per step; the tables are then widened on the
         # device into their static [groups, max_batch, width] buffer (a 32k-token model has 2k columns,
@@ -144,9 +145,9 @@ class DecodeGraphs:
         count = len(decodes)
         pad = max_batch - count
         spans = [decodes] + [group_spans(decodes, group) for group in range(1, groups)]
-        slots = [slot for group in spans for slot in
+        slots = [slot for group, spare in zip(spans, self.spare_slots) for slot in
                  [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(group, positions)]
-                 + [self.spare_block * block_size] * pad]
+                 + [spare] * pad]
         used = [-(-(p + 1) // block_size) for p in positions]
         widest = max(used, default=0)
         if self._copied is not None:

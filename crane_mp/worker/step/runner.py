@@ -12,6 +12,7 @@ it propagates and stops the server.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from crane_mp.config import attention_backend_override, fault_injection_token
-from crane_mp.models.kv_groups import KVGroups, group_layers
+from crane_mp.models.kv_groups import KVGroups, group_layers, page_rows
 from crane_mp.protocol import (
     PooledOutput,
     PromptLogprobs,
@@ -112,14 +113,20 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """`num_blocks` for the scheduler, and one spare block past them for padded decode-graph rows (and
         for the entries of sliding groups' tables before their windows). The i-th layer of every KV
-        group shares the i-th pair of cache tensors: the groups hold different block ids of them."""
-        tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for attn, (_, slot) in zip(self.model.attention_layers(), self.kv_groups.layer_slots):
-            if slot not in tensors:
-                shape = (num_blocks + 1, self.block_size, *self._kv_shape(attn))
-                tensors[slot] = (self.platform.zeros(shape, self.kv_dtype), self.platform.zeros(shape, self.kv_dtype))
-            attn.k_cache, attn.v_cache = tensors[slot]
+        group shares the i-th pair of cache tensors: the groups hold different block ids of them, each
+        layer viewing the tensor in its own shape (a narrower one as more, smaller blocks)."""
+        rows = self._slot_rows()
+        tensors = {slot: tuple(self.platform.zeros(((num_blocks + 1) * self.block_size * row,), self.kv_dtype)
+                               for _ in range(2)) for slot, row in rows.items()}
+        for attn, (group, slot) in zip(self.model.attention_layers(), self.kv_groups.layer_slots):
+            heads, size = self._kv_shape(attn)
+            shape = ((num_blocks + 1) * (rows[slot] // (heads * size)), self.block_size, heads, size)
+            attn.k_cache, attn.v_cache = (storage.view(shape) for storage in tensors[slot])
         self.num_blocks = num_blocks
+
+    def _slot_rows(self) -> dict[int, int]:
+        """Per cache tensor: the KV elements it keeps per token."""
+        return page_rows(self.kv_groups, [math.prod(self._kv_shape(attn)) for attn in self.model.attention_layers()])
 
     def _kv_shape(self, attn) -> tuple[int, int]:
         """(KV heads, head size) of one attention layer's cache: the config's, unless the layer has its
@@ -137,10 +144,9 @@ class ModelRunner:
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of one block id's KV per token: every layer's, or one KV group's."""
-        layers = self.model.attention_layers()
-        shapes = [self._kv_shape(attn) for attn in layers[: self.kv_groups.layers_per_group]] or [
-            (self.config.num_key_value_heads, self.config.head_dim)] * self.config.num_hidden_layers
-        return 2 * sum(heads * size for heads, size in shapes) * self.kv_dtype.itemsize
+        rows = self._slot_rows() or {0: self.config.num_hidden_layers * self.config.num_key_value_heads
+                                     * self.config.head_dim}
+        return 2 * sum(rows.values()) * self.kv_dtype.itemsize
 
     def kv_bytes_per_long_token(self) -> int:
         """KV bytes a token keeps once a sequence is past its sliding windows: its full groups'."""
@@ -174,12 +180,15 @@ class ModelRunner:
             if sched.req_id in self.failed:
                 continue
             mirror = self.requests[sched.req_id]
+            # Block ids into each group's cache views (kv_groups.py: a narrower group's are scaled).
+            new_ids, *group_ids = [[block * scale for block in ids] if scale > 1 else ids for scale, ids in
+                                   zip(self.kv_groups.scales, [sched.new_block_ids, *sched.group_block_ids])]
             if sched.reset_blocks:
-                mirror.block_table = list(sched.new_block_ids)
-                mirror.group_tables = [list(ids) for ids in sched.group_block_ids]
+                mirror.block_table = list(new_ids)
+                mirror.group_tables = [list(ids) for ids in group_ids]
             else:
-                mirror.block_table.extend(sched.new_block_ids)
-                for table, ids in zip(mirror.group_tables, sched.group_block_ids):
+                mirror.block_table.extend(new_ids)
+                for table, ids in zip(mirror.group_tables, group_ids):
                     table.extend(ids)
 
     def _media_state(self, prompt_ids: list[int], media: list) -> Any:
