@@ -118,6 +118,8 @@ def detect_arch(hf_config: Any, model_type: str = "auto", model_impl: str = "aut
 
 def _native_gap(arch: str, hf_config: Any) -> str | None:
     """What of this checkpoint architecture `arch`'s native code does not implement (None: nothing)."""
+    if arch == "olmoe" and getattr(hf_config, "clip_qkv", None) is not None:
+        return "queries, keys and values clipped (clip_qkv)"
     if arch != "gemma4":
         return None
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
@@ -245,11 +247,13 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         return dataclasses.replace(config, torch_dtype=_dtype_name(hf_config) or config.torch_dtype,
                                    tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings",
                                                                     config.tie_word_embeddings)))
-    if getattr(hf_config, "num_local_experts", 0):
-        raise UnsupportedModelError(f"{arch} with {hf_config.num_local_experts} experts per layer: mixture-of-"
-                                    "experts layers are not supported yet")
     heads = hf_config.num_attention_heads
     head_dim = _base_attr(hf_config, "head_dim") or hf_config.hidden_size // heads
+    layout = decoder_layout(arch, hf_config, head_dim)
+    experts = getattr(hf_config, "num_local_experts", 0) or getattr(hf_config, "num_experts", 0)
+    if experts and layout.experts is None:
+        raise UnsupportedModelError(f"{arch} with {experts} experts per layer: its mixture-of-experts layers are "
+                                    "not implemented natively")
     theta, rope_params = _rope(hf_config)
     sliding_window = _sliding_window(hf_config, arch)
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -269,7 +273,8 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         rms_norm_eps=getattr(hf_config, "rms_norm_eps", None) or hf_config.layer_norm_eps,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048) - first_position,
         tie_word_embeddings=not encoder and bool(getattr(hf_config, "tie_word_embeddings", False)),
-        attention_bias=encoder or bool(getattr(hf_config, "attention_bias", False)),
+        attention_bias=encoder or bool(getattr(hf_config, "attention_bias", False)
+                                       or getattr(hf_config, "qkv_bias", False)),  # Qwen2-MoE's name
         mlp_bias=encoder or bool(getattr(hf_config, "mlp_bias", False)),
         hidden_act=getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu"),
         rope_theta=theta,
@@ -280,7 +285,7 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
         sep_token_id=_sep_token_id(model_dir) if encoder else None,
         first_position=first_position,
-        layout=decoder_layout(arch, hf_config, head_dim),
+        layout=layout,
         hf_config=hf_config,
     )
 

@@ -6,12 +6,29 @@ DecoderLayout and never see the transformers config.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLayout:
+    """A mixture-of-experts MLP: its experts, and how a token picks `top_k` of them and weighs their outputs."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    # "softmax": a softmax over every expert's logit, then the top k (Qwen, Mixtral, OLMoE);
+    # "topk_softmax": the top k logits, then a softmax over those (Granite).
+    router: str = "softmax"
+    normalize: bool = True  # the top k softmax weights rescaled to sum to 1 (norm_topk_prob)
+    shared_intermediate_size: int = 0  # an expert every token goes through besides (Qwen2-MoE); 0: none
+    shared_gate: bool = False  # the shared expert's output scaled by sigmoid of a learned gate per token
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is a dense one of the config's intermediate size
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +66,7 @@ class DecoderLayout:
     layer_intermediate: tuple[int, ...] = ()  # per layer: the MLP's width where layers differ
     per_layer_input_size: int = 0  # Gemma 4's per-layer input embeddings: their width per layer (0: none)
     per_layer_input_vocab: int = 0  # and the rows of their table
+    experts: ExpertLayout | None = None  # mixture-of-experts MLPs (every layer but experts.dense_layers)
 
     def window(self, layer: int, sliding_window: int | None) -> int | None:
         """Layer `layer`'s attention window (None: it sees every earlier key)."""
@@ -68,6 +86,10 @@ class DecoderLayout:
         """Whether layers differ in their weights' shapes (LoRA and tensor parallelism assume not)."""
         return bool(self.global_head_dim or self.global_kv_heads or self.values_are_keys or self.kv_sources
                     or len(set(self.layer_intermediate)) > 1)
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.experts is not None and layer not in self.experts.dense_layers
 
     def is_global(self, layer: int) -> bool:
         return not self.layer_types or self.layer_types[layer] != SLIDING
@@ -110,6 +132,32 @@ def windowed_layer_types(hf_config: Any) -> tuple[str, ...]:
 def _qwen(hf_config: Any, head_dim: int) -> DecoderLayout:
     kinds = windowed_layer_types(hf_config)
     return DecoderLayout(layer_types=kinds if len(set(kinds)) > 1 else ())
+
+
+def _qwen_moe(hf_config: Any, head_dim: int) -> DecoderLayout:
+    """Qwen2-MoE and Qwen3-MoE: experts in every decoder_sparse_step-th layer but mlp_only_layers;
+    Qwen2-MoE's shared expert behind a sigmoid gate, and no bias on o_proj."""
+    step = hf_config.decoder_sparse_step or 1
+    layers = hf_config.num_hidden_layers
+    shared = getattr(hf_config, "shared_expert_intermediate_size", 0) or 0
+    experts = ExpertLayout(
+        hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+        normalize=bool(hf_config.norm_topk_prob), shared_intermediate_size=shared, shared_gate=bool(shared),
+        dense_layers=tuple(i for i in range(layers) if i in (hf_config.mlp_only_layers or ()) or (i + 1) % step))
+    return dataclasses.replace(_qwen(hf_config, head_dim), experts=experts, attention_out_bias=False)
+
+
+def _mixtral(hf_config: Any, head_dim: int) -> DecoderLayout:
+    """Mixtral (and OLMoE, whose renormalising is optional): experts of the config's intermediate size."""
+    return DecoderLayout(experts=ExpertLayout(hf_config.num_local_experts, hf_config.num_experts_per_tok,
+                                              hf_config.intermediate_size,
+                                              normalize=bool(getattr(hf_config, "norm_topk_prob", True))))
+
+
+def _granite_moe(hf_config: Any, head_dim: int) -> DecoderLayout:
+    experts = ExpertLayout(hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size,
+                           router="topk_softmax")
+    return dataclasses.replace(_granite(hf_config, head_dim), experts=experts)
 
 
 def _layer_types(hf_config: Any) -> tuple[str, ...]:
@@ -222,6 +270,7 @@ FAMILY_LAYOUTS: dict[str, Callable[[Any, int], DecoderLayout]] = {
     "gemma2": _gemma, "gemma3": _gemma, "gemma4": _gemma4, "olmo2": _olmo, "olmo3": _olmo, "exaone4": _exaone4,
     "cohere2": _cohere2, "granite": _granite, "smollm3": _smollm3, "phi3": _phi3, "glm4": _glm4,
     "seed_oss": _seed_oss, "granite4": _granite4, "qwen2": _qwen, "qwen3": _qwen,
+    "qwen2_moe": _qwen_moe, "qwen3_moe": _qwen_moe, "mixtral": _mixtral, "olmoe": _mixtral, "granitemoe": _granite_moe,
 }
 
 

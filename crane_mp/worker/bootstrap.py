@@ -138,8 +138,9 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     # The model this process holds: the whole of it, or a rank's part (heads, units, vocabulary rows).
     if model_config.arch == TRANSFORMERS:
         _check_transformers_backend(config, tp)
-    elif config.lora and model_config.layout.varies_by_layer:
-        raise ValueError(f"LoRA adapters for {model_config.arch} (layers of different shapes) are not supported "
+    elif config.lora and (model_config.layout.varies_by_layer or model_config.layout.experts is not None):
+        shapes = "layers of different shapes" if model_config.layout.varies_by_layer else "mixture-of-experts layers"
+        raise ValueError(f"LoRA adapters for {model_config.arch} ({shapes}) are not supported "
                          "yet; the base model is served without --enable-lora")
     rank_config = model_config if tp is None else shard_config(model_config, tp.rank, tp.size)
     # Builds or loads the CPU kernels: reported on their own.
@@ -201,8 +202,10 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     timer.done("warm-up")
     # Not with tensor parallelism yet: a captured step would replay its collectives too, untested. Not
     # for a media model: its steps read per-request state (rope positions, a window's cross-attention).
+    # Not for experts: a step groups its rows by expert on the host.
     graphs = (platform.cuda_graphs(config.cuda_graphs, runner.attention_backend) and not model_config.encoder
-              and model_config.media is None and tp is None and model_config.arch != TRANSFORMERS)
+              and model_config.media is None and tp is None and model_config.arch != TRANSFORMERS
+              and model_config.layout.experts is None)
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
     reserved_bytes = kernel_cache_bytes + (graph_pool_bytes(runner, graph_sizes, rank_config) if graphs else 0)
     if config.runtime_lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank

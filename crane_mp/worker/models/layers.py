@@ -8,6 +8,7 @@ when it is built.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable
 
 import torch
@@ -18,6 +19,7 @@ from crane_mp.models.config import ModelConfig
 from crane_mp.models.sharding import Shard
 from crane_mp.worker.cache.attention import paged_attention
 from crane_mp.worker.models.checkpoint import fill
+from crane_mp.worker.models.moe import EXPERT_PROJECTIONS, Experts, SparseMoE
 from crane_mp.worker.models.rope import apply_rope
 from crane_mp.worker.parallel.tensor_parallel import all_reduce, gather_columns
 from crane_mp.worker.platforms import Platform
@@ -129,6 +131,16 @@ class GatedMLP(nn.Module):
         if lora is not None and self.lora_down_proj:
             out = lora.apply(hidden, out, self.lora_down_proj)
         return all_reduce(out) if self.row_parallel else out
+
+
+def make_mlp(config: ModelConfig, ops: Any, layer: int) -> nn.Module:
+    """Layer `layer`'s MLP: a gated one, or a mixture of experts where the layout has them there."""
+    layout = config.layout
+    if not layout.sparse(layer):
+        return GatedMLP(config, ops, layout.intermediate_size(layer, config.intermediate_size))
+    experts = layout.experts
+    shared = GatedMLP(config, ops, experts.shared_intermediate_size) if experts.shared_intermediate_size else None
+    return SparseMoE(config.hidden_size, experts, ACTIVATIONS[config.hidden_act], ops, shared)
 
 
 _QK_NORM_CODES = {None: 0, "before_rope": 1, "after_rope": 2}  # qkv_rope_cache's qk_norm_position
@@ -290,9 +302,9 @@ class DecoderLayer(nn.Module):
         for name in self.norm_names:
             setattr(self, name, make_norm(config.hidden_size, config.rms_norm_eps, layout.norm, fused_ops))
         self.self_attn = attention
-        self.mlp = GatedMLP(config, ops, layout.intermediate_size(layer, config.intermediate_size))
+        self.mlp = make_mlp(config, ops, layer)
         if self.block == "pre" and layout.norm == "rms":  # each norm may run inside the projection after it
-            for proj in (getattr(attention, "qkv_proj", None), self.mlp.gate_up_proj):
+            for proj in (getattr(attention, "qkv_proj", None), getattr(self.mlp, "gate_up_proj", None)):
                 if type(proj) is nn.Linear:
                     proj.prologue = "rms"
 
@@ -316,7 +328,8 @@ class DecoderLayer(nn.Module):
             x = self.self_attn(x)
         if self.residual_scale != 1.0:
             x = x * self.residual_scale
-        folded = None if adapted else _after_norm(self.mlp.gate_up_proj, x, residual, post_attention_norm)
+        folded = None if adapted else _after_norm(getattr(self.mlp, "gate_up_proj", None), x, residual,
+                                                  post_attention_norm)
         if folded is not None:
             gate_up, residual = folded
             x = self.mlp(None, gate_up=gate_up)
@@ -399,6 +412,9 @@ def shard_tensor(shard: Shard, name: str, tensor: torch.Tensor) -> torch.Tensor:
         part = torch.cat([part, part.new_zeros(split.rows - part.shape[0], *part.shape[1:])])
     return part
 
+
+# A per-expert checkpoint tensor: (the experts module, the expert, its projection).
+_EXPERT_WEIGHT = re.compile(rf"(.+\.experts)\.(\d+)\.({'|'.join(EXPERT_PROJECTIONS)})\.weight")
 
 # HF checkpoint names that we store packed into one fused parameter: name -> (fused name, shard index).
 PACKED_WEIGHTS = {
@@ -491,6 +507,12 @@ class CausalLM(nn.Module):
                 continue
             if self.config.shard is not None:
                 tensor = shard_tensor(self.config.shard, name, tensor)
+            expert = _EXPERT_WEIGHT.fullmatch(name)
+            if expert is not None:  # one expert's projection, into the layer's stacked experts
+                module, index, projection = expert.groups()
+                part = self.get_submodule(module).load_expert(int(index), projection, tensor, name)
+                loaded.add(f"{module}.{part}")
+                continue
             parts = name.split(".")
             packed = PACKED_WEIGHTS.get(parts[-2]) if len(parts) >= 2 else None
             if name in params and self._fused_sizes(name):  # a checkpoint that fuses them too (Phi-3, GLM-4)
@@ -513,6 +535,11 @@ class CausalLM(nn.Module):
             loaded.add(name)
         for layer in self.model.layers:
             layer.self_attn.finalize_weights()
+        for prefix, module in self.named_modules():
+            if isinstance(module, Experts):  # a stacked parameter loaded expert by expert is loaded whole
+                for param in ("gate_up_proj", "down_proj"):
+                    if {f"{prefix}.{part}" for part in module.expected_parts(param)} <= loaded:
+                        loaded.add(f"{prefix}.{param}")
         return loaded
 
     def expected_weights(self) -> set[str]:

@@ -1,0 +1,113 @@
+"""Mixture-of-experts MLPs: a router picks each token's top k experts and weighs their outputs
+(ExpertLayout says how: softmax then top k, renormalised or not, or the top k logits then a softmax),
+and the experts run once each over the rows routed to them.
+
+The step's (token, expert) pairs are sorted by expert, so each expert's matrices are read once for
+all of its rows, in one matmul; a token's outputs are summed in expert order, as transformers sums
+them. An expert's gate and up projections are stored stacked ([experts, 2 x intermediate, hidden]),
+its down projection beside them ([experts, hidden, intermediate]), filled from per-expert checkpoint
+tensors or from checkpoints that stack them already (Granite MoE).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from crane_mp.models.layouts import ExpertLayout
+from crane_mp.worker.models.checkpoint import fill
+
+# A per-expert checkpoint tensor's projection -> (our stacked parameter, which of its row halves).
+EXPERT_PROJECTIONS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 act: Callable[[torch.Tensor], torch.Tensor], ops: Any = None) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.act = act
+        self.ops = ops if act is F.silu else None  # the fused SiLU*mul
+
+    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor, name: str) -> str:
+        """Fill one expert's projection from checkpoint tensor `name`; returns the part's key, as
+        `expected_parts` names it."""
+        param, half = EXPERT_PROJECTIONS[projection]
+        target = getattr(self, param).data[expert]
+        if half is not None:
+            target = target[half * self.intermediate_size : (half + 1) * self.intermediate_size]
+        fill(target, tensor, name)
+        return f"{param}#{expert}.{projection}"
+
+    def expected_parts(self, param: str) -> set[str]:
+        """The keys load_expert returns for every part of stacked parameter `param`."""
+        return {f"{param}#{expert}.{projection}" for expert in range(self.num_experts)
+                for projection, (target, _) in EXPERT_PROJECTIONS.items() if target == param}
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden]; ids, weights [T, k]: each token's experts and their weights -> [T, hidden]."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # pairs by expert, each expert's in token order
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // k
+        rows = x.index_select(0, tokens)
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                end = start + count
+                gate_up = F.linear(rows[start:end], self.gate_up_proj[expert])
+                out[start:end] = F.linear(self._activate(gate_up), self.down_proj[expert])
+                start = end
+        out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.silu_and_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.act(gate) * up
+
+
+def route(logits: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, experts] -> each token's top_k (weights in float32, expert ids), as the family
+    computes them."""
+    if layout.router == "topk_softmax":
+        top, ids = logits.float().topk(layout.top_k, dim=-1)
+        return top.softmax(dim=-1), ids
+    weights, ids = logits.float().softmax(dim=-1).topk(layout.top_k, dim=-1)
+    if layout.normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class SparseMoE(nn.Module):
+    """A layer's mixture-of-experts MLP: `gate` (the router), `experts`, and where the family has one a
+    `shared_expert` every token goes through, scaled per token by sigmoid(`shared_expert_gate`)."""
+
+    def __init__(self, hidden_size: int, layout: ExpertLayout, act: Callable[[torch.Tensor], torch.Tensor],
+                 ops: Any = None, shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        self.layout = layout
+        self.gate = nn.Linear(hidden_size, layout.num_experts, bias=False)
+        self.experts = Experts(layout.num_experts, hidden_size, layout.intermediate_size, act, ops)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if layout.shared_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.layout)
+        out = self.experts(x, ids, weights.to(x.dtype))
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out + shared
