@@ -89,6 +89,13 @@ _RECURRENT_MODEL_TYPES = frozenset({
     "recurrent_gemma", "rwkv", "xlstm", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "minimax",
     "plamo2", "kimi_linear",
 })
+# Model types whose attention our paged attention does not compute as transformers does: the backend
+# would serve wrong tokens (found with tiny checkpoints of each).
+_BACKEND_GAPS = {
+    "gpt_oss": "attention sinks (a learned logit per head beside the keys)",
+    "deepseek_v2": "multi-head latent attention (keys and values of other shapes than the queries')",
+    "deepseek_v3": "multi-head latent attention (keys and values of other shapes than the queries')",
+}
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 
 
@@ -156,6 +163,9 @@ def _transformers_arch(hf_config: Any) -> str:
     if hf_type in _RECURRENT_MODEL_TYPES:
         raise UnsupportedModelError(f"model_type {hf_type!r} keeps recurrent state in its layers (state-space or "
                                     "linear attention), which a paged KV cache cannot hold; it is not supported yet")
+    if hf_type in _BACKEND_GAPS:
+        raise UnsupportedModelError(f"model_type {hf_type!r}: {_BACKEND_GAPS[hf_type]} is not computed by our paged "
+                                    "attention yet, natively or through the transformers backend; not supported")
     _refuse_recurrent_layers(hf_config)
     import transformers
 
@@ -386,6 +396,9 @@ def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:
 
     contents = check_gguf(path)
     shape, meta, names = contents.shape, contents.meta, contents.tensors
+    if any("_exps." in name for name in names):  # llama.cpp stacks each layer's experts in one tensor
+        raise UnsupportedModelError(f"{path.name}: a mixture-of-experts GGUF file ({shape.gguf_arch}); experts are "
+                                    "not read from GGUF files yet: serve the model's safetensors checkpoint")
     arch = GGUF_ARCHITECTURES[shape.gguf_arch]
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]

@@ -133,18 +133,18 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  qk_norms=_QK_NORMS, tensor_parallel=False, gguf_layer_names=_POST_GGUF),
     Architecture("seed_oss", "llama.LlamaForCausalLM", ("SeedOssForCausalLM",), "seed_oss", "seed_oss",
                  tensor_parallel=False, gguf_layer_names=_SEED_OSS_GGUF),
-    # Mixtures of experts (the layout's ExpertLayout, worker/models/moe.py).
+    # Mixtures of experts (the layout's ExpertLayout, worker/models/moe.py); safetensors only so far: their
+    # GGUF files (experts stacked per layer; llama.cpp files Mixtral under "llama") are not read yet.
     Architecture("qwen2_moe", "llama.LlamaForCausalLM", ("Qwen2MoeForCausalLM",), "qwen2_moe", "qwen2moe",
-                 window_by_layer=True, tensor_parallel=False),
+                 reads_gguf=False, window_by_layer=True, tensor_parallel=False),
     Architecture("qwen3_moe", "qwen3.Qwen3ForCausalLM", ("Qwen3MoeForCausalLM",), "qwen3_moe", "qwen3moe",
-                 qk_norms=_QK_NORMS, window_by_layer=True, tensor_parallel=False),
-    # llama.cpp files Mixtral under "llama".
+                 reads_gguf=False, qk_norms=_QK_NORMS, window_by_layer=True, tensor_parallel=False),
     Architecture("mixtral", "mixtral.MixtralForCausalLM", ("MixtralForCausalLM",), "mixtral", "llama", reads_gguf=False,
-                 gguf_permuted_qk=True, tensor_parallel=False),
-    Architecture("olmoe", "olmo.Olmo2ForCausalLM", ("OlmoeForCausalLM",), "olmoe", "olmoe", qk_norms=_QK_NORMS,
-                 tensor_parallel=False, full_width_qk_norms=True),
+                 tensor_parallel=False),
+    Architecture("olmoe", "olmo.Olmo2ForCausalLM", ("OlmoeForCausalLM",), "olmoe", "olmoe", reads_gguf=False,
+                 qk_norms=_QK_NORMS, tensor_parallel=False, full_width_qk_norms=True),
     Architecture("granitemoe", "granite.GraniteMoeForCausalLM", ("GraniteMoeForCausalLM",), "granitemoe", "granitemoe",
-                 gguf_permuted_qk=True, tensor_parallel=False),
+                 reads_gguf=False, tensor_parallel=False),
     # Any other causal LM transformers can run, through its own modeling code (--model-impl).
     Architecture(TRANSFORMERS, "transformers_backend.TransformersCausalLM", (), "", "", reads_gguf=False),
 )}

@@ -67,6 +67,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
                     "num_global_key_value_heads": 1, "attention_k_eq_v": True, "use_double_wide_mlp": True,
                     "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512,
                     "final_logit_softcapping": 3.0},
+    # Mixtures of experts: 8 experts, top 2, dense layers beside sparse ones where the family has them.
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                  "mlp_only_layers": [1]},
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 2,
+                  "shared_expert_intermediate_size": 48},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": WINDOW},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
+    "granitemoe": {"num_local_experts": 8, "num_experts_per_tok": 2, "embedding_multiplier": 3.0,
+                   "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 2.0},
     # No native implementation: served by the transformers backend.
     "ernie4_5": {"use_bias": False},
     # Granite 4 dense (granite-4.0-micro): the hybrid family's config with attention in every layer.
@@ -161,8 +170,9 @@ def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: di
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    state = {name: _init_tensor(name, meta.shape, seed, getattr(torch, dtype)).contiguous()
-             for name, meta in skeleton.state_dict().items() if not (tied and name == "lm_head.weight")}
+    state = _checkpoint_names(skeleton, {
+        name: _init_tensor(name, meta.shape, seed, getattr(torch, dtype)).contiguous()
+        for name, meta in skeleton.state_dict().items() if not (tied and name == "lm_head.weight")})
     config.save_pretrained(out)
     write_json(out / "generation_config.json", {
         "bos_token_id": ids.bos, "eos_token_id": ids.generation_eos, "pad_token_id": ids.pad,
@@ -170,6 +180,16 @@ def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: di
     })
     write_weights(state, out, 1)
     return out
+
+
+def _checkpoint_names(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` under the names save_pretrained writes: transformers 5 keeps a layer's experts stacked
+    in memory and writes one tensor per expert, as the released checkpoints have them."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # 4.x: the names in memory are the checkpoint's
+        return state
+    return {name: tensor.contiguous() for name, tensor in revert_weight_conversion(model, state).items()}
 
 
 def main(argv: list[str] | None = None) -> None:

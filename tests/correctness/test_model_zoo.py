@@ -81,6 +81,35 @@ def test_each_2026_family_runs_natively_with_transformers_greedy_tokens(zoo, fam
     assert eng.generate(prompts, GREEDY) == expected
 
 
+MOE = ["granitemoe", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_experts_load_from_the_stacked_names_transformers_keeps_in_memory(zoo, family, tmp_path):
+    """transformers 5 stacks a layer's experts ([experts, 2 x intermediate, hidden]); a checkpoint of
+    its model's own state dict has them so, and serves the same tokens as the per-expert one."""
+    from safetensors.torch import save_file
+
+    path, prompts, expected = zoo(family)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    stacked = {name: tensor.contiguous() for name, tensor in hf.state_dict().items() if name != "lm_head.weight"
+               or not hf.config.tie_word_embeddings}
+    assert any(tensor.dim() == 3 for tensor in stacked.values())
+    for item in path.iterdir():
+        if item.suffix != ".safetensors" and item.is_file():
+            (tmp_path / item.name).write_bytes(item.read_bytes())
+    save_file(stacked, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    eng = engine(tmp_path, "native")
+    assert eng.worker.model_config.layout.experts is not None
+    assert eng.generate(prompts, GREEDY) == expected
+
+
+def test_lora_adapters_on_experts_are_refused_by_name(zoo):
+    path, _, _ = zoo("qwen3_moe")
+    with pytest.raises(ValueError, match=r"LoRA adapters for qwen3_moe \(mixture-of-experts layers\)"):
+        engine(path, "auto", enable_lora=True)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"task": "embed"}, "--task embed needs a native implementation"),
     ({"enable_lora": True}, "LoRA adapters need a native implementation"),

@@ -32,5 +32,7 @@ class Gemma3ForCausalLM(CausalLM):
     are the vision issue's)."""
 
     attention_class = Gemma3Attention
-    renamed_weights = {"model.language_model.": "model."}
+    # The released checkpoints' names (language_model.model.*), then transformers 5's in memory.
+    renamed_weights = {"language_model.lm_head.": "lm_head.", "language_model.model.": "model.",
+                       "model.language_model.": "model."}
     ignored_weights = ("model.vision_tower.", "model.multi_modal_projector.")

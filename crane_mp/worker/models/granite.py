@@ -12,6 +12,7 @@ class Granite4ForCausalLM(LlamaForCausalLM):
 
 
 class GraniteMoeForCausalLM(LlamaForCausalLM):
+    # The released checkpoints' names, then transformers 5's in-memory ones (experts.*, router.weight).
     renamed_weights = {"block_sparse_moe.input_linear.weight": "mlp.experts.gate_up_proj",
                        "block_sparse_moe.output_linear.weight": "mlp.experts.down_proj",
-                       "block_sparse_moe.router.layer": "mlp.gate"}
+                       "router.layer.": "router.", "block_sparse_moe.router.": "mlp.gate.", "block_sparse_moe.": "mlp."}

@@ -11,7 +11,8 @@ implementation, transformers builds no mask: the paged metadata is the mask.
 
 from __future__ import annotations
 
-from typing import Iterable
+import copy
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -119,7 +120,7 @@ class TransformersCausalLM(nn.Module):
         params = dict(self.hf.named_buffers()) | dict(self.hf.named_parameters())
         tied = self.hf.get_output_embeddings().weight is self.hf.get_input_embeddings().weight
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in _in_memory_names(self.hf, weights):
             if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
                 continue
             if name not in params:
@@ -130,3 +131,30 @@ class TransformersCausalLM(nn.Module):
 
     def expected_weights(self) -> set[str]:
         return {name for name, _ in self.hf.named_parameters()}
+
+
+def _in_memory_names(hf: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as transformers' model holds them: transformers 5 converts some as it
+    loads them (a layer's experts, one tensor each in the checkpoint, stacked into one) and renames
+    others, by the model's conversion mapping; tensors a conversion takes wait for the rest of theirs."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # 4.x loads checkpoints under their own names
+        yield from weights
+        return
+    # A prefix change needs the loader's view of which prefix the checkpoint has: ours are the model's.
+    transforms = [t for t in get_model_conversion_mapping(hf) if not isinstance(t, PrefixChange)]
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    pending: dict[str, WeightConverter] = {}
+    for name, tensor in weights:
+        renamed, pattern = rename_source_key(name, renamings, converters)
+        if pattern is None:
+            yield renamed, tensor
+            continue
+        pending.setdefault(renamed, copy.deepcopy(by_pattern[pattern])).add_tensor(renamed, name, pattern, tensor)
+    for first_name, converter in pending.items():
+        for name, tensor in converter.convert(first_name, model=hf, config=hf.config).items():
+            yield name, tensor[0] if isinstance(tensor, list) else tensor
