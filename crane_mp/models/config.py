@@ -18,7 +18,6 @@ from crane_mp.models.gguf_file import LONGROPE_TENSORS, ROPE_TENSORS, SERVED_TYP
 from crane_mp.models.layouts import SLIDING, DecoderLayout, decoder_layout, split_rope, windowed_layer_types
 from crane_mp.models.registry import (
     ARCHITECTURES,
-    GGUF_ARCHITECTURES,
     HF_CLASSES,
     MODEL_TYPE_ALIASES,
     TRANSFORMERS,
@@ -396,10 +395,7 @@ def load_gguf_config(path: Path, model_type: str = "auto") -> ModelConfig:
 
     contents = check_gguf(path)
     shape, meta, names = contents.shape, contents.meta, contents.tensors
-    if any("_exps." in name for name in names):  # llama.cpp stacks each layer's experts in one tensor
-        raise UnsupportedModelError(f"{path.name}: a mixture-of-experts GGUF file ({shape.gguf_arch}); experts are "
-                                    "not read from GGUF files yet: serve the model's safetensors checkpoint")
-    arch = GGUF_ARCHITECTURES[shape.gguf_arch]
+    arch = shape.row
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     # A 16-bit float file runs like a 16-bit checkpoint; a quantized one computes in float32 (auto dtype).

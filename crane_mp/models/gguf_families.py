@@ -47,7 +47,9 @@ def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict,
         fields["query_pre_attn_scalar"] = shape.hidden // shape.heads if is_27b else shape.head_dim
         fields["final_logit_softcapping"] = key("final_logit_softcapping")
         fields["attn_logit_softcapping"] = key("attn_logit_softcapping")
-    if gguf_arch in ("granite", "granitehybrid"):
+    if shape.experts:
+        fields |= expert_fields(gguf_arch, shape, key)
+    if gguf_arch in ("granite", "granitehybrid", "granitemoe"):
         fields |= {"attention_multiplier": float(key("attention.scale", shape.head_dim**-0.5)),
                    "embedding_multiplier": float(key("embedding_scale", 1.0)),
                    "residual_multiplier": float(key("residual_scale", 1.0)),
@@ -113,3 +115,23 @@ def _gemma4_fields(shape, meta: dict[str, Any], tensors: dict, rope_freqs: list[
         and shape.layer_ffn[first_shared] == 2 * shape.ffn,
         "final_logit_softcapping": meta.get("gemma4.final_logit_softcapping"),
     }
+
+
+# Whether the top k routing weights are rescaled to sum to 1, as llama.cpp computes each architecture
+# (its converter writes expert_weights_norm for some files; these are its defaults where it does not).
+_NORMALIZED_ROUTING = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True, "granitemoe": True}
+
+
+def expert_fields(gguf_arch: str, shape, key) -> dict[str, Any]:
+    """transformers config fields of a mixture-of-experts file (every layer's MLP one, as llama.cpp
+    writes them), under each family's own names."""
+    normalized = bool(key("expert_weights_norm", _NORMALIZED_ROUTING.get(gguf_arch, True)))
+    count = "num_experts" if gguf_arch in ("qwen2moe", "qwen3moe", "olmoe") else "num_local_experts"
+    fields: dict[str, Any] = {count: shape.experts, "num_experts_per_tok": shape.experts_used,
+                              "norm_topk_prob": normalized}
+    if gguf_arch in ("qwen2moe", "qwen3moe"):
+        fields |= {"moe_intermediate_size": shape.expert_ffn, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                   "shared_expert_intermediate_size": shape.shared_expert_ffn}
+    else:
+        fields["intermediate_size"] = shape.expert_ffn
+    return fields

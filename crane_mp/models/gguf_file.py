@@ -18,7 +18,13 @@ from typing import Any
 import numpy as np
 
 from crane_mp.gguf_header import BigEndianFile, HeaderError, StringArray, read_header
-from crane_mp.models.registry import GGUF_ARCHITECTURES, GGUF_QK_NORM_NAMES, gguf_layer_names
+from crane_mp.models.registry import (
+    GGUF_ARCHITECTURES,
+    GGUF_QK_NORM_NAMES,
+    gguf_layer_names,
+    gguf_optional_names,
+    gguf_row,
+)
 
 # Types served (worker/quantized/formats.py and kernels/gguf_matmul.cpp); ggml's ids.
 SERVED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
@@ -111,6 +117,16 @@ class GGUFShape:
     head_dim_swa: int = 0
     per_layer_input: int = 0
     per_layer_vocab: int = 0
+    # Mixtures of experts: experts per layer, how many a token uses, each one's width, the shared expert's.
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
+    shared_expert_ffn: int = 0
+
+    @property
+    def row(self):
+        """The registry row serving the file (Mixtral's files are "llama" files with experts)."""
+        return gguf_row(self.gguf_arch, self.experts > 0)
 
     def layer_dims(self, layer: int) -> tuple[int, int, int]:
         """(head size, KV heads, feed-forward width) of layer `layer`."""
@@ -150,6 +166,7 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
         layer_kv = _kv_heads_from_keys(layer_kv, tensor_dims, int(key("attention.key_length", hidden // heads)))
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
     per_layer_table = tensor_dims.get("per_layer_token_embd.weight")
+    experts = int(key("expert_count", 0))
     shape = GGUFShape(
         gguf_arch=arch,
         hidden=hidden,
@@ -172,7 +189,13 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
         head_dim_swa=int(key("attention.key_length_swa", 0)),
         per_layer_input=int(key("embedding_length_per_layer_input", 0)),
         per_layer_vocab=per_layer_table[0] if per_layer_table else 0,
+        experts=experts,
+        experts_used=int(key("expert_used_count", 0)),
+        expert_ffn=int(key("expert_feed_forward_length", 0)) or (layer_ffn[0] if layer_ffn else int(ffn)),
+        shared_expert_ffn=int(key("expert_shared_feed_forward_length", 0)),
     )
+    if experts and not 0 < shape.experts_used <= experts:
+        raise GGUFFileError(f"{path}: metadata gives {shape.experts_used} experts used of {experts}")
     for name in ("hidden", "layers", "ffn", "heads", "kv_heads", "head_dim", "vocab", "context"):
         if getattr(shape, name) <= 0:
             raise GGUFFileError(f"{path}: metadata gives {name} = {getattr(shape, name)}")
@@ -185,7 +208,7 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
             raise GGUFFileError(f"{path}: metadata gives {name} {list(values)} for {shape.layers} layers")
     # Bounded before anything is sized by them (a tiny file may claim a billion layers): every layer
     # needs its own tensors, and the longest context sizes tables at start-up.
-    per_layer = len(required_layer_names(arch))
+    per_layer = len(required_layer_names(shape.row))
     if shape.layers * per_layer + 2 > len(tensor_dims):
         raise GGUFFileError(f"{path}: metadata gives {shape.layers} layers, but the file holds {len(tensor_dims)} "
                             f"tensors ({per_layer} per layer needed)")
@@ -204,17 +227,16 @@ def _kv_heads_from_keys(layer_kv: tuple[int, ...], tensor_dims: dict[str, tuple[
     return tuple(n or (dims[0] // head_dim if dims else 0) for n, dims in zip(layer_kv, keys))
 
 
-def required_layer_names(gguf_arch: str) -> list[str]:
-    """The per-layer tensors every layer of a file of `gguf_arch` holds (q/k norms are the model's to
-    ask for)."""
-    row = GGUF_ARCHITECTURES[gguf_arch]
-    return [name for name in gguf_layer_names(row.name)
-            if name not in GGUF_QK_NORM_NAMES and name not in row.gguf_optional_layer_names]
+def required_layer_names(row) -> list[str]:
+    """The per-layer tensors every layer of a file served by registry row `row` holds (q/k norms are
+    the model's to ask for)."""
+    optional = gguf_optional_names(row)
+    return [name for name in gguf_layer_names(row.name) if name not in GGUF_QK_NORM_NAMES and name not in optional]
 
 
 def expected_shapes(shape: GGUFShape) -> dict[str, tuple[int, ...]]:
     """Tensor name -> numpy shape ([rows, cols]) the metadata implies; optional tensors included."""
-    row = GGUF_ARCHITECTURES[shape.gguf_arch]
+    row = shape.row
     names = gguf_layer_names(row.name)
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (shape.vocab, shape.hidden),
@@ -259,6 +281,12 @@ def _layer_shapes(shape: GGUFShape, layer: int, row, names: dict[str, str]) -> d
                  "post_norm.weight": (hidden,)}
     if "layer_output_scale" in names:
         dims["layer_output_scale.weight"] = (1,)
+    if shape.experts:
+        experts, width, shared = shape.experts, shape.expert_ffn, shape.shared_expert_ffn
+        dims |= {"ffn_gate_inp.weight": (experts, hidden), "ffn_gate_exps.weight": (experts, width, hidden),
+                 "ffn_up_exps.weight": (experts, width, hidden), "ffn_down_exps.weight": (experts, hidden, width),
+                 "ffn_gate_shexp.weight": (shared, hidden), "ffn_up_shexp.weight": (shared, hidden),
+                 "ffn_down_shexp.weight": (hidden, shared), "ffn_gate_inp_shexp.weight": (1, hidden)}
     return dims
 
 
@@ -335,7 +363,7 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
         types[SERVED_TYPES[qtype]] += 1
         infos[tensor.name] = TensorInfo(tensor.name, int(qtype), dims, tensor.offset, n_bytes)
     required = ["token_embd.weight", "output_norm.weight"] + [
-        f"blk.{i}.{name}.weight" for i in range(shape.layers) for name in required_layer_names(shape.gguf_arch)
+        f"blk.{i}.{name}.weight" for i in range(shape.layers) for name in required_layer_names(shape.row)
     ]
     missing = [name for name in required if name not in infos]
     if missing:

@@ -49,6 +49,8 @@ class Architecture:
     full_width_qk_norms: bool = False  # q/k norms over all heads at once (OLMo 2): their GGUF shapes
     # Per-layer GGUF tensors some layers lack (Gemma 4: no keys or values where a layer reads another's).
     gguf_optional_layer_names: tuple[str, ...] = ()
+    # Its MLPs are mixtures of experts (where, the layout says): GGUF files hold GGUF_EXPERT_NAMES' tensors.
+    experts: bool = False
 
 
 TRANSFORMERS = "transformers"  # the transformers backend's row
@@ -133,18 +135,18 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  qk_norms=_QK_NORMS, tensor_parallel=False, gguf_layer_names=_POST_GGUF),
     Architecture("seed_oss", "llama.LlamaForCausalLM", ("SeedOssForCausalLM",), "seed_oss", "seed_oss",
                  tensor_parallel=False, gguf_layer_names=_SEED_OSS_GGUF),
-    # Mixtures of experts (the layout's ExpertLayout, worker/models/moe.py); safetensors only so far: their
-    # GGUF files (experts stacked per layer; llama.cpp files Mixtral under "llama") are not read yet.
+    # Mixtures of experts (the layout's ExpertLayout, worker/models/moe.py). llama.cpp files Mixtral
+    # under "llama" (gguf_row tells its files apart by their experts).
     Architecture("qwen2_moe", "llama.LlamaForCausalLM", ("Qwen2MoeForCausalLM",), "qwen2_moe", "qwen2moe",
-                 reads_gguf=False, window_by_layer=True, tensor_parallel=False),
+                 window_by_layer=True, tensor_parallel=False, experts=True),
     Architecture("qwen3_moe", "qwen3.Qwen3ForCausalLM", ("Qwen3MoeForCausalLM",), "qwen3_moe", "qwen3moe",
-                 reads_gguf=False, qk_norms=_QK_NORMS, window_by_layer=True, tensor_parallel=False),
+                 qk_norms=_QK_NORMS, window_by_layer=True, tensor_parallel=False, experts=True),
     Architecture("mixtral", "mixtral.MixtralForCausalLM", ("MixtralForCausalLM",), "mixtral", "llama", reads_gguf=False,
-                 tensor_parallel=False),
-    Architecture("olmoe", "olmo.Olmo2ForCausalLM", ("OlmoeForCausalLM",), "olmoe", "olmoe", reads_gguf=False,
-                 qk_norms=_QK_NORMS, tensor_parallel=False, full_width_qk_norms=True),
+                 gguf_permuted_qk=True, tensor_parallel=False, experts=True),
+    Architecture("olmoe", "olmo.Olmo2ForCausalLM", ("OlmoeForCausalLM",), "olmoe", "olmoe", qk_norms=_QK_NORMS,
+                 tensor_parallel=False, full_width_qk_norms=True, experts=True),
     Architecture("granitemoe", "granite.GraniteMoeForCausalLM", ("GraniteMoeForCausalLM",), "granitemoe", "granitemoe",
-                 reads_gguf=False, tensor_parallel=False),
+                 gguf_permuted_qk=True, tensor_parallel=False, experts=True),
     # Any other causal LM transformers can run, through its own modeling code (--model-impl).
     Architecture(TRANSFORMERS, "transformers_backend.TransformersCausalLM", (), "", "", reads_gguf=False),
 )}
@@ -207,6 +209,16 @@ GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 GGUF_QK_NORM_NAMES = ("attn_q_norm", "attn_k_norm")
+# A mixture-of-experts layer's tensors (rows `registry.experts`): its router, its experts stacked one
+# tensor per projection ([experts, rows, columns]), a shared expert and its gate where the family has them.
+GGUF_EXPERT_NAMES = {
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+GGUF_SHARED_EXPERT_NAMES = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")
+_DENSE_MLP_NAMES = ("ffn_gate", "ffn_up", "ffn_down")
 # Checkpoint tensors that are a layer's own buffer, not a module's weight (a file names them `.weight`).
 BARE_LAYER_TENSORS = frozenset({"layer_scalar"})  # Gemma 4's
 GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -226,7 +238,24 @@ def gguf_layer_names(arch: str) -> dict[str, str]:
     included where it has them; every layer of a file holds all but the q/k norms' (gguf_file.py)."""
     row = ARCHITECTURES[arch]
     names = dict(row.gguf_layer_names) or dict(GGUF_LAYER_NAMES)
-    return names | dict(zip(GGUF_QK_NORM_NAMES, row.qk_norms or ()))
+    return names | dict(zip(GGUF_QK_NORM_NAMES, row.qk_norms or ())) | (GGUF_EXPERT_NAMES if row.experts else {})
+
+
+def gguf_optional_names(row: Architecture) -> tuple[str, ...]:
+    """Per-layer GGUF tensors a file of `row` may lack: its optional ones, and with experts the dense
+    MLP's and the shared expert's (llama.cpp writes every layer of a MoE file with experts)."""
+    if not row.experts:
+        return row.gguf_optional_layer_names
+    return (*row.gguf_optional_layer_names, *_DENSE_MLP_NAMES, *GGUF_SHARED_EXPERT_NAMES)
+
+
+def gguf_row(gguf_arch: str, experts: bool) -> Architecture:
+    """The row serving GGUF files of `gguf_arch`, given whether the file holds experts: llama.cpp files
+    Mixtral under "llama", told apart by its experts."""
+    row = GGUF_ARCHITECTURES[gguf_arch]
+    if experts and not row.experts:
+        return next((other for other in ARCHITECTURES.values() if other.gguf_arch == gguf_arch and other.experts), row)
+    return row
 
 
 def hf_name(gguf_name: str, arch: str) -> str:
@@ -240,7 +269,7 @@ def hf_name(gguf_name: str, arch: str) -> str:
 
 
 _GGUF_GLOBAL_BY_HF = {hf: short for short, hf in GGUF_GLOBAL_NAMES.items()}
-_GGUF_LAYER_BY_HF = {hf: short for short, hf in GGUF_LAYER_NAMES.items()} | {
+_GGUF_LAYER_BY_HF = {hf: short for short, hf in (GGUF_LAYER_NAMES | GGUF_EXPERT_NAMES).items()} | {
     hf: short for arch in ARCHITECTURES.values() for hf, short in zip(arch.qk_norms or (), GGUF_QK_NORM_NAMES)
 }
 

@@ -413,8 +413,8 @@ def shard_tensor(shard: Shard, name: str, tensor: torch.Tensor) -> torch.Tensor:
     return part
 
 
-# A per-expert checkpoint tensor: (the experts module, the expert, its projection).
-_EXPERT_WEIGHT = re.compile(rf"(.+\.experts)\.(\d+)\.({'|'.join(EXPERT_PROJECTIONS)})\.weight")
+# A per-expert checkpoint tensor: (the experts module, the expert or none for all of them, its projection).
+_EXPERT_WEIGHT = re.compile(rf"(.+\.experts)(?:\.(\d+))?\.({'|'.join(EXPERT_PROJECTIONS)})\.weight")
 
 # HF checkpoint names that we store packed into one fused parameter: name -> (fused name, shard index).
 PACKED_WEIGHTS = {
@@ -508,10 +508,12 @@ class CausalLM(nn.Module):
             if self.config.shard is not None:
                 tensor = shard_tensor(self.config.shard, name, tensor)
             expert = _EXPERT_WEIGHT.fullmatch(name)
-            if expert is not None:  # one expert's projection, into the layer's stacked experts
+            if expert is not None:  # one expert's projection, or every expert's (GGUF), into the stacked experts
                 module, index, projection = expert.groups()
-                part = self.get_submodule(module).load_expert(int(index), projection, tensor, name)
-                loaded.add(f"{module}.{part}")
+                experts = self.get_submodule(module)
+                parts = ([experts.load_expert(int(index), projection, tensor, name)] if index is not None
+                         else experts.load_stacked(projection, tensor, name))
+                loaded.update(f"{module}.{part}" for part in parts)
                 continue
             parts = name.split(".")
             packed = PACKED_WEIGHTS.get(parts[-2]) if len(parts) >= 2 else None

@@ -46,6 +46,14 @@ class Experts(nn.Module):
         fill(target, tensor, name)
         return f"{param}#{expert}.{projection}"
 
+    def load_stacked(self, projection: str, tensor: torch.Tensor, name: str) -> list[str]:
+        """Fill every expert's `projection` from one stacked tensor [experts, rows, columns] (a GGUF
+        file's); returns the parts' keys."""
+        if tensor.dim() != 3 or tensor.shape[0] != self.num_experts:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, not one matrix for each "
+                             f"of {self.num_experts} experts")
+        return [self.load_expert(expert, projection, tensor[expert], name) for expert in range(self.num_experts)]
+
     def expected_parts(self, param: str) -> set[str]:
         """The keys load_expert returns for every part of stacked parameter `param`."""
         return {f"{param}#{expert}.{projection}" for expert in range(self.num_experts)
@@ -64,11 +72,16 @@ class Experts(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 end = start + count
-                gate_up = F.linear(rows[start:end], self.gate_up_proj[expert])
-                out[start:end] = F.linear(self._activate(gate_up), self.down_proj[expert])
+                out[start:end] = self.down(expert, self._activate(self.gate_up(expert, rows[start:end])))
                 start = end
         out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
         return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def gate_up(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, self.gate_up_proj[expert])
+
+    def down(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, self.down_proj[expert])
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:

@@ -11,6 +11,7 @@ biases) are a few MB besides.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -78,7 +79,8 @@ class _Tensors:
         return self.infos[name].qtype
 
     def rows(self, name: str) -> torch.Tensor:
-        """[rows, row_bytes] uint8 in memory of its own (a 1-D tensor is one row)."""
+        """[rows, row_bytes] uint8 in memory of its own (a 1-D tensor is one row; stacked experts' rows
+        one after the other)."""
         return self._owned(self._rows(name))
 
     def laid_out(self, name: str, layout) -> tuple[int, torch.Tensor]:
@@ -92,7 +94,7 @@ class _Tensors:
 
     def _rows(self, name: str) -> torch.Tensor:
         info = self.infos[name]
-        rows = info.dims[0] if len(info.dims) > 1 else 1
+        rows = math.prod(info.dims[:-1])  # a stack of experts' matrices: all of their rows
         if self._file is not None:
             out = torch.from_numpy(self._file.view(info.offset, info.n_bytes)).view(rows, -1)
         else:
