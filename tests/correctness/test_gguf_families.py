@@ -51,12 +51,18 @@ GGUF_FAMILIES = {
     "seed_oss": {},
     "smollm3": {"no_rope_layers": [1, 1, 1, 0]},
 }
-# Read from llama.cpp's own files only (make_gguf writes no per-layer metadata): Gemma 4 with every
+# Mixtures of experts as llama.cpp converts them: every layer with experts (its converter maps no dense
+# MLP beside them), Mixtral without a window (a llama file states none).
+MOE_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {"decoder_sparse_step": 1},
+                 "mixtral": {"sliding_window": None}}
+# Read from llama.cpp's own files only (make_gguf writes no per-layer metadata or experts): Gemma 4 with every
 # option (per-layer inputs, shared KV, global layers of their own shape whose values are their keys);
 # Granite 4 dense, which llama.cpp's converter writes as "granitehybrid" with every layer marked
 # recurrent (KV heads 0) when transformers 5 spells its layers "full_attention", and as "granite" when
 # the config says "attention" with no experts per token (as released checkpoints do).
-CONVERTER_ONLY = {"gemma4_text": {}, "granitemoehybrid": {}, "granitemoehybrid-attention": {"num_experts_per_tok": 0}}
+CONVERTER_ONLY = {"gemma4_text": {}, "granitemoehybrid": {}, "granitemoehybrid-attention": {"num_experts_per_tok": 0},
+                  **{family: MOE_OVERRIDES.get(family, {}) for family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
+                                                                           "granitemoe")}}
 LLAMA_CPP = Path(os.environ.get("PEERS", Path.home() / "peers")) / "llama"
 CONVERTER = LLAMA_CPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
 
@@ -145,3 +151,42 @@ def test_llama_cpp_s_own_conversion_of_gemma4_to_q8_0_keeps_its_per_layer_table_
     got, expected = greedy_pair(hf_dir, out, engine)
     # 8-bit weights: the first tokens (the prompts' own argmax) agree; later ones may drift.
     assert [tokens[0] for tokens in got] == [tokens[0] for tokens in expected]
+
+
+@pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_quantized_experts_stay_quantized_and_compute_what_their_blocks_hold(tmp_path, family):
+    """A Q8_0 file's experts run through the GGUF kernels expert by expert: a layer's output equals the
+    float experts' on the file's dequantized blocks, to the 8-bit activations' rounding."""
+    import gguf
+
+    from crane_mp.worker.models.moe import Experts
+    from crane_mp.worker.quantized.layers import GGUFExperts
+
+    hf_dir = make_zoo_model(family, tmp_path / family, overrides=MOE_OVERRIDES.get(family))
+    out = tmp_path / f"{family}-q8_0.gguf"
+    subprocess.run([str(LLAMA_CPP.parent / "venv-conv/bin/python"), str(CONVERTER), str(hf_dir), "--outtype", "q8_0",
+                    "--outfile", str(out)], cwd=CONVERTER.parent, env={**os.environ, "GGUF_FORCE_PRE": "qwen2"},
+                   check=True, capture_output=True)
+    engine = gguf_engine(out)
+    quantized = engine.worker.runner.model.model.layers[1].mlp.experts
+    assert isinstance(quantized, GGUFExperts)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
+
+    def blocks(name: str) -> torch.Tensor:
+        tensor = tensors[f"blk.1.{name}.weight"]
+        return torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
+
+    gate, up, down = blocks("ffn_gate_exps"), blocks("ffn_up_exps"), blocks("ffn_down_exps")
+    count, width, hidden = gate.shape
+    dense = Experts(count, hidden, width, quantized.act)
+    dense.gate_up_proj.data, dense.down_proj.data = torch.cat([gate, up], 1), down
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(count, generator=gen)[:2] for _ in range(7)])
+    weights = torch.rand(7, 2, generator=gen)
+    with torch.inference_mode():
+        expected = dense(x, ids, weights)
+        torch.testing.assert_close(quantized(x, ids, weights), expected, rtol=0, atol=0.03 * expected.abs().max().item())
+    got, reference = greedy_pair(hf_dir, out, engine)
+    assert len(got) == len(reference) and all(len(tokens) == NUM_TOKENS for tokens in got)

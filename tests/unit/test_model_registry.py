@@ -43,7 +43,8 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                                   "hunyuan-dense": "hunyuan", "bert": "bert", "roberta": "roberta",
                                   "xlm-roberta": "xlm-roberta", "qwen2_5_vl": "qwen2_5_vl", "whisper": "whisper",
                                   **{name: name for name in FAMILIES_2026 + MOE_FAMILIES}, "gemma3_text": "gemma3",
-                                  "gemma4_text": "gemma4", "granitemoehybrid": "granite4", "granitehybrid": "granite4"}
+                                  "gemma4_text": "gemma4", "granitemoehybrid": "granite4", "granitehybrid": "granite4",
+                                  "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                           "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
                           "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
@@ -68,14 +69,18 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
         "olmo2": ("olmo2", "olmo2"), "smollm3": ("smollm3", "smollm3"), "granite": ("granite", "granite"),
         "granitehybrid": ("granite4", "granitemoehybrid"),
         "phi3": ("phi3", "phi3"), "glm4": ("glm4", "glm4"), "cohere2": ("cohere2", "cohere2"),
-        "exaone4": ("exaone4", "exaone4"), "seed_oss": ("seed_oss", "seed_oss")}
-    assert PERMUTED_QK_ARCHS == {"llama", "smollm3", "granite"}  # llama.cpp's LlamaModel converters permute
+        "exaone4": ("exaone4", "exaone4"), "seed_oss": ("seed_oss", "seed_oss"),
+        "qwen2moe": ("qwen2_moe", "qwen2_moe"), "qwen3moe": ("qwen3_moe", "qwen3_moe"), "olmoe": ("olmoe", "olmoe"),
+        "granitemoe": ("granitemoe", "granitemoe")}
+    # llama.cpp's LlamaModel converters permute
+    assert PERMUTED_QK_ARCHS == {"llama", "smollm3", "granite", "granitemoe"}
     assert GGUF_ARCH == {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                          "hunyuan_v1_dense": "hunyuan-dense", "gemma2": "gemma2", "gemma3_text": "gemma3",
                          "gemma4_text": "gemma4", "olmo2": "olmo2", "phi3": "phi3", "glm4": "glm4",
                          "cohere2": "cohere2", "olmo3": "olmo2", "smollm3": "smollm3", "granite": "granite",
                          "granitemoehybrid": "granitehybrid", "exaone4": "exaone4", "seed_oss": "seed_oss",
-                         "mixtral": "llama"}
+                         "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
+                         "granitemoe": "granitemoe"}
 
 
 NATIVE = sorted(set(ARCHITECTURES) - {TRANSFORMERS})
@@ -131,9 +136,9 @@ def test_every_architecture_has_a_model_class_with_its_qk_norms(arch):
 
 # Granite 4's checkpoints fuse gate and up (shared_mlp.input_linear), which llama.cpp's converter splits
 # into ffn_gate and ffn_up: no one-to-one names (tests/correctness/test_gguf_families.py reads its files).
-# Mixtral's llama files stack its experts, which are not read yet.
+# Experts: transformers 5 stacks gate and up in one tensor, which a file splits (tests/correctness reads them).
 @pytest.mark.parametrize("arch", [name for name in DECODERS if ARCHITECTURES[name].gguf_arch in GGUF_ARCHITECTURES
-                                  and name not in ("granite4", "mixtral")])
+                                  and name != "granite4" and not ARCHITECTURES[name].experts])
 def test_every_checkpoint_tensor_round_trips_through_its_gguf_name(arch):
     untied = {"tie_word_embeddings": False}
     config = (build_config(arch, "tiny", overrides=untied) if arch in ARCHS
@@ -160,8 +165,8 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
         model_config_from_hf(unknown)
     with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
                                             r"cohere2, exaone4, gemma2, gemma3, gemma4, glm4, granite, granitehybrid, "
-                                            r"hunyuan-dense, llama, olmo2, phi3, qwen2, qwen3, "
-                                            r"seed_oss, smollm3\)"):
+                                            r"granitemoe, hunyuan-dense, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, "
+                                            r"qwen3, qwen3moe, seed_oss, smollm3\)"):
         read_shape({"general.architecture": "gpt2"}, {}, tmp_path / "m.gguf")
 
 

@@ -24,17 +24,59 @@ from crane_mp.worker.models.checkpoint import fill
 EXPERT_PROJECTIONS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
 
 
-class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 act: Callable[[torch.Tensor], torch.Tensor], ops: Any = None) -> None:
+class RoutedExperts(nn.Module):
+    """A layer's experts, each run once over the rows routed to it; subclasses hold the weights
+    (`gate_up`, `down`: one expert's projections of some rows)."""
+
+    def __init__(self, num_experts: int, intermediate_size: int, act: Callable[[torch.Tensor], torch.Tensor],
+                 ops: Any = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
+        self.act = act
+        self.ops = ops if act is F.silu else None  # the fused SiLU*mul
+
+    def gate_up(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def down(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden]; ids, weights [T, k]: each token's experts and their weights -> [T, hidden]."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # pairs by expert, each expert's in token order
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // k
+        rows = x.index_select(0, tokens)
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                end = start + count
+                out[start:end] = self.down(expert, self._activate(self.gate_up(expert, rows[start:end])))
+                start = end
+        out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.silu_and_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.act(gate) * up
+
+
+class Experts(RoutedExperts):
+    """Experts of float weights, stacked: gate and up [experts, 2 x intermediate, hidden], down
+    [experts, hidden, intermediate]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 act: Callable[[torch.Tensor], torch.Tensor], ops: Any = None) -> None:
+        super().__init__(num_experts, intermediate_size, act, ops)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
-        self.act = act
-        self.ops = ops if act is F.silu else None  # the fused SiLU*mul
 
     def load_expert(self, expert: int, projection: str, tensor: torch.Tensor, name: str) -> str:
         """Fill one expert's projection from checkpoint tensor `name`; returns the part's key, as
@@ -59,35 +101,11 @@ class Experts(nn.Module):
         return {f"{param}#{expert}.{projection}" for expert in range(self.num_experts)
                 for projection, (target, _) in EXPERT_PROJECTIONS.items() if target == param}
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]; ids, weights [T, k]: each token's experts and their weights -> [T, hidden]."""
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = flat.argsort(stable=True)  # pairs by expert, each expert's in token order
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // k
-        rows = x.index_select(0, tokens)
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                end = start + count
-                out[start:end] = self.down(expert, self._activate(self.gate_up(expert, rows[start:end])))
-                start = end
-        out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
-        return torch.zeros_like(x).index_add_(0, tokens, out)
-
     def gate_up(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         return F.linear(rows, self.gate_up_proj[expert])
 
     def down(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         return F.linear(rows, self.down_proj[expert])
-
-    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None:
-            return self.ops.silu_and_mul(gate_up)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.act(gate) * up
 
 
 def route(logits: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +129,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.layout = layout
         self.gate = nn.Linear(hidden_size, layout.num_experts, bias=False)
-        self.experts = Experts(layout.num_experts, hidden_size, layout.intermediate_size, act, ops)
+        self.experts: RoutedExperts = Experts(layout.num_experts, hidden_size, layout.intermediate_size, act, ops)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if layout.shared_gate else None
 

@@ -28,7 +28,7 @@ from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.quantized.file_reader import MappedFile, read_ranges
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
-from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
+from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFExperts, GGUFLinear
 from crane_mp.worker.weights.load_progress import LoadProgress
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,10 @@ _FLOAT_DTYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F
 # Our fused projections and the checkpoint modules that fill them, in row order.
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-          "mlp.down_proj": ("mlp.down_proj",)}
+          "mlp.down_proj": ("mlp.down_proj",),
+          # A mixture-of-experts layer's shared expert (Qwen2-MoE); its experts are GGUFExperts.
+          "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+          "mlp.shared_expert.down_proj": ("mlp.shared_expert.down_proj",)}
 
 
 def fused_groups(arch: str) -> dict[str, tuple[str, ...]]:
@@ -48,7 +51,7 @@ def fused_groups(arch: str) -> dict[str, tuple[str, ...]]:
     tensor each where the file fuses them as we do (Phi-3)."""
     by_module = {module: short for short, module in gguf_layer_names(arch).items()}
     return {ours: (by_module[ours],) if ours in by_module else tuple(by_module[part] for part in parts)
-            for ours, parts in _FUSED.items()}
+            for ours, parts in _FUSED.items() if ours in by_module or all(part in by_module for part in parts)}
 
 
 def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
@@ -88,6 +91,13 @@ class _Tensors:
         they are mapped; whatever it keeps as it is comes back copied out of the mapping."""
         qtype, out = layout(self._rows(name))
         return qtype, self._owned(out)
+
+    def experts_laid_out(self, name: str, experts: int, layout) -> list[tuple[int, torch.Tensor]]:
+        """laid_out for each expert's matrix of a stacked tensor [experts, rows, columns]."""
+        rows = self._rows(name)
+        per_expert = rows.shape[0] // experts
+        parts = [layout(rows[expert * per_expert : (expert + 1) * per_expert]) for expert in range(experts)]
+        return [(qtype, self._owned(out)) for qtype, out in parts]
 
     def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone() if self._file is not None and self._file.holds(tensor) else tensor
@@ -195,6 +205,20 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
         _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias, kernels, int8))
         consumed.update(names)
         bar.update(len(names))
+    for layer in range(config.num_hidden_layers):
+        names = [f"blk.{layer}.ffn_{part}_exps.weight" for part in ("gate", "up", "down")]
+        if names[0] not in tensors.infos or all(_FLOAT_DTYPES.get(tensors.qtype(n)) == dtype for n in names):
+            continue  # a dense layer, or experts in the compute dtype: loaded as float weights
+        ours = f"model.layers.{layer}.mlp.experts"
+        dense = model.get_submodule(ours)
+        hidden, width, count = config.hidden_size, dense.intermediate_size, dense.num_experts
+        gate, up, down = (tensors.experts_laid_out(n, count, lambda rows, n=n, k=k: laid_out(n, rows, k, int8))
+                          for n, k in zip(names, (hidden, hidden, width)))
+        _replace(model, ours, GGUFExperts(
+            width, [GGUFLinear(hidden, [gate[e], up[e]], None, kernels, int8) for e in range(count)],
+            [GGUFLinear(width, [down[e]], None, kernels, int8) for e in range(count)], dense.act, dense.ops))
+        consumed.update(names)
+        bar.update(len(names))
     embed_type = tensors.qtype("token_embd.weight")
     if _FLOAT_DTYPES.get(embed_type) != dtype:
         table = (model.lm_head.qweight_0 if config.tie_word_embeddings
@@ -224,6 +248,8 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
                 tensor = tensors.floats(name, torch.float32)
                 if norm_offset and name.endswith("norm.weight"):
                     tensor = tensor - norm_offset
+                if tensor.dim() == 1 and name.endswith("ffn_gate_inp_shexp.weight"):  # llama-quantize's [n]
+                    tensor = tensor[None]  # the shared expert's gate: a [1, hidden] matrix
                 yield hf_name(name, config.arch), tensor
             if name not in consumed:
                 bar.update(1)

@@ -1,4 +1,4 @@
-"""Linear and embedding layers over GGUF-quantized weights, kept in their file's block layout.
+"""Linear, embedding and expert layers over GGUF-quantized weights, kept in their file's block layout.
 
 A fused projection (q/k/v, gate/up) may mix types (a Q4_K_M file stores some attn_v rows in Q6_K):
 each part keeps its own type and the outputs are concatenated. The multiplications are the kernels
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from crane_mp.worker.models.moe import RoutedExperts
 from crane_mp.worker.quantized.matmul import TorchGGUF
 
 
@@ -45,6 +46,23 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, types={self.qtypes}, "
                 f"int8={self.int8}")
+
+
+class GGUFExperts(RoutedExperts):
+    """A layer's experts over GGUF-quantized weights: one GGUFLinear per expert for its gate and up
+    projections (two parts, as a dense layer's gate_up_proj), one for its down projection."""
+
+    def __init__(self, intermediate_size: int, gate_up: list[GGUFLinear], down: list[GGUFLinear], act,
+                 ops=None) -> None:
+        super().__init__(len(gate_up), intermediate_size, act, ops)
+        self.gate_up_proj = nn.ModuleList(gate_up)
+        self.down_proj = nn.ModuleList(down)
+
+    def gate_up(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.gate_up_proj[expert](rows)
+
+    def down(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.down_proj[expert](rows)
 
 
 class GGUFEmbedding(nn.Module):
