@@ -14,7 +14,8 @@ the load (crane-mp: the worker process). The machine's DRAM read bandwidth is me
 run, before and after each server (a 2 GiB torch.sum on the same threads; the better of the two, as
 one sample taken while the host is busy reads low), so every decode figure states its
 fraction of the roofline: weight bytes streamed per decode step (the file's tensors less the token
-table, which is looked up, not streamed) times steps per second (1 / TPOT), over the bandwidth.
+table, which is looked up, not streamed; of a mixture of experts, the share of experts a step's tokens
+are routed to) times steps per second (1 / TPOT), over the bandwidth.
 Prints one JSON line per measurement and a table. Nothing else should run meanwhile.
 
 A 16-bit model is compared the way its users run each server: crane-mp on the safetensors checkpoint
@@ -65,13 +66,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def streamed_bytes(path: Path) -> int:
-    """Weight bytes a decode step reads: every tensor but the token table (unless the head reads it:
-    tied embeddings). Read with the gguf package, so files of architectures crane-mp does not read
-    yet count too."""
-    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+def streamed_bytes(path: Path, streams: int | None = None) -> int:
+    """Weight bytes a decode step of `streams` sequences reads: every tensor but the token table (unless
+    the head reads it: tied embeddings), a mixture of experts' stacked experts only for the share of them
+    the step's tokens are routed to (each token k of E: 1 - (1 - k/E)^streams of them, for routing at
+    random), all of them with `streams` None. Read with the gguf package, so files of architectures
+    crane-mp does not read yet count too."""
+    reader = GGUFReader(str(path))
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     tied = "output.weight" not in sizes
-    return sum(size for name, size in sizes.items() if tied or name != "token_embd.weight")
+    share = 1.0
+    experts = next((int(f.contents()) for key, f in reader.fields.items() if key.endswith(".expert_count")), 0)
+    if experts and streams is not None:
+        used = next(int(f.contents()) for key, f in reader.fields.items() if key.endswith(".expert_used_count"))
+        share = 1 - (1 - used / experts) ** streams
+    return int(sum(size * (share if "_exps." in name else 1.0) for name, size in sizes.items()
+                   if tied or name != "token_embd.weight"))
 
 
 def start(server: str, path: Path, port: int, args) -> subprocess.Popen:
@@ -119,7 +129,6 @@ def load(url: str, concurrency: int, requests: int, prompt_len: int, output_len:
 def measure(server: str, path: Path, args) -> list[dict]:
     url = f"http://127.0.0.1:{args.port}"
     bandwidth = dram_read_gbs(args.threads)
-    weights = streamed_bytes(path)
     began = time.monotonic()
     proc = start(server, path, args.port, args)
     rows = []
@@ -146,7 +155,7 @@ def measure(server: str, path: Path, args) -> list[dict]:
         row["dram_gbs"] = bandwidth
         if row["bench"] == "decode":
             steps_per_s = 1e3 / row["tpot_p50_ms"] if row["tpot_p50_ms"] else 0.0
-            row["roofline"] = round(weights * steps_per_s / (bandwidth * 1e9), 3)
+            row["roofline"] = round(streamed_bytes(path, row["concurrency"]) * steps_per_s / (bandwidth * 1e9), 3)
         print(json.dumps(row), flush=True)
     return rows
 

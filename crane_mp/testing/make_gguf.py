@@ -122,6 +122,11 @@ def _write_family(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
         writer.add_uint32(key + "rope.scaling.original_context_length", rope["original_max_position_embeddings"])
         writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:  # as llama.cpp's converter writes a mixture of experts
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config.get("moe_intermediate_size") or config["intermediate_size"])
     if arch == "phi3":
         writer.add_uint32(key + "attention.sliding_window", config.get("sliding_window") or 0)
     if arch == "cohere2":

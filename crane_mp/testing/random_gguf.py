@@ -3,6 +3,7 @@
 
 Run: python -m crane_mp.testing.random_gguf --out qwen3-8b-q4_k_m.gguf [--shape 8b|1.7b|0.6b|small] [--type Q4_K_M]
      python -m crane_mp.testing.random_gguf --out gemma3-12b-q4_k_m.gguf --shape gemma3-12b   (make_zoo's presets)
+     python -m crane_mp.testing.random_gguf --out a3b.gguf --shape qwen3-30b-a3b [--layers 24]   (experts)
 
 Every block gets random quant bits and a fixed small scale (so weights stay in a trained model's range
 and the forward pass stays finite); norms are ones. Metadata and tensor names are make_gguf's, and the
@@ -24,7 +25,7 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from crane_mp.models.registry import GGUF_ARCHITECTURES, gguf_name
 from crane_mp.testing.make_gguf import GGUF_ARCH, _write_family, _write_hparams, _write_tokenizer, finish, pick_type
@@ -43,6 +44,14 @@ SHAPES = {
              "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
              "tie_word_embeddings": True},
     "small": {"tie_word_embeddings": False},
+}
+# Mixtures of experts: (transformers model type, shape). Qwen3-30B-A3B: 48 layers of 128 experts, 8 a token.
+MOE_SHAPES = {
+    "qwen3-30b-a3b": ("qwen3_moe", {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                                    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                                    "vocab_size": 151936, "max_position_embeddings": 40960,
+                                    "tie_word_embeddings": False, "num_experts": 128, "num_experts_per_tok": 8,
+                                    "moe_intermediate_size": 768, "norm_topk_prob": True}),
 }
 _TOKENIZER_VOCAB = 8192
 _PRESET_FAMILIES = {"gemma3-12b": "gemma3_text", "gemma3-4b": "gemma3_text"}
@@ -75,21 +84,29 @@ def silent_token_ids(tokenizer_json: Path) -> list[int]:
     return [i for i in range(tokenizer.get_vocab_size()) if not tokenizer.decode([i]).strip("\ufffd ")]
 
 
-def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch: str = "qwen3", seed: int = 0) -> Path:
-    """`shape`: one of SHAPES (a make_model `arch`), or a make_zoo preset (its family)."""
+def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch: str = "qwen3", seed: int = 0,
+                layers: int | None = None) -> Path:
+    """`shape`: one of SHAPES (a make_model `arch`), MOE_SHAPES, or a make_zoo preset (its family);
+    `layers`: fewer layers than the shape's (a model that fits the host)."""
     out = Path(out)
     if shape in PRESETS:  # a 2026 family at a real shape (family from the preset's name)
         config = build_zoo_config(_PRESET_FAMILIES[shape], PRESETS[shape])
         arch = "llama"  # the tokenizer family
+    elif shape in MOE_SHAPES:
+        model_type, fields = MOE_SHAPES[shape]
+        config = AutoConfig.for_model(model_type, **fields, dtype="bfloat16")
     else:
         config = build_config(arch, "small", dtype="bfloat16", overrides=SHAPES[shape])
+    if layers is not None:
+        config.num_hidden_layers = layers
     gguf_arch = GGUF_ARCH[config.model_type]
     served = GGUF_ARCHITECTURES[gguf_arch].name
     with tempfile.TemporaryDirectory() as tmp:
         ids = write_tokenizer(arch, min(_TOKENIZER_VOCAB, config.vocab_size), config.max_position_embeddings, Path(tmp))
         silent = silent_token_ids(Path(tmp) / "tokenizer.json")
         config.bos_token_id, config.eos_token_id, config.pad_token_id = ids.bos, ids.eos, ids.pad
-        config_json = json.loads(config.to_json_string()) if shape in PRESETS else _config_json(config)
+        config_json = (json.loads(config.to_json_string()) if shape in PRESETS or shape in MOE_SHAPES
+                       else _config_json(config))
         write_json(Path(tmp) / "config.json", config_json)
         writer = gguf.GGUFWriter(str(out), gguf_arch)
         writer.add_name(f"random-{gguf_arch}-{shape}")
@@ -100,6 +117,9 @@ def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch:
         skeleton = AutoModelForCausalLM.from_config(config)
     rng = np.random.default_rng(seed)
     for hf_name, meta in sorted(skeleton.state_dict().items()):
+        if hf_name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            _write_experts(writer, hf_name, tuple(meta.shape), qtype, rng)
+            continue
         name = gguf_name(hf_name, served)
         if meta.ndim == 1:  # norms of one (Gemma's stored as 1 + w: the same ones)
             writer.add_tensor(name, np.ones(meta.shape, dtype=np.float32))
@@ -118,13 +138,29 @@ def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch:
     return out
 
 
+def _write_experts(writer: gguf.GGUFWriter, hf_name: str, shape: tuple[int, int, int], qtype: str,
+                   rng: np.random.Generator) -> None:
+    """A layer's stacked experts (transformers 5's [experts, rows, columns]) as llama.cpp's tensors:
+    gate and up apart, each [experts, rows, row bytes] of random blocks."""
+    layer = hf_name.split(".")[2]
+    experts, rows, cols = shape
+    parts = (("ffn_gate_exps", rows // 2), ("ffn_up_exps", rows // 2)) if hf_name.endswith("gate_up_proj") else (
+        ("ffn_down_exps", rows),)
+    for short, part_rows in parts:
+        name = f"blk.{layer}.{short}.weight"
+        chosen = pick_type(name, cols, qtype)
+        blocks = random_blocks(experts * part_rows, cols, chosen, rng)
+        writer.add_tensor(name, blocks.reshape(experts, part_rows, -1), raw_dtype=chosen)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--shape", default="8b", choices=sorted([*SHAPES, *_PRESET_FAMILIES]))
+    parser.add_argument("--shape", default="8b", choices=sorted([*SHAPES, *MOE_SHAPES, *_PRESET_FAMILIES]))
     parser.add_argument("--type", default="Q4_K_M", choices=["Q4_K_M", "Q4_K", "Q6_K", "Q8_0"])
+    parser.add_argument("--layers", type=int, help="fewer layers than the shape's (to fit the host's memory)")
     args = parser.parse_args(argv)
-    print(random_gguf(args.out, args.shape, args.type))
+    print(random_gguf(args.out, args.shape, args.type, layers=args.layers))
 
 
 if __name__ == "__main__":

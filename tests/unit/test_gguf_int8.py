@@ -222,3 +222,28 @@ def test_only_whole_groups_of_eight_rows_are_repacked():
     assert kernel_layout(T.Q8_0, q8, 64, int8=True)[0] == Q8_0_X8
     with pytest.raises(RuntimeError, match="groups of 8"):
         torch.ops.crane_mp.gguf_repack_q8_0_x8(q8[:12].contiguous(), 64)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0])
+def test_grouped_experts_give_each_expert_s_own_matmul(qtype):
+    """A mixture's experts in one call: run i of x's rows times weight i equals gguf_linear_int8 of that
+    run alone (the same integer sums), for runs of 0 to 9 rows, on the file's rows and repacked ones."""
+    from crane_mp.worker.platforms import platform_for
+
+    cols = 512 if qtype in K_QUANTS else 96
+    kernels = platform_for("cpu").gguf  # the CPU's kernels (NativeGGUF)
+    laid_out = [kernels.layout(qtype, torch.from_numpy(quantized(qtype, 48, cols, seed=e).copy()), cols, True)
+                for e in range(5)]
+    layout_type = laid_out[0][0]
+    weights = [weight for _, weight in laid_out]
+    runs = [3, 0, 9, 1, 4]
+    x = torch.from_numpy(activations(sum(runs), cols, seed=7))
+    got = torch.ops.crane_mp.gguf_grouped_linear_int8(x, weights, runs, layout_type, cols)
+    start = 0
+    for weight, count in zip(weights, runs):
+        want = torch.ops.crane_mp.gguf_linear_int8(x[start : start + count], weight, layout_type, cols)
+        torch.testing.assert_close(got[start : start + count], want, rtol=0, atol=0)
+        start += count
+    assert torch.equal(kernels.grouped_matmul(x, weights, runs, layout_type, cols, int8=True), got)
+    with pytest.raises(RuntimeError, match="the runs hold 17 rows, x 16"):
+        torch.ops.crane_mp.gguf_grouped_linear_int8(x[:16], weights, runs, layout_type, cols)

@@ -1,6 +1,8 @@
 // Matmuls on GGUF-quantized weights with 8-bit activations (CPU), the scheme llama.cpp computes with:
 //
 //   gguf_linear_int8(x [M, K] float32|bf16, w [N, row_bytes] uint8, qtype, K) -> [M, N] in x's dtype
+//   gguf_grouped_linear_int8(x [R, K], ws [N, row_bytes] uint8 each, rows, qtype, K) -> [R, N]: run i of
+//                            rows[i] rows of x times ws[i] (a mixture's experts)
 //   gguf_quantize_activations(x [M, K] float32, qtype) -> (q int8 [M, K], d float32 [M, K / B],
 //                                                          sums int16 [M, K / 16])           (tests)
 //
@@ -467,6 +469,56 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }
 
+// Experts of a mixture: x's rows [R, K] in runs, run i of rows[i] rows multiplied by ws[i] (every one
+// [N, row_bytes] of type qtype) -> [R, N]. The activations are quantized once, and the threads share
+// out every run's tiles in one pass, so two cores stream different experts' weights at once instead
+// of meeting after each small matrix.
+at::Tensor gguf_grouped_linear_int8(const at::Tensor& x_in, at::TensorList ws, at::IntArrayRef rows, int64_t qtype,
+                                    int64_t K) {
+  TORCH_CHECK(ws.size() == rows.size() && !ws.empty(), "gguf_grouped_linear_int8: one weight per run of rows");
+  for (const at::Tensor& w : ws) {
+    check_int8_weight(w, qtype, K);
+    TORCH_CHECK(w.sizes() == ws[0].sizes(), "gguf_grouped_linear_int8: the runs' weights must be alike");
+  }
+  const int64_t block = block_of(qtype);
+  const at::Tensor x = as_float(x_in, K, "gguf_grouped_linear_int8");
+  const int64_t R = x.size(0), N = ws[0].size(0), row_bytes = ws[0].size(1), runs = ws.size();
+  std::vector<int64_t> first(runs + 1, 0);
+  for (int64_t i = 0; i < runs; ++i) {
+    TORCH_CHECK(rows[i] >= 0, "gguf_grouped_linear_int8: negative run");
+    first[i + 1] = first[i] + rows[i];
+  }
+  TORCH_CHECK(first[runs] == R, "gguf_grouped_linear_int8: the runs hold ", first[runs], " rows, x ", R);
+  at::Tensor out = at::empty({R, N}, x.options());
+  if (R == 0 || N == 0) return out.to(x_in.scalar_type());
+  thread_local QuantizedActs buffers;
+  const Acts acts = quantize(x, block, buffers);
+  float* ys = out.data_ptr<float>();
+  const GroupDotFn group_fn = group_dot(qtype);
+  const bool grouped = group_fn != nullptr;
+  const DotFn full = grouped ? nullptr : dot_for<kRowGroup>(qtype);
+  const DotFn tail[kRowGroup] = {nullptr, grouped ? nullptr : dot_for<1>(qtype), grouped ? nullptr : dot_for<2>(qtype),
+                                 grouped ? nullptr : dot_for<3>(qtype)};
+  const int64_t unit = grouped ? group_rows(qtype) : 1, per_call = grouped ? rows_per_call(qtype) : kRowGroup;
+  const int64_t tile = unit * std::max<int64_t>(1, kTileBytes / (row_bytes * unit));
+  const int64_t tiles = (N + tile - 1) / tile;
+  at::parallel_for(0, runs * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t run = t / tiles, n0 = (t % tiles) * tile, n1 = std::min(N, n0 + tile);
+      const uint8_t* src = ws[run].data_ptr<uint8_t>();
+      for (int64_t m0 = first[run]; m0 < first[run + 1]; m0 += per_call) {
+        const int64_t count = std::min(per_call, first[run + 1] - m0);
+        if (grouped) {
+          groups_tile(src, row_bytes, unit, per_call, group_fn, acts, m0, m0 + count, n0, n1, N, ys);
+        } else {
+          rows_tile(src, row_bytes, count == kRowGroup ? full : tail[count], acts, m0, count, n0, n1, N, ys);
+        }
+      }
+    }
+  });
+  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_activations(const at::Tensor& x_in, int64_t qtype) {
   const int64_t block = block_of(qtype);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % block == 0, "x must be [M, K] with K a multiple of ", block);
@@ -488,4 +540,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_activations(const a
 TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
   m.def("gguf_linear_int8(Tensor x, Tensor w, int qtype, int K) -> Tensor", &gguf_linear_int8);
   m.def("gguf_quantize_activations(Tensor x, int qtype) -> (Tensor, Tensor, Tensor)", &gguf_quantize_activations);
+  m.def("gguf_grouped_linear_int8(Tensor x, Tensor[] ws, int[] rows, int qtype, int K) -> Tensor",
+        &gguf_grouped_linear_int8);
 }

@@ -25,8 +25,8 @@ EXPERT_PROJECTIONS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_pro
 
 
 class RoutedExperts(nn.Module):
-    """A layer's experts, each run once over the rows routed to it; subclasses hold the weights
-    (`gate_up`, `down`: one expert's projections of some rows)."""
+    """A layer's experts, each run once over the rows routed to it; subclasses hold the weights and
+    `run` the experts over their rows."""
 
     def __init__(self, num_experts: int, intermediate_size: int, act: Callable[[torch.Tensor], torch.Tensor],
                  ops: Any = None) -> None:
@@ -36,12 +36,6 @@ class RoutedExperts(nn.Module):
         self.act = act
         self.ops = ops if act is F.silu else None  # the fused SiLU*mul
 
-    def gate_up(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def down(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; ids, weights [T, k]: each token's experts and their weights -> [T, hidden]."""
         k = ids.shape[1]
@@ -49,16 +43,14 @@ class RoutedExperts(nn.Module):
         order = flat.argsort(stable=True)  # pairs by expert, each expert's in token order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // k
-        rows = x.index_select(0, tokens)
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                end = start + count
-                out[start:end] = self.down(expert, self._activate(self.gate_up(expert, rows[start:end])))
-                start = end
+        active = [expert for expert, count in enumerate(counts) if count]
+        out = self.run(x.index_select(0, tokens), active, [counts[expert] for expert in active])
         out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
         return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def run(self, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+        """Each expert of `experts` over its run of `rows` (counts[i] rows each, in order)."""
+        raise NotImplementedError
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
@@ -101,11 +93,14 @@ class Experts(RoutedExperts):
         return {f"{param}#{expert}.{projection}" for expert in range(self.num_experts)
                 for projection, (target, _) in EXPERT_PROJECTIONS.items() if target == param}
 
-    def gate_up(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(rows, self.gate_up_proj[expert])
-
-    def down(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(rows, self.down_proj[expert])
+    def run(self, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in zip(experts, counts):
+            hidden = self._activate(F.linear(rows[start : start + count], self.gate_up_proj[expert]))
+            out[start : start + count] = F.linear(hidden, self.down_proj[expert])
+            start += count
+        return out
 
 
 def route(logits: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -214,9 +214,8 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
         hidden, width, count = config.hidden_size, dense.intermediate_size, dense.num_experts
         gate, up, down = (tensors.experts_laid_out(n, count, lambda rows, n=n, k=k: laid_out(n, rows, k, int8))
                           for n, k in zip(names, (hidden, hidden, width)))
-        _replace(model, ours, GGUFExperts(
-            width, [GGUFLinear(hidden, [gate[e], up[e]], None, kernels, int8) for e in range(count)],
-            [GGUFLinear(width, [down[e]], None, kernels, int8) for e in range(count)], dense.act, dense.ops))
+        _replace(model, ours, GGUFExperts(hidden, width, [[gate[e], up[e]] for e in range(count)], down, kernels, int8,
+                                          dense.act, dense.ops))
         consumed.update(names)
         bar.update(len(names))
     embed_type = tensors.qtype("token_embd.weight")

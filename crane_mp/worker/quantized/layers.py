@@ -49,20 +49,31 @@ class GGUFLinear(nn.Module):
 
 
 class GGUFExperts(RoutedExperts):
-    """A layer's experts over GGUF-quantized weights: one GGUFLinear per expert for its gate and up
-    projections (two parts, as a dense layer's gate_up_proj), one for its down projection."""
+    """A layer's experts over GGUF-quantized weights, each expert's gate and up rows (one matrix where
+    the file gives them one type) and its down rows as `kernels` lay them out; a step's experts go
+    through the kernels' grouped matmul, one call per projection."""
 
-    def __init__(self, intermediate_size: int, gate_up: list[GGUFLinear], down: list[GGUFLinear], act,
-                 ops=None) -> None:
-        super().__init__(len(gate_up), intermediate_size, act, ops)
-        self.gate_up_proj = nn.ModuleList(gate_up)
-        self.down_proj = nn.ModuleList(down)
+    def __init__(self, hidden_size: int, intermediate_size: int, gate_up: list[list[tuple[int, torch.Tensor]]],
+                 down: list[tuple[int, torch.Tensor]], kernels: TorchGGUF, int8: bool, act, ops=None) -> None:
+        super().__init__(len(down), intermediate_size, act, ops)
+        self.hidden_size, self.kernels, self.int8 = hidden_size, kernels, int8
+        if len({qtype for qtype, _ in gate_up[0]}) == 1:  # gate and up alike: one matrix per expert
+            gate_up = [[(parts[0][0], torch.cat([weight for _, weight in parts]))] for parts in gate_up]
+        self.gate_up_types = [qtype for qtype, _ in gate_up[0]]
+        self.down_type = down[0][0]
+        self._gate_up = [[weight for _, weight in parts] for parts in zip(*gate_up)]  # [part][expert]
+        self._down = [weight for _, weight in down]
+        for index, weights in enumerate([*self._gate_up, self._down]):
+            for expert, weight in enumerate(weights):
+                self.register_buffer(f"qweight_{index}_{expert}", weight)
 
-    def gate_up(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        return self.gate_up_proj[expert](rows)
-
-    def down(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        return self.down_proj[expert](rows)
+    def run(self, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+        parts = [self.kernels.grouped_matmul(rows, [weights[e] for e in experts], counts, qtype, self.hidden_size,
+                                             self.int8)
+                 for qtype, weights in zip(self.gate_up_types, self._gate_up)]
+        hidden = self._activate(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+        return self.kernels.grouped_matmul(hidden, [self._down[e] for e in experts], counts, self.down_type,
+                                           self.intermediate_size, self.int8)
 
 
 class GGUFEmbedding(nn.Module):

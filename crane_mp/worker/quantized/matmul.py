@@ -19,7 +19,6 @@ import logging
 import torch
 from gguf import GGMLQuantizationType
 
-from crane_mp.worker.platforms.device import is_device_fault
 from crane_mp.worker.quantized.formats import INT8_TYPES, Q4_K_X8, Q4_K_X16, Q6_K_X8, Q6_K_X16, Q8_0_X8, dequantize
 
 log = logging.getLogger(__name__)
@@ -58,6 +57,17 @@ class TorchGGUF:
             torch.mm(x, dense.T, out=out[:, start : start + dense.shape[0]])
         return out
 
+    def grouped_matmul(self, x: torch.Tensor, weights: list[torch.Tensor], rows: list[int], qtype: int,
+                       in_features: int, int8: bool = False) -> torch.Tensor:
+        """A mixture's experts: x's rows in runs, run i of rows[i] rows times weights[i] (alike in shape
+        and type) -> [sum(rows), N] in x's dtype."""
+        out = x.new_empty(x.shape[0], weights[0].shape[0])
+        start = 0
+        for weight, count in zip(weights, rows):
+            out[start : start + count] = self.matmul(x[start : start + count], weight, qtype, in_features, int8)
+            start += count
+        return out
+
     def dequantize_slab(self, weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(weight, qtype, in_features).to(dtype)
 
@@ -93,6 +103,14 @@ class NativeGGUF(TorchGGUF):
             return torch.ops.crane_mp.gguf_linear_int8(x, weight, qtype, in_features)
         return torch.ops.crane_mp.gguf_linear(x, weight, qtype, in_features)
 
+    def grouped_matmul(self, x: torch.Tensor, weights: list[torch.Tensor], rows: list[int], qtype: int,
+                       in_features: int, int8: bool = False) -> torch.Tensor:
+        """With 8-bit activations, one kernel call for every run: the activations quantized once, both
+        cores on the experts' tiles at once."""
+        if int8 and qtype in INT8_TYPES and x.dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.crane_mp.gguf_grouped_linear_int8(x, weights, rows, qtype, in_features)
+        return super().grouped_matmul(x, weights, rows, qtype, in_features, int8)
+
     def dequantize_rows(self, weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
         return torch.ops.crane_mp.gguf_dequantize(weight, qtype, in_features)
 
@@ -111,6 +129,9 @@ class TritonGGUF(TorchGGUF):
     def _fall_back(self, err: Exception) -> None:
         """A compile or launch error: torch ops from now on. Running out of memory is not the kernel's
         fault, and after a device fault nothing runs: those propagate."""
+        # Imported here: the platforms package imports this module.
+        from crane_mp.worker.platforms.device import is_device_fault
+
         if isinstance(err, torch.OutOfMemoryError) or is_device_fault(err):
             raise err
         self.failed = True
