@@ -39,6 +39,10 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; ids, weights [T, k]: each token's experts and their weights -> [T, hidden]."""
         k = ids.shape[1]
+        if ids.shape[0] == 1:  # one token (a lone decode): its experts in order, its row once each
+            experts, order = ids[0].sort()
+            out = self.run(x.expand(k, -1).contiguous(), experts.tolist(), [1] * k)
+            return (out * weights[0].index_select(0, order).to(out.dtype)[:, None]).sum(0, keepdim=True)
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # pairs by expert, each expert's in token order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()

@@ -92,12 +92,26 @@ class _Tensors:
         qtype, out = layout(self._rows(name))
         return qtype, self._owned(out)
 
-    def experts_laid_out(self, name: str, experts: int, layout) -> list[tuple[int, torch.Tensor]]:
-        """laid_out for each expert's matrix of a stacked tensor [experts, rows, columns]."""
-        rows = self._rows(name)
-        per_expert = rows.shape[0] // experts
-        parts = [layout(rows[expert * per_expert : (expert + 1) * per_expert]) for expert in range(experts)]
-        return [(qtype, self._owned(out)) for qtype, out in parts]
+    def experts_laid_out(self, names: list[str], experts: int, layout) -> tuple[int, torch.Tensor]:
+        """Stacked tensors [experts, rows, columns] of one type, each expert's rows laid out (layout(name,
+        rows)) and its parts side by side: (type, [experts, rows of every part, row bytes]) in one
+        allocation."""
+        out = None
+        for expert in range(experts):
+            laid = []
+            for name in names:
+                rows = self._rows(name)
+                per_expert = rows.shape[0] // experts
+                laid.append(layout(name, rows[expert * per_expert : (expert + 1) * per_expert]))
+            qtype = laid[0][0]
+            if out is None:
+                out = torch.empty((experts, sum(part.shape[0] for _, part in laid), laid[0][1].shape[1]),
+                                  dtype=torch.uint8, device=laid[0][1].device)
+            start = 0
+            for _, part in laid:  # copy_, not torch.cat(out=): cat copies bytes one at a time
+                out[expert, start : start + part.shape[0]].copy_(part)
+                start += part.shape[0]
+        return qtype, out
 
     def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone() if self._file is not None and self._file.holds(tensor) else tensor
@@ -212,9 +226,15 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
         ours = f"model.layers.{layer}.mlp.experts"
         dense = model.get_submodule(ours)
         hidden, width, count = config.hidden_size, dense.intermediate_size, dense.num_experts
-        gate, up, down = (tensors.experts_laid_out(n, count, lambda rows, n=n, k=k: laid_out(n, rows, k, int8))
-                          for n, k in zip(names, (hidden, hidden, width)))
-        _replace(model, ours, GGUFExperts(hidden, width, [[gate[e], up[e]] for e in range(count)], down, kernels, int8,
+
+        def layout(name: str, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
+            return laid_out(name, rows, width if "down" in name else hidden, int8)
+
+        # Gate and up as one matrix per expert where the file gives them one type (one kernel call).
+        gate_up = ([names[:2]] if tensors.qtype(names[0]) == tensors.qtype(names[1]) else [names[:1], names[1:2]])
+        _replace(model, ours, GGUFExperts(hidden, width, [tensors.experts_laid_out(part, count, layout)
+                                                          for part in gate_up],
+                                          tensors.experts_laid_out(names[2:], count, layout), kernels, int8,
                                           dense.act, dense.ops))
         consumed.update(names)
         bar.update(len(names))

@@ -49,23 +49,22 @@ class GGUFLinear(nn.Module):
 
 
 class GGUFExperts(RoutedExperts):
-    """A layer's experts over GGUF-quantized weights, each expert's gate and up rows (one matrix where
-    the file gives them one type) and its down rows as `kernels` lay them out; a step's experts go
-    through the kernels' grouped matmul, one call per projection."""
+    """A layer's experts over GGUF-quantized weights: per projection part, every expert's rows as
+    `kernels` lay them out, in one tensor [experts, rows, row bytes] (gate and up one part where the
+    file gives them one type); a step's experts go through the kernels' grouped matmul, one call per
+    part. One allocation per part lies in 2 MiB pages (prefer_huge_pages), which a step's experts
+    stream faster than 1-2 MB tensors of their own."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, gate_up: list[list[tuple[int, torch.Tensor]]],
-                 down: list[tuple[int, torch.Tensor]], kernels: TorchGGUF, int8: bool, act, ops=None) -> None:
-        super().__init__(len(down), intermediate_size, act, ops)
+    def __init__(self, hidden_size: int, intermediate_size: int, gate_up: list[tuple[int, torch.Tensor]],
+                 down: tuple[int, torch.Tensor], kernels: TorchGGUF, int8: bool, act, ops=None) -> None:
+        super().__init__(down[1].shape[0], intermediate_size, act, ops)
         self.hidden_size, self.kernels, self.int8 = hidden_size, kernels, int8
-        if len({qtype for qtype, _ in gate_up[0]}) == 1:  # gate and up alike: one matrix per expert
-            gate_up = [[(parts[0][0], torch.cat([weight for _, weight in parts]))] for parts in gate_up]
-        self.gate_up_types = [qtype for qtype, _ in gate_up[0]]
-        self.down_type = down[0][0]
-        self._gate_up = [[weight for _, weight in parts] for parts in zip(*gate_up)]  # [part][expert]
-        self._down = [weight for _, weight in down]
-        for index, weights in enumerate([*self._gate_up, self._down]):
-            for expert, weight in enumerate(weights):
-                self.register_buffer(f"qweight_{index}_{expert}", weight)
+        self.gate_up_types = [qtype for qtype, _ in gate_up]
+        self.down_type = down[0]
+        for index, (_, stack) in enumerate([*gate_up, down]):
+            self.register_buffer(f"qweight_{index}", stack)
+        self._gate_up = [list(stack.unbind()) for _, stack in gate_up]  # [part][expert]: the kernels' views
+        self._down = list(down[1].unbind())
 
     def run(self, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         parts = [self.kernels.grouped_matmul(rows, [weights[e] for e in experts], counts, qtype, self.hidden_size,
