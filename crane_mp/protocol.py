@@ -244,6 +244,8 @@ class StepResult(msgspec.Struct, array_like=True, tag=True):
     pooled: list[PooledOutput] = []  # embedding requests whose prompt completed (their token is a placeholder)
     cut_short_req_ids: list[int] = []
     seconds: float = 0.0  # the worker's time on this step (forward and sampling): the scheduler's pacing
+    # A mixture of experts: the step's tokens routed to each expert, summed over its layers (none: no experts).
+    expert_tokens: list[int] = []
 
 
 # ---- frontend -> scheduler ----------------------------------------------------------------------
@@ -352,6 +354,7 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True):
     prefix_cache_hits: int = 0  # of those, tokens found
     num_cached_blocks: int = 0
     step_age: float = 0.0  # seconds the oldest step in flight has run (0: none); the watchdog's probe
+    expert_tokens: list[int] = []  # tokens routed to each expert so far, summed over the layers (/metrics)
 
 
 class ControlReply(msgspec.Struct, array_like=True, tag=True):

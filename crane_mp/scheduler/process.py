@@ -139,6 +139,8 @@ class SchedulerLoop:
             outputs = self.scheduler.update(message)
             now = time.monotonic()
             self.counters.on_step(outputs, now - self.step_started)
+            if message.expert_tokens:
+                self.counters.on_routing(message.expert_tokens)
             self.step_started = now  # the next step in flight started when this one ended
             self.emit(outputs)
         elif isinstance(message, GenerateRequest):

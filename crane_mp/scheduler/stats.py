@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from crane_mp.protocol import EngineStats, TokenOutput
 from crane_mp.scheduler.scheduler import Scheduler
@@ -15,6 +15,7 @@ class EngineCounters:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     decode_tokens_per_sec: float = 0.0  # exponential moving average over busy steps
+    expert_tokens: list[int] = field(default_factory=list)  # tokens routed to each expert, summed over layers
 
     def on_request(self, num_prompt_tokens: int) -> None:
         self.total_requests += 1
@@ -30,6 +31,13 @@ class EngineCounters:
             self.decode_tokens_per_sec = rate if not self.decode_tokens_per_sec else (
                 0.9 * self.decode_tokens_per_sec + 0.1 * rate
             )
+
+    def on_routing(self, step_counts: list[int]) -> None:
+        """Add a step's tokens per expert (StepResult.expert_tokens)."""
+        if len(self.expert_tokens) < len(step_counts):
+            self.expert_tokens.extend([0] * (len(step_counts) - len(self.expert_tokens)))
+        for expert, count in enumerate(step_counts):
+            self.expert_tokens[expert] += count
 
     def snapshot(self, scheduler: Scheduler, token: int, step_age: float = 0.0,
                  awaiting_grammar: int = 0) -> EngineStats:
@@ -51,4 +59,5 @@ class EngineCounters:
             prefix_cache_hits=scheduler.prefix_cache_hits,
             num_cached_blocks=scheduler.pool.num_cached_blocks,
             step_age=round(step_age, 3),
+            expert_tokens=list(self.expert_tokens),
         )

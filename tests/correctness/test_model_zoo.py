@@ -104,6 +104,24 @@ def test_experts_load_from_the_stacked_names_transformers_keeps_in_memory(zoo, f
     assert eng.generate(prompts, GREEDY) == expected
 
 
+def test_each_step_reports_the_tokens_it_routed_to_each_expert(zoo):
+    """/metrics' load balance: a step's tokens per expert (StepResult.expert_tokens) add up to every
+    token the step computed, top_k times in each layer with experts (qwen3_moe's zoo: 3 of 4)."""
+    path, prompts, expected = zoo("qwen3_moe")
+    eng = engine(path, "auto", max_num_seqs=8, max_num_batched_tokens=16)
+    runner = eng.worker.runner
+    results = []
+    execute = runner.execute
+    runner.execute = lambda plan: results.append(execute(plan)) or results[-1]
+    assert eng.generate(prompts, GREEDY) == expected
+    routed = [sum(result.expert_tokens) for result in results]
+    computed = sum(len(prompt) + NUM_TOKENS - 1 for prompt in prompts)
+    layout = eng.worker.model_config.layout
+    sparse = sum(layout.sparse(layer) for layer in range(eng.worker.model_config.num_hidden_layers))
+    assert sparse == 3 and sum(routed) == computed * layout.experts.top_k * sparse
+    assert all(len(result.expert_tokens) == layout.experts.num_experts for result in results if result.expert_tokens)
+
+
 def test_lora_adapters_on_experts_are_refused_by_name(zoo):
     path, _, _ = zoo("qwen3_moe")
     with pytest.raises(ValueError, match=r"LoRA adapters for qwen3_moe \(mixture-of-experts layers\)"):

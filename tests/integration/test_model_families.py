@@ -37,6 +37,7 @@ def test_generate_gives_transformers_greedy_tokens(tmp_path, family, impl):
                                                           "ignore_eos": True}}
         answers = requests.post(server.url + "/generate", json=body, timeout=120).json()
         info = requests.get(server.url + "/server_info", timeout=10).json()
+        metrics = requests.get(server.url + "/metrics", timeout=10).text
     finally:
         assert server.stop() == 0
     assert [a["output_ids"] for a in answers] == greedy(path, prompts)
@@ -44,8 +45,11 @@ def test_generate_gives_transformers_greedy_tokens(tmp_path, family, impl):
     ready = next(line for line in (tmp_path / "server.log").read_text().splitlines() if "ready in" in line)
     if impl == "transformers":
         assert "arch=ernie4_5(transformers backend: slower than native)" in ready
-    elif family == "qwen3_moe":
+    elif family == "qwen3_moe":  # /metrics: the load balance over its 8 experts, 2 a token in 3 of 4 layers
         assert "arch=qwen3_moe " in ready
+        routed = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("crane:expert_tokens_total{")]
+        assert len(routed) == 8 and sum(routed) == sum(len(p) + NUM_TOKENS - 1 for p in prompts) * 2 * 3
     else:  # its sliding layers (6-token windows) in KV groups of their own, which keep only their windows
         assert f"arch={family.removesuffix('_text')} " in ready and "sliding windows" in ready
         assert sorted(set(info["kv_windows"])) == [0, 6]

@@ -148,3 +148,9 @@ class _EngineCollector:
             family = CounterMetricFamily(metric, doc, labels=_LABELS)
             family.add_metric(names, value)
             yield family
+        if s.expert_tokens:  # a mixture of experts' load balance
+            family = CounterMetricFamily("crane:expert_tokens", "Tokens routed to each expert of the mixture-of-"
+                                         "experts layers, summed over the layers.", labels=[*_LABELS, "expert"])
+            for expert, count in enumerate(s.expert_tokens):
+                family.add_metric([*names, str(expert)], count)
+            yield family

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,19 +36,26 @@ class RoutedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.act = act
         self.ops = ops if act is F.silu else None  # the fused SiLU*mul
+        # Tokens routed to each expert since the runner last read them (its routing table's row), or None.
+        self.routed: np.ndarray | None = None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; ids, weights [T, k]: each token's experts and their weights -> [T, hidden]."""
         k = ids.shape[1]
         if ids.shape[0] == 1:  # one token (a lone decode): its experts in order, its row once each
             experts, order = ids[0].sort()
-            out = self.run(x.expand(k, -1).contiguous(), experts.tolist(), [1] * k)
+            chosen = experts.tolist()
+            if self.routed is not None:
+                self.routed[chosen] += 1
+            out = self.run(x.expand(k, -1).contiguous(), chosen, [1] * k)
             return (out * weights[0].index_select(0, order).to(out.dtype)[:, None]).sum(0, keepdim=True)
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # pairs by expert, each expert's in token order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // k
         active = [expert for expert, count in enumerate(counts) if count]
+        if self.routed is not None:
+            self.routed += counts
         out = self.run(x.index_select(0, tokens), active, [counts[expert] for expert in active])
         out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
         return torch.zeros_like(x).index_add_(0, tokens, out)
@@ -105,6 +113,18 @@ class Experts(RoutedExperts):
             out[start : start + count] = F.linear(hidden, self.down_proj[expert])
             start += count
         return out
+
+
+def routing_table(model: nn.Module) -> np.ndarray | None:
+    """Per mixture-of-experts layer of `model`, the tokens routed to each of its experts: a table whose
+    rows the layers count into (None for a model without experts). Read and zeroed by the runner."""
+    layers = [module for module in model.modules() if isinstance(module, RoutedExperts)]
+    if not layers:
+        return None
+    table = np.zeros((len(layers), max(layer.num_experts for layer in layers)), dtype=np.int64)
+    for row, layer in zip(table, layers):
+        layer.routed = row[: layer.num_experts]
+    return table
 
 
 def route(logits: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:

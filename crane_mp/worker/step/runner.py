@@ -33,6 +33,7 @@ from crane_mp.protocol import (
 )
 from crane_mp.worker.cache.attention import SeqSpan, build_metadata, group_spans
 from crane_mp.worker.models.layers import CausalLM
+from crane_mp.worker.models.moe import routing_table
 from crane_mp.worker.models.mrope_tables import mrope_columns, mrope_cos_sin
 from crane_mp.worker.models.rope import rope_tables
 from crane_mp.worker.platforms import Platform
@@ -109,6 +110,7 @@ class ModelRunner:
                                                 [self._kv_shape(attn) for attn in layers])
         for attn, (group, _) in zip(layers, self.kv_groups.layer_slots):
             attn.kv_group = group
+        self.routing = routing_table(self.model)  # tokens per expert of a mixture of experts (/metrics)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """`num_blocks` for the scheduler, and one spare block past them for padded decode-graph rows (and
@@ -203,6 +205,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
         self._apply_plan(plan)
+        if self.routing is not None:  # what profiling and warm-up steps routed is not served traffic
+            self.routing.fill(0)
         scheduled = [s for s in plan.scheduled if s.req_id not in self.failed]
         result = StepResult(plan.step_id, [], [])
         if scheduled:
@@ -222,6 +226,9 @@ class ModelRunner:
         eos = self.config.eos_token_ids
         result.cut_short_req_ids = [req_id for req_id, token in zip(result.req_ids, result.token_ids)
                                     if token in eos and self.requests[req_id].sampling.cut_short]
+        if self.routing is not None:
+            totals = self.routing.sum(axis=0)
+            result.expert_tokens = totals.tolist() if totals.any() else []
         result.seconds = time.perf_counter() - started
         return result
 
