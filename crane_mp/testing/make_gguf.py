@@ -40,7 +40,10 @@ def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def pick_type(name: str, cols: int, wanted: str) -> int:
-    """The type llama-quantize would give this matrix under `wanted`, with its fallbacks."""
+    """The type llama-quantize would give this matrix under `wanted`, with its fallbacks (a mixture of
+    experts' router stays float32, as llama-quantize leaves it)."""
+    if "ffn_gate_inp" in name:
+        return T.F32
     if wanted in MIXES:
         base, high = MIXES[wanted]
         qtype = high if any(part in name for part in ("attn_v", "ffn_down", "output.")) else base

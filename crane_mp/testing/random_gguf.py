@@ -126,6 +126,9 @@ def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch:
             continue
         rows, cols = meta.shape
         chosen = pick_type(name, cols, qtype)
+        if chosen == T.F32:  # a router, kept in float32: logits of about unit size
+            writer.add_tensor(name, (rng.standard_normal((rows, cols)) * cols**-0.5).astype(np.float32))
+            continue
         if chosen not in _SCALES:
             raise ValueError(f"{name}: random blocks are written for Q8_0, Q4_K and Q6_K only, not {T(chosen).name}")
         blocks = random_blocks(rows, cols, chosen, rng)

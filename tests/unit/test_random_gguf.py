@@ -61,3 +61,26 @@ def test_every_token_of_a_random_file_prints(tmp_path, monkeypatch):
     for tokens in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)):
         for token in tokens:  # greedy never lands on a token that prints nothing alone
             assert tokenizer.decode([token], skip_special_tokens=True).strip("\ufffd "), token
+
+
+def test_a_random_mixture_of_experts_file_keeps_its_experts_quantized(tmp_path, monkeypatch):
+    """The Qwen3-30B-A3B shape's writer at a small size: llama.cpp's stacked expert tensors in Q4_K and
+    Q6_K, the router in float32 (as llama-quantize leaves it), served through the quantized experts."""
+    from crane_mp.testing import random_gguf as module
+    from crane_mp.worker.quantized.layers import GGUFExperts
+
+    model_type, shape = module.MOE_SHAPES["qwen3-30b-a3b"]
+    small = {**shape, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+             "vocab_size": 8192, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256}
+    monkeypatch.setitem(module.MOE_SHAPES, "qwen3-30b-a3b", (model_type, small))
+    path = random_gguf(tmp_path / "moe.gguf", "qwen3-30b-a3b", "Q4_K_M", layers=2)
+    types = {t.name: T(t.tensor_type).name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["blk.1.ffn_gate_exps.weight"] == "Q4_K" and types["blk.1.ffn_down_exps.weight"] == "Q6_K"
+    assert types["blk.1.ffn_gate_inp.weight"] == "F32"
+    engine = LLMEngine(EngineConfig(model_path=str(path), max_model_len=128, force_cpu=True))
+    assert engine.worker.model_config.arch == "qwen3_moe"
+    assert isinstance(engine.worker.runner.model.model.layers[1].mlp.experts, GGUFExperts)
+    assert engine.worker.kv_plan.weights_bytes <= 1.05 * engine.worker.weights_file_bytes
+    out = engine.generate([[5, 6, 7], list(range(40, 70))], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                            ignore_eos=True))
+    assert [len(tokens) for tokens in out] == [4, 4]
