@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import time
 
 import aiohttp
 import numpy as np
@@ -159,11 +158,11 @@ def test_bad_images_are_400s_naming_the_part_and_no_url_is_fetched_unless_allowe
         for name, url in cases.items():
             parts = content([0]) + [{"type": "image_url", "image_url": {"url": url}}]
             body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 2}
-            started = time.monotonic()
             resp = requests.post(server.url + "/v1/chat/completions", json=body, timeout=30)
             assert resp.status_code == 400, (name, resp.text)
-            assert time.monotonic() - started < 1.0, name
             assert "messages[0].content[3]" in resp.json()["error"]["message"], (name, resp.text)
+            if name == "50 megapixels":  # refused by its header's size, before any pixel is decoded
+                assert "pixels" in resp.json()["error"]["message"], resp.text
         ok = requests.post(server.url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": content([1])}], "max_tokens": 2})
         assert ok.status_code == 200  # the server kept serving

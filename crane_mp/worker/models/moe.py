@@ -22,7 +22,8 @@ from crane_mp.models.layouts import ExpertLayout
 from crane_mp.worker.models.checkpoint import fill
 
 # A per-expert checkpoint tensor's projection -> (our stacked parameter, which of its row halves).
-EXPERT_PROJECTIONS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
+EXPERT_PROJECTIONS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                      "down_proj": ("down_proj", None)}
 
 
 class RoutedExperts(nn.Module):
