@@ -1,6 +1,8 @@
 """A wheel of crane-mp, installed into a fresh virtual environment outside the repository, builds and
-loads its native kernels (every source and header ships), one cache entry per CPU tier, also past
-the lock file of a build that was killed."""
+loads its native kernels (every source and header ships) for the lowest CPU tier, into a cache entry
+named by the tier, also past the lock file of a build that was killed. (One tier: every source and
+header compiles in each; a build takes a minute on two cores, and CI's second pass builds its tier
+again beside the first.)"""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from crane_mp.config import CPU_ISAS
 from crane_mp.worker.kernels.cpu_isa import host_isa
 from crane_mp.worker.kernels.loader import build_name, compiler_identity
 
@@ -42,7 +43,7 @@ def test_installed_wheel_builds_its_kernels_per_tier(tmp_path):
     [site] = (venv / "lib").glob("python*/site-packages")
     (site / "outer-environment.pth").write_text("\n".join(_site_dirs()) + "\n")
 
-    tiers = [t for t in ("avx2", "avx512") if CPU_ISAS.index(t) <= CPU_ISAS.index(host_isa())]
+    tiers = ["avx2"]
     # A build killed half-way leaves torch's lock file behind; the next start must not wait on it forever.
     stale = tmp_path / "cache" / "kernels" / build_name(tiers[0], *compiler_identity()) / "lock"
     stale.parent.mkdir(parents=True)
