@@ -96,13 +96,10 @@ class _Tensors:
         """Stacked tensors [experts, rows, columns] of one type, each expert's rows laid out (layout(name,
         rows)) and its parts side by side: (type, [experts, rows of every part, row bytes]) in one
         allocation."""
+        stacks = [(name, self._rows(name).unflatten(0, (experts, -1))) for name in names]  # each expert's rows
         out = None
         for expert in range(experts):
-            laid = []
-            for name in names:
-                rows = self._rows(name)
-                per_expert = rows.shape[0] // experts
-                laid.append(layout(name, rows[expert * per_expert : (expert + 1) * per_expert]))
+            laid = [layout(name, rows[expert]) for name, rows in stacks]
             qtype = laid[0][0]
             if out is None:
                 out = torch.empty((experts, sum(part.shape[0] for _, part in laid), laid[0][1].shape[1]),
