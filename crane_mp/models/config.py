@@ -91,7 +91,6 @@ _RECURRENT_MODEL_TYPES = frozenset({
 # Model types whose attention our paged attention does not compute as transformers does: the backend
 # would serve wrong tokens (found with tiny checkpoints of each).
 _BACKEND_GAPS = {
-    "gpt_oss": "attention sinks (a learned logit per head beside the keys)",
     "deepseek_v2": "multi-head latent attention (keys and values of other shapes than the queries')",
     "deepseek_v3": "multi-head latent attention (keys and values of other shapes than the queries')",
 }

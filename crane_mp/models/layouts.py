@@ -29,6 +29,11 @@ class ExpertLayout:
     shared_intermediate_size: int = 0  # an expert every token goes through besides (Qwen2-MoE); 0: none
     shared_gate: bool = False  # the shared expert's output scaled by sigmoid of a learned gate per token
     dense_layers: tuple[int, ...] = ()  # layers whose MLP is a dense one of the config's intermediate size
+    bias: bool = False  # the router and each expert's projections add a bias (gpt-oss)
+    # gpt-oss's SwiGLU: gate clamped above at `swiglu_limit`, up within +-limit, out = (up + 1) *
+    # gate * sigmoid(swiglu_alpha * gate); None: act(gate) * up.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +72,9 @@ class DecoderLayout:
     per_layer_input_size: int = 0  # Gemma 4's per-layer input embeddings: their width per layer (0: none)
     per_layer_input_vocab: int = 0  # and the rows of their table
     experts: ExpertLayout | None = None  # mixture-of-experts MLPs (every layer but experts.dense_layers)
+    # A learned logit per query head beside the keys' (gpt-oss): it takes its share of the softmax and
+    # adds nothing to the output.
+    attention_sinks: bool = False
 
     def window(self, layer: int, sliding_window: int | None) -> int | None:
         """Layer `layer`'s attention window (None: it sees every earlier key)."""
@@ -158,6 +166,15 @@ def _granite_moe(hf_config: Any, head_dim: int) -> DecoderLayout:
     experts = ExpertLayout(hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size,
                            router="topk_softmax")
     return dataclasses.replace(_granite(hf_config, head_dim), experts=experts)
+
+
+def _gpt_oss(hf_config: Any, head_dim: int) -> DecoderLayout:
+    """gpt-oss: sliding and global layers with attention sinks; experts with biases, the top k logits
+    softmaxed, and a clamped SwiGLU."""
+    experts = ExpertLayout(hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size,
+                           router="topk_softmax", bias=True, swiglu_limit=float(hf_config.swiglu_limit),
+                           swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)))
+    return DecoderLayout(layer_types=_layer_types(hf_config), experts=experts, attention_sinks=True)
 
 
 def _layer_types(hf_config: Any) -> tuple[str, ...]:
@@ -271,6 +288,7 @@ FAMILY_LAYOUTS: dict[str, Callable[[Any, int], DecoderLayout]] = {
     "cohere2": _cohere2, "granite": _granite, "smollm3": _smollm3, "phi3": _phi3, "glm4": _glm4,
     "seed_oss": _seed_oss, "granite4": _granite4, "qwen2": _qwen, "qwen3": _qwen,
     "qwen2_moe": _qwen_moe, "qwen3_moe": _qwen_moe, "mixtral": _mixtral, "olmoe": _mixtral, "granitemoe": _granite_moe,
+    "gpt_oss": _gpt_oss,
 }
 
 

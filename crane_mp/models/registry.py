@@ -147,6 +147,8 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  tensor_parallel=False, full_width_qk_norms=True, experts=True),
     Architecture("granitemoe", "granite.GraniteMoeForCausalLM", ("GraniteMoeForCausalLM",), "granitemoe", "granitemoe",
                  gguf_permuted_qk=True, tensor_parallel=False, experts=True),
+    Architecture("gpt_oss", "gpt_oss.GptOssForCausalLM", ("GptOssForCausalLM",), "gpt_oss", "gpt-oss",
+                 tensor_parallel=False, experts=True),
     # Any other causal LM transformers can run, through its own modeling code (--model-impl).
     Architecture(TRANSFORMERS, "transformers_backend.TransformersCausalLM", (), "", "", reads_gguf=False),
 )}

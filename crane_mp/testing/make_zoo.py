@@ -76,6 +76,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
     "granitemoe": {"num_local_experts": 8, "num_experts_per_tok": 2, "embedding_multiplier": 3.0,
                    "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 2.0},
+    # gpt-oss: attention sinks, yarn rope; experts with biases behind a clamped SwiGLU.
+    "gpt_oss": {"num_local_experts": 8, "num_experts_per_tok": 2, "layer_types": _MIXED, "sliding_window": WINDOW,
+                "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 64,
+                                    "rope_theta": 150000.0}},
     # No native implementation: served by the transformers backend.
     "ernie4_5": {"use_bias": False},
     # Granite 4 dense (granite-4.0-micro): the hybrid family's config with attention in every layer.

@@ -81,7 +81,7 @@ def test_each_2026_family_runs_natively_with_transformers_greedy_tokens(zoo, fam
     assert eng.generate(prompts, GREEDY) == expected
 
 
-MOE = ["granitemoe", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+MOE = ["gpt_oss", "granitemoe", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("family", MOE)

@@ -34,7 +34,7 @@ from crane_mp.worker.models.layers import CausalLM
 
 FAMILIES_2026 = ["gemma2", "gemma3", "gemma4", "phi3", "olmo2", "olmo3", "smollm3", "granite", "granite4", "glm4",
                  "cohere2", "exaone4", "seed_oss"]
-MOE_FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "granitemoe"]
+MOE_FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss"]
 
 
 def test_the_lookups_are_the_ones_the_four_tables_held():
@@ -44,7 +44,7 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                                   "xlm-roberta": "xlm-roberta", "qwen2_5_vl": "qwen2_5_vl", "whisper": "whisper",
                                   **{name: name for name in FAMILIES_2026 + MOE_FAMILIES}, "gemma3_text": "gemma3",
                                   "gemma4_text": "gemma4", "granitemoehybrid": "granite4", "granitehybrid": "granite4",
-                                  "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+                                  "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                           "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
                           "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
@@ -55,7 +55,7 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                           **{cls: name for name in FAMILIES_2026 for cls in ARCHITECTURES[name].hf_classes},
                           "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
                           "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe",
-                          "GraniteMoeForCausalLM": "granitemoe"}
+                          "GraniteMoeForCausalLM": "granitemoe", "GptOssForCausalLM": "gpt_oss"}
     assert [ARCHITECTURES[name].hf_classes for name in FAMILIES_2026] == [
         ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("Phi3ForCausalLM",),
@@ -71,7 +71,7 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
         "phi3": ("phi3", "phi3"), "glm4": ("glm4", "glm4"), "cohere2": ("cohere2", "cohere2"),
         "exaone4": ("exaone4", "exaone4"), "seed_oss": ("seed_oss", "seed_oss"),
         "qwen2moe": ("qwen2_moe", "qwen2_moe"), "qwen3moe": ("qwen3_moe", "qwen3_moe"), "olmoe": ("olmoe", "olmoe"),
-        "granitemoe": ("granitemoe", "granitemoe")}
+        "granitemoe": ("granitemoe", "granitemoe"), "gpt-oss": ("gpt_oss", "gpt_oss")}
     # llama.cpp's LlamaModel converters permute
     assert PERMUTED_QK_ARCHS == {"llama", "smollm3", "granite", "granitemoe"}
     assert GGUF_ARCH == {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -80,7 +80,7 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                          "cohere2": "cohere2", "olmo3": "olmo2", "smollm3": "smollm3", "granite": "granite",
                          "granitemoehybrid": "granitehybrid", "exaone4": "exaone4", "seed_oss": "seed_oss",
                          "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
-                         "granitemoe": "granitemoe"}
+                         "granitemoe": "granitemoe", "gpt_oss": "gpt-oss"}
 
 
 NATIVE = sorted(set(ARCHITECTURES) - {TRANSFORMERS})
@@ -164,7 +164,7 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
                                                     r"causal LM for it"):
         model_config_from_hf(unknown)
     with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
-                                            r"cohere2, exaone4, gemma2, gemma3, gemma4, glm4, granite, granitehybrid, "
+                                            r"cohere2, exaone4, gemma2, gemma3, gemma4, glm4, gpt-oss, granite, granitehybrid, "
                                             r"granitemoe, hunyuan-dense, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, "
                                             r"qwen3, qwen3moe, seed_oss, smollm3\)"):
         read_shape({"general.architecture": "gpt2"}, {}, tmp_path / "m.gguf")
@@ -273,7 +273,7 @@ class MyLlama(CausalLM):
     """A model class outside crane_mp/worker/models, as a plugin package would hold it."""
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
 def test_attention_our_kernels_do_not_compute_is_refused_by_name_not_served_wrong(model_type):
     config = SimpleNamespace(architectures=["X"], model_type=model_type)
     with pytest.raises(UnsupportedModelError, match=rf"model_type '{model_type}': .* is not computed by our paged "

@@ -225,17 +225,22 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KH, D], written into the cache here, or None when the caller already
     wrote them (the fused CPU kernel). Returns [T, H * D]. `window`: this layer's sliding window (a
     query sees the keys less than `window` positions back); `softcap`: its attention logits go
-    through softcap * tanh(logits / softcap) (Gemma 2), in the Triton kernels or the torch math path."""
+    through softcap * tanh(logits / softcap) (Gemma 2), in the Triton kernels or the torch math path;
+    `sinks` [H]: a logit per head that joins the softmax with no value (gpt-oss), in the native decode
+    kernel or the torch math path (the Triton kernels do not take them: the runner picks "torch")."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     if k is not None:
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if meta.backend == "triton":
+        if sinks is not None:
+            raise NotImplementedError("attention sinks need the torch attention backend on CUDA")
         return _triton_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     outputs = []
 
@@ -243,7 +248,7 @@ def paged_attention(
     if num_decodes and meta.backend == "native" and softcap is None:
         out = torch.ops.crane_mp.paged_decode_attention(
             q[:num_decodes].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens,
-            scale, window or 0,
+            scale, window or 0, None if sinks is None else sinks.float(),
         )  # [num_decodes, H, D]
         outputs.append(out.view(num_decodes, num_heads * head_dim))
     elif num_decodes:
@@ -251,11 +256,13 @@ def paged_attention(
         qd = q[:num_decodes].view(num_decodes, kv_heads, num_heads // kv_heads, head_dim)
         kd = _gather(k_cache, meta.decode_block_tables).to(q.dtype)
         vd = _gather(v_cache, meta.decode_block_tables).to(q.dtype)
-        out = _attend(qd, kd, vd, meta.decode_mask(window), scale, softcap)
+        decode_sinks = None if sinks is None else sinks.view(1, kv_heads, num_heads // kv_heads, 1)
+        out = _attend(qd, kd, vd, meta.decode_mask(window), scale, softcap, decode_sinks)
         outputs.append(out.reshape(num_decodes, num_heads * head_dim))
 
     if meta.num_prefills:
         qp = q[num_decodes:]
+        prefill_sinks = None if sinks is None else sinks.view(1, num_heads, 1, 1)
         if meta.prefill_is_fresh_single:
             if k is None:  # already in the cache: read this prefill's rows back
                 slots = meta.slot_mapping[num_decodes:]
@@ -265,10 +272,10 @@ def paged_attention(
                 kp, vp = k[num_decodes:], v[num_decodes:]
             # 4-D inputs: with 3-D ones SDPA falls back to its math backend (5-10x slower on CPU).
             qp, kp, vp = qp.transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None]
-            if (window is None or window >= qp.shape[2]) and softcap is None:
+            if (window is None or window >= qp.shape[2]) and softcap is None and sinks is None:
                 out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                out = _attend(qp, kp, vp, _fresh_mask(meta, qp.shape[2], window), scale, softcap)
+                out = _attend(qp, kp, vp, _fresh_mask(meta, qp.shape[2], window), scale, softcap, prefill_sinks)
             outputs.append(out[0].transpose(0, 1).reshape(-1, num_heads * head_dim))  # out: [1, H, T, D]
         else:
             batch, max_q = meta.num_prefills, meta.max_prefill_q
@@ -276,7 +283,8 @@ def paged_attention(
             # Gathered in the cache's dtype (half the bytes of a float copy when it is 16-bit), then widened.
             kp = _gather(k_cache, meta.prefill_block_tables).to(q.dtype)
             vp = _gather(v_cache, meta.prefill_block_tables).to(q.dtype)
-            out = _attend(qs.transpose(1, 2), kp, vp, meta.prefill_mask(window), scale, softcap)  # [B, H, max_q, D]
+            out = _attend(qs.transpose(1, 2), kp, vp, meta.prefill_mask(window), scale, softcap,
+                          prefill_sinks)  # [B, H, max_q, D]
             out = out.transpose(1, 2).reshape(batch * max_q, num_heads * head_dim)
             outputs.append(out.index_select(0, meta.prefill_valid_index))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
@@ -292,17 +300,25 @@ def _fresh_mask(meta: AttentionMetadata, length: int, window: int | None) -> tor
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-            softcap: float | None) -> torch.Tensor:
+            softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [B, H, Q, D] over k, v [B, KH, K, D] (H a multiple of KH) under an additive mask.
     With `softcap`, the logits are capped as transformers' eager attention does (scaled, capped, masked,
-    softmax), all in float32: tanh flattens 16-bit logits into ties."""
-    if softcap is None:
+    softmax), all in float32: tanh flattens 16-bit logits into ties. `sinks` (broadcast to [B, H, Q, 1]):
+    one more logit per query, softmaxed with the keys' and dropped before the values."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     logits = torch.matmul(q, k.transpose(2, 3)).float() * scale
-    logits = torch.tanh(logits / softcap) * softcap + mask
-    return torch.matmul(torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits + mask
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.float().expand(*logits.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -8,6 +8,7 @@
 //   k/v_cache    [NB, BS, KH, D]    the cache's own dtype (float32, bfloat16 or float16), read as stored
 //   block_tables [B, MAXB] int64    key j of sequence b sits in block_tables[b][j / BS], row j % BS
 //   ctx_lens     [B] int64          keys 0 .. ctx_lens[b]-1 (window: only the last `window` of them)
+//   sinks        [H] optional       a logit per query head the softmax takes with no value row (gpt-oss)
 //   out          [B, H, D]          same dtype as q
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -160,7 +161,7 @@ inline void value_rows(const cache_t* rows, int64_t stride, int64_t count, const
 template <typename scalar_t, typename cache_t, int64_t HEAD_DIM>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& ctx_lens, at::Tensor& out,
-                           double scale, int64_t window) {
+                           double scale, int64_t window, const float* sinks) {
   const int64_t B = q.size(0), H = q.size(1);
   const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : q.size(2);
   const int64_t BS = k_cache.size(1), KH = k_cache.size(2);
@@ -215,10 +216,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
 
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
-        float mx = -std::numeric_limits<float>::infinity();
+        // A sink (gpt-oss) is one more logit in the softmax, with no value row.
+        const float sink = sinks != nullptr ? sinks[kh * G + g] : -std::numeric_limits<float>::infinity();
+        float mx = sink;
 #pragma omp simd reduction(max : mx)
         for (int64_t j = 0; j < n; ++j) mx = sg[j] > mx ? sg[j] : mx;
-        float sum = 0.f;
+        float sum = sinks != nullptr ? std::exp(sink - mx) : 0.f;
         // Vectorised exp (glibc's libmvec): a scalar exp per score would dominate the whole kernel.
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; ++j) {
@@ -243,20 +246,26 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
-                                  int64_t window) {
+                                  int64_t window, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong, "int64 tables");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
   at::Tensor out = at::empty_like(q);
   const at::Tensor tables = block_tables.contiguous(), lens = ctx_lens.contiguous();
+  at::Tensor sink_logits;
+  if (sinks.has_value()) {
+    sink_logits = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink_logits.numel() == q.size(1), "one sink per query head");
+  }
+  const float* sink_ptr = sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr;
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "keys and values must share one cache dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     crane_mp::dispatch_kv(k_cache.scalar_type(), [&](auto tag) {
       using cache_t = decltype(tag);
       switch (q.size(2)) {
-        case 64: decode_attention_impl<scalar_t, cache_t, 64>(q, k_cache, v_cache, tables, lens, out, scale, window); break;
-        case 128: decode_attention_impl<scalar_t, cache_t, 128>(q, k_cache, v_cache, tables, lens, out, scale, window); break;
-        default: decode_attention_impl<scalar_t, cache_t, 0>(q, k_cache, v_cache, tables, lens, out, scale, window);
+        case 64: decode_attention_impl<scalar_t, cache_t, 64>(q, k_cache, v_cache, tables, lens, out, scale, window, sink_ptr); break;
+        case 128: decode_attention_impl<scalar_t, cache_t, 128>(q, k_cache, v_cache, tables, lens, out, scale, window, sink_ptr); break;
+        default: decode_attention_impl<scalar_t, cache_t, 0>(q, k_cache, v_cache, tables, lens, out, scale, window, sink_ptr);
       }
     });
   });
@@ -267,5 +276,5 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor ctx_lens, "
-        "float scale, int window) -> Tensor", &paged_decode_attention);
+        "float scale, int window, Tensor? sinks=None) -> Tensor", &paged_decode_attention);
 }

@@ -186,6 +186,9 @@ class PagedSelfAttention(nn.Module):
         self.fused_sizes = {"qkv_proj": [self.q_size, self.kv_size] + ([] if self.values_are_keys else [self.kv_size])}
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.fused_sizes["qkv_proj"]), bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        # gpt-oss: each query head's sink logit (DecoderLayout.attention_sinks), this rank's heads.
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if layout.attention_sinks \
+            else None
         self.k_cache: torch.Tensor | None = None  # bound by the runner: [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
         self.kv_group = 0  # which KV group's block tables the layer reads (set by the runner)
@@ -224,7 +227,7 @@ class PagedSelfAttention(nn.Module):
                 meta.slot_mapping, self.k_cache, self.v_cache, self.num_heads,
             )
             out = paged_attention(q, None, None, self.k_cache, self.v_cache, meta, self.scale, self.window,
-                                  self.softcap)
+                                  self.softcap, self.sinks)
         else:
             out = self._attend_unfused(qkv, ctx)
         projected = self.o_proj(out)
@@ -268,7 +271,7 @@ class PagedSelfAttention(nn.Module):
             qk = self._qk_norm(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.attn_of(self), self.scale, self.window,
-                               self.softcap)  # [T, H * D]
+                               self.softcap, self.sinks)  # [T, H * D]
 
 
 # The norms of each block kind, in the order the block applies them (DecoderLayout.block); a family

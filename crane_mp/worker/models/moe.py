@@ -30,13 +30,21 @@ class RoutedExperts(nn.Module):
     """A layer's experts, each run once over the rows routed to it; subclasses hold the weights and
     `run` the experts over their rows."""
 
-    def __init__(self, num_experts: int, intermediate_size: int, act: Callable[[torch.Tensor], torch.Tensor],
-                 ops: Any = None) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 act: Callable[[torch.Tensor], torch.Tensor], ops: Any = None, layout: ExpertLayout | None = None,
+                 ) -> None:
+        """`layout`: where the experts add biases or clamp their SwiGLU (gpt-oss); None: neither."""
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.act = act
-        self.ops = ops if act is F.silu else None  # the fused SiLU*mul
+        self.swiglu = None if layout is None or layout.swiglu_limit is None else (layout.swiglu_limit,
+                                                                                  layout.swiglu_alpha)
+        self.ops = ops if act is F.silu and self.swiglu is None else None  # the fused SiLU*mul
+        bias = layout is not None and layout.bias
+        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size), requires_grad=False) \
+            if bias else None
+        self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False) if bias else None
         # Tokens routed to each expert since the runner last read them (its routing table's row), or None.
         self.routed: np.ndarray | None = None
 
@@ -63,13 +71,39 @@ class RoutedExperts(nn.Module):
 
     def run(self, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         """Each expert of `experts` over its run of `rows` (counts[i] rows each, in order)."""
+        gate_up = self.project_gate_up(rows, experts, counts)
+        if self.gate_up_bias is not None:
+            gate_up += _bias_rows(self.gate_up_bias, experts, counts)
+        out = self.project_down(self._activate(gate_up), experts, counts)
+        if self.down_bias is not None:
+            out += _bias_rows(self.down_bias, experts, counts)
+        return out
+
+    def project_gate_up(self, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+        """Each expert's gate and up projections of its rows: [rows, 2 x intermediate], gates first."""
+        raise NotImplementedError
+
+    def project_down(self, hidden: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         raise NotImplementedError
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
             return self.ops.silu_and_mul(gate_up)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.act(gate) * up
+        if self.swiglu is None:
+            return self.act(gate) * up
+        limit, alpha = self.swiglu  # transformers' order of operations, for its float32 tokens
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _bias_rows(bias: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+    """Each row's expert's bias, for rows grouped by expert (counts[i] of experts[i] each)."""
+    chosen = bias[experts]
+    if len(counts) == sum(counts):
+        return chosen
+    return chosen.repeat_interleave(torch.tensor(counts, device=bias.device), dim=0)
 
 
 class Experts(RoutedExperts):
@@ -77,8 +111,9 @@ class Experts(RoutedExperts):
     [experts, hidden, intermediate]."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 act: Callable[[torch.Tensor], torch.Tensor], ops: Any = None) -> None:
-        super().__init__(num_experts, intermediate_size, act, ops)
+                 act: Callable[[torch.Tensor], torch.Tensor], ops: Any = None, layout: ExpertLayout | None = None,
+                 ) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size, act, ops, layout)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
@@ -106,14 +141,21 @@ class Experts(RoutedExperts):
         return {f"{param}#{expert}.{projection}" for expert in range(self.num_experts)
                 for projection, (target, _) in EXPERT_PROJECTIONS.items() if target == param}
 
-    def run(self, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, count in zip(experts, counts):
-            hidden = self._activate(F.linear(rows[start : start + count], self.gate_up_proj[expert]))
-            out[start : start + count] = F.linear(hidden, self.down_proj[expert])
-            start += count
-        return out
+    def project_gate_up(self, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+        return _per_expert(self.gate_up_proj, rows, experts, counts)
+
+    def project_down(self, hidden: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+        return _per_expert(self.down_proj, hidden, experts, counts)
+
+
+def _per_expert(weights: torch.Tensor, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+    """rows @ weights[expert].T, each expert over its run of rows."""
+    out = rows.new_empty(rows.shape[0], weights.shape[1])
+    start = 0
+    for expert, count in zip(experts, counts):
+        out[start : start + count] = F.linear(rows[start : start + count], weights[expert])
+        start += count
+    return out
 
 
 def routing_table(model: nn.Module) -> np.ndarray | None:
@@ -148,8 +190,9 @@ class SparseMoE(nn.Module):
                  ops: Any = None, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.layout = layout
-        self.gate = nn.Linear(hidden_size, layout.num_experts, bias=False)
-        self.experts: RoutedExperts = Experts(layout.num_experts, hidden_size, layout.intermediate_size, act, ops)
+        self.gate = nn.Linear(hidden_size, layout.num_experts, bias=layout.bias)
+        self.experts: RoutedExperts = Experts(layout.num_experts, hidden_size, layout.intermediate_size, act, ops,
+                                              layout)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if layout.shared_gate else None
 

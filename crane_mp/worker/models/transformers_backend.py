@@ -28,14 +28,15 @@ ATTENTION_NAME = "crane_paged"
 
 def _paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+                     sliding_window: int | None = None, softcap: float | None = None,
+                     s_aux: torch.Tensor | None = None, **kwargs):
     """transformers' attention-function signature: query [1, H, T, D], key/value [1, KH, T, D];
-    returns ([1, T, H, D], no weights)."""
+    returns ([1, T, H, D], no weights). `s_aux`: gpt-oss's attention sinks."""
     _, num_heads, num_tokens, head_dim = query.shape
     scale = scaling if scaling is not None else head_dim**-0.5
     out = paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                           module.k_cache, module.v_cache, get_forward_context().attn_of(module), scale, sliding_window,
-                          softcap or None)
+                          softcap or None, s_aux)
     return out.view(1, num_tokens, num_heads, head_dim), None
 
 

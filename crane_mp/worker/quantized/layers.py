@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from crane_mp.models.layouts import ExpertLayout
 from crane_mp.worker.models.moe import RoutedExperts
 from crane_mp.worker.quantized.matmul import TorchGGUF
 
@@ -56,8 +57,9 @@ class GGUFExperts(RoutedExperts):
     stream faster than 1-2 MB tensors of their own."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, gate_up: list[tuple[int, torch.Tensor]],
-                 down: tuple[int, torch.Tensor], kernels: TorchGGUF, int8: bool, act, ops=None) -> None:
-        super().__init__(down[1].shape[0], intermediate_size, act, ops)
+                 down: tuple[int, torch.Tensor], kernels: TorchGGUF, int8: bool, act, ops=None,
+                 layout: ExpertLayout | None = None) -> None:
+        super().__init__(down[1].shape[0], hidden_size, intermediate_size, act, ops, layout)
         self.hidden_size, self.kernels, self.int8 = hidden_size, kernels, int8
         self.gate_up_types = [qtype for qtype, _ in gate_up]
         self.down_type = down[0]
@@ -66,11 +68,13 @@ class GGUFExperts(RoutedExperts):
         self._gate_up = [list(stack.unbind()) for _, stack in gate_up]  # [part][expert]: the kernels' views
         self._down = list(down[1].unbind())
 
-    def run(self, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+    def project_gate_up(self, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         parts = [self.kernels.grouped_matmul(rows, [weights[e] for e in experts], counts, qtype, self.hidden_size,
                                              self.int8)
                  for qtype, weights in zip(self.gate_up_types, self._gate_up)]
-        hidden = self._activate(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def project_down(self, hidden: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         return self.kernels.grouped_matmul(hidden, [self._down[e] for e in experts], counts, self.down_type,
                                            self.intermediate_size, self.int8)
 
