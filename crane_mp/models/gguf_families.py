@@ -11,7 +11,7 @@ from crane_mp.models.layouts import FULL, SLIDING
 
 # llama.cpp's sliding-window pattern where a file has no attention.sliding_window_pattern: every
 # n-th layer global (llama_hparams::set_swa_pattern).
-_SWA_PATTERN = {"gemma3": 6, "gemma2": 2, "cohere2": 4}
+_SWA_PATTERN = {"gemma3": 6, "gemma2": 2, "cohere2": 4, "gpt-oss": 2}
 _DEFAULT_WINDOW = {"gemma2": 4096}  # Gemma 2's files may not say; every Gemma 2 slides
 _NO_ROPE_STEP = {"smollm3": 4}  # every 4th layer without rope (llama.cpp's n_no_rope_layer_step)
 # The 27B Gemmas scale queries by hidden / heads, not head_dim; llama.cpp knows them by layer count.
@@ -81,6 +81,8 @@ def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict,
         fields.pop("layer_types", None)  # Phi-3's window is every layer's
     if gguf_arch == "gemma4":
         fields |= _gemma4_fields(shape, meta, tensors, rope_factors.get("rope_freqs.weight"))
+    if gguf_arch == "gpt-oss":
+        fields["rope_parameters"] = _yarn(shape, key)
     if gguf_arch == "seed_oss":
         fields["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
     return fields
@@ -115,6 +117,14 @@ def _gemma4_fields(shape, meta: dict[str, Any], tensors: dict, rope_freqs: list[
         and shape.layer_ffn[first_shared] == 2 * shape.ffn,
         "final_logit_softcapping": meta.get("gemma4.final_logit_softcapping"),
     }
+
+
+def _yarn(shape, key) -> dict[str, Any]:
+    """gpt-oss's yarn rope, its correction range not rounded to whole dims (the checkpoints' truncate:
+    false); llama.cpp's converter writes the betas."""
+    return {"rope_type": "yarn", "rope_theta": shape.rope_base, **shape.rope_scaling,
+            "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
 
 
 # Whether the top k routing weights are rescaled to sum to 1, as llama.cpp computes each architecture

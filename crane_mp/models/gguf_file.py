@@ -268,7 +268,7 @@ def _layer_shapes(shape: GGUFShape, layer: int, row, names: dict[str, str]) -> d
         "attn_k_norm.weight": (head_dim,), "post_attention_norm.weight": (hidden,),
         "post_ffw_norm.weight": (hidden,), "ffn_gate.weight": (ffn, hidden),
         "ffn_up.weight": (ffn, hidden), "ffn_down.weight": (hidden, ffn),
-        "ffn_gate.bias": (ffn,), "ffn_up.bias": (ffn,), "ffn_down.bias": (hidden,),
+        "ffn_gate.bias": (ffn,), "ffn_up.bias": (ffn,), "ffn_down.bias": (hidden,), "attn_sinks.weight": (shape.heads,),
     }
     if row.full_width_qk_norms:  # OLMo 2: one norm over all heads
         dims |= {"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)}
@@ -283,7 +283,9 @@ def _layer_shapes(shape: GGUFShape, layer: int, row, names: dict[str, str]) -> d
         dims["layer_output_scale.weight"] = (1,)
     if shape.experts:
         experts, width, shared = shape.experts, shape.expert_ffn, shape.shared_expert_ffn
-        dims |= {"ffn_gate_inp.weight": (experts, hidden), "ffn_gate_exps.weight": (experts, width, hidden),
+        dims |= {"ffn_gate_inp.weight": (experts, hidden), "ffn_gate_inp.bias": (experts,),
+                 "ffn_gate_exps.weight": (experts, width, hidden), "ffn_gate_exps.bias": (experts, width),
+                 "ffn_up_exps.bias": (experts, width), "ffn_down_exps.bias": (experts, hidden),
                  "ffn_up_exps.weight": (experts, width, hidden), "ffn_down_exps.weight": (experts, hidden, width),
                  "ffn_gate_shexp.weight": (shared, hidden), "ffn_up_shexp.weight": (shared, hidden),
                  "ffn_down_shexp.weight": (hidden, shared), "ffn_gate_inp_shexp.weight": (1, hidden)}

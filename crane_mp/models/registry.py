@@ -73,6 +73,9 @@ _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 _GLM4_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_self_attn_layernorm"),
               ("ffn_norm", "post_attention_layernorm"), ("post_ffw_norm", "post_mlp_layernorm"),
               *_PROJECTIONS[:4], ("ffn_up", "mlp.gate_up_proj"), ("ffn_down", "mlp.down_proj"))
+# gpt-oss: a norm before attention and one after, the attention sinks; its MLPs are experts alone.
+_GPT_OSS_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                 *_PROJECTIONS[:4], ("attn_sinks", "self_attn.sinks"))
 # Cohere's parallel block has one norm.
 _PARALLEL_GGUF = (("attn_norm", "input_layernorm"), *_PROJECTIONS)
 # Phi-3's files keep its fused projections fused, as its checkpoints do.
@@ -148,7 +151,7 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture("granitemoe", "granite.GraniteMoeForCausalLM", ("GraniteMoeForCausalLM",), "granitemoe", "granitemoe",
                  gguf_permuted_qk=True, tensor_parallel=False, experts=True),
     Architecture("gpt_oss", "gpt_oss.GptOssForCausalLM", ("GptOssForCausalLM",), "gpt_oss", "gpt-oss",
-                 tensor_parallel=False, experts=True),
+                 tensor_parallel=False, gguf_layer_names=_GPT_OSS_GGUF, experts=True),
     # Any other causal LM transformers can run, through its own modeling code (--model-impl).
     Architecture(TRANSFORMERS, "transformers_backend.TransformersCausalLM", (), "", "", reads_gguf=False),
 )}
@@ -222,7 +225,7 @@ GGUF_EXPERT_NAMES = {
 GGUF_SHARED_EXPERT_NAMES = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")
 _DENSE_MLP_NAMES = ("ffn_gate", "ffn_up", "ffn_down")
 # Checkpoint tensors that are a layer's own buffer, not a module's weight (a file names them `.weight`).
-BARE_LAYER_TENSORS = frozenset({"layer_scalar"})  # Gemma 4's
+BARE_LAYER_TENSORS = frozenset({"layer_scalar", "self_attn.sinks"})  # Gemma 4's, gpt-oss's
 GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
                      # Gemma 4's per-layer input embeddings
                      "per_layer_token_embd": "model.embed_tokens_per_layer",
@@ -280,7 +283,7 @@ def gguf_name(hf_name: str, arch: str | None = None) -> str:
     """A Hugging Face checkpoint name -> its GGUF tensor name: hf_name's inverse, for architecture
     `arch` (ours), or with None for any that uses GGUF_LAYER_NAMES."""
     stem, _, kind = hf_name.rpartition(".")
-    if kind in BARE_LAYER_TENSORS:
+    if any(hf_name.endswith(f".{bare}") for bare in BARE_LAYER_TENSORS):
         stem, kind = hf_name, "weight"
     if stem in _GGUF_GLOBAL_BY_HF:
         return f"{_GGUF_GLOBAL_BY_HF[stem]}.{kind}"

@@ -62,7 +62,7 @@ MOE_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {"decoder_sp
 # the config says "attention" with no experts per token (as released checkpoints do).
 CONVERTER_ONLY = {"gemma4_text": {}, "granitemoehybrid": {}, "granitemoehybrid-attention": {"num_experts_per_tok": 0},
                   **{family: MOE_OVERRIDES.get(family, {}) for family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
-                                                                           "granitemoe")}}
+                                                                           "granitemoe", "gpt_oss")}}
 LLAMA_CPP = Path(os.environ.get("PEERS", Path.home() / "peers")) / "llama"
 CONVERTER = LLAMA_CPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
 
@@ -154,10 +154,11 @@ def test_llama_cpp_s_own_conversion_of_gemma4_to_q8_0_keeps_its_per_layer_table_
 
 
 @pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss"])
 def test_llama_cpp_s_own_conversion_of_experts_to_q8_0_keeps_them_quantized(tmp_path, family):
     """A Q8_0 file's experts run through the GGUF kernels expert by expert: a layer's output equals the
-    float experts' on the file's dequantized blocks, to the 8-bit activations' rounding."""
+    float experts' on the file's dequantized blocks, to the 8-bit activations' rounding (gpt-oss: with
+    the file's biases and its clamped SwiGLU)."""
     import gguf
 
     from crane_mp.worker.models.moe import Experts
@@ -179,8 +180,12 @@ def test_llama_cpp_s_own_conversion_of_experts_to_q8_0_keeps_them_quantized(tmp_
 
     gate, up, down = blocks("ffn_gate_exps"), blocks("ffn_up_exps"), blocks("ffn_down_exps")
     count, width, hidden = gate.shape
-    dense = Experts(count, hidden, width, quantized.act)
+    layout = engine.worker.model_config.layout.experts
+    dense = Experts(count, hidden, width, quantized.act, layout=layout)
     dense.gate_up_proj.data, dense.down_proj.data = torch.cat([gate, up], 1), down
+    if layout.bias:
+        assert quantized.gate_up_bias.abs().sum() > 0 and quantized.down_bias.abs().sum() > 0
+        dense.gate_up_bias.data, dense.down_bias.data = quantized.gate_up_bias, quantized.down_bias
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, hidden, generator=gen)
     ids = torch.stack([torch.randperm(count, generator=gen)[:2] for _ in range(7)])

@@ -19,7 +19,7 @@ from crane_mp.models.config import ModelConfig
 from crane_mp.models.sharding import Shard
 from crane_mp.worker.cache.attention import paged_attention
 from crane_mp.worker.models.checkpoint import fill
-from crane_mp.worker.models.moe import EXPERT_PROJECTIONS, Experts, SparseMoE
+from crane_mp.worker.models.moe import EXPERT_PROJECTIONS, RoutedExperts, SparseMoE
 from crane_mp.worker.models.rope import apply_rope
 from crane_mp.worker.parallel.tensor_parallel import all_reduce, gather_columns
 from crane_mp.worker.platforms import Platform
@@ -417,7 +417,7 @@ def shard_tensor(shard: Shard, name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 # A per-expert checkpoint tensor: (the experts module, the expert or none for all of them, its projection).
-_EXPERT_WEIGHT = re.compile(rf"(.+\.experts)(?:\.(\d+))?\.({'|'.join(EXPERT_PROJECTIONS)})\.weight")
+_EXPERT_WEIGHT = re.compile(rf"(.+\.experts)(?:\.(\d+))?\.({'|'.join(EXPERT_PROJECTIONS)})\.(weight|bias)")
 
 # HF checkpoint names that we store packed into one fused parameter: name -> (fused name, shard index).
 PACKED_WEIGHTS = {
@@ -512,10 +512,14 @@ class CausalLM(nn.Module):
                 tensor = shard_tensor(self.config.shard, name, tensor)
             expert = _EXPERT_WEIGHT.fullmatch(name)
             if expert is not None:  # one expert's projection, or every expert's (GGUF), into the stacked experts
-                module, index, projection = expert.groups()
+                module, index, projection, kind = expert.groups()
                 experts = self.get_submodule(module)
-                parts = ([experts.load_expert(int(index), projection, tensor, name)] if index is not None
-                         else experts.load_stacked(projection, tensor, name))
+                if kind == "bias":
+                    parts = experts.load_bias(projection, tensor, name)
+                elif index is not None:
+                    parts = [experts.load_expert(int(index), projection, tensor, name)]
+                else:
+                    parts = experts.load_stacked(projection, tensor, name)
                 loaded.update(f"{module}.{part}" for part in parts)
                 continue
             parts = name.split(".")
@@ -541,8 +545,8 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.finalize_weights()
         for prefix, module in self.named_modules():
-            if isinstance(module, Experts):  # a stacked parameter loaded expert by expert is loaded whole
-                for param in ("gate_up_proj", "down_proj"):
+            if isinstance(module, RoutedExperts):  # a stacked parameter loaded in parts is loaded whole
+                for param in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
                     if {f"{prefix}.{part}" for part in module.expected_parts(param)} <= loaded:
                         loaded.add(f"{prefix}.{param}")
         return loaded

@@ -24,6 +24,7 @@ from crane_mp.worker.models.checkpoint import fill
 # A per-expert checkpoint tensor's projection -> (our stacked parameter, which of its row halves).
 EXPERT_PROJECTIONS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                       "down_proj": ("down_proj", None)}
+_BIASES = {"gate_up_proj": "gate_up_bias", "down_proj": "down_bias"}  # a stacked parameter's biases
 
 
 class RoutedExperts(nn.Module):
@@ -68,6 +69,23 @@ class RoutedExperts(nn.Module):
         out = self.run(x.index_select(0, tokens), active, [counts[expert] for expert in active])
         out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
         return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def load_bias(self, projection: str, tensor: torch.Tensor, name: str) -> list[str]:
+        """Fill every expert's `projection` bias from one stacked tensor [experts, rows] (a GGUF file's);
+        returns the part's key, as `expected_parts` names it."""
+        param, half = EXPERT_PROJECTIONS[projection]
+        bias = self.gate_up_bias if param == "gate_up_proj" else self.down_bias
+        if bias is None:
+            raise KeyError(f"checkpoint tensor {name!r}: these experts have no biases")
+        target = bias.data if half is None else bias.data[:, half * self.intermediate_size :
+                                                             (half + 1) * self.intermediate_size]
+        fill(target, tensor, name)
+        return [f"{_BIASES[param]}#{projection}"]
+
+    def expected_parts(self, param: str) -> set[str]:
+        """The keys the load methods return for every part of stacked parameter `param`."""
+        return {f"{param}#{projection}" for projection, (target, _) in EXPERT_PROJECTIONS.items()
+                if _BIASES[target] == param}
 
     def run(self, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         """Each expert of `experts` over its run of `rows` (counts[i] rows each, in order)."""
@@ -137,7 +155,8 @@ class Experts(RoutedExperts):
         return [self.load_expert(expert, projection, tensor[expert], name) for expert in range(self.num_experts)]
 
     def expected_parts(self, param: str) -> set[str]:
-        """The keys load_expert returns for every part of stacked parameter `param`."""
+        if param in _BIASES.values():
+            return super().expected_parts(param)
         return {f"{param}#{expert}.{projection}" for expert in range(self.num_experts)
                 for projection, (target, _) in EXPERT_PROJECTIONS.items() if target == param}
 

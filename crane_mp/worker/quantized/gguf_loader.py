@@ -232,7 +232,7 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
         _replace(model, ours, GGUFExperts(hidden, width, [tensors.experts_laid_out(part, count, layout)
                                                           for part in gate_up],
                                           tensors.experts_laid_out(names[2:], count, layout), kernels, int8,
-                                          dense.act, dense.ops))
+                                          dense.act, dense.ops, config.layout.experts))
         consumed.update(names)
         bar.update(len(names))
     embed_type = tensors.qtype("token_embd.weight")
