@@ -28,7 +28,7 @@ from crane_mp.models.registry import (
 
 # Types served (worker/quantized/formats.py and kernels/gguf_matmul.cpp); ggml's ids.
 SERVED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
-                12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+                12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 39: "MXFP4"}
 FORMATS = ("auto", "safetensors", "gguf")
 
 

@@ -16,7 +16,7 @@ from tests.unit.test_gguf_kernels import quantized, reference
 
 pytestmark = pytest.mark.skipif(kernel_isa() is None, reason="native kernels disabled or not built")
 
-TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 
 
@@ -224,7 +224,7 @@ def test_only_whole_groups_of_eight_rows_are_repacked():
         torch.ops.crane_mp.gguf_repack_q8_0_x8(q8[:12].contiguous(), 64)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0, T.MXFP4])
 def test_grouped_experts_give_each_expert_s_own_matmul(qtype):
     """A mixture's experts in one call: run i of x's rows times weight i equals gguf_linear_int8 of that
     run alone (the same integer sums), for runs of 0 to 9 rows, on the file's rows and repacked ones."""

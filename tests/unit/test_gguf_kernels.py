@@ -17,7 +17,7 @@ from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFLinear
 from crane_mp.worker.quantized.matmul import NativeGGUF, TorchGGUF, TritonGGUF
 
 _K_QUANTIZERS = {T.Q4_K: kquants.quantize_q4_k, T.Q5_K: kquants.quantize_q5_k, T.Q6_K: kquants.quantize_q6_k}
-TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, T.F16, T.BF16, T.F32]
 native = pytest.mark.skipif(kernel_isa() is None, reason="native kernels disabled or not built")
 
 

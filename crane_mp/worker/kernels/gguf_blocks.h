@@ -13,7 +13,7 @@ namespace crane_mp::gguf {
 
 // ggml's type ids (GGMLQuantizationType in the gguf package).
 enum QType : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
-                       Q6_K = 14, BF16 = 30 };
+                       Q6_K = 14, BF16 = 30, MXFP4 = 39 };
 
 struct Layout {
   int64_t block;  // elements per block
@@ -33,6 +33,7 @@ inline Layout layout_of(int64_t qtype) {
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
+    case MXFP4: return {32, 17};
   }
   TORCH_CHECK(false, "gguf: unsupported GGML type ", qtype);
 }
@@ -41,6 +42,19 @@ inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// MXFP4 (gpt-oss's experts): a block is one E8M0 exponent byte e, then 16 bytes of 4-bit codes,
+// element l in the low nibble of byte l (l < 16) or the high nibble of byte l - 16. Weight =
+// kMxfp4Values[code] * 2^(e - 128): the e2m1 values doubled, so that they are integers.
+alignas(16) inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// 2^(e - 128) as a float, exactly (e < 2: a subnormal).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
 }
 
 // The 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K super-block.

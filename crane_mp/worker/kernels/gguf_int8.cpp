@@ -54,7 +54,7 @@ bool k_quant(int64_t qtype) {
 
 bool int8_type(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K:
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: case MXFP4:
     case kQ4KX8: case kQ8_0X8: case kQ6KX8: case kQ4KX16: case kQ6KX16:
       return true;
   }
@@ -173,10 +173,11 @@ constexpr WordMasks kMasks;
 
 // Each kernel: one weight row against activation rows m0 .. m0 + MR - 1; out[m] = row . x[m0 + m].
 
-// Types with 32-element blocks and signed values (Q8_0, Q4_0 as q - 8, Q5_0 as q - 16).
+// Types with 32-element blocks and signed values (Q8_0, Q4_0 as q - 8, Q5_0 as q - 16, MXFP4's codes
+// as their integer values, at most 12 in magnitude).
 template <int MR, int64_t kType>
 void dot_signed32(const uint8_t* row, const Acts& a, int64_t m0, float* out) {
-  constexpr int64_t kBytes = kType == Q8_0 ? 34 : (kType == Q4_0 ? 18 : 22);
+  constexpr int64_t kBytes = kType == Q8_0 ? 34 : (kType == Q4_0 ? 18 : (kType == MXFP4 ? 17 : 22));
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   const int8_t* x = a.q + m0 * a.K;
@@ -188,11 +189,14 @@ void dot_signed32(const uint8_t* row, const Acts& a, int64_t m0, float* out) {
       w = load(row + 2);
     } else if constexpr (kType == Q4_0) {
       w = _mm256_sub_epi8(nibbles32(row + 2), _mm256_set1_epi8(8));
+    } else if constexpr (kType == MXFP4) {
+      const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
+      w = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles32(row + 1));
     } else {
       w = _mm256_sub_epi8(_mm256_or_si256(nibbles32(row + 6), fifth_bits(row + 2)), _mm256_set1_epi8(16));
     }
     const __m256i wabs = _mm256_sign_epi8(w, w);
-    const float dw = half_to_float(row);
+    const float dw = kType == MXFP4 ? e8m0_half(row[0]) : half_to_float(row);
     for (int m = 0; m < MR; ++m) {
       const __m256i p = dot_u8s8(wabs, _mm256_sign_epi8(load(x + m * a.K + 32 * b), w));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[m * a.nb + b]), acc[m]);
@@ -333,6 +337,7 @@ DotFn dot_for(int64_t qtype) {
     case Q8_0: return dot_signed32<MR, Q8_0>;
     case Q4_0: return dot_signed32<MR, Q4_0>;
     case Q5_0: return dot_signed32<MR, Q5_0>;
+    case MXFP4: return dot_signed32<MR, MXFP4>;
     case Q4_1: return dot_offset32<MR, Q4_1>;
     case Q5_1: return dot_offset32<MR, Q5_1>;
     case Q4_K: return dot_qk<MR, false>;

@@ -153,6 +153,45 @@ void gemv_q32(const uint8_t* row, const float* x, const float*, int64_t K, float
   for (int m = 0; m < MR; ++m) out[m] = hsum(acc[m]);
 }
 
+// MXFP4: a block's 32 codes -> their integer values (kMxfp4Values), elements 0-15 in `lo`, 16-31 in `hi`.
+inline void mxfp4_values(const uint8_t* block, __m128i& lo, __m128i& hi) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 1));
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  lo = _mm_shuffle_epi8(table, _mm_and_si128(raw, low4));
+  hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+}
+
+// Lanes j .. j + kLanes - 1 of 16 int8 values, as floats times d.
+inline vf mxfp4_lanes(__m128i values, int j, float d) {
+#if defined(__AVX512F__)
+  (void)j;
+  return scale(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(values)), d);
+#else
+  const __m128i part = j == 0 ? values : _mm_unpackhi_epi64(values, values);
+  return scale(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part)), d);
+#endif
+}
+
+template <int MR>
+void gemv_mxfp4(const uint8_t* row, const float* x, const float*, int64_t K, float* out) {
+  vf acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = zero();
+  for (int64_t b = 0; b < K / 32; ++b, row += 17) {
+    __m128i lo_values, hi_values;
+    mxfp4_values(row, lo_values, hi_values);
+    const float d = e8m0_half(row[0]);
+    for (int j = 0; j < 16; j += kLanes) {
+      const vf lo = mxfp4_lanes(lo_values, j, d), hi = mxfp4_lanes(hi_values, j, d);
+      for (int m = 0; m < MR; ++m) {
+        acc[m] = fmadd(lo, loadf(x + m * K + b * 32 + j), acc[m]);
+        acc[m] = fmadd(hi, loadf(x + m * K + b * 32 + 16 + j), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = hsum(acc[m]);
+}
+
 template <int MR, bool kFive>
 void gemv_qk(const uint8_t* row, const float* x, const float* xsum, int64_t K, float* out) {
   vf acc[MR];
@@ -274,6 +313,18 @@ void dequant_vec_q6_k(const uint8_t* row, float* y, int64_t K) {
   }
 }
 
+void dequant_vec_mxfp4(const uint8_t* row, float* y, int64_t K) {
+  for (int64_t b = 0; b < K / 32; ++b, row += 17, y += 32) {
+    __m128i lo, hi;
+    mxfp4_values(row, lo, hi);
+    const float d = e8m0_half(row[0]);
+    for (int j = 0; j < 16; j += kLanes) {
+      storef(y + j, mxfp4_lanes(lo, j, d));
+      storef(y + 16 + j, mxfp4_lanes(hi, j, d));
+    }
+  }
+}
+
 template <int64_t kType, int64_t kBytes>
 void dequant_vec_q32(const uint8_t* row, float* y, int64_t K) {
   for (int64_t b = 0; b < K / 32; ++b, row += kBytes, y += 32) {
@@ -296,6 +347,7 @@ void dequantize_row_vec(int64_t qtype, const uint8_t* row, float* y, int64_t K) 
     case Q4_K: dequant_vec_qk<false>(row, y, K); return;
     case Q5_K: dequant_vec_qk<true>(row, y, K); return;
     case Q6_K: dequant_vec_q6_k(row, y, K); return;
+    case MXFP4: dequant_vec_mxfp4(row, y, K); return;
   }
 }
 
@@ -312,6 +364,7 @@ GemvFn vector_gemv(int64_t qtype) {
     case Q4_K: return gemv_qk<MR, false>;
     case Q5_K: return gemv_qk<MR, true>;
     case Q6_K: return gemv_q6_k<MR>;
+    case MXFP4: return gemv_mxfp4<MR>;
   }
   return nullptr;
 }

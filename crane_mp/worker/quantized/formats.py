@@ -32,6 +32,7 @@ LAYOUTS: dict[int, BlockLayout] = {
     T.Q4_K: BlockLayout(256, 144),
     T.Q5_K: BlockLayout(256, 176),
     T.Q6_K: BlockLayout(256, 210),
+    T.MXFP4: BlockLayout(32, 17),
 }
 
 # Rows repacked eight (or sixteen) at a time for the 8-bit-activation kernels (kernels/gguf_repack.cpp):
@@ -43,8 +44,10 @@ Q8_0_X8 = 0x10000 + T.Q8_0
 Q4_K_X16 = 0x20000 + T.Q4_K
 Q6_K_X16 = 0x20000 + T.Q6_K
 # Types whose CPU matmuls may run on 8-bit activations (kernels/gguf_int8.cpp); float types never do.
-INT8_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, Q4_K_X8, Q6_K_X8,
+INT8_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, Q4_K_X8, Q6_K_X8,
                        Q8_0_X8, Q4_K_X16, Q6_K_X16})
+# MXFP4's codes as values, doubled to integers (its block scale is then 2^(e - 128)).
+_MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -105,6 +108,10 @@ def _dequantize_blocks(b: torch.Tensor, qtype: int) -> torch.Tensor:
         q = ((low | (high << 4)).float() - 32).reshape(n, 16, 16)
         scales = b[:, 192:208].contiguous().view(torch.int8).float()
         return (_f16(b[:, 208:210]) * scales).unsqueeze(-1).mul(q).reshape(n, 256)
+    if qtype == T.MXFP4:
+        values = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=b.device)
+        q = values[_nibbles(b[:, 1:]).reshape(n, 32).long()]
+        return torch.ldexp(q, b[:, :1].int() - 128)
     raise ValueError(f"no dequantizer for GGML type {qtype}")
 
 
