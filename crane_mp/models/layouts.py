@@ -34,6 +34,7 @@ class ExpertLayout:
     # gate * sigmoid(swiglu_alpha * gate); None: act(gate) * up.
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
+    mxfp4: bool = False  # the checkpoint stores the experts' matrices as MXFP4 blocks, kept so in memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,9 +172,11 @@ def _granite_moe(hf_config: Any, head_dim: int) -> DecoderLayout:
 def _gpt_oss(hf_config: Any, head_dim: int) -> DecoderLayout:
     """gpt-oss: sliding and global layers with attention sinks; experts with biases, the top k logits
     softmaxed, and a clamped SwiGLU."""
+    quantization = getattr(hf_config, "quantization_config", None) or {}
     experts = ExpertLayout(hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size,
                            router="topk_softmax", bias=True, swiglu_limit=float(hf_config.swiglu_limit),
-                           swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)))
+                           swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
+                           mxfp4=quantization.get("quant_method") == "mxfp4")
     return DecoderLayout(layer_types=_layer_types(hf_config), experts=experts, attention_sinks=True)
 
 

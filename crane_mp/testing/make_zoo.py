@@ -11,6 +11,7 @@ Run: python -m crane_mp.testing.make_zoo --family gemma3_text --out DIR
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,36 @@ def _checkpoint_names(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
     except ImportError:  # 4.x: the names in memory are the checkpoint's
         return state
     return {name: tensor.contiguous() for name, tensor in revert_weight_conversion(model, state).items()}
+
+
+def make_mxfp4_experts(model_dir: Path, out: Path) -> Path:
+    """gpt-oss's released form of `model_dir`'s checkpoint (a gpt_oss zoo model) in `out`: its experts'
+    matrices as MXFP4 blocks and scales, the config naming the quantization. `model_dir`'s experts
+    become the blocks' dequantized values: the float reference the MXFP4 checkpoint must match."""
+    from safetensors.torch import load_file
+
+    from crane_mp.worker.quantized.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = load_file(str(model_dir / "model.safetensors"))
+    reference, released = dict(state), {}
+    for name, tensor in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [experts, in, out]
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))
+            released |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+            reference[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
+        else:
+            released[name] = tensor
+    write_weights(reference, model_dir, 1)
+    write_weights(released, out, 1)
+    for item in model_dir.iterdir():
+        if item.is_file() and item.suffix != ".safetensors":
+            (out / item.name).write_bytes(item.read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

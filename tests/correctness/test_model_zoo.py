@@ -20,7 +20,7 @@ from crane_mp.models.config import (
 from crane_mp.models.kv_groups import FULL
 from crane_mp.models.registry import MODEL_TYPE_ALIASES
 from crane_mp.protocol import SamplingParams
-from crane_mp.testing.make_zoo import FAMILIES, WINDOW, build_zoo_config, make_zoo_model
+from crane_mp.testing.make_zoo import FAMILIES, WINDOW, build_zoo_config, make_mxfp4_experts, make_zoo_model
 from tests.model_helpers import (
     ZOO_PROMPT_LENGTHS,
     load_checkpoint,
@@ -102,6 +102,28 @@ def test_experts_load_from_the_stacked_names_transformers_keeps_in_memory(zoo, f
     eng = engine(tmp_path, "native")
     assert eng.worker.model_config.layout.experts is not None
     assert eng.generate(prompts, GREEDY) == expected
+
+
+def test_gpt_oss_mxfp4_experts_stay_mxfp4_and_give_the_dequantized_checkpoint_s_tokens(tmp_path):
+    """The released gpt-oss form: experts as MXFP4 blocks, kept as GGUF MXFP4 rows (17 bytes a block of
+    32). With float activations the kernels multiply the blocks' exact values: transformers' tokens on
+    the dequantized checkpoint; with 8-bit ones, the prompts' first tokens."""
+    from crane_mp.worker.quantized.layers import GGUFExperts
+
+    reference = make_zoo_model("gpt_oss", tmp_path / "reference")
+    released = make_mxfp4_experts(reference, tmp_path / "mxfp4")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in ZOO_PROMPT_LENGTHS]
+    expected = transformers_greedy(reference, prompts, NUM_TOKENS)
+    exact = engine(released, "auto", quantized_activations="float")
+    experts = exact.worker.runner.model.model.layers[0].mlp.experts
+    config = exact.worker.model_config
+    hidden, width = config.hidden_size, config.layout.experts.intermediate_size
+    assert isinstance(experts, GGUFExperts) and experts.gate_up_types == [39] and experts.down_type == 39
+    assert experts.qweight_0.numel() + experts.qweight_1.numel() == 8 * 3 * hidden * width // 32 * 17
+    assert exact.generate(prompts, GREEDY) == expected
+    int8 = engine(released, "auto").generate(prompts, GREEDY)
+    assert [tokens[0] for tokens in int8] == [tokens[0] for tokens in expected]
 
 
 def test_each_step_reports_the_tokens_it_routed_to_each_expert(zoo):

@@ -23,14 +23,27 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return values.flatten(-2)
 
 
+def ggml_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's [..., rows, columns / 32, 16] codes and [..., rows, columns / 32] exponents -> GGUF's
+    MXFP4 rows [..., rows, columns / 32 * 17]: each block its exponent byte, then element l's code in
+    the low nibble of byte l (l < 16) or the high nibble of byte l - 16 (the checkpoint pairs elements
+    2j and 2j + 1 in byte j). The values are the same: GGUF doubles the codes' values and halves the scale."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
+        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not pair")
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., groups, 32] in element order
+    packed = codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2 :] << 4)
+    return torch.cat([scales[..., None], packed], dim=-1).flatten(-2)
+
+
 def quantize_mxfp4(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [..., rows, columns] -> (blocks, scales) whose dequantization is the nearest MXFP4 matrix
-    (each block scaled so its largest value fits 6, then each value rounded to the nearest code)."""
+    (each block's smallest scale at which its largest magnitude fits 6, then each value rounded to the
+    nearest code: no value is clipped)."""
     if weights.shape[-1] % BLOCK:
         raise ValueError(f"MXFP4 needs columns in blocks of {BLOCK}, not {weights.shape[-1]}")
     grouped = weights.float().unflatten(-1, (-1, BLOCK))
     peak = grouped.abs().amax(dim=-1)
-    exponent = torch.where(peak > 0, torch.floor(torch.log2(peak.clamp(min=2.0**-126))) - 2, torch.zeros_like(peak))
+    exponent = torch.where(peak > 0, torch.ceil(torch.log2(peak.clamp(min=2.0**-126) / 6)), torch.zeros_like(peak))
     exponent = exponent.clamp(-127, 127)
     scaled = grouped / torch.ldexp(torch.ones_like(exponent), exponent.int())[..., None]
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)

@@ -9,13 +9,17 @@ from typing import Iterator
 
 import psutil
 import torch
+from gguf import GGMLQuantizationType as T
 
 from crane_mp.models.config import ModelConfig
 from crane_mp.models.gguf_file import ModelSource, check_gguf
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.platforms import Platform
+from crane_mp.worker.models.moe import SparseMoE
+from crane_mp.worker.quantized.formats import LAYOUTS
 from crane_mp.worker.quantized.gguf_loader import load_gguf_model
+from crane_mp.worker.quantized.layers import GGUFExperts
 from crane_mp.worker.weights.cpu_packing import pack_linear_weights, spare_copies_fit
 from crane_mp.worker.weights.load_progress import LoadProgress
 
@@ -58,7 +62,8 @@ def load_model(
     if source.format == "gguf":
         model, types = load_gguf_model(config, source.gguf_file, dtype, platform, progress, int8_activations)
     else:
-        model = load_safetensors_model(config, source.model_dir, dtype, platform, progress, embed_only)
+        model = load_safetensors_model(config, source.model_dir, dtype, platform, progress, embed_only,
+                                       int8_activations)
         types = Counter()
     if platform.pack_bf16_weights(dtype) and getattr(model, "packs_linears", True):
         pack_linear_weights(model, spare=spare_copies_fit(model, psutil.virtual_memory().total),
@@ -68,11 +73,14 @@ def load_model(
 
 def load_safetensors_model(
     config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, platform: Platform, progress: bool = True,
-    embed_only: bool = False,
+    embed_only: bool = False, int8_activations: bool = False,
 ) -> CausalLM:
     """Build the model without initialising it (meta device), then fill every parameter from the checkpoint."""
     model = build_meta_model(config, dtype, platform)
     device = platform.device
+    experts = config.layout.experts
+    if experts is not None and experts.mxfp4:
+        mxfp4_experts(model, platform, int8_activations)
     materialize(model, device)
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -88,6 +96,27 @@ def load_safetensors_model(
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     return model
+
+
+def mxfp4_experts(model: torch.nn.Module, platform: Platform, int8: bool) -> None:
+    """Each mixture's experts as GGUF MXFP4 rows the kernels read (gate and up rows in one stack, down
+    in another), allocated on the device for the loader to fill: an MXFP4 checkpoint's experts stay
+    4.25 bits a weight in memory."""
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, SparseMoE):
+            continue
+        dense, layout = module.experts, module.layout
+        hidden, width, count = module.gate.in_features, layout.intermediate_size, layout.num_experts
+        block = LAYOUTS[T.MXFP4]
+
+        def stack(rows: int, columns: int) -> torch.Tensor:
+            return torch.empty(count, rows, columns // block.block * block.bytes, dtype=torch.uint8,
+                               device=platform.device)
+
+        with torch.device("meta"):  # the biases: allocated with the rest of the model
+            module.experts = GGUFExperts(hidden, width, [(T.MXFP4, stack(2 * width, hidden))],
+                                         (T.MXFP4, stack(hidden, width)), platform.gguf, int8, dense.act,
+                                         dense.ops, layout)
 
 
 def file_tensor_bytes(source: ModelSource) -> int:
