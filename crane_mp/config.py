@@ -22,8 +22,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZED_ACTIVATIONS = ("int8", "float")
 LOG_FORMATS = ("text", "json")
 # frontend/tools/formats.py
-TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "granite", "gemma4", "none")
-REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "seed_oss", "gemma4", "none")  # frontend/serving/reasoning.py
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "granite", "gemma4", "openai", "none")
+REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "seed_oss", "gemma4", "gpt_oss", "openai_gptoss",
+                     "none")  # frontend/serving/reasoning.py
 TASKS = ("auto", "generate", "embed", "score", "transcribe")
 # CPU instruction-set tiers, lowest first; each includes the ones before it (worker/kernels/cpu_isa.py).
 CPU_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")

@@ -60,9 +60,12 @@ class FrontendState:
         added = self.tokenizer.added_vocab
         markers = reasoning_markers(self.config.reasoning_parser, added)
         self.reasoning, self.think_markers = markers is not None, markers or THINK
-        # The tokens that open and close a think block (Gemma 4's open it before the `thought` label).
+        # The tokens that open and close a think block (Gemma 4's open it before the `thought` label);
+        # harmony's analysis message opens with a tag every message has: only its end is counted by.
         start, end = self.think_markers.vocabulary_tokens
         self.think_start_token, self.think_end_token = added.get(start), added.get(end)
+        if self.think_markers.harmony:
+            self.think_start_token, self.think_end_token = None, added.get(self.think_markers.end)
         self.connections = ConnectionGuard(self.config.max_connections, self.config.read_timeout,
                                            self.metrics.connection_refused)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.grammar_timeout)

@@ -268,7 +268,8 @@ def _layer_shapes(shape: GGUFShape, layer: int, row, names: dict[str, str]) -> d
         "attn_k_norm.weight": (head_dim,), "post_attention_norm.weight": (hidden,),
         "post_ffw_norm.weight": (hidden,), "ffn_gate.weight": (ffn, hidden),
         "ffn_up.weight": (ffn, hidden), "ffn_down.weight": (hidden, ffn),
-        "ffn_gate.bias": (ffn,), "ffn_up.bias": (ffn,), "ffn_down.bias": (hidden,), "attn_sinks.weight": (shape.heads,),
+        "ffn_gate.bias": (ffn,), "ffn_up.bias": (ffn,), "ffn_down.bias": (hidden,),
+        "attn_sinks.weight": (shape.heads,),
     }
     if row.full_width_qk_norms:  # OLMo 2: one norm over all heads
         dims |= {"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)}

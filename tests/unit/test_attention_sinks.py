@@ -53,7 +53,8 @@ def test_a_step_of_decodes_and_chunked_prefills_attends_with_sinks_as_transforme
         spans.append(SeqSpan(cached, new, blocks))
         for position in range(cached):  # the cached tokens' keys, as earlier steps wrote them
             slot = blocks[position // BLOCK] * BLOCK + position % BLOCK
-            k_cache.view(-1, KV_HEADS, HEAD_DIM)[slot], v_cache.view(-1, KV_HEADS, HEAD_DIM)[slot] = k[position], v[position]
+            k_cache.view(-1, KV_HEADS, HEAD_DIM)[slot] = k[position]
+            v_cache.view(-1, KV_HEADS, HEAD_DIM)[slot] = v[position]
     new_rows = [[t[cached:] for t in seq] for (cached, _), seq in zip(shapes, sequences)]
     q, k, v = (torch.cat([rows[i] for rows in new_rows]) for i in range(3))
     meta = build_metadata(spans[:2], spans[2:], BLOCK, CPU, torch.float32, backend)

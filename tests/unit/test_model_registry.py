@@ -164,9 +164,9 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
                                                     r"causal LM for it"):
         model_config_from_hf(unknown)
     with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
-                                            r"cohere2, exaone4, gemma2, gemma3, gemma4, glm4, gpt-oss, granite, granitehybrid, "
-                                            r"granitemoe, hunyuan-dense, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, "
-                                            r"qwen3, qwen3moe, seed_oss, smollm3\)"):
+                                            r"cohere2, exaone4, gemma2, gemma3, gemma4, glm4, gpt-oss, granite, "
+                                            r"granitehybrid, granitemoe, hunyuan-dense, llama, olmo2, olmoe, phi3, qwen2, "
+                                            r"qwen2moe, qwen3, qwen3moe, seed_oss, smollm3\)"):
         read_shape({"general.architecture": "gpt2"}, {}, tmp_path / "m.gguf")
 
 

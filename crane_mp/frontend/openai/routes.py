@@ -76,7 +76,7 @@ async def chat_completions(request: web.Request, req: ChatCompletionRequest) -> 
                                                      lora_id=lora_id),
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, chat_id,
         tool_dicts(req.tools), req.tool_choice, req.parallel_tool_calls, req.constraint(), stop_strings(req.stop),
-        req.chat_template_kwargs, req.add_generation_prompt, req.continue_final_message, req.separate_reasoning,
+        req.template_kwargs(), req.add_generation_prompt, req.continue_final_message, req.separate_reasoning,
         req.thinking_budget if req.thinking_budget is not None else req.max_thinking_tokens, req.n,
         req.skip_special_tokens, image_urls(req.messages),
     )

@@ -205,6 +205,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: passed to the chat template (gpt-oss's reads it); "none" also sets enable_thinking false.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     separate_reasoning: bool = True  # SGLang's: false leaves a reasoning model's thinking in content
     stream_reasoning: bool = True  # SGLang's; accepted and ignored: thinking always streams as it comes
     # Tokens a reasoning model may think before `</think>` is forced (llama.cpp's --reasoning-budget);
@@ -214,6 +216,20 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: Annotated[list[Tool], msgspec.Meta(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with reasoning_effort, where the request sets it (its own kwargs win)."""
+        return effort_kwargs(self.reasoning_effort, self.chat_template_kwargs)
+
+
+def effort_kwargs(effort: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A chat template's kwargs with a request's reasoning effort: `reasoning_effort` (gpt-oss's templates),
+    and for "none" enable_thinking false (Qwen3's); `kwargs` set by the request win."""
+    if effort is None:
+        return kwargs
+    implied = {"reasoning_effort": effort} | ({"enable_thinking": False} if effort == "none" else {})
+    return implied | (kwargs or {})
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from crane_mp.frontend.openai.schemas import function_tool
+from crane_mp.frontend.openai.schemas import effort_kwargs, function_tool
 from crane_mp.frontend.responses.answers import ResponseDraft, ResponsesStream, output_items, text_logprobs, usage
 from crane_mp.frontend.responses.schemas import ResponsesRequest, input_messages
 from crane_mp.frontend.responses.store import new_response_id
@@ -47,10 +47,9 @@ async def create_response(request: web.Request, req: ResponsesRequest) -> web.St
     params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p, logprobs=req.logprobs, lora_id=lora_id)
     token_text = state.tokenizer.token_text if req.logprobs is not None else None
-    thinking_off = req.reasoning is not None and req.reasoning.effort == "none"
     ask = ChatAsk([*system, *conversation], params, req.max_output_tokens, response_id, tools, choice,
                   req.parallel_tool_calls, _constraint(req),
-                  chat_template_kwargs={"enable_thinking": False} if thinking_off else None)
+                  chat_template_kwargs=effort_kwargs(req.reasoning.effort if req.reasoning else None, None))
     chat = await prepare_chat(state, ask)
     echoed = {
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,

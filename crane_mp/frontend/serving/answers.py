@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from crane_mp.frontend.serving.generation import Delta
-from crane_mp.frontend.serving.reasoning import THINK, Markers, ReasoningSplitter, reasoning_tokens, split_reasoning
+from crane_mp.frontend.serving.reasoning import THINK, Markers, make_splitter, reasoning_tokens, split_reasoning
 from crane_mp.frontend.tools.formats import ToolFormat
 from crane_mp.frontend.tools.gemma4_calls import Gemma4CallParser
+from crane_mp.frontend.tools.harmony_calls import HarmonyCallParser
 from crane_mp.frontend.tools.parser import ToolCallParser, parse_with
 from crane_mp.frontend.tools.xml_calls import XmlCallParser
 
@@ -44,6 +45,8 @@ class ToolReading:
             return XmlCallParser(self.fmt, self.parallel, self.tools)
         if self.fmt.gemma:
             return Gemma4CallParser(self.fmt, self.parallel)
+        if self.fmt.harmony:
+            return HarmonyCallParser(self.fmt, self.parallel)
         return ToolCallParser(self.fmt, self.parallel)
 
 
@@ -89,7 +92,7 @@ class AnswerReader:
 
     def __init__(self, tools: ToolReading | None, thinking: ReasoningReading | None) -> None:
         self.parser = tools.parser() if tools else None
-        self.splitter = ReasoningSplitter.reading(thinking.mode, thinking.markers) if thinking else None
+        self.splitter = make_splitter(thinking.mode, thinking.markers) if thinking else None
         self.end_token = thinking.end_token if thinking else None
         self.token_ids: list[int] = []  # with thinking: to count its tokens
         self.finish_reason: str | None = None

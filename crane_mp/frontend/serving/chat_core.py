@@ -15,6 +15,7 @@ import msgspec
 from crane_mp.frontend.images.chat import check_takes_images, load_images, place_images, record_images
 from crane_mp.frontend.openai.schemas import NamedFunction, NamedToolChoice
 from crane_mp.frontend.serving.answers import ReasoningReading, ToolReading
+from crane_mp.frontend.serving.harmony import TAGS as HARMONY_TAGS
 from crane_mp.frontend.serving.pipeline import Plan, prompt_ids
 from crane_mp.frontend.serving.reasoning import PLAIN, THINKING, prompt_opens_thinking, reading_mode, template_thinks
 from crane_mp.frontend.serving.structured import Constraint
@@ -96,6 +97,9 @@ async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
         record_images(state, len(images))
     constraint = ask.constraint
     if mode in ("required", "named"):
+        if fmt.harmony:
+            raise ApiError(400, f"tool_choice {mode} cannot be forced on harmony's tool calls (gpt-oss); use "
+                                "auto", "tool_choice")
         if constraint is not None:
             raise ApiError(400, f"tool_choice {mode} already constrains the output; drop {constraint.param}",
                            constraint.param)
@@ -125,6 +129,8 @@ async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
         params = msgspec.structs.replace(params, thinking=ThinkingBudget(
             budget, state.think_start_token, state.think_end_token, mode == THINKING))
     kept = (GEMMA4_MARKS if reading is not None and fmt.gemma else ()) + (markers.tokens if thinking else ())
+    if markers.harmony and (thinking or reading is not None):
+        kept += HARMONY_TAGS
     plan = Plan([input_ids], params, ask.max_tokens, "messages", ask.n, ask.stop, ask.skip_special_tokens,
                 names=ask.names, media=media, skip_ids=state.tokenizer.skip_ids(kept) if kept else None)
     return PreparedChat(plan, input_ids, reading, thinking)

@@ -16,11 +16,14 @@ whole or proves not to be one). Seed-OSS thinks between `<seed:think>` and `</se
 are per family (Markers), the rule the same. Gemma 4 opens its thinking itself, `<|channel>thought\n`
 ... `<channel|>` (its template's `enable_thinking` asks for it): its answers are read for a block they
 open with, whatever the template (its tags are special tokens the detokenizer keeps for this reading).
+gpt-oss writes harmony's channels (harmony.py): its `analysis` messages are the reasoning.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from crane_mp.frontend.serving.harmony import CHANNEL, END as END_TAG, MESSAGE, HarmonySplitter
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,7 @@ class Markers:
     end: str
     tokens: tuple[str, ...] = ()
     opened_by_model: bool = False
+    harmony: bool = False  # gpt-oss's channels (harmony.py), read by their own splitter
 
     @property
     def vocabulary_tokens(self) -> tuple[str, ...]:
@@ -41,9 +45,12 @@ class Markers:
 THINK = Markers("<think>", "</think>")  # Qwen3, DeepSeek-R1, SmolLM3, EXAONE 4, Phi-4-reasoning, GLM
 SEED_THINK = Markers("<seed:think>", "</seed:think>")  # Seed-OSS
 GEMMA4_THINK = Markers("<|channel>thought\n", "<channel|>", ("<|channel>", "<channel|>"), opened_by_model=True)
+# gpt-oss: its analysis channel (harmony.py); the end tag is the one that closes that message.
+HARMONY = Markers(CHANNEL + "analysis" + MESSAGE, END_TAG, (CHANNEL, MESSAGE), opened_by_model=True, harmony=True)
 START, END = THINK.start, THINK.end
 # --reasoning-parser names -> their tags; auto looks for each family's tokens in the vocabulary.
-PARSER_MARKERS = {"qwen3": THINK, "deepseek_r1": THINK, "seed_oss": SEED_THINK, "gemma4": GEMMA4_THINK}
+PARSER_MARKERS = {"qwen3": THINK, "deepseek_r1": THINK, "seed_oss": SEED_THINK, "gemma4": GEMMA4_THINK,
+                  "gpt_oss": HARMONY, "openai_gptoss": HARMONY}
 
 # How an answer is read for thinking (reading_mode).
 THINKING = "thinking"  # reasoning from its start until the first </think>
@@ -59,7 +66,7 @@ def reasoning_markers(parser: str, added_vocab: dict[str, int]) -> Markers | Non
     if parser == "none":
         return None
     if parser == "auto":
-        return next((m for m in (THINK, SEED_THINK, GEMMA4_THINK)
+        return next((m for m in (THINK, SEED_THINK, GEMMA4_THINK, HARMONY)
                      if all(token in added_vocab for token in m.vocabulary_tokens)), None)
     return PARSER_MARKERS[parser]
 
@@ -140,9 +147,14 @@ class ReasoningSplitter:
         return self.state in ("open", "thinking") or self.ended
 
 
+def make_splitter(mode: str, markers: Markers = THINK) -> ReasoningSplitter | HarmonySplitter:
+    """A splitter for an answer read in `mode` (reading_mode) for `markers`' thinking."""
+    return HarmonySplitter() if markers.harmony else ReasoningSplitter.reading(mode, markers)
+
+
 def split_reasoning(mode: str, text: str, markers: Markers = THINK) -> tuple[str | None, str]:
     """A whole response's (reasoning, content), read in `mode`; reasoning None when it did not think."""
-    splitter = ReasoningSplitter.reading(mode, markers)
+    splitter = make_splitter(mode, markers)
     reasoning, content = splitter.feed(text)
     more_reasoning, more_content = splitter.finish()
     return (reasoning + more_reasoning if splitter.thought else None), content + more_content

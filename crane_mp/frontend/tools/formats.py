@@ -6,8 +6,9 @@ Qwen2.5, Qwen3 and most fine-tunes), Qwen3-Coder's XML (`<tool_call><function=..
 </parameter></function></tool_call>`, tools/xml_calls.py), Llama 3's JSON (`{"name": .., "parameters": ..}`,
 calls separated by `;`), Mistral's (`[TOOL_CALLS][{"name": .., "arguments": ..}, ..]`; the marker is a
 control token, gone from the text, so a leading `[` opens the calls too), Granite's (`<|tool_call|>`
-and the same list; Phi-4-mini writes it too) and Gemma 4's (`<|tool_call>call:NAME{key:<|"|>text<|"|>}
-<tool_call|>`, tools/gemma4_calls.py).
+and the same list; Phi-4-mini writes it too), Gemma 4's (`<|tool_call>call:NAME{key:<|"|>text<|"|>}
+<tool_call|>`, tools/gemma4_calls.py) and gpt-oss's harmony messages (`<|channel|>commentary
+to=functions.NAME <|constrain|>json<|message|>{..}<|call|>`, tools/harmony_calls.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import secrets
 import string
 from dataclasses import dataclass
 
+from crane_mp.frontend.serving.harmony import CALL, CALL_OPEN
 from crane_mp.frontend.web.errors import ApiError
 
 
@@ -34,8 +36,11 @@ class ToolFormat:
     id_length: int = 0  # Mistral's templates insist on 9-character call ids; 0: OpenAI's call_<hex>
     xml: bool = False  # Qwen3-Coder's calls: a function element of parameter elements, not a JSON object
     gemma: bool = False  # Gemma 4's calls: call:NAME{...} of its own syntax, not a JSON object
+    harmony: bool = False  # gpt-oss's: commentary-channel messages to functions.NAME (tools/harmony_calls.py)
 
 
+# gpt-oss's token that ends a call message (its harmony format, serving/harmony.py).
+HARMONY_CALL = CALL
 # Gemma 4's call marks: a call's start and end, and the quote around its strings (tools/gemma4_calls.py).
 GEMMA4_MARKS = ("<|tool_call>", "<tool_call|>", '<|"|>')
 
@@ -51,15 +56,17 @@ FORMATS = {
                               call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n", xml=True),
     "gemma4": ToolFormat("gemma4", GEMMA4_MARKS[:1], "", ("arguments",), call_open=GEMMA4_MARKS[0],
                          call_close=GEMMA4_MARKS[1], gemma=True),
+    "openai": ToolFormat("openai", (CALL_OPEN,), "", ("arguments",), harmony=True),
 }
 # Texts of the formats that a vocabulary may hold as one (added) token.
-MARKER_TEXTS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", *GEMMA4_MARKS)
+MARKER_TEXTS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", *GEMMA4_MARKS,
+                HARMONY_CALL)
 # --tool-call-parser auto: the format whose marker the vocabulary holds as a token, else by architecture
 # (a Mistral GGUF says "llama"; fine-tunes of other families mostly follow Hermes).
-_BY_MARKER = {GEMMA4_MARKS[0]: "gemma4", "[TOOL_CALLS]": "mistral", "<tool_call>": "hermes",
+_BY_MARKER = {HARMONY_CALL: "openai", GEMMA4_MARKS[0]: "gemma4", "[TOOL_CALLS]": "mistral", "<tool_call>": "hermes",
               "<|python_tag|>": "llama3_json", "<|tool_call|>": "granite"}
 _BY_ARCH = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral", "granite": "granite",
-            "granite4": "granite", "phi3": "granite", "gemma4": "gemma4"}
+            "granite4": "granite", "phi3": "granite", "gemma4": "gemma4", "gpt_oss": "openai"}
 
 
 def tool_format(parser: str, arch: str, marker_tokens: dict[str, int] | None = None,

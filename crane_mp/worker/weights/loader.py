@@ -15,8 +15,8 @@ from crane_mp.models.config import ModelConfig
 from crane_mp.models.gguf_file import ModelSource, check_gguf
 from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
-from crane_mp.worker.platforms import Platform
 from crane_mp.worker.models.moe import SparseMoE
+from crane_mp.worker.platforms import Platform
 from crane_mp.worker.quantized.formats import LAYOUTS
 from crane_mp.worker.quantized.gguf_loader import load_gguf_model
 from crane_mp.worker.quantized.layers import GGUFExperts
