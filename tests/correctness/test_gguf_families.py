@@ -196,3 +196,24 @@ def test_llama_cpp_s_own_conversion_of_experts_to_q8_0_keeps_them_quantized(tmp_
         torch.testing.assert_close(quantized(x, ids, weights), expected, rtol=0, atol=tolerance)
     got, reference = greedy_pair(hf_dir, out, engine)
     assert len(got) == len(reference) and all(len(tokens) == NUM_TOKENS for tokens in got)
+
+
+@pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
+def test_llama_cpp_s_own_conversion_of_gpt_oss_mxfp4_experts_keeps_them_mxfp4(tmp_path):
+    """The released gpt-oss form (MXFP4 experts) through llama.cpp's converter: the file's experts stay
+    MXFP4 blocks, and with float activations give transformers' tokens on the dequantized checkpoint."""
+    from crane_mp.testing.make_zoo import make_mxfp4_experts
+    from crane_mp.worker.quantized.layers import GGUFExperts
+
+    reference = make_zoo_model("gpt_oss", tmp_path / "reference")
+    released = make_mxfp4_experts(reference, tmp_path / "mxfp4")
+    out = tmp_path / "gpt-oss-mxfp4.gguf"
+    subprocess.run([str(LLAMA_CPP.parent / "venv-conv/bin/python"), str(CONVERTER), str(released), "--outtype", "f32",
+                    "--outfile", str(out)], cwd=CONVERTER.parent, env={**os.environ, "GGUF_FORCE_PRE": "qwen2"},
+                   check=True, capture_output=True)
+    engine = LLMEngine(EngineConfig(model_path=str(out), dtype="float32", force_cpu=True, kv_cache_dtype="float32",
+                                    quantized_activations="float"))
+    experts = engine.worker.runner.model.model.layers[0].mlp.experts
+    assert isinstance(experts, GGUFExperts) and experts.down_type == 39  # MXFP4
+    got, expected = greedy_pair(reference, out, engine)
+    assert got == expected

@@ -30,9 +30,13 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return loaded | stacked
 
     def expected_weights(self) -> set[str]:
-        """Besides the parameters, each MXFP4 stack of experts."""
-        return super().expected_weights() | {f"{prefix}.{stack}" for prefix, module in self.named_modules()
-                                             if isinstance(module, GGUFExperts) for stack in ("gate_up", "down")}
+        """Besides the parameters, each stack of an MXFP4 checkpoint's experts (a GGUF file's are the
+        GGUF loader's)."""
+        expected = super().expected_weights()
+        if not self.config.layout.experts.mxfp4:
+            return expected
+        return expected | {f"{prefix}.{stack}" for prefix, module in self.named_modules()
+                           if isinstance(module, GGUFExperts) for stack in ("gate_up", "down")}
 
     def _our_experts(self, weights: Iterable[tuple[str, torch.Tensor]],
                      stacked: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
