@@ -47,7 +47,7 @@ class LoadedWorker:
     model_format: str
     weight_types: str
     weights_file_bytes: int
-    quantized_activations: str  # "int8" or "float" for a GGUF model, "n/a" otherwise
+    quantized_activations: str  # "int8" or "float" for GGUF weights (an MXFP4 checkpoint's experts), "n/a" otherwise
     prefill_seconds_per_token: float  # CPU: the warm-up step's time per token; 0 on CUDA
 
     @property
@@ -252,6 +252,6 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         timer.done("cuda graphs")
     return LoadedWorker(
         runner, model_config, kv_plan, platform, dtype, max_model_len, source.format, describe_types(weight_types),
-        file_tensor_bytes(source), ("int8" if int8 else "float") if source.format == "gguf" else "n/a",
+        file_tensor_bytes(source), ("int8" if int8 else "float") if source.format == "gguf" or weight_types else "n/a",
         seconds_per_token if platform.on_cpu else 0.0,
     )

@@ -58,6 +58,28 @@ def test_generate_gives_transformers_greedy_tokens(tmp_path, family, impl):
             assert info["kv_bytes_per_token"] == 2 * 32 * 4
 
 
+def test_gpt_oss_s_released_form_serves_the_dequantized_checkpoint_s_tokens(tmp_path):
+    """gpt-oss as released (MXFP4 experts, attention sinks, sliding layers): its experts stay MXFP4, and
+    with float activations /generate gives transformers' tokens on the dequantized checkpoint."""
+    from crane_mp.testing.make_zoo import make_mxfp4_experts
+
+    reference = make_zoo_model("gpt_oss", tmp_path / "reference")
+    released = make_mxfp4_experts(reference, tmp_path / "released")
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (21, 8)]
+    server = Server(released, "--kv-cache-dtype", "float32", "--quantized-activations", "float",
+                    log_path=tmp_path / "server.log")
+    try:
+        body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": NUM_TOKENS, "temperature": 0,
+                                                          "ignore_eos": True}}
+        answers = requests.post(server.url + "/generate", json=body, timeout=120).json()
+    finally:
+        assert server.stop() == 0
+    assert [a["output_ids"] for a in answers] == greedy(reference, prompts)
+    ready = next(line for line in (tmp_path / "server.log").read_text().splitlines() if "ready in" in line)
+    assert "arch=gpt_oss " in ready
+
+
 def test_a_hybrid_recurrent_model_is_refused_at_start_by_name(tmp_path):
     """Qwen3-Next interleaves linear-attention layers: refused with its name, not served as attention."""
     config = AutoConfig.for_model("qwen3_next", hidden_size=64, intermediate_size=96, num_hidden_layers=4,

@@ -55,7 +55,8 @@ def load_model(
     config: ModelConfig, source: ModelSource, dtype: torch.dtype, platform: Platform, progress: bool = True,
     embed_only: bool = False, lora: bool = False, int8_activations: bool = False,
 ) -> tuple[CausalLM, Counter]:
-    """The model with its weights, and the file's tensor types (GGUF only; empty for safetensors).
+    """The model with its weights, and the file's tensor types (GGUF's; for safetensors the experts an
+    MXFP4 checkpoint keeps in GGUF's MXFP4 rows, else none).
     `embed_only`: an embedding model, served without logits, may lack the lm_head. `lora`: LoRA
     adapters will be applied (no activation fused into a packed projection). `int8_activations`: GGUF
     matmuls on 8-bit activations (Platform.int8_matmuls)."""
@@ -64,7 +65,9 @@ def load_model(
     else:
         model = load_safetensors_model(config, source.model_dir, dtype, platform, progress, embed_only,
                                        int8_activations)
-        types = Counter()
+        experts = config.layout.experts
+        types = Counter({"MXFP4": 2 * sum(config.layout.sparse(layer) for layer in range(config.num_hidden_layers))}
+                        if experts is not None and experts.mxfp4 else {})
     if platform.pack_bf16_weights(dtype) and getattr(model, "packs_linears", True):
         pack_linear_weights(model, spare=spare_copies_fit(model, psutil.virtual_memory().total),
                             fuse_activation=not lora)
