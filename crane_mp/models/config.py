@@ -162,8 +162,8 @@ def _transformers_arch(hf_config: Any) -> str:
         raise UnsupportedModelError(f"model_type {hf_type!r} keeps recurrent state in its layers (state-space or "
                                     "linear attention), which a paged KV cache cannot hold; it is not supported yet")
     if hf_type in _BACKEND_GAPS:
-        raise UnsupportedModelError(f"model_type {hf_type!r}: {_BACKEND_GAPS[hf_type]} is not computed by our paged "
-                                    "attention yet, natively or through the transformers backend; not supported")
+        raise UnsupportedModelError(f"model_type {hf_type!r}: {_BACKEND_GAPS[hf_type]} is not computed by the "
+                                    "transformers backend's paged attention; --model-impl native (or auto) serves it")
     _refuse_recurrent_layers(hf_config)
     import transformers
 

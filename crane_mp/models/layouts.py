@@ -22,10 +22,17 @@ class ExpertLayout:
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's
-    # "softmax": a softmax over every expert's logit, then the top k (Qwen, Mixtral, OLMoE);
-    # "topk_softmax": the top k logits, then a softmax over those (Granite).
+    # "softmax": a softmax over every expert's logit, then the top k (Qwen, Mixtral, OLMoE, DeepSeek-V2);
+    # "topk_softmax": the top k logits, then a softmax over those (Granite); "sigmoid": each logit's
+    # sigmoid, the top k chosen by it plus a learned correction bias (DeepSeek-V3, GLM-4.5).
     router: str = "softmax"
-    normalize: bool = True  # the top k softmax weights rescaled to sum to 1 (norm_topk_prob)
+    normalize: bool = True  # the top k weights rescaled to sum to 1 (norm_topk_prob)
+    scale: float = 1.0  # the weights are multiplied by it (routed_scaling_factor)
+    # Group-limited choice (DeepSeek): the experts in `groups` equal groups, the top k taken from the
+    # `topk_groups` groups scoring best, by their best expert ("max") or their best two's sum ("top2").
+    groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"
     shared_intermediate_size: int = 0  # an expert every token goes through besides (Qwen2-MoE); 0: none
     shared_gate: bool = False  # the shared expert's output scaled by sigmoid of a learned gate per token
     dense_layers: tuple[int, ...] = ()  # layers whose MLP is a dense one of the config's intermediate size
@@ -35,6 +42,20 @@ class ExpertLayout:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
     mxfp4: bool = False  # the checkpoint stores the experts' matrices as MXFP4 blocks, kept so in memory
+
+
+@dataclass(frozen=True, slots=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention: keys and values come from one `kv_rank`-wide latent per
+    token (what the KV cache keeps, beside the `rope_dim` wide key part that carries position); each
+    query head is `nope_dim` + `rope_dim` wide, each value head `v_dim`; queries through a `q_rank`
+    bottleneck where it is set."""
+
+    kv_rank: int
+    q_rank: int | None
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +97,7 @@ class DecoderLayout:
     # A learned logit per query head beside the keys' (gpt-oss): it takes its share of the softmax and
     # adds nothing to the output.
     attention_sinks: bool = False
+    latent: LatentAttention | None = None  # DeepSeek's multi-head latent attention
 
     def window(self, layer: int, sliding_window: int | None) -> int | None:
         """Layer `layer`'s attention window (None: it sees every earlier key)."""
@@ -178,6 +200,46 @@ def _gpt_oss(hf_config: Any, head_dim: int) -> DecoderLayout:
                            swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
                            mxfp4=quantization.get("quant_method") == "mxfp4")
     return DecoderLayout(layer_types=_layer_types(hf_config), experts=experts, attention_sinks=True)
+
+
+def _deepseek(hf_config: Any, head_dim: int) -> DecoderLayout:
+    """DeepSeek-V2/V3: latent attention (its softmax scale grown by yarn's mscale), dense MLPs in the first
+    layers, then experts with shared ones: V2's routed by softmax (group-limited where topk_method says),
+    V3's by sigmoid with a correction bias, groups scored by their best two."""
+    v3 = hf_config.model_type == "deepseek_v3"
+    group_limited = v3 or getattr(hf_config, "topk_method", "greedy") == "group_limited_greedy"
+    experts = ExpertLayout(
+        hf_config.n_routed_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+        router="sigmoid" if v3 else "softmax", normalize=v3 and bool(hf_config.norm_topk_prob),
+        scale=float(hf_config.routed_scaling_factor),
+        shared_intermediate_size=hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0),
+        dense_layers=tuple(range(hf_config.first_k_dense_replace)),
+        groups=(hf_config.n_group or 1) if group_limited else 1,
+        topk_groups=(hf_config.topk_group or 1) if group_limited else 1, group_score="top2" if v3 else "max")
+    latent = LatentAttention(hf_config.kv_lora_rank, hf_config.q_lora_rank, hf_config.qk_nope_head_dim,
+                             hf_config.qk_rope_head_dim, hf_config.v_head_dim)
+    rope, _ = split_rope(hf_config)
+    scale = (latent.nope_dim + latent.rope_dim) ** -0.5
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        factor = float(rope["factor"])
+        mscale = 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    interleaved = bool(getattr(hf_config, "rope_interleave", True)) if v3 else True
+    return DecoderLayout(experts=experts, latent=latent, attention_scale=scale, rope_interleaved=interleaved)
+
+
+def _glm4_moe(hf_config: Any, head_dim: int) -> DecoderLayout:
+    """GLM-4.5: rope on the leading part of each head (halves), no bias on o_proj, DeepSeek-V3's router
+    with shared experts after the first dense layers."""
+    if getattr(hf_config, "use_qk_norm", False):
+        raise ValueError("glm4_moe with use_qk_norm (per-head query/key norms) is not supported yet")
+    experts = ExpertLayout(
+        hf_config.n_routed_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size, router="sigmoid",
+        normalize=bool(hf_config.norm_topk_prob), scale=float(hf_config.routed_scaling_factor),
+        shared_intermediate_size=hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0),
+        dense_layers=tuple(range(hf_config.first_k_dense_replace)), groups=hf_config.n_group or 1,
+        topk_groups=hf_config.topk_group or 1, group_score="top2")
+    return DecoderLayout(rotary_dim=_rotary_dim(hf_config, head_dim), attention_out_bias=False, experts=experts)
 
 
 def _layer_types(hf_config: Any) -> tuple[str, ...]:
@@ -291,7 +353,7 @@ FAMILY_LAYOUTS: dict[str, Callable[[Any, int], DecoderLayout]] = {
     "cohere2": _cohere2, "granite": _granite, "smollm3": _smollm3, "phi3": _phi3, "glm4": _glm4,
     "seed_oss": _seed_oss, "granite4": _granite4, "qwen2": _qwen, "qwen3": _qwen,
     "qwen2_moe": _qwen_moe, "qwen3_moe": _qwen_moe, "mixtral": _mixtral, "olmoe": _mixtral, "granitemoe": _granite_moe,
-    "gpt_oss": _gpt_oss,
+    "gpt_oss": _gpt_oss, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek, "glm4_moe": _glm4_moe,
 }
 
 

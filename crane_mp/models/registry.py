@@ -152,6 +152,13 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  gguf_permuted_qk=True, tensor_parallel=False, experts=True),
     Architecture("gpt_oss", "gpt_oss.GptOssForCausalLM", ("GptOssForCausalLM",), "gpt_oss", "gpt-oss",
                  tensor_parallel=False, gguf_layer_names=_GPT_OSS_GGUF, experts=True),
+    Architecture("glm4_moe", "glm4.Glm4MoeForCausalLM", ("Glm4MoeForCausalLM",), "glm4_moe", "glm4moe",
+                 reads_gguf=False, tensor_parallel=False, experts=True),
+    # DeepSeek's latent attention and routers (worker/models/deepseek.py); its GGUF files are not read yet.
+    Architecture("deepseek_v2", "deepseek.DeepseekForCausalLM", ("DeepseekV2ForCausalLM",), "deepseek_v2", "deepseek2",
+                 reads_gguf=False, tensor_parallel=False, experts=True),
+    Architecture("deepseek_v3", "deepseek.DeepseekForCausalLM", ("DeepseekV3ForCausalLM",), "deepseek_v3", "deepseek2",
+                 reads_gguf=False, tensor_parallel=False, experts=True),
     # Any other causal LM transformers can run, through its own modeling code (--model-impl).
     Architecture(TRANSFORMERS, "transformers_backend.TransformersCausalLM", (), "", "", reads_gguf=False),
 )}

@@ -82,6 +82,25 @@ FAMILIES: dict[str, dict[str, Any]] = {
                 "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 64,
                                     "rope_theta": 150000.0}},
+    # DeepSeek: latent attention (V2-Lite's plain query projection, V3's low-rank one), a dense first layer,
+    # group-limited routing (V2's softmax, V3's sigmoid with its correction bias), shared experts, yarn's mscale.
+    "deepseek_v2": {"num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 32, "q_lora_rank": None,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+                    "first_k_dense_replace": 1, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+                    "routed_scaling_factor": 1.5},
+    "deepseek_v3": {"num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 32, "q_lora_rank": 24,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+                    "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+                    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                        "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 128,
+                                        "rope_theta": 10000.0}},
+    # GLM-4.5: partial rope, q/k/v biases, DeepSeek-V3's router over 2 groups, a shared expert, a dense first layer.
+    "glm4_moe": {"attention_bias": True, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                 "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+                 "routed_scaling_factor": 1.5,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
     # No native implementation: served by the transformers backend.
     "ernie4_5": {"use_bias": False},
     # Granite 4 dense (granite-4.0-micro): the hybrid family's config with attention in every layer.

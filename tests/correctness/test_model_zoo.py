@@ -49,9 +49,17 @@ def test_only_the_families_without_native_code_need_the_backend():
     assert set(FAMILIES) - set(NATIVE) == {"ernie4_5", "starcoder2"}
 
 
+# Families whose attention transformers' code computes in a way our paged attention does not hold.
+BACKEND_REFUSED = {"deepseek_v2", "deepseek_v3"}  # latent attention's keys and values of other shapes
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_transformers_backend_gives_transformers_greedy_tokens(zoo, family):
     path, prompts, expected = zoo(family)
+    if family in BACKEND_REFUSED:
+        with pytest.raises(UnsupportedModelError, match="latent attention"):
+            engine(path, "transformers")
+        return
     eng = engine(path, "transformers")
     assert eng.worker.model_config.arch == "transformers"
     assert eng.generate(prompts, GREEDY) == expected
@@ -81,7 +89,8 @@ def test_each_2026_family_runs_natively_with_transformers_greedy_tokens(zoo, fam
     assert eng.generate(prompts, GREEDY) == expected
 
 
-MOE = ["gpt_oss", "granitemoe", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+MOE = ["deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "mixtral", "olmoe", "qwen2_moe",
+       "qwen3_moe"]
 
 
 @pytest.mark.parametrize("family", MOE)
@@ -102,6 +111,37 @@ def test_experts_load_from_the_stacked_names_transformers_keeps_in_memory(zoo, f
     eng = engine(tmp_path, "native")
     assert eng.worker.model_config.layout.experts is not None
     assert eng.generate(prompts, GREEDY) == expected
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_s_kv_cache_keeps_each_token_s_latent_alone(zoo, family):
+    """Latent attention's cache: one row per token and layer, the latent and the rope key part (40
+    values here), in one tensor that is both the keys and the values; full heads would take 4 x 28 x 2."""
+    path, prompts, expected = zoo(family)
+    eng = engine(path, "auto")
+    runner = eng.worker.runner
+    latent = eng.worker.model_config.layout.latent
+    assert runner.kv_bytes_per_token() == 4 * (latent.kv_rank + latent.rope_dim) * 4  # 4 layers, float32
+    attention = runner.model.model.layers[0].self_attn
+    assert attention.k_cache is attention.v_cache
+    assert eng.generate(prompts, GREEDY) == expected
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_a_released_checkpoint_s_prediction_layer_past_the_last_is_not_served(zoo, family, tmp_path):
+    """DeepSeek-V3 and GLM-4.5 checkpoints carry a next-token-prediction layer after the config's layers
+    (transformers leaves it unloaded): it is skipped, the tokens unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    path, prompts, expected = zoo(family)
+    for item in path.iterdir():
+        if item.is_file():
+            (tmp_path / item.name).write_bytes(item.read_bytes())
+    state = load_file(str(path / "model.safetensors"))
+    state |= {name.replace("layers.3.", "layers.4."): tensor.clone() for name, tensor in state.items()
+              if "layers.3." in name}
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    assert engine(tmp_path, "auto").generate(prompts, GREEDY) == expected
 
 
 def test_gpt_oss_mxfp4_experts_stay_mxfp4_and_give_the_dequantized_checkpoint_s_tokens(tmp_path):

@@ -34,7 +34,8 @@ from crane_mp.worker.models.layers import CausalLM
 
 FAMILIES_2026 = ["gemma2", "gemma3", "gemma4", "phi3", "olmo2", "olmo3", "smollm3", "granite", "granite4", "glm4",
                  "cohere2", "exaone4", "seed_oss"]
-MOE_FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss"]
+MOE_FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss", "glm4_moe", "deepseek_v2",
+                "deepseek_v3"]
 
 
 def test_the_lookups_are_the_ones_the_four_tables_held():
@@ -55,7 +56,9 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                           **{cls: name for name in FAMILIES_2026 for cls in ARCHITECTURES[name].hf_classes},
                           "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
                           "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe",
-                          "GraniteMoeForCausalLM": "granitemoe", "GptOssForCausalLM": "gpt_oss"}
+                          "GraniteMoeForCausalLM": "granitemoe", "GptOssForCausalLM": "gpt_oss",
+                          "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
+                          "DeepseekV3ForCausalLM": "deepseek_v3"}
     assert [ARCHITECTURES[name].hf_classes for name in FAMILIES_2026] == [
         ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("Phi3ForCausalLM",),
@@ -160,7 +163,7 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
     assert detect_arch(gpt2) == TRANSFORMERS  # auto: transformers' own modeling code
     unknown = SimpleNamespace(architectures=["NoSuchModel"], model_type="no_such_model")
     with pytest.raises(UnsupportedModelError, match=r"'no_such_model' is not supported: no native implementation "
-                                                    r"\(native: bert, cohere2, exaone4, .*\) and transformers has no "
+                                                    r"\(native: bert, cohere2, deepseek_v2, deepseek_v3, exaone4, .*\) and transformers has no "
                                                     r"causal LM for it"):
         model_config_from_hf(unknown)
     with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
@@ -274,8 +277,9 @@ class MyLlama(CausalLM):
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
-def test_attention_our_kernels_do_not_compute_is_refused_by_name_not_served_wrong(model_type):
+def test_attention_the_transformers_backend_cannot_page_is_refused_by_name_not_served_wrong(model_type):
     config = SimpleNamespace(architectures=["X"], model_type=model_type)
-    with pytest.raises(UnsupportedModelError, match=rf"model_type '{model_type}': .* is not computed by our paged "
-                                                    "attention yet"):
-        detect_arch(config)
+    assert detect_arch(config) == model_type  # natively
+    with pytest.raises(UnsupportedModelError, match=rf"model_type '{model_type}': .* is not computed by the "
+                                                    "transformers backend's paged attention; --model-impl native"):
+        detect_arch(config, model_impl="transformers")

@@ -416,6 +416,12 @@ def shard_tensor(shard: Shard, name: str, tensor: torch.Tensor) -> torch.Tensor:
     return part
 
 
+def _layer_index(name: str) -> int:
+    """The decoder layer a parameter name is under; -1 for none."""
+    parts = name.split(".", 3)
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
+
+
 # A per-expert checkpoint tensor: (the experts module, the expert or none for all of them, its projection).
 _EXPERT_WEIGHT = re.compile(rf"(.+\.experts)(?:\.(\d+))?\.({'|'.join(EXPERT_PROJECTIONS)})\.(weight|bias)")
 
@@ -437,6 +443,7 @@ class CausalLM(nn.Module):
     renamed_weights: dict[str, str] = {}
     norm_names: tuple[str, ...] | None = None  # a layer's norms, where not BLOCK_NORMS' names
     ignored_weights: tuple[str, ...] = ()  # checkpoint-name prefixes (ours) of parts not served (a vision tower)
+    skips_extra_layers = False  # layers past the config's (a multi-token-prediction head) are not served
     decoder_class: type[DecoderModel] = DecoderModel
 
     def __init__(self, config: ModelConfig, platform: Platform) -> None:
@@ -508,6 +515,8 @@ class CausalLM(nn.Module):
             name = self.parameter_name(name)
             if name.startswith(self.ignored_weights) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
+            if self.skips_extra_layers and _layer_index(name) >= self.config.num_hidden_layers:
+                continue
             if self.config.shard is not None:
                 tensor = shard_tensor(self.config.shard, name, tensor)
             expert = _EXPERT_WEIGHT.fullmatch(name)
@@ -523,7 +532,8 @@ class CausalLM(nn.Module):
                 loaded.update(f"{module}.{part}" for part in parts)
                 continue
             parts = name.split(".")
-            packed = PACKED_WEIGHTS.get(parts[-2]) if len(parts) >= 2 else None
+            # A parameter of the name's own (DeepSeek's unfused q_proj) is filled as it is.
+            packed = PACKED_WEIGHTS.get(parts[-2]) if len(parts) >= 2 and name not in params else None
             if name in params and self._fused_sizes(name):  # a checkpoint that fuses them too (Phi-3, GLM-4)
                 fill(params[name].data, tensor, name)
                 loaded.update(f"{name}#{i}" for i in range(len(self._fused_sizes(name))))

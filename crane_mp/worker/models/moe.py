@@ -1,6 +1,7 @@
 """Mixture-of-experts MLPs: a router picks each token's top k experts and weighs their outputs
-(ExpertLayout says how: softmax then top k, renormalised or not, or the top k logits then a softmax),
-and the experts run once each over the rows routed to them.
+(ExpertLayout says how: softmax then top k, renormalised or not, the top k logits then a softmax, or
+sigmoid scores chosen with a correction bias; limited to the best groups of experts, scaled), and the
+experts run once each over the rows routed to them.
 
 The step's (token, expert) pairs are sorted by expert, so each expert's matrices are read once for
 all of its rows, in one matmul; a token's outputs are summed in expert order, as transformers sums
@@ -189,16 +190,35 @@ def routing_table(model: nn.Module) -> np.ndarray | None:
     return table
 
 
-def route(logits: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, layout: ExpertLayout,
+          correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, experts] -> each token's top_k (weights in float32, expert ids), as the family
-    computes them."""
+    computes them; `correction`: the sigmoid router's bias, added to the scores for choosing only."""
     if layout.router == "topk_softmax":
         top, ids = logits.float().topk(layout.top_k, dim=-1)
         return top.softmax(dim=-1), ids
-    weights, ids = logits.float().softmax(dim=-1).topk(layout.top_k, dim=-1)
+    sigmoid = layout.router == "sigmoid"
+    scores = logits.float().sigmoid() if sigmoid else logits.float().softmax(dim=-1)
+    choice = scores if correction is None else scores + correction.float()
+    if layout.groups > 1:
+        choice = _best_groups(choice, layout, float("-inf") if sigmoid else 0.0)
+    if sigmoid:
+        ids = choice.topk(layout.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+    else:
+        weights, ids = choice.topk(layout.top_k, dim=-1)
     if layout.normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return (weights * layout.scale if layout.scale != 1.0 else weights), ids
+
+
+def _best_groups(choice: torch.Tensor, layout: ExpertLayout, fill: float) -> torch.Tensor:
+    """`choice` with the experts outside each token's topk_groups best groups set to `fill`."""
+    grouped = choice.view(choice.shape[0], layout.groups, -1)
+    score = grouped.max(dim=-1).values if layout.group_score == "max" else grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    best = score.topk(layout.topk_groups, dim=-1)[1]
+    kept = torch.zeros_like(score, dtype=torch.bool).scatter_(1, best, True)
+    return choice.masked_fill(~kept[:, :, None].expand_as(grouped).reshape(choice.shape), fill)
 
 
 class SparseMoE(nn.Module):
@@ -214,9 +234,12 @@ class SparseMoE(nn.Module):
                                               layout)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if layout.shared_gate else None
+        # The sigmoid router's score correction (DeepSeek-V3's e_score_correction_bias).
+        self.correction_bias = nn.Parameter(torch.zeros(layout.num_experts), requires_grad=False) \
+            if layout.router == "sigmoid" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.layout)
+        weights, ids = route(self.gate(x), self.layout, self.correction_bias)
         out = self.experts(x, ids, weights.to(x.dtype))
         if self.shared_expert is None:
             return out

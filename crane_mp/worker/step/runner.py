@@ -113,6 +113,8 @@ class ModelRunner:
                                                 [self._kv_shape(attn) for attn in layers])
         for attn, (group, _) in zip(layers, self.kv_groups.layer_slots):
             attn.kv_group = group
+        # Cache tensors per slot: keys and values, or one whose rows hold both (DeepSeek's latent).
+        self.kv_tensors = 1 if layers and all(getattr(attn, "latent_kv", False) for attn in layers) else 2
         self.routing = routing_table(self.model)  # tokens per expert of a mixture of experts (/metrics)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -122,11 +124,12 @@ class ModelRunner:
         layer viewing the tensor in its own shape (a narrower one as more, smaller blocks)."""
         rows = self._slot_rows()
         tensors = {slot: tuple(self.platform.zeros(((num_blocks + 1) * self.block_size * row,), self.kv_dtype)
-                               for _ in range(2)) for slot, row in rows.items()}
+                               for _ in range(self.kv_tensors)) for slot, row in rows.items()}
         for attn, (group, slot) in zip(self.model.attention_layers(), self.kv_groups.layer_slots):
             heads, size = self._kv_shape(attn)
             shape = ((num_blocks + 1) * (rows[slot] // (heads * size)), self.block_size, heads, size)
-            attn.k_cache, attn.v_cache = (storage.view(shape) for storage in tensors[slot])
+            views = [storage.view(shape) for storage in tensors[slot]]
+            attn.k_cache, attn.v_cache = views[0], views[-1]
         self.num_blocks = num_blocks
 
     def _slot_rows(self) -> dict[int, int]:
@@ -151,7 +154,7 @@ class ModelRunner:
         """Bytes of one block id's KV per token: every layer's, or one KV group's."""
         rows = self._slot_rows() or {0: self.config.num_hidden_layers * self.config.num_key_value_heads
                                      * self.config.head_dim}
-        return 2 * sum(rows.values()) * self.kv_dtype.itemsize
+        return self.kv_tensors * sum(rows.values()) * self.kv_dtype.itemsize
 
     def kv_bytes_per_long_token(self) -> int:
         """KV bytes a token keeps once a sequence is past its sliding windows: its full groups'."""
