@@ -83,6 +83,9 @@ def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict,
         fields |= _gemma4_fields(shape, meta, tensors, rope_factors.get("rope_freqs.weight"))
     if gguf_arch == "gpt-oss":
         fields["rope_parameters"] = _yarn(shape, key)
+    if gguf_arch == "glm4moe":  # rope on the leading part of each head, in halves
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": shape.rope_base,
+                                     "partial_rotary_factor": (shape.rope_dims or shape.head_dim) / shape.head_dim}
     if gguf_arch == "seed_oss":
         fields["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
     return fields
@@ -129,7 +132,8 @@ def _yarn(shape, key) -> dict[str, Any]:
 
 # Whether the top k routing weights are rescaled to sum to 1, as llama.cpp computes each architecture
 # (its converter writes expert_weights_norm for some files; these are its defaults where it does not).
-_NORMALIZED_ROUTING = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True, "granitemoe": True}
+_NORMALIZED_ROUTING = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True, "granitemoe": True,
+                       "glm4moe": True}
 
 
 def expert_fields(gguf_arch: str, shape, key) -> dict[str, Any]:
@@ -142,6 +146,11 @@ def expert_fields(gguf_arch: str, shape, key) -> dict[str, Any]:
     if gguf_arch in ("qwen2moe", "qwen3moe"):
         fields |= {"moe_intermediate_size": shape.expert_ffn, "decoder_sparse_step": 1, "mlp_only_layers": [],
                    "shared_expert_intermediate_size": shape.shared_expert_ffn}
+    elif gguf_arch == "glm4moe":  # DeepSeek-V3's router: groups, scale, shared experts after dense layers
+        fields |= {"moe_intermediate_size": shape.expert_ffn, "n_shared_experts": int(key("expert_shared_count", 0)),
+                   "first_k_dense_replace": shape.dense_layers, "n_group": int(key("expert_group_count", 1)),
+                   "topk_group": int(key("expert_group_used_count", 1)),
+                   "routed_scaling_factor": float(key("expert_weights_scale", 1.0)), "num_nextn_predict_layers": 0}
     else:
         fields["intermediate_size"] = shape.expert_ffn
     return fields

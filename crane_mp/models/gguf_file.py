@@ -19,7 +19,9 @@ import numpy as np
 
 from crane_mp.gguf_header import BigEndianFile, HeaderError, StringArray, read_header
 from crane_mp.models.registry import (
+    DENSE_MLP_NAMES,
     GGUF_ARCHITECTURES,
+    GGUF_EXPERT_NAMES,
     GGUF_QK_NORM_NAMES,
     gguf_layer_names,
     gguf_optional_names,
@@ -122,6 +124,7 @@ class GGUFShape:
     experts_used: int = 0
     expert_ffn: int = 0
     shared_expert_ffn: int = 0
+    dense_layers: int = 0  # the leading layers whose MLP is a dense one (DeepSeek's, GLM-4.5's)
 
     @property
     def row(self):
@@ -170,7 +173,8 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
     shape = GGUFShape(
         gguf_arch=arch,
         hidden=hidden,
-        layers=int(key("block_count")),
+        # Next-token-prediction layers (GLM-4.5's) come after the model's and are not served.
+        layers=int(key("block_count")) - int(key("nextn_predict_layers", 0)),
         ffn=layer_ffn[0] if layer_ffn else int(ffn),
         heads=heads,
         kv_heads=layer_kv[0] if layer_kv else int(kv_heads),
@@ -192,7 +196,9 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
         experts=experts,
         experts_used=int(key("expert_used_count", 0)),
         expert_ffn=int(key("expert_feed_forward_length", 0)) or (layer_ffn[0] if layer_ffn else int(ffn)),
-        shared_expert_ffn=int(key("expert_shared_feed_forward_length", 0)),
+        shared_expert_ffn=int(key("expert_shared_feed_forward_length", 0))
+        or int(key("expert_shared_count", 0)) * int(key("expert_feed_forward_length", 0)),
+        dense_layers=int(key("leading_dense_block_count", 0)) if experts else 0,
     )
     if experts and not 0 < shape.experts_used <= experts:
         raise GGUFFileError(f"{path}: metadata gives {shape.experts_used} experts used of {experts}")
@@ -208,7 +214,7 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
             raise GGUFFileError(f"{path}: metadata gives {name} {list(values)} for {shape.layers} layers")
     # Bounded before anything is sized by them (a tiny file may claim a billion layers): every layer
     # needs its own tensors, and the longest context sizes tables at start-up.
-    per_layer = len(required_layer_names(shape.row))
+    per_layer = min(len(required_layer_names(shape.row, sparse)) for sparse in (False, True))
     if shape.layers * per_layer + 2 > len(tensor_dims):
         raise GGUFFileError(f"{path}: metadata gives {shape.layers} layers, but the file holds {len(tensor_dims)} "
                             f"tensors ({per_layer} per layer needed)")
@@ -227,11 +233,15 @@ def _kv_heads_from_keys(layer_kv: tuple[int, ...], tensor_dims: dict[str, tuple[
     return tuple(n or (dims[0] // head_dim if dims else 0) for n, dims in zip(layer_kv, keys))
 
 
-def required_layer_names(row) -> list[str]:
+def required_layer_names(row, sparse: bool = True) -> list[str]:
     """The per-layer tensors every layer of a file served by registry row `row` holds (q/k norms are
-    the model's to ask for)."""
+    the model's to ask for); `sparse` False: a leading dense layer of a mixture of experts, whose MLP is
+    a dense one."""
     optional = gguf_optional_names(row)
-    return [name for name in gguf_layer_names(row.name) if name not in GGUF_QK_NORM_NAMES and name not in optional]
+    names = [name for name in gguf_layer_names(row.name) if name not in GGUF_QK_NORM_NAMES and name not in optional]
+    if sparse or not row.experts:
+        return names
+    return [name for name in names if name not in GGUF_EXPERT_NAMES] + list(DENSE_MLP_NAMES)
 
 
 def expected_shapes(shape: GGUFShape) -> dict[str, tuple[int, ...]]:
@@ -285,6 +295,7 @@ def _layer_shapes(shape: GGUFShape, layer: int, row, names: dict[str, str]) -> d
     if shape.experts:
         experts, width, shared = shape.experts, shape.expert_ffn, shape.shared_expert_ffn
         dims |= {"ffn_gate_inp.weight": (experts, hidden), "ffn_gate_inp.bias": (experts,),
+                 "exp_probs_b.bias": (experts,),
                  "ffn_gate_exps.weight": (experts, width, hidden), "ffn_gate_exps.bias": (experts, width),
                  "ffn_up_exps.bias": (experts, width), "ffn_down_exps.bias": (experts, hidden),
                  "ffn_up_exps.weight": (experts, width, hidden), "ffn_down_exps.weight": (experts, hidden, width),
@@ -345,6 +356,8 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
     types: Counter = Counter()
     infos: dict[str, TensorInfo] = {}
     for tensor in header.tensors:
+        if _layer_of(tensor.name) >= shape.layers:  # a next-token-prediction layer, not served
+            continue
         qtype = _tensor_type(tensor.type_id, path)
         dims = dims_of[tensor.name]
         want = expected.get(tensor.name)
@@ -366,12 +379,19 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
         types[SERVED_TYPES[qtype]] += 1
         infos[tensor.name] = TensorInfo(tensor.name, int(qtype), dims, tensor.offset, n_bytes)
     required = ["token_embd.weight", "output_norm.weight"] + [
-        f"blk.{i}.{name}.weight" for i in range(shape.layers) for name in required_layer_names(shape.row)
+        f"blk.{i}.{name}.weight" for i in range(shape.layers)
+        for name in required_layer_names(shape.row, sparse=i >= shape.dense_layers)
     ]
     missing = [name for name in required if name not in infos]
     if missing:
         raise GGUFFileError(f"{path}: {len(missing)} required tensors are missing, e.g. {missing[0]}")
     return GGUFContents(shape, meta, types, infos)
+
+
+def _layer_of(name: str) -> int:
+    """The block a tensor name is in (blk.N.*); -1 for the model's global tensors."""
+    parts = name.split(".", 2)
+    return int(parts[1]) if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() else -1
 
 
 def _tensor_type(type_id: int, path: Path):

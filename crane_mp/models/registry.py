@@ -76,6 +76,9 @@ _GLM4_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_se
 # gpt-oss: a norm before attention and one after, the attention sinks; its MLPs are experts alone.
 _GPT_OSS_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
                  *_PROJECTIONS[:4], ("attn_sinks", "self_attn.sinks"))
+# GLM-4.5: Llama's layer with its post-attention norm under llama.cpp's other name.
+_GLM4_MOE_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                  *_PROJECTIONS)
 # Cohere's parallel block has one norm.
 _PARALLEL_GGUF = (("attn_norm", "input_layernorm"), *_PROJECTIONS)
 # Phi-3's files keep its fused projections fused, as its checkpoints do.
@@ -153,7 +156,7 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture("gpt_oss", "gpt_oss.GptOssForCausalLM", ("GptOssForCausalLM",), "gpt_oss", "gpt-oss",
                  tensor_parallel=False, gguf_layer_names=_GPT_OSS_GGUF, experts=True),
     Architecture("glm4_moe", "glm4.Glm4MoeForCausalLM", ("Glm4MoeForCausalLM",), "glm4_moe", "glm4moe",
-                 reads_gguf=False, tensor_parallel=False, experts=True),
+                 tensor_parallel=False, gguf_layer_names=_GLM4_MOE_GGUF, experts=True),
     # DeepSeek's latent attention and routers (worker/models/deepseek.py); its GGUF files are not read yet.
     Architecture("deepseek_v2", "deepseek.DeepseekForCausalLM", ("DeepseekV2ForCausalLM",), "deepseek_v2", "deepseek2",
                  reads_gguf=False, tensor_parallel=False, experts=True),
@@ -228,11 +231,12 @@ GGUF_EXPERT_NAMES = {
     "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "exp_probs_b": "mlp.correction_bias",  # the sigmoid router's correction (DeepSeek-V3, GLM-4.5)
 }
 GGUF_SHARED_EXPERT_NAMES = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")
-_DENSE_MLP_NAMES = ("ffn_gate", "ffn_up", "ffn_down")
+DENSE_MLP_NAMES = ("ffn_gate", "ffn_up", "ffn_down")
 # Checkpoint tensors that are a layer's own buffer, not a module's weight (a file names them `.weight`).
-BARE_LAYER_TENSORS = frozenset({"layer_scalar", "self_attn.sinks"})  # Gemma 4's, gpt-oss's
+BARE_LAYER_TENSORS = frozenset({"layer_scalar", "self_attn.sinks", "mlp.correction_bias"})
 GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
                      # Gemma 4's per-layer input embeddings
                      "per_layer_token_embd": "model.embed_tokens_per_layer",
@@ -258,7 +262,7 @@ def gguf_optional_names(row: Architecture) -> tuple[str, ...]:
     MLP's and the shared expert's (llama.cpp writes every layer of a MoE file with experts)."""
     if not row.experts:
         return row.gguf_optional_layer_names
-    return (*row.gguf_optional_layer_names, *_DENSE_MLP_NAMES, *GGUF_SHARED_EXPERT_NAMES)
+    return (*row.gguf_optional_layer_names, *DENSE_MLP_NAMES, *GGUF_SHARED_EXPERT_NAMES, "exp_probs_b")
 
 
 def gguf_row(gguf_arch: str, experts: bool) -> Architecture:

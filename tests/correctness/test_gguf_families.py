@@ -52,9 +52,10 @@ GGUF_FAMILIES = {
     "smollm3": {"no_rope_layers": [1, 1, 1, 0]},
 }
 # Mixtures of experts as llama.cpp converts them: every layer with experts (its converter maps no dense
-# MLP beside them), Mixtral without a window (a llama file states none).
+# MLP beside them; GLM-4.5's leading dense layers it does), Mixtral without a window (a llama file states
+# none), GLM-4.5 with one group of experts (as released).
 MOE_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {"decoder_sparse_step": 1},
-                 "mixtral": {"sliding_window": None}}
+                 "mixtral": {"sliding_window": None}, "glm4_moe": {"n_group": 1, "topk_group": 1}}
 # Read from llama.cpp's own files only (make_gguf writes no per-layer metadata or experts): Gemma 4 with every
 # option (per-layer inputs, shared KV, global layers of their own shape whose values are their keys);
 # Granite 4 dense, which llama.cpp's converter writes as "granitehybrid" with every layer marked
@@ -62,7 +63,7 @@ MOE_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {"decoder_sp
 # the config says "attention" with no experts per token (as released checkpoints do).
 CONVERTER_ONLY = {"gemma4_text": {}, "granitemoehybrid": {}, "granitemoehybrid-attention": {"num_experts_per_tok": 0},
                   **{family: MOE_OVERRIDES.get(family, {}) for family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
-                                                                           "granitemoe", "gpt_oss")}}
+                                                                           "granitemoe", "gpt_oss", "glm4_moe")}}
 LLAMA_CPP = Path(os.environ.get("PEERS", Path.home() / "peers")) / "llama"
 CONVERTER = LLAMA_CPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
 
@@ -124,9 +125,10 @@ def test_llama_cpp_s_own_conversion_gives_transformers_greedy_tokens(tmp_path, f
         subprocess.run([str(python), "-c", _TRAIN_SENTENCEPIECE, str(hf_dir)], check=True, capture_output=True)
     if family == "gemma4_text":
         _byte_fallback_bpe(hf_dir)
-    if family == "glm4":  # its converter looks these up among the added tokens
+    if family in ("glm4", "glm4_moe"):  # its converter looks these up among the added tokens
         _rename_added_tokens(hf_dir, {"<|reserved_special_token_0|>": "<|endoftext|>",
-                                      "<|reserved_special_token_1|>": "<|user|>"})
+                                      "<|reserved_special_token_1|>": "<|user|>",
+                                      "<|reserved_special_token_2|>": "[gMASK]", "<|eom_id|>": "<|observation|>"})
     subprocess.run([str(python), str(CONVERTER), str(hf_dir), "--outtype", "f32", "--outfile", str(out)],
                    cwd=CONVERTER.parent, env={**os.environ, "GGUF_FORCE_PRE": "qwen2"}, check=True,
                    capture_output=True)
