@@ -83,6 +83,8 @@ def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict,
         fields |= _gemma4_fields(shape, meta, tensors, rope_factors.get("rope_freqs.weight"))
     if gguf_arch == "gpt-oss":
         fields["rope_parameters"] = _yarn(shape, key)
+    if gguf_arch == "deepseek2":
+        fields |= _deepseek_fields(shape, key)
     if gguf_arch == "glm4moe":  # rope on the leading part of each head, in halves
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": shape.rope_base,
                                      "partial_rotary_factor": (shape.rope_dims or shape.head_dim) / shape.head_dim}
@@ -122,6 +124,30 @@ def _gemma4_fields(shape, meta: dict[str, Any], tensors: dict, rope_freqs: list[
     }
 
 
+def _deepseek_fields(shape, key) -> dict[str, Any]:
+    """DeepSeek-V2/V3: the latent attention's widths, the router (V3's sigmoid, group-limited where the
+    file has groups), shared experts after the dense layers; yarn's mscale from llama.cpp's log multiplier
+    (0.1 x mscale_all_dim; mscale taken equal, as the released configs have it)."""
+    fields: dict[str, Any] = {
+        "kv_lora_rank": shape.kv_lora_rank, "q_lora_rank": shape.q_lora_rank or None,
+        "qk_rope_head_dim": shape.rope_dims, "qk_nope_head_dim": shape.mla_key_length - shape.rope_dims,
+        "v_head_dim": shape.mla_value_length, "head_dim": shape.rope_dims, "num_key_value_heads": shape.heads,
+        "moe_intermediate_size": shape.expert_ffn, "n_shared_experts": int(key("expert_shared_count", 0)),
+        "first_k_dense_replace": shape.dense_layers, "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
+        "n_group": int(key("expert_group_count", 1)), "topk_group": int(key("expert_group_used_count", 1)),
+        "n_routed_experts": shape.experts, "num_experts_per_tok": shape.experts_used,
+        "norm_topk_prob": bool(key("expert_weights_norm", False)),
+        "topk_method": "group_limited_greedy" if int(key("expert_group_count", 1)) > 1 else "greedy"}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rope_base, **shape.rope_scaling}
+    if rope["rope_type"] == "yarn":
+        mscale = float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        rope |= {"beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                 "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale or 1.0,
+                 "mscale_all_dim": mscale}
+    fields["rope_parameters"] = rope
+    return fields
+
+
 def _yarn(shape, key) -> dict[str, Any]:
     """gpt-oss's yarn rope, its correction range not rounded to whole dims (the checkpoints' truncate:
     false); llama.cpp's converter writes the betas."""
@@ -146,6 +172,8 @@ def expert_fields(gguf_arch: str, shape, key) -> dict[str, Any]:
     if gguf_arch in ("qwen2moe", "qwen3moe"):
         fields |= {"moe_intermediate_size": shape.expert_ffn, "decoder_sparse_step": 1, "mlp_only_layers": [],
                    "shared_expert_intermediate_size": shape.shared_expert_ffn}
+    elif gguf_arch == "deepseek2":
+        pass  # the rest are _deepseek_fields'
     elif gguf_arch == "glm4moe":  # DeepSeek-V3's router: groups, scale, shared experts after dense layers
         fields |= {"moe_intermediate_size": shape.expert_ffn, "n_shared_experts": int(key("expert_shared_count", 0)),
                    "first_k_dense_replace": shape.dense_layers, "n_group": int(key("expert_group_count", 1)),

@@ -125,11 +125,19 @@ class GGUFShape:
     expert_ffn: int = 0
     shared_expert_ffn: int = 0
     dense_layers: int = 0  # the leading layers whose MLP is a dense one (DeepSeek's, GLM-4.5's)
+    sigmoid_router: bool = False  # experts chosen by sigmoid scores (DeepSeek-V3's files, told from V2's)
+    # Latent attention (DeepSeek): the latent's width, the query bottleneck's (0: none), a query head's
+    # width and a value head's.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    mla_key_length: int = 0
+    mla_value_length: int = 0
 
     @property
     def row(self):
-        """The registry row serving the file (Mixtral's files are "llama" files with experts)."""
-        return gguf_row(self.gguf_arch, self.experts > 0)
+        """The registry row serving the file (Mixtral's files are "llama" files with experts, DeepSeek-V3's
+        "deepseek2" files with a sigmoid router)."""
+        return gguf_row(self.gguf_arch, self.experts > 0, self.sigmoid_router)
 
     def layer_dims(self, layer: int) -> tuple[int, int, int]:
         """(head size, KV heads, feed-forward width) of layer `layer`."""
@@ -199,6 +207,13 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
         shared_expert_ffn=int(key("expert_shared_feed_forward_length", 0))
         or int(key("expert_shared_count", 0)) * int(key("expert_feed_forward_length", 0)),
         dense_layers=int(key("leading_dense_block_count", 0)) if experts else 0,
+        # llama.cpp's gating function 2 is the sigmoid; files that name none have it where they hold its bias.
+        sigmoid_router=int(key("expert_gating_func", 0)) == 2 or any(name.endswith("exp_probs_b.bias")
+                                                                     for name in tensor_dims),
+        kv_lora_rank=int(key("attention.kv_lora_rank", 0)),
+        q_lora_rank=int(key("attention.q_lora_rank", 0)),
+        mla_key_length=int(key("attention.key_length_mla", 0)),
+        mla_value_length=int(key("attention.value_length_mla", 0)),
     )
     if experts and not 0 < shape.experts_used <= experts:
         raise GGUFFileError(f"{path}: metadata gives {shape.experts_used} experts used of {experts}")
@@ -292,6 +307,14 @@ def _layer_shapes(shape: GGUFShape, layer: int, row, names: dict[str, str]) -> d
                  "post_norm.weight": (hidden,)}
     if "layer_output_scale" in names:
         dims["layer_output_scale.weight"] = (1,)
+    if shape.kv_lora_rank:  # latent attention
+        heads, rank, rope = shape.heads, shape.kv_lora_rank, shape.rope_dims
+        nope, query = shape.mla_key_length - rope, shape.heads * shape.mla_key_length
+        dims |= {"attn_q.weight": (query, hidden), "attn_q_a.weight": (shape.q_lora_rank, hidden),
+                 "attn_q_a_norm.weight": (shape.q_lora_rank,), "attn_q_b.weight": (query, shape.q_lora_rank),
+                 "attn_kv_a_mqa.weight": (rank + rope, hidden), "attn_kv_a_norm.weight": (rank,),
+                 "attn_k_b.weight": (heads, rank, nope), "attn_v_b.weight": (heads, shape.mla_value_length, rank),
+                 "attn_output.weight": (hidden, heads * shape.mla_value_length)}
     if shape.experts:
         experts, width, shared = shape.experts, shape.expert_ffn, shape.shared_expert_ffn
         dims |= {"ffn_gate_inp.weight": (experts, hidden), "ffn_gate_inp.bias": (experts,),

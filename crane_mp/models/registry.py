@@ -51,6 +51,8 @@ class Architecture:
     gguf_optional_layer_names: tuple[str, ...] = ()
     # Its MLPs are mixtures of experts (where, the layout says): GGUF files hold GGUF_EXPERT_NAMES' tensors.
     experts: bool = False
+    # llama.cpp files it under gguf_arch as another row's files, told apart by a sigmoid router (DeepSeek-V3).
+    gguf_sigmoid_router: bool = False
 
 
 TRANSFORMERS = "transformers"  # the transformers backend's row
@@ -79,6 +81,15 @@ _GPT_OSS_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post
 # GLM-4.5: Llama's layer with its post-attention norm under llama.cpp's other name.
 _GLM4_MOE_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
                   *_PROJECTIONS)
+# DeepSeek's latent attention as llama.cpp's converter splits kv_b_proj (per-head key and value parts),
+# its query projection one matrix (V2-Lite) or a low-rank pair (the rest).
+_DEEPSEEK_QUERY = ("attn_q", "attn_q_a", "attn_q_a_norm", "attn_q_b")
+_DEEPSEEK_GGUF = (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                  *zip(_DEEPSEEK_QUERY, ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_a_layernorm",
+                                         "self_attn.q_b_proj")),
+                  ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"), ("attn_kv_a_norm", "self_attn.kv_a_layernorm"),
+                  ("attn_k_b", "self_attn.k_b_proj"), ("attn_v_b", "self_attn.v_b_proj"),
+                  ("attn_output", "self_attn.o_proj"), *_PROJECTIONS[4:])
 # Cohere's parallel block has one norm.
 _PARALLEL_GGUF = (("attn_norm", "input_layernorm"), *_PROJECTIONS)
 # Phi-3's files keep its fused projections fused, as its checkpoints do.
@@ -159,9 +170,11 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  tensor_parallel=False, gguf_layer_names=_GLM4_MOE_GGUF, experts=True),
     # DeepSeek's latent attention and routers (worker/models/deepseek.py); its GGUF files are not read yet.
     Architecture("deepseek_v2", "deepseek.DeepseekForCausalLM", ("DeepseekV2ForCausalLM",), "deepseek_v2", "deepseek2",
-                 reads_gguf=False, tensor_parallel=False, experts=True),
+                 tensor_parallel=False, gguf_layer_names=_DEEPSEEK_GGUF, gguf_optional_layer_names=_DEEPSEEK_QUERY,
+                 experts=True),
     Architecture("deepseek_v3", "deepseek.DeepseekForCausalLM", ("DeepseekV3ForCausalLM",), "deepseek_v3", "deepseek2",
-                 reads_gguf=False, tensor_parallel=False, experts=True),
+                 reads_gguf=False, tensor_parallel=False, gguf_layer_names=_DEEPSEEK_GGUF,
+                 gguf_optional_layer_names=_DEEPSEEK_QUERY, experts=True, gguf_sigmoid_router=True),
     # Any other causal LM transformers can run, through its own modeling code (--model-impl).
     Architecture(TRANSFORMERS, "transformers_backend.TransformersCausalLM", (), "", "", reads_gguf=False),
 )}
@@ -265,12 +278,16 @@ def gguf_optional_names(row: Architecture) -> tuple[str, ...]:
     return (*row.gguf_optional_layer_names, *DENSE_MLP_NAMES, *GGUF_SHARED_EXPERT_NAMES, "exp_probs_b")
 
 
-def gguf_row(gguf_arch: str, experts: bool) -> Architecture:
-    """The row serving GGUF files of `gguf_arch`, given whether the file holds experts: llama.cpp files
-    Mixtral under "llama", told apart by its experts."""
+def gguf_row(gguf_arch: str, experts: bool, sigmoid_router: bool = False) -> Architecture:
+    """The row serving GGUF files of `gguf_arch`, given whether the file holds experts and routes them by
+    sigmoid: llama.cpp files Mixtral under "llama", told apart by its experts, and DeepSeek-V3 under
+    "deepseek2", told apart by its router."""
     row = GGUF_ARCHITECTURES[gguf_arch]
     if experts and not row.experts:
         return next((other for other in ARCHITECTURES.values() if other.gguf_arch == gguf_arch and other.experts), row)
+    if sigmoid_router and not row.gguf_sigmoid_router:
+        return next((other for other in ARCHITECTURES.values()
+                     if other.gguf_arch == gguf_arch and other.gguf_sigmoid_router), row)
     return row
 
 

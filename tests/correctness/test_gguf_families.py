@@ -63,7 +63,8 @@ MOE_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {"decoder_sp
 # the config says "attention" with no experts per token (as released checkpoints do).
 CONVERTER_ONLY = {"gemma4_text": {}, "granitemoehybrid": {}, "granitemoehybrid-attention": {"num_experts_per_tok": 0},
                   **{family: MOE_OVERRIDES.get(family, {}) for family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
-                                                                           "granitemoe", "gpt_oss", "glm4_moe")}}
+                                                                           "granitemoe", "gpt_oss", "glm4_moe",
+                                                                           "deepseek_v2", "deepseek_v3")}}
 LLAMA_CPP = Path(os.environ.get("PEERS", Path.home() / "peers")) / "llama"
 CONVERTER = LLAMA_CPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
 
@@ -156,7 +157,7 @@ def test_llama_cpp_s_own_conversion_of_gemma4_to_q8_0_keeps_its_per_layer_table_
 
 
 @pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3"])
 def test_llama_cpp_s_own_conversion_of_experts_to_q8_0_keeps_them_quantized(tmp_path, family):
     """A Q8_0 file's experts run through the GGUF kernels expert by expert: a layer's output equals the
     float experts' on the file's dequantized blocks, to the 8-bit activations' rounding (gpt-oss: with

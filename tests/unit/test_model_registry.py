@@ -45,7 +45,8 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                                   "xlm-roberta": "xlm-roberta", "qwen2_5_vl": "qwen2_5_vl", "whisper": "whisper",
                                   **{name: name for name in FAMILIES_2026 + MOE_FAMILIES}, "gemma3_text": "gemma3",
                                   "gemma4_text": "gemma4", "granitemoehybrid": "granite4", "granitehybrid": "granite4",
-                                  "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+                                  "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
+                                  "deepseek2": "deepseek_v2", "glm4moe": "glm4_moe"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                           "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
                           "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
@@ -74,7 +75,8 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
         "phi3": ("phi3", "phi3"), "glm4": ("glm4", "glm4"), "cohere2": ("cohere2", "cohere2"),
         "exaone4": ("exaone4", "exaone4"), "seed_oss": ("seed_oss", "seed_oss"),
         "qwen2moe": ("qwen2_moe", "qwen2_moe"), "qwen3moe": ("qwen3_moe", "qwen3_moe"), "olmoe": ("olmoe", "olmoe"),
-        "granitemoe": ("granitemoe", "granitemoe"), "gpt-oss": ("gpt_oss", "gpt_oss")}
+        "granitemoe": ("granitemoe", "granitemoe"), "gpt-oss": ("gpt_oss", "gpt_oss"),
+        "deepseek2": ("deepseek_v2", "deepseek_v2"), "glm4moe": ("glm4_moe", "glm4_moe")}
     # llama.cpp's LlamaModel converters permute
     assert PERMUTED_QK_ARCHS == {"llama", "smollm3", "granite", "granitemoe"}
     assert GGUF_ARCH == {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -83,7 +85,8 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                          "cohere2": "cohere2", "olmo3": "olmo2", "smollm3": "smollm3", "granite": "granite",
                          "granitemoehybrid": "granitehybrid", "exaone4": "exaone4", "seed_oss": "seed_oss",
                          "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
-                         "granitemoe": "granitemoe", "gpt_oss": "gpt-oss"}
+                         "granitemoe": "granitemoe", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2",
+                         "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
 
 
 NATIVE = sorted(set(ARCHITECTURES) - {TRANSFORMERS})
@@ -104,9 +107,10 @@ def test_every_architecture_round_trips_its_names(arch):
         return
     served = GGUF_ARCHITECTURES.get(row.gguf_arch)
     if row.hf_model_type in ZOO_FAMILIES:  # a 2026 family: its checkpoints written by make_zoo
-        # OLMo 3's and Mixtral's files are filed under another row's name (olmo2, llama).
-        assert (served is not None) == (row.reads_gguf or row.name in ("olmo3", "mixtral"))
-        if served is None or row.name == "mixtral":  # a llama file with experts, not read yet
+        # OLMo 3's, Mixtral's and DeepSeek-V3's files are filed under another row's name (olmo2, llama,
+        # deepseek2): gguf_row tells them apart.
+        assert (served is not None) == (row.reads_gguf or row.name in ("olmo3", "mixtral", "deepseek_v3"))
+        if served is None or row.name in ("mixtral", "deepseek_v3"):
             return
     # A GGUF file names the architecture, or (Mistral) one served by the same class, q/k rows alike.
     assert served is row if row.reads_gguf else served.model_class == row.model_class
@@ -167,7 +171,8 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
                                                     r".*\) and transformers has no causal LM for it"):
         model_config_from_hf(unknown)
     with pytest.raises(GGUFFileError, match=r"architecture 'gpt2' is not supported \(supported: "
-                                            r"cohere2, exaone4, gemma2, gemma3, gemma4, glm4, gpt-oss, granite, "
+                                            r"cohere2, deepseek2, exaone4, gemma2, gemma3, gemma4, glm4, glm4moe, "
+                                            r"gpt-oss, granite, "
                                             r"granitehybrid, granitemoe, hunyuan-dense, llama, olmo2, olmoe, phi3, "
                                             r"qwen2, qwen2moe, qwen3, qwen3moe, seed_oss, smollm3\)"):
         read_shape({"general.architecture": "gpt2"}, {}, tmp_path / "m.gguf")

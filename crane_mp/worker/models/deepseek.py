@@ -12,11 +12,14 @@ projection. The scores and outputs are the full-head computation's, regrouped.
 
 from __future__ import annotations
 
+from typing import Iterable, Iterator
+
 import torch
 from torch import nn
 
 from crane_mp.models.config import ModelConfig
 from crane_mp.worker.cache.attention import paged_attention
+from crane_mp.worker.models.checkpoint import fill
 from crane_mp.worker.models.layers import CausalLM, RMSNorm
 from crane_mp.worker.models.rope import apply_rope
 from crane_mp.worker.platforms import Platform
@@ -97,3 +100,30 @@ class DeepseekForCausalLM(CausalLM):
     attention_class = LatentSelfAttention
     renamed_weights = SHARED_EXPERT_NAMES
     skips_extra_layers = True  # V3's multi-token-prediction layer (num_nextn_predict_layers), not served
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        joined: set[str] = set()
+        return super().load_weights(self._joined_kv_b(weights, joined)) | joined
+
+    def _joined_kv_b(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     joined: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors, a GGUF file's kv_b_proj halves (llama.cpp's converter splits it into
+        each head's key part, transposed, and value part) put back into kv_b_proj (names into `joined`)."""
+        halves: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            stem, _, leaf = name.rpartition(".")
+            if not stem.endswith(("self_attn.k_b_proj", "self_attn.v_b_proj")):
+                yield name, tensor
+                continue
+            module = stem.rpartition(".")[0]
+            parts = halves.setdefault(module, {})
+            parts[stem.rpartition(".")[2]] = tensor
+            if len(parts) == 2:
+                attention = self.get_submodule(self.parameter_name(module))
+                heads = attention.kv_b_proj.weight.data.view(attention.num_heads, -1, attention.kv_rank)
+                fill(heads[:, : attention.nope_dim], parts["k_b_proj"].transpose(1, 2), f"{module}.k_b_proj")
+                fill(heads[:, attention.nope_dim :], parts["v_b_proj"], f"{module}.v_b_proj")
+                joined.add(f"{self.parameter_name(module)}.kv_b_proj.weight")
+                del halves[module]
+        if halves:
+            raise KeyError(f"kv_b_proj halves without their other half: {sorted(halves)}")

@@ -43,15 +43,22 @@ _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.down_proj": ("mlp.down_proj",),
           # A mixture-of-experts layer's shared expert (Qwen2-MoE); its experts are GGUFExperts.
           "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
-          "mlp.shared_expert.down_proj": ("mlp.shared_expert.down_proj",)}
+          "mlp.shared_expert.down_proj": ("mlp.shared_expert.down_proj",),
+          # DeepSeek's latent attention: its query and latent projections (V2-Lite's q_proj stands alone).
+          "self_attn.q_proj": ("self_attn.q_proj",), "self_attn.q_a_proj": ("self_attn.q_a_proj",),
+          "self_attn.q_b_proj": ("self_attn.q_b_proj",),
+          "self_attn.kv_a_proj_with_mqa": ("self_attn.kv_a_proj_with_mqa",)}
 
 
 def fused_groups(arch: str) -> dict[str, tuple[str, ...]]:
     """Our fused projections -> the GGUF tensors (short names) that fill them, in row order: one
     tensor each where the file fuses them as we do (Phi-3)."""
     by_module = {module: short for short, module in gguf_layer_names(arch).items()}
-    return {ours: (by_module[ours],) if ours in by_module else tuple(by_module[part] for part in parts)
-            for ours, parts in _FUSED.items() if ours in by_module or all(part in by_module for part in parts)}
+    groups = {ours: (by_module[ours],) if ours in by_module else tuple(by_module[part] for part in parts)
+              for ours, parts in _FUSED.items() if ours in by_module or all(part in by_module for part in parts)}
+    # A projection a fused group holds is no group of its own (q_proj where q/k/v fuse).
+    fused = {part for ours, parts in _FUSED.items() if ours in groups and len(parts) > 1 for part in parts}
+    return {ours: names for ours, names in groups.items() if ours not in fused}
 
 
 def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
