@@ -157,7 +157,7 @@ def test_llama_cpp_s_own_conversion_of_gemma4_to_q8_0_keeps_its_per_layer_table_
 
 
 @pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
 def test_llama_cpp_s_own_conversion_of_experts_to_q8_0_keeps_them_quantized(tmp_path, family):
     """A Q8_0 file's experts run through the GGUF kernels expert by expert: a layer's output equals the
     float experts' on the file's dequantized blocks, to the 8-bit activations' rounding (gpt-oss: with
