@@ -98,6 +98,7 @@ class DecoderLayout:
     # adds nothing to the output.
     attention_sinks: bool = False
     latent: LatentAttention | None = None  # DeepSeek's multi-head latent attention
+    qk_norm: bool = False  # per-head query and key RMSNorms before rope, where a family has them optionally
 
     def window(self, layer: int, sliding_window: int | None) -> int | None:
         """Layer `layer`'s attention window (None: it sees every earlier key)."""
@@ -229,17 +230,17 @@ def _deepseek(hf_config: Any, head_dim: int) -> DecoderLayout:
 
 
 def _glm4_moe(hf_config: Any, head_dim: int) -> DecoderLayout:
-    """GLM-4.5: rope on the leading part of each head (halves), no bias on o_proj, DeepSeek-V3's router
-    with shared experts after the first dense layers."""
-    if getattr(hf_config, "use_qk_norm", False):
-        raise ValueError("glm4_moe with use_qk_norm (per-head query/key norms) is not supported yet")
+    """GLM-4.5: rope on the leading part of each head (halves), per-head query/key norms where
+    use_qk_norm says, no bias on o_proj, DeepSeek-V3's router with shared experts after the first dense
+    layers."""
     experts = ExpertLayout(
         hf_config.n_routed_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size, router="sigmoid",
         normalize=bool(hf_config.norm_topk_prob), scale=float(hf_config.routed_scaling_factor),
         shared_intermediate_size=hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0),
         dense_layers=tuple(range(hf_config.first_k_dense_replace)), groups=hf_config.n_group or 1,
         topk_groups=hf_config.topk_group or 1, group_score="top2")
-    return DecoderLayout(rotary_dim=_rotary_dim(hf_config, head_dim), attention_out_bias=False, experts=experts)
+    return DecoderLayout(rotary_dim=_rotary_dim(hf_config, head_dim), attention_out_bias=False, experts=experts,
+                         qk_norm=bool(getattr(hf_config, "use_qk_norm", False)))
 
 
 def _layer_types(hf_config: Any) -> tuple[str, ...]:

@@ -144,6 +144,15 @@ def test_a_released_checkpoint_s_prediction_layer_past_the_last_is_not_served(zo
     assert engine(tmp_path, "auto").generate(prompts, GREEDY) == expected
 
 
+def test_glm4_5_s_optional_query_key_norms_give_transformers_tokens(tmp_path):
+    path = make_zoo_model("glm4_moe", tmp_path / "glm4_moe", overrides={"use_qk_norm": True})
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in ZOO_PROMPT_LENGTHS[:3]]
+    eng = engine(path, "native")
+    assert eng.worker.model_config.layout.qk_norm
+    assert eng.generate(prompts, GREEDY) == transformers_greedy(path, prompts, NUM_TOKENS)
+
+
 def test_gpt_oss_mxfp4_experts_stay_mxfp4_and_give_the_dequantized_checkpoint_s_tokens(tmp_path):
     """The released gpt-oss form: experts as MXFP4 blocks, kept as GGUF MXFP4 rows (17 bytes a block of
     32). With float activations the kernels multiply the blocks' exact values: transformers' tokens on
