@@ -70,11 +70,22 @@ async def test_the_final_channel_streams_as_content(gpt_oss):
     assert (reasoning, content, calls) == ("Easy.", "Sunny.", [])
 
 
-async def test_reasoning_effort_reaches_the_template_and_a_forced_call_is_refused_by_name(gpt_oss):
+async def test_reasoning_effort_reaches_the_template(gpt_oss):
     client, state, fake = gpt_oss
     body = {"messages": ASK["messages"], "reasoning_effort": "high"}
     assert (await client.post("/v1/chat/completions", json=body)).status == 200
     assert "Reasoning: high" in state.tokenizer.tokenizer.decode(fake.requests[-1].input_ids)
+
+
+async def test_a_forced_call_goes_to_the_engine_with_harmony_s_grammar(gpt_oss):
+    """tool_choice naming a function: the grammar writes its commentary message, the tags as their
+    tokens, and the answer reads back as that call."""
+    client, state, fake = gpt_oss
+    fake.output_ids = _ids(state, CALL.split("<|start|>assistant")[1])
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = await client.post("/v1/chat/completions", json={**ASK, "tool_choice": named})
-    assert r.status == 400 and "harmony" in (await r.json())["error"]["message"]
+    body = await (await client.post("/v1/chat/completions", json={**ASK, "tool_choice": named})).json()
+    assert body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    grammar = fake.requests[-1].sampling.grammar
+    vocab = state.tokenizer.added_vocab
+    assert grammar is not None and "commentary to=functions.get_weather" in grammar
+    assert all(f"<[{vocab[tag]}]>" in grammar for tag in ("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"))

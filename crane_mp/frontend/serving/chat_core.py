@@ -97,9 +97,6 @@ async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
         record_images(state, len(images))
     constraint = ask.constraint
     if mode in ("required", "named"):
-        if fmt.harmony:
-            raise ApiError(400, f"tool_choice {mode} cannot be forced on harmony's tool calls (gpt-oss); use "
-                                "auto", "tool_choice")
         if constraint is not None:
             raise ApiError(400, f"tool_choice {mode} already constrains the output; drop {constraint.param}",
                            constraint.param)

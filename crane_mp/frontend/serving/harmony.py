@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
-END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
-TAGS = (START, END, MESSAGE, CHANNEL, "<|constrain|>", RETURN, CALL)  # what the detokenizer must keep
+END, RETURN, CALL, CONSTRAIN = "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"
+TAGS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)  # what the detokenizer must keep
 CALL_OPEN = CHANNEL + "commentary to="  # a tool call as the splitter hands it to the call reader
 CALL_CLOSE = CALL
 _MESSAGE_ENDS = (END, RETURN, CALL)

@@ -1,11 +1,12 @@
 """Forcing a call (tool_choice "required" or a named function): a grammar that admits only calls of the
-offered tools, in the model's own format (a JSON object, Qwen3-Coder's XML elements, or Gemma 4's
-syntax: gemma4_grammar.py), JSON arguments' numbers bounded (json_bounds.py)."""
+offered tools, in the model's own format (a JSON object, Qwen3-Coder's XML elements, Gemma 4's syntax:
+gemma4_grammar.py, or gpt-oss's harmony message), JSON arguments' numbers bounded (json_bounds.py)."""
 
 from __future__ import annotations
 
 import json
 
+from crane_mp.frontend.serving.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
 from crane_mp.frontend.serving.json_bounds import bounded_schema
 from crane_mp.frontend.serving.structured import Constraint
 from crane_mp.frontend.tools.formats import ToolFormat
@@ -19,10 +20,6 @@ def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None,
     call of `only`). A marker that is one token of the vocabulary (`special_tokens`) is written as that token,
     as the model was trained to produce it."""
     functions = [tool["function"] for tool in tools if only is None or tool["function"]["name"] == only]
-    if fmt.gemma:
-        rules = gemma4_call_rules(functions, special_tokens.get(QUOTE))
-    else:
-        rules = _xml_rules(functions) if fmt.xml else _json_rules(fmt, functions)
 
     def text(value: str) -> str:
         parts = []
@@ -30,8 +27,15 @@ def forced_call_constraint(fmt: ToolFormat, tools: list[dict], only: str | None,
             parts.append(f"<[{special_tokens[piece]}]>" if piece in special_tokens else json.dumps(piece))
         return " ".join(parts)
 
+    if fmt.gemma:
+        rules = gemma4_call_rules(functions, special_tokens.get(QUOTE))
+    elif fmt.harmony:
+        rules = _harmony_rules(functions, text)
+    else:
+        rules = _xml_rules(functions) if fmt.xml else _json_rules(fmt, functions)
     call = " ".join(p for p in (text(fmt.call_open), "obj", text(fmt.call_close)) if p)
-    calls = f"call ({text(fmt.separator)} call)*" if parallel and only is None else "call"
+    # Harmony's call ends the answer (its <|call|> is a stop token): one call.
+    calls = f"call ({text(fmt.separator)} call)*" if parallel and only is None and not fmt.harmony else "call"
     start = " ".join(p for p in (text(fmt.list_open), calls, text(fmt.list_close)) if p)
     alternatives = " | ".join(f"obj{i}" for i in range(sum(rule.startswith("obj") for rule in rules)))
     lark = f"start: {start}\ncall: {call}\nobj: {alternatives}\n" + "\n".join(rules) + "\n"
@@ -51,6 +55,17 @@ def _json_rules(fmt: ToolFormat, functions: list[dict]) -> list[str]:
         schema["x-guidance"] = {"lenient": True, "whitespace_flexible": False, "item_separator": ", ",
                                 "key_separator": ": "}
         rules.append(f"obj{len(rules)}: %json {json.dumps(schema)}")
+    return rules
+
+
+def _harmony_rules(functions: list[dict], text) -> list[str]:
+    """One rule per callable function: its commentary message to it, the arguments' JSON as the body
+    (`text` writes the harmony tags as their tokens)."""
+    rules = []
+    for function in functions:
+        parameters = dict(function.get("parameters") or {"type": "object"})
+        header = text(f"{CHANNEL}commentary to=functions.{function['name']} {CONSTRAIN}json{MESSAGE}")
+        rules.append(f"obj{len(rules)}: {header} %json {json.dumps(bounded_schema(parameters))} {text(CALL)}")
     return rules
 
 

@@ -18,7 +18,7 @@ import secrets
 import string
 from dataclasses import dataclass
 
-from crane_mp.frontend.serving.harmony import CALL, CALL_OPEN
+from crane_mp.frontend.serving.harmony import CALL, CALL_OPEN, CHANNEL, CONSTRAIN, MESSAGE
 from crane_mp.frontend.web.errors import ApiError
 
 
@@ -39,8 +39,10 @@ class ToolFormat:
     harmony: bool = False  # gpt-oss's: commentary-channel messages to functions.NAME (tools/harmony_calls.py)
 
 
-# gpt-oss's token that ends a call message (its harmony format, serving/harmony.py).
+# gpt-oss's token that ends a call message (its harmony format, serving/harmony.py), and the tags a
+# forced call is written with.
 HARMONY_CALL = CALL
+HARMONY_CALL_TAGS = (CHANNEL, CONSTRAIN, MESSAGE, CALL)
 # Gemma 4's call marks: a call's start and end, and the quote around its strings (tools/gemma4_calls.py).
 GEMMA4_MARKS = ("<|tool_call>", "<tool_call|>", '<|"|>')
 
@@ -60,7 +62,7 @@ FORMATS = {
 }
 # Texts of the formats that a vocabulary may hold as one (added) token.
 MARKER_TEXTS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", *GEMMA4_MARKS,
-                HARMONY_CALL)
+                *HARMONY_CALL_TAGS)
 # --tool-call-parser auto: the format whose marker the vocabulary holds as a token, else by architecture
 # (a Mistral GGUF says "llama"; fine-tunes of other families mostly follow Hermes).
 _BY_MARKER = {HARMONY_CALL: "openai", GEMMA4_MARKS[0]: "gemma4", "[TOOL_CALLS]": "mistral", "<tool_call>": "hermes",
