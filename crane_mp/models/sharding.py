@@ -99,6 +99,9 @@ def make_shard(config, rank: int, size: int) -> Shard:
     if config.media:
         raise ValueError(f"tensor parallelism serves text models; {config.arch} (its {config.media} encoder is not "
                          "split) runs on one rank")
+    if config.layout.experts is not None:
+        raise ValueError(f"tensor parallelism does not shard {config.arch}'s mixture-of-experts layers yet (each "
+                         "rank would need every expert's rows): it runs on one rank (--tensor-parallel-size 1)")
     if not ARCHITECTURES[config.arch].tensor_parallel:
         raise ValueError(f"tensor parallelism is not validated for {config.arch} yet: it runs on one rank "
                          "(--tensor-parallel-size 1)")

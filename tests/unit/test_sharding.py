@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from crane_mp.config import EngineConfig
 from crane_mp.models.config import ModelConfig
+from crane_mp.models.layouts import DecoderLayout, ExpertLayout
 from crane_mp.models.sharding import make_shard, shard_config
 from crane_mp.parallel import ParallelConfig
 from crane_mp.testing.kquants import quantize_q4_k
@@ -101,6 +102,12 @@ def test_the_vocabulary_splits_into_equal_padded_rows():
 def test_a_size_that_does_not_split_the_model_is_refused_by_name(kwargs, size, message):
     with pytest.raises(ValueError, match=message):
         make_shard(config(**kwargs), 0, size)
+
+
+def test_mixtures_of_experts_are_refused_by_name_with_the_reason():
+    experts = dataclasses.replace(config(arch="qwen3_moe"), layout=DecoderLayout(experts=ExpertLayout(8, 2, 16)))
+    with pytest.raises(ValueError, match="does not shard qwen3_moe's mixture-of-experts layers"):
+        make_shard(experts, 0, 2)
 
 
 def test_gguf_rows_split_by_whole_rows_or_whole_blocks_else_become_float32():
