@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
+from tokenizers import AddedToken, Tokenizer
 
 from crane_mp.config import EngineConfig, ServerConfig
 from crane_mp.frontend.app import create_app
@@ -121,3 +122,16 @@ async def stop_frontend(client: TestClient, state: FrontendState) -> None:
     await state.client.close()
     state.grammars.close()
     state.tokenizer.close()
+
+
+def add_special_tokens(model_dir: Path, texts: list[str]) -> None:
+    """Give the checkpoint's tokenizer these texts as special tokens (a family's marks the test vocabulary
+    lacks), each one token."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in texts])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+
+
+def token_ids(state: FrontendState, text: str) -> list[int]:
+    """`text` as the served tokenizer encodes it, its marks as their tokens (a scripted answer)."""
+    return state.tokenizer.tokenizer.encode(text, add_special_tokens=False)

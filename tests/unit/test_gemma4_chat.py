@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import AddedToken, Tokenizer
 
 from crane_mp.protocol import ThinkingBudget
 from crane_mp.testing.make_zoo import make_zoo_model
-from tests.unit.frontend_harness import start_frontend, stop_frontend
+from tests.unit.frontend_harness import add_special_tokens, start_frontend, stop_frontend, token_ids
 
 MARKS = ["<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<turn|>"]
 ANSWER = '<|channel>thought\nweigh it<channel|><|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'
@@ -23,9 +22,7 @@ ASK = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER]
 @pytest.fixture
 async def gemma4(tmp_path):
     model_dir = make_zoo_model("gemma4_text", tmp_path / "gemma4")
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    tokenizer.add_special_tokens([AddedToken(mark, special=True, normalized=False) for mark in MARKS])
-    tokenizer.save(str(model_dir / "tokenizer.json"))
+    add_special_tokens(model_dir, MARKS)
     client, state, fake = await start_frontend(model_dir, tmp_path, tool_call_parser="auto", reasoning_parser="auto")
     try:
         yield client, state, fake
@@ -33,13 +30,9 @@ async def gemma4(tmp_path):
         await stop_frontend(client, state)
 
 
-def _ids(state, text: str) -> list[int]:
-    return state.tokenizer.tokenizer.encode(text, add_special_tokens=False)
-
-
 async def test_thinking_and_calls_come_back_apart_whole(gemma4):
     client, state, fake = gemma4
-    fake.output_ids = _ids(state, ANSWER + "<turn|>")
+    fake.output_ids = token_ids(state, ANSWER + "<turn|>")
     body = await (await client.post("/v1/chat/completions", json=ASK)).json()
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
@@ -51,7 +44,7 @@ async def test_thinking_and_calls_come_back_apart_whole(gemma4):
 
 async def test_thinking_and_calls_come_back_apart_streamed(gemma4):
     client, state, fake = gemma4
-    fake.output_ids = _ids(state, ANSWER)
+    fake.output_ids = token_ids(state, ANSWER)
     r = await client.post("/v1/chat/completions", json={**ASK, "stream": True})
     reasoning, content, arguments, names = "", "", "", []
     for line in (await r.text()).splitlines():
@@ -77,10 +70,10 @@ async def test_a_thinking_budget_counts_from_the_channel_the_answer_opens(gemma4
 
 async def test_without_tools_the_marks_leave_the_text_and_a_forced_call_carries_its_grammar(gemma4):
     client, state, fake = gemma4
-    fake.output_ids = _ids(state, 'A <|"|>quoted<|"|> word.<turn|>')
+    fake.output_ids = token_ids(state, 'A <|"|>quoted<|"|> word.<turn|>')
     body = await (await client.post("/v1/chat/completions", json={"messages": ASK["messages"]})).json()
     assert body["choices"][0]["message"]["content"] == "A quoted word."
-    fake.output_ids = _ids(state, ANSWER.split("<channel|>")[1])
+    fake.output_ids = token_ids(state, ANSWER.split("<channel|>")[1])
     named = {"type": "function", "function": {"name": "get_weather"}}
     body = await (await client.post("/v1/chat/completions", json={**ASK, "tool_choice": named})).json()
     assert body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"

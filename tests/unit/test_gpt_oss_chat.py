@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import AddedToken, Tokenizer
 
 from crane_mp.testing.make_zoo import make_zoo_model
-from tests.unit.frontend_harness import start_frontend, stop_frontend
+from tests.unit.frontend_harness import add_special_tokens, start_frontend, stop_frontend, token_ids
 
 TAGS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
 # The released template's shape, cut down: a system message stating the effort, then the turns.
@@ -28,9 +27,7 @@ FINAL = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>
 @pytest.fixture
 async def gpt_oss(tmp_path):
     model_dir = make_zoo_model("gpt_oss", tmp_path / "gpt_oss")
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    tokenizer.add_special_tokens([AddedToken(tag, special=True, normalized=False) for tag in TAGS])
-    tokenizer.save(str(model_dir / "tokenizer.json"))
+    add_special_tokens(model_dir, TAGS)
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     client, state, fake = await start_frontend(model_dir, tmp_path, tool_call_parser="auto", reasoning_parser="auto")
@@ -40,13 +37,9 @@ async def gpt_oss(tmp_path):
         await stop_frontend(client, state)
 
 
-def _ids(state, text: str) -> list[int]:
-    return state.tokenizer.tokenizer.encode(text, add_special_tokens=False)
-
-
 async def test_a_tool_call_and_the_thinking_come_back_apart_whole(gpt_oss):
     client, state, fake = gpt_oss
-    fake.output_ids = _ids(state, CALL)
+    fake.output_ids = token_ids(state, CALL)
     body = await (await client.post("/v1/chat/completions", json=ASK)).json()
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
@@ -58,7 +51,7 @@ async def test_a_tool_call_and_the_thinking_come_back_apart_whole(gpt_oss):
 
 async def test_the_final_channel_streams_as_content(gpt_oss):
     client, state, fake = gpt_oss
-    fake.output_ids = _ids(state, FINAL)
+    fake.output_ids = token_ids(state, FINAL)
     r = await client.post("/v1/chat/completions", json={**ASK, "stream": True})
     reasoning, content, calls = "", "", []
     for line in (await r.text()).splitlines():
@@ -81,7 +74,7 @@ async def test_a_forced_call_goes_to_the_engine_with_harmony_s_grammar(gpt_oss):
     """tool_choice naming a function: the grammar writes its commentary message, the tags as their
     tokens, and the answer reads back as that call."""
     client, state, fake = gpt_oss
-    fake.output_ids = _ids(state, CALL.split("<|start|>assistant")[1])
+    fake.output_ids = token_ids(state, CALL.split("<|start|>assistant")[1])
     named = {"type": "function", "function": {"name": "get_weather"}}
     body = await (await client.post("/v1/chat/completions", json={**ASK, "tool_choice": named})).json()
     assert body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
