@@ -24,7 +24,7 @@ class HarmonyCallParser(ToolCallParser):
 
     @property
     def well_formed(self) -> bool:
-        return bool(self.calls) and all(call.complete and call.name for call in self.calls)
+        return self.calls_whole
 
     def _scan(self, text: str) -> list[dict]:
         if not self.calls:

@@ -38,8 +38,12 @@ class ToolCallParser:
 
     @property
     def well_formed(self) -> bool:
-        return (bool(self.calls) and not self._malformed and self._scanner.idle
-                and all(call.complete and call.name for call in self.calls))
+        return self.calls_whole and not self._malformed and self._scanner.idle
+
+    @property
+    def calls_whole(self) -> bool:
+        """Calls were made, and each has its name and arguments whole."""
+        return bool(self.calls) and all(call.complete and call.name for call in self.calls)
 
     def kept_calls(self, cut: bool) -> list[ParsedCall]:
         """The calls an answer returns: all of a well-formed one's; of one that max_tokens `cut`, the

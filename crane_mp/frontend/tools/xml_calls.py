@@ -81,7 +81,7 @@ class XmlCallParser(ToolCallParser):
 
     @property
     def well_formed(self) -> bool:
-        return bool(self.calls) and all(call.complete and call.name for call in self.calls)
+        return self.calls_whole
 
     def _scan(self, text: str) -> list[dict]:
         if not self.calls:
