@@ -557,7 +557,8 @@ class CausalLM(nn.Module):
         for prefix, module in self.named_modules():
             if isinstance(module, RoutedExperts):  # a stacked parameter loaded in parts is loaded whole
                 for param in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
-                    if {f"{prefix}.{part}" for part in module.expected_parts(param)} <= loaded:
+                    parts = {f"{prefix}.{part}" for part in module.expected_parts(param)}
+                    if parts and parts <= loaded:  # none: a parameter these experts do not have
                         loaded.add(f"{prefix}.{param}")
         return loaded
 
