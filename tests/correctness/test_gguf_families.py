@@ -5,7 +5,6 @@ and, where ../shared/peers installed it, by llama.cpp's own convert_hf_to_gguf.p
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from crane_mp.models.layouts import FULL, SLIDING
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_gguf import make_gguf
 from crane_mp.testing.make_zoo import make_zoo_model
+from tests.llama_cpp import CONVERTER, CONVERTER_PYTHON, Converter
 
 NUM_TOKENS = 10
 # The families whose files we read, with the layer patterns llama.cpp's converter can state: Gemma 3's
@@ -65,8 +65,6 @@ CONVERTER_ONLY = {"gemma4_text": {}, "granitemoehybrid": {}, "granitemoehybrid-a
                   **{family: MOE_OVERRIDES.get(family, {}) for family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
                                                                            "granitemoe", "gpt_oss", "glm4_moe",
                                                                            "deepseek_v2", "deepseek_v3")}}
-LLAMA_CPP = Path(os.environ.get("PEERS", Path.home() / "peers")) / "llama"
-CONVERTER = LLAMA_CPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
 
 
 def _rename_added_tokens(model_dir: Path, names: dict[str, str]) -> None:
@@ -86,6 +84,13 @@ def _byte_fallback_bpe(model_dir: Path) -> None:
     tokenizer["model"]["byte_fallback"] = True
     tokenizer["decoder"] = {"type": "Sequence", "decoders": [tokenizer["decoder"]]}
     (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def convert():
+    converter = Converter()
+    yield converter
+    converter.close()
 
 
 def gguf_engine(gguf: Path) -> LLMEngine:
@@ -113,7 +118,7 @@ def test_a_float32_gguf_file_gives_transformers_greedy_tokens(tmp_path, family):
 
 @pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES | CONVERTER_ONLY))
-def test_llama_cpp_s_own_conversion_gives_transformers_greedy_tokens(tmp_path, family):
+def test_llama_cpp_s_own_conversion_gives_transformers_greedy_tokens(tmp_path, family, convert):
     zoo_family, _, spelling = family.partition("-")
     hf_dir = make_zoo_model(zoo_family, tmp_path / family, overrides=(GGUF_FAMILIES | CONVERTER_ONLY)[family])
     if spelling == "attention":  # the released checkpoints' layer_types
@@ -121,34 +126,29 @@ def test_llama_cpp_s_own_conversion_gives_transformers_greedy_tokens(tmp_path, f
         config["layer_types"] = ["attention"] * len(config["layer_types"])
         (hf_dir / "config.json").write_text(json.dumps(config))
     out = tmp_path / f"{family}.gguf"
-    python = LLAMA_CPP.parent / "venv-conv/bin/python"
     if family in NEEDS_SENTENCEPIECE:  # tokenizer.model beside tokenizer.json: the ids the test uses are the same
-        subprocess.run([str(python), "-c", _TRAIN_SENTENCEPIECE, str(hf_dir)], check=True, capture_output=True)
+        subprocess.run([str(CONVERTER_PYTHON), "-c", _TRAIN_SENTENCEPIECE, str(hf_dir)], check=True,
+                       capture_output=True)
     if family == "gemma4_text":
         _byte_fallback_bpe(hf_dir)
     if family in ("glm4", "glm4_moe"):  # its converter looks these up among the added tokens
         _rename_added_tokens(hf_dir, {"<|reserved_special_token_0|>": "<|endoftext|>",
                                       "<|reserved_special_token_1|>": "<|user|>",
                                       "<|reserved_special_token_2|>": "[gMASK]", "<|eom_id|>": "<|observation|>"})
-    subprocess.run([str(python), str(CONVERTER), str(hf_dir), "--outtype", "f32", "--outfile", str(out)],
-                   cwd=CONVERTER.parent, env={**os.environ, "GGUF_FORCE_PRE": "qwen2"}, check=True,
-                   capture_output=True)
-    got, expected = greedy_pair(hf_dir, out)
+    got, expected = greedy_pair(hf_dir, convert(hf_dir, "f32", out))
     assert got == expected
     if family == "gemma4_text":  # the file names no <unk> (the test's vocabulary has none): text still encodes
         assert load_tokenizer(str(out)).encode("hello, 世界", add_special_tokens=False)
 
 
 @pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
-def test_llama_cpp_s_own_conversion_of_gemma4_to_q8_0_keeps_its_per_layer_table_quantized(tmp_path):
+def test_llama_cpp_s_own_conversion_of_gemma4_to_q8_0_keeps_its_per_layer_table_quantized(tmp_path, convert):
     from crane_mp.worker.quantized.layers import GGUFEmbedding
 
     hf_dir = make_zoo_model("gemma4_text", tmp_path / "gemma4")
     _byte_fallback_bpe(hf_dir)
     out = tmp_path / "gemma4-q8_0.gguf"
-    subprocess.run([str(LLAMA_CPP.parent / "venv-conv/bin/python"), str(CONVERTER), str(hf_dir), "--outtype", "q8_0",
-                    "--outfile", str(out)], cwd=CONVERTER.parent, env={**os.environ, "GGUF_FORCE_PRE": "qwen2"},
-                   check=True, capture_output=True)
+    convert(hf_dir, "q8_0", out)
     engine = gguf_engine(out)
     assert isinstance(engine.worker.runner.model.model.embed_tokens_per_layer, GGUFEmbedding)
     got, expected = greedy_pair(hf_dir, out, engine)
@@ -158,7 +158,7 @@ def test_llama_cpp_s_own_conversion_of_gemma4_to_q8_0_keeps_its_per_layer_table_
 
 @pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
-def test_llama_cpp_s_own_conversion_of_experts_to_q8_0_keeps_them_quantized(tmp_path, family):
+def test_llama_cpp_s_own_conversion_of_experts_to_q8_0_keeps_them_quantized(tmp_path, family, convert):
     """A Q8_0 file's experts run through the GGUF kernels expert by expert: a layer's output equals the
     float experts' on the file's dequantized blocks, to the 8-bit activations' rounding (gpt-oss: with
     the file's biases and its clamped SwiGLU)."""
@@ -169,9 +169,7 @@ def test_llama_cpp_s_own_conversion_of_experts_to_q8_0_keeps_them_quantized(tmp_
 
     hf_dir = make_zoo_model(family, tmp_path / family, overrides=MOE_OVERRIDES.get(family))
     out = tmp_path / f"{family}-q8_0.gguf"
-    subprocess.run([str(LLAMA_CPP.parent / "venv-conv/bin/python"), str(CONVERTER), str(hf_dir), "--outtype", "q8_0",
-                    "--outfile", str(out)], cwd=CONVERTER.parent, env={**os.environ, "GGUF_FORCE_PRE": "qwen2"},
-                   check=True, capture_output=True)
+    convert(hf_dir, "q8_0", out)
     engine = gguf_engine(out)
     quantized = engine.worker.runner.model.model.layers[1].mlp.experts
     assert isinstance(quantized, GGUFExperts)
@@ -202,7 +200,7 @@ def test_llama_cpp_s_own_conversion_of_experts_to_q8_0_keeps_them_quantized(tmp_
 
 
 @pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
-def test_llama_cpp_s_own_conversion_of_gpt_oss_mxfp4_experts_keeps_them_mxfp4(tmp_path):
+def test_llama_cpp_s_own_conversion_of_gpt_oss_mxfp4_experts_keeps_them_mxfp4(tmp_path, convert):
     """The released gpt-oss form (MXFP4 experts) through llama.cpp's converter: the file's experts stay
     MXFP4 blocks, and with float activations give transformers' tokens on the dequantized checkpoint."""
     from crane_mp.testing.make_zoo import make_mxfp4_experts
@@ -211,9 +209,7 @@ def test_llama_cpp_s_own_conversion_of_gpt_oss_mxfp4_experts_keeps_them_mxfp4(tm
     reference = make_zoo_model("gpt_oss", tmp_path / "reference")
     released = make_mxfp4_experts(reference, tmp_path / "mxfp4")
     out = tmp_path / "gpt-oss-mxfp4.gguf"
-    subprocess.run([str(LLAMA_CPP.parent / "venv-conv/bin/python"), str(CONVERTER), str(released), "--outtype", "f32",
-                    "--outfile", str(out)], cwd=CONVERTER.parent, env={**os.environ, "GGUF_FORCE_PRE": "qwen2"},
-                   check=True, capture_output=True)
+    convert(released, "f32", out)
     engine = LLMEngine(EngineConfig(model_path=str(out), dtype="float32", force_cpu=True, kv_cache_dtype="float32",
                                     quantized_activations="float"))
     experts = engine.worker.runner.model.model.layers[0].mlp.experts

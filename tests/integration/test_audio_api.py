@@ -86,15 +86,17 @@ def server(model_dir, tmp_path_factory):
 
 
 def test_transcriptions_equal_generate_for_short_and_long_clips_in_every_container(server, reference):
+    """A short clip in every container; a long one (three windows) in a lossless and a lossy one: the
+    containers' decoders do not depend on the length."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-    for seconds in (5, 65):
+    for seconds, formats in ((5, FORMATS), (65, ("FLAC", "MP3"))):
         texts = {}
-        for fmt in FORMATS:
+        for fmt in formats:
             data = encoded(seconds, fmt)
             got = client.audio.transcriptions.create(model=server_model(server), file=(f"a.{fmt.lower()}", data))
             assert got.text == reference(data), (seconds, fmt)
             texts[fmt] = got.text
-        assert texts["WAV"] == texts["FLAC"]  # lossless: the same samples
+        assert texts.get("WAV", texts["FLAC"]) == texts["FLAC"]  # lossless: the same samples
     stereo = encoded(5, "WAV", seed=1, rate=44100)
     got = client.audio.transcriptions.create(model=server_model(server), file=("s.wav", stereo))
     assert got.text == reference(stereo)
