@@ -247,3 +247,47 @@ def test_grouped_experts_give_each_expert_s_own_matmul(qtype):
     assert torch.equal(kernels.grouped_matmul(x, weights, runs, layout_type, cols, int8=True), got)
     with pytest.raises(RuntimeError, match="the runs hold 17 rows, x 16"):
         torch.ops.crane_mp.gguf_grouped_linear_int8(x[:16], weights, runs, layout_type, cols)
+
+
+@pytest.mark.parametrize("gate_up_type,down_type", [(T.Q4_K, T.Q6_K), (T.Q8_0, T.Q8_0), (T.Q5_0, T.Q4_K)])
+def test_one_token_s_experts_in_one_call_equal_the_experts_own_steps(gate_up_type, down_type):
+    """A lone decode token through its experts in one kernel call (gguf_moe_token_int8, GGUFExperts'
+    path for one token) gives what the grouped matmuls, SiLU*mul and the gates' sum give, to float
+    rounding; more tokens keep the grouped path; routing counts are kept either way."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from crane_mp.worker.models.moe import RoutedExperts
+    from crane_mp.worker.platforms import platform_for
+    from crane_mp.worker.quantized.layers import GGUFExperts
+
+    hidden, width, count = 512, 256, 6
+    kernels = platform_for("cpu").gguf
+
+    def stack(qtype, rows, cols):
+        laid = [kernels.layout(qtype, torch.from_numpy(quantized(qtype, rows, cols, seed=e).copy()), cols, True)
+                for e in range(count)]
+        return laid[0][0], torch.stack([weight for _, weight in laid])
+
+    experts = GGUFExperts(hidden, width, [stack(gate_up_type, 2 * width, hidden)], stack(down_type, hidden, width),
+                          kernels, True, F.silu)
+    assert experts._one_call
+    experts.routed = np.zeros(count, dtype=np.int64)
+    x = torch.from_numpy(activations(3, hidden, seed=3))
+    ids = torch.tensor([[4, 1, 5], [0, 2, 4], [3, 5, 1]])
+    gates = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.4, 0.4, 0.2]])
+    with torch.inference_mode():
+        for token in range(3):
+            row, chosen, weights = x[token : token + 1], ids[token : token + 1], gates[token : token + 1]
+            one = experts(row, chosen, weights)
+            steps = RoutedExperts.forward(experts, row, chosen, weights)
+            torch.testing.assert_close(one, steps, rtol=1e-5, atol=1e-5 * steps.abs().max().item())
+            bf16 = experts(row.bfloat16(), chosen, weights)
+            assert bf16.dtype == torch.bfloat16 and bf16.shape == (1, hidden)
+        batch = experts(x, ids, gates)
+    assert torch.equal(batch[1:2], RoutedExperts.forward(experts, x, ids, gates)[1:2])
+    # Each token counted by its three calls alone (one call, its steps, bf16) and the batch's two.
+    assert experts.routed.tolist() == (5 * torch.bincount(ids.flatten(), minlength=count)).tolist()
+    with pytest.raises(RuntimeError, match="expert 6 of 6"):
+        torch.ops.crane_mp.gguf_moe_token_int8(x[:1], torch.tensor([6]), torch.tensor([1.0]), experts.qweight_0,
+                                               experts.gate_up_types[0], experts.qweight_1, experts.down_type)

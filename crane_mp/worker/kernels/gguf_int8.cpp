@@ -3,6 +3,8 @@
 //   gguf_linear_int8(x [M, K] float32|bf16, w [N, row_bytes] uint8, qtype, K) -> [M, N] in x's dtype
 //   gguf_grouped_linear_int8(x [R, K], ws [N, row_bytes] uint8 each, rows, qtype, K) -> [R, N]: run i of
 //                            rows[i] rows of x times ws[i] (a mixture's experts)
+//   gguf_moe_token_int8(x [1, H], ids [k], gates [k], gate_up [E, 2I, .], gate_up_type, down [E, H, .],
+//                       down_type) -> [1, H]: one token through its k SiLU-gated experts, gates applied
 //   gguf_quantize_activations(x [M, K] float32, qtype) -> (q int8 [M, K], d float32 [M, K / B],
 //                                                          sums int16 [M, K / 16])           (tests)
 //
@@ -30,6 +32,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -474,10 +477,38 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }
 
+// Runs of activation rows: run r's rows [begin[r], end[r]) times srcs[r] ([N, row_bytes] of qtype),
+// each output row shift[r] rows below its activation row in ys [., N]. The threads share out
+// every run's tiles in one pass, so two cores stream different experts' weights at once instead of
+// meeting after each small matrix.
+void grouped_runs(const Acts& acts, const std::vector<const uint8_t*>& srcs, const std::vector<int64_t>& begin,
+                  const std::vector<int64_t>& end, const std::vector<int64_t>& shift, int64_t N, int64_t row_bytes, int64_t qtype, float* ys) {
+  const GroupDotFn group_fn = group_dot(qtype);
+  const bool grouped = group_fn != nullptr;
+  const DotFn full = grouped ? nullptr : dot_for<kRowGroup>(qtype);
+  const DotFn tail[kRowGroup] = {nullptr, grouped ? nullptr : dot_for<1>(qtype), grouped ? nullptr : dot_for<2>(qtype),
+                                 grouped ? nullptr : dot_for<3>(qtype)};
+  const int64_t unit = grouped ? group_rows(qtype) : 1, per_call = grouped ? rows_per_call(qtype) : kRowGroup;
+  const int64_t tile = unit * std::max<int64_t>(1, kTileBytes / (row_bytes * unit));
+  const int64_t tiles = (N + tile - 1) / tile, runs = srcs.size();
+  at::parallel_for(0, runs * tiles, 1, [&](int64_t t_begin, int64_t t_end) {
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t run = t / tiles, n0 = (t % tiles) * tile, n1 = std::min(N, n0 + tile);
+      float* out = ys + shift[run] * N;
+      for (int64_t m0 = begin[run]; m0 < end[run]; m0 += per_call) {
+        const int64_t count = std::min(per_call, end[run] - m0);
+        if (grouped) {
+          groups_tile(srcs[run], row_bytes, unit, per_call, group_fn, acts, m0, m0 + count, n0, n1, N, out);
+        } else {
+          rows_tile(srcs[run], row_bytes, count == kRowGroup ? full : tail[count], acts, m0, count, n0, n1, N, out);
+        }
+      }
+    }
+  });
+}
+
 // Experts of a mixture: x's rows [R, K] in runs, run i of rows[i] rows multiplied by ws[i] (every one
-// [N, row_bytes] of type qtype) -> [R, N]. The activations are quantized once, and the threads share
-// out every run's tiles in one pass, so two cores stream different experts' weights at once instead
-// of meeting after each small matrix.
+// [N, row_bytes] of type qtype) -> [R, N]. The activations are quantized once.
 at::Tensor gguf_grouped_linear_int8(const at::Tensor& x_in, at::TensorList ws, at::IntArrayRef rows, int64_t qtype,
                                     int64_t K) {
   TORCH_CHECK(ws.size() == rows.size() && !ws.empty(), "gguf_grouped_linear_int8: one weight per run of rows");
@@ -487,7 +518,7 @@ at::Tensor gguf_grouped_linear_int8(const at::Tensor& x_in, at::TensorList ws, a
   }
   const int64_t block = block_of(qtype);
   const at::Tensor x = as_float(x_in, K, "gguf_grouped_linear_int8");
-  const int64_t R = x.size(0), N = ws[0].size(0), row_bytes = ws[0].size(1), runs = ws.size();
+  const int64_t R = x.size(0), N = ws[0].size(0), runs = ws.size();
   std::vector<int64_t> first(runs + 1, 0);
   for (int64_t i = 0; i < runs; ++i) {
     TORCH_CHECK(rows[i] >= 0, "gguf_grouped_linear_int8: negative run");
@@ -498,29 +529,70 @@ at::Tensor gguf_grouped_linear_int8(const at::Tensor& x_in, at::TensorList ws, a
   if (R == 0 || N == 0) return out.to(x_in.scalar_type());
   thread_local QuantizedActs buffers;
   const Acts acts = quantize(x, block, buffers);
-  float* ys = out.data_ptr<float>();
-  const GroupDotFn group_fn = group_dot(qtype);
-  const bool grouped = group_fn != nullptr;
-  const DotFn full = grouped ? nullptr : dot_for<kRowGroup>(qtype);
-  const DotFn tail[kRowGroup] = {nullptr, grouped ? nullptr : dot_for<1>(qtype), grouped ? nullptr : dot_for<2>(qtype),
-                                 grouped ? nullptr : dot_for<3>(qtype)};
-  const int64_t unit = grouped ? group_rows(qtype) : 1, per_call = grouped ? rows_per_call(qtype) : kRowGroup;
-  const int64_t tile = unit * std::max<int64_t>(1, kTileBytes / (row_bytes * unit));
-  const int64_t tiles = (N + tile - 1) / tile;
-  at::parallel_for(0, runs * tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t run = t / tiles, n0 = (t % tiles) * tile, n1 = std::min(N, n0 + tile);
-      const uint8_t* src = ws[run].data_ptr<uint8_t>();
-      for (int64_t m0 = first[run]; m0 < first[run + 1]; m0 += per_call) {
-        const int64_t count = std::min(per_call, first[run + 1] - m0);
-        if (grouped) {
-          groups_tile(src, row_bytes, unit, per_call, group_fn, acts, m0, m0 + count, n0, n1, N, ys);
-        } else {
-          rows_tile(src, row_bytes, count == kRowGroup ? full : tail[count], acts, m0, count, n0, n1, N, ys);
-        }
-      }
+  std::vector<const uint8_t*> srcs;
+  for (const at::Tensor& w : ws) srcs.push_back(w.data_ptr<uint8_t>());
+  grouped_runs(acts, srcs, std::vector<int64_t>(first.begin(), first.end() - 1),
+               std::vector<int64_t>(first.begin() + 1, first.end()), std::vector<int64_t>(runs, 0), N, ws[0].size(1),
+               qtype, out.data_ptr<float>());
+  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+}
+
+// One token through a mixture's SiLU-gated experts (a lone decode step's): x [1, H]; ids [k] (distinct
+// experts) and gates [k]; gate_up [E, 2I, bytes] of gate_up_type (each expert's gate rows, then its up
+// rows), down [E, H, bytes] of down_type -> [1, H]: the gates' sum, in ascending expert order, of each
+// expert's down(silu(gate) * up). What is otherwise a dozen small ops a layer in one call: the token
+// quantized once for all its experts, both cores on every expert's tiles of each projection.
+at::Tensor gguf_moe_token_int8(const at::Tensor& x_in, const at::Tensor& ids, const at::Tensor& gates,
+                               const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down,
+                               int64_t down_type) {
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == down.size(0) && gate_up.is_contiguous() &&
+              down.is_contiguous(), "gguf_moe_token_int8: stacks must be contiguous [experts, rows, row_bytes]");
+  const int64_t experts = gate_up.size(0), width = gate_up.size(1) / 2, H = down.size(1);
+  check_int8_weight(gate_up[0], gate_up_type, H);
+  check_int8_weight(down[0], down_type, width);
+  const at::Tensor x = as_float(x_in, H, "gguf_moe_token_int8");
+  TORCH_CHECK(x.size(0) == 1, "gguf_moe_token_int8: one token");
+  const at::Tensor chosen = ids.to(at::kLong).contiguous(), weights = gates.to(at::kFloat).contiguous();
+  TORCH_CHECK(chosen.dim() == 1 && weights.sizes() == chosen.sizes() && chosen.numel() > 0,
+              "gguf_moe_token_int8: ids and gates must be [k]");
+  const int64_t k = chosen.numel();
+  std::vector<std::pair<int64_t, float>> order(k);
+  for (int64_t i = 0; i < k; ++i) {
+    order[i] = {chosen.data_ptr<int64_t>()[i], weights.data_ptr<float>()[i]};
+    TORCH_CHECK(order[i].first >= 0 && order[i].first < experts, "gguf_moe_token_int8: expert ", order[i].first,
+                " of ", experts);
+  }
+  std::sort(order.begin(), order.end());
+  // Expert i's run is first the token's one row, its output row i, then hidden row i.
+  std::vector<int64_t> rows(k), zeros(k, 0), ones(k, 1), after(k);
+  std::vector<const uint8_t*> gate_up_rows(k), down_rows(k);
+  for (int64_t i = 0; i < k; ++i) {
+    rows[i] = i;
+    after[i] = i + 1;
+    gate_up_rows[i] = gate_up.data_ptr<uint8_t>() + order[i].first * gate_up.stride(0);
+    down_rows[i] = down.data_ptr<uint8_t>() + order[i].first * down.stride(0);
+  }
+  thread_local QuantizedActs token_buffers, hidden_buffers;
+  at::Tensor projected = at::empty({k, 2 * width}, x.options());
+  grouped_runs(quantize(x, block_of(gate_up_type), token_buffers), gate_up_rows, zeros, ones, rows, 2 * width,
+               gate_up.size(2), gate_up_type, projected.data_ptr<float>());
+  at::Tensor hidden = at::empty({k, width}, x.options());
+  const float* gu = projected.data_ptr<float>();
+  float* h = hidden.data_ptr<float>();
+  for (int64_t i = 0; i < k; ++i)
+    for (int64_t j = 0; j < width; ++j) {
+      // exp's argument kept finite: the build's -ffast-math assumes no infinities (silu(-80) is ~0).
+      const float gate = gu[i * 2 * width + j];
+      h[i * width + j] = gate / (1.0f + std::exp(std::min(-gate, 80.0f))) * gu[i * 2 * width + width + j];
     }
-  });
+  at::Tensor ys = at::empty({k, H}, x.options());
+  grouped_runs(quantize(hidden, block_of(down_type), hidden_buffers), down_rows, rows, after, zeros, H, down.size(2),
+               down_type, ys.data_ptr<float>());
+  at::Tensor out = at::zeros({1, H}, x.options());
+  float* o = out.data_ptr<float>();
+  const float* y = ys.data_ptr<float>();
+  for (int64_t i = 0; i < k; ++i)
+    for (int64_t n = 0; n < H; ++n) o[n] += y[i * H + n] * order[i].second;
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }
 
@@ -547,4 +619,6 @@ TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
   m.def("gguf_quantize_activations(Tensor x, int qtype) -> (Tensor, Tensor, Tensor)", &gguf_quantize_activations);
   m.def("gguf_grouped_linear_int8(Tensor x, Tensor[] ws, int[] rows, int qtype, int K) -> Tensor",
         &gguf_grouped_linear_int8);
+  m.def("gguf_moe_token_int8(Tensor x, Tensor ids, Tensor gates, Tensor gate_up, int gate_up_type, Tensor down, "
+        "int down_type) -> Tensor", &gguf_moe_token_int8);
 }

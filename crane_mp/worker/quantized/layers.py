@@ -8,6 +8,7 @@ the worker's platform chose (quantized/matmul.py), handed to each layer when it 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from crane_mp.models.layouts import ExpertLayout
@@ -67,6 +68,21 @@ class GGUFExperts(RoutedExperts):
             self.register_buffer(f"qweight_{index}", stack)
         self._gate_up = [list(stack.unbind()) for _, stack in gate_up]  # [part][expert]: the kernels' views
         self._down = list(down[1].unbind())
+        # A lone token's SiLU-gated experts in one kernel call where the kernels have one (8-bit activations,
+        # gate and up one matrix, no biases): a decode step of one stream otherwise spends a dozen small ops a
+        # layer around its two expert matmuls.
+        self._one_call = int8 and len(gate_up) == 1 and act is F.silu and self.swiglu is None and \
+            self.gate_up_bias is None
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self._one_call and ids.shape[0] == 1:
+            out = self.kernels.moe_token(x, ids[0], weights[0], self.qweight_0, self.gate_up_types[0], self.qweight_1,
+                                         self.down_type)
+            if out is not None:
+                if self.routed is not None:
+                    self.routed[ids[0].tolist()] += 1
+                return out
+        return super().forward(x, ids, weights)
 
     def project_gate_up(self, rows: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         parts = [self.kernels.grouped_matmul(rows, [weights[e] for e in experts], counts, qtype, self.hidden_size,

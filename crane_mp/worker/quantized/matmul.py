@@ -68,6 +68,13 @@ class TorchGGUF:
             start += count
         return out
 
+    def moe_token(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, gate_up: torch.Tensor,
+                  gate_up_type: int, down: torch.Tensor, down_type: int) -> torch.Tensor | None:
+        """One token [1, H] through its SiLU-gated experts ids [k] weighted by gates [k], stacks
+        gate_up [E, 2I, .] and down [E, H, .] with 8-bit activations, in one call; None where these
+        kernels have no such call (the caller runs the experts' own steps)."""
+        return None
+
     def dequantize_slab(self, weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(weight, qtype, in_features).to(dtype)
 
@@ -110,6 +117,13 @@ class NativeGGUF(TorchGGUF):
         if int8 and qtype in INT8_TYPES and x.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.crane_mp.gguf_grouped_linear_int8(x, weights, rows, qtype, in_features)
         return super().grouped_matmul(x, weights, rows, qtype, in_features, int8)
+
+    def moe_token(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, gate_up: torch.Tensor,
+                  gate_up_type: int, down: torch.Tensor, down_type: int) -> torch.Tensor | None:
+        if gate_up_type not in INT8_TYPES or down_type not in INT8_TYPES or x.dtype not in (torch.float32,
+                                                                                              torch.bfloat16):
+            return None
+        return torch.ops.crane_mp.gguf_moe_token_int8(x, ids, gates, gate_up, gate_up_type, down, down_type)
 
     def dequantize_rows(self, weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
         return torch.ops.crane_mp.gguf_dequantize(weight, qtype, in_features)
