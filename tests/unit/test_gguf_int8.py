@@ -291,3 +291,23 @@ def test_one_token_s_experts_in_one_call_equal_the_experts_own_steps(gate_up_typ
     with pytest.raises(RuntimeError, match="expert 6 of 6"):
         torch.ops.crane_mp.gguf_moe_token_int8(x[:1], torch.tensor([6]), torch.tensor([1.0]), experts.qweight_0,
                                                experts.gate_up_types[0], experts.qweight_1, experts.down_type)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+def test_a_layer_s_parts_of_several_types_in_one_call_equal_each_part_s_matmul(rows):
+    """q, k and v of a Q4_K_M file (Q4_K, Q6_K) and a 32-block type beside them, laid out as the server
+    loads them: one call gives each part's own kernel output side by side (the same integer sums)."""
+    from crane_mp.worker.platforms import platform_for
+
+    kernels = platform_for("cpu").gguf
+    cols = 512
+    parts = [kernels.layout(qtype, torch.from_numpy(quantized(qtype, count, cols, seed=count).copy()), cols, True)
+             for qtype, count in ((T.Q4_K, 64), (T.Q6_K, 32), (T.Q8_0, 16), (T.Q5_0, 24))]
+    x = torch.from_numpy(activations(rows, cols, seed=rows))
+    want = torch.cat([torch.ops.crane_mp.gguf_linear_int8(x, weight, qtype, cols) for qtype, weight in parts], dim=-1)
+    got = kernels.matmul_parts(x, parts, cols, int8=True)
+    assert got.shape == (rows, 64 + 32 + 16 + 24)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    one_call = torch.ops.crane_mp.gguf_linear_parts_int8(x, [w for _, w in parts], [t for t, _ in parts], cols)
+    torch.testing.assert_close(one_call, want, rtol=0, atol=0)
+    assert kernels.matmul_parts(x.bfloat16(), parts, cols, int8=True).dtype == torch.bfloat16

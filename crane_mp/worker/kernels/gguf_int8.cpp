@@ -3,6 +3,8 @@
 //   gguf_linear_int8(x [M, K] float32|bf16, w [N, row_bytes] uint8, qtype, K) -> [M, N] in x's dtype
 //   gguf_grouped_linear_int8(x [R, K], ws [N, row_bytes] uint8 each, rows, qtype, K) -> [R, N]: run i of
 //                            rows[i] rows of x times ws[i] (a mixture's experts)
+//   gguf_linear_parts_int8(x [M, K], ws [N_i, row_bytes_i] uint8, qtypes, K) -> [M, sum N_i]: one
+//                          layer's parts of different types side by side (q/k/v), in one pass
 //   gguf_moe_token_int8(x [1, H], ids [k], gates [k], gate_up [E, 2I, .], gate_up_type, down [E, H, .],
 //                       down_type) -> [1, H]: one token through its k SiLU-gated experts, gates applied
 //   gguf_quantize_activations(x [M, K] float32, qtype) -> (q int8 [M, K], d float32 [M, K / B],
@@ -477,30 +479,58 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }
 
-// Runs of activation rows: run r's rows [begin[r], end[r]) times srcs[r] ([N, row_bytes] of qtype),
-// each output row shift[r] rows below its activation row in ys [., N]. The threads share out
-// every run's tiles in one pass, so two cores stream different experts' weights at once instead of
-// meeting after each small matrix.
-void grouped_runs(const Acts& acts, const std::vector<const uint8_t*>& srcs, const std::vector<int64_t>& begin,
-                  const std::vector<int64_t>& end, const std::vector<int64_t>& shift, int64_t N, int64_t row_bytes, int64_t qtype, float* ys) {
-  const GroupDotFn group_fn = group_dot(qtype);
-  const bool grouped = group_fn != nullptr;
-  const DotFn full = grouped ? nullptr : dot_for<kRowGroup>(qtype);
-  const DotFn tail[kRowGroup] = {nullptr, grouped ? nullptr : dot_for<1>(qtype), grouped ? nullptr : dot_for<2>(qtype),
-                                 grouped ? nullptr : dot_for<3>(qtype)};
-  const int64_t unit = grouped ? group_rows(qtype) : 1, per_call = grouped ? rows_per_call(qtype) : kRowGroup;
-  const int64_t tile = unit * std::max<int64_t>(1, kTileBytes / (row_bytes * unit));
-  const int64_t tiles = (N + tile - 1) / tile, runs = srcs.size();
-  at::parallel_for(0, runs * tiles, 1, [&](int64_t t_begin, int64_t t_end) {
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      const int64_t run = t / tiles, n0 = (t % tiles) * tile, n1 = std::min(N, n0 + tile);
-      float* out = ys + shift[run] * N;
-      for (int64_t m0 = begin[run]; m0 < end[run]; m0 += per_call) {
-        const int64_t count = std::min(per_call, end[run] - m0);
-        if (grouped) {
-          groups_tile(srcs[run], row_bytes, unit, per_call, group_fn, acts, m0, m0 + count, n0, n1, N, out);
+// One weight matrix against activation rows [m_begin, m_end), row m_begin's outputs at `out`, each
+// next row's ld floats further.
+struct Run {
+  const uint8_t* src;  // [rows, row_bytes] of qtype, laid out as the kernels read it
+  int64_t rows, row_bytes, qtype;
+  const Acts* acts;
+  int64_t m_begin, m_end;
+  float* out;
+  int64_t ld;
+};
+
+// Every run's tiles shared out among the threads in one pass: two cores stream different matrices
+// (experts, or a layer's q/k/v parts) at once instead of meeting after each small one.
+void run_tiles(const std::vector<Run>& runs) {
+  struct Kernels {
+    GroupDotFn group;
+    DotFn tail[kRowGroup + 1] = {};
+    int64_t unit, per_call, tile, first_tile;
+  };
+  std::vector<Kernels> kernels(runs.size());
+  int64_t tiles = 0;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    Kernels& k = kernels[r];
+    k.group = group_dot(runs[r].qtype);
+    const bool grouped = k.group != nullptr;
+    if (!grouped) {
+      k.tail[1] = dot_for<1>(runs[r].qtype);
+      k.tail[2] = dot_for<2>(runs[r].qtype);
+      k.tail[3] = dot_for<3>(runs[r].qtype);
+      k.tail[kRowGroup] = dot_for<kRowGroup>(runs[r].qtype);
+    }
+    k.unit = grouped ? group_rows(runs[r].qtype) : 1;
+    k.per_call = grouped ? rows_per_call(runs[r].qtype) : kRowGroup;
+    k.tile = k.unit * std::max<int64_t>(1, kTileBytes / (runs[r].row_bytes * k.unit));
+    k.first_tile = tiles;
+    tiles += (runs[r].rows + k.tile - 1) / k.tile;
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    size_t r = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      while (r + 1 < runs.size() && kernels[r + 1].first_tile <= t) ++r;
+      const Run& run = runs[r];
+      const Kernels& k = kernels[r];
+      const int64_t n0 = (t - k.first_tile) * k.tile, n1 = std::min(run.rows, n0 + k.tile);
+      float* out = run.out - run.m_begin * run.ld;  // the tile functions write row m at m * ld
+      for (int64_t m0 = run.m_begin; m0 < run.m_end; m0 += k.per_call) {
+        const int64_t count = std::min(k.per_call, run.m_end - m0);
+        if (k.group != nullptr) {
+          groups_tile(run.src, run.row_bytes, k.unit, k.per_call, k.group, *run.acts, m0, m0 + count, n0, n1, run.ld,
+                      out);
         } else {
-          rows_tile(srcs[run], row_bytes, count == kRowGroup ? full : tail[count], acts, m0, count, n0, n1, N, out);
+          rows_tile(run.src, run.row_bytes, k.tail[count], *run.acts, m0, count, n0, n1, run.ld, out);
         }
       }
     }
@@ -529,11 +559,44 @@ at::Tensor gguf_grouped_linear_int8(const at::Tensor& x_in, at::TensorList ws, a
   if (R == 0 || N == 0) return out.to(x_in.scalar_type());
   thread_local QuantizedActs buffers;
   const Acts acts = quantize(x, block, buffers);
-  std::vector<const uint8_t*> srcs;
-  for (const at::Tensor& w : ws) srcs.push_back(w.data_ptr<uint8_t>());
-  grouped_runs(acts, srcs, std::vector<int64_t>(first.begin(), first.end() - 1),
-               std::vector<int64_t>(first.begin() + 1, first.end()), std::vector<int64_t>(runs, 0), N, ws[0].size(1),
-               qtype, out.data_ptr<float>());
+  std::vector<Run> work;
+  for (int64_t i = 0; i < runs; ++i) {
+    if (rows[i] == 0) continue;
+    work.push_back({ws[i].data_ptr<uint8_t>(), N, ws[i].size(1), qtype, &acts, first[i], first[i + 1],
+                    out.data_ptr<float>() + first[i] * N, N});
+  }
+  run_tiles(work);
+  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+}
+
+// The parts of one layer's projection side by side (q, k and v of a Q4_K_M file, some of them Q6_K):
+// x [M, K] times ws[i] ([N_i, row_bytes] of qtypes[i]) -> [M, N_0 + N_1 + ...], the activations
+// quantized once for each block size and every part's tiles shared out in one pass.
+at::Tensor gguf_linear_parts_int8(const at::Tensor& x_in, at::TensorList ws, at::IntArrayRef qtypes, int64_t K) {
+  TORCH_CHECK(!ws.empty() && ws.size() == qtypes.size(), "gguf_linear_parts_int8: one type per part");
+  int64_t total = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    check_int8_weight(ws[i], qtypes[i], K);
+    total += ws[i].size(0);
+  }
+  const at::Tensor x = as_float(x_in, K, "gguf_linear_parts_int8");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, total}, x.options());
+  if (M == 0 || total == 0) return out.to(x_in.scalar_type());
+  thread_local QuantizedActs k_blocks, small_blocks;  // 256-value blocks (the K-quants'), 32-value ones
+  Acts by_256{}, by_32{};
+  bool have_256 = false, have_32 = false;
+  std::vector<Run> work;
+  int64_t column = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const bool k_quant_blocks = block_of(qtypes[i]) == 256;
+    if (k_quant_blocks && !have_256) by_256 = quantize(x, 256, k_blocks), have_256 = true;
+    if (!k_quant_blocks && !have_32) by_32 = quantize(x, 32, small_blocks), have_32 = true;
+    work.push_back({ws[i].data_ptr<uint8_t>(), ws[i].size(0), ws[i].size(1), qtypes[i], k_quant_blocks ? &by_256 : &by_32,
+                    0, M, out.data_ptr<float>() + column, total});
+    column += ws[i].size(0);
+  }
+  run_tiles(work);
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }
 
@@ -563,19 +626,16 @@ at::Tensor gguf_moe_token_int8(const at::Tensor& x_in, const at::Tensor& ids, co
                 " of ", experts);
   }
   std::sort(order.begin(), order.end());
-  // Expert i's run is first the token's one row, its output row i, then hidden row i.
-  std::vector<int64_t> rows(k), zeros(k, 0), ones(k, 1), after(k);
-  std::vector<const uint8_t*> gate_up_rows(k), down_rows(k);
-  for (int64_t i = 0; i < k; ++i) {
-    rows[i] = i;
-    after[i] = i + 1;
-    gate_up_rows[i] = gate_up.data_ptr<uint8_t>() + order[i].first * gate_up.stride(0);
-    down_rows[i] = down.data_ptr<uint8_t>() + order[i].first * down.stride(0);
-  }
+  // Expert i's runs: the token's one row into projected row i, then hidden row i into ys row i.
   thread_local QuantizedActs token_buffers, hidden_buffers;
   at::Tensor projected = at::empty({k, 2 * width}, x.options());
-  grouped_runs(quantize(x, block_of(gate_up_type), token_buffers), gate_up_rows, zeros, ones, rows, 2 * width,
-               gate_up.size(2), gate_up_type, projected.data_ptr<float>());
+  const Acts token = quantize(x, block_of(gate_up_type), token_buffers);
+  std::vector<Run> work;
+  for (int64_t i = 0; i < k; ++i) {
+    work.push_back({gate_up.data_ptr<uint8_t>() + order[i].first * gate_up.stride(0), 2 * width, gate_up.size(2),
+                    gate_up_type, &token, 0, 1, projected.data_ptr<float>() + i * 2 * width, 2 * width});
+  }
+  run_tiles(work);
   at::Tensor hidden = at::empty({k, width}, x.options());
   const float* gu = projected.data_ptr<float>();
   float* h = hidden.data_ptr<float>();
@@ -586,8 +646,13 @@ at::Tensor gguf_moe_token_int8(const at::Tensor& x_in, const at::Tensor& ids, co
       h[i * width + j] = gate / (1.0f + std::exp(std::min(-gate, 80.0f))) * gu[i * 2 * width + width + j];
     }
   at::Tensor ys = at::empty({k, H}, x.options());
-  grouped_runs(quantize(hidden, block_of(down_type), hidden_buffers), down_rows, rows, after, zeros, H, down.size(2),
-               down_type, ys.data_ptr<float>());
+  const Acts hiddens = quantize(hidden, block_of(down_type), hidden_buffers);
+  work.clear();
+  for (int64_t i = 0; i < k; ++i) {
+    work.push_back({down.data_ptr<uint8_t>() + order[i].first * down.stride(0), H, down.size(2), down_type, &hiddens, i,
+                    i + 1, ys.data_ptr<float>() + i * H, H});
+  }
+  run_tiles(work);
   at::Tensor out = at::zeros({1, H}, x.options());
   float* o = out.data_ptr<float>();
   const float* y = ys.data_ptr<float>();
@@ -619,6 +684,7 @@ TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
   m.def("gguf_quantize_activations(Tensor x, int qtype) -> (Tensor, Tensor, Tensor)", &gguf_quantize_activations);
   m.def("gguf_grouped_linear_int8(Tensor x, Tensor[] ws, int[] rows, int qtype, int K) -> Tensor",
         &gguf_grouped_linear_int8);
+  m.def("gguf_linear_parts_int8(Tensor x, Tensor[] ws, int[] qtypes, int K) -> Tensor", &gguf_linear_parts_int8);
   m.def("gguf_moe_token_int8(Tensor x, Tensor ids, Tensor gates, Tensor gate_up, int gate_up_type, Tensor down, "
         "int down_type) -> Tensor", &gguf_moe_token_int8);
 }

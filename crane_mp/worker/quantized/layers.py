@@ -37,10 +37,7 @@ class GGUFLinear(nn.Module):
         return [(qtype, getattr(self, f"qweight_{i}")) for i, qtype in enumerate(self.qtypes)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        outs = [self.kernels.matmul(flat, weight, qtype, self.in_features, self.int8)
-                for qtype, weight in self.weights()]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        y = self.kernels.matmul_parts(x.reshape(-1, self.in_features), self.weights(), self.in_features, self.int8)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

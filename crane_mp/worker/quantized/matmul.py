@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 # Rows dequantized per slab: bounds the temporary to a few MB on any model.
 _SLAB_ELEMENTS = 1 << 22
+# Up to this many rows (decode steps) a layer's parts of several types go through one kernel call.
+_PARTS_ROWS = 16
 
 # The types the 8-bit-activation kernels read repacked, with their repacking op's name.
 _REPACKED = {GGMLQuantizationType.Q4_K: (Q4_K_X8, "gguf_repack_q4_k_x8"),
@@ -67,6 +69,12 @@ class TorchGGUF:
             out[start : start + count] = self.matmul(x[start : start + count], weight, qtype, in_features, int8)
             start += count
         return out
+
+    def matmul_parts(self, x: torch.Tensor, parts: list[tuple[int, torch.Tensor]], in_features: int,
+                     int8: bool = False) -> torch.Tensor:
+        """x [M, K] times each part's rows (type, weight), the outputs side by side: [M, sum of rows]."""
+        outs = [self.matmul(x, weight, qtype, in_features, int8) for qtype, weight in parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def moe_token(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, gate_up: torch.Tensor,
                   gate_up_type: int, down: torch.Tensor, down_type: int) -> torch.Tensor | None:
@@ -117,6 +125,16 @@ class NativeGGUF(TorchGGUF):
         if int8 and qtype in INT8_TYPES and x.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.crane_mp.gguf_grouped_linear_int8(x, weights, rows, qtype, in_features)
         return super().grouped_matmul(x, weights, rows, qtype, in_features, int8)
+
+    def matmul_parts(self, x: torch.Tensor, parts: list[tuple[int, torch.Tensor]], in_features: int,
+                     int8: bool = False) -> torch.Tensor:
+        """With 8-bit activations, a decode step's parts of several types in one kernel call (one pass
+        over q, k and v for both cores); larger steps, part by part."""
+        if (int8 and len(parts) > 1 and x.shape[0] <= _PARTS_ROWS and x.dtype in (torch.float32, torch.bfloat16)
+                and all(qtype in INT8_TYPES for qtype, _ in parts)):
+            return torch.ops.crane_mp.gguf_linear_parts_int8(x, [weight for _, weight in parts],
+                                                             [qtype for qtype, _ in parts], in_features)
+        return super().matmul_parts(x, parts, in_features, int8)
 
     def moe_token(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, gate_up: torch.Tensor,
                   gate_up_type: int, down: torch.Tensor, down_type: int) -> torch.Tensor | None:
