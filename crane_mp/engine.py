@@ -29,6 +29,7 @@ class LLMEngine:
             self.worker.model_config.eos_token_ids, on_cpu=self.worker.platform.on_cpu,
             prefill_seconds_per_token=self.worker.prefill_seconds_per_token,
             whole_prompts=self.worker.model_config.encoder, kv_windows=self.worker.runner.kv_groups.windows,
+            state_slots=self.worker.kv_plan.state_slots,
         ))
         self.overlap = config.overlap_schedule
         self._in_flight: StepResult | None = None  # with overlap: executed, not yet applied

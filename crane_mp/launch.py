@@ -114,7 +114,7 @@ class Launcher:
         sched_cfg = scheduler_config(
             cfg.engine, info.num_blocks, info.max_model_len, tuple(info.eos_token_ids), on_cpu=info.device_type == "cpu",
             max_queue=cfg.max_queue, prefill_seconds_per_token=info.prefill_seconds_per_token,
-            whole_prompts=info.whole_prompts, kv_windows=tuple(info.kv_windows),
+            whole_prompts=info.whole_prompts, kv_windows=tuple(info.kv_windows), state_slots=info.state_slots,
         )
         sched_conn = self._spawn(
             "scheduler", scheduler_main, sched_cfg, self.addresses, cfg.num_frontends, cfg.engine.overlap_schedule,
@@ -246,6 +246,23 @@ def _kv_bytes(info: WorkerReady) -> str:
             f"({info.kv_bytes_per_token * len(info.kv_windows)}/token within)")
 
 
+def _state_pool(info: WorkerReady) -> str:
+    """A hybrid model's state pool, for the start-up line ("" without one)."""
+    if not info.state_slots:
+        return ""
+    return (f" state_pool={info.state_slots * info.state_bytes_per_seq / (1 << 30):.2f} GiB ({info.state_slots} "
+            f"sequences of {info.state_bytes_per_seq / (1 << 20):.1f} MiB)")
+
+
+def _max_concurrent(max_num_seqs: int, info: WorkerReady) -> int:
+    return min(max_num_seqs, info.state_slots) if info.state_slots else max_num_seqs
+
+
+def _prefix_cache(enabled: bool, info: WorkerReady) -> bool:
+    """Whether the scheduler serves prefixes from the cache (scheduler_config says when it does not)."""
+    return enabled and not info.whole_prompts and not info.state_slots
+
+
 def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
@@ -334,13 +351,13 @@ def main(argv: list[str] | None = None) -> None:
         log.info(
             "ready in %.1f s: model=%s arch=%s device=%s dtype=%s kv_dtype=%s activations=%s isa=%s kernels=%s "
             "kv_bytes=%s "
-            "kv_budget=%.2f GiB blocks=%d (%d tokens) max_concurrent=%d max_queue=%d max_model_len=%d "
+            "kv_budget=%.2f GiB blocks=%d (%d tokens)%s max_concurrent=%d max_queue=%d max_model_len=%d "
             "prefix_cache=%s overlap=%s runtime_lora=%s frontends=%d listening on http://%s:%d",
             time.monotonic() - started, config.model_name, _described_arch(info), info.device, info.dtype,
             info.kv_cache_dtype, info.quantized_activations, info.isa,
             info.kernel_isa, _kv_bytes(info), info.kv_budget_bytes / gib, info.num_blocks,
-            info.num_blocks * info.block_size, config.engine.max_num_seqs, config.max_queue, info.max_model_len,
-            _on_off(config.engine.enable_prefix_caching and not info.whole_prompts),
+            info.num_blocks * info.block_size, _state_pool(info), _max_concurrent(config.engine.max_num_seqs, info),
+            config.max_queue, info.max_model_len, _on_off(_prefix_cache(config.engine.enable_prefix_caching, info)),
             _on_off(config.engine.overlap_schedule),
             _on_off(config.engine.runtime_lora), config.num_frontends, config.host, config.port,
         )

@@ -418,4 +418,8 @@ class WorkerReady(msgspec.Struct):
     kv_windows: list[int] = msgspec.field(default_factory=lambda: [0])
     kv_bytes_per_long_token: int = 0  # what a token keeps once a sequence is past its sliding windows
     model_impl: str = "native"  # or "transformers": transformers' modeling code on our engine (slower)
+    # A hybrid model's state pool (worker/cache/state_pool.py): the sequences it holds recurrent state
+    # for (the scheduler runs no more at once), and one sequence's bytes; 0 without recurrent layers.
+    state_slots: int = 0
+    state_bytes_per_seq: int = 0
     hf_model_type: str = ""  # transformers' model_type of the checkpoint (what the transformers backend runs)

@@ -15,7 +15,15 @@ from typing import Any
 
 from crane_mp.models.gguf_families import PROPORTIONAL_ROPE, family_fields
 from crane_mp.models.gguf_file import LONGROPE_TENSORS, ROPE_TENSORS, SERVED_TYPES, check_gguf, rope_freq_factors
-from crane_mp.models.layouts import SLIDING, DecoderLayout, decoder_layout, split_rope, windowed_layer_types
+from crane_mp.models.layouts import (
+    HYBRID_ARCHS,
+    LINEAR,
+    SLIDING,
+    DecoderLayout,
+    decoder_layout,
+    split_rope,
+    windowed_layer_types,
+)
 from crane_mp.models.registry import (
     ARCHITECTURES,
     HF_CLASSES,
@@ -176,10 +184,12 @@ def _transformers_arch(hf_config: Any) -> str:
     return TRANSFORMERS
 
 
-def _refuse_recurrent_layers(hf_config: Any) -> None:
+def _refuse_recurrent_layers(hf_config: Any, arch: str = TRANSFORMERS) -> None:
     """A config whose layer_types name layers other than attention (a hybrid checkpoint) is refused by
-    name, natively too: serving them as attention would give wrong tokens."""
-    kinds = set(getattr(hf_config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES
+    name, natively too, but for the linear-attention layers of the hybrids we implement (HYBRID_ARCHS):
+    serving them as attention would give wrong tokens."""
+    served = _ATTENTION_LAYER_TYPES | ({LINEAR} if arch in HYBRID_ARCHS else set())
+    kinds = set(getattr(hf_config, "layer_types", None) or ()) - served
     if kinds:
         raise UnsupportedModelError(
             f"model_type {getattr(hf_config, 'model_type', '')!r} keeps recurrent state in its layers "
@@ -240,7 +250,7 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
                          model_impl: str = "auto") -> ModelConfig:
     """Build our config from a loaded transformers config object."""
     arch = detect_arch(hf_config, model_type, model_impl)
-    _refuse_recurrent_layers(hf_config)
+    _refuse_recurrent_layers(hf_config, arch)
     if arch == TRANSFORMERS:
         return _transformers_config(hf_config, model_dir)
     if arch == "whisper":
@@ -272,8 +282,9 @@ def model_config_from_hf(hf_config: Any, model_type: str = "auto", model_dir: Pa
         arch=arch,
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
-        # Granite 4 names its (only) MLP the shared one.
-        intermediate_size=getattr(hf_config, "shared_intermediate_size", None) or hf_config.intermediate_size,
+        # Granite 4 names its (only) MLP the shared one; Qwen3.5-MoE has no dense MLP at all.
+        intermediate_size=getattr(hf_config, "shared_intermediate_size", None)
+        or getattr(hf_config, "intermediate_size", None) or hf_config.moe_intermediate_size,
         num_hidden_layers=hf_config.num_hidden_layers,
         num_attention_heads=heads,
         num_key_value_heads=_base_attr(hf_config, "num_key_value_heads") or heads,

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+LINEAR = "linear_attention"  # a Gated DeltaNet layer (Qwen3.5, Qwen3-Next): recurrent state, no KV cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,25 @@ class LatentAttention:
 
 
 @dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """The Gated DeltaNet layers of a hybrid model (layer_types' "linear_attention"): `key_heads` query/key
+    heads of `key_dim`, `value_heads` value heads of `value_dim` (a multiple of the key heads), a causal
+    depthwise convolution `conv_kernel` wide over the projected queries, keys and values. Each sequence
+    keeps per layer a convolution state (the last conv_kernel - 1 inputs) and a recurrent state
+    [value_heads, key_dim, value_dim] (worker/cache/state_pool.py)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+@dataclass(frozen=True, slots=True)
 class DecoderLayout:
     """Where a decoder family departs from Llama's layer; the defaults are Llama's."""
 
@@ -99,6 +119,9 @@ class DecoderLayout:
     attention_sinks: bool = False
     latent: LatentAttention | None = None  # DeepSeek's multi-head latent attention
     qk_norm: bool = False  # per-head query and key RMSNorms before rope, where a family has them optionally
+    linear: LinearAttention | None = None  # the layers layer_types calls "linear_attention" (hybrid models)
+    # Each query head's output scaled by sigmoid of a gate the query projection makes beside it (Qwen3.5).
+    attention_gate: bool = False
 
     def window(self, layer: int, sliding_window: int | None) -> int | None:
         """Layer `layer`'s attention window (None: it sees every earlier key)."""
@@ -118,6 +141,10 @@ class DecoderLayout:
         """Whether layers differ in their weights' shapes (LoRA and tensor parallelism assume not)."""
         return bool(self.global_head_dim or self.global_kv_heads or self.values_are_keys or self.kv_sources
                     or len(set(self.layer_intermediate)) > 1)
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer `layer` is a linear-attention (Gated DeltaNet) layer rather than attention."""
+        return self.linear is not None and self.layer_types[layer] == LINEAR
 
     def sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of experts."""
@@ -243,6 +270,26 @@ def _glm4_moe(hf_config: Any, head_dim: int) -> DecoderLayout:
                          qk_norm=bool(getattr(hf_config, "use_qk_norm", False)))
 
 
+def _qwen3_5(hf_config: Any, head_dim: int) -> DecoderLayout:
+    """Qwen3.5 and Qwen3-Next: Gated DeltaNet layers between gated attention layers (three to one in the
+    released sizes), (1 + w) norms, rope on a quarter of each head; experts with a gated shared one
+    (the MoE variants, Qwen2-MoE's router)."""
+    experts = None
+    if getattr(hf_config, "num_experts", 0):
+        layers, step = hf_config.num_hidden_layers, getattr(hf_config, "decoder_sparse_step", 1) or 1
+        dense = getattr(hf_config, "mlp_only_layers", None) or ()
+        experts = ExpertLayout(
+            hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+            normalize=bool(getattr(hf_config, "norm_topk_prob", True)),
+            shared_intermediate_size=hf_config.shared_expert_intermediate_size, shared_gate=True,
+            dense_layers=tuple(i for i in range(layers) if i in dense or (i + 1) % step))
+    linear = LinearAttention(hf_config.linear_num_key_heads, hf_config.linear_num_value_heads,
+                             hf_config.linear_key_head_dim, hf_config.linear_value_head_dim,
+                             hf_config.linear_conv_kernel_dim)
+    return DecoderLayout(layer_types=tuple(hf_config.layer_types), rotary_dim=_rotary_dim(hf_config, head_dim),
+                         norm="gemma", experts=experts, linear=linear, attention_gate=True)
+
+
 def _layer_types(hf_config: Any) -> tuple[str, ...]:
     kinds = tuple(getattr(hf_config, "layer_types", None) or ())
     return kinds if SLIDING in kinds else ()
@@ -348,6 +395,9 @@ def _seed_oss(hf_config: Any, head_dim: int) -> DecoderLayout:
     return DecoderLayout(attention_out_bias=bool(hf_config.attention_out_bias))
 
 
+# Our architectures with linear-attention layers (layout.linear): their sequences keep recurrent state.
+HYBRID_ARCHS = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_next"})
+
 # Our architecture name -> its layout reader; the rest are Llama's layer.
 FAMILY_LAYOUTS: dict[str, Callable[[Any, int], DecoderLayout]] = {
     "gemma2": _gemma, "gemma3": _gemma, "gemma4": _gemma4, "olmo2": _olmo, "olmo3": _olmo, "exaone4": _exaone4,
@@ -355,6 +405,7 @@ FAMILY_LAYOUTS: dict[str, Callable[[Any, int], DecoderLayout]] = {
     "seed_oss": _seed_oss, "granite4": _granite4, "qwen2": _qwen, "qwen3": _qwen,
     "qwen2_moe": _qwen_moe, "qwen3_moe": _qwen_moe, "mixtral": _mixtral, "olmoe": _mixtral, "granitemoe": _granite_moe,
     "gpt_oss": _gpt_oss, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek, "glm4_moe": _glm4_moe,
+    "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5, "qwen3_next": _qwen3_5,
 }
 
 

@@ -175,6 +175,15 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture("deepseek_v3", "deepseek.DeepseekForCausalLM", ("DeepseekV3ForCausalLM",), "deepseek_v3", "deepseek2",
                  reads_gguf=False, tensor_parallel=False, gguf_layer_names=_DEEPSEEK_GGUF,
                  gguf_optional_layer_names=_DEEPSEEK_QUERY, experts=True, gguf_sigmoid_router=True),
+    # Hybrids: Gated DeltaNet layers (recurrent state, worker/cache/state_pool.py) between gated attention
+    # layers; the vision tower of the qwen3_5 checkpoints is not served yet (their text is).
+    Architecture("qwen3_5", "qwen3_5.Qwen35ForCausalLM", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+                 "qwen3_5_text", "qwen35", reads_gguf=False, qk_norms=_QK_NORMS, tensor_parallel=False),
+    Architecture("qwen3_5_moe", "qwen3_5.Qwen35ForCausalLM",
+                 ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), "qwen3_5_moe_text", "qwen35moe",
+                 reads_gguf=False, qk_norms=_QK_NORMS, tensor_parallel=False, experts=True),
+    Architecture("qwen3_next", "qwen3_5.Qwen3NextForCausalLM", ("Qwen3NextForCausalLM",), "qwen3_next", "qwen3next",
+                 reads_gguf=False, qk_norms=_QK_NORMS, tensor_parallel=False, experts=True),
     # Any other causal LM transformers can run, through its own modeling code (--model-impl).
     Architecture(TRANSFORMERS, "transformers_backend.TransformersCausalLM", (), "", "", reads_gguf=False),
 )}

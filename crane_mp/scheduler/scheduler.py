@@ -89,17 +89,21 @@ CPU_PREFILL_STEP_SECONDS = 3.0
 def scheduler_config(
     engine: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: tuple[int, ...], on_cpu: bool,
     max_queue: int | None = None, prefill_seconds_per_token: float = 0.0, whole_prompts: bool = False,
-    kv_windows: tuple[int, ...] = (FULL,),
+    kv_windows: tuple[int, ...] = (FULL,), state_slots: int = 0,
 ) -> SchedulerConfig:
-    """The scheduler's config from the engine's and the facts the worker reported at start-up."""
+    """The scheduler's config from the engine's and the facts the worker reported at start-up.
+
+    `state_slots`: a hybrid model's state pool (0: none). No more sequences run at once than it holds,
+    and the prefix cache is off: a cached prefix's KV would skip the linear-attention layers, whose
+    state at the prefix's end is not kept."""
     return SchedulerConfig(
         num_blocks=num_blocks,
         block_size=engine.block_size,
-        max_num_seqs=engine.max_num_seqs,
+        max_num_seqs=min(engine.max_num_seqs, state_slots) if state_slots else engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         max_model_len=max_model_len,
         eos_token_ids=tuple(eos_token_ids),
-        enable_prefix_caching=engine.enable_prefix_caching and not whole_prompts,
+        enable_prefix_caching=engine.enable_prefix_caching and not whole_prompts and not state_slots,
         warm_blocks_first=on_cpu,
         lora_modules=engine.lora_modules,
         max_loras=engine.max_loras,

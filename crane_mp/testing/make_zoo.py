@@ -29,6 +29,9 @@ _SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "n
           "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 512,
           "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # make_zoo_model sets its tokenizer's
 _MIXED = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+_HYBRID = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+_LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+           "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}
 
 # transformers' model_type -> the config fields that make its tiny checkpoint exercise the family.
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -101,6 +104,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
                  "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
                  "routed_scaling_factor": 1.5,
                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    # Hybrids: Gated DeltaNet layers (2 key heads, 4 value heads) and gated attention, both kinds twice.
+    "qwen3_5_text": {"layer_types": _HYBRID, **_LINEAR},
+    "qwen3_5_moe_text": {"layer_types": _HYBRID, **_LINEAR, "num_experts": 8, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+    "qwen3_next": {"layer_types": _HYBRID, **_LINEAR, "num_experts": 8, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]},
+    # A Qwen3.5 checkpoint with its vision tower: its language model served for text.
+    "qwen3_5": {"text_config": {"layer_types": _HYBRID, **_LINEAR},
+                "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                                  "out_hidden_size": 64, "patch_size": 14, "temporal_patch_size": 2}},
     # No native implementation: served by the transformers backend.
     "ernie4_5": {"use_bias": False},
     # Granite 4 dense (granite-4.0-micro): the hybrid family's config with attention in every layer.

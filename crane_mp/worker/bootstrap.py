@@ -138,8 +138,11 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     # The model this process holds: the whole of it, or a rank's part (heads, units, vocabulary rows).
     if model_config.arch == TRANSFORMERS:
         _check_transformers_backend(config, tp)
-    elif config.lora and (model_config.layout.varies_by_layer or model_config.layout.experts is not None):
-        shapes = "layers of different shapes" if model_config.layout.varies_by_layer else "mixture-of-experts layers"
+    elif config.lora and (model_config.layout.varies_by_layer or model_config.layout.experts is not None
+                          or model_config.layout.linear is not None):
+        shapes = ("layers of different shapes" if model_config.layout.varies_by_layer
+                  else "linear-attention layers" if model_config.layout.linear is not None
+                  else "mixture-of-experts layers")
         raise ValueError(f"LoRA adapters for {model_config.arch} ({shapes}) are not supported "
                          "yet; the base model is served without --enable-lora")
     rank_config = model_config if tp is None else shard_config(model_config, tp.rank, tp.size)
@@ -202,10 +205,11 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     timer.done("warm-up")
     # Not with tensor parallelism yet: a captured step would replay its collectives too, untested. Not
     # for a media model: its steps read per-request state (rope positions, a window's cross-attention).
-    # Not for experts: a step groups its rows by expert on the host.
+    # Not for experts: a step groups its rows by expert on the host. Not for recurrent layers: a step
+    # reads its sequences' state slots.
     graphs = (platform.cuda_graphs(config.cuda_graphs, runner.attention_backend) and not model_config.encoder
               and model_config.media is None and tp is None and model_config.arch != TRANSFORMERS
-              and model_config.layout.experts is None)
+              and model_config.layout.experts is None and not runner.state_layers)
     graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
     reserved_bytes = kernel_cache_bytes + (graph_pool_bytes(runner, graph_sizes, rank_config) if graphs else 0)
     if config.runtime_lora:  # room for the adapters /v1/load_lora_adapter may still load, each at the largest rank
@@ -232,6 +236,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         sequence_blocks=lambda num_tokens: sequence_blocks(runner.kv_groups.windows, num_tokens, config.block_size,
                                                            config.max_num_batched_tokens),
         kv_bytes_per_long_token=runner.kv_bytes_per_long_token(),
+        state_bytes_per_seq=runner.state_bytes_per_sequence(),
     )
     if tp is not None:
         num_blocks, fitted_len = tp.agree_min([kv_plan.num_blocks, kv_plan.max_model_len])
@@ -246,6 +251,11 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
                     "--gpu-memory-limit)", max_model_len, kv_plan.max_model_len)
         max_model_len = runner.max_positions = kv_plan.max_model_len
     runner.allocate_kv_cache(kv_plan.num_blocks)
+    if runner.state_layers:
+        runner.allocate_state_pool(kv_plan.state_slots)
+        if kv_plan.state_slots < config.max_num_seqs:
+            log.info("at most %d sequences run at once: the memory plan holds recurrent state for that many "
+                     "(--max-num-seqs %d)", kv_plan.state_slots, config.max_num_seqs)
     timer.done("kv cache")
     if graphs:
         runner.enable_decode_graphs(graph_sizes)

@@ -140,6 +140,11 @@ async def server_info(request: web.Request) -> web.Response:
         "quantized_activations": info.quantized_activations,
         "kv_budget_bytes": info.kv_budget_bytes,
         "activation_bytes": info.activation_bytes,
+        # A hybrid model's state pool: the sequences it holds recurrent state for (at most this many run at
+        # once) and one sequence's state over every linear-attention layer; 0 for attention-only models.
+        "state_slots": info.state_slots,
+        "state_bytes_per_seq": info.state_bytes_per_seq,
+        "state_pool_bytes": info.state_slots * info.state_bytes_per_seq,
         "stats": {
             "total_requests": stats.total_requests,
             "completed_requests": stats.completed_requests,

@@ -40,10 +40,15 @@ class KVPlan:
     bound: str = "limit"  # what sized the cache: limit, free memory, max_num_seqs or max_total_tokens
     max_model_len: int = 0  # the longest sequence served: the caller's, or lowered to fit (fit_model_len)
     kv_bytes_per_long_token: int = 0  # what a token keeps past its sliding windows (models/kv_groups.py)
+    # A hybrid model's state pool (cache/state_pool.py): sequences it holds state for, and one's bytes.
+    state_slots: int = 0
+    state_bytes_per_seq: int = 0
 
     def describe(self) -> str:
         runtime = f"CUDA runtime and allocator slack {_size(self.runtime_bytes)}, " if self.runtime_bytes else ""
-        return (f"KV cache {_size(self.kv_budget_bytes)} ({self.num_blocks} blocks, bound by {self.bound}); "
+        state = (f"state pool {_size(self.state_slots * self.state_bytes_per_seq)} ({self.state_slots} sequences of "
+                 f"{_size(self.state_bytes_per_seq)}); " if self.state_slots else "")
+        return (f"KV cache {_size(self.kv_budget_bytes)} ({self.num_blocks} blocks, bound by {self.bound}); {state}"
                 f"weights {_size(self.weights_bytes)}, activations {_size(self.activation_bytes)}, "
                 f"reserved {_size(self.reserved_bytes)}, {runtime}limit {_size(self.limit_bytes)}")
 
@@ -73,6 +78,7 @@ def plan_kv_blocks(
     fit_model_len: bool = False,
     sequence_blocks: Callable[[int], int] | None = None,
     kv_bytes_per_long_token: int = 0,
+    state_bytes_per_seq: int = 0,
 ) -> KVPlan:
     """Pure sizing rule. Without a limit (the CPU default) the KV cache may use a quarter of host RAM.
 
@@ -91,6 +97,10 @@ def plan_kv_blocks(
     Never more blocks than every running sequence could fill at full length: memory past that is waste.
     `sequence_blocks(n)`: the blocks a sequence of n tokens holds at most (KV groups whose sliding
     layers keep only their windows); by default one per `block_size` tokens.
+
+    `state_bytes_per_seq`: a hybrid model's recurrent state per running sequence. The state pool gets
+    a slot for each of max_num_seqs, or as many as half of what one full-length sequence's KV leaves
+    holds (at least one); the scheduler then runs at most that many sequences at once.
     """
     if sequence_blocks is None:
         def sequence_blocks(num_tokens: int) -> int:
@@ -107,14 +117,21 @@ def plan_kv_blocks(
         budget = free_bytes - activation_bytes - reserved_bytes - block_bytes
         bound = "free memory"
     blocks_per_seq = sequence_blocks(max_model_len)
+    state_slots = 0
+    if state_bytes_per_seq:
+        spare = budget - blocks_per_seq * block_bytes
+        state_slots = min(max_num_seqs, max(1, spare // 2 // state_bytes_per_seq))
+        budget -= state_slots * state_bytes_per_seq
+        max_num_seqs = state_slots
     num_blocks = max(0, budget // block_bytes)
     fitted_len = _longest_sequence(num_blocks, max_model_len, block_size, sequence_blocks)
     if num_blocks < blocks_per_seq and fit_model_len and fitted_len >= min(max_model_len, MIN_FITTED_MODEL_LEN):
         max_model_len, blocks_per_seq = fitted_len, sequence_blocks(fitted_len)
     if num_blocks < blocks_per_seq:
         held = reserved_bytes + resident_bytes + runtime_bytes
-        needs = (f"activations ({_size(activation_bytes)}), reserved memory ({_size(held)}) and the KV "
-                 f"cache of one {max_model_len}-token sequence ({_size(blocks_per_seq * block_bytes)})")
+        needs = (f"activations ({_size(activation_bytes)}), reserved memory ({_size(held)}), "
+                 + (f"one sequence's recurrent state ({_size(state_bytes_per_seq)}) " if state_slots else "")
+                 + f"and the KV cache of one {max_model_len}-token sequence ({_size(blocks_per_seq * block_bytes)})")
         if bound == "limit":
             raise MemoryBudgetError(f"memory limit {_size(limit_bytes)} cannot hold the weights "
                                     f"({_size(weights_bytes)}), {needs}; raise --gpu-memory-limit or lower --max-seq-len")
@@ -126,7 +143,7 @@ def plan_kv_blocks(
         num_blocks, bound = max(blocks_per_seq, max_total_tokens // block_size), "max_total_tokens"
     return KVPlan(num_blocks, kv_bytes_per_token, num_blocks * block_bytes, limit_bytes, weights_bytes,
                   activation_bytes, reserved_bytes + resident_bytes, runtime_bytes, bound, max_model_len,
-                  kv_bytes_per_long_token or kv_bytes_per_token)
+                  kv_bytes_per_long_token or kv_bytes_per_token, state_slots, state_bytes_per_seq)
 
 
 def _longest_sequence(num_blocks: int, limit: int, block_size: int, sequence_blocks: Callable[[int], int]) -> int:

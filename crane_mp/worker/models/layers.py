@@ -64,7 +64,16 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual` (a "pre" block, Qwen3.5): (norm(residual + x), residual + x)."""
+        if residual is not None:
+            residual = residual + x
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return (normed * (self.offset + self.weight.float())).to(x.dtype)
 
@@ -432,6 +441,12 @@ PACKED_WEIGHTS = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+    "q_gate_proj": ("qkv_proj", 3),  # gated attention's gates, split from its query projection (Qwen3.5)
+    # A Gated DeltaNet layer's input projections (Qwen3.5's names).
+    "in_proj_qkv": ("in_proj", 0),
+    "in_proj_z": ("in_proj", 1),
+    "in_proj_b": ("in_proj", 2),
+    "in_proj_a": ("in_proj", 3),
 }
 
 
@@ -488,7 +503,12 @@ class CausalLM(nn.Module):
         return logits
 
     def attention_layers(self) -> list[PagedSelfAttention]:
-        return [layer.self_attn for layer in self.model.layers]
+        """The layers' attention modules, which keep a KV cache (a hybrid's recurrent layers do not)."""
+        return [layer.self_attn for layer in self.model.layers if not getattr(layer.self_attn, "recurrent", False)]
+
+    def state_layers(self) -> list[nn.Module]:
+        """The layers' token mixers that keep recurrent state per sequence (worker/cache/state_pool.py)."""
+        return [layer.self_attn for layer in self.model.layers if getattr(layer.self_attn, "recurrent", False)]
 
     def parameter_name(self, checkpoint_name: str) -> str:
         """A checkpoint tensor's name as ours: renamed_weights applied, under `model.`."""

@@ -77,6 +77,17 @@ class MediaStep:
 
 
 @dataclass(slots=True)
+class StateBatch:
+    """Where a hybrid model's linear-attention layers keep each sequence's state this step: `slots[i]` is
+    the state pool slot of the step's i-th sequence (the order of ForwardContext.spans, decodes first);
+    the first `num_decodes` have one row each and run as one batch (their slots also as `decode_slots`)."""
+
+    slots: list[int]
+    num_decodes: int
+    decode_slots: torch.Tensor | None
+
+
+@dataclass(slots=True)
 class ForwardContext:
     attn: AttentionMetadata
     cos: torch.Tensor  # [num_tokens, 1, head_dim]
@@ -91,6 +102,7 @@ class ForwardContext:
     # The rows whose hidden states the step reads (the sampled ones), None: every row (prompt logprobs,
     # pooling, media). Layers that write no KV cache may then compute only these (Gemma 4's shared ones).
     needed_rows: list[int] | None = None
+    states: StateBatch | None = None  # the state pool's slots of the step's sequences (hybrid models)
 
     def attn_of(self, layer) -> AttentionMetadata:
         """The attention metadata of `layer`'s KV group (its block tables and slots)."""

@@ -32,6 +32,7 @@ from crane_mp.protocol import (
     TokenLogprobs,
 )
 from crane_mp.worker.cache.attention import SeqSpan, build_metadata, group_spans
+from crane_mp.worker.cache.state_pool import StatePool, state_bytes_per_sequence
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.models.moe import routing_table
 from crane_mp.worker.models.mrope_tables import mrope_columns, mrope_cos_sin
@@ -46,6 +47,7 @@ from crane_mp.worker.step.forward_context import (
     ForwardContext,
     LoraBatch,
     MediaSpan,
+    StateBatch,
     forward_context,
     lora_batch,
 )
@@ -65,6 +67,7 @@ class RequestMirror:
     pool_sum: torch.Tensor | None = None  # mean or CLS pooling: sum of the pooled tokens' final hidden states
     num_pooled: int = 0  # ... of prompt positions [0, num_pooled)
     media: Any = None  # what a media model made of the request's images or audio (its media_state)
+    state_slot: int | None = None  # a hybrid model's state pool slot, while the request runs
 
     def progress(self) -> tuple:
         """What a step advances besides tokens, to restore when the step is redone request by request."""
@@ -116,6 +119,10 @@ class ModelRunner:
         # Cache tensors per slot: keys and values, or one whose rows hold both (DeepSeek's latent).
         self.kv_tensors = 1 if layers and all(getattr(attn, "latent_kv", False) for attn in layers) else 2
         self.routing = routing_table(self.model)  # tokens per expert of a mixture of experts (/metrics)
+        # A hybrid model's recurrent layers and their per-sequence state (allocate_state_pool).
+        self.state_layers = model.state_layers() if hasattr(model, "state_layers") else []
+        self.state_pool: StatePool | None = None
+        self.recurrent_dtype = torch.float32
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """`num_blocks` for the scheduler, and one spare block past them for padded decode-graph rows (and
@@ -131,6 +138,14 @@ class ModelRunner:
             views = [storage.view(shape) for storage in tensors[slot]]
             attn.k_cache, attn.v_cache = views[0], views[-1]
         self.num_blocks = num_blocks
+
+    def state_bytes_per_sequence(self) -> int:
+        """A sequence's state over the recurrent layers (0 without any)."""
+        return state_bytes_per_sequence(self.state_layers, self.dtype, self.recurrent_dtype)
+
+    def allocate_state_pool(self, slots: int) -> None:
+        """The recurrent layers' state for `slots` sequences at once (the memory plan's state_slots)."""
+        self.state_pool = StatePool(self.state_layers, slots, self.device, self.dtype, self.recurrent_dtype)
 
     def _slot_rows(self) -> dict[int, int]:
         """Per cache tensor: the KV elements it keeps per token."""
@@ -168,12 +183,14 @@ class ModelRunner:
             mirror = self.requests.pop(req_id, None)
             if mirror is not None:
                 self.sampler.release(mirror.sampling)
+                self._release_state(mirror)
             elif self.grammars is not None:  # ended while waiting for its first step
                 self.grammars.forget(req_id)
             self.failed.pop(req_id, None)
         for req_id in plan.preempted_req_ids:
             if req_id in self.requests:
                 self.requests[req_id].block_table, self.requests[req_id].group_tables = [], []
+                self._release_state(self.requests[req_id])  # it recomputes from its first token
         eos = self.config.eos_token_ids
         for new in plan.new_requests:
             try:
@@ -198,6 +215,26 @@ class ModelRunner:
                 mirror.block_table.extend(new_ids)
                 for table, ids in zip(mirror.group_tables, group_ids):
                     table.extend(ids)
+            if self.state_pool is not None:
+                try:
+                    self._take_state(mirror, sched.num_computed_tokens)
+                except RuntimeError as err:
+                    self._fail(sched.req_id, err)
+
+    def _take_state(self, mirror: RequestMirror, start: int) -> None:
+        """A state slot for a request about to compute from position `start`: emptied when it starts
+        from its first token; one it went on from must be the one it holds."""
+        if mirror.state_slot is None:
+            if start:
+                raise RuntimeError(f"a request resumes at position {start} without its recurrent state")
+            mirror.state_slot = self.state_pool.acquire()
+        if start == 0:
+            self.state_pool.reset(mirror.state_slot)
+
+    def _release_state(self, mirror: RequestMirror) -> None:
+        if mirror.state_slot is not None:
+            self.state_pool.release(mirror.state_slot)
+            mirror.state_slot = None
 
     def _media_state(self, prompt_ids: list[int], media: list) -> Any:
         """A media model's state of a new request (None for a text model's request, or a text-only one)."""
@@ -239,9 +276,15 @@ class ModelRunner:
         return result
 
     def _run_one_by_one(self, step_id: int, scheduled: list[ScheduledRequest]) -> StepResult:
-        """The batched step raised: run each request alone; fail only the ones that raise again."""
+        """The batched step raised: run each request alone; fail only the ones that raise again. A
+        hybrid model's recurrent state may have taken part of the step: each request then recomputes
+        from its first token (its KV rewritten as it was)."""
         result = StepResult(step_id, [], [])
         for sched in scheduled:
+            if self.state_pool is not None:
+                mirror = self.requests[sched.req_id]
+                self.state_pool.reset(mirror.state_slot)
+                sched = ScheduledRequest(sched.req_id, 0, sched.num_computed_tokens + sched.num_new_tokens, [])
             try:
                 self._run([sched], result)
             except Exception as err:
@@ -297,8 +340,11 @@ class ModelRunner:
         score_rows: list[tuple[int, int, int]] = []  # (req_id, first row, first prompt token scored)
         sum_rows: list[tuple[int, int, int]] = []  # mean pooling: (req_id, first row, prompt positions summed)
         media: list[MediaSpan] = []
+        slots: list[int] = []  # each sequence's state pool slot (a hybrid model's)
         for sched in order:
             mirror = self.requests[sched.req_id]
+            if mirror.state_slot is not None:
+                slots.append(mirror.state_slot)
             start, end = sched.num_computed_tokens, sched.num_computed_tokens + sched.num_new_tokens
             if mirror.media is not None:
                 media.append(MediaSpan(mirror.media, start, end, len(input_ids), mirror.block_table))
@@ -326,7 +372,11 @@ class ModelRunner:
             hidden = self.decode_graphs.run(decodes, input_ids, positions)
         else:
             needed = None if score_rows or sum_rows or media else sorted(sample_rows.values())
-            hidden = self.forward(decodes, prefills, input_ids, positions, lora, media, needed)
+            states = None
+            if self.state_pool is not None:
+                states = StateBatch(slots, len(decodes), device_longs(slots[: len(decodes)], self.device)
+                                    if decodes else None)
+            hidden = self.forward(decodes, prefills, input_ids, positions, lora, media, needed, states)
         for req_id, row, count in score_rows:
             prompt_logprobs.append(self._score_prompt(req_id, hidden[row : row + count]))
         for req_id, row, count in sum_rows:
@@ -358,10 +408,12 @@ class ModelRunner:
 
     def forward(self, decodes: list[SeqSpan], prefills: list[SeqSpan], input_ids: list[int], positions: list[int],
                 lora: LoraBatch | None = None, media: list[MediaSpan] | None = None,
-                needed_rows: list[int] | None = None) -> torch.Tensor:
+                needed_rows: list[int] | None = None, states: StateBatch | None = None) -> torch.Tensor:
         """Eager forward of one step's tokens (decode-first layout); returns hidden states [T, hidden].
         `media`: a media model's requests of the step (every one of them); `needed_rows`: the only rows
-        read afterwards (ForwardContext.needed_rows; the others may hold anything)."""
+        read afterwards (ForwardContext.needed_rows; the others may hold anything); `states`: where a
+        hybrid model's sequences keep their recurrent state (None: each starts empty and keeps nothing,
+        as profiling steps do)."""
         meta = build_metadata(decodes, prefills, self.block_size, self.device, self.dtype, self.attention_backend)
         group_meta = [build_metadata(group_spans(decodes, group), group_spans(prefills, group), self.block_size,
                                      self.device, self.dtype, self.attention_backend)
@@ -375,7 +427,7 @@ class ModelRunner:
             cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
         ctx = ForwardContext(meta, cos, sin, lora, decodes + prefills, pos, media,
                              step.embeds if step is not None else None, self.sliding_rope_rows(pos), group_meta,
-                             needed_rows)
+                             needed_rows, states)
         with forward_context(ctx):
             return self.model(ids)  # [T, hidden]
 

@@ -1,0 +1,108 @@
+"""Qwen3.5 (dense and MoE) and Qwen3-Next: Gated DeltaNet layers (gated_deltanet.py) between gated
+attention layers, as the config's layer_types lists them.
+
+The attention layers are Qwen3's (per-head q/k norms before rope, here (1 + w) norms) with rope on a
+quarter of each head and an output gate: the query projection makes each head's query and gate side
+by side, and the head's output is scaled by sigmoid(gate) before o_proj. We keep the gates as a fourth
+part of the fused QKV projection ([queries, keys, values, gates]). A qwen3_5 / qwen3_5_moe checkpoint
+with a vision tower is served for text; the multi-token-prediction layer the released checkpoints carry
+(`mtp.*`) is kept, unused, for speculative decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from crane_mp.models.config import ModelConfig
+from crane_mp.worker.models.gated_deltanet import GatedDeltaNet
+from crane_mp.worker.models.layers import CausalLM, GemmaRMSNorm, PagedSelfAttention
+from crane_mp.worker.platforms import Platform
+from crane_mp.worker.step.forward_context import get_forward_context
+
+
+class GatedAttention(PagedSelfAttention):
+    qk_norm_position = "before_rope"
+
+    def __init__(self, config: ModelConfig, platform: Platform, layer: int = 0) -> None:
+        super().__init__(config, platform, layer)
+        self.fused = None  # the fused kernel takes [q, k, v] rows alone
+        self.fused_sizes = {"qkv_proj": [self.q_size, self.kv_size, self.kv_size, self.q_size]}
+        bias = self.qkv_proj.bias is not None
+        self.qkv_proj = torch.nn.Linear(config.hidden_size, sum(self.fused_sizes["qkv_proj"]), bias=bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return 1.0 + self.q_norm.weight, 1.0 + self.k_norm.weight
+
+    def forward(self, x: torch.Tensor | None, qkv: torch.Tensor | None = None) -> torch.Tensor:
+        ctx = get_forward_context()
+        projected = self.qkv_proj(x) if qkv is None else qkv
+        gates_at = self.q_size + 2 * self.kv_size
+        out = self._attend_unfused(projected[:, :gates_at], ctx)
+        return self.o_proj(out * torch.sigmoid(projected[:, gates_at:]))
+
+
+def _mixer(config: ModelConfig, platform: Platform, layer: int):
+    """Layer `layer`'s token mixer: a Gated DeltaNet or gated attention, as layer_types says."""
+    return GatedDeltaNet(config, layer) if config.layout.is_linear(layer) else GatedAttention(config, platform, layer)
+
+
+class Qwen35ForCausalLM(CausalLM):
+    attention_class = staticmethod(_mixer)
+    # The layers' mixers sit under `self_attn` whatever their kind; transformers 5's names of the
+    # vision-language checkpoints' language model (model.language_model.*) are the text model's.
+    renamed_weights = {".linear_attn.": ".self_attn.", "model.language_model.": "model."}
+    ignored_weights = ("model.visual.",)
+
+    def __init__(self, config: ModelConfig, platform: Platform) -> None:
+        super().__init__(config, platform)
+        self.mtp: dict[str, torch.Tensor] = {}  # the multi-token-prediction layer's tensors, by checkpoint name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._as_ours(weights))
+
+    def _as_ours(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint tensors as our parameters take them: each query projection split into its
+        queries and its gates; the multi-token-prediction layer's kept aside."""
+        heads, head_dim = self.config.num_attention_heads, self.config.head_dim
+        for name, tensor in weights:
+            if name.startswith(("mtp.", "model.mtp.")):
+                self.mtp[name] = tensor.clone()
+            elif name.endswith((".self_attn.q_proj.weight", ".self_attn.q_proj.bias")):
+                pairs = tensor.reshape(heads, 2, head_dim, *tensor.shape[1:])  # per head: query rows, gate rows
+                yield name, pairs[:, 0].reshape(heads * head_dim, *tensor.shape[1:])
+                yield name.replace(".q_proj.", ".q_gate_proj."), pairs[:, 1].reshape(heads * head_dim,
+                                                                                    *tensor.shape[1:])
+            else:
+                yield from self._split_linear(name, tensor)
+
+    def _split_linear(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        yield name, tensor
+
+
+class Qwen3NextForCausalLM(Qwen35ForCausalLM):
+    """Qwen3-Next: Qwen3.5's layers, but its Gated DeltaNet projections are two matrices whose rows are
+    grouped by key head ([queries, keys, values, gates] of each, and [b, a] of each), re-laid out here
+    as Qwen3.5's four."""
+
+    def _split_linear(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        linear = self.config.layout.linear
+        heads, ratio = linear.key_heads, linear.value_heads // linear.key_heads
+        if name.endswith(".in_proj_qkvz.weight"):
+            stem = name[: -len("in_proj_qkvz.weight")]
+            sizes = [linear.key_dim, linear.key_dim, ratio * linear.value_dim, ratio * linear.value_dim]
+            q, k, v, z = (part.reshape(-1, tensor.shape[-1]) for part in
+                          tensor.reshape(heads, sum(sizes), -1).split(sizes, dim=1))
+            yield stem + "in_proj_qkv.weight", torch.cat([q, k, v])
+            yield stem + "in_proj_z.weight", z
+        elif name.endswith(".in_proj_ba.weight"):
+            stem = name[: -len("in_proj_ba.weight")]
+            b, a = (part.reshape(-1, tensor.shape[-1]) for part in
+                    tensor.reshape(heads, 2 * ratio, -1).split([ratio, ratio], dim=1))
+            yield stem + "in_proj_b.weight", b
+            yield stem + "in_proj_a.weight", a
+        else:
+            yield name, tensor
