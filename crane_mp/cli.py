@@ -17,6 +17,7 @@ from crane_mp.config import (
     LOG_FORMATS,
     QUANTIZED_ACTIVATIONS,
     REASONING_PARSERS,
+    STATE_DTYPES,
     TASKS,
     TOOL_CALL_PARSERS,
     EngineConfig,
@@ -159,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage; auto: 16-bit on CPU (bf16 with native bf16 math, else f16; the compute "
                         "dtype for --task embed and transcribe and for image models), the compute dtype on CUDA")
+    p.add_argument("--mamba-ssm-cache-dtype", default="float32", choices=STATE_DTYPES,
+                   help="the recurrent state of linear-attention layers (Qwen3.5, Qwen3-Next), one per running "
+                        "sequence; 16-bit halves the state pool but rounds the state every token")
     p.add_argument("--quantized-activations", default="int8", choices=QUANTIZED_ACTIVATIONS,
                    help="GGUF matmuls on CPU: int8 activations with integer dot products (llama.cpp's scheme), "
                         "or float (exact, slower)")
@@ -338,6 +342,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             model_format=source.format,
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
+            mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
             quantized_activations=args.quantized_activations,
             force_cpu=args.cpu,
             block_size=args.block_size,

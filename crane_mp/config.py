@@ -17,6 +17,7 @@ from crane_mp.parallel import ParallelConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+STATE_DTYPES = ("float32", "bfloat16", "float16")  # a hybrid model's recurrent state (vLLM's mamba_ssm_cache_dtype)
 # How CPU matmuls on GGUF-quantized weights treat activations: int8 blocks with integer dot products
 # (llama.cpp's scheme, the default), or float (exact; what the transformers comparisons use).
 QUANTIZED_ACTIVATIONS = ("int8", "float")
@@ -74,6 +75,9 @@ class EngineConfig:
     model_format: str = "auto"  # auto | safetensors | gguf (gguf_file.resolve_model_source)
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: 16-bit on CPU, the compute dtype on CUDA (worker/platforms/)
+    # Linear-attention layers' recurrent state (worker/cache/state_pool.py); their convolution state is
+    # kept in the compute dtype.
+    mamba_ssm_cache_dtype: str = "float32"
     quantized_activations: str = "int8"  # GGUF matmuls on CPU, see QUANTIZED_ACTIVATIONS
     force_cpu: bool = False
     block_size: int = 16
@@ -107,6 +111,9 @@ class EngineConfig:
             raise ValueError(f"dtype (--dtype) must be one of {', '.join(DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.mamba_ssm_cache_dtype not in STATE_DTYPES:
+            raise ValueError("mamba_ssm_cache_dtype (--mamba-ssm-cache-dtype) must be one of "
+                             f"{', '.join(STATE_DTYPES)}")
         if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
             raise ValueError("quantized_activations (--quantized-activations) must be one of "
                              f"{', '.join(QUANTIZED_ACTIVATIONS)}")

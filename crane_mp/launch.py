@@ -250,8 +250,12 @@ def _state_pool(info: WorkerReady) -> str:
     """A hybrid model's state pool, for the start-up line ("" without one)."""
     if not info.state_slots:
         return ""
-    return (f" state_pool={info.state_slots * info.state_bytes_per_seq / (1 << 30):.2f} GiB ({info.state_slots} "
-            f"sequences of {info.state_bytes_per_seq / (1 << 20):.1f} MiB)")
+    return (f" state_pool={_mib(info.state_slots * info.state_bytes_per_seq)} ({info.state_slots} sequences of "
+            f"{_mib(info.state_bytes_per_seq)})")
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.{1 if num_bytes >= 1 << 20 else 3}f} MiB"
 
 
 def _max_concurrent(max_num_seqs: int, info: WorkerReady) -> int:

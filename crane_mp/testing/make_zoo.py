@@ -150,6 +150,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gemma4-e2b": _GEMMA4_E2B,  # --family gemma4_text
 }
 _TRAINED_VOCAB = 16384  # larger vocabularies are padded with <unusedN> tokens
+# Families whose released checkpoints are another class than the causal LM transformers maps them to
+# (a vision-language model's, its tower included).
+_CHECKPOINT_CLASSES = {"qwen3_5": "Qwen3_5ForConditionalGeneration"}
+# Families whose released checkpoints carry a multi-token-prediction layer (`mtp.*`), which
+# transformers drops on loading: a few of its tensors are written besides.
+_MTP_FAMILIES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
 
 
 def build_zoo_config(family: str, overrides: dict[str, Any] | None = None) -> PreTrainedConfig:
@@ -159,7 +165,8 @@ def build_zoo_config(family: str, overrides: dict[str, Any] | None = None) -> Pr
     else:
         fields = {**_SHAPE, **fields}
     config = AutoConfig.for_model(family, **{**fields, **(overrides or {})})
-    config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
+    causal_lm = AutoModelForCausalLM._model_mapping[type(config)].__name__
+    config.architectures = [_CHECKPOINT_CLASSES.get(family, causal_lm)]
     return config
 
 
@@ -206,11 +213,17 @@ def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: di
     config.bos_token_id, config.eos_token_id, config.pad_token_id = ids.bos, ids.eos, ids.pad
     config.dtype = dtype
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = getattr(transformers, config.architectures[0])._from_config(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = _checkpoint_names(skeleton, {
         name: _init_tensor(name, meta.shape, seed, getattr(torch, dtype)).contiguous()
         for name, meta in skeleton.state_dict().items() if not (tied and name == "lm_head.weight")})
+    if family in _MTP_FAMILIES:
+        hidden = text.hidden_size
+        state |= {name: _init_tensor(name, torch.Size(shape), seed, getattr(torch, dtype)) for name, shape in (
+            ("mtp.fc.weight", (hidden, 2 * hidden)), ("mtp.pre_fc_norm_hidden.weight", (hidden,)),
+            ("mtp.layers.0.self_attn.q_proj.weight", (2 * text.num_attention_heads * text.head_dim, hidden)),
+            ("mtp.norm.weight", (hidden,)))}
     config.save_pretrained(out)
     write_json(out / "generation_config.json", {
         "bos_token_id": ids.bos, "eos_token_id": ids.generation_eos, "pad_token_id": ids.pad,

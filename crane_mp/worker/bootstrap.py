@@ -177,7 +177,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     runner = ModelRunner(model, config.block_size, max_model_len, platform, grammars=grammars,
                          kv_dtype=platform.kv_dtype(config.kv_cache_dtype, dtype,
                                                    pools_outputs(config.task) or model_config.media is not None),
-                         share_tokens=None if tp is None else tp.first_rank_tokens)
+                         share_tokens=None if tp is None else tp.first_rank_tokens,
+                         recurrent_dtype=getattr(torch, config.mamba_ssm_cache_dtype))
 
     weights_bytes = weight_bytes(model)
     # What else this engine already holds for good (rope tables, grammar and sampler tensors).

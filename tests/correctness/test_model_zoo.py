@@ -50,14 +50,16 @@ def test_only_the_families_without_native_code_need_the_backend():
 
 
 # Families whose attention transformers' code computes in a way our paged attention does not hold.
-BACKEND_REFUSED = {"deepseek_v2", "deepseek_v3"}  # latent attention's keys and values of other shapes
+# Latent attention's keys and values of other shapes; linear-attention layers' recurrent state.
+BACKEND_REFUSED = {"deepseek_v2": "latent attention", "deepseek_v3": "latent attention",
+                   **dict.fromkeys(["qwen3_5", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"], "recurrent state")}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_transformers_backend_gives_transformers_greedy_tokens(zoo, family):
     path, prompts, expected = zoo(family)
     if family in BACKEND_REFUSED:
-        with pytest.raises(UnsupportedModelError, match="latent attention"):
+        with pytest.raises(UnsupportedModelError, match=BACKEND_REFUSED[family]):
             engine(path, "transformers")
         return
     eng = engine(path, "transformers")
@@ -90,7 +92,7 @@ def test_each_2026_family_runs_natively_with_transformers_greedy_tokens(zoo, fam
 
 
 MOE = ["deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "mixtral", "olmoe", "qwen2_moe",
-       "qwen3_moe"]
+       "qwen3_moe", "qwen3_5_moe_text", "qwen3_next"]
 
 
 @pytest.mark.parametrize("family", MOE)

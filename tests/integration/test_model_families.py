@@ -81,10 +81,12 @@ def test_gpt_oss_s_released_form_serves_the_dequantized_checkpoint_s_tokens(tmp_
 
 
 def test_a_hybrid_recurrent_model_is_refused_at_start_by_name(tmp_path):
-    """Qwen3-Next interleaves linear-attention layers: refused with its name, not served as attention."""
-    config = AutoConfig.for_model("qwen3_next", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
-    config.architectures = ["Qwen3NextForCausalLM"]
+    """LFM2 interleaves short-convolution layers (no native code for them yet): refused with its name,
+    not served as attention."""
+    config = AutoConfig.for_model("lfm2", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                  layer_types=["conv", "full_attention", "conv", "full_attention"])
+    config.architectures = ["Lfm2ForCausalLM"]
     config.save_pretrained(tmp_path)
     write_tokenizer("llama", 512, 512, tmp_path)
     save_file({"model.embed_tokens.weight": torch.zeros(512, 64)}, str(tmp_path / "model.safetensors"))
@@ -93,4 +95,37 @@ def test_a_hybrid_recurrent_model_is_refused_at_start_by_name(tmp_path):
         assert server.proc.wait(timeout=120) != 0
     finally:
         server.kill_all()
-    assert "model_type 'qwen3_next' keeps recurrent state in its layers" in (tmp_path / "server.log").read_text()
+    assert "model_type 'lfm2' keeps recurrent state in its layers" in (tmp_path / "server.log").read_text()
+
+
+def test_a_qwen3_5_checkpoint_serves_its_text_with_a_state_pool_and_refuses_images(tmp_path):
+    """A Qwen3.5 checkpoint as released (vision tower, multi-token-prediction layer): its text through
+    /generate gives transformers' tokens; /server_info and the start-up line give the state pool, whose
+    bytes per sequence are its linear-attention layers' states; an image is refused by name."""
+    path = make_zoo_model("qwen3_5", tmp_path / "qwen3_5")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (140, 6)]
+    server = Server(path, "--kv-cache-dtype", "float32", "--max-concurrent", "4", "--max-num-batched-tokens", "32",
+                    log_path=tmp_path / "server.log")
+    try:
+        body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": NUM_TOKENS, "temperature": 0,
+                                                          "ignore_eos": True}}
+        answers = requests.post(server.url + "/generate", json=body, timeout=120).json()
+        info = requests.get(server.url + "/server_info", timeout=10).json()
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        refused = requests.post(server.url + "/v1/chat/completions", timeout=30, json={
+            "model": "qwen3_5", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]})
+    finally:
+        assert server.stop() == 0
+    assert [a["output_ids"] for a in answers] == greedy(path, prompts)
+    config = AutoConfig.from_pretrained(str(path)).text_config
+    linear = config.layer_types.count("linear_attention")
+    conv = (2 * config.linear_num_key_heads * config.linear_key_head_dim
+            + config.linear_num_value_heads * config.linear_value_head_dim) * (config.linear_conv_kernel_dim - 1)
+    recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    assert info["state_bytes_per_seq"] == linear * 4 * (conv + recurrent)  # float32 both
+    assert info["state_slots"] == 4 and info["state_pool_bytes"] == 4 * info["state_bytes_per_seq"]
+    ready = next(line for line in (tmp_path / "server.log").read_text().splitlines() if "ready in" in line)
+    assert "arch=qwen3_5 " in ready and "state_pool=" in ready and "(4 sequences of" in ready
+    assert "prefix_cache=off" in ready
+    assert refused.status_code == 400 and "image" in refused.json()["error"]["message"]

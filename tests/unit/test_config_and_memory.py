@@ -216,3 +216,19 @@ def test_the_profiled_step_holds_every_penalty_row_through_its_forward(tmp_path)
     runner.forward = recording_forward
     runner.profile_step(64, 16)
     assert rows_at_forward and rows_at_forward[0] >= 16
+
+
+def test_a_hybrid_model_s_state_pool_takes_a_slot_per_sequence_from_the_kv_budget():
+    state = 8 << 20  # a sequence's recurrent state over every linear-attention layer
+    few = plan(max_num_seqs=8, state_bytes_per_seq=state)
+    assert (few.state_slots, few.state_bytes_per_seq) == (8, state)
+    assert few.num_blocks == plan().num_blocks - 8 * state // BLOCK  # the pool's bytes come out of the KV cache
+    assert "state pool 64.00 MiB (8 sequences of 8.00 MiB)" in few.describe()
+    # Many sequences allowed: the pool takes at most half of what one full-length sequence's KV leaves.
+    many = plan(state_bytes_per_seq=state)
+    budget = 2 * GIB - GIB - GIB // 4 - BLOCK
+    assert many.state_slots == (budget - 256 * BLOCK) // 2 // state
+    assert many.num_blocks == (budget - many.state_slots * state) // BLOCK
+    assert plan().state_slots == 0 and "state pool" not in plan().describe()
+    with pytest.raises(MemoryBudgetError, match="recurrent state"):
+        plan(state_bytes_per_seq=GIB // 2)

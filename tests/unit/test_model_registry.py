@@ -46,7 +46,9 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                                   **{name: name for name in FAMILIES_2026 + MOE_FAMILIES}, "gemma3_text": "gemma3",
                                   "gemma4_text": "gemma4", "granitemoehybrid": "granite4", "granitehybrid": "granite4",
                                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
-                                  "deepseek2": "deepseek_v2", "glm4moe": "glm4_moe"}
+                                  "deepseek2": "deepseek_v2", "glm4moe": "glm4_moe", "qwen3_5": "qwen3_5",
+                                  "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
+                                  "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                           "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
                           "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
@@ -59,7 +61,9 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                           "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe",
                           "GraniteMoeForCausalLM": "granitemoe", "GptOssForCausalLM": "gpt_oss",
                           "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
-                          "DeepseekV3ForCausalLM": "deepseek_v3"}
+                          "DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3_5ForCausalLM": "qwen3_5",
+                          "Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+                          "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe", "Qwen3NextForCausalLM": "qwen3_next"}
     assert [ARCHITECTURES[name].hf_classes for name in FAMILIES_2026] == [
         ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("Phi3ForCausalLM",),

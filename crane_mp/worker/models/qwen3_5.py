@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 import torch
+from torch import nn
 
 from crane_mp.models.config import ModelConfig
 from crane_mp.worker.models.gated_deltanet import GatedDeltaNet
-from crane_mp.worker.models.layers import CausalLM, GemmaRMSNorm, PagedSelfAttention
+from crane_mp.worker.models.layers import CausalLM, DecoderModel, GemmaRMSNorm, PagedSelfAttention
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.step.forward_context import get_forward_context
 
@@ -45,13 +46,22 @@ class GatedAttention(PagedSelfAttention):
         return self.o_proj(out * torch.sigmoid(projected[:, gates_at:]))
 
 
-def _mixer(config: ModelConfig, platform: Platform, layer: int):
-    """Layer `layer`'s token mixer: a Gated DeltaNet or gated attention, as layer_types says."""
-    return GatedDeltaNet(config, layer) if config.layout.is_linear(layer) else GatedAttention(config, platform, layer)
+class HybridDecoderModel(DecoderModel):
+    """Each layer's token mixer a Gated DeltaNet or attention, as layer_types says."""
+
+    def __init__(self, config: ModelConfig, make_attention, platform: Platform,
+                 norm_names: tuple[str, ...] | None = None) -> None:
+        def mixer(config: ModelConfig, platform: Platform, layer: int) -> nn.Module:
+            if config.layout.is_linear(layer):
+                return GatedDeltaNet(config, layer)
+            return make_attention(config, platform, layer)
+
+        super().__init__(config, mixer, platform, norm_names)
 
 
 class Qwen35ForCausalLM(CausalLM):
-    attention_class = staticmethod(_mixer)
+    attention_class = GatedAttention
+    decoder_class = HybridDecoderModel
     # The layers' mixers sit under `self_attn` whatever their kind; transformers 5's names of the
     # vision-language checkpoints' language model (model.language_model.*) are the text model's.
     renamed_weights = {".linear_attn.": ".self_attn.", "model.language_model.": "model."}
@@ -59,7 +69,12 @@ class Qwen35ForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig, platform: Platform) -> None:
         super().__init__(config, platform)
-        self.mtp: dict[str, torch.Tensor] = {}  # the multi-token-prediction layer's tensors, by checkpoint name
+        # The multi-token-prediction layer's tensors as buffers (counted in the weights' memory), each
+        # under its checkpoint name with "." as "__"; mtp_weights() gives them back by their names.
+        self.mtp = nn.Module()
+
+    def mtp_weights(self) -> dict[str, torch.Tensor]:
+        return {name.replace("__", "."): tensor for name, tensor in self.mtp.named_buffers()}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._as_ours(weights))
@@ -70,7 +85,8 @@ class Qwen35ForCausalLM(CausalLM):
         heads, head_dim = self.config.num_attention_heads, self.config.head_dim
         for name, tensor in weights:
             if name.startswith(("mtp.", "model.mtp.")):
-                self.mtp[name] = tensor.clone()
+                kept = tensor.to(self.model.norm.weight.device, self.compute_dtype, copy=True)
+                self.mtp.register_buffer(name.replace(".", "__"), kept)
             elif name.endswith((".self_attn.q_proj.weight", ".self_attn.q_proj.bias")):
                 pairs = tensor.reshape(heads, 2, head_dim, *tensor.shape[1:])  # per head: query rows, gate rows
                 yield name, pairs[:, 0].reshape(heads * head_dim, *tensor.shape[1:])

@@ -82,8 +82,10 @@ class ModelRunner:
         self, model: CausalLM, block_size: int, max_positions: int, platform: Platform,
         attention_backend: str | None = None, grammars: GrammarEngine | None = None,
         kv_dtype: torch.dtype | None = None, share_tokens: Callable[[list[int]], list[int]] | None = None,
+        recurrent_dtype: torch.dtype = torch.float32,
     ) -> None:
-        """`share_tokens`: tensor parallelism's agreement on each step's sampled tokens (rank 0's)."""
+        """`share_tokens`: tensor parallelism's agreement on each step's sampled tokens (rank 0's);
+        `recurrent_dtype`: a hybrid model's recurrent state (--mamba-ssm-cache-dtype)."""
         self.model = model
         self.share_tokens = share_tokens
         self.config = model.config
@@ -122,7 +124,7 @@ class ModelRunner:
         # A hybrid model's recurrent layers and their per-sequence state (allocate_state_pool).
         self.state_layers = model.state_layers() if hasattr(model, "state_layers") else []
         self.state_pool: StatePool | None = None
-        self.recurrent_dtype = torch.float32
+        self.recurrent_dtype = recurrent_dtype
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """`num_blocks` for the scheduler, and one spare block past them for padded decode-graph rows (and
