@@ -113,3 +113,24 @@ def test_bf16_rounding_matches_torch_on_ties_and_specials():
     nan = expected.isnan()
     assert nan.sum() == 10 and torch.equal(residual.isnan(), nan)
     assert torch.equal(residual[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "key_dim", "value_dim"), [(4, 16, 8), (2, 128, 128), (3, 24, 40)])
+def test_the_gated_delta_step_equals_the_torch_ops_on_its_slots_alone(state_dtype, heads, key_dim, value_dim):
+    from crane_mp.worker.models.gated_deltanet import l2_normalize, recurrent_step
+
+    gen = torch.Generator().manual_seed(heads + key_dim)
+    batch, slots = 3, torch.tensor([4, 0, 2])
+    q = l2_normalize(torch.randn(batch, heads, key_dim, generator=gen)) * key_dim**-0.5
+    k = l2_normalize(torch.randn(batch, heads, key_dim, generator=gen))
+    v = torch.randn(batch, heads, value_dim, generator=gen)
+    g, beta = -torch.rand(batch, heads, generator=gen), torch.rand(batch, heads, generator=gen)
+    state = torch.randn(6, heads, key_dim, value_dim, generator=gen).to(state_dtype)
+    before = state.clone()
+    out = torch.ops.crane_mp.gated_delta_step_(q, k, v, g, beta, state, slots)
+    expected, after = recurrent_step(q, k, v, g, beta, before[slots].float())
+    torch.testing.assert_close(out, expected, **tolerance(state_dtype))
+    torch.testing.assert_close(state[slots].float(), after.to(state_dtype).float(), **tolerance(state_dtype))
+    untouched = [slot for slot in range(6) if slot not in slots.tolist()]
+    assert torch.equal(state[untouched], before[untouched])

@@ -36,7 +36,7 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "paged_decode_attention.cpp", "fused_elementwise.cpp", "qkv_rope_cache.cpp", "argmax.cpp", "amx_linear.cpp",
-        "gguf_matmul.cpp", "gguf_int8.cpp", "gguf_repack.cpp", "bf16_linear.cpp",
+        "gguf_matmul.cpp", "gguf_int8.cpp", "gguf_repack.cpp", "bf16_linear.cpp", "gated_delta.cpp",
     )
 ]
 _HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "gguf_blocks.h", "gguf_int8.h", "packed_rows.h")]

@@ -15,6 +15,8 @@ through an RMSNorm gated by SiLU of a projection of the input.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,8 +98,11 @@ class GatedDeltaNet(nn.Module):
 
     recurrent = True  # keeps per-sequence state, no KV cache (CausalLM.attention_layers leaves it out)
 
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0, ops: Any = None) -> None:
+        """`ops`: the platform's fused kernels (Platform.elementwise): the decode step runs as one where
+        they have it (the native CPU op)."""
         super().__init__()
+        self.step_op = getattr(ops, "gated_delta_step_", None) if ops is not None else None
         shape = config.layout.linear
         self.key_heads, self.value_heads = shape.key_heads, shape.value_heads
         self.key_dim, self.value_dim = shape.key_dim, shape.value_dim
@@ -173,11 +178,15 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty_like(v)
         decodes = states.num_decodes if states is not None else 0
         if decodes:
-            slots = states.decode_slots
-            before = self.recurrent_state.index_select(0, slots).float()
-            out[:decodes], after = recurrent_step(q[:decodes] / self.key_dim**0.5, k[:decodes], v[:decodes],
-                                                  g[:decodes], beta[:decodes], before)
-            self.recurrent_state.index_copy_(0, slots, after.to(self.recurrent_state.dtype))
+            slots, q_scaled = states.decode_slots, q[:decodes] / self.key_dim**0.5
+            if self.step_op is not None:
+                out[:decodes] = self.step_op(q_scaled, k[:decodes], v[:decodes], g[:decodes], beta[:decodes],
+                                             self.recurrent_state, slots)
+            else:
+                before = self.recurrent_state.index_select(0, slots).float()
+                out[:decodes], after = recurrent_step(q_scaled, k[:decodes], v[:decodes], g[:decodes],
+                                                      beta[:decodes], before)
+                self.recurrent_state.index_copy_(0, slots, after.to(self.recurrent_state.dtype))
         row = decodes
         scale = self.key_dim**-0.5
         for index in range(decodes, len(lengths)):
