@@ -441,7 +441,6 @@ PACKED_WEIGHTS = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
-    "q_gate_proj": ("qkv_proj", 3),  # gated attention's gates, split from its query projection (Qwen3.5)
     # A Gated DeltaNet layer's input projections (Qwen3.5's names).
     "in_proj_qkv": ("in_proj", 0),
     "in_proj_z": ("in_proj", 1),

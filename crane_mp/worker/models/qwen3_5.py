@@ -3,8 +3,8 @@ attention layers, as the config's layer_types lists them.
 
 The attention layers are Qwen3's (per-head q/k norms before rope, here (1 + w) norms) with rope on a
 quarter of each head and an output gate: the query projection makes each head's query and gate side
-by side, and the head's output is scaled by sigmoid(gate) before o_proj. We keep the gates as a fourth
-part of the fused QKV projection ([queries, keys, values, gates]). A qwen3_5 / qwen3_5_moe checkpoint
+by side (the checkpoint's and llama.cpp's layout, kept in the fused QKV projection), and the head's
+output is scaled by sigmoid(gate) before o_proj. A qwen3_5 / qwen3_5_moe checkpoint
 with a vision tower is served for text; the multi-token-prediction layer the released checkpoints carry
 (`mtp.*`) is kept, unused, for speculative decoding.
 """
@@ -29,7 +29,7 @@ class GatedAttention(PagedSelfAttention):
     def __init__(self, config: ModelConfig, platform: Platform, layer: int = 0) -> None:
         super().__init__(config, platform, layer)
         self.fused = None  # the fused kernel takes [q, k, v] rows alone
-        self.fused_sizes = {"qkv_proj": [self.q_size, self.kv_size, self.kv_size, self.q_size]}
+        self.fused_sizes = {"qkv_proj": [2 * self.q_size, self.kv_size, self.kv_size]}
         bias = self.qkv_proj.bias is not None
         self.qkv_proj = torch.nn.Linear(config.hidden_size, sum(self.fused_sizes["qkv_proj"]), bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
@@ -41,9 +41,11 @@ class GatedAttention(PagedSelfAttention):
     def forward(self, x: torch.Tensor | None, qkv: torch.Tensor | None = None) -> torch.Tensor:
         ctx = get_forward_context()
         projected = self.qkv_proj(x) if qkv is None else qkv
-        gates_at = self.q_size + 2 * self.kv_size
-        out = self._attend_unfused(projected[:, :gates_at], ctx)
-        return self.o_proj(out * torch.sigmoid(projected[:, gates_at:]))
+        rows = projected.shape[0]
+        heads = projected[:, : 2 * self.q_size].view(rows, self.num_heads, 2, self.head_dim)
+        queries = heads[:, :, 0].reshape(rows, self.q_size)
+        out = self._attend_unfused(torch.cat([queries, projected[:, 2 * self.q_size :]], dim=1), ctx)
+        return self.o_proj(out * torch.sigmoid(heads[:, :, 1].reshape(rows, self.q_size)))
 
 
 class HybridDecoderModel(DecoderModel):
@@ -80,18 +82,11 @@ class Qwen35ForCausalLM(CausalLM):
         return super().load_weights(self._as_ours(weights))
 
     def _as_ours(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Checkpoint tensors as our parameters take them: each query projection split into its
-        queries and its gates; the multi-token-prediction layer's kept aside."""
-        heads, head_dim = self.config.num_attention_heads, self.config.head_dim
+        """Checkpoint tensors as our parameters take them; the multi-token-prediction layer's kept aside."""
         for name, tensor in weights:
             if name.startswith(("mtp.", "model.mtp.")):
                 kept = tensor.to(self.model.norm.weight.device, self.compute_dtype, copy=True)
                 self.mtp.register_buffer(name.replace(".", "__"), kept)
-            elif name.endswith((".self_attn.q_proj.weight", ".self_attn.q_proj.bias")):
-                pairs = tensor.reshape(heads, 2, head_dim, *tensor.shape[1:])  # per head: query rows, gate rows
-                yield name, pairs[:, 0].reshape(heads * head_dim, *tensor.shape[1:])
-                yield name.replace(".q_proj.", ".q_gate_proj."), pairs[:, 1].reshape(heads * head_dim,
-                                                                                    *tensor.shape[1:])
             else:
                 yield from self._split_linear(name, tensor)
 
