@@ -59,9 +59,9 @@ class Converter:
                                          env={**os.environ, "GGUF_FORCE_PRE": "qwen2"}, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True)
 
-    def __call__(self, source: Path, outtype: str, outfile: Path) -> Path:
+    def __call__(self, source: Path, outtype: str, outfile: Path, *options: str) -> Path:
         log = outfile.with_suffix(".convert.log")
-        job = {"args": [str(source), "--outtype", outtype, "--outfile", str(outfile)], "log": str(log)}
+        job = {"args": [str(source), "--outtype", outtype, "--outfile", str(outfile), *options], "log": str(log)}
         self._process.stdin.write(json.dumps(job) + "\n")
         self._process.stdin.flush()
         answer = self._process.stdout.readline()

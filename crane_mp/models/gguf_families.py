@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from crane_mp.models.layouts import FULL, SLIDING
+from crane_mp.models.layouts import FULL, LINEAR, SLIDING
 
 # llama.cpp's sliding-window pattern where a file has no attention.sliding_window_pattern: every
 # n-th layer global (llama_hparams::set_swa_pattern).
@@ -90,7 +90,30 @@ def family_fields(gguf_arch: str, shape, meta: dict[str, Any], tensors: dict,
                                      "partial_rotary_factor": (shape.rope_dims or shape.head_dim) / shape.head_dim}
     if gguf_arch == "seed_oss":
         fields["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
+    if gguf_arch in _HYBRIDS:
+        fields |= _hybrid_fields(gguf_arch, shape, key)
     return fields
+
+
+_HYBRIDS = frozenset({"qwen35", "qwen35moe", "qwen3next"})
+
+
+def _hybrid_fields(gguf_arch: str, shape, key) -> dict[str, Any]:
+    """Qwen3.5 and Qwen3-Next: every full_attention_interval-th layer attention, the rest Gated
+    DeltaNet layers of the ssm.* widths; rope on the leading rope.dimension_count dims of a head.
+    llama.cpp's Qwen3.5 files order a layer's value heads tiled over the key heads."""
+    interval = int(key("full_attention_interval", 4))
+    key_heads, value_heads = int(key("ssm.group_count")), int(key("ssm.time_step_rank"))
+    return {
+        "layer_types": [FULL if (layer + 1) % interval == 0 else LINEAR for layer in range(shape.layers)],
+        "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": int(key("ssm.state_size")),
+        "linear_value_head_dim": int(key("ssm.inner_size")) // value_heads,
+        "linear_conv_kernel_dim": int(key("ssm.conv_kernel")),
+        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_base,
+                            "partial_rotary_factor": (shape.rope_dims or shape.head_dim) / shape.head_dim},
+        "gguf_tiled_value_heads": gguf_arch != "qwen3next" and value_heads != key_heads,
+    }
 
 
 def _gemma4_fields(shape, meta: dict[str, Any], tensors: dict, rope_freqs: list[float] | None) -> dict[str, Any]:
@@ -166,10 +189,11 @@ def expert_fields(gguf_arch: str, shape, key) -> dict[str, Any]:
     """transformers config fields of a mixture-of-experts file (every layer's MLP one, as llama.cpp
     writes them), under each family's own names."""
     normalized = bool(key("expert_weights_norm", _NORMALIZED_ROUTING.get(gguf_arch, True)))
-    count = "num_experts" if gguf_arch in ("qwen2moe", "qwen3moe", "olmoe") else "num_local_experts"
+    qwen = ("qwen2moe", "qwen3moe", "qwen35moe", "qwen3next")
+    count = "num_experts" if gguf_arch in (*qwen, "olmoe") else "num_local_experts"
     fields: dict[str, Any] = {count: shape.experts, "num_experts_per_tok": shape.experts_used,
                               "norm_topk_prob": normalized}
-    if gguf_arch in ("qwen2moe", "qwen3moe"):
+    if gguf_arch in qwen:
         fields |= {"moe_intermediate_size": shape.expert_ffn, "decoder_sparse_step": 1, "mlp_only_layers": [],
                    "shared_expert_intermediate_size": shape.shared_expert_ffn}
     elif gguf_arch == "deepseek2":

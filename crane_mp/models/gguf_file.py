@@ -132,6 +132,13 @@ class GGUFShape:
     q_lora_rank: int = 0
     mla_key_length: int = 0
     mla_value_length: int = 0
+    # Linear-attention layers (Qwen3.5, Qwen3-Next; llama.cpp's ssm.* keys): key heads, value heads,
+    # a key head's width, all value heads' width, the convolution's kernel; 0: none.
+    ssm_key_heads: int = 0
+    ssm_value_heads: int = 0
+    ssm_key_dim: int = 0
+    ssm_inner: int = 0
+    ssm_conv_kernel: int = 0
 
     @property
     def row(self):
@@ -214,6 +221,11 @@ def read_shape(meta: dict[str, Any], tensor_dims: dict[str, tuple[int, ...]], pa
         q_lora_rank=int(key("attention.q_lora_rank", 0)),
         mla_key_length=int(key("attention.key_length_mla", 0)),
         mla_value_length=int(key("attention.value_length_mla", 0)),
+        ssm_key_heads=int(key("ssm.group_count", 0)),
+        ssm_value_heads=int(key("ssm.time_step_rank", 0)),
+        ssm_key_dim=int(key("ssm.state_size", 0)),
+        ssm_inner=int(key("ssm.inner_size", 0)),
+        ssm_conv_kernel=int(key("ssm.conv_kernel", 0)),
     )
     if experts and not 0 < shape.experts_used <= experts:
         raise GGUFFileError(f"{path}: metadata gives {shape.experts_used} experts used of {experts}")
@@ -315,6 +327,13 @@ def _layer_shapes(shape: GGUFShape, layer: int, row, names: dict[str, str]) -> d
                  "attn_kv_a_mqa.weight": (rank + rope, hidden), "attn_kv_a_norm.weight": (rank,),
                  "attn_k_b.weight": (heads, rank, nope), "attn_v_b.weight": (heads, shape.mla_value_length, rank),
                  "attn_output.weight": (hidden, heads * shape.mla_value_length)}
+    if "ssm_conv1d" in names:  # a hybrid's layers: gated attention (query and gate) or linear attention
+        values, conv = shape.ssm_value_heads, 2 * shape.ssm_key_heads * shape.ssm_key_dim + shape.ssm_inner
+        dims |= {"attn_q.weight": (2 * q, hidden), "attn_qkv.weight": (conv, hidden),
+                 "attn_gate.weight": (shape.ssm_inner, hidden), "ssm_conv1d.weight": (conv, shape.ssm_conv_kernel),
+                 "ssm_a": (values,), "ssm_dt.bias": (values,), "ssm_norm.weight": (shape.ssm_inner // max(values, 1),),
+                 "ssm_out.weight": (hidden, shape.ssm_inner), "ssm_beta.weight": (values, hidden),
+                 "ssm_alpha.weight": (values, hidden), "ssm_ba.weight": (2 * values, hidden)}
     if shape.experts:
         experts, width, shared = shape.experts, shape.expert_ffn, shape.shared_expert_ffn
         dims |= {"ffn_gate_inp.weight": (experts, hidden), "ffn_gate_inp.bias": (experts,),

@@ -72,6 +72,10 @@ class LinearAttention:
     key_dim: int
     value_dim: int
     conv_kernel: int
+    # Qwen3-Next's b and a projections as one, rows grouped by key head ([b, a] of its value heads each).
+    grouped_ba: bool = False
+    # Value heads ordered j * key_heads + g for key head g (llama.cpp's Qwen3.5 files), not g * ratio + j.
+    tiled_value_heads: bool = False
 
     @property
     def conv_dim(self) -> int:
@@ -285,7 +289,8 @@ def _qwen3_5(hf_config: Any, head_dim: int) -> DecoderLayout:
             dense_layers=tuple(i for i in range(layers) if i in dense or (i + 1) % step))
     linear = LinearAttention(hf_config.linear_num_key_heads, hf_config.linear_num_value_heads,
                              hf_config.linear_key_head_dim, hf_config.linear_value_head_dim,
-                             hf_config.linear_conv_kernel_dim)
+                             hf_config.linear_conv_kernel_dim, grouped_ba=hf_config.model_type == "qwen3_next",
+                             tiled_value_heads=bool(getattr(hf_config, "gguf_tiled_value_heads", False)))
     return DecoderLayout(layer_types=tuple(hf_config.layer_types), rotary_dim=_rotary_dim(hf_config, head_dim),
                          norm="gemma", experts=experts, linear=linear, attention_gate=True)
 

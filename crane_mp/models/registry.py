@@ -90,6 +90,22 @@ _DEEPSEEK_GGUF = (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention
                   ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"), ("attn_kv_a_norm", "self_attn.kv_a_layernorm"),
                   ("attn_k_b", "self_attn.k_b_proj"), ("attn_v_b", "self_attn.v_b_proj"),
                   ("attn_output", "self_attn.o_proj"), *_PROJECTIONS[4:])
+# Qwen3.5's layers: gated attention (attn_q: each head's query and gate) or a Gated DeltaNet (ssm_a is
+# -exp(A_log)), then a dense MLP (the last three; the MoE files' experts are GGUF_EXPERT_NAMES').
+_LINEAR_ATTENTION_GGUF = (("attn_qkv", "linear_attn.in_proj_qkv"), ("attn_gate", "linear_attn.in_proj_z"),
+                          ("ssm_conv1d", "linear_attn.conv1d"), ("ssm_a", "linear_attn.A_log"),
+                          ("ssm_dt", "linear_attn.dt_bias"), ("ssm_norm", "linear_attn.norm"),
+                          ("ssm_out", "linear_attn.out_proj"))
+_QWEN35_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                *_PROJECTIONS[:4], *_LINEAR_ATTENTION_GGUF, ("ssm_beta", "linear_attn.in_proj_b"),
+                ("ssm_alpha", "linear_attn.in_proj_a"), *_PROJECTIONS[4:])
+# Qwen3-Next: b and a in one tensor, grouped by key head as its checkpoint has them.
+_QWEN3_NEXT_GGUF = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                    *_PROJECTIONS[:4], *_LINEAR_ATTENTION_GGUF, ("ssm_ba", "linear_attn.in_proj_ba"),
+                    *_PROJECTIONS[4:])
+# Each layer holds one kind's: attention's or the linear attention's.
+_HYBRID_LAYER_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv", "attn_gate", "ssm_conv1d", "ssm_a",
+                       "ssm_dt", "ssm_norm", "ssm_out", "ssm_beta", "ssm_alpha", "ssm_ba")
 # Cohere's parallel block has one norm.
 _PARALLEL_GGUF = (("attn_norm", "input_layernorm"), *_PROJECTIONS)
 # Phi-3's files keep its fused projections fused, as its checkpoints do.
@@ -176,14 +192,18 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  reads_gguf=False, tensor_parallel=False, gguf_layer_names=_DEEPSEEK_GGUF,
                  gguf_optional_layer_names=_DEEPSEEK_QUERY, experts=True, gguf_sigmoid_router=True),
     # Hybrids: Gated DeltaNet layers (recurrent state, worker/cache/state_pool.py) between gated attention
-    # layers; the vision tower of the qwen3_5 checkpoints is not served yet (their text is).
+    # layers; the vision tower of the qwen3_5 checkpoints is not served yet (their text is). A layer of
+    # a GGUF file holds one kind's tensors; llama.cpp's converter stores the (1 + w) norms as 1 + w.
     Architecture("qwen3_5", "qwen3_5.Qwen35ForCausalLM", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-                 "qwen3_5_text", "qwen35", reads_gguf=False, qk_norms=_QK_NORMS, tensor_parallel=False),
+                 "qwen3_5_text", "qwen35", qk_norms=_QK_NORMS, tensor_parallel=False, gguf_layer_names=_QWEN35_GGUF,
+                 gguf_optional_layer_names=_HYBRID_LAYER_PARTS, gguf_norm_offset=1.0),
     Architecture("qwen3_5_moe", "qwen3_5.Qwen35ForCausalLM",
                  ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), "qwen3_5_moe_text", "qwen35moe",
-                 reads_gguf=False, qk_norms=_QK_NORMS, tensor_parallel=False, experts=True),
+                 qk_norms=_QK_NORMS, tensor_parallel=False, experts=True, gguf_layer_names=_QWEN35_GGUF,
+                 gguf_optional_layer_names=_HYBRID_LAYER_PARTS, gguf_norm_offset=1.0),
     Architecture("qwen3_next", "qwen3_5.Qwen3NextForCausalLM", ("Qwen3NextForCausalLM",), "qwen3_next", "qwen3next",
-                 reads_gguf=False, qk_norms=_QK_NORMS, tensor_parallel=False, experts=True),
+                 qk_norms=_QK_NORMS, tensor_parallel=False, experts=True, gguf_layer_names=_QWEN3_NEXT_GGUF,
+                 gguf_optional_layer_names=_HYBRID_LAYER_PARTS, gguf_norm_offset=1.0),
     # Any other causal LM transformers can run, through its own modeling code (--model-impl).
     Architecture(TRANSFORMERS, "transformers_backend.TransformersCausalLM", (), "", "", reads_gguf=False),
 )}
@@ -258,7 +278,8 @@ GGUF_EXPERT_NAMES = {
 GGUF_SHARED_EXPERT_NAMES = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")
 DENSE_MLP_NAMES = ("ffn_gate", "ffn_up", "ffn_down")
 # Checkpoint tensors that are a layer's own buffer, not a module's weight (a file names them `.weight`).
-BARE_LAYER_TENSORS = frozenset({"layer_scalar", "self_attn.sinks", "mlp.correction_bias"})
+BARE_LAYER_TENSORS = frozenset({"layer_scalar", "self_attn.sinks", "mlp.correction_bias", "linear_attn.A_log",
+                                "linear_attn.dt_bias"})
 GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
                      # Gemma 4's per-layer input embeddings
                      "per_layer_token_embd": "model.embed_tokens_per_layer",
@@ -305,6 +326,8 @@ def hf_name(gguf_name: str, arch: str) -> str:
     stem, _, kind = gguf_name.rpartition(".")
     if stem in GGUF_GLOBAL_NAMES:
         return f"{GGUF_GLOBAL_NAMES[stem]}.{kind}"
+    if stem.count(".") == 1:  # a layer tensor without a kind (ssm_a)
+        stem, kind = gguf_name, ""
     _, layer, short = stem.split(".")
     module = gguf_layer_names(arch)[short]
     return f"model.layers.{layer}.{module}" if module in BARE_LAYER_TENSORS else f"model.layers.{layer}.{module}.{kind}"

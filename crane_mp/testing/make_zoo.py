@@ -225,12 +225,26 @@ def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: di
             ("mtp.layers.0.self_attn.q_proj.weight", (2 * text.num_attention_heads * text.head_dim, hidden)),
             ("mtp.norm.weight", (hidden,)))}
     config.save_pretrained(out)
+    _write_attention_interval(out, text)
     write_json(out / "generation_config.json", {
         "bos_token_id": ids.bos, "eos_token_id": ids.generation_eos, "pad_token_id": ids.pad,
         "do_sample": False, "transformers_version": transformers.__version__,
     })
     write_weights(state, out, 1)
     return out
+
+
+def _write_attention_interval(out: Path, text: PreTrainedConfig) -> None:
+    """A hybrid's config.json also names its pattern by full_attention_interval, as the released ones do
+    (transformers reads it into layer_types and saves only those; llama.cpp's converter reads it)."""
+    kinds = list(getattr(text, "layer_types", None) or ())
+    if "linear_attention" not in kinds:
+        return
+    interval = kinds.index("full_attention") + 1
+    assert all((kind == "full_attention") == ((i + 1) % interval == 0) for i, kind in enumerate(kinds)), kinds
+    config = json.loads((out / "config.json").read_text())
+    (config.get("text_config") or config)["full_attention_interval"] = interval
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def _checkpoint_names(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -48,7 +48,8 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
                                   "deepseek2": "deepseek_v2", "glm4moe": "glm4_moe", "qwen3_5": "qwen3_5",
                                   "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
-                                  "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
+                                  "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next", "qwen35": "qwen3_5",
+                                  "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                           "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
                           "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
@@ -80,7 +81,9 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
         "exaone4": ("exaone4", "exaone4"), "seed_oss": ("seed_oss", "seed_oss"),
         "qwen2moe": ("qwen2_moe", "qwen2_moe"), "qwen3moe": ("qwen3_moe", "qwen3_moe"), "olmoe": ("olmoe", "olmoe"),
         "granitemoe": ("granitemoe", "granitemoe"), "gpt-oss": ("gpt_oss", "gpt_oss"),
-        "deepseek2": ("deepseek_v2", "deepseek_v2"), "glm4moe": ("glm4_moe", "glm4_moe")}
+        "deepseek2": ("deepseek_v2", "deepseek_v2"), "glm4moe": ("glm4_moe", "glm4_moe"),
+        "qwen35": ("qwen3_5", "qwen3_5_text"), "qwen35moe": ("qwen3_5_moe", "qwen3_5_moe_text"),
+        "qwen3next": ("qwen3_next", "qwen3_next")}
     # llama.cpp's LlamaModel converters permute
     assert PERMUTED_QK_ARCHS == {"llama", "smollm3", "granite", "granitemoe"}
     assert GGUF_ARCH == {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -90,7 +93,8 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                          "granitemoehybrid": "granitehybrid", "exaone4": "exaone4", "seed_oss": "seed_oss",
                          "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
                          "granitemoe": "granitemoe", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2",
-                         "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
+                         "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe", "qwen3_5_text": "qwen35",
+                         "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
 
 
 NATIVE = sorted(set(ARCHITECTURES) - {TRANSFORMERS})
@@ -178,7 +182,8 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
                                             r"cohere2, deepseek2, exaone4, gemma2, gemma3, gemma4, glm4, glm4moe, "
                                             r"gpt-oss, granite, "
                                             r"granitehybrid, granitemoe, hunyuan-dense, llama, olmo2, olmoe, phi3, "
-                                            r"qwen2, qwen2moe, qwen3, qwen3moe, seed_oss, smollm3\)"):
+                                            r"qwen2, qwen2moe, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next, seed_oss, "
+                                            r"smollm3\)"):
         read_shape({"general.architecture": "gpt2"}, {}, tmp_path / "m.gguf")
 
 

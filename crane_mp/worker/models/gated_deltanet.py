@@ -108,7 +108,9 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = shape.key_dim, shape.value_dim
         self.conv_dim, self.kernel = shape.conv_dim, shape.conv_kernel
         values = self.value_heads * self.value_dim
-        self.fused_sizes = {"in_proj": [self.conv_dim, values, self.value_heads, self.value_heads]}
+        self.grouped_ba, self.tiled = shape.grouped_ba, shape.tiled_value_heads
+        gates = [2 * self.value_heads] if self.grouped_ba else [self.value_heads, self.value_heads]
+        self.fused_sizes = {"in_proj": [self.conv_dim, values, *gates]}
         self.in_proj = nn.Linear(config.hidden_size, sum(self.fused_sizes["in_proj"]), bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
@@ -130,15 +132,20 @@ class GatedDeltaNet(nn.Module):
         ctx = get_forward_context()
         states = ctx.states
         lengths = [span.q_len for span in ctx.spans]
-        mixed, z, b, a = self.in_proj(x).split(self.fused_sizes["in_proj"], dim=-1)
+        mixed, z, *gates = self.in_proj(x).split(self.fused_sizes["in_proj"], dim=-1)
+        if self.grouped_ba:  # per key head: b of its value heads, then a
+            pairs = gates[0].reshape(x.shape[0], self.key_heads, 2, -1)
+            gates = [pairs[:, :, 0].reshape(x.shape[0], -1), pairs[:, :, 1].reshape(x.shape[0], -1)]
+        b, a = gates
         conv = self._convolve(mixed, lengths, states)
         q, k, v = conv.split([self.key_heads * self.key_dim] * 2 + [self.value_heads * self.value_dim], dim=-1)
         rows = x.shape[0]
         q = q.reshape(rows, self.key_heads, self.key_dim).float()
         k = k.reshape(rows, self.key_heads, self.key_dim).float()
         v = v.reshape(rows, self.value_heads, self.value_dim).float()
-        if self.value_heads != self.key_heads:  # each key head serves consecutive value heads
-            q, k = (t.repeat_interleave(self.value_heads // self.key_heads, dim=1) for t in (q, k))
+        if self.value_heads != self.key_heads:  # each key head serves several value heads
+            ratio = self.value_heads // self.key_heads
+            q, k = ((t.repeat(1, ratio, 1) if self.tiled else t.repeat_interleave(ratio, dim=1)) for t in (q, k))
         q, k = l2_normalize(q), l2_normalize(k)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())

@@ -446,6 +446,7 @@ PACKED_WEIGHTS = {
     "in_proj_z": ("in_proj", 1),
     "in_proj_b": ("in_proj", 2),
     "in_proj_a": ("in_proj", 3),
+    "in_proj_ba": ("in_proj", 2),  # Qwen3-Next's b and a in one
 }
 
 

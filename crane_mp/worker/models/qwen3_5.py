@@ -96,8 +96,9 @@ class Qwen35ForCausalLM(CausalLM):
 
 class Qwen3NextForCausalLM(Qwen35ForCausalLM):
     """Qwen3-Next: Qwen3.5's layers, but its Gated DeltaNet projections are two matrices whose rows are
-    grouped by key head ([queries, keys, values, gates] of each, and [b, a] of each), re-laid out here
-    as Qwen3.5's four."""
+    grouped by key head ([queries, keys, values, gates] of each, and [b, a] of each): the first is
+    re-laid out here as Qwen3.5's in_proj_qkv and in_proj_z (llama.cpp's files hold them so), the second
+    kept (the layer reads it grouped)."""
 
     def _split_linear(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         linear = self.config.layout.linear
@@ -109,11 +110,5 @@ class Qwen3NextForCausalLM(Qwen35ForCausalLM):
                           tensor.reshape(heads, sum(sizes), -1).split(sizes, dim=1))
             yield stem + "in_proj_qkv.weight", torch.cat([q, k, v])
             yield stem + "in_proj_z.weight", z
-        elif name.endswith(".in_proj_ba.weight"):
-            stem = name[: -len("in_proj_ba.weight")]
-            b, a = (part.reshape(-1, tensor.shape[-1]) for part in
-                    tensor.reshape(heads, 2 * ratio, -1).split([ratio, ratio], dim=1))
-            yield stem + "in_proj_b.weight", b
-            yield stem + "in_proj_a.weight", a
         else:
             yield name, tensor

@@ -47,15 +47,23 @@ _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           # DeepSeek's latent attention: its query and latent projections (V2-Lite's q_proj stands alone).
           "self_attn.q_proj": ("self_attn.q_proj",), "self_attn.q_a_proj": ("self_attn.q_a_proj",),
           "self_attn.q_b_proj": ("self_attn.q_b_proj",),
-          "self_attn.kv_a_proj_with_mqa": ("self_attn.kv_a_proj_with_mqa",)}
+          "self_attn.kv_a_proj_with_mqa": ("self_attn.kv_a_proj_with_mqa",),
+          # A Gated DeltaNet layer's input and output projections (our module sits under self_attn).
+          "self_attn.in_proj": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                                "linear_attn.in_proj_a"),
+          "self_attn.out_proj": ("linear_attn.out_proj",)}
+# Where a family's file fills one of them from other tensors (Qwen3-Next: b and a in one).
+_FUSED_ELSE = {"self_attn.in_proj": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_ba")}
 
 
 def fused_groups(arch: str) -> dict[str, tuple[str, ...]]:
     """Our fused projections -> the GGUF tensors (short names) that fill them, in row order: one
     tensor each where the file fuses them as we do (Phi-3)."""
     by_module = {module: short for short, module in gguf_layer_names(arch).items()}
-    groups = {ours: (by_module[ours],) if ours in by_module else tuple(by_module[part] for part in parts)
-              for ours, parts in _FUSED.items() if ours in by_module or all(part in by_module for part in parts)}
+    groups: dict[str, tuple[str, ...]] = {}
+    for ours, parts in [*_FUSED.items(), *_FUSED_ELSE.items()]:
+        if ours not in groups and (ours in by_module or all(part in by_module for part in parts)):
+            groups[ours] = (by_module[ours],) if ours in by_module else tuple(by_module[part] for part in parts)
     # A projection a fused group holds is no group of its own (q_proj where q/k/v fuse).
     fused = {part for ours, parts in _FUSED.items() if ours in groups and len(parts) > 1 for part in parts}
     return {ours: names for ours, names in groups.items() if ours not in fused}
@@ -269,8 +277,12 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
         for name in tensors.infos:
             if name not in consumed and name not in ROPE_TENSORS:  # rope factors: read by the config
                 tensor = tensors.floats(name, torch.float32)
-                if norm_offset and name.endswith("norm.weight"):
+                if norm_offset and name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
                     tensor = tensor - norm_offset
+                if name.endswith(".ssm_a"):  # llama.cpp keeps a linear-attention layer's -exp(A_log)
+                    tensor = torch.log(-tensor)
+                if name.endswith("ssm_conv1d.weight"):  # [channels, kernel]: a depthwise Conv1d's weight
+                    tensor = tensor[:, None]
                 if tensor.dim() == 1 and name.endswith("ffn_gate_inp_shexp.weight"):  # llama-quantize's [n]
                     tensor = tensor[None]  # the shared expert's gate: a [1, hidden] matrix
                 yield hf_name(name, config.arch), tensor
