@@ -130,6 +130,17 @@ def _write_family(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config.get("moe_intermediate_size") or config["intermediate_size"])
+    if "linear_attention" in kinds:  # Qwen3.5 / Qwen3-Next: the linear-attention widths, the layer pattern
+        values = config["linear_num_value_heads"]
+        for name, value in (("ssm.conv_kernel", config["linear_conv_kernel_dim"]),
+                            ("ssm.state_size", config["linear_key_head_dim"]),
+                            ("ssm.group_count", config["linear_num_key_heads"]), ("ssm.time_step_rank", values),
+                            ("ssm.inner_size", values * config["linear_value_head_dim"]),
+                            ("full_attention_interval", kinds.index("full_attention") + 1)):
+            writer.add_uint32(key + name, value)
+        writer.add_array(key + "rope.dimension_sections", [11, 11, 10, 0])  # llama.cpp's loader wants them
+        if experts:
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if arch == "phi3":
         writer.add_uint32(key + "attention.sliding_window", config.get("sliding_window") or 0)
     if arch == "cohere2":

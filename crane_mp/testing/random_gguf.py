@@ -4,6 +4,7 @@
 Run: python -m crane_mp.testing.random_gguf --out qwen3-8b-q4_k_m.gguf [--shape 8b|1.7b|0.6b|small] [--type Q4_K_M]
      python -m crane_mp.testing.random_gguf --out gemma3-12b-q4_k_m.gguf --shape gemma3-12b   (make_zoo's presets)
      python -m crane_mp.testing.random_gguf --out a3b.gguf --shape qwen3-30b-a3b [--layers 24]   (experts)
+     python -m crane_mp.testing.random_gguf --out qwen3.5.gguf --shape qwen3.5   (Gated DeltaNet layers)
 
 Every block gets random quant bits and a fixed small scale (so weights stay in a trained model's range
 and the forward pass stays finite); norms are ones. Metadata and tensor names are make_gguf's, and the
@@ -45,13 +46,16 @@ SHAPES = {
              "tie_word_embeddings": True},
     "small": {"tie_word_embeddings": False},
 }
-# Mixtures of experts: (transformers model type, shape). Qwen3-30B-A3B: 48 layers of 128 experts, 8 a token.
-MOE_SHAPES = {
+# Other families: (transformers model type, shape). Qwen3-30B-A3B: 48 layers of 128 experts, 8 a token.
+FAMILY_SHAPES = {
     "qwen3-30b-a3b": ("qwen3_moe", {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
                                     "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
                                     "vocab_size": 151936, "max_position_embeddings": 40960,
                                     "tie_word_embeddings": False, "num_experts": 128, "num_experts_per_tok": 8,
                                     "moe_intermediate_size": 768, "norm_topk_prob": True}),
+    # Qwen3.5's shape as Qwen3_5TextConfig's defaults give it (9B: 32 layers, three Gated DeltaNet layers
+    # to one attention layer).
+    "qwen3.5": ("qwen3_5_text", {"tie_word_embeddings": False}),
 }
 _TOKENIZER_VOCAB = 8192
 _PRESET_FAMILIES = {"gemma3-12b": "gemma3_text", "gemma3-4b": "gemma3_text"}
@@ -86,14 +90,14 @@ def silent_token_ids(tokenizer_json: Path) -> list[int]:
 
 def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch: str = "qwen3", seed: int = 0,
                 layers: int | None = None) -> Path:
-    """`shape`: one of SHAPES (a make_model `arch`), MOE_SHAPES, or a make_zoo preset (its family);
+    """`shape`: one of SHAPES (a make_model `arch`), FAMILY_SHAPES, or a make_zoo preset (its family);
     `layers`: fewer layers than the shape's (a model that fits the host)."""
     out = Path(out)
     if shape in PRESETS:  # a 2026 family at a real shape (family from the preset's name)
         config = build_zoo_config(_PRESET_FAMILIES[shape], PRESETS[shape])
         arch = "llama"  # the tokenizer family
-    elif shape in MOE_SHAPES:
-        model_type, fields = MOE_SHAPES[shape]
+    elif shape in FAMILY_SHAPES:
+        model_type, fields = FAMILY_SHAPES[shape]
         config = AutoConfig.for_model(model_type, **fields, dtype="bfloat16")
     else:
         config = build_config(arch, "small", dtype="bfloat16", overrides=SHAPES[shape])
@@ -105,7 +109,7 @@ def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch:
         ids = write_tokenizer(arch, min(_TOKENIZER_VOCAB, config.vocab_size), config.max_position_embeddings, Path(tmp))
         silent = silent_token_ids(Path(tmp) / "tokenizer.json")
         config.bos_token_id, config.eos_token_id, config.pad_token_id = ids.bos, ids.eos, ids.pad
-        config_json = (json.loads(config.to_json_string()) if shape in PRESETS or shape in MOE_SHAPES
+        config_json = (json.loads(config.to_json_string()) if shape in PRESETS or shape in FAMILY_SHAPES
                        else _config_json(config))
         write_json(Path(tmp) / "config.json", config_json)
         writer = gguf.GGUFWriter(str(out), gguf_arch)
@@ -121,8 +125,17 @@ def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch:
             _write_experts(writer, hf_name, tuple(meta.shape), qtype, rng)
             continue
         name = gguf_name(hf_name, served)
+        if hf_name.endswith(".linear_attn.A_log"):  # stored as -exp(A_log): decays of a trained model's size
+            writer.add_tensor(name.removesuffix(".weight"), -np.full(meta.shape, 0.5, dtype=np.float32))
+            continue
+        if hf_name.endswith(".linear_attn.dt_bias"):
+            writer.add_tensor(name.replace(".weight", ".bias"), np.zeros(meta.shape, dtype=np.float32))
+            continue
         if meta.ndim == 1:  # norms of one (Gemma's stored as 1 + w: the same ones)
             writer.add_tensor(name, np.ones(meta.shape, dtype=np.float32))
+            continue
+        if hf_name.endswith(".conv1d.weight"):  # a depthwise convolution, [channels, kernel] in float32
+            writer.add_tensor(name, (rng.standard_normal((meta.shape[0], meta.shape[2])) * 0.5).astype(np.float32))
             continue
         rows, cols = meta.shape
         chosen = pick_type(name, cols, qtype)
@@ -159,7 +172,7 @@ def _write_experts(writer: gguf.GGUFWriter, hf_name: str, shape: tuple[int, int,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--shape", default="8b", choices=sorted([*SHAPES, *MOE_SHAPES, *_PRESET_FAMILIES]))
+    parser.add_argument("--shape", default="8b", choices=sorted([*SHAPES, *FAMILY_SHAPES, *_PRESET_FAMILIES]))
     parser.add_argument("--type", default="Q4_K_M", choices=["Q4_K_M", "Q4_K", "Q6_K", "Q8_0"])
     parser.add_argument("--layers", type=int, help="fewer layers than the shape's (to fit the host's memory)")
     args = parser.parse_args(argv)

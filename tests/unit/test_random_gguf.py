@@ -69,10 +69,10 @@ def test_a_random_mixture_of_experts_file_keeps_its_experts_quantized(tmp_path, 
     from crane_mp.testing import random_gguf as module
     from crane_mp.worker.quantized.layers import GGUFExperts
 
-    model_type, shape = module.MOE_SHAPES["qwen3-30b-a3b"]
+    model_type, shape = module.FAMILY_SHAPES["qwen3-30b-a3b"]
     small = {**shape, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
              "vocab_size": 8192, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256}
-    monkeypatch.setitem(module.MOE_SHAPES, "qwen3-30b-a3b", (model_type, small))
+    monkeypatch.setitem(module.FAMILY_SHAPES, "qwen3-30b-a3b", (model_type, small))
     path = random_gguf(tmp_path / "moe.gguf", "qwen3-30b-a3b", "Q4_K_M", layers=2)
     types = {t.name: T(t.tensor_type).name for t in gguf.GGUFReader(str(path)).tensors}
     assert types["blk.1.ffn_gate_exps.weight"] == "Q4_K" and types["blk.1.ffn_down_exps.weight"] == "Q6_K"
@@ -83,4 +83,32 @@ def test_a_random_mixture_of_experts_file_keeps_its_experts_quantized(tmp_path, 
     assert engine.worker.kv_plan.weights_bytes <= 1.05 * engine.worker.weights_file_bytes
     out = engine.generate([[5, 6, 7], list(range(40, 70))], SamplingParams(temperature=0.0, max_tokens=4,
                                                                             ignore_eos=True))
+    assert [len(tokens) for tokens in out] == [4, 4]
+
+
+def test_a_random_qwen3_5_file_holds_both_layer_kinds_as_llama_cpp_names_them(tmp_path, monkeypatch):
+    """The Qwen3.5 shape's writer at a small size: Gated DeltaNet layers (ssm_a negative, the
+    convolution in float32) and attention layers as llama.cpp's files hold them, served quantized."""
+    from crane_mp.testing import random_gguf as module
+    from crane_mp.worker.models.gated_deltanet import GatedDeltaNet
+    from crane_mp.worker.quantized.layers import GGUFLinear
+
+    model_type, shape = module.FAMILY_SHAPES["qwen3.5"]
+    small = {**shape, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 8192, "linear_num_key_heads": 2,
+             "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
+    monkeypatch.setitem(module.FAMILY_SHAPES, "qwen3.5", (model_type, small))
+    path = random_gguf(tmp_path / "qwen3.5.gguf", "qwen3.5", "Q4_K_M", layers=4)
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: T(t.tensor_type).name for t in reader.tensors}
+    assert types["blk.0.attn_qkv.weight"] in ("Q4_K", "Q6_K") and types["blk.3.attn_q.weight"] in ("Q4_K", "Q6_K")
+    assert types["blk.0.ssm_conv1d.weight"] == "F32" and "blk.0.ssm_dt.bias" in types and "blk.3.ssm_a" not in types
+    assert int(reader.fields["qwen35.full_attention_interval"].parts[-1][0]) == 4
+    engine = LLMEngine(EngineConfig(model_path=str(path), max_model_len=128, force_cpu=True))
+    layers = engine.worker.runner.model.model.layers
+    assert engine.worker.model_config.arch == "qwen3_5"
+    assert isinstance(layers[0].self_attn, GatedDeltaNet) and isinstance(layers[0].self_attn.in_proj, GGUFLinear)
+    assert not isinstance(layers[3].self_attn, GatedDeltaNet)
+    out = engine.generate([[5, 6, 7], list(range(40, 140))], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                             ignore_eos=True))
     assert [len(tokens) for tokens in out] == [4, 4]
