@@ -367,6 +367,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         if info.tensor_parallel_size > 1:
             log.info("parallel: %s", describe_parallel(info))
+        if info.state_slots and config.engine.enable_prefix_caching:
+            log.info("prefix cache off: %s's linear-attention layers keep a recurrent state per sequence, which "
+                     "a cached prefix's KV blocks do not hold", info.arch)
         notify("READY=1\nSTATUS=serving " + config.model_name)
         code = launcher.supervise(Watchdog.from_environment(config))
     except KeyboardInterrupt:

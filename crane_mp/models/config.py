@@ -167,8 +167,12 @@ def _transformers_arch(hf_config: Any) -> str:
             f"model_type {hf_type!r} is not supported: no native implementation (native: {supported()}) and "
             "transformers has no causal LM for it")
     if hf_type in _RECURRENT_MODEL_TYPES:
+        native = MODEL_TYPE_ALIASES.get(hf_type)
+        remedy = (f"--model-impl native (or auto) serves it ({native}, with a state pool)" if native
+                  else "it is not supported yet")
         raise UnsupportedModelError(f"model_type {hf_type!r} keeps recurrent state in its layers (state-space or "
-                                    "linear attention), which a paged KV cache cannot hold; it is not supported yet")
+                                    f"linear attention), which the transformers backend's paged KV cache cannot "
+                                    f"hold; {remedy}")
     if hf_type in _BACKEND_GAPS:
         raise UnsupportedModelError(f"model_type {hf_type!r}: {_BACKEND_GAPS[hf_type]} is not computed by the "
                                     "transformers backend's paged attention; --model-impl native (or auto) serves it")

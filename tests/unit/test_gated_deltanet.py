@@ -9,7 +9,7 @@ import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 from crane_mp.worker.cache.state_pool import StatePool, state_bytes_per_sequence
-from crane_mp.worker.models.gated_deltanet import chunked, l2_normalize, recurrent_step
+from crane_mp.worker.models.gated_deltanet import CHUNK, chunked, l2_normalize, prefill_groups, recurrent_step
 
 HEADS, KEY_DIM, VALUE_DIM = 3, 8, 6
 
@@ -92,3 +92,36 @@ def test_the_state_pool_hands_out_each_slot_once_and_empties_a_restarted_one():
     assert not layers[1].recurrent_state[slots[1]].any() and layers[1].conv_state[slots[2]].eq(3.0).all()
     pool.release(slots[1])
     assert pool.acquire() == slots[1]
+
+
+def test_sequences_padded_to_the_longest_run_together_as_each_alone():
+    lengths = [150, 3, 64, 70]
+    longest = max(lengths)
+    padded = [torch.zeros(len(lengths), HEADS, longest, dim) for dim in (KEY_DIM, KEY_DIM, VALUE_DIM)]
+    g, beta = torch.zeros(len(lengths), HEADS, longest), torch.zeros(len(lengths), HEADS, longest)
+    states = torch.randn(len(lengths), HEADS, KEY_DIM, VALUE_DIM, generator=torch.Generator().manual_seed(2))
+    alone = []
+    for p, length in enumerate(lengths):
+        q, k, v, gp, bp = inputs(length, 20 + p)
+        alone.append(ours(q, k, v, gp, bp, states[p], 0, length))
+        qn, kn = l2_normalize(q[0]) * KEY_DIM**-0.5, l2_normalize(k[0])
+        for tensor, values in zip(padded, (qn, kn, v[0])):
+            tensor[p, :, :length] = values.transpose(0, 1)
+        g[p, :, :length], beta[p, :, :length] = gp[0].t(), bp[0].t()
+    out, after = chunked(*padded, g, beta, states)
+    for p, (expected, expected_state) in enumerate(alone):
+        torch.testing.assert_close(out[p, :, : lengths[p]], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(after[p], expected_state, atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_s_prompts_are_grouped_so_padding_stays_bounded():
+    lengths = [1, 1, 48, 30, 2000, 64, 65, 5]  # two decodes first
+    groups = prefill_groups(lengths, 2, torch.device("cpu"))
+    assert sorted(i for group in groups for i in group.seqs) == list(range(2, len(lengths)))
+    for group in groups:
+        blocks = [-(-lengths[i] // CHUNK) for i in group.seqs]
+        assert max(blocks) * len(blocks) * 2 <= 3 * sum(blocks)
+        starts = [sum(lengths[:i]) for i in group.seqs]
+        expected = sorted(row for start, i in zip(starts, group.seqs) for row in range(start, start + lengths[i]))
+        assert sorted(group.rows.tolist()) == expected
+    assert [2000] in [[lengths[i] for i in group.seqs] for group in groups]  # the long prompt alone

@@ -15,6 +15,7 @@ through an RMSNorm gated by SiLU of a projection of the input.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,17 +46,18 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """L tokens of one sequence: q, k [H, L, dk] (normalised, q scaled), v [H, L, dv], g and beta [H, L],
-    state [H, dk, dv] -> (out [H, L, dv], the state after the last token). Padding to whole blocks
-    writes nothing (beta 0) and decays nothing (g 0)."""
-    length = q.shape[1]
+    """L tokens of sequences (any leading dims: heads, or sequences and heads): q, k [..., L, dk]
+    (normalised, q scaled), v [..., L, dv], g and beta [..., L], state [..., dk, dv] -> (out [..., L, dv],
+    the state after the last token). Padding (here to whole blocks, or a shorter sequence's past its end)
+    writes nothing where beta is 0 and decays nothing where g is 0."""
+    length = q.shape[-2]
     pad = -length % CHUNK
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    heads, blocks = q.shape[0], q.shape[1] // CHUNK
-    q, k, v = (x.reshape(heads, blocks, CHUNK, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.reshape(heads, blocks, CHUNK), beta.reshape(heads, blocks, CHUNK)
+    lead, blocks = q.shape[:-2], q.shape[-2] // CHUNK
+    q, k, v = (x.reshape(*lead, blocks, CHUNK, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(*lead, blocks, CHUNK), beta.reshape(*lead, blocks, CHUNK)
     decay = g.cumsum(dim=-1)  # log of the decay from the block's start through each token
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
     # Decay between token j and a later token i of a block: exp(decay_i - decay_j), zero above the diagonal.
@@ -71,10 +73,48 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     block_decay = decay[..., -1].exp()[..., None, None]
     out = torch.empty_like(values)
     for block in range(blocks):
-        fresh = values[:, block] - reads[:, block] @ state  # the part of the writes S does not hold yet
-        out[:, block] = q_decayed[:, block] @ state + within[:, block] @ fresh
-        state = state * block_decay[:, block] + k_to_end[:, block].transpose(-1, -2) @ fresh
-    return out.reshape(heads, -1, out.shape[-1])[:, :length], state
+        fresh = values[..., block, :, :] - reads[..., block, :, :] @ state  # the writes S does not hold yet
+        out[..., block, :, :] = q_decayed[..., block, :, :] @ state + within[..., block, :, :] @ fresh
+        state = state * block_decay[..., block, :, :] + k_to_end[..., block, :, :].transpose(-1, -2) @ fresh
+    return out.reshape(*lead, -1, out.shape[-1])[..., :length, :], state
+
+
+@dataclass(slots=True)
+class PrefillGroup:
+    """Prompt sequences of a step computed together, each padded to the longest: `gather[p, t]` is the
+    step row of sequence p's t-th token (the step's row count past its end: a zero row), `valid` the
+    padded positions (flattened) that hold rows, `rows` those rows, `lengths` [P], `seqs` the
+    sequences' indices in the step (ForwardContext.spans order)."""
+
+    seqs: list[int]
+    lengths: torch.Tensor
+    gather: torch.Tensor
+    valid: torch.Tensor
+    rows: torch.Tensor
+
+
+def prefill_groups(lengths: list[int], first: int, device: torch.device) -> list[PrefillGroup]:
+    """The step's sequences from `first` on (its prompts; `lengths` of every sequence in row order),
+    grouped so that padding each group to its longest costs at most half again its blocks."""
+    starts = [sum(lengths[:index]) for index in range(len(lengths) + 1)]
+    blocks = {index: -(-lengths[index] // CHUNK) for index in range(first, len(lengths))}
+    groups: list[list[int]] = []
+    for index in sorted(blocks, key=blocks.get):
+        group = groups[-1] if groups else None
+        if group and blocks[index] * (len(group) + 1) * 2 <= 3 * (sum(blocks[i] for i in group) + blocks[index]):
+            group.append(index)
+        else:
+            groups.append([index])
+    out = []
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        gather = torch.full((len(group), longest), starts[-1], dtype=torch.long)
+        for p, index in enumerate(group):
+            gather[p, : lengths[index]] = torch.arange(starts[index], starts[index] + lengths[index])
+        valid = (gather < starts[-1]).flatten().nonzero().flatten()
+        out.append(PrefillGroup(group, torch.tensor([lengths[i] for i in group], device=device), gather.to(device),
+                                valid.to(device), gather.flatten()[valid].to(device)))
+    return out
 
 
 class GatedRMSNorm(nn.Module):
@@ -130,84 +170,80 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
-        states = ctx.states
-        lengths = [span.q_len for span in ctx.spans]
+        states, rows = ctx.states, x.shape[0]
         mixed, z, *gates = self.in_proj(x).split(self.fused_sizes["in_proj"], dim=-1)
         if self.grouped_ba:  # per key head: b of its value heads, then a
-            pairs = gates[0].reshape(x.shape[0], self.key_heads, 2, -1)
-            gates = [pairs[:, :, 0].reshape(x.shape[0], -1), pairs[:, :, 1].reshape(x.shape[0], -1)]
+            pairs = gates[0].reshape(rows, self.key_heads, 2, -1)
+            gates = [pairs[:, :, 0].reshape(rows, -1), pairs[:, :, 1].reshape(rows, -1)]
         b, a = gates
-        conv = self._convolve(mixed, lengths, states)
-        q, k, v = conv.split([self.key_heads * self.key_dim] * 2 + [self.value_heads * self.value_dim], dim=-1)
-        rows = x.shape[0]
-        q = q.reshape(rows, self.key_heads, self.key_dim).float()
-        k = k.reshape(rows, self.key_heads, self.key_dim).float()
-        v = v.reshape(rows, self.value_heads, self.value_dim).float()
-        if self.value_heads != self.key_heads:  # each key head serves several value heads
-            ratio = self.value_heads // self.key_heads
-            q, k = ((t.repeat(1, ratio, 1) if self.tiled else t.repeat_interleave(ratio, dim=1)) for t in (q, k))
-        q, k = l2_normalize(q), l2_normalize(k)
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out = self._attend(q, k, v, g, beta, lengths, states)  # [rows, value heads, value dim]
+        out = torch.empty(rows, self.value_heads, self.value_dim, dtype=torch.float32, device=x.device)
+        decodes = states.num_decodes if states is not None else 0
+        if decodes:
+            out[:decodes] = self._decode(mixed[:decodes], b[:decodes], a[:decodes], states.decode_slots)
+        if decodes < len(ctx.spans):
+            if ctx.prefill_groups is None:  # the step's layout, the same for every linear layer
+                ctx.prefill_groups = prefill_groups([span.q_len for span in ctx.spans], decodes, x.device)
+            padded = [F.pad(t, (0, 0, 0, 1)) for t in (mixed, b, a)]  # a zero row past the last
+            for group in ctx.prefill_groups:
+                slots = (torch.tensor([states.slots[i] for i in group.seqs], device=x.device)
+                         if states is not None else None)
+                out[group.rows] = self._prefill(group, slots, *padded)
         gated = self.norm(out.to(x.dtype), z.reshape(rows, self.value_heads, self.value_dim))
         return self.out_proj(gated.reshape(rows, -1))
 
-    def _weight(self) -> torch.Tensor:
-        return self.conv1d.weight  # [conv_dim, 1, kernel]
+    def _heads(self, conv: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries and keys (normalised; one per value head), values, the decay's log g and beta, in
+        float32, from the convolution's output [..., conv_dim] and the b and a projections [..., heads]."""
+        q, k, v = conv.split([self.key_heads * self.key_dim] * 2 + [self.value_heads * self.value_dim], dim=-1)
+        q = q.unflatten(-1, (self.key_heads, self.key_dim)).float()
+        k = k.unflatten(-1, (self.key_heads, self.key_dim)).float()
+        v = v.unflatten(-1, (self.value_heads, self.value_dim)).float()
+        if self.value_heads != self.key_heads:  # each key head serves several value heads
+            ratio = self.value_heads // self.key_heads
+            q, k = ((t.repeat_interleave(ratio, dim=-2) if not self.tiled
+                     else t.repeat(*[1] * (t.dim() - 2), ratio, 1)) for t in (q, k))
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return l2_normalize(q), l2_normalize(k), v, g, beta
 
-    def _convolve(self, mixed: torch.Tensor, lengths: list[int], states) -> torch.Tensor:
-        """The causal convolution of each sequence's rows after its saved inputs, then the activation;
-        the sequences' last kernel - 1 inputs are saved back."""
-        history = self.kernel - 1
-        out = torch.empty_like(mixed)
-        decodes = states.num_decodes if states is not None else 0
-        if decodes:
-            slots = states.decode_slots
-            window = torch.cat([self.conv_state.index_select(0, slots), mixed[:decodes, :, None]], dim=-1)
-            out[:decodes] = F.conv1d(window.to(self._weight().dtype), self._weight(), groups=self.conv_dim)[..., -1]
-            self.conv_state.index_copy_(0, slots, window[..., 1:].to(self.conv_state.dtype))
-        row = decodes
-        for index in range(decodes, len(lengths)):
-            length = lengths[index]
-            seq = mixed[row : row + length].t()
-            slot = states.slots[index] if states is not None else None
-            before = self.conv_state[slot] if slot is not None else seq.new_zeros(self.conv_dim, history)
-            window = torch.cat([before.to(seq.dtype), seq], dim=-1)
-            out[row : row + length] = F.conv1d(window[None].to(self._weight().dtype), self._weight(),
-                                               groups=self.conv_dim)[0].t()
-            if slot is not None:
-                self.conv_state[slot] = window[:, -history:]
-            row += length
-        return _ACTIVATIONS[self.activation](out)
-
-    def _attend(self, q, k, v, g, beta, lengths: list[int], states) -> torch.Tensor:
-        out = torch.empty_like(v)
-        decodes = states.num_decodes if states is not None else 0
-        if decodes:
-            slots, q_scaled = states.decode_slots, q[:decodes] / self.key_dim**0.5
-            if self.step_op is not None:
-                out[:decodes] = self.step_op(q_scaled, k[:decodes], v[:decodes], g[:decodes], beta[:decodes],
-                                             self.recurrent_state, slots)
-            else:
-                before = self.recurrent_state.index_select(0, slots).float()
-                out[:decodes], after = recurrent_step(q_scaled, k[:decodes], v[:decodes], g[:decodes],
-                                                      beta[:decodes], before)
-                self.recurrent_state.index_copy_(0, slots, after.to(self.recurrent_state.dtype))
-        row = decodes
-        scale = self.key_dim**-0.5
-        for index in range(decodes, len(lengths)):
-            rows = slice(row, row + lengths[index])
-            slot = states.slots[index] if states is not None else None
-            before = (self.recurrent_state[slot].float() if slot is not None
-                      else q.new_zeros(self.value_heads, self.key_dim, self.value_dim))
-            seq_out, after = chunked((q[rows] * scale).transpose(0, 1), k[rows].transpose(0, 1),
-                                     v[rows].transpose(0, 1), g[rows].t(), beta[rows].t(), before)
-            out[rows] = seq_out.transpose(0, 1)
-            if slot is not None:
-                self.recurrent_state[slot] = after.to(self.recurrent_state.dtype)
-            row += lengths[index]
+    def _decode(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token of each of the step's decoding sequences: [decodes, value heads, value dim]."""
+        weight = self.conv1d.weight  # [conv_dim, 1, kernel]
+        window = torch.cat([self.conv_state.index_select(0, slots), mixed[:, :, None]], dim=-1)
+        conv = F.conv1d(window.to(weight.dtype), weight, groups=self.conv_dim)[..., -1]
+        self.conv_state.index_copy_(0, slots, window[..., 1:].to(self.conv_state.dtype))
+        q, k, v, g, beta = self._heads(_ACTIVATIONS[self.activation](conv), b, a)
+        q = q / self.key_dim**0.5
+        if self.step_op is not None:
+            return self.step_op(q, k, v, g, beta, self.recurrent_state, slots)
+        out, after = recurrent_step(q, k, v, g, beta, self.recurrent_state.index_select(0, slots).float())
+        self.recurrent_state.index_copy_(0, slots, after.to(self.recurrent_state.dtype))
         return out
+
+    def _prefill(self, group: PrefillGroup, slots: torch.Tensor | None, mixed: torch.Tensor, b: torch.Tensor,
+                 a: torch.Tensor) -> torch.Tensor:
+        """A group's prompt rows, each sequence from its saved state (`slots`; None: empty, kept
+        nowhere): [rows of the group, value heads, value dim], in group.rows' order."""
+        weight, history = self.conv1d.weight, self.kernel - 1
+        inputs = mixed[group.gather].transpose(1, 2)  # [P, conv_dim, longest]
+        before = (self.conv_state.index_select(0, slots).to(inputs.dtype) if slots is not None
+                  else inputs.new_zeros(inputs.shape[0], self.conv_dim, history))
+        window = torch.cat([before, inputs], dim=-1)
+        conv = F.conv1d(window.to(weight.dtype), weight, groups=self.conv_dim).transpose(1, 2)  # [P, L, conv_dim]
+        if slots is not None:  # each sequence's last inputs: window positions [length, length + history)
+            last = (group.lengths[:, None] + torch.arange(history, device=window.device))[:, None, :]
+            self.conv_state.index_copy_(0, slots, window.gather(2, last.expand(-1, self.conv_dim, -1))
+                                        .to(self.conv_state.dtype))
+        q, k, v, g, beta = self._heads(_ACTIVATIONS[self.activation](conv), b[group.gather], a[group.gather])
+        real = (group.gather < mixed.shape[0] - 1).float()[..., None]  # padding writes and decays nothing
+        g, beta = g * real, beta * real
+        before = (self.recurrent_state.index_select(0, slots).float() if slots is not None
+                  else q.new_zeros(q.shape[0], self.value_heads, self.key_dim, self.value_dim))
+        out, after = chunked((q * self.key_dim**-0.5).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                             g.transpose(1, 2), beta.transpose(1, 2), before)
+        if slots is not None:
+            self.recurrent_state.index_copy_(0, slots, after.to(self.recurrent_state.dtype))
+        return out.transpose(1, 2).flatten(0, 1)[group.valid]
 
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu}

@@ -103,6 +103,9 @@ class ForwardContext:
     # pooling, media). Layers that write no KV cache may then compute only these (Gemma 4's shared ones).
     needed_rows: list[int] | None = None
     states: StateBatch | None = None  # the state pool's slots of the step's sequences (hybrid models)
+    # How a hybrid's linear-attention layers group the step's prompts (gated_deltanet.prefill_groups),
+    # worked out by the first of them.
+    prefill_groups: Any = None
 
     def attn_of(self, layer) -> AttentionMetadata:
         """The attention metadata of `layer`'s KV group (its block tables and slots)."""
