@@ -224,11 +224,21 @@ def test_a_hybrid_model_s_state_pool_takes_a_slot_per_sequence_from_the_kv_budge
     assert (few.state_slots, few.state_bytes_per_seq) == (8, state)
     assert few.num_blocks == plan().num_blocks - 8 * state // BLOCK  # the pool's bytes come out of the KV cache
     assert "state pool 64.00 MiB (8 sequences of 8.00 MiB)" in few.describe()
-    # Many sequences allowed: the pool takes at most half of what one full-length sequence's KV leaves.
+    # Many sequences allowed: three quarters of what one full-length sequence's KV leaves.
+    room = 2 * GIB - GIB - GIB // 4 - BLOCK - 256 * BLOCK
     many = plan(state_bytes_per_seq=state)
-    budget = 2 * GIB - GIB - GIB // 4 - BLOCK
-    assert many.state_slots == (budget - 256 * BLOCK) // 2 // state
-    assert many.num_blocks == (budget - many.state_slots * state) // BLOCK
+    assert many.state_slots == room * 3 // 4 // state
+    assert many.num_blocks == (room + 256 * BLOCK - many.state_slots * state) // BLOCK
+    # Sixteen where they fit, though that is more than three quarters.
+    assert plan(state_bytes_per_seq=24 << 20).state_slots == 16 > room * 3 // 4 // (24 << 20)
     assert plan().state_slots == 0 and "state pool" not in plan().describe()
     with pytest.raises(MemoryBudgetError, match="recurrent state"):
         plan(state_bytes_per_seq=GIB // 2)
+
+
+def test_a_hybrid_model_s_context_is_lowered_for_sequences_to_run_together_when_the_user_chose_none():
+    state = 8 << 20
+    fitted = plan(max_model_len=65536, fit_model_len=True, state_bytes_per_seq=state)  # 4 GiB of KV a sequence
+    room = 2 * GIB - GIB - GIB // 4 - BLOCK - 128 * BLOCK  # one 2048-token sequence's KV kept
+    assert fitted.state_slots == room * 3 // 4 // state
+    assert 2048 <= fitted.max_model_len == fitted.num_blocks * 16 < 65536

@@ -25,6 +25,8 @@ class MemoryBudgetError(RuntimeError):
 # this many tokens (SGLang does the same; a Qwen3-8B at 40,960 tokens needs 5.6 GiB of KV for one
 # sequence, more than an 8 GiB limit leaves beside its Q4_K_M weights). Below it, start-up fails.
 MIN_FITTED_MODEL_LEN = 2048
+# A hybrid model's state pool holds this many sequences where the budget allows (plan_kv_blocks).
+STATE_SEQUENCES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +100,12 @@ def plan_kv_blocks(
     `sequence_blocks(n)`: the blocks a sequence of n tokens holds at most (KV groups whose sliding
     layers keep only their windows); by default one per `block_size` tokens.
 
-    `state_bytes_per_seq`: a hybrid model's recurrent state per running sequence. The state pool gets
-    a slot for each of max_num_seqs, or as many as half of what one full-length sequence's KV leaves
-    holds (at least one); the scheduler then runs at most that many sequences at once.
+    `state_bytes_per_seq`: a hybrid model's recurrent state per running sequence; the scheduler runs
+    at most as many sequences at once as the state pool has slots. Of what the KV of one sequence
+    leaves (of MIN_FITTED_MODEL_LEN tokens where max_model_len may still be lowered to fit, else of
+    max_model_len), the pool takes room for STATE_SEQUENCES sequences where it holds them, else three
+    quarters (at least one slot; at most max_num_seqs): concurrency first, then context, which the
+    rest of the budget sizes as for any model.
     """
     if sequence_blocks is None:
         def sequence_blocks(num_tokens: int) -> int:
@@ -119,8 +124,10 @@ def plan_kv_blocks(
     blocks_per_seq = sequence_blocks(max_model_len)
     state_slots = 0
     if state_bytes_per_seq:
-        spare = budget - blocks_per_seq * block_bytes
-        state_slots = min(max_num_seqs, max(1, spare // 2 // state_bytes_per_seq))
+        shortest = min(max_model_len, MIN_FITTED_MODEL_LEN) if fit_model_len else max_model_len
+        room = max(0, budget - sequence_blocks(shortest) * block_bytes)
+        fits = room // state_bytes_per_seq
+        state_slots = min(max_num_seqs, max(1, min(fits, max(STATE_SEQUENCES, room * 3 // 4 // state_bytes_per_seq))))
         budget -= state_slots * state_bytes_per_seq
         max_num_seqs = state_slots
     num_blocks = max(0, budget // block_bytes)
