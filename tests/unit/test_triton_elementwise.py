@@ -65,3 +65,31 @@ print("checked")
 
 def test_triton_elementwise_kernels_equal_the_torch_ops_in_the_interpreter():
     assert "checked" in run_interpreted(_CHECK)
+
+
+_DELTA_CHECK = """
+import torch
+from crane_mp.worker.kernels import triton_elementwise as ops
+from crane_mp.worker.models.gated_deltanet import l2_normalize, recurrent_step
+
+gen = torch.Generator().manual_seed(0)
+for heads, key_dim, value_dim in ((4, 16, 8), (2, 128, 128), (3, 24, 40)):
+    batch, slots = 3, torch.tensor([4, 0, 2])
+    q = l2_normalize(torch.randn(batch, heads, key_dim, generator=gen)) * key_dim**-0.5
+    k = l2_normalize(torch.randn(batch, heads, key_dim, generator=gen))
+    v = torch.randn(batch, heads, value_dim, generator=gen)
+    g, beta = -torch.rand(batch, heads, generator=gen), torch.rand(batch, heads, generator=gen)
+    state = torch.randn(6, heads, key_dim, value_dim, generator=gen)
+    before = state.clone()
+    out = ops.gated_delta_step_(q, k, v, g, beta, state, slots)
+    expected, after = recurrent_step(q, k, v, g, beta, before[slots])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state[slots], after, atol=1e-5, rtol=1e-5)
+    others = [slot for slot in range(6) if slot not in slots.tolist()]
+    assert torch.equal(state[others], before[others])
+print("ok")
+"""
+
+
+def test_the_gated_delta_step_equals_the_torch_ops_on_its_slots_alone():
+    assert run_interpreted(_DELTA_CHECK).strip() == "ok"

@@ -2,8 +2,9 @@
 (fused_elementwise.cpp, qkv_rope_cache.cpp): same arguments, same results, one rounding per value.
 
 Each op reads and writes its tensors once instead of the 3-6 launches of the unfused torch ops:
-RMSNorm (with the residual add fused in), SiLU*mul, and everything between the QKV projection and
-attention (per-head q/k norm, rope, the KV-cache write). Tested on CPU through Triton's interpreter
+RMSNorm (with the residual add fused in), SiLU*mul, everything between the QKV projection and
+attention (per-head q/k norm, rope, the KV-cache write), and the Gated DeltaNet decode step (one pass
+over each sequence's recurrent state, in place). Tested on CPU through Triton's interpreter
 (tests/unit/test_triton_elementwise.py) against the portable torch ops.
 """
 
@@ -80,6 +81,46 @@ def _qkv_rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, norm_ptr, slot_ptr, k_cach
         else:
             dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * HEAD_DIM + d
             tl.store(dst, y.to(k_cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _gated_delta_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, out_ptr, heads, key_dim,
+                             value_dim, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One (sequence, head) and a block of value columns: each column of S updates on its own."""
+    item = tl.program_id(0).to(tl.int64)  # sequence * heads + head
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows = tl.arange(0, BLOCK_K)
+    col_mask, row_mask = cols < value_dim, rows < key_dim
+    slot = tl.load(slot_ptr + item // heads)
+    tile = state_ptr + ((slot * heads + item % heads) * key_dim + rows[:, None]) * value_dim + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    s = tl.load(tile, mask=mask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + item * key_dim + rows, mask=row_mask, other=0.0)
+    k = tl.load(k_ptr + item * key_dim + rows, mask=row_mask, other=0.0)
+    v = tl.load(v_ptr + item * value_dim + cols, mask=col_mask, other=0.0)
+    decay = tl.exp(tl.load(g_ptr + item))
+    delta = (v - decay * tl.sum(s * k[:, None], 0)) * tl.load(beta_ptr + item)
+    s = decay * s + k[:, None] * delta[None, :]
+    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + item * value_dim + cols, tl.sum(s * q[:, None], 0), mask=col_mask)
+
+
+_DELTA_BLOCK_V = 32
+
+
+def gated_delta_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The Gated DeltaNet decode step (the CPU op's contract, gated_delta.cpp): q, k [B, H, K] and v
+    [B, H, V] float32, g and beta [B, H]; state [slots, H, K, V] updated in place at `slots` [B];
+    returns out [B, H, V] float32."""
+    batch, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    out = torch.empty(batch, heads, value_dim, dtype=torch.float32, device=q.device)
+    if batch:
+        _gated_delta_step_kernel[(batch * heads, triton.cdiv(value_dim, _DELTA_BLOCK_V))](
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, slots, out,
+            heads, key_dim, value_dim, BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=_DELTA_BLOCK_V)
+    return out
 
 
 def supports_head_dim(head_dim: int) -> bool:
