@@ -182,8 +182,8 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
                                             r"cohere2, deepseek2, exaone4, gemma2, gemma3, gemma4, glm4, glm4moe, "
                                             r"gpt-oss, granite, "
                                             r"granitehybrid, granitemoe, hunyuan-dense, llama, olmo2, olmoe, phi3, "
-                                            r"qwen2, qwen2moe, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next, seed_oss, "
-                                            r"smollm3\)"):
+                                            r"qwen2, qwen2moe, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next, "
+                                            r"seed_oss, smollm3\)"):
         read_shape({"general.architecture": "gpt2"}, {}, tmp_path / "m.gguf")
 
 

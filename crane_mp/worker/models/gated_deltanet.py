@@ -16,6 +16,7 @@ through an RMSNorm gated by SiLU of a projection of the input.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -96,7 +97,7 @@ class PrefillGroup:
 def prefill_groups(lengths: list[int], first: int, device: torch.device) -> list[PrefillGroup]:
     """The step's sequences from `first` on (its prompts; `lengths` of every sequence in row order),
     grouped so that padding each group to its longest costs at most half again its blocks."""
-    starts = [sum(lengths[:index]) for index in range(len(lengths) + 1)]
+    starts = [0, *accumulate(lengths)]
     blocks = {index: -(-lengths[index] // CHUNK) for index in range(first, len(lengths))}
     groups: list[list[int]] = []
     for index in sorted(blocks, key=blocks.get):
@@ -126,8 +127,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        dtype, wide = x.dtype, x.float()
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * normed.to(dtype) * F.silu(gate.float())).to(dtype)
 
 
@@ -138,7 +139,7 @@ class GatedDeltaNet(nn.Module):
 
     recurrent = True  # keeps per-sequence state, no KV cache (CausalLM.attention_layers leaves it out)
 
-    def __init__(self, config: ModelConfig, layer: int = 0, ops: Any = None) -> None:
+    def __init__(self, config: ModelConfig, ops: Any = None) -> None:
         """`ops`: the platform's fused kernels (Platform.elementwise): the decode step runs as one where
         they have it (the native CPU op)."""
         super().__init__()

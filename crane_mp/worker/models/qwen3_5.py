@@ -55,7 +55,7 @@ class HybridDecoderModel(DecoderModel):
                  norm_names: tuple[str, ...] | None = None) -> None:
         def mixer(config: ModelConfig, platform: Platform, layer: int) -> nn.Module:
             if config.layout.is_linear(layer):
-                return GatedDeltaNet(config, layer, platform.elementwise)
+                return GatedDeltaNet(config, platform.elementwise)
             return make_attention(config, platform, layer)
 
         super().__init__(config, mixer, platform, norm_names)
