@@ -32,7 +32,7 @@ from crane_mp.entrypoints import frontend_main, scheduler_main, worker_main
 from crane_mp.ipc import Addresses
 from crane_mp.logs import configure_logging
 from crane_mp.protocol import WorkerReady
-from crane_mp.scheduler.scheduler import scheduler_config
+from crane_mp.scheduler.scheduler import SchedulerConfig, scheduler_config
 from crane_mp.systemd import notify
 from crane_mp.watchdog import Watchdog
 
@@ -58,6 +58,7 @@ class Launcher:
         self.procs: dict[str, mp.Process] = {}
         self.stop_requested = False
         self.info: WorkerReady | None = None  # the engine facts every frontend (and a restarted one) gets
+        self.scheduler_config: SchedulerConfig | None = None  # what the scheduler runs by (the start-up line's)
         self.lives: dict[str, int] = {}  # frontend -> how many times it was started again
 
     def _spawn(self, name: str, target, *args) -> Connection:
@@ -121,6 +122,7 @@ class Launcher:
             cfg.logs,
         )
         self._await(sched_conn, "the scheduler was starting")
+        self.scheduler_config = sched_cfg
         for conn in frontend_conns:
             conn.send_bytes(msgspec.msgpack.encode(info))
         for conn in frontend_conns:
@@ -258,15 +260,6 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 20):.{1 if num_bytes >= 1 << 20 else 3}f} MiB"
 
 
-def _max_concurrent(max_num_seqs: int, info: WorkerReady) -> int:
-    return min(max_num_seqs, info.state_slots) if info.state_slots else max_num_seqs
-
-
-def _prefix_cache(enabled: bool, info: WorkerReady) -> bool:
-    """Whether the scheduler serves prefixes from the cache (scheduler_config says when it does not)."""
-    return enabled and not info.whole_prompts and not info.state_slots
-
-
 def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
@@ -360,8 +353,8 @@ def main(argv: list[str] | None = None) -> None:
             time.monotonic() - started, config.model_name, _described_arch(info), info.device, info.dtype,
             info.kv_cache_dtype, info.quantized_activations, info.isa,
             info.kernel_isa, _kv_bytes(info), info.kv_budget_bytes / gib, info.num_blocks,
-            info.num_blocks * info.block_size, _state_pool(info), _max_concurrent(config.engine.max_num_seqs, info),
-            config.max_queue, info.max_model_len, _on_off(_prefix_cache(config.engine.enable_prefix_caching, info)),
+            info.num_blocks * info.block_size, _state_pool(info), launcher.scheduler_config.max_num_seqs,
+            config.max_queue, info.max_model_len, _on_off(launcher.scheduler_config.enable_prefix_caching),
             _on_off(config.engine.overlap_schedule),
             _on_off(config.engine.runtime_lora), config.num_frontends, config.host, config.port,
         )
