@@ -68,9 +68,11 @@ class ModelConfig:
     # Tensor parallelism: the part of the model this rank holds (sharding.py); the sizes above are then
     # the rank's own, but for the vocabulary and hidden size. None: the whole model.
     shard: Shard | None = None
-    # Qwen2.5-VL's multimodal rope: how many of the head's frequencies follow the temporal, height and
-    # width positions; None: one position per token.
+    # Qwen-VL's multimodal rope: how many of the head's frequencies follow the temporal, height and
+    # width positions (in three runs, or interleaved t h w t h w ... as Qwen3-VL's); None: one position
+    # per token.
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
     layout: DecoderLayout = DecoderLayout()
     hf_config: Any = field(default=None, compare=False, repr=False)
 
@@ -362,16 +364,22 @@ def _whisper_config(hf_config: Any, model_dir: Path | None) -> ModelConfig:
 
 
 def _vision_language_config(hf_config: Any, arch: str, model_dir: Path | None) -> ModelConfig:
-    """The language model's facts from text_config, with its multimodal rope sections; the vision
-    tower reads vision_config from hf_config."""
+    """The language model's facts from text_config (as its text family's row reads them), with its
+    multimodal rope sections where the family has them; the vision tower reads vision_config from
+    hf_config."""
     text = hf_config.text_config
-    config = model_config_from_hf(text, "qwen2", model_dir)
+    row = ARCHITECTURES[arch]
+    config = model_config_from_hf(text, row.text_arch, model_dir)
     _, rope_params = _rope(text)
     section = rope_params.get("mrope_section")
-    if not section or sum(section) * 2 != config.head_dim:
-        raise UnsupportedModelError(f"{arch} needs rope mrope_section summing to head_dim / 2, not {section}")
-    return dataclasses.replace(config, arch=arch, mrope_section=tuple(section), tie_word_embeddings=bool(
-        getattr(hf_config, "tie_word_embeddings", config.tie_word_embeddings)), hf_config=hf_config,
+    rotary_dim = config.layout.rotary_dim or config.head_dim
+    if row.mrope and (not section or sum(section) * 2 != rotary_dim):
+        raise UnsupportedModelError(f"{arch} needs rope mrope_section summing to its {rotary_dim} rotary dims / 2, "
+                                    f"not {section}")
+    return dataclasses.replace(
+        config, arch=arch, mrope_section=tuple(section) if row.mrope else None,
+        mrope_interleaved=row.mrope == "interleaved", hf_config=hf_config,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", config.tie_word_embeddings)),
         torch_dtype=_dtype_name(hf_config) or config.torch_dtype)
 
 

@@ -401,7 +401,7 @@ def _seed_oss(hf_config: Any, head_dim: int) -> DecoderLayout:
 
 
 # Our architectures with linear-attention layers (layout.linear): their sequences keep recurrent state.
-HYBRID_ARCHS = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_next"})
+HYBRID_ARCHS = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl", "qwen3_5_moe_vl"})
 
 # Our architecture name -> its layout reader; the rest are Llama's layer.
 FAMILY_LAYOUTS: dict[str, Callable[[Any, int], DecoderLayout]] = {

@@ -37,6 +37,10 @@ class Architecture:
     # What a request may bring besides text: "image" (a vision-language model's image parts) or "audio"
     # (a speech model's window, served by /v1/audio/transcriptions only).
     media: str | None = None
+    # A vision-language row: the row of its language model (text_config), and its multimodal rope
+    # ("sections" in three runs, "interleaved"; None: one position per token).
+    text_arch: str | None = None
+    mrope: str | None = None
     # Activations overflow float16 (Gemma's residual stream): where auto would pick float16, float32 runs.
     overflows_float16: bool = False
     # Split over ranks by --tensor-parallel-size (sharding.py); the 2026 families are not validated
@@ -125,7 +129,11 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture("hunyuan", "hunyuan.HunYuanDenseForCausalLM", ("HunYuanDenseV1ForCausalLM",), "hunyuan_v1_dense",
                  "hunyuan-dense", qk_norms=("self_attn.query_layernorm", "self_attn.key_layernorm")),
     Architecture("qwen2_5_vl", "qwen2_5_vl.Qwen25VLForConditionalGeneration", ("Qwen2_5_VLForConditionalGeneration",),
-                 "qwen2_5_vl", "qwen2vl", reads_gguf=False, window_by_layer=True, media="image"),
+                 "qwen2_5_vl", "qwen2vl", reads_gguf=False, window_by_layer=True, media="image", text_arch="qwen2",
+                 mrope="sections"),
+    Architecture("qwen3_vl", "qwen3_vl.Qwen3VLForConditionalGeneration", ("Qwen3VLForConditionalGeneration",),
+                 "qwen3_vl", "qwen3vl", reads_gguf=False, qk_norms=_QK_NORMS, tensor_parallel=False, media="image",
+                 text_arch="qwen3", mrope="interleaved"),
     Architecture("whisper", "whisper.WhisperForConditionalGeneration", ("WhisperForConditionalGeneration",),
                  "whisper", "whisper", reads_gguf=False, media="audio"),
     Architecture("bert", "bert.BertEncoder", ("BertModel", "BertForSequenceClassification"), "bert", "bert",
@@ -192,15 +200,22 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  reads_gguf=False, tensor_parallel=False, gguf_layer_names=_DEEPSEEK_GGUF,
                  gguf_optional_layer_names=_DEEPSEEK_QUERY, experts=True, gguf_sigmoid_router=True),
     # Hybrids: Gated DeltaNet layers (recurrent state, worker/cache/state_pool.py) between gated attention
-    # layers; the vision tower of the qwen3_5 checkpoints is not served yet (their text is). A layer of
-    # a GGUF file holds one kind's tensors; llama.cpp's converter stores the (1 + w) norms as 1 + w.
-    Architecture("qwen3_5", "qwen3_5.Qwen35ForCausalLM", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    # layers. A layer of a GGUF file holds one kind's tensors; llama.cpp's converter stores the (1 + w)
+    # norms as 1 + w.
+    Architecture("qwen3_5", "qwen3_5.Qwen35ForCausalLM", ("Qwen3_5ForCausalLM",),
                  "qwen3_5_text", "qwen35", qk_norms=_QK_NORMS, tensor_parallel=False, gguf_layer_names=_QWEN35_GGUF,
                  gguf_optional_layer_names=_HYBRID_LAYER_PARTS, gguf_norm_offset=1.0),
-    Architecture("qwen3_5_moe", "qwen3_5.Qwen35ForCausalLM",
-                 ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), "qwen3_5_moe_text", "qwen35moe",
-                 qk_norms=_QK_NORMS, tensor_parallel=False, experts=True, gguf_layer_names=_QWEN35_GGUF,
+    Architecture("qwen3_5_moe", "qwen3_5.Qwen35ForCausalLM", ("Qwen3_5MoeForCausalLM",), "qwen3_5_moe_text",
+                 "qwen35moe", qk_norms=_QK_NORMS, tensor_parallel=False, experts=True, gguf_layer_names=_QWEN35_GGUF,
                  gguf_optional_layer_names=_HYBRID_LAYER_PARTS, gguf_norm_offset=1.0),
+    # Their vision-language checkpoints: the same language models, Qwen3-VL's tower without deepstack.
+    Architecture("qwen3_5_vl", "qwen3_vl.Qwen35VLForConditionalGeneration", ("Qwen3_5ForConditionalGeneration",),
+                 "qwen3_5", "qwen35", reads_gguf=False, qk_norms=_QK_NORMS, tensor_parallel=False, media="image",
+                 text_arch="qwen3_5", mrope="interleaved"),
+    Architecture("qwen3_5_moe_vl", "qwen3_vl.Qwen35VLForConditionalGeneration",
+                 ("Qwen3_5MoeForConditionalGeneration",), "qwen3_5_moe", "qwen35moe", reads_gguf=False,
+                 qk_norms=_QK_NORMS, tensor_parallel=False, experts=True, media="image", text_arch="qwen3_5_moe",
+                 mrope="interleaved"),
     Architecture("qwen3_next", "qwen3_5.Qwen3NextForCausalLM", ("Qwen3NextForCausalLM",), "qwen3_next", "qwen3next",
                  qk_norms=_QK_NORMS, tensor_parallel=False, experts=True, gguf_layer_names=_QWEN3_NEXT_GGUF,
                  gguf_optional_layer_names=_HYBRID_LAYER_PARTS, gguf_norm_offset=1.0),
@@ -221,7 +236,9 @@ def _index(arch: Architecture) -> None:
     spellings = (arch.name, arch.hf_model_type, *((arch.gguf_arch,) if arch.reads_gguf else ()),
                  *arch.model_type_aliases)
     if arch.name != TRANSFORMERS:  # chosen by --model-impl, not spelled as a model type
-        MODEL_TYPE_ALIASES.update(dict.fromkeys(spellings, arch.name))
+        # Our names stay ours: transformers' qwen3_5 is the vision-language checkpoint, our qwen3_5 its text.
+        MODEL_TYPE_ALIASES.update({spelling: arch.name for spelling in spellings
+                                   if spelling == arch.name or spelling not in ARCHITECTURES})
     if arch.reads_gguf:
         GGUF_ARCHITECTURES[arch.gguf_arch] = arch
     if arch.gguf_permuted_qk:

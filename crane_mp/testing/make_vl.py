@@ -1,13 +1,15 @@
-"""Tiny seeded random-weight Qwen2.5-VL checkpoints (tests, demos): config, weights as transformers'
-save_pretrained writes them, a locally trained tokenizer with Qwen2-VL's special tokens, its image
+"""Tiny seeded random-weight vision-language checkpoints of the Qwen line (tests, demos): Qwen2.5-VL,
+Qwen3-VL and Qwen3.5 (hybrid language model) with images. Config, weights as transformers'
+save_pretrained writes them, a locally trained tokenizer with Qwen2-VL's special tokens, the image
 processor config and a chat template that places images as Qwen2.5-VL's does.
 
-    python -m crane_mp.testing.make_vl --out DIR [--seed N]
+    python -m crane_mp.testing.make_vl --out DIR [--family qwen3_vl] [--seed N]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 import transformers
 from tokenizers import AddedToken
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3VLConfig
 
 from crane_mp.testing.make_model import BIAS_STD, LOGIT_SCALE, NORM_NOISE, OUT_GAIN
 from crane_mp.testing.tokenizer import train_tokenizer, write_json
@@ -31,6 +33,12 @@ _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 # one attention window (112 px), so window and full attention differ.
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 144
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+# Qwen3-VL's and Qwen3.5's towers: 16-pixel patches, their learned position grid 4 x 4 (smaller than
+# most images: resampled up and down).
+_PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_5": 16}
+_MEAN_STD = {"qwen2_5_vl": (_CLIP_MEAN, _CLIP_STD), "qwen3_vl": ([0.5] * 3, [0.5] * 3),
+             "qwen3_5": ([0.5] * 3, [0.5] * 3)}
 # An image's placeholders outnumber the text around it. The merger's output gain lets the image move the
 # continuation; token embeddings of norm 4 (make_model draws unit norm) let the last token still steer
 # the next one, where greedy decoding would otherwise settle into a loop over the image.
@@ -88,27 +96,50 @@ def _write_tokenizer(out: Path) -> dict[str, int]:
     return ids
 
 
-def build_config(ids: dict[str, int]) -> Qwen2_5_VLConfig:
-    """Text: Qwen2 at 64 wide (head_dim 16, rope sections 2+3+3 of its 8 frequencies). Vision: 32 wide,
-    4 blocks, full attention in blocks 1 and 3, windowed elsewhere."""
+def build_config(ids: dict[str, int], family: str = "qwen2_5_vl") -> Any:
+    """Text: 64 wide. Qwen2.5-VL: Qwen2 (head_dim 16, rope sections 2+3+3 of its 8 frequencies); vision
+    32 wide, 4 blocks, full attention in blocks 1 and 3, windowed elsewhere. Qwen3-VL: Qwen3 with
+    32-wide heads, sections 6+5+5 interleaved; 3 blocks, deepstack after blocks 0 and 1 into the first
+    two of 3 layers. Qwen3.5: the hybrid (Gated DeltaNet, gated attention, twice), rope on half of
+    each 32-wide head, sections 3+3+2 interleaved; 2 blocks, no deepstack."""
+    specials = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+                "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+                "tie_word_embeddings": False}
     text = {
         "vocab_size": VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-        "hidden_act": "silu", "use_sliding_window": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
+        "hidden_act": "silu", "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
     }
-    vision = {
-        "depth": 4, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
-        "fullatt_block_indexes": [1, 3], "window_size": 112, "patch_size": 14, "spatial_merge_size": 2,
-        "temporal_patch_size": 2, "hidden_act": "silu",
-    }
-    config = Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
-    )
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    vision = {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+              "patch_size": _PATCH[family], "spatial_merge_size": 2, "temporal_patch_size": 2}
+    if family == "qwen2_5_vl":
+        config = Qwen2_5_VLConfig(
+            text_config={**text, "use_sliding_window": False, "rope_parameters": {
+                "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}},
+            vision_config={**vision, "depth": 4, "fullatt_block_indexes": [1, 3], "window_size": 112,
+                           "hidden_act": "silu"}, **specials)
+        config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    elif family == "qwen3_vl":
+        config = Qwen3VLConfig(
+            text_config={**text, "num_hidden_layers": 3, "head_dim": 32, "rope_parameters": {
+                "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True}},
+            vision_config={**vision, "depth": 3, "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1]},
+            **specials)
+        config.architectures = ["Qwen3VLForConditionalGeneration"]
+    elif family == "qwen3_5":
+        config = Qwen3_5Config(
+            text_config={**text, "num_hidden_layers": 4, "head_dim": 32,
+                         "layer_types": ["linear_attention", "full_attention"] * 2,
+                         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                         "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "rope_parameters": {
+                             "rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5,
+                             "mrope_section": [3, 3, 2], "mrope_interleaved": True}},
+            vision_config={**vision, "depth": 2, "num_position_embeddings": 16}, **specials)
+        config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    else:
+        raise ValueError(f"unknown family {family!r} (one of {', '.join(FAMILIES)})")
     return config
 
 
@@ -128,20 +159,20 @@ def _init_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Te
         return 1.0 + NORM_NOISE * noise
     if kind == "bias":
         return BIAS_STD * noise
-    if name == "model.visual.merger.mlp.2.weight":
+    if name in ("model.visual.merger.mlp.2.weight", "model.visual.merger.linear_fc2.weight"):
         return VISION_OUT_GAIN * noise / math.sqrt(fan_in)
     if leaf in ("o_proj", "down_proj") or name.endswith("attn.proj.weight"):
         return OUT_GAIN * noise / math.sqrt(fan_in)
     return noise / math.sqrt(fan_in)
 
 
-def make_vl(out: str | Path, seed: int = 0) -> Path:
+def make_vl(out: str | Path, seed: int = 0, family: str = "qwen2_5_vl") -> Path:
     """Write the checkpoint to `out`; the same seed writes the same weights."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ids = _write_tokenizer(out)
-    config = build_config(ids)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    config = build_config(ids, family)
+    model = getattr(transformers, config.architectures[0])(config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict().items()):
@@ -150,10 +181,13 @@ def make_vl(out: str | Path, seed: int = 0) -> Path:
         bos_token_id=ids["<|endoftext|>"], eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
         pad_token_id=ids["<|endoftext|>"], do_sample=False)
     model.save_pretrained(out)
+    patch = _PATCH[family]
+    mean, std = _MEAN_STD[family]
+    processor_class = "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen3VLProcessor"
     write_json(out / "preprocessor_config.json", {
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
-        "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "patch_size": 14, "temporal_patch_size": 2,
-        "merge_size": 2, "image_mean": _CLIP_MEAN, "image_std": _CLIP_STD,
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor_class,
+        "min_pixels": MIN_PIXELS * patch**2 // 14**2, "max_pixels": MAX_PIXELS * patch**2 // 14**2,
+        "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2, "image_mean": mean, "image_std": std,
     })
     # Where transformers 5 saves a template, and where both the tokenizer and the processor read it.
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE.lstrip("\n"), encoding="utf-8")
@@ -166,7 +200,7 @@ def reference_processor(model_dir: str | Path) -> Any:
     prompts never use; the same processor is then built without one."""
     from unittest import mock
 
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Qwen2_5_VLProcessor
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Qwen2_5_VLProcessor, Qwen3VLProcessor
     from transformers.processing_utils import ProcessorMixin
     from transformers.utils import is_torchvision_available
 
@@ -178,17 +212,20 @@ def reference_processor(model_dir: str | Path) -> Any:
         return None if name == "video_processor" else check(self, name, value)
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    settings = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+    processor = Qwen3VLProcessor if settings["processor_class"] == "Qwen3VLProcessor" else Qwen2_5_VLProcessor
     with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", check_all_but_video):
-        return Qwen2_5_VLProcessor(image_processor=AutoImageProcessor.from_pretrained(str(model_dir)),
-                                   tokenizer=tokenizer, video_processor=None, chat_template=tokenizer.chat_template)
+        return processor(image_processor=AutoImageProcessor.from_pretrained(str(model_dir)), tokenizer=tokenizer,
+                         video_processor=None, chat_template=tokenizer.chat_template)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seed", default=0, type=int)
+    parser.add_argument("--family", default="qwen2_5_vl", choices=FAMILIES)
     args = parser.parse_args(argv)
-    print(make_vl(args.out, args.seed))
+    print(make_vl(args.out, args.seed, args.family))
 
 
 if __name__ == "__main__":

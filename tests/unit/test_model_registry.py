@@ -49,7 +49,8 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                                   "deepseek2": "deepseek_v2", "glm4moe": "glm4_moe", "qwen3_5": "qwen3_5",
                                   "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
                                   "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next", "qwen35": "qwen3_5",
-                                  "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
+                                  "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next", "qwen3_vl": "qwen3_vl",
+                                  "qwen3_5_vl": "qwen3_5_vl", "qwen3_5_moe_vl": "qwen3_5_moe_vl"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                           "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
                           "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
@@ -63,8 +64,9 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                           "GraniteMoeForCausalLM": "granitemoe", "GptOssForCausalLM": "gpt_oss",
                           "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
                           "DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3_5ForCausalLM": "qwen3_5",
-                          "Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
-                          "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe", "Qwen3NextForCausalLM": "qwen3_next"}
+                          "Qwen3_5ForConditionalGeneration": "qwen3_5_vl", "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+                          "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_vl", "Qwen3NextForCausalLM": "qwen3_next",
+                          "Qwen3VLForConditionalGeneration": "qwen3_vl"}
     assert [ARCHITECTURES[name].hf_classes for name in FAMILIES_2026] == [
         ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("Phi3ForCausalLM",),
@@ -94,7 +96,9 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                          "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
                          "granitemoe": "granitemoe", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2",
                          "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe", "qwen3_5_text": "qwen35",
-                         "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
+                         "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
+                         # the vision-language checkpoints' text, as llama.cpp's converter writes it
+                         "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
 
 
 NATIVE = sorted(set(ARCHITECTURES) - {TRANSFORMERS})
@@ -105,13 +109,17 @@ def test_every_architecture_round_trips_its_names(arch):
     row = ARCHITECTURES[arch]
     hf_config = SimpleNamespace(architectures=list(row.hf_classes), model_type=row.hf_model_type)
     assert detect_arch(hf_config) == arch
-    assert detect_arch(SimpleNamespace(architectures=None, model_type=row.hf_model_type)) == arch
+    # transformers' model type alone names our row, but where it is another row's name (qwen3_5: the
+    # vision-language checkpoints' type, our text row's name).
+    alone = row.hf_model_type if row.hf_model_type in ARCHITECTURES else arch
+    assert detect_arch(SimpleNamespace(architectures=None, model_type=row.hf_model_type)) == alone
     assert MODEL_TYPE_ALIASES[arch] == arch
     if row.encoder:  # no GGUF files: served from safetensors, written by make_encoder
         assert not row.reads_gguf and row.gguf_arch not in GGUF_ARCHITECTURES and arch in ENCODER_ARCHS
         return
-    if row.media:  # no GGUF files: served from safetensors, written by make_vl and make_whisper
-        assert not row.reads_gguf and row.gguf_arch not in GGUF_ARCHITECTURES
+    if row.media:  # no GGUF files (but its language model's): served from safetensors, by make_vl and make_whisper
+        assert not row.reads_gguf
+        assert GGUF_ARCHITECTURES.get(row.gguf_arch) in (None, ARCHITECTURES.get(row.text_arch or ""))
         return
     served = GGUF_ARCHITECTURES.get(row.gguf_arch)
     if row.hf_model_type in ZOO_FAMILIES:  # a 2026 family: its checkpoints written by make_zoo
@@ -137,7 +145,8 @@ def test_every_encoder_is_served_by_the_encoder_class():
 
 def test_media_architectures_take_images_or_audio():
     assert {name: row.media for name, row in ARCHITECTURES.items() if row.media} == {
-        "qwen2_5_vl": "image", "whisper": "audio"}
+        "qwen2_5_vl": "image", "qwen3_vl": "image", "qwen3_5_vl": "image", "qwen3_5_moe_vl": "image",
+        "whisper": "audio"}
     assert all(model_class(name).media_kind == row.media for name, row in ARCHITECTURES.items() if row.media)
 
 

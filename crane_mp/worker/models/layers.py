@@ -384,13 +384,17 @@ class DecoderModel(nn.Module):
         """Returns the last layer's output before the final norm, which compute_logits applies to the
         few rows that need logits."""
         x = self._embed(input_ids)  # [T, hidden]
-        embeds = get_forward_context().embeds
-        if embeds is not None:  # an image's placeholders take its vision embeddings
-            rows, values = embeds
+        ctx = get_forward_context()
+        if ctx.embeds is not None:  # an image's placeholders take its vision embeddings
+            rows, values = ctx.embeds
             x = x.index_copy(0, rows, values.to(x.dtype))
+        deepstack = ctx.deepstack or ()
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual)
+            if i < len(deepstack):  # the layer's output (summed as transformers does), plus the image rows'
+                x = (x if residual is None else x + residual).index_add(0, ctx.embeds[0], deepstack[i].to(x.dtype))
+                residual = None
         return x if residual is None else x + residual
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Multimodal rope (Qwen2.5-VL): each token's cos/sin rows composed from the one-position tables of
+"""Multimodal rope (Qwen2.5-VL, Qwen3-VL): each token's cos/sin rows composed from the one-position tables of
 rope.py, section by section, for its temporal, height and width positions."""
 
 from __future__ import annotations
@@ -6,17 +6,23 @@ from __future__ import annotations
 import torch
 
 
-def mrope_columns(mrope_section: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """Which position (0 temporal, 1 height, 2 width) each of the head's columns follows: [head_dim].
+def mrope_columns(mrope_section: list[int] | tuple[int, ...], interleaved: bool = False) -> torch.Tensor:
+    """Which position (0 temporal, 1 height, 2 width) each of the head's rotary columns follows.
 
-    The sections split the head's first half, frequency by frequency, and the second half repeats
-    them (rotate-half layout), as transformers' recomposition_frequencies cycles m[i % 3] then
-    concatenates the result with itself:
+    The sections split the first half, frequency by frequency, and the second half repeats them
+    (rotate-half layout), as transformers' recomposition_frequencies does. In three runs (Qwen2.5-VL,
+    which cycles m[i % 3]), or interleaved (Qwen3-VL: frequency 3j + 1 follows the height for
+    j < s1, 3j + 2 the width for j < s2, every other the time):
 
-        section   [ s0 | s1 | s2 ][ s0 | s1 | s2 ]
-        position     t    h    w     t    h    w
+        runs          [ t t t | h h h | w w ][ same ]
+        interleaved   [ t h w t h w t h w t t ][ same ]
     """
-    half = torch.cat([torch.full((size,), i % 3, dtype=torch.int64) for i, size in enumerate(mrope_section)])
+    if not interleaved:
+        half = torch.cat([torch.full((size,), i % 3, dtype=torch.int64) for i, size in enumerate(mrope_section)])
+        return torch.cat([half, half])
+    half = torch.zeros(sum(mrope_section), dtype=torch.int64)
+    for axis in (1, 2):
+        half[axis : mrope_section[axis] * 3 : 3] = axis
     return torch.cat([half, half])
 
 

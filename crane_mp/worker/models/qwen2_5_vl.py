@@ -1,5 +1,6 @@
 """Qwen2.5-VL: the Qwen2 language model with multimodal rope, and a vision tower whose embeddings
-take the places of each image's placeholder tokens.
+take the places of each image's placeholder tokens. ImageLanguageModel is what Qwen3-VL and Qwen3.5
+(qwen3_vl.py) share of it.
 
 Each image is encoded once per request, the first step that computes any of its placeholders (a
 chunked prompt may split them over steps), and kept with the request through preemptions. Text-only
@@ -14,12 +15,14 @@ from typing import Iterable
 
 import numpy as np
 import torch
+from torch import nn
 
 from crane_mp.models.config import ModelConfig
 from crane_mp.mrope import mrope_positions
 from crane_mp.protocol import MediaInput
 from crane_mp.worker.models.qwen2 import Qwen2ForCausalLM
 from crane_mp.worker.models.qwen2_5_vl_vision import Qwen25VisionTower
+from crane_mp.worker.models.qwen3_vl_vision import VisionFeatures
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.step.forward_context import MediaSpan, MediaStep
 
@@ -33,19 +36,18 @@ class PromptImages:
     images: list[MediaInput]
     positions: torch.Tensor
     delta: int
-    encoded: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> [placeholders, hidden]
+    encoded: dict[int, VisionFeatures] = field(default_factory=dict)  # image index -> its placeholders' features
 
 
-class Qwen25VLForConditionalGeneration(Qwen2ForCausalLM):
+class ImageLanguageModel:
+    """A causal LM whose images' tower embeddings take their placeholders' places (a mixin before the
+    language model's class): its `visual` tower turns images into VisionFeatures, placed by multimodal
+    rope positions (mrope.py). Qwen2.5-VL, Qwen3-VL and Qwen3.5."""
+
     media_kind = "image"
-    renamed_weights = {"model.language_model.": "model."}
-
-    def __init__(self, config: ModelConfig, platform: Platform) -> None:
-        super().__init__(config, platform)
-        hf = config.hf_config
-        self.visual = Qwen25VisionTower(hf.vision_config)
-        self.image_token_id = hf.image_token_id
-        self.merge_size = hf.vision_config.spatial_merge_size
+    visual: nn.Module
+    image_token_id: int
+    merge_size: int
 
     def media_state(self, prompt_ids: list[int], media: list[MediaInput]) -> PromptImages | None:
         if not media:
@@ -67,8 +69,8 @@ class Qwen25VLForConditionalGeneration(Qwen2ForCausalLM):
             raise ValueError("an image's placeholder tokens are not where its offset says")
 
     def prepare_media(self, spans: list[MediaSpan], positions: torch.Tensor) -> MediaStep:
-        """Rope positions of every row (plain ones for text-only requests) and the image rows' embeddings,
-        encoding the images this step reaches first in one pass of the tower."""
+        """Rope positions of every row (plain ones for text-only requests) and the image rows' embeddings
+        (and deepstack additions), encoding the images this step reaches first in one pass of the tower."""
         self._encode([(span.state, i) for span in spans for i, item in enumerate(span.state.images)
                       if i not in span.state.encoded and _overlaps(item, span.start, span.end)])
         rope = positions.expand(3, -1).clone()
@@ -80,9 +82,12 @@ class Qwen25VLForConditionalGeneration(Qwen2ForCausalLM):
                 first, last = max(span.start, item.offset), min(span.end, item.offset + item.num_tokens)
                 if first < last:
                     rows.append(torch.arange(first, last) - span.start + span.row)
-                    values.append(state.encoded[index][first - item.offset : last - item.offset])
-        embeds = (torch.cat(rows).to(positions.device), torch.cat(values)) if rows else None
-        return MediaStep(embeds, rope)
+                    values.append(state.encoded[index].rows(first - item.offset, last - item.offset))
+        if not rows:
+            return MediaStep(None, rope)
+        embeds = (torch.cat(rows).to(positions.device), torch.cat([part.embeds for part in values]))
+        deepstack = [torch.cat(layer) for layer in zip(*(part.deepstack for part in values))]
+        return MediaStep(embeds, rope, deepstack or None)
 
     def _rope_rows(self, state: PromptImages, start: int, end: int) -> torch.Tensor:
         prompt = state.positions.shape[1]
@@ -98,9 +103,11 @@ class Qwen25VLForConditionalGeneration(Qwen2ForCausalLM):
         pixels = torch.cat([torch.tensor(np.frombuffer(state.images[i].values, dtype=np.float32)
                                          .reshape(state.images[i].shape)) for state, i in wanted])
         grids = [tuple(state.images[i].grid) for state, i in wanted]
-        embeds = self.visual(pixels.to(device=weight.device, dtype=weight.dtype), grids)
+        features = self.visual(pixels.to(device=weight.device, dtype=weight.dtype), grids)
+        if isinstance(features, torch.Tensor):
+            features = VisionFeatures(features, [])
         sizes = [state.images[i].num_tokens for state, i in wanted]
-        for (state, i), part in zip(wanted, embeds.split(sizes)):
+        for (state, i), part in zip(wanted, features.split(sizes)):
             state.encoded[i] = part
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -116,6 +123,17 @@ class Qwen25VLForConditionalGeneration(Qwen2ForCausalLM):
 
         loaded = super().load_weights(language(weights))
         return loaded | {"visual." + name for name in self.visual.load_weights(visual)}
+
+
+class Qwen25VLForConditionalGeneration(ImageLanguageModel, Qwen2ForCausalLM):
+    renamed_weights = {"model.language_model.": "model."}
+
+    def __init__(self, config: ModelConfig, platform: Platform) -> None:
+        super().__init__(config, platform)
+        hf = config.hf_config
+        self.visual = Qwen25VisionTower(hf.vision_config)
+        self.image_token_id = hf.image_token_id
+        self.merge_size = hf.vision_config.spatial_merge_size
 
 
 def _overlaps(item: MediaInput, start: int, end: int) -> bool:

@@ -69,11 +69,11 @@ class VisionRMSNorm(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, bias: bool = False) -> None:
         super().__init__()
         self.patch_shape = (cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         # A convolution whose stride is its kernel: one output per patch, as the checkpoint stores it.
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, self.patch_shape[1:], self.patch_shape[1:], bias=False)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, self.patch_shape[1:], self.patch_shape[1:], bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         x = pixel_values.view(-1, *self.patch_shape).to(self.proj.weight.dtype)  # [N, C, T, P, P]
@@ -167,37 +167,37 @@ class Qwen25VisionTower(nn.Module):
         patches = (units[:, None] * unit + torch.arange(unit, device=units.device)).flatten()  # window order
         frame_lengths = [h * w for t, h, w in grid_thw for _ in range(t)]
         x = self.patch_embed(pixel_values)[patches]  # [N, hidden]
-        cos, signed_sin = self._rope(grid_thw, patches)
+        cos, signed_sin = vision_rope(grid_thw, cfg.spatial_merge_size, cfg.head_dim, cfg.rope_theta, patches)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, signed_sin, frame_lengths if i in cfg.fullatt_block_indexes else window_lengths)
         return self.merger(x)[torch.argsort(units)]  # back to raster order of merged patches
-
-    def _rope(self, grid_thw: list[tuple[int, int, int]], order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [N, 1, head_dim] of each patch's (row, column), in `order`: the first quarter
-        of each head's frequencies turn with the row, the second with the column, the second half repeats.
-        Computed per call in float32 (no buffer: the loaders build the model on the meta device)."""
-        cfg = self.cfg
-        m = cfg.spatial_merge_size
-        rows, columns = [], []
-        for t, h, w in grid_thw:
-            # Patches come merge block by merge block: [h / m, w / m, m, m], row-major within each.
-            row = torch.arange(h).view(h // m, 1, m, 1).expand(h // m, w // m, m, m).flatten()
-            column = torch.arange(w).view(1, w // m, 1, m).expand(h // m, w // m, m, m).flatten()
-            rows.append(row.repeat(t))
-            columns.append(column.repeat(t))
-        positions = torch.stack([torch.cat(rows), torch.cat(columns)], dim=1).to(order.device)  # [N, 2]
-        spatial_dim = cfg.head_dim // 2  # each axis's frequencies: every other one of half a head
-        exponents = torch.arange(0, spatial_dim, 2, dtype=torch.float32, device=order.device) / spatial_dim
-        freqs = positions[..., None].float() * (1.0 / cfg.rope_theta**exponents)  # [N, 2, head_dim / 4]
-        half = freqs.shape[-1] * 2
-        cos, sin = (f.flatten(1).repeat(1, 2)[order] for f in (freqs.cos(), freqs.sin()))  # [N, head_dim]
-        signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        return cos.unsqueeze(1), signed_sin.unsqueeze(1)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors named relative to the tower (see the class docstring); returns the
         parameter names filled."""
         return copy_named(dict(self.named_parameters()), weights)
+
+
+def vision_rope(grid_thw: list[tuple[int, int, int]], merge: int, head_dim: int, theta: float,
+                order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [N, 1, head_dim] of each patch's (row, column), in `order`: the first quarter
+    of each head's frequencies turn with the row, the second with the column, the second half repeats.
+    Computed per call in float32 (no buffer: the loaders build the model on the meta device)."""
+    rows, columns = [], []
+    for t, h, w in grid_thw:
+        # Patches come merge block by merge block: [h / m, w / m, m, m], row-major within each.
+        row = torch.arange(h).view(h // merge, 1, merge, 1).expand(h // merge, w // merge, merge, merge).flatten()
+        column = torch.arange(w).view(1, w // merge, 1, merge).expand(h // merge, w // merge, merge, merge).flatten()
+        rows.append(row.repeat(t))
+        columns.append(column.repeat(t))
+    positions = torch.stack([torch.cat(rows), torch.cat(columns)], dim=1).to(order.device)  # [N, 2]
+    spatial_dim = head_dim // 2  # each axis's frequencies: every other one of half a head
+    exponents = torch.arange(0, spatial_dim, 2, dtype=torch.float32, device=order.device) / spatial_dim
+    freqs = positions[..., None].float() * (1.0 / theta**exponents)  # [N, 2, head_dim / 4]
+    half = freqs.shape[-1] * 2
+    cos, sin = (f.flatten(1).repeat(1, 2)[order] for f in (freqs.cos(), freqs.sin()))  # [N, head_dim]
+    signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+    return cos.unsqueeze(1), signed_sin.unsqueeze(1)
 
 
 def window_order(grid_thw: list[tuple[int, int, int]], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:

@@ -70,10 +70,12 @@ class MediaSpan:
 @dataclass(slots=True)
 class MediaStep:
     """What a media model's prepare_media made of a step: rows whose input embedding is replaced (an
-    image's placeholders: row indices and embeddings), and multimodal rope positions [3, num_tokens]."""
+    image's placeholders: row indices and embeddings), multimodal rope positions [3, num_tokens], and
+    what the same rows add to the outputs of the first decoder layers (Qwen3-VL's deepstack)."""
 
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     rope_positions: torch.Tensor | None = None
+    deepstack: list[torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -97,6 +99,7 @@ class ForwardContext:
     positions: torch.Tensor | None = None  # [num_tokens], each row's position in its sequence
     media: list[MediaSpan] | None = None  # a media model's requests of the step, in row order
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # MediaStep.embeds
+    deepstack: list[torch.Tensor] | None = None  # MediaStep.deepstack, for embeds' rows
     sliding_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) rows of the sliding layers' rope
     group_attn: list[AttentionMetadata] = field(default_factory=list)  # KV groups 1, 2, ...' metadata
     # The rows whose hidden states the step reads (the sampled ones), None: every row (prompt logprobs,

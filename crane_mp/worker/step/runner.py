@@ -100,7 +100,8 @@ class ModelRunner:
         self.sliding_rope = (rope_tables(self.config, max_positions, self.dtype, self.device, sliding=True)
                              if self.config.layout.sliding_rope is not None else None)
         section = self.config.mrope_section
-        self.mrope_columns = mrope_columns(section).to(self.device) if section else None
+        self.mrope_columns = (mrope_columns(section, self.config.mrope_interleaved).to(self.device)
+                              if section else None)
         self.grammars = grammars
         self.sampler = Sampler(model.logits_size, platform, grammars)  # an encoder's stub: 1
         self.requests: dict[int, RequestMirror] = {}
@@ -428,8 +429,8 @@ class ModelRunner:
         else:
             cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
         ctx = ForwardContext(meta, cos, sin, lora, decodes + prefills, pos, media,
-                             step.embeds if step is not None else None, self.sliding_rope_rows(pos), group_meta,
-                             needed_rows, states)
+                             step.embeds if step is not None else None, step.deepstack if step is not None else None,
+                             self.sliding_rope_rows(pos), group_meta, needed_rows, states)
         with forward_context(ctx):
             return self.model(ids)  # [T, hidden]
 
