@@ -77,7 +77,8 @@ class FrontendState:
         model_dir = Path(self.config.engine.model_path)
         arch = checkpoint_architecture(model_dir, self.config.engine.model_type,
                                        self.config.engine.model_impl) if model_dir.is_dir() else None
-        if arch is not None and arch.media == "image":
+        # A vision-language checkpoint without its image processor's settings serves text only.
+        if arch is not None and arch.media == "image" and (model_dir / "preprocessor_config.json").is_file():
             self.image_processor = load_image_processor(model_dir)
         if self.config.engine.task == "transcribe":
             self.speech = load_speech_model(model_dir)

@@ -363,6 +363,10 @@ def _whisper_config(hf_config: Any, model_dir: Path | None) -> ModelConfig:
     )
 
 
+# transformers' sections where a config names none (the interleaved ones need not fill the rotary dims).
+_MROPE_DEFAULTS = {"qwen3_vl": (24, 20, 20), "qwen3_5_vl": (11, 11, 10), "qwen3_5_moe_vl": (11, 11, 10)}
+
+
 def _vision_language_config(hf_config: Any, arch: str, model_dir: Path | None) -> ModelConfig:
     """The language model's facts from text_config (as its text family's row reads them), with its
     multimodal rope sections where the family has them; the vision tower reads vision_config from
@@ -371,9 +375,9 @@ def _vision_language_config(hf_config: Any, arch: str, model_dir: Path | None) -
     row = ARCHITECTURES[arch]
     config = model_config_from_hf(text, row.text_arch, model_dir)
     _, rope_params = _rope(text)
-    section = rope_params.get("mrope_section")
+    section = rope_params.get("mrope_section") or _MROPE_DEFAULTS.get(arch)
     rotary_dim = config.layout.rotary_dim or config.head_dim
-    if row.mrope and (not section or sum(section) * 2 != rotary_dim):
+    if row.mrope == "sections" and (not section or sum(section) * 2 != rotary_dim):
         raise UnsupportedModelError(f"{arch} needs rope mrope_section summing to its {rotary_dim} rotary dims / 2, "
                                     f"not {section}")
     return dataclasses.replace(

@@ -99,9 +99,10 @@ def test_a_hybrid_recurrent_model_is_refused_at_start_by_name(tmp_path):
 
 
 def test_a_qwen3_5_checkpoint_serves_its_text_with_a_state_pool_and_refuses_images(tmp_path):
-    """A Qwen3.5 checkpoint as released (vision tower, multi-token-prediction layer): its text through
-    /generate gives transformers' tokens; /server_info and the start-up line give the state pool, whose
-    bytes per sequence are its linear-attention layers' states; an image is refused by name."""
+    """A Qwen3.5 checkpoint as released (vision tower, multi-token-prediction layer) but without its image
+    processor's settings: its text through /generate gives transformers' tokens; /server_info and the
+    start-up line give the state pool, whose bytes per sequence are its linear-attention layers'
+    states; an image is refused by name (test_vision_language serves its images)."""
     path = make_zoo_model("qwen3_5", tmp_path / "qwen3_5")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (140, 6)]
@@ -126,6 +127,6 @@ def test_a_qwen3_5_checkpoint_serves_its_text_with_a_state_pool_and_refuses_imag
     assert info["state_bytes_per_seq"] == linear * 4 * (conv + recurrent)  # float32 both
     assert info["state_slots"] == 4 and info["state_pool_bytes"] == 4 * info["state_bytes_per_seq"]
     ready = next(line for line in (tmp_path / "server.log").read_text().splitlines() if "ready in" in line)
-    assert "arch=qwen3_5 " in ready and "state_pool=" in ready and "(4 sequences of" in ready
+    assert "arch=qwen3_5_vl " in ready and "state_pool=" in ready and "(4 sequences of" in ready
     assert "prefix_cache=off" in ready
     assert refused.status_code == 400 and "image" in refused.json()["error"]["message"]

@@ -1,6 +1,7 @@
-"""Images in chat through the real server (Qwen2.5-VL, tiny random weights): greedy tokens equal
-transformers' generate on the processor's inputs for 1-3 images, in a batch with text-only requests and
-under preemption; the prefix cache shares blocks of the same image only; bad images are 400s."""
+"""Images in chat through the real server (Qwen2.5-VL, Qwen3-VL and Qwen3.5, tiny random weights): greedy
+tokens equal transformers' generate on the processor's inputs for 1-3 images, in a batch with text-only
+requests and under preemption; the prefix cache shares blocks of the same image only; bad images are
+400s."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import numpy as np
 import pytest
 import requests
 import torch
+import transformers
 from PIL import Image
 
-from crane_mp.testing.make_vl import make_vl, reference_processor
+from crane_mp.testing.make_vl import FAMILIES, make_vl, reference_processor
 from tests.integration.server import Server, free_port
 
 pytestmark = pytest.mark.slow
@@ -59,12 +61,16 @@ def model_dir(tmp_path_factory):
     return make_vl(tmp_path_factory.mktemp("vl") / "model")
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory):
+    return make_vl(tmp_path_factory.mktemp(request.param) / "model", family=request.param)
 
-    processor = reference_processor(model_dir)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+@pytest.fixture(scope="module")
+def reference(family_dir):
+    config = transformers.AutoConfig.from_pretrained(family_dir)
+    processor = reference_processor(family_dir)
+    model = getattr(transformers, config.architectures[0]).from_pretrained(family_dir, dtype=torch.float32).eval()
     out = {}
     for images, text in JOBS:
         parts = content([], text)
@@ -99,11 +105,11 @@ async def chat_all(url: str, jobs, queued=None) -> list[dict]:
 
 
 def test_greedy_tokens_equal_transformers_with_images_in_mixed_batches_and_under_preemption(
-        model_dir, reference, tmp_path):
+        family_dir, reference, tmp_path):
     # Chunks of 16 tokens split every image's placeholders over steps.
     for extra in (["--max-num-batched-tokens", "16", "--max-concurrent", "4"],
                   ["--max-total-tokens", "100", "--block-size", "4", "--max-concurrent", "6"]):
-        server = Server(model_dir, *extra, log_path=tmp_path / f"log{extra[0]}")
+        server = Server(family_dir, *extra, log_path=tmp_path / f"log{extra[0]}")
         try:
             preempting = extra[0] == "--max-total-tokens"
             # In the jobs' order two prompts that fit together outgrow the 100-token cache (a preemption).

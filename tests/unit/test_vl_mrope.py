@@ -1,5 +1,5 @@
 """Qwen2.5-VL's multimodal rope: our positions against transformers' get_rope_index, and our composed
-cos/sin tables against its rotary embedding, bit for bit."""
+cos/sin tables against its rotary embedding, bit for bit; Qwen3-VL's interleaved sections too."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen2_5_VLConfig
+from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel, Qwen2_5_VLRotaryEmbedding, rotate_half
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLTextRotaryEmbedding
 
 from crane_mp.models.layouts import DecoderLayout
 from crane_mp.mrope import mrope_positions
@@ -20,8 +21,14 @@ IMAGE = 9
 MERGE = 2
 
 
-@pytest.fixture(scope="module")
-def reference():
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def reference(request):
+    if request.param == "qwen3_vl":  # the same positions for images (per-frame grids differ only for video)
+        return Qwen3VLModel(Qwen3VLConfig(
+            text_config={"vocab_size": 16, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1,
+                         "num_key_value_heads": 1, "intermediate_size": 16, "head_dim": 16},
+            vision_config={"depth": 1, "hidden_size": 8, "num_heads": 1, "intermediate_size": 8,
+                           "out_hidden_size": 16, "num_position_embeddings": 4}, image_token_id=IMAGE))
     config = Qwen2_5_VLConfig(
         text_config={"vocab_size": 16, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1,
                      "num_key_value_heads": 1, "intermediate_size": 16},
@@ -49,7 +56,6 @@ def _prompt(parts: list) -> tuple[list[int], list[tuple[int, int, int, int]]]:
     [3, (1, 10, 4), 2, (1, 6, 6), 1, (1, 2, 14), 4],  # three images, text between and after
     [(1, 8, 8), 3],  # the prompt opens with an image
     [4, (1, 6, 10)],  # and ends with one
-    [6, (2, 4, 6), 3],  # two temporal patches
     [9],  # text only
 ])
 def test_positions_and_delta_equal_get_rope_index(reference, parts):
@@ -106,6 +112,42 @@ def test_composed_tables_equal_the_rotary_embedding(head_dim, section):
     q = torch.randn(num_tokens, heads, head_dim)
     q_embed = q * ref_cos[0, :, None] + rotate_half(q) * ref_sin[0, :, None]
     assert torch.equal(apply_rope(q, cos, signed_sin), q_embed)
+
+
+def test_two_temporal_patches_equal_qwen2_5_vl():
+    ids, images = _prompt([6, (2, 4, 6), 3])
+    positions, delta = mrope_positions(ids, images, MERGE)
+    model = Qwen2_5_VLModel(Qwen2_5_VLConfig(
+        text_config={"vocab_size": 16, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1,
+                     "num_key_value_heads": 1, "intermediate_size": 16},
+        vision_config={"depth": 1, "hidden_size": 8, "num_heads": 1, "intermediate_size": 8, "out_hidden_size": 16},
+        image_token_id=IMAGE))
+    input_ids = torch.tensor([ids])
+    expected, deltas = model.get_rope_index(input_ids, (input_ids == IMAGE).int(), image_grid_thw=torch.tensor([[2, 4, 6]]))
+    assert positions.tolist() == expected[:, 0].tolist() and delta == int(deltas[0, 0])
+
+
+@pytest.mark.parametrize("head_dim,rotary,section", [(32, 32, [6, 5, 5]), (128, 128, [24, 20, 20]),
+                                                     (64, 32, [6, 5, 5])])  # Qwen3.5: rope on part of the head
+def test_interleaved_sections_equal_qwen3_vl_rotary_embedding(head_dim, rotary, section):
+    heads, theta = 2, 5000000.0
+    params = {"rope_type": "default", "mrope_section": section, "rope_theta": theta, "mrope_interleaved": True}
+    if rotary != head_dim:
+        params["partial_rotary_factor"] = rotary / head_dim
+    config = Qwen3VLConfig(text_config={"hidden_size": 64, "num_attention_heads": heads, "head_dim": head_dim,
+                                        "num_key_value_heads": 1, "rope_parameters": params}).text_config
+    reference = Qwen3VLTextRotaryEmbedding(config)
+    reference.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary, 2, dtype=torch.float) / rotary))  # Qwen3.5's
+    num_tokens = 211
+    positions = torch.randint(0, 8000, (3, num_tokens), generator=torch.Generator().manual_seed(0))
+    ref_cos, ref_sin = reference(torch.zeros(1, num_tokens, 1), positions[:, None])
+    ours = SimpleNamespace(rope_parameters=params, head_dim=head_dim, rope_theta=theta, hf_config=config,
+                           layout=DecoderLayout(rotary_dim=rotary if rotary != head_dim else None))
+    table_cos, table_sin = rope_tables(ours, 8192, torch.float32, torch.device("cpu"))
+    cos, signed_sin = mrope_cos_sin(table_cos, table_sin, positions, mrope_columns(section, interleaved=True))
+    assert cos.shape == (num_tokens, 1, rotary)
+    assert torch.equal(cos[:, 0], ref_cos[0]) and torch.equal(signed_sin[:, 0].abs(), ref_sin[0].abs())
+    assert mrope_columns(section, interleaved=True)[: 3 * min(section)].tolist() == [0, 1, 2] * min(section)
 
 
 def test_equal_positions_give_the_one_position_rows():

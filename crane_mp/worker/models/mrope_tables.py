@@ -6,13 +6,15 @@ from __future__ import annotations
 import torch
 
 
-def mrope_columns(mrope_section: list[int] | tuple[int, ...], interleaved: bool = False) -> torch.Tensor:
-    """Which position (0 temporal, 1 height, 2 width) each of the head's rotary columns follows.
+def mrope_columns(mrope_section: list[int] | tuple[int, ...], interleaved: bool = False,
+                  rotary_dim: int | None = None) -> torch.Tensor:
+    """Which position (0 temporal, 1 height, 2 width) each of the `rotary_dim` rope columns follows.
 
     The sections split the first half, frequency by frequency, and the second half repeats them
     (rotate-half layout), as transformers' recomposition_frequencies does. In three runs (Qwen2.5-VL,
-    which cycles m[i % 3]), or interleaved (Qwen3-VL: frequency 3j + 1 follows the height for
-    j < s1, 3j + 2 the width for j < s2, every other the time):
+    which cycles m[i % 3]; they fill the half), or interleaved (Qwen3-VL: frequency 3j + 1 follows
+    the height for j < s1, 3j + 2 the width for j < s2, every other frequency the time, whatever the
+    sections sum to):
 
         runs          [ t t t | h h h | w w ][ same ]
         interleaved   [ t h w t h w t h w t t ][ same ]
@@ -20,7 +22,7 @@ def mrope_columns(mrope_section: list[int] | tuple[int, ...], interleaved: bool 
     if not interleaved:
         half = torch.cat([torch.full((size,), i % 3, dtype=torch.int64) for i, size in enumerate(mrope_section)])
         return torch.cat([half, half])
-    half = torch.zeros(sum(mrope_section), dtype=torch.int64)
+    half = torch.zeros((rotary_dim or 2 * sum(mrope_section)) // 2, dtype=torch.int64)
     for axis in (1, 2):
         half[axis : mrope_section[axis] * 3 : 3] = axis
     return torch.cat([half, half])

@@ -45,7 +45,7 @@ class Qwen3VisionConfig:
         raw = config if isinstance(config, dict) else config.to_dict()
         values = {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
         values["deepstack_visual_indexes"] = tuple(values.get("deepstack_visual_indexes") or ())
-        values["rope_theta"] = float((raw.get("rope_parameters") or {}).get("rope_theta", cls.rope_theta))
+        values["rope_theta"] = float((raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         return cls(**values)
 
     @property

@@ -100,7 +100,7 @@ class ModelRunner:
         self.sliding_rope = (rope_tables(self.config, max_positions, self.dtype, self.device, sliding=True)
                              if self.config.layout.sliding_rope is not None else None)
         section = self.config.mrope_section
-        self.mrope_columns = (mrope_columns(section, self.config.mrope_interleaved).to(self.device)
+        self.mrope_columns = (mrope_columns(section, self.config.mrope_interleaved, self.cos.shape[-1]).to(self.device)
                               if section else None)
         self.grammars = grammars
         self.sampler = Sampler(model.logits_size, platform, grammars)  # an encoder's stub: 1
