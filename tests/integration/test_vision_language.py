@@ -214,3 +214,71 @@ def test_urls_from_an_allowed_host_are_fetched(model_dir, tmp_path):
         assert served == ["/cat.png"]
     finally:
         assert server.stop() == 0
+
+
+def test_the_same_images_give_the_same_tokens_through_every_api(model_dir, tmp_path):
+    """Chat (the openai SDK), Responses (input_image), Anthropic Messages (the anthropic SDK; base64
+    and URL sources) and SGLang /generate (image_data at the prompt's image tokens): one answer."""
+    import anthropic
+    import openai
+    from aiohttp import web
+
+    encoded = [base64.b64encode(png(IMAGES[i])).decode() for i in (1, 2)]
+    port = free_port()
+    server = Server(model_dir, "--allowed-media-domains", "localhost", "--allowed-media-ports", str(port),
+                    "--allow-private-media-addresses", log_path=tmp_path / "log")
+
+    async def picture(request):
+        return web.Response(body=png(IMAGES[2]), content_type="image/png")
+
+    async def serve_picture_and_ask_anthropic(model: str) -> tuple[object, int]:
+        app = web.Application()
+        app.router.add_get("/two.png", picture)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            client = anthropic.AsyncAnthropic(base_url=server.url, api_key="none")
+            message = await client.messages.create(model=model, max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
+                {"role": "user", "content": [
+                    {"type": "text", "text": "look"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded[0]}},
+                    {"type": "image", "source": {"type": "url", "url": f"http://localhost:{port}/two.png"}},
+                    {"type": "text", "text": "what"}]}])
+            counted = await client.messages.count_tokens(model=model, messages=[
+                {"role": "user", "content": [
+                    {"type": "text", "text": "look"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded[0]}},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded[1]}},
+                    {"type": "text", "text": "what"}]}])
+            return message, counted.input_tokens
+        finally:
+            await runner.cleanup()
+
+    try:
+        model = requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        chat = openai.OpenAI(base_url=server.url + "/v1", api_key="none").chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content([1, 2])}], max_tokens=MAX_TOKENS,
+            temperature=0, extra_body={"return_token_ids": True, "min_tokens": MAX_TOKENS})
+        expected, prompt_tokens = chat.choices[0].token_ids, chat.usage.prompt_tokens
+        text = chat.choices[0].message.content
+        response = openai.OpenAI(base_url=server.url + "/v1", api_key="none").responses.create(
+            model=model, max_output_tokens=MAX_TOKENS, temperature=0, input=[{"role": "user", "content": [
+                {"type": "input_text", "text": "look"},
+                *({"type": "input_image", "image_url": data_url(png(IMAGES[i]))} for i in (1, 2)),
+                {"type": "input_text", "text": "what"}]}])
+        message, counted = asyncio.run(serve_picture_and_ask_anthropic(model))
+        prompt = requests.post(server.url + "/tokenize", timeout=30, json={
+            "messages": [{"role": "user", "content": content([1, 2])}]}).json()
+        generated = requests.post(server.url + "/generate", timeout=60, json={
+            "input_ids": prompt["tokens"], "image_data": [encoded[0], data_url(png(IMAGES[2]))],
+            "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}}).json()
+        wrong = requests.post(server.url + "/generate", timeout=30, json={
+            "text": "no image token here", "image_data": encoded[0], "sampling_params": {"max_new_tokens": 2}})
+    finally:
+        assert server.stop() == 0
+    assert response.output_text == text and response.usage.input_tokens == prompt_tokens
+    assert message.content[0].text == text and counted == prompt_tokens
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == prompt_tokens  # Anthropic's split
+    assert generated["output_ids"] == expected and generated["meta_info"]["prompt_tokens"] == prompt_tokens
+    assert wrong.status_code == 400 and "image_data" in wrong.text and "<|image_pad|>" in wrong.text

@@ -12,15 +12,16 @@ from dataclasses import dataclass
 import pytest
 
 from crane_mp.frontend.anthropic.answers import MessageDraft, MessagesStream, content_blocks, stop_reason
-from crane_mp.frontend.anthropic.schemas import MessagesRequest, chat_messages
+from crane_mp.frontend.anthropic.schemas import MessagesRequest, chat_messages, image_source_url
 from crane_mp.frontend.openai.schemas import decode_body
 from crane_mp.frontend.responses import store as response_store
 from crane_mp.frontend.responses.answers import ResponseDraft, ResponsesStream, output_items, text_logprobs
-from crane_mp.frontend.responses.schemas import input_messages
+from crane_mp.frontend.responses.schemas import input_image_url, input_messages
 from crane_mp.frontend.responses.store import ResponseStore, new_response_id
 from crane_mp.frontend.serving.answers import ReasoningReading, ToolReading, read_whole
 from crane_mp.frontend.serving.generation import Delta
 from crane_mp.frontend.serving.logprobs_format import TokenText
+from crane_mp.frontend.serving.message_parts import ImageParts, stored_images
 from crane_mp.frontend.serving.reasoning import THINKING as THINKING_MODE
 from crane_mp.frontend.tools.formats import FORMATS
 from crane_mp.frontend.web.errors import ApiError
@@ -133,6 +134,22 @@ def test_responses_input_items_become_chat_turns():
         input_messages([{"type": "item_reference", "id": "x"}])
 
 
+def test_responses_input_images_are_collected_in_order_and_kept_for_a_follow_up():
+    images = ImageParts(("input_image",), input_image_url)
+    messages = input_messages([{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"},
+        {"type": "input_text", "text": "and"}, {"type": "input_image", "image_url": {"url": "https://x/y.png"}}]}],
+        images)
+    assert messages[0]["content"] == [{"type": "image", "url": "data:image/png;base64,AAAA"},
+                                      {"type": "text", "text": "and"}, {"type": "image", "url": "https://x/y.png"}]
+    assert images.found == [("input[0].content[0]", "data:image/png;base64,AAAA"),
+                            ("input[0].content[2]", "https://x/y.png")]
+    assert stored_images(messages, "earlier") == [("earlier", url) for _, url in images.found]
+    with pytest.raises(ApiError, match=r"input\[0\].content\[0\]: an input_image needs image_url"):
+        input_messages([{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}],
+                       ImageParts(("input_image",), input_image_url))
+
+
 def test_anthropic_turns_become_chat_turns():
     req = decode_body(json.dumps({"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "sys"}],
                                   "messages": [
@@ -153,6 +170,24 @@ def test_anthropic_turns_become_chat_turns():
         {"role": "user", "content": [{"type": "image", "source": {}}]}]}).encode(), MessagesRequest)
     with pytest.raises(ApiError, match="'image' blocks are not supported"):
         chat_messages(image)
+
+
+def test_anthropic_image_blocks_keep_their_place_among_the_text():
+    req = decode_body(json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "/9j/"}},
+        {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}]}).encode(), MessagesRequest)
+    images = ImageParts(("image",), image_source_url)
+    assert chat_messages(req, images)[0]["content"] == [
+        {"type": "text", "text": "a"}, {"type": "image", "url": "data:image/jpeg;base64,/9j/"},
+        {"type": "image", "url": "https://x/y.png"}]
+    assert [where for where, _ in images.found] == ["messages[0].content[1]", "messages[0].content[2]"]
+    for source, error in (({"type": "file", "file_id": "f"}, "'file' image sources are not supported"),
+                          ({"type": "base64", "data": "AA"}, r"source.media_type must be a string")):
+        bad = decode_body(json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": source}]}]}).encode(), MessagesRequest)
+        with pytest.raises(ApiError, match=error):
+            chat_messages(bad, ImageParts(("image",), image_source_url))
 
 
 def test_the_store_keeps_the_newest_within_its_bounds(tmp_path, monkeypatch):

@@ -158,13 +158,25 @@ def _add_parts(message: dict, parts: list[dict]) -> None:
     message["content"] = content + parts
 
 
+_IMAGE_PART_TYPES = ("image_url", "input_image", "image")  # chat's, the Responses API's, Anthropic's
+
+
 def _refuses_an_image(body: dict, text: str) -> bool:
-    """The answer is a 400 naming an image part of the body: no schema says what a URL must hold."""
-    parts = [f"messages[{i}].content[{j}]" for i, message in enumerate(body.get("messages") or [])
-             if isinstance(message.get("content"), list)
-             for j, part in enumerate(message["content"]) if part.get("type") == "image_url"]
-    message = json.loads(text)["error"]["message"]
-    return any(message.startswith(f"{where}:") or message.endswith(f" at {where}") for where in parts)
+    """The answer is a 400 naming an image of the body (a part, or SGLang's image_data), or saying the
+    model takes none: no schema says what a URL must hold, nor which models take images."""
+    parts = [f"{field}[{i}].content[{j}]" for field in ("messages", "input")
+             for i, message in enumerate(body.get(field) if isinstance(body.get(field), list) else [])
+             if isinstance(message, dict) and isinstance(message.get("content"), list)
+             for j, part in enumerate(message["content"])
+             if isinstance(part, dict) and part.get("type") in _IMAGE_PART_TYPES]
+    if body.get("image_data"):
+        parts.append("image_data")
+    error = json.loads(text)["error"]
+    message = error["message"]
+    if parts and "takes no images" in message:
+        return True
+    return any(message.startswith((f"{where}:", f"{where} ")) or message.endswith(f" at {where}") or
+               where == error.get("param") for where in parts)
 
 
 @pytest.mark.slow  # 300 generated bodies through the whole frontend: the full run's hardening check

@@ -123,7 +123,8 @@ def test_two_temporal_patches_equal_qwen2_5_vl():
         vision_config={"depth": 1, "hidden_size": 8, "num_heads": 1, "intermediate_size": 8, "out_hidden_size": 16},
         image_token_id=IMAGE))
     input_ids = torch.tensor([ids])
-    expected, deltas = model.get_rope_index(input_ids, (input_ids == IMAGE).int(), image_grid_thw=torch.tensor([[2, 4, 6]]))
+    grids = torch.tensor([[2, 4, 6]])
+    expected, deltas = model.get_rope_index(input_ids, (input_ids == IMAGE).int(), image_grid_thw=grids)
     assert positions.tolist() == expected[:, 0].tolist() and delta == int(deltas[0, 0])
 
 

@@ -15,12 +15,19 @@ from crane_mp.frontend.anthropic.answers import (
     stop_reason,
     usage,
 )
-from crane_mp.frontend.anthropic.schemas import CountTokensRequest, MessagesFields, MessagesRequest, chat_messages
+from crane_mp.frontend.anthropic.schemas import (
+    CountTokensRequest,
+    MessagesFields,
+    MessagesRequest,
+    chat_messages,
+    image_source_url,
+)
 from crane_mp.frontend.openai.schemas import function_tool
 from crane_mp.frontend.serving.answers import read_whole
-from crane_mp.frontend.serving.chat_core import ChatAsk, named_tool, prepare_chat, render_prompt
+from crane_mp.frontend.serving.chat_core import ChatAsk, named_tool, prepare_chat, prompt_with_images
 from crane_mp.frontend.serving.choices import Collected
 from crane_mp.frontend.serving.generation import Generation
+from crane_mp.frontend.serving.message_parts import ImageParts
 from crane_mp.frontend.serving.pipeline import serve
 from crane_mp.frontend.serving.structured import Constraint
 from crane_mp.frontend.state import STATE, FrontendState
@@ -52,8 +59,9 @@ def _ask(req: MessagesFields, params: SamplingParams, max_tokens: int | None, na
     constraint = None
     if req.output_config is not None and req.output_config.format is not None:
         constraint = Constraint.json_schema(req.output_config.format.schema, "output_config.format.schema")
-    return ChatAsk(chat_messages(req), params, max_tokens, name, tools, choice, parallel, constraint,
-                   chat_template_kwargs=template, thinking_budget=budget)
+    images = ImageParts(("image",), image_source_url)
+    return ChatAsk(chat_messages(req, images), params, max_tokens, name, tools, choice, parallel, constraint,
+                   chat_template_kwargs=template, thinking_budget=budget, images=images.found)
 
 
 @api.add("post", "/v1/messages", body=MessagesRequest, requires=FrontendState.require_generative,
@@ -90,5 +98,5 @@ async def create_message(request: web.Request, req: MessagesRequest) -> web.Stre
 async def count_tokens(request: web.Request, req: CountTokensRequest) -> web.Response:
     state = request.app[STATE]
     resolve_model(state, req.model)
-    rendered = await render_prompt(state, _ask(req, SamplingParams(), None, ""))
-    return json_response({"input_tokens": len(rendered.ids)})
+    _, input_ids, _ = await prompt_with_images(state, _ask(req, SamplingParams(), None, ""))
+    return json_response({"input_tokens": len(input_ids)})

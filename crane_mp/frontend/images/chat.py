@@ -18,15 +18,15 @@ from crane_mp.frontend.web.errors import ApiError
 from crane_mp.protocol import MediaInput
 
 
-def check_takes_images(state: FrontendState, count: int) -> None:
+def check_takes_images(state: FrontendState, count: int, param: str = "messages") -> None:
     """The model takes `count` images in one request; checked before any is fetched or decoded, which all
     run at once and before the prompt's length is known."""
     if count and state.image_processor is None:
-        raise ApiError(400, f"model {state.model_name!r} takes no images; send text parts only", "messages")
+        raise ApiError(400, f"model {state.model_name!r} takes no images; send text only", param)
     limit = state.config.max_images_per_request
     if count > limit:
         raise ApiError(400, f"the request holds {count} images; this server takes at most {limit} "
-                            "(--max-images-per-request)", "messages")
+                            "(--max-images-per-request)", param)
 
 
 async def load_images(state: FrontendState, urls: list[tuple[str, str]]) -> list[ImageInput]:
@@ -51,13 +51,17 @@ def record_images(state: FrontendState, count: int) -> None:
     state.metrics.media_received(images=count)
 
 
-def place_images(state: FrontendState, ids: list[int], images: list[ImageInput]) -> tuple[list[int], list[MediaInput]]:
+def place_images(state: FrontendState, ids: list[int], images: list[ImageInput],
+                 param: str = "messages") -> tuple[list[int], list[MediaInput]]:
     """The prompt with each image's one placeholder repeated for its patches, and the images as the
     engine takes them."""
     token = state.image_processor.image_token_id
     if ids.count(token) != len(images):
+        why = ("message text may not contain the image token" if param == "messages" else
+               f"the prompt needs one {state.tokenizer.decode([token], skip_special_tokens=False)!r} per image, "
+               "where the image goes")
         raise ApiError(400, f"the prompt holds {ids.count(token)} image placeholders for {len(images)} images: "
-                            "message text may not contain the image token", "messages")
+                            f"{why}", param)
     expanded, spans = expand_image_tokens(ids, token, [image.num_tokens for image in images])
     media = [MediaInput("image", image.key, list(image.pixel_values.shape), image.pixel_values.tobytes(), offset,
                         count, list(image.grid_thw)) for image, (offset, count) in zip(images, spans)]

@@ -9,12 +9,13 @@ from aiohttp import web
 
 from crane_mp.frontend.openai.schemas import effort_kwargs, function_tool
 from crane_mp.frontend.responses.answers import ResponseDraft, ResponsesStream, output_items, text_logprobs, usage
-from crane_mp.frontend.responses.schemas import ResponsesRequest, input_messages
+from crane_mp.frontend.responses.schemas import ResponsesRequest, input_image_url, input_messages
 from crane_mp.frontend.responses.store import new_response_id
 from crane_mp.frontend.serving.answers import read_whole
 from crane_mp.frontend.serving.chat_core import ChatAsk, named_tool, prepare_chat
 from crane_mp.frontend.serving.choices import Collected
 from crane_mp.frontend.serving.generation import Generation
+from crane_mp.frontend.serving.message_parts import ImageParts, stored_images
 from crane_mp.frontend.serving.pipeline import serve
 from crane_mp.frontend.serving.structured import Constraint
 from crane_mp.frontend.state import STATE, FrontendState
@@ -38,7 +39,8 @@ async def create_response(request: web.Request, req: ResponsesRequest) -> web.St
             raise ApiError(404, f"previous response {req.previous_response_id!r} not found (responses are kept "
                                 "until the server restarts, the newest 1,024 at most)", "previous_response_id")
         history = record["messages"]
-    conversation = [*history, *input_messages(req.input)]
+    images = ImageParts(("input_image",), input_image_url)
+    conversation = [*history, *input_messages(req.input, images)]
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     tools = [function_tool(t.name, t.description, t.parameters, t.strict) for t in req.tools or []] or None
     choice = req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None \
@@ -49,7 +51,8 @@ async def create_response(request: web.Request, req: ResponsesRequest) -> web.St
     token_text = state.tokenizer.token_text if req.logprobs is not None else None
     ask = ChatAsk([*system, *conversation], params, req.max_output_tokens, response_id, tools, choice,
                   req.parallel_tool_calls, _constraint(req),
-                  chat_template_kwargs=effort_kwargs(req.reasoning.effort if req.reasoning else None, None))
+                  chat_template_kwargs=effort_kwargs(req.reasoning.effort if req.reasoning else None, None),
+                  images=stored_images(history, "previous_response_id's input") + images.found)
     chat = await prepare_chat(state, ask)
     echoed = {
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from crane_mp.frontend.openai.schemas import FunctionName, arguments_object
-from crane_mp.frontend.serving.message_parts import string_field, text_content
+from crane_mp.frontend.serving.message_parts import ImageParts, string_field, text_content
 from crane_mp.frontend.web.errors import ApiError
 from crane_mp.frontend.web.fields import PositiveCount, Temperature, TopLogprobs, TopP
 
@@ -86,10 +86,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 _PART_TYPES = ("input_text", "output_text", "text")
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"enum": list(_PART_TYPES)}, "text": {"type": "string"}}}
+_IMAGE_PART = {"type": "object", "required": ["type", "image_url"], "properties": {
+    "type": {"const": "input_image"}, "image_url": {"type": "string", "description": "an http(s) or data: URL"},
+    "detail": {"enum": ["auto", "low", "high"]}}}
 _READ_ITEMS = [
     {"type": "object", "required": ["role", "content"], "properties": {
         "type": {"const": "message"}, "role": {"enum": ["user", "assistant", "system", "developer"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART]}}]}}},
     {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
         "type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
         "arguments": {"type": "string"}}},
@@ -106,9 +109,21 @@ INPUT_SCHEMA = {"anyOf": [{"type": "string"}, {
                                        "properties": {"type": {"const": "reasoning"}}}]}}]}
 
 
-def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_image_url(part: dict[str, Any], where: str) -> str:
+    """An input_image part's URL (detail is accepted: the model's processor sizes every image)."""
+    url = part.get("image_url")
+    if isinstance(url, dict):  # the chat API's spelling, as some clients send it here too
+        url = url.get("url")
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, f"{where}: an input_image needs image_url (an http(s) or data: URL); file_id is not "
+                            "supported", "input")
+    return url
+
+
+def input_messages(value: str | list[dict[str, Any]], images: ImageParts | None = None) -> list[dict[str, Any]]:
     """`input` as chat-template messages: consecutive function calls become one assistant turn's
-    tool_calls, their outputs tool turns. A 400 names the item that cannot be read."""
+    tool_calls, their outputs tool turns; input_image parts are read into `images`. A 400 names the
+    item that cannot be read."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     messages: list[dict[str, Any]] = []
@@ -119,7 +134,7 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ApiError(400, f"{where}.role must be user, assistant, system or developer", "input")
-            content = text_content(item.get("content"), f"{where}.content", "input", _PART_TYPES)
+            content = text_content(item.get("content"), f"{where}.content", "input", _PART_TYPES, images)
             messages.append({"role": role, "content": content})
         elif kind == "function_call":
             call = {"id": string_field(item, "call_id", where, "input"), "type": "function",

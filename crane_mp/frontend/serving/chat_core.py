@@ -24,7 +24,7 @@ from crane_mp.frontend.tools.forcing import forced_call_constraint
 from crane_mp.frontend.tools.formats import ToolFormat, check_tools, tool_format, tool_prompt
 from crane_mp.frontend.tools.gemma4_calls import MARKS as GEMMA4_MARKS
 from crane_mp.frontend.web.errors import ApiError
-from crane_mp.protocol import SamplingParams, ThinkingBudget
+from crane_mp.protocol import MediaInput, SamplingParams, ThinkingBudget
 
 
 def named_tool(name: str) -> NamedToolChoice:
@@ -86,15 +86,22 @@ async def render_prompt(state: FrontendState, ask: ChatAsk) -> ChatPrompt:
     return ChatPrompt(prompt, ids, fmt, mode, only)
 
 
-async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
+async def prompt_with_images(state: FrontendState, ask: ChatAsk) -> tuple[ChatPrompt, list[int], list[MediaInput]]:
+    """The rendered prompt, its token ids with each image's placeholders expanded, and the images."""
     check_takes_images(state, len(ask.images))
     images = await load_images(state, ask.images) if ask.images else []
     rendered = await render_prompt(state, ask)
-    prompt, input_ids, fmt, mode, only = rendered.text, rendered.ids, rendered.fmt, rendered.mode, rendered.only
-    media = []
-    if images:
-        input_ids, media = place_images(state, input_ids, images)
-        record_images(state, len(images))
+    if not images:
+        return rendered, rendered.ids, []
+    input_ids, media = place_images(state, rendered.ids, images)
+    return rendered, input_ids, media
+
+
+async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
+    rendered, input_ids, media = await prompt_with_images(state, ask)
+    prompt, fmt, mode, only = rendered.text, rendered.fmt, rendered.mode, rendered.only
+    if media:
+        record_images(state, len(media))
     constraint = ask.constraint
     if mode in ("required", "named"):
         if constraint is not None:

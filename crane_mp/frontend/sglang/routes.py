@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from crane_mp.frontend.images.chat import check_takes_images, load_images, place_images, record_images
 from crane_mp.frontend.openai.schemas import prompt_inputs, stop_strings
 from crane_mp.frontend.serving.choices import Collected
 from crane_mp.frontend.serving.generation import Delta, Generation
@@ -32,6 +33,7 @@ from crane_mp.frontend.state import STATE, FrontendState
 from crane_mp.frontend.web.errors import ApiError
 from crane_mp.frontend.web.http import json_response, resolve_model
 from crane_mp.frontend.web.routing import GENERATION_ERRORS, RouteTable
+from crane_mp.protocol import MediaInput
 
 api = RouteTable()
 
@@ -45,6 +47,32 @@ async def _prompts(state: FrontendState, req: SGLangGenerateRequest) -> tuple[li
         return [await prompt_ids(state, t, "text") for t in texts], isinstance(req.text, list)
     batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
     return prompt_inputs(req.input_ids, state.engine_info.vocab_size, "input_ids"), batch
+
+
+async def _images(state: FrontendState, req: SGLangGenerateRequest, prompts: list[list[int]],
+                  batch: bool) -> list[MediaInput] | None:
+    """image_data read and placed at the prompt's image tokens (each expanded to its patches in place)."""
+    if not req.image_data:
+        return None
+    data = [req.image_data] if isinstance(req.image_data, str) else req.image_data
+    if batch:
+        raise ApiError(400, "image_data goes with a single prompt, not a batch", "image_data")
+    check_takes_images(state, len(data), "image_data")
+    images = await load_images(state, [(f"image_data[{i}]", _image_url(value, f"image_data[{i}]"))
+                                       for i, value in enumerate(data)])
+    prompts[0], media = place_images(state, prompts[0], images, "image_data")
+    record_images(state, len(images))
+    return media
+
+
+def _image_url(value: str, where: str) -> str:
+    """An image_data entry as a URL: SGLang's bare base64 bytes become a data: URL; local paths are not read."""
+    if value.startswith(("data:", "http://", "https://")):
+        return value
+    if value.startswith(("/", "file:", "./", "~")):
+        raise ApiError(400, f"{where}: this server reads no local files; send an http(s) or data: URL, or the "
+                            "image's bytes in base64", "image_data")
+    return "data:image/*;base64," + value
 
 
 def _finish_reason(delta_reason: str | None, stop_reason, num_tokens: int) -> dict[str, Any] | None:
@@ -104,6 +132,7 @@ async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.Stre
     _, lora_id = resolve_model(state, req.model)
     sp = req.sampling_params or SGLangSamplingParams()
     prompts, batch = await _prompts(state, req)
+    media = await _images(state, req, prompts, batch)
     lora_ids = _lora_ids(state, req.lora_path, len(prompts), lora_id)
     logprobs = req.top_logprobs_num if req.return_logprob else None
     wants_input = req.return_logprob and req.logprob_start_len >= 0
@@ -112,7 +141,7 @@ async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.Stre
     names = _request_names(req.rid, len(prompts), sp.n)
     # max_new_tokens=0 scores the input (with return_logprob).
     plan = Plan(prompts, params, sp.max_new_tokens, "input_ids", sp.n, stop_strings(sp.stop), sp.skip_special_tokens,
-                names=names, lora_ids=lora_ids)
+                names=names, lora_ids=lora_ids, media=media)
     started = time.monotonic()
     logprob_infos: dict[int, LogprobInfo] = {}
     # SGLang's reading: a raw prompt's answer thinks from its start only where the prompt opened thinking.

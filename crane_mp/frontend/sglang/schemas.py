@@ -76,6 +76,8 @@ class SGLangGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
 
     text: NonEmptyText | Annotated[list[NonEmptyText], msgspec.Meta(min_length=1, max_length=MAX_BATCH)] | None = None
     input_ids: list[int | list[int]] | None = None  # INPUT_IDS_SCHEMA: one prompt's ids, or a batch of them
+    # A single prompt's images, in the order of its image tokens: http(s) or data: URLs, or base64 bytes.
+    image_data: str | Annotated[list[str], msgspec.Meta(max_length=MAX_BATCH)] | None = None
     sampling_params: SGLangSamplingParams | None = None
     # One name for the whole request, or one per prompt (prompts past the list get generated names).
     rid: str | list[str] | None = None
