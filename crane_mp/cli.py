@@ -7,6 +7,7 @@ A bad value fails at once with one line naming the flag, key or variable.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -27,6 +28,7 @@ from crane_mp.config import (
 )
 from crane_mp.models.config import MODEL_IMPLS, checkpoint_architecture
 from crane_mp.models.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
+from crane_mp.media_settings import pixel_settings_problem
 from crane_mp.models.pooling import POOLING_METHODS, Pooling, sentence_transformers_pooling
 from crane_mp.models.registry import MODEL_TYPE_ALIASES
 from crane_mp.models.score_head import classifies
@@ -68,6 +70,17 @@ def _lora_module(text: str) -> tuple[str, str]:
     if not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
     return name, path
+
+
+def _mm_processor_kwargs(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({err})") from None
+    problem = pixel_settings_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
 
 
 def _port(text: str) -> int:
@@ -202,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=_positive_int, default=1 << 25,
                    help="largest image (width x height) a request may send, checked from its header before "
                         "its pixels are decoded; larger ones get 400")
+    p.add_argument("--mm-processor-kwargs", type=_mm_processor_kwargs, default={},
+                   help="the image processor's pixel bounds for every image, as JSON: "
+                        "'{\"min_pixels\": 3136, \"max_pixels\": 1003520}' (vLLM's flag); a request's "
+                        "mm_processor_kwargs may lower max_pixels, not raise it (default: the checkpoint's)")
     p.add_argument("--max-audio-seconds", type=_positive_seconds, default=3600.0,
                    help="longest audio one transcription or translation request may send; longer gets 400")
     p.add_argument("--max-audio-samples", type=_positive_int,
@@ -385,6 +402,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         allow_private_media_addresses=args.allow_private_media_addresses,
         max_images_per_request=args.max_images_per_request,
         max_image_pixels=args.max_image_pixels,
+        mm_processor_kwargs=args.mm_processor_kwargs,
         max_audio_seconds=args.max_audio_seconds,
         max_audio_samples=args.max_audio_samples,
         read_timeout=args.read_timeout,

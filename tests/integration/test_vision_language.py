@@ -218,7 +218,8 @@ def test_urls_from_an_allowed_host_are_fetched(model_dir, tmp_path):
 
 def test_the_same_images_give_the_same_tokens_through_every_api(model_dir, tmp_path):
     """Chat (the openai SDK), Responses (input_image), Anthropic Messages (the anthropic SDK; base64
-    and URL sources) and SGLang /generate (image_data at the prompt's image tokens): one answer."""
+    and URL sources) and SGLang /generate (image_data at the prompt's image tokens): one answer. A
+    request's mm_processor_kwargs shrinks its images, never above the server's bounds."""
     import anthropic
     import openai
     from aiohttp import web
@@ -273,6 +274,9 @@ def test_the_same_images_give_the_same_tokens_through_every_api(model_dir, tmp_p
         generated = requests.post(server.url + "/generate", timeout=60, json={
             "input_ids": prompt["tokens"], "image_data": [encoded[0], data_url(png(IMAGES[2]))],
             "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}}).json()
+        smaller, refused = (requests.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": content([1, 2])}], "max_tokens": 1,
+            "mm_processor_kwargs": {"max_pixels": pixels}}) for pixels in (56 * 56, 10**9))
         wrong = requests.post(server.url + "/generate", timeout=30, json={
             "text": "no image token here", "image_data": encoded[0], "sampling_params": {"max_new_tokens": 2}})
     finally:
@@ -282,3 +286,5 @@ def test_the_same_images_give_the_same_tokens_through_every_api(model_dir, tmp_p
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == prompt_tokens  # Anthropic's split
     assert generated["output_ids"] == expected and generated["meta_info"]["prompt_tokens"] == prompt_tokens
     assert wrong.status_code == 400 and "image_data" in wrong.text and "<|image_pad|>" in wrong.text
+    assert smaller.json()["usage"]["prompt_tokens"] < prompt_tokens  # each image resized to at most 2 x 2 tokens
+    assert refused.status_code == 400 and "mm_processor_kwargs.max_pixels" in refused.text

@@ -173,3 +173,30 @@ def test_an_image_the_processor_refuses_is_400(checkpoint):
     with pytest.raises(ApiError) as caught:
         processor.preprocess(open_image(_encoded(Image.new("RGB", (300, 1)), "PNG"), 1 << 25, WHERE), WHERE)
     assert caught.value.status == 400 and "aspect ratio" in caught.value.message
+
+
+def test_pixel_bounds_per_server_and_per_request_equal_the_processor_given_them(checkpoint):
+    """--mm-processor-kwargs sets the server's bounds; a request's mm_processor_kwargs may lower them.
+    Either way the patches equal transformers' processor called with the same bounds."""
+    processor = reference_processor(checkpoint).image_processor
+    image = _noise(300, 260)
+    server = load_image_processor(checkpoint, {"min_pixels": 28 * 28 * 16, "max_pixels": 28 * 28 * 64})
+    expected = processor(images=[image], return_tensors="np", size={"shortest_edge": 28 * 28 * 16,
+                                                                     "longest_edge": 28 * 28 * 64})
+    ours = server.preprocess(image)
+    assert np.array_equal(ours.pixel_values, expected["pixel_values"])
+    assert ours.num_tokens <= 64 < load_image_processor(checkpoint).preprocess(image).num_tokens
+    settings = server.settings({"max_pixels": 28 * 28 * 20})
+    expected = processor(images=[image], return_tensors="np", size=settings["size"])
+    assert np.array_equal(server.preprocess(image, WHERE, settings).pixel_values, expected["pixel_values"])
+    assert settings["size"]["shortest_edge"] == 28 * 28 * 16
+    assert server.settings({"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 8})["size"] == {
+        "shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 8}
+    for bad, why in (({"max_pixels": 28 * 28 * 65}, "above this server's"), ({"max_pixels": 0}, "positive integer"),
+                     ({"min_pixels": 28 * 28 * 65}, "above max_pixels"), ({"size": 3}, "size not taken"),
+                     ([1], "must be an object"), ({"max_pixels": True}, "positive integer")):
+        with pytest.raises(ApiError, match=why) as caught:
+            server.settings(bad)
+        assert caught.value.status == 400 and caught.value.param == "mm_processor_kwargs"
+    with pytest.raises(ValueError, match="min_pixels .* is above max_pixels"):
+        load_image_processor(checkpoint, {"min_pixels": 28 * 28 * 500})

@@ -9,6 +9,7 @@ the event loop keeps serving.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from crane_mp.frontend.images.fetch import fetch_image
 from crane_mp.frontend.images.processor import ImageInput, expand_image_tokens, image_bytes_from_data_url, open_image
@@ -29,18 +30,20 @@ def check_takes_images(state: FrontendState, count: int, param: str = "messages"
                             "(--max-images-per-request)", param)
 
 
-async def load_images(state: FrontendState, urls: list[tuple[str, str]]) -> list[ImageInput]:
-    """Each (where, url) decoded and processed, in order; a bad one is a 400 naming where it is."""
-    return list(await asyncio.gather(*(_load(state, where, url) for where, url in urls)))
+async def load_images(state: FrontendState, urls: list[tuple[str, str]],
+                      settings: dict[str, Any] | None = None) -> list[ImageInput]:
+    """Each (where, url) decoded and processed (with `settings`: ImageProcessor.settings), in order; a
+    bad one is a 400 naming where it is."""
+    return list(await asyncio.gather(*(_load(state, where, url, settings) for where, url in urls)))
 
 
-async def _load(state: FrontendState, where: str, url: str) -> ImageInput:
+async def _load(state: FrontendState, where: str, url: str, settings: dict[str, Any] | None) -> ImageInput:
     if url.startswith("data:"):
         data = image_bytes_from_data_url(url, where)
     else:
         data = await fetch_image(state.config, where, url, state.max_request_bytes)
     processor, limit = state.image_processor, state.config.max_image_pixels
-    return await asyncio.to_thread(lambda: processor.preprocess(open_image(data, limit, where), where))
+    return await asyncio.to_thread(lambda: processor.preprocess(open_image(data, limit, where), where, settings))
 
 
 def record_images(state: FrontendState, count: int) -> None:

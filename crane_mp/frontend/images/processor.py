@@ -20,6 +20,7 @@ import numpy as np
 from PIL import Image, ImageFile
 
 from crane_mp.frontend.web.errors import ApiError
+from crane_mp.media_settings import pixel_settings_problem
 
 _PARAM = "messages"
 # Web image formats only: PIL's other plugins include EPS, which runs Ghostscript on the data. (A phone's
@@ -98,12 +99,14 @@ def _too_many_pixels(where: str, size: str, max_pixels: int | None) -> ApiError:
     return ApiError(400, f"{where}: the image is too large: {size}{limit}", _PARAM)
 
 
-def preprocess_image(image: Image.Image, processor: Any, where: str = "an image") -> ImageInput:
+def preprocess_image(image: Image.Image, processor: Any, where: str = "an image",
+                     settings: dict[str, Any] | None = None) -> ImageInput:
     """`image` through transformers' image processor of the checkpoint (the one AutoProcessor holds),
-    so the patches equal what the processor gives transformers' own generate. An image the processor
-    refuses (Qwen2-VL's: an aspect ratio over 200) is a 400 naming `where`."""
+    so the patches equal what the processor gives transformers' own generate; `settings`: the call's
+    arguments (ImageProcessor.settings). An image the processor refuses (Qwen2-VL's: an aspect ratio
+    over 200) is a 400 naming `where`."""
     try:
-        out = processor(images=[image], return_tensors="np")
+        out = processor(images=[image], return_tensors="np", **(settings or {}))
     except ValueError as err:
         raise ApiError(400, f"{where}: the model's image processor refuses the image ({err})", _PARAM) from err
     pixel_values = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)  # [patches, C * T * P * P]
@@ -115,22 +118,60 @@ def preprocess_image(image: Image.Image, processor: Any, where: str = "an image"
 
 @dataclass(slots=True)
 class ImageProcessor:
-    """The served model's image processor and the placeholder token its images fill."""
+    """The served model's image processor, the placeholder token its images fill, and the pixel bounds it
+    resizes images to (its preprocessor_config's, or --mm-processor-kwargs'; None: it has none)."""
 
     processor: Any  # transformers' image processor (Qwen2VLImageProcessor or its PIL twin)
     image_token_id: int
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
-    def preprocess(self, image: Image.Image, where: str = "an image") -> ImageInput:
-        return preprocess_image(image, self.processor, where)
+    def settings(self, kwargs: dict[str, Any] | None, param: str = "mm_processor_kwargs") -> dict[str, Any]:
+        """The processor call's arguments for a request's mm_processor_kwargs (None: the server's bounds).
+        A request may shrink the bounds, not raise max_pixels above the server's: the memory plan holds
+        the server's largest image."""
+        if kwargs is None:
+            return self._size(self.min_pixels, self.max_pixels)
+        problem = pixel_settings_problem(kwargs)
+        if problem is not None:
+            raise ApiError(400, f"{param}: {problem}", param)
+        if self.max_pixels is None:
+            raise ApiError(400, f"{param}: this model's image processor takes no pixel bounds", param)
+        high = kwargs.get("max_pixels", self.max_pixels)
+        if high > self.max_pixels:
+            raise ApiError(400, f"{param}.max_pixels {high} is above this server's {self.max_pixels} "
+                                "(--mm-processor-kwargs)", param)
+        low = kwargs.get("min_pixels", min(self.min_pixels or high, high))
+        if low > high:
+            raise ApiError(400, f"{param}: min_pixels {low} is above max_pixels {high}", param)
+        return self._size(low, high)
+
+    @staticmethod
+    def _size(low: int | None, high: int | None) -> dict[str, Any]:
+        return {} if high is None else {"size": {"shortest_edge": low, "longest_edge": high}}
+
+    def preprocess(self, image: Image.Image, where: str = "an image",
+                   settings: dict[str, Any] | None = None) -> ImageInput:
+        return preprocess_image(image, self.processor, where, self.settings(None) if settings is None else settings)
 
 
-def load_image_processor(model_dir: Path) -> ImageProcessor:
+def load_image_processor(model_dir: Path, overrides: dict[str, int] | None = None) -> ImageProcessor:
     """From the checkpoint: preprocessor_config.json through AutoImageProcessor, with the backend
-    AutoProcessor would pick (so the pixels match it), and config.json's image_token_id."""
+    AutoProcessor would pick (so the pixels match it), and config.json's image_token_id; `overrides`
+    (--mm-processor-kwargs) set the server's pixel bounds."""
     from transformers import AutoImageProcessor
 
     config = json.loads((model_dir / "config.json").read_text())
-    return ImageProcessor(AutoImageProcessor.from_pretrained(str(model_dir)), int(config["image_token_id"]))
+    processor = AutoImageProcessor.from_pretrained(str(model_dir))
+    size = getattr(processor, "size", None)
+    low, high = getattr(size, "shortest_edge", None), getattr(size, "longest_edge", None)
+    overrides = overrides or {}
+    if overrides and high is None:
+        raise ValueError(f"--mm-processor-kwargs: {type(processor).__name__} takes no pixel bounds")
+    low, high = overrides.get("min_pixels", low), overrides.get("max_pixels", high)
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"--mm-processor-kwargs: min_pixels {low} is above max_pixels {high}")
+    return ImageProcessor(processor, int(config["image_token_id"]), low, high)
 
 
 def expand_image_tokens(token_ids: list[int], image_token_id: int,

@@ -198,6 +198,8 @@ class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    # vLLM's per-request image processor settings: min_pixels / max_pixels (crane_mp/media_settings.py).
+    mm_processor_kwargs: dict[str, Any] | None = None
     max_tokens: PositiveCount | None = None
     max_completion_tokens: PositiveCount | None = None
     logprobs: bool = False

@@ -54,6 +54,7 @@ class ChatAsk:
     n: int = 1
     skip_special_tokens: bool = True
     images: list[tuple[str, str]] = field(default_factory=list)  # (where, URL) of each image part, in order
+    mm_processor_kwargs: dict[str, Any] | None = None  # the request's image processor settings
 
 
 @dataclass(slots=True)
@@ -89,7 +90,9 @@ async def render_prompt(state: FrontendState, ask: ChatAsk) -> ChatPrompt:
 async def prompt_with_images(state: FrontendState, ask: ChatAsk) -> tuple[ChatPrompt, list[int], list[MediaInput]]:
     """The rendered prompt, its token ids with each image's placeholders expanded, and the images."""
     check_takes_images(state, len(ask.images))
-    images = await load_images(state, ask.images) if ask.images else []
+    images = []
+    if ask.images:
+        images = await load_images(state, ask.images, state.image_processor.settings(ask.mm_processor_kwargs))
     rendered = await render_prompt(state, ask)
     if not images:
         return rendered, rendered.ids, []
