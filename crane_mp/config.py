@@ -99,6 +99,9 @@ class EngineConfig:
     runtime_lora: bool = False  # /v1/load_lora_adapter may load adapters, from under lora_root only
     lora_root: str | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor-parallel ranks and nodes
+    # The image processor's pixel bounds (media_settings.py): the frontend resizes by them, the memory
+    # plan holds the largest image they allow.
+    mm_processor_kwargs: dict = field(default_factory=dict)
 
     @property
     def lora(self) -> bool:
@@ -159,7 +162,6 @@ class ServerConfig:
     allow_private_media_addresses: bool = False  # fetch from loopback, private and link-local addresses too
     max_images_per_request: int = 32  # image parts of one request, counted before any is fetched or decoded
     max_image_pixels: int = 1 << 25  # an image's width x height, checked before its pixels are decoded
-    mm_processor_kwargs: dict = field(default_factory=dict)  # the image processor's pixel bounds (media_settings)
     max_audio_seconds: float = 3600.0  # one transcription's audio, checked as it is decoded
     max_audio_samples: int | None = None  # frames x channels of an upload; None: see audio_sample_limit
     read_timeout: float = 30.0  # seconds a request's headers, then its body, may take; also keep-alive idle

@@ -79,7 +79,7 @@ class FrontendState:
                                        self.config.engine.model_impl) if model_dir.is_dir() else None
         # A vision-language checkpoint without its image processor's settings serves text only.
         if arch is not None and arch.media == "image" and (model_dir / "preprocessor_config.json").is_file():
-            self.image_processor = load_image_processor(model_dir, self.config.mm_processor_kwargs)
+            self.image_processor = load_image_processor(model_dir, self.config.engine.mm_processor_kwargs)
         if self.config.engine.task == "transcribe":
             self.speech = load_speech_model(model_dir)
 

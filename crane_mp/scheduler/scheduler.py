@@ -14,6 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
+
 from crane_mp.config import EngineConfig
 from crane_mp.models.kv_groups import FULL, first_live_block, sequence_blocks
 from crane_mp.protocol import ErrorKind, FinishReason, NewRequest, ScheduledRequest, StepPlan, StepResult, TokenOutput
@@ -233,6 +235,9 @@ class Scheduler:
             new_blocks, group_blocks = self._grow_blocks(req, req.num_computed_tokens + num_tokens)
             if not req.known_to_worker:
                 new_requests.append(NewRequest(req.req_id, req.prompt_ids, req.sampling, req.media))
+                # The worker has the pixels now (and keeps what it encodes through preemptions); the
+                # prefix cache needs only each item's key, offset and length.
+                req.media = [msgspec.structs.replace(item, values=b"") for item in req.media]
                 req.known_to_worker = True
                 req.queue_time = max(0.0, time.time() - req.arrival_time) if req.arrival_time else 0.0
             scheduled.append(ScheduledRequest(req.req_id, req.num_computed_tokens, num_tokens, new_blocks,

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -188,9 +189,14 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     profile_tokens = min(config.max_num_batched_tokens, max_model_len)
     profile_seqs = min(config.max_num_seqs, profile_tokens)
 
+    # A vision-language model's largest image: its tower's pass joins the measured peak (CUDA), its
+    # estimate the CPU plan's.
+    largest = (model.largest_image(Path(config.model_path), config.mm_processor_kwargs)
+               if getattr(model, "media_kind", None) == "image" else None)
+
     def profile(full: bool) -> int:
         if full:
-            return runner.profile_step(profile_tokens, profile_seqs)
+            return runner.profile_step(profile_tokens, profile_seqs, largest)
         return runner.profile_step(min(profile_tokens, _CPU_WARMUP_TOKENS), min(profile_seqs, _CPU_WARMUP_SEQS))
 
     kernel_cache_bytes, kernel_caches = platform.warm_kernel_caches(
@@ -199,6 +205,11 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         log.info("%s: %.1f MiB, in the memory plan's reserved", kernel_caches, kernel_cache_bytes / 2**20)
     estimate = (profile_tokens * _activation_estimate_per_token(rank_config)
                 + runner.sampler.peak_bytes(profile_seqs))
+    if largest is not None:
+        vision_bytes = model.vision_activation_bytes(largest)
+        log.info("largest image: %d x %d patches, %.1f MiB of vision activations in the plan", largest[1],
+                 largest[2], vision_bytes / 2**20)
+        estimate = max(estimate, vision_bytes)  # the tower runs, and frees, before the language model
     warm_up_started = time.monotonic()
     activation_bytes = platform.measure_activation_bytes(profile, estimate)
     # The scheduler's first estimate of a prompt token's cost (scheduler/pacing.py); CUDA is not paced.

@@ -159,7 +159,9 @@ def test_bad_images_are_400s_naming_the_part_and_no_url_is_fetched_unless_allowe
         "a URL not allowed": "http://127.0.0.1:9/cat.png",
         "a file URL": "file:///etc/passwd",
     }
-    server = Server(model_dir, "--max-image-pixels", "20000000", log_path=tmp_path / "log")
+    # Images at most 50176 pixels (256 patches of 14 x 14): the memory plan holds one of 16 x 16 patches.
+    server = Server(model_dir, "--max-image-pixels", "20000000", "--mm-processor-kwargs", '{"max_pixels": 50176}',
+                    log_path=tmp_path / "log")
     try:
         for name, url in cases.items():
             parts = content([0]) + [{"type": "image_url", "image_url": {"url": url}}]
@@ -172,6 +174,7 @@ def test_bad_images_are_400s_naming_the_part_and_no_url_is_fetched_unless_allowe
         ok = requests.post(server.url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": content([1])}], "max_tokens": 2})
         assert ok.status_code == 200  # the server kept serving
+        assert "largest image: 16 x 16 patches" in (tmp_path / "log").read_text()
     finally:
         assert server.stop() == 0
 

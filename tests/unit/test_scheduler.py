@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from crane_mp.scheduler.block_pool import BlockPool, chain_keys
@@ -597,6 +598,18 @@ def test_prompts_with_the_same_image_share_blocks_and_different_images_never_do(
     # 6 blocks of 4 hold the 24-token prompt: the first (tokens 0..3) never touches the image.
     assert [r.num_cached_tokens for r in reqs] == [0, 20, 4, 4]
     assert reqs[0].block_keys[:1] == reqs[2].block_keys[:1] and reqs[0].block_keys[1] != reqs[2].block_keys[1]
+
+
+def test_the_pixels_go_to_the_worker_once_and_the_scheduler_keeps_only_the_placement():
+    sched, worker = make_scheduler(max_num_batched_tokens=8), FakeWorker()
+    [req] = make_requests(1, prompt_len=24, max_tokens=2)
+    image = msgspec.structs.replace(_image("cat", 6, 8), values=b"\x01" * 128)
+    req.media = [image]
+    sched.add_request(req)
+    run_to_completion(sched, worker)
+    sent = [new.media for plan in worker.plans for new in plan.new_requests]
+    assert sent == [[image]]  # once, with its pixels, though the prompt took three steps
+    assert req.media == [msgspec.structs.replace(image, values=b"")]
 
 
 def test_an_audio_window_keys_every_block_of_its_request():

@@ -10,9 +10,13 @@ one-position tables exactly.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable
 
+import msgspec
 import numpy as np
 import torch
 from torch import nn
@@ -109,6 +113,43 @@ class ImageLanguageModel:
         sizes = [state.images[i].num_tokens for state, i in wanted]
         for (state, i), part in zip(wanted, features.split(sizes)):
             state.encoded[i] = part
+            # Encoded once per request: the pixels are not read again.
+            state.images[i] = msgspec.structs.replace(state.images[i], values=b"")
+
+    def largest_image(self, model_dir: Path, overrides: dict[str, int]) -> tuple[int, int, int] | None:
+        """The patch grid of the largest image the frontend's processor makes: max_pixels (the
+        checkpoint's preprocessor_config.json, or --mm-processor-kwargs') as a square; None where the
+        checkpoint has no processor settings (it serves text only)."""
+        path = model_dir / "preprocessor_config.json"
+        if not path.is_file():
+            return None
+        settings = json.loads(path.read_text())
+        max_pixels = (overrides.get("max_pixels") or settings.get("max_pixels")
+                      or (settings.get("size") or {}).get("longest_edge"))
+        if not max_pixels:
+            return None
+        cfg = self.visual.cfg
+        side = max(cfg.spatial_merge_size, math.isqrt(max_pixels // cfg.patch_size**2)
+                   // cfg.spatial_merge_size * cfg.spatial_merge_size)
+        return 1, side, side
+
+    def vision_activation_bytes(self, grid: tuple[int, int, int]) -> int:
+        """The tower's live activations on `grid` (the CPU memory plan's estimate, as
+        _activation_estimate_per_token's for the language model): a block's widest point per patch,
+        q/k/v and the MLP's, then the merged embeddings the request keeps."""
+        cfg = self.visual.cfg
+        patches = math.prod(grid)
+        widths = 6 * cfg.hidden_size + 3 * cfg.intermediate_size
+        kept = patches // cfg.spatial_merge_size**2 * cfg.out_hidden_size * (1 + len(getattr(
+            cfg, "deepstack_visual_indexes", ())))
+        return (patches * widths + kept) * 4
+
+    def profile_image(self, grid: tuple[int, int, int]) -> None:
+        """One pass of the tower over an image of `grid` (the measured memory plan's peak)."""
+        cfg = self.visual.cfg
+        weight = next(self.visual.parameters())
+        values = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        self.visual(torch.zeros(math.prod(grid), values, dtype=weight.dtype, device=weight.device), [grid])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         visual: list[tuple[str, torch.Tensor]] = []

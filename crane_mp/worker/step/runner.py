@@ -543,10 +543,12 @@ class ModelRunner:
         return self.scratch_kv_bytes(num_seqs)
 
     @torch.inference_mode()
-    def profile_step(self, num_tokens: int, num_seqs: int) -> int:
-        """The largest step, to measure peak memory: a forward over `num_tokens` fresh prompt tokens (a
-        scratch KV cache), then sampling `num_seqs` rows with every sampling processor on. Returns the
-        scratch KV cache's bytes."""
+    def profile_step(self, num_tokens: int, num_seqs: int, image_grid: tuple[int, int, int] | None = None) -> int:
+        """The largest step, to measure peak memory: the vision tower over the largest image (with
+        `image_grid`), a forward over `num_tokens` fresh prompt tokens (a scratch KV cache), then
+        sampling `num_seqs` rows with every sampling processor on. Returns the scratch KV cache's bytes."""
+        if image_grid is not None:
+            self.model.profile_image(image_grid)
         num_blocks = -(-num_tokens // self.block_size)
         top = min(20, self.sampler.vocab_size)  # an encoder's stub head has one "token"
         worst = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
