@@ -30,6 +30,7 @@ class LLMEngine:
             prefill_seconds_per_token=self.worker.prefill_seconds_per_token,
             whole_prompts=self.worker.model_config.encoder, kv_windows=self.worker.runner.kv_groups.windows,
             state_slots=self.worker.kv_plan.state_slots,
+            whole_images=getattr(self.worker.runner.model, "bidirectional_images", False),
         ))
         self.overlap = config.overlap_schedule
         self._in_flight: StepResult | None = None  # with overlap: executed, not yet applied

@@ -116,6 +116,7 @@ class Launcher:
             cfg.engine, info.num_blocks, info.max_model_len, tuple(info.eos_token_ids), on_cpu=info.device_type == "cpu",
             max_queue=cfg.max_queue, prefill_seconds_per_token=info.prefill_seconds_per_token,
             whole_prompts=info.whole_prompts, kv_windows=tuple(info.kv_windows), state_slots=info.state_slots,
+            whole_images=info.whole_images,
         )
         sched_conn = self._spawn(
             "scheduler", scheduler_main, sched_cfg, self.addresses, cfg.num_frontends, cfg.engine.overlap_schedule,

@@ -411,6 +411,7 @@ class WorkerReady(msgspec.Struct):
     quantized_activations: str = "n/a"  # GGUF matmuls: "int8" or "float" activations; "n/a" without GGUF
     activation_bytes: int = 0  # the memory plan's reserve for a step's temporaries
     whole_prompts: bool = False  # an encoder: each prompt runs whole in one step, without the prefix cache
+    whole_images: bool = False  # an image's placeholders attend both ways: computed in one step (Gemma 3)
     tensor_parallel_size: int = 1
     nnodes: int = 1
     ranks: list[RankInfo] = []  # every worker rank, by rank (weights_bytes above is rank 0's)

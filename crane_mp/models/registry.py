@@ -146,9 +146,13 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     # llama.cpp's converter writes them.
     Architecture("gemma2", "gemma.Gemma2ForCausalLM", ("Gemma2ForCausalLM",), "gemma2", "gemma2",
                  overflows_float16=True, tensor_parallel=False, gguf_layer_names=_SANDWICH_GGUF, gguf_norm_offset=1.0),
-    Architecture("gemma3", "gemma.Gemma3ForCausalLM", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+    Architecture("gemma3", "gemma.Gemma3ForCausalLM", ("Gemma3ForCausalLM",),
                  "gemma3_text", "gemma3", qk_norms=_QK_NORMS, overflows_float16=True, tensor_parallel=False,
                  gguf_layer_names=_SANDWICH_GGUF, gguf_norm_offset=1.0),
+    # Gemma 3's vision-language checkpoints (4B and up): its SigLIP tower, images attended both ways.
+    Architecture("gemma3_vl", "gemma3_vl.Gemma3VLForConditionalGeneration", ("Gemma3ForConditionalGeneration",),
+                 "gemma3", "gemma3", reads_gguf=False, qk_norms=_QK_NORMS, overflows_float16=True,
+                 tensor_parallel=False, media="image", text_arch="gemma3"),
     # Gemma 4 (text; its mixture-of-experts variant runs through the transformers backend).
     Architecture("gemma4", "gemma4.Gemma4ForCausalLM", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
                  "gemma4_text", "gemma4", qk_norms=_QK_NORMS, overflows_float16=True, tensor_parallel=False,

@@ -74,6 +74,9 @@ class SchedulerConfig:
     # Per KV group (models/kv_groups.py): FULL, or the window of its sliding layers, whose blocks before
     # a sequence's window go back to the pool.
     kv_windows: tuple[int, ...] = (FULL,)
+    # An image's placeholders attend to each other both ways (Gemma 3): a step computes all of them or
+    # none, and a prefix-cache hit never ends among them.
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks < self.sequence_blocks(self.max_model_len):
@@ -91,7 +94,7 @@ CPU_PREFILL_STEP_SECONDS = 3.0
 def scheduler_config(
     engine: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: tuple[int, ...], on_cpu: bool,
     max_queue: int | None = None, prefill_seconds_per_token: float = 0.0, whole_prompts: bool = False,
-    kv_windows: tuple[int, ...] = (FULL,), state_slots: int = 0,
+    kv_windows: tuple[int, ...] = (FULL,), state_slots: int = 0, whole_images: bool = False,
 ) -> SchedulerConfig:
     """The scheduler's config from the engine's and the facts the worker reported at start-up.
 
@@ -114,6 +117,7 @@ def scheduler_config(
         prefill_seconds_per_token=prefill_seconds_per_token,
         whole_prompts=whole_prompts,
         kv_windows=tuple(kv_windows),
+        whole_images=whole_images,
     )
 
 
@@ -168,6 +172,11 @@ class Scheduler:
             )
         if req.req_id in self.requests:
             raise RequestRejected(f"request id {req.req_id} is already in use")
+        longest = max((item.num_tokens for item in req.media), default=0)
+        if self.config.whole_images and longest > self.config.max_num_batched_tokens:
+            raise RequestRejected(f"an image of {longest} tokens is longer than a step's token budget "
+                                  f"(--max-num-batched-tokens {self.config.max_num_batched_tokens}), and its "
+                                  "tokens must be computed in one step")
         if self.config.max_queue is not None:
             # Requests a free running slot will take at once do not wait: they do not count.
             free_slots = max(0, self.max_running - len(self.running))
@@ -248,7 +257,8 @@ class Scheduler:
                 req.num_pending += 1  # the worker samples the next token in this step
 
         running_plan = self._fit_running(budget, prompt_budget, preempted)
-        if not any(_decodes(req, n) for req, n in running_plan) and not self.config.whole_prompts:
+        if not any(_decodes(req, n) for req, n in running_plan) and not (self.config.whole_prompts
+                                                                          or self.config.whole_images):
             # No stream is decoding yet (an idle server, or only prefills): a first small chunk lets
             # the first requests start streaming after a quarter of a full step instead of after it.
             budget = max(self.config.block_size, budget // 4)
@@ -262,7 +272,10 @@ class Scheduler:
                 break  # its last token is still coming back; it finishes on that update
             hits = self._cache_hits(req)
             num_cached = len(hits[0]) * self.config.block_size
-            num_tokens = min(req.num_tokens - num_cached, budget, prompt_budget - prompt_tokens)
+            num_tokens = self._whole_images(req, num_cached, min(req.num_tokens - num_cached, budget,
+                                                                 prompt_budget - prompt_tokens), budget)
+            if num_tokens == 0:
+                break  # an image the step has no room left for: the next step takes it whole
             if self.config.whole_prompts and num_tokens < req.num_tokens:
                 if scheduled:
                     break  # the next step takes it whole
@@ -295,6 +308,28 @@ class Scheduler:
             and req.num_tokens < self.config.max_model_len
         )
 
+    def _whole_images(self, req: Request, start: int, num_tokens: int, room: int) -> int:
+        """`num_tokens` from position `start`, cut before the placeholders of an image they would split, or
+        grown to the image's end (within `room`) when they start at it; 0: the image waits for room."""
+        if not self.config.whole_images:
+            return num_tokens
+        end = start + num_tokens
+        for item in req.media:
+            first, last = item.offset, item.offset + item.num_tokens
+            if first < end < last:
+                if first > start:
+                    return first - start
+                return last - start if last - start <= room else 0
+        return num_tokens
+
+    def _before_images(self, req: Request, num_blocks: int) -> int:
+        """A cached prefix of `num_blocks` blocks, cut to end before an image whose placeholders it would
+        split (whole_images)."""
+        inside = [item.offset for item in req.media if self.config.whole_images
+                  and item.offset < num_blocks * self.config.block_size < item.offset + item.num_tokens]
+        # Cut to a block boundary, which may fall inside an earlier image: again from there.
+        return self._before_images(req, inside[0] // self.config.block_size) if inside else num_blocks
+
     def _cache_hits(self, req: Request) -> list[list[int]]:
         """Per KV group, the cached blocks that start this request, leaving at least one token to compute
         (its logits); every group's list is as long. A sliding group needs only the blocks of the window
@@ -309,12 +344,14 @@ class Scheduler:
         self._extend_keys(req, limit)
         keys = req.block_keys[:limit]
         if len(self.windows) == 1 and not self.sliding:
-            return [self.pool.lookup(keys)]
+            found = self.pool.lookup(keys)
+            return [found[: self._before_images(req, len(found))]]
         for group, window in enumerate(self.windows):
             if window == FULL:
                 limit = min(limit, len(self.pool.lookup([_group_key(group, key) for key in keys[:limit]])))
         size = self.config.block_size
-        while limit > 0:  # the longest prefix every sliding group holds the window before of
+        while limit > 0:  # the longest prefix every sliding group holds the window before of (and no image split)
+            limit = self._before_images(req, limit)
             missing = None
             for group, window in enumerate(self.windows):
                 if window == FULL:
@@ -392,7 +429,8 @@ class Scheduler:
         demand = []
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             remaining = req.num_tokens - req.num_computed_tokens
-            num_tokens = min(remaining, budget if remaining == 1 else min(budget, prompt_budget))
+            num_tokens = min(remaining, budget if remaining == 1 else min(budget, max(prompt_budget, 0)))
+            num_tokens = self._whole_images(req, req.num_computed_tokens, num_tokens, budget)
             samples = req.num_computed_tokens + num_tokens == req.num_tokens
             if num_tokens == 0 or (samples and not self._may_sample(req)):
                 continue

@@ -1,7 +1,7 @@
-"""Tiny seeded random-weight vision-language checkpoints of the Qwen line (tests, demos): Qwen2.5-VL,
-Qwen3-VL and Qwen3.5 (hybrid language model) with images. Config, weights as transformers'
-save_pretrained writes them, a locally trained tokenizer with Qwen2-VL's special tokens, the image
-processor config and a chat template that places images as Qwen2.5-VL's does.
+"""Tiny seeded random-weight vision-language checkpoints (tests, demos): Qwen2.5-VL, Qwen3-VL, Qwen3.5
+(hybrid language model) and Gemma 3 with images. Config, weights as transformers' save_pretrained
+writes them, a locally trained tokenizer with the family's special tokens, the image processor config
+and a chat template that places images as the family's does.
 
     python -m crane_mp.testing.make_vl --out DIR [--family qwen3_vl] [--seed N]
 """
@@ -33,7 +33,7 @@ _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 # one attention window (112 px), so window and full attention differ.
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 144
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3")
 # Qwen3-VL's and Qwen3.5's towers: 16-pixel patches, their learned position grid 4 x 4 (smaller than
 # most images: resampled up and down).
 _PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_5": 16}
@@ -75,6 +75,81 @@ CHAT_TEMPLATE = r"""
 {%- if add_generation_prompt %}
 {{- '<|im_start|>assistant\n' }}
 {%- endif %}"""
+
+
+# Gemma 3's specials (each image's placeholder <start_of_image>, expanded by the processor into soft tokens
+# between it and <end_of_image>); its template as the released one places images and turns.
+_GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                   "<end_of_image>", "<image_soft_token>")
+GEMMA_TEMPLATE = r"""{{- bos_token }}
+{%- for message in messages %}
+{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}
+{%- if message['content'] is string %}
+{{- message['content'] | trim }}
+{%- else %}
+{%- for item in message['content'] %}
+{%- if item['type'] == 'image' %}{{- '<start_of_image>' }}
+{%- elif item['type'] == 'text' %}{{- item['text'] | trim }}
+{%- endif %}
+{%- endfor %}
+{%- endif %}
+{{- '<end_of_turn>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"""
+GEMMA_IMAGE_SIZE = 64  # 8 x 8 patches of 8 pixels, pooled to 4 x 4 = 16 tokens per image or crop
+GEMMA_TOKENS_PER_IMAGE = 16
+
+
+def _write_gemma_tokenizer(out: Path) -> dict[str, int]:
+    tok = train_tokenizer("qwen2", VOCAB_SIZE - len(_GEMMA_SPECIALS))
+    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in _GEMMA_SPECIALS])
+    tok.save(str(out / "tokenizer.json"))
+    ids = {name: tok.token_to_id(name) for name in _GEMMA_SPECIALS}
+    write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": None,
+        "add_bos_token": False, "add_eos_token": False, "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+        "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                 "image_token": "<image_soft_token>"},
+        "added_tokens_decoder": {str(ids[name]): {"content": name, "lstrip": False, "normalized": False,
+                                                  "rstrip": False, "single_word": False, "special": True}
+                                 for name in _GEMMA_SPECIALS},
+    })
+    return ids
+
+
+def _gemma_config(ids: dict[str, int]) -> Any:
+    """Gemma 3's language model at 64 wide, a sliding layer (window 128: longer than the tests' prompts, as
+    real windows are) then a global one; a 2-layer
+    SigLIP tower 32 wide."""
+    from transformers import Gemma3Config
+
+    config = Gemma3Config(
+        text_config={"vocab_size": VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 96, "sliding_window": 128,
+                     "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 32,
+                     "max_position_embeddings": 4096, "bos_token_id": ids["<bos>"], "eos_token_id": ids["<eos>"],
+                     "pad_token_id": ids["<pad>"]},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": GEMMA_IMAGE_SIZE, "patch_size": 8, "vision_use_head": False},
+        mm_tokens_per_image=GEMMA_TOKENS_PER_IMAGE, image_token_index=ids["<image_soft_token>"],
+        boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"], tie_word_embeddings=True)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    return config
+
+
+def _write_gemma_processor(out: Path, pan_and_scan: bool) -> None:
+    write_json(out / "preprocessor_config.json", {
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "size": {"height": GEMMA_IMAGE_SIZE, "width": GEMMA_IMAGE_SIZE},
+        "resample": 2, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_convert_rgb": None, "do_pan_and_scan": pan_and_scan or None, "pan_and_scan_min_crop_size": 32,
+        "pan_and_scan_max_num_crops": 4, "pan_and_scan_min_ratio_to_activate": 1.2,
+    })
+    write_json(out / "processor_config.json", {"image_seq_length": GEMMA_TOKENS_PER_IMAGE,
+                                               "processor_class": "Gemma3Processor"})
+    (out / "chat_template.jinja").write_text(GEMMA_TEMPLATE, encoding="utf-8")
 
 
 def _write_tokenizer(out: Path) -> dict[str, int]:
@@ -143,14 +218,14 @@ def build_config(ids: dict[str, int], family: str = "qwen2_5_vl") -> Any:
     return config
 
 
-def _init_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+def _init_tensor(name: str, shape: torch.Size, gen: torch.Generator, embed_norm: float = EMBED_NORM) -> torch.Tensor:
     """As make_model draws a language model (peaked logits), plus rules for the vision tower's tensors."""
     noise = torch.randn(shape, generator=gen, dtype=torch.float32)
     fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
     module, _, kind = name.rpartition(".")
     leaf = module.rpartition(".")[2]
     if leaf == "embed_tokens":
-        return EMBED_NORM * noise / math.sqrt(fan_in)
+        return embed_norm * noise / math.sqrt(fan_in)
     if leaf == "lm_head":
         return noise / math.sqrt(fan_in)
     if name == "model.language_model.norm.weight":
@@ -159,28 +234,36 @@ def _init_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Te
         return 1.0 + NORM_NOISE * noise
     if kind == "bias":
         return BIAS_STD * noise
-    if name in ("model.visual.merger.mlp.2.weight", "model.visual.merger.linear_fc2.weight"):
+    if name in ("model.visual.merger.mlp.2.weight", "model.visual.merger.linear_fc2.weight",
+                "model.multi_modal_projector.mm_input_projection_weight"):
         return VISION_OUT_GAIN * noise / math.sqrt(fan_in)
     if leaf in ("o_proj", "down_proj") or name.endswith("attn.proj.weight"):
         return OUT_GAIN * noise / math.sqrt(fan_in)
     return noise / math.sqrt(fan_in)
 
 
-def make_vl(out: str | Path, seed: int = 0, family: str = "qwen2_5_vl") -> Path:
-    """Write the checkpoint to `out`; the same seed writes the same weights."""
+def make_vl(out: str | Path, seed: int = 0, family: str = "qwen2_5_vl", pan_and_scan: bool = False) -> Path:
+    """Write the checkpoint to `out`; the same seed writes the same weights. `pan_and_scan`: Gemma 3's
+    processor crops wide and tall images besides the whole one."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    ids = _write_tokenizer(out)
-    config = build_config(ids, family)
+    gemma = family == "gemma3"
+    ids = _write_gemma_tokenizer(out) if gemma else _write_tokenizer(out)
+    config = _gemma_config(ids) if gemma else build_config(ids, family)
     model = getattr(transformers, config.architectures[0])(config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict().items()):
-            tensor.copy_(_init_tensor(name, tensor.shape, gen))
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-        pad_token_id=ids["<|endoftext|>"], do_sample=False)
+            # Gemma scales its (tied) embeddings by sqrt(hidden) on the way in: half a unit is enough.
+            tensor.copy_(_init_tensor(name, tensor.shape, gen, 0.5 if gemma else EMBED_NORM))
+    bos, eos, pad = ((ids["<bos>"], [ids["<eos>"], ids["<end_of_turn>"]], ids["<pad>"]) if gemma else
+                     (ids["<|endoftext|>"], [ids["<|im_end|>"], ids["<|endoftext|>"]], ids["<|endoftext|>"]))
+    model.generation_config = transformers.GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+                                                            do_sample=False)
     model.save_pretrained(out)
+    if gemma:
+        _write_gemma_processor(out, pan_and_scan)
+        return out
     patch = _PATCH[family]
     mean, std = _MEAN_STD[family]
     processor_class = "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen3VLProcessor"
@@ -204,7 +287,8 @@ def reference_processor(model_dir: str | Path) -> Any:
     from transformers.processing_utils import ProcessorMixin
     from transformers.utils import is_torchvision_available
 
-    if is_torchvision_available():
+    settings = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+    if is_torchvision_available() or settings["processor_class"] == "Gemma3Processor":  # Gemma's has no video
         return AutoProcessor.from_pretrained(str(model_dir))
     check = ProcessorMixin.check_argument_for_proper_class
 
@@ -212,7 +296,6 @@ def reference_processor(model_dir: str | Path) -> Any:
         return None if name == "video_processor" else check(self, name, value)
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    settings = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
     processor = Qwen3VLProcessor if settings["processor_class"] == "Qwen3VLProcessor" else Qwen2_5_VLProcessor
     with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", check_all_but_video):
         return processor(image_processor=AutoImageProcessor.from_pretrained(str(model_dir)), tokenizer=tokenizer,

@@ -88,6 +88,7 @@ def worker_ready(loaded: LoadedWorker, ranks: list[RankInfo]) -> WorkerReady:
         quantized_activations=loaded.quantized_activations,
         prefill_seconds_per_token=loaded.prefill_seconds_per_token,
         whole_prompts=loaded.model_config.encoder,
+        whole_images=getattr(loaded.runner.model, "bidirectional_images", False),
         state_slots=plan.state_slots,
         state_bytes_per_seq=plan.state_bytes_per_seq,
         tensor_parallel_size=len(ranks),

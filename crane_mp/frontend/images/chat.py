@@ -56,9 +56,13 @@ def record_images(state: FrontendState, count: int) -> None:
 
 def place_images(state: FrontendState, ids: list[int], images: list[ImageInput],
                  param: str = "messages") -> tuple[list[int], list[MediaInput]]:
-    """The prompt with each image's one placeholder repeated for its patches, and the images as the
-    engine takes them."""
-    token = state.image_processor.image_token_id
+    """The prompt with each image's one placeholder repeated for its patches (Gemma 3: replaced by the
+    tokens of its expansion), and the images as the engine takes them."""
+    processor = state.image_processor
+    if processor.expands_text:
+        expanded = processor.splice(ids, images, param)
+        return expanded, processor.crop_media(expanded, images, param)
+    token = processor.image_token_id
     if ids.count(token) != len(images):
         why = ("message text may not contain the image token" if param == "messages" else
                f"the prompt needs one {state.tokenizer.decode([token], skip_special_tokens=False)!r} per image, "

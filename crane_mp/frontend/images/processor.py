@@ -12,6 +12,7 @@ import binascii
 import hashlib
 import io
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from PIL import Image, ImageFile
 
 from crane_mp.frontend.web.errors import ApiError
 from crane_mp.media_settings import pixel_settings_problem
+from crane_mp.protocol import MediaInput
 
 _PARAM = "messages"
 # Web image formats only: PIL's other plugins include EPS, which runs Ghostscript on the data. (A phone's
@@ -32,12 +34,15 @@ _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 class ImageInput:
     """One image as the vision tower takes it: `pixel_values` [t * h * w patches, C * T * P * P] float32,
     `grid_thw` its (t, h, w) patch grid, `num_tokens` the placeholders it fills (t * h * w / merge**2),
-    `key` a hex digest of values and grid that keeps prefix-cache entries of different images apart."""
+    `key` a hex digest of values and grid that keeps prefix-cache entries of different images apart.
+    Gemma 3's: `pixel_values` [1 + num_crops, C, H, W], the whole image then its pan-and-scan crops,
+    each filling its own run of soft tokens."""
 
     pixel_values: np.ndarray
     grid_thw: tuple[int, int, int]
     num_tokens: int
     key: str
+    num_crops: int = 0
 
 
 def image_bytes_from_data_url(url: str, where: str) -> bytes:
@@ -100,36 +105,47 @@ def _too_many_pixels(where: str, size: str, max_pixels: int | None) -> ApiError:
 
 
 def preprocess_image(image: Image.Image, processor: Any, where: str = "an image",
-                     settings: dict[str, Any] | None = None) -> ImageInput:
+                     settings: dict[str, Any] | None = None, tokens_per_image: int = 0) -> ImageInput:
     """`image` through transformers' image processor of the checkpoint (the one AutoProcessor holds),
-    so the patches equal what the processor gives transformers' own generate; `settings`: the call's
-    arguments (ImageProcessor.settings). An image the processor refuses (Qwen2-VL's: an aspect ratio
-    over 200) is a 400 naming `where`."""
+    so the pixels equal what the processor gives transformers' own generate; `settings`: the call's
+    arguments (ImageProcessor.settings); `tokens_per_image`: Gemma 3's soft tokens per image or crop.
+    An image the processor refuses (Qwen2-VL's: an aspect ratio over 200) is a 400 naming `where`."""
     try:
         out = processor(images=[image], return_tensors="np", **(settings or {}))
     except ValueError as err:
         raise ApiError(400, f"{where}: the model's image processor refuses the image ({err})", _PARAM) from err
-    pixel_values = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)  # [patches, C * T * P * P]
-    t, h, w = (int(n) for n in out["image_grid_thw"][0])
+    pixel_values = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+    if "num_crops" in out:  # Gemma 3: [1 + crops, C, H, W], every one of tokens_per_image soft tokens
+        crops, grid = int(out["num_crops"][0]), (1, *pixel_values.shape[-2:])  # its grid: the pixels'
+        num_tokens = tokens_per_image * (1 + crops)
+    else:  # [patches, C * T * P * P]
+        crops, grid = 0, tuple(int(n) for n in out["image_grid_thw"][0])
+        num_tokens = math.prod(grid) // processor.merge_size**2
     digest = hashlib.sha256(pixel_values.tobytes())
-    digest.update(np.array([t, h, w], dtype=np.int64).tobytes())
-    return ImageInput(pixel_values, (t, h, w), t * h * w // processor.merge_size**2, digest.hexdigest())
+    digest.update(np.array(grid, dtype=np.int64).tobytes())
+    return ImageInput(pixel_values, grid, num_tokens, digest.hexdigest(), crops)
 
 
 @dataclass(slots=True)
 class ImageProcessor:
     """The served model's image processor, the placeholder token its images fill, and the pixel bounds it
-    resizes images to (its preprocessor_config's, or --mm-processor-kwargs'; None: it has none)."""
+    resizes images to (its preprocessor_config's, or --mm-processor-kwargs'; None: it has none).
+    Gemma 3's (`text_processor`, transformers' Gemma3Processor) expands each image's placeholder in the
+    prompt's text into its soft tokens, as that processor does, and sizes every image to one square."""
 
-    processor: Any  # transformers' image processor (Qwen2VLImageProcessor or its PIL twin)
+    processor: Any  # transformers' image processor (Qwen2VLImageProcessor or its PIL twin, Gemma's)
     image_token_id: int
     min_pixels: int | None = None
     max_pixels: int | None = None
+    text_processor: Any = None
+    tokens_per_image: int = 0
 
     def settings(self, kwargs: dict[str, Any] | None, param: str = "mm_processor_kwargs") -> dict[str, Any]:
         """The processor call's arguments for a request's mm_processor_kwargs (None: the server's bounds).
         A request may shrink the bounds, not raise max_pixels above the server's: the memory plan holds
-        the server's largest image."""
+        the server's largest image. Gemma 3's take do_pan_and_scan (a boolean) instead."""
+        if self.text_processor is not None:
+            return _pan_and_scan(kwargs, param)
         if kwargs is None:
             return self._size(self.min_pixels, self.max_pixels)
         problem = pixel_settings_problem(kwargs)
@@ -152,17 +168,94 @@ class ImageProcessor:
 
     def preprocess(self, image: Image.Image, where: str = "an image",
                    settings: dict[str, Any] | None = None) -> ImageInput:
-        return preprocess_image(image, self.processor, where, self.settings(None) if settings is None else settings)
+        return preprocess_image(image, self.processor, where, self.settings(None) if settings is None else settings,
+                                self.tokens_per_image)
+
+    @property
+    def expands_text(self) -> bool:
+        return self.text_processor is not None
+
+    def expand_text(self, text: str, images: list[ImageInput], param: str = "messages") -> str:
+        """Gemma 3: the prompt with its i-th image placeholder (<start_of_image>) replaced as the processor
+        replaces it: the image's soft tokens between its start and end tokens (and its crops')."""
+        placeholder = self.text_processor.boi_token
+        pieces = text.split(placeholder)
+        if len(pieces) - 1 != len(images):
+            raise ApiError(400, f"the prompt holds {len(pieces) - 1} image placeholders ({placeholder}) for "
+                                f"{len(images)} images: message text may not contain them", param)
+        out = [pieces[0]]
+        for image, piece in zip(images, pieces[1:]):
+            out += [self.text_processor.replace_image_token({"num_crops": [image.num_crops]}, 0), piece]
+        return "".join(out)
+
+    def splice(self, ids: list[int], images: list[ImageInput], param: str) -> list[int]:
+        """Gemma 3, for a prompt given as tokens: each placeholder token replaced by the tokens of its
+        expansion (expand_text's text, tokenized alone)."""
+        tokenizer = self.text_processor.tokenizer
+        placeholder = tokenizer.convert_tokens_to_ids(self.text_processor.boi_token)
+        if ids.count(placeholder) != len(images):
+            raise ApiError(400, f"the prompt holds {ids.count(placeholder)} image placeholders for {len(images)} "
+                                f"images: it needs one {self.text_processor.boi_token!r} per image", param)
+        out: list[int] = []
+        images_left = iter(images)
+        for token in ids:
+            if token != placeholder:
+                out.append(token)
+                continue
+            expansion = self.text_processor.replace_image_token({"num_crops": [next(images_left).num_crops]}, 0)
+            out += tokenizer(expansion, add_special_tokens=False)["input_ids"]
+        return out
+
+    def crop_media(self, ids: list[int], images: list[ImageInput], param: str = "messages") -> list[MediaInput]:
+        """Gemma 3: each image and crop as the engine takes it, at its run of soft tokens, the runs found
+        in order in the expanded prompt."""
+        runs = _runs(ids, self.image_token_id)
+        parts = [(f"{image.key}:{crop}", image.pixel_values[crop : crop + 1], image.grid_thw)
+                 for image in images for crop in range(1 + image.num_crops)]
+        if len(runs) != len(parts) or any(count != self.tokens_per_image for _, count in runs):
+            raise ApiError(400, f"the prompt's image soft tokens ({sum(c for _, c in runs)}) are not the {len(images)} "
+                                "images': message text may not contain the image token", param)
+        return [MediaInput("image", key, list(values.shape), values.tobytes(), offset, count, list(grid))
+                for (key, values, grid), (offset, count) in zip(parts, runs)]
+
+
+def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(offset, length) of each run of `token` in `ids`."""
+    runs: list[tuple[int, int]] = []
+    for position, value in enumerate(ids):
+        if value != token:
+            continue
+        if runs and sum(runs[-1]) == position:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((position, 1))
+    return runs
+
+
+def _pan_and_scan(kwargs: dict[str, Any] | None, param: str) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or set(kwargs) - {"do_pan_and_scan"} or not isinstance(
+            kwargs.get("do_pan_and_scan", False), bool):
+        raise ApiError(400, f"{param}: this model's image processor takes do_pan_and_scan (true or false)", param)
+    return dict(kwargs)
 
 
 def load_image_processor(model_dir: Path, overrides: dict[str, int] | None = None) -> ImageProcessor:
     """From the checkpoint: preprocessor_config.json through AutoImageProcessor, with the backend
     AutoProcessor would pick (so the pixels match it), and config.json's image_token_id; `overrides`
-    (--mm-processor-kwargs) set the server's pixel bounds."""
-    from transformers import AutoImageProcessor
+    (--mm-processor-kwargs) set the server's pixel bounds. Gemma 3's whole processor (AutoProcessor)."""
+    from transformers import AutoImageProcessor, AutoProcessor
 
     config = json.loads((model_dir / "config.json").read_text())
     processor = AutoImageProcessor.from_pretrained(str(model_dir))
+    if config.get("model_type") == "gemma3":
+        if overrides:
+            raise ValueError("--mm-processor-kwargs: Gemma 3's processor sizes every image to one square")
+        text_processor = AutoProcessor.from_pretrained(str(model_dir))
+        token = config.get("image_token_index", config.get("image_token_id"))
+        return ImageProcessor(text_processor.image_processor, int(token), text_processor=text_processor,
+                              tokens_per_image=int(text_processor.image_seq_length))
     size = getattr(processor, "size", None)
     low, high = getattr(size, "shortest_edge", None), getattr(size, "longest_edge", None)
     overrides = overrides or {}

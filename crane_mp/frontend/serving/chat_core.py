@@ -96,6 +96,11 @@ async def prompt_with_images(state: FrontendState, ask: ChatAsk) -> tuple[ChatPr
     rendered = await render_prompt(state, ask)
     if not images:
         return rendered, rendered.ids, []
+    processor = state.image_processor
+    if processor.expands_text:  # Gemma 3: the processor's text, tokenized as its own generate's is
+        text = processor.expand_text(rendered.text, images)
+        input_ids = await prompt_ids(state, text, "messages", add_special_tokens=False)
+        return rendered, input_ids, processor.crop_media(input_ids, images)
     input_ids, media = place_images(state, rendered.ids, images)
     return rendered, input_ids, media
 

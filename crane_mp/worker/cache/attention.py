@@ -71,6 +71,9 @@ class AttentionMetadata:
     # Additive masks by (kind, sliding window), built on first use in a step: every layer of one
     # attention kind shares its mask, and a model with two kinds (sliding and global layers) builds two.
     masks: dict = field(default_factory=dict)
+    # (prefill index, first position, end position) of the images whose placeholders attend to each other
+    # both ways (Gemma 3); the torch path's masks let them.
+    bidirectional: list[tuple[int, int, int]] | None = None
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """[num_decodes, 1, 1, max_keys] additive mask of the decodes' keys (torch path)."""
@@ -88,7 +91,7 @@ class AttentionMetadata:
             device = self.prefill_ctx_before.device
             q_pos = self.prefill_ctx_before[:, None] + torch.arange(self.max_prefill_q, device=device)[None, :]
             width = self.prefill_block_tables.shape[1] * self.block_width
-            self.masks[key] = _key_mask(q_pos, self.prefill_ctx_lens, width, window, self.dtype)
+            self.masks[key] = _key_mask(q_pos, self.prefill_ctx_lens, width, window, self.dtype, self.bidirectional)
         return self.masks[key]
 
 
@@ -128,15 +131,21 @@ class _Packer:
 
 
 def _key_mask(
-    q_pos: torch.Tensor, ctx_len: torch.Tensor, num_keys: int, sliding_window: int | None, dtype: torch.dtype
+    q_pos: torch.Tensor, ctx_len: torch.Tensor, num_keys: int, sliding_window: int | None, dtype: torch.dtype,
+    both_ways: list[tuple[int, int, int]] | None = None,
 ) -> torch.Tensor:
     """q_pos: [B, Q] absolute query positions; ctx_len: [B]. Returns an additive mask [B, 1, Q, num_keys].
+    `both_ways`: (batch row, first, end) position spans whose queries also see the span's later keys.
 
     Additive (0 / -inf) in the model dtype, built once per step: a boolean mask would be converted by
     every layer's attention call.
     """
     keys = torch.arange(num_keys, device=q_pos.device)
-    allowed = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < ctx_len[:, None, None])
+    allowed = keys[None, None, :] <= q_pos[:, :, None]
+    for row, first, end in both_ways or ():
+        inside = (q_pos[row] >= first) & (q_pos[row] < end)
+        allowed[row] |= inside[:, None] & ((keys >= first) & (keys < end))[None, :]
+    allowed &= keys[None, None, :] < ctx_len[:, None, None]
     if sliding_window is not None:
         allowed &= keys[None, None, :] > q_pos[:, :, None] - sliding_window
     mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
@@ -272,7 +281,8 @@ def paged_attention(
                 kp, vp = k[num_decodes:], v[num_decodes:]
             # 4-D inputs: with 3-D ones SDPA falls back to its math backend (5-10x slower on CPU).
             qp, kp, vp = qp.transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None]
-            if (window is None or window >= qp.shape[2]) and softcap is None and sinks is None:
+            if (window is None or window >= qp.shape[2]) and softcap is None and sinks is None \
+                    and not meta.bidirectional:
                 out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 out = _attend(qp, kp, vp, _fresh_mask(meta, qp.shape[2], window), scale, softcap, prefill_sinks)
@@ -295,7 +305,8 @@ def _fresh_mask(meta: AttentionMetadata, length: int, window: int | None) -> tor
     key = ("fresh", window)
     if key not in meta.masks:
         positions = torch.arange(length, device=meta.slot_mapping.device)
-        meta.masks[key] = _key_mask(positions[None], positions[-1:] + 1, length, window, meta.dtype)
+        meta.masks[key] = _key_mask(positions[None], positions[-1:] + 1, length, window, meta.dtype,
+                                    meta.bidirectional)
     return meta.masks[key]
 
 

@@ -28,11 +28,11 @@ class Gemma3Attention(PagedSelfAttention):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    """Also the language model of a Gemma 3 vision-language checkpoint, served for text (its images
-    are the vision issue's)."""
+    """Also the language model of a Gemma 3 vision-language checkpoint (gemma3_vl.py)."""
 
     attention_class = Gemma3Attention
     # The released checkpoints' names (language_model.model.*), then transformers 5's in memory.
     renamed_weights = {"language_model.lm_head.": "lm_head.", "language_model.model.": "model.",
                        "model.language_model.": "model."}
-    ignored_weights = ("model.vision_tower.", "model.multi_modal_projector.")
+    # A vision-language checkpoint served for text alone (--model-type gemma3): its vision side unread.
+    ignored_weights = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")

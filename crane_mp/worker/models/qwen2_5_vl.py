@@ -1,169 +1,13 @@
 """Qwen2.5-VL: the Qwen2 language model with multimodal rope, and a vision tower whose embeddings
-take the places of each image's placeholder tokens. ImageLanguageModel is what Qwen3-VL and Qwen3.5
-(qwen3_vl.py) share of it.
-
-Each image is encoded once per request, the first step that computes any of its placeholders (a
-chunked prompt may split them over steps), and kept with the request through preemptions. Text-only
-requests run as on Qwen2: their three rope positions are equal, and the sections then compose the
-one-position tables exactly.
-"""
+take the places of each image's placeholder tokens (image_lm.py)."""
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterable
-
-import msgspec
-import numpy as np
-import torch
-from torch import nn
-
 from crane_mp.models.config import ModelConfig
-from crane_mp.mrope import mrope_positions
-from crane_mp.protocol import MediaInput
+from crane_mp.worker.models.image_lm import ImageLanguageModel
 from crane_mp.worker.models.qwen2 import Qwen2ForCausalLM
 from crane_mp.worker.models.qwen2_5_vl_vision import Qwen25VisionTower
-from crane_mp.worker.models.qwen3_vl_vision import VisionFeatures
 from crane_mp.worker.platforms import Platform
-from crane_mp.worker.step.forward_context import MediaSpan, MediaStep
-
-_VISUAL_PREFIXES = ("model.visual.", "visual.")
-
-
-@dataclass(slots=True)
-class PromptImages:
-    """A request's images, its prompt's rope positions [3, prompt] and the offset of later positions."""
-
-    images: list[MediaInput]
-    positions: torch.Tensor
-    delta: int
-    encoded: dict[int, VisionFeatures] = field(default_factory=dict)  # image index -> its placeholders' features
-
-
-class ImageLanguageModel:
-    """A causal LM whose images' tower embeddings take their placeholders' places (a mixin before the
-    language model's class): its `visual` tower turns images into VisionFeatures, placed by multimodal
-    rope positions (mrope.py). Qwen2.5-VL, Qwen3-VL and Qwen3.5."""
-
-    media_kind = "image"
-    visual: nn.Module
-    image_token_id: int
-    merge_size: int
-
-    def media_state(self, prompt_ids: list[int], media: list[MediaInput]) -> PromptImages | None:
-        if not media:
-            return None
-        for item in media:
-            self._check_image(prompt_ids, item)
-        spans = [(item.offset, *item.grid) for item in media]
-        positions, delta = mrope_positions(prompt_ids, spans, self.merge_size)
-        return PromptImages(media, torch.from_numpy(np.ascontiguousarray(positions)), int(delta))
-
-    def _check_image(self, prompt_ids: list[int], item: MediaInput) -> None:
-        if item.kind != "image":
-            raise ValueError(f"{self.config.arch} takes images, not {item.kind}")
-        t, h, w = item.grid
-        if item.num_tokens * self.merge_size**2 != t * h * w or item.shape != [t * h * w, item.shape[-1]]:
-            raise ValueError(f"image grid {item.grid} does not match its {item.num_tokens} placeholders")
-        placeholders = prompt_ids[item.offset : item.offset + item.num_tokens]
-        if len(placeholders) != item.num_tokens or set(placeholders) != {self.image_token_id}:
-            raise ValueError("an image's placeholder tokens are not where its offset says")
-
-    def prepare_media(self, spans: list[MediaSpan], positions: torch.Tensor) -> MediaStep:
-        """Rope positions of every row (plain ones for text-only requests) and the image rows' embeddings
-        (and deepstack additions), encoding the images this step reaches first in one pass of the tower."""
-        self._encode([(span.state, i) for span in spans for i, item in enumerate(span.state.images)
-                      if i not in span.state.encoded and _overlaps(item, span.start, span.end)])
-        rope = positions.expand(3, -1).clone()
-        rows, values = [], []
-        for span in spans:
-            state = span.state
-            rope[:, span.row : span.row + span.end - span.start] = self._rope_rows(state, span.start, span.end)
-            for index, item in enumerate(state.images):
-                first, last = max(span.start, item.offset), min(span.end, item.offset + item.num_tokens)
-                if first < last:
-                    rows.append(torch.arange(first, last) - span.start + span.row)
-                    values.append(state.encoded[index].rows(first - item.offset, last - item.offset))
-        if not rows:
-            return MediaStep(None, rope)
-        embeds = (torch.cat(rows).to(positions.device), torch.cat([part.embeds for part in values]))
-        deepstack = [torch.cat(layer) for layer in zip(*(part.deepstack for part in values))]
-        return MediaStep(embeds, rope, deepstack or None)
-
-    def _rope_rows(self, state: PromptImages, start: int, end: int) -> torch.Tensor:
-        prompt = state.positions.shape[1]
-        known = state.positions[:, start:min(end, prompt)]
-        later = torch.arange(max(start, prompt), max(end, prompt), dtype=known.dtype) + state.delta
-        return torch.cat([known, later.expand(3, -1)], dim=1)
-
-    def _encode(self, wanted: list[tuple[PromptImages, int]]) -> None:
-        if not wanted:
-            return
-        weight = next(self.visual.parameters())
-        # torch.tensor copies: the message's bytes are read-only.
-        pixels = torch.cat([torch.tensor(np.frombuffer(state.images[i].values, dtype=np.float32)
-                                         .reshape(state.images[i].shape)) for state, i in wanted])
-        grids = [tuple(state.images[i].grid) for state, i in wanted]
-        features = self.visual(pixels.to(device=weight.device, dtype=weight.dtype), grids)
-        if isinstance(features, torch.Tensor):
-            features = VisionFeatures(features, [])
-        sizes = [state.images[i].num_tokens for state, i in wanted]
-        for (state, i), part in zip(wanted, features.split(sizes)):
-            state.encoded[i] = part
-            # Encoded once per request: the pixels are not read again.
-            state.images[i] = msgspec.structs.replace(state.images[i], values=b"")
-
-    def largest_image(self, model_dir: Path, overrides: dict[str, int]) -> tuple[int, int, int] | None:
-        """The patch grid of the largest image the frontend's processor makes: max_pixels (the
-        checkpoint's preprocessor_config.json, or --mm-processor-kwargs') as a square; None where the
-        checkpoint has no processor settings (it serves text only)."""
-        path = model_dir / "preprocessor_config.json"
-        if not path.is_file():
-            return None
-        settings = json.loads(path.read_text())
-        max_pixels = (overrides.get("max_pixels") or settings.get("max_pixels")
-                      or (settings.get("size") or {}).get("longest_edge"))
-        if not max_pixels:
-            return None
-        cfg = self.visual.cfg
-        side = max(cfg.spatial_merge_size, math.isqrt(max_pixels // cfg.patch_size**2)
-                   // cfg.spatial_merge_size * cfg.spatial_merge_size)
-        return 1, side, side
-
-    def vision_activation_bytes(self, grid: tuple[int, int, int]) -> int:
-        """The tower's live activations on `grid` (the CPU memory plan's estimate, as
-        _activation_estimate_per_token's for the language model): a block's widest point per patch,
-        q/k/v and the MLP's, then the merged embeddings the request keeps."""
-        cfg = self.visual.cfg
-        patches = math.prod(grid)
-        widths = 6 * cfg.hidden_size + 3 * cfg.intermediate_size
-        kept = patches // cfg.spatial_merge_size**2 * cfg.out_hidden_size * (1 + len(getattr(
-            cfg, "deepstack_visual_indexes", ())))
-        return (patches * widths + kept) * 4
-
-    def profile_image(self, grid: tuple[int, int, int]) -> None:
-        """One pass of the tower over an image of `grid` (the measured memory plan's peak)."""
-        cfg = self.visual.cfg
-        weight = next(self.visual.parameters())
-        values = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
-        self.visual(torch.zeros(math.prod(grid), values, dtype=weight.dtype, device=weight.device), [grid])
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        visual: list[tuple[str, torch.Tensor]] = []
-
-        def language(pairs):
-            for name, tensor in pairs:
-                prefix = next((p for p in _VISUAL_PREFIXES if name.startswith(p)), None)
-                if prefix is None:
-                    yield name, tensor
-                else:
-                    visual.append((name.removeprefix(prefix), tensor))
-
-        loaded = super().load_weights(language(weights))
-        return loaded | {"visual." + name for name in self.visual.load_weights(visual)}
 
 
 class Qwen25VLForConditionalGeneration(ImageLanguageModel, Qwen2ForCausalLM):
@@ -175,7 +19,3 @@ class Qwen25VLForConditionalGeneration(ImageLanguageModel, Qwen2ForCausalLM):
         self.visual = Qwen25VisionTower(hf.vision_config)
         self.image_token_id = hf.image_token_id
         self.merge_size = hf.vision_config.spatial_merge_size
-
-
-def _overlaps(item: MediaInput, start: int, end: int) -> bool:
-    return item.offset < end and start < item.offset + item.num_tokens

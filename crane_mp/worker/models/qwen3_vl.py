@@ -5,7 +5,7 @@ of its first language-model layers at the image's rows (Qwen3.5's tower has none
 from __future__ import annotations
 
 from crane_mp.models.config import ModelConfig
-from crane_mp.worker.models.qwen2_5_vl import ImageLanguageModel
+from crane_mp.worker.models.image_lm import ImageLanguageModel
 from crane_mp.worker.models.qwen3 import Qwen3ForCausalLM
 from crane_mp.worker.models.qwen3_5 import Qwen35ForCausalLM
 from crane_mp.worker.models.qwen3_vl_vision import Qwen3VisionTower

@@ -70,12 +70,15 @@ class MediaSpan:
 @dataclass(slots=True)
 class MediaStep:
     """What a media model's prepare_media made of a step: rows whose input embedding is replaced (an
-    image's placeholders: row indices and embeddings), multimodal rope positions [3, num_tokens], and
-    what the same rows add to the outputs of the first decoder layers (Qwen3-VL's deepstack)."""
+    image's placeholders: row indices and embeddings), multimodal rope positions [3, num_tokens], what
+    the same rows add to the outputs of the first decoder layers (Qwen3-VL's deepstack), and the
+    images whose placeholders attend to each other both ways (Gemma 3): (the step row of their
+    request's first token, first position, end position)."""
 
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     rope_positions: torch.Tensor | None = None
     deepstack: list[torch.Tensor] | None = None
+    bidirectional: list[tuple[int, int, int]] | None = None
 
 
 @dataclass(slots=True)

@@ -107,9 +107,11 @@ class ModelRunner:
         self.requests: dict[int, RequestMirror] = {}
         self.num_blocks = 0
         self.attention_backend = platform.attention_backend(attention_backend or attention_backend_override())
-        if self.attention_backend == "triton" and any(isinstance(getattr(layer, "sinks", None), torch.Tensor)
-                                                      for layer in model.modules()):
-            self.attention_backend = "torch"  # the Triton kernels take no attention sinks (gpt-oss)
+        if self.attention_backend == "triton" and (
+                getattr(model, "bidirectional_images", False)
+                or any(isinstance(getattr(layer, "sinks", None), torch.Tensor) for layer in model.modules())):
+            # The Triton kernels take no attention sinks (gpt-oss), nor images attended both ways (Gemma 3).
+            self.attention_backend = "torch"
         self.failed: dict[int, str] = {}  # req id -> error, until the scheduler finishes the request
         self._newly_failed: list[int] = []
         self.fault_token = fault_injection_token()
@@ -424,6 +426,10 @@ class ModelRunner:
         ids_and_positions = device_longs(input_ids + positions, self.device)
         ids, pos = ids_and_positions[: len(input_ids)], ids_and_positions[len(input_ids) :]
         step = self.model.prepare_media(media, pos) if media else None
+        if step is not None and step.bidirectional:
+            both_ways = _by_prefill(decodes, prefills, step.bidirectional)
+            for metadata in (meta, *group_meta):
+                metadata.bidirectional = both_ways
         if step is not None and step.rope_positions is not None:
             cos, sin = mrope_cos_sin(self.cos, self.sin, step.rope_positions, self.mrope_columns)
         else:
@@ -579,3 +585,14 @@ _PLACEHOLDER_TOKEN = 0
 
 def _advances_before_sampling(params) -> bool:
     return params.prompt_logprobs is not None or params.pools_prompt
+
+
+def _by_prefill(decodes: list[SeqSpan], prefills: list[SeqSpan],
+                spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """MediaStep.bidirectional's (step row of a request's first token, first, end) as (prefill index,
+    first, end); a span of a one-row request (nothing to see both ways) is left out."""
+    index, row = {}, len(decodes)
+    for p, span in enumerate(prefills):
+        index[row] = p
+        row += span.q_len
+    return [(index[row], first, end) for row, first, end in spans if row in index]
