@@ -293,3 +293,57 @@ def test_the_same_images_give_the_same_tokens_through_every_api(model_dir, tmp_p
     assert wrong.status_code == 400 and "image_data" in wrong.text and "<|image_pad|>" in wrong.text
     assert smaller.json()["usage"]["prompt_tokens"] < prompt_tokens  # each image resized to at most 2 x 2 tokens
     assert refused.status_code == 400 and "mm_processor_kwargs.max_pixels" in refused.text
+
+
+def _pan_and_scan_inputs(processor, prompt: str, images: list[Image.Image]) -> dict[str, torch.Tensor]:
+    """What Gemma3Processor gives generate for images its image processor pans and scans (as the
+    checkpoint's preprocessor_config asks), from its own parts: transformers 5's processor call drops
+    the request for crops."""
+    pixels = processor.image_processor(images=images, return_tensors="pt")
+    pieces = prompt.split(processor.boi_token)
+    text = pieces[0] + "".join(processor.replace_image_token({"num_crops": [int(crops)]}, 0) + piece
+                               for crops, piece in zip(pixels["num_crops"], pieces[1:]))
+    ids = processor.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels["pixel_values"],
+            "token_type_ids": (ids == processor.tokenizer.image_token_id).long()}
+
+
+def test_gemma3_pan_and_scan_crops_and_images_attended_both_ways_equal_transformers(tmp_path):
+    """A Gemma 3 checkpoint whose processor pans and scans: a wide image becomes the whole one and its
+    crops, each its own run of soft tokens, in text the processor writes. Tokens and the first token's
+    top logprobs equal transformers' (within 2e-5), which tells an image attended both ways from one
+    attended causally (off by 4e-4 and more among them in this model) as greedy tokens alone may not."""
+    model_dir = make_vl(tmp_path / "gemma3", family="gemma3", pan_and_scan=True)
+    processor = reference_processor(model_dir)
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    wide = _image(7, (40, 200))
+    cases = [[wide], [IMAGES[2], wide]]
+    expected = []
+    for images in cases:
+        parts = [{"type": "text", "text": "look"}, *({"type": "image"} for _ in images), {"type": "text", "text": "hm"}]
+        prompt = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                               tokenize=False)
+        inputs = _pan_and_scan_inputs(processor, prompt, images)
+        tokens = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        with torch.no_grad():
+            both_ways = model(**inputs).logits[0, -1].log_softmax(-1)
+            causal = model(**{k: v for k, v in inputs.items() if k != "token_type_ids"}).logits[0, -1].log_softmax(-1)
+        top = both_ways.topk(5).indices
+        assert (both_ways[top] - causal[top]).abs().max() > 4e-4  # the check below can tell them apart
+        expected.append((tokens[0, inputs["input_ids"].shape[1]:].tolist(), inputs["input_ids"].shape[1],
+                         both_ways[top].tolist()))
+    assert expected[0][1] > 5 * 16  # the wide image's four crops took their soft tokens
+    server = Server(model_dir, "--max-num-batched-tokens", "32", log_path=tmp_path / "log")
+    try:
+        for images, (tokens, prompt_tokens, logprobs) in zip(cases, expected):
+            parts = [{"type": "text", "text": "look"},
+                     *({"type": "image_url", "image_url": {"url": data_url(png(image))}} for image in images),
+                     {"type": "text", "text": "hm"}]
+            answer = requests.post(server.url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": parts}], "max_tokens": 6, "min_tokens": 6, "temperature": 0,
+                "return_token_ids": True, "logprobs": True, "top_logprobs": 5}).json()
+            assert answer["choices"][0]["token_ids"] == tokens and answer["usage"]["prompt_tokens"] == prompt_tokens
+            ours = [entry["logprob"] for entry in answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]]
+            assert len(ours) == 5 and all(abs(a - b) < 2e-5 for a, b in zip(ours, logprobs)), (ours, logprobs)
+    finally:
+        assert server.stop() == 0

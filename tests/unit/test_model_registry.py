@@ -50,7 +50,8 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                                   "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
                                   "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next", "qwen35": "qwen3_5",
                                   "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next", "qwen3_vl": "qwen3_vl",
-                                  "qwen3_5_vl": "qwen3_5_vl", "qwen3_5_moe_vl": "qwen3_5_moe_vl"}
+                                  "qwen3_5_vl": "qwen3_5_vl", "qwen3_5_moe_vl": "qwen3_5_moe_vl",
+                                  "gemma3_vl": "gemma3_vl"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                           "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
                           "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
@@ -66,9 +67,9 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                           "DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3_5ForCausalLM": "qwen3_5",
                           "Qwen3_5ForConditionalGeneration": "qwen3_5_vl", "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
                           "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_vl", "Qwen3NextForCausalLM": "qwen3_next",
-                          "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+                          "Qwen3VLForConditionalGeneration": "qwen3_vl", "Gemma3ForConditionalGeneration": "gemma3_vl"}
     assert [ARCHITECTURES[name].hf_classes for name in FAMILIES_2026] == [
-        ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+        ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM",),
         ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("Phi3ForCausalLM",),
         ("Olmo2ForCausalLM",), ("Olmo3ForCausalLM",), ("SmolLM3ForCausalLM",), ("GraniteForCausalLM",),
         ("GraniteMoeHybridForCausalLM",), ("Glm4ForCausalLM",), ("Cohere2ForCausalLM",), ("Exaone4ForCausalLM",),
@@ -98,7 +99,7 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                          "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe", "qwen3_5_text": "qwen35",
                          "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
                          # the vision-language checkpoints' text, as llama.cpp's converter writes it
-                         "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
+                         "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "gemma3": "gemma3"}
 
 
 NATIVE = sorted(set(ARCHITECTURES) - {TRANSFORMERS})
@@ -146,7 +147,7 @@ def test_every_encoder_is_served_by_the_encoder_class():
 def test_media_architectures_take_images_or_audio():
     assert {name: row.media for name, row in ARCHITECTURES.items() if row.media} == {
         "qwen2_5_vl": "image", "qwen3_vl": "image", "qwen3_5_vl": "image", "qwen3_5_moe_vl": "image",
-        "whisper": "audio"}
+        "gemma3_vl": "image", "whisper": "audio"}
     assert all(model_class(name).media_kind == row.media for name, row in ARCHITECTURES.items() if row.media)
 
 
