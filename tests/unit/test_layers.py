@@ -12,7 +12,8 @@ from tests.unit.test_import_graph import import_graph
 # Each top-level module or package of crane_mp (its second name part) in one layer.
 LAYERS = (
     # settings, protocol, file readers and small pure helpers: they import no other layer
-    {"crane_mp", "settings", "protocol", "gguf_header", "heap", "priority", "logs", "systemd", "mrope", "parallel"},
+    {"crane_mp", "settings", "protocol", "gguf_header", "heap", "priority", "logs", "systemd", "mrope", "parallel",
+     "media_settings"},
     # config, IPC and the torch-free model facts every process reads
     {"config", "ipc", "models", "model_tokenizer"},
     # the scheduler and worker processes
