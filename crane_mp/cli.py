@@ -26,9 +26,9 @@ from crane_mp.config import (
     cpu_isa_cap,
     parse_memory_limit,
 )
+from crane_mp.media_settings import pixel_settings_problem
 from crane_mp.models.config import MODEL_IMPLS, checkpoint_architecture
 from crane_mp.models.gguf_file import FORMATS, GGUFFileError, ModelSource, check_gguf, resolve_model_source
-from crane_mp.media_settings import pixel_settings_problem
 from crane_mp.models.pooling import POOLING_METHODS, Pooling, sentence_transformers_pooling
 from crane_mp.models.registry import MODEL_TYPE_ALIASES
 from crane_mp.models.score_head import classifies

@@ -142,7 +142,8 @@ def _gemma_config(ids: dict[str, int]) -> Any:
 def _write_gemma_processor(out: Path, pan_and_scan: bool) -> None:
     write_json(out / "preprocessor_config.json", {
         "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
-        "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "size": {"height": GEMMA_IMAGE_SIZE, "width": GEMMA_IMAGE_SIZE},
+        "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+        "size": {"height": GEMMA_IMAGE_SIZE, "width": GEMMA_IMAGE_SIZE},
         "resample": 2, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "do_convert_rgb": None, "do_pan_and_scan": pan_and_scan or None, "pan_and_scan_min_crop_size": 32,
         "pan_and_scan_max_num_crops": 4, "pan_and_scan_min_ratio_to_activate": 1.2,

@@ -240,7 +240,8 @@ def test_the_same_images_give_the_same_tokens_through_every_api(model_dir, tmp_p
         await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
             client = anthropic.AsyncAnthropic(base_url=server.url, api_key="none")
-            message = await client.messages.create(model=model, max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
+            greedy = {"temperature": 0}  # this SDK's create() names no temperature
+            message = await client.messages.create(model=model, max_tokens=MAX_TOKENS, extra_body=greedy, messages=[
                 {"role": "user", "content": [
                     {"type": "text", "text": "look"},
                     {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded[0]}},

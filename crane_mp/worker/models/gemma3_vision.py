@@ -135,7 +135,8 @@ class MultiModalProjector(nn.Module):
         grid = patches.transpose(1, 2).reshape(images, hidden, self.side, self.side).contiguous()
         pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
         x = pooled.float()
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.mm_soft_emb_norm.weight.float())
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = normed * (1.0 + self.mm_soft_emb_norm.weight.float())
         return torch.matmul(normed.type_as(pooled), self.mm_input_projection_weight).type_as(patches)
 
 

@@ -25,8 +25,20 @@ from torch import nn
 
 from crane_mp.mrope import mrope_positions
 from crane_mp.protocol import MediaInput
-from crane_mp.worker.models.qwen3_vl_vision import VisionFeatures
 from crane_mp.worker.step.forward_context import MediaSpan, MediaStep
+
+
+@dataclass(slots=True)
+class VisionFeatures:
+    """The tower's output: [merged patches, out_hidden] for the placeholders, and per deepstack layer the
+    same shape, added to the language model's hidden states after its first layers."""
+
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+    def rows(self, first: int, last: int) -> VisionFeatures:
+        return VisionFeatures(self.embeds[first:last], [layer[first:last] for layer in self.deepstack])
+
 
 @dataclass(slots=True)
 class PromptImages:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from crane_mp.worker.models.checkpoint import copy_named
+from crane_mp.worker.models.image_lm import VisionFeatures
 from crane_mp.worker.models.layers import ACTIVATIONS
 from crane_mp.worker.models.qwen2_5_vl_vision import PatchEmbed, VisionAttention, vision_rope
 
@@ -93,22 +94,6 @@ class PatchMerger(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.view(-1, self.merged_size)) if self.after_merge else self.norm(x).view(-1, self.merged_size)
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
-
-
-@dataclass(slots=True)
-class VisionFeatures:
-    """The tower's output: [merged patches, out_hidden] for the placeholders, and per deepstack layer the
-    same shape, added to the language model's hidden states after its first layers."""
-
-    embeds: torch.Tensor
-    deepstack: list[torch.Tensor]
-
-    def rows(self, first: int, last: int) -> VisionFeatures:
-        return VisionFeatures(self.embeds[first:last], [layer[first:last] for layer in self.deepstack])
-
-    def split(self, sizes: list[int]) -> list[VisionFeatures]:
-        parts = zip(self.embeds.split(sizes), *(layer.split(sizes) for layer in self.deepstack))
-        return [VisionFeatures(embeds, list(deepstack)) for embeds, *deepstack in parts]
 
 
 class Qwen3VisionTower(nn.Module):
