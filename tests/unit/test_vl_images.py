@@ -200,3 +200,30 @@ def test_pixel_bounds_per_server_and_per_request_equal_the_processor_given_them(
         assert caught.value.status == 400 and caught.value.param == "mm_processor_kwargs"
     with pytest.raises(ValueError, match="min_pixels .* is above max_pixels"):
         load_image_processor(checkpoint, {"min_pixels": 28 * 28 * 500})
+
+
+def test_gemma3_images_expand_as_its_processor_writes_them(tmp_path):
+    """Gemma 3: a wide image is the whole one and four pan-and-scan crops (the checkpoint's processor asks
+    for them), written into the text as its processor writes it; each crop is its own run of soft
+    tokens. A prompt given as tokens (/generate) gets each placeholder's expansion spliced in."""
+    model_dir = make_vl(tmp_path / "gemma3", family="gemma3", pan_and_scan=True)
+    ours = load_image_processor(model_dir)
+    reference = reference_processor(model_dir)
+    image = ours.preprocess(_noise(40, 200))
+    assert image.num_crops == 4 and image.pixel_values.shape == (5, 3, 64, 64) and image.num_tokens == 5 * 16
+    text = "<bos>look<start_of_image>what"
+    expanded = ours.expand_text(text, [image])
+    assert expanded == text.replace("<start_of_image>", reference.replace_image_token({"num_crops": [4]}, 0))
+    ids = reference.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+    media = ours.crop_media(ids, [image])
+    assert [item.num_tokens for item in media] == [16] * 5 and len({item.key for item in media}) == 5
+    assert all(set(ids[item.offset : item.offset + 16]) == {ours.image_token_id} for item in media)
+    assert all(item.shape == [1, 3, 64, 64] for item in media)
+    spliced = ours.splice(reference.tokenizer(text, add_special_tokens=False)["input_ids"], [image], "image_data")
+    assert [item.num_tokens for item in ours.crop_media(spliced, [image])] == [16] * 5
+    for bad, why in ((lambda: ours.expand_text(text + "<start_of_image>", [image]), "2 image placeholders"),
+                     (lambda: ours.settings({"do_pan_and_scan": "yes"}), "do_pan_and_scan"),
+                     (lambda: ours.settings({"max_pixels": 5}), "do_pan_and_scan")):
+        with pytest.raises(ApiError, match=why):
+            bad()
+    assert ours.preprocess(_noise(40, 200), WHERE, ours.settings({"do_pan_and_scan": False})).num_crops == 0
