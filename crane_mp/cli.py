@@ -215,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=_positive_int, default=1 << 25,
                    help="largest image (width x height) a request may send, checked from its header before "
                         "its pixels are decoded; larger ones get 400")
+    p.add_argument("--max-video-seconds", type=_positive_seconds, default=300.0,
+                   help="longest video a request may send, read from its header before any frame is decoded; "
+                        "longer gets 400")
+    p.add_argument("--max-video-frames", type=_positive_int, default=256,
+                   help="most frames a video may sample to (Qwen3-VL's processor takes 2 a second); more get 400")
     p.add_argument("--mm-processor-kwargs", type=_mm_processor_kwargs, default={},
                    help="the image processor's pixel bounds for every image, as JSON: "
                         "'{\"min_pixels\": 3136, \"max_pixels\": 1003520}' (vLLM's flag); a request's "
@@ -403,6 +408,8 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         allow_private_media_addresses=args.allow_private_media_addresses,
         max_images_per_request=args.max_images_per_request,
         max_image_pixels=args.max_image_pixels,
+        max_video_seconds=args.max_video_seconds,
+        max_video_frames=args.max_video_frames,
         max_audio_seconds=args.max_audio_seconds,
         max_audio_samples=args.max_audio_samples,
         read_timeout=args.read_timeout,

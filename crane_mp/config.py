@@ -162,6 +162,8 @@ class ServerConfig:
     allow_private_media_addresses: bool = False  # fetch from loopback, private and link-local addresses too
     max_images_per_request: int = 32  # image parts of one request, counted before any is fetched or decoded
     max_image_pixels: int = 1 << 25  # an image's width x height, checked before its pixels are decoded
+    max_video_seconds: float = 300.0  # a video's duration, read from its header before any frame is decoded
+    max_video_frames: int = 256  # the frames a video samples to (Qwen3-VL: 2 a second)
     max_audio_seconds: float = 3600.0  # one transcription's audio, checked as it is decoded
     max_audio_samples: int | None = None  # frames x channels of an upload; None: see audio_sample_limit
     read_timeout: float = 30.0  # seconds a request's headers, then its body, may take; also keep-alive idle

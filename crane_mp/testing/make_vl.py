@@ -9,13 +9,16 @@ and a chat template that places images as the family's does.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
+from PIL import Image
 from tokenizers import AddedToken
 from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3VLConfig
 
@@ -273,9 +276,32 @@ def make_vl(out: str | Path, seed: int = 0, family: str = "qwen2_5_vl", pan_and_
         "min_pixels": MIN_PIXELS * patch**2 // 14**2, "max_pixels": MAX_PIXELS * patch**2 // 14**2,
         "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2, "image_mean": mean, "image_std": std,
     })
+    if family != "qwen2_5_vl":  # Qwen3VLProcessor's video settings, a few small frames per video
+        write_json(out / "video_preprocessor_config.json", {
+            "video_processor_type": "Qwen3VLVideoProcessor", "fps": 2, "min_frames": 4, "max_frames": 32,
+            "size": {"shortest_edge": 4096, "longest_edge": 6 * 128 * 128}, "patch_size": patch,
+            "temporal_patch_size": 2, "merge_size": 2, "image_mean": mean, "image_std": std})
     # Where transformers 5 saves a template, and where both the tokenizer and the processor read it.
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE.lstrip("\n"), encoding="utf-8")
     return out
+
+
+def make_video(frames: int, fps: int, height: int, width: int, seed: int = 0) -> bytes:
+    """An MP4 (MPEG-4 part 2: in every PyAV wheel) of smooth random frames that move: `frames` at `fps`."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 255, (height // 8 + 2, width // 8 + 2, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for index in range(frames):
+            shifted = np.roll(base, index, axis=1)[: height // 8, : width // 8]
+            picture = np.asarray(Image.fromarray(shifted).resize((width, height), Image.BILINEAR))
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(picture, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
 
 
 def reference_processor(model_dir: str | Path) -> Any:

@@ -343,3 +343,53 @@ def test_gemma3_pan_and_scan_crops_and_images_attended_both_ways_equal_transform
             assert len(ours) == 5 and all(abs(a - b) < 2e-5 for a, b in zip(ours, logprobs)), (ours, logprobs)
     finally:
         assert server.stop() == 0
+
+
+def test_a_video_and_an_image_in_one_request_equal_transformers_on_our_frames(tmp_path):
+    """Qwen3-VL: a video (sampled, sized and timed by Qwen3VLVideoProcessor's rules: tests/unit/test_video.py)
+    beside an image. transformers' generate on the same frames and the text Qwen3VLProcessor writes for
+    them (each frame pair's timestamp, then its placeholders) gives the same tokens; a video longer than
+    --max-video-seconds is refused from its header."""
+    from crane_mp.frontend.images.video import VideoLimits, VideoSettings, decode_video, preprocess_video, video_text
+    from crane_mp.testing.make_vl import make_video  # PyAV: imported by the tests that write videos
+
+    model_dir = make_vl(tmp_path / "qwen3_vl", family="qwen3_vl")
+    clip = make_video(12, 4, 64, 96)
+    settings = VideoSettings.of_checkpoint(model_dir)
+    video = preprocess_video(*decode_video(clip, settings, VideoLimits(300, 256, 1 << 25), "v"), settings)
+    processor = reference_processor(model_dir)
+    parts = [{"type": "text", "text": "look"}, {"type": "image"}, {"type": "video"}, {"type": "text", "text": "what"}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                           tokenize=False)
+    image = processor.image_processor(images=[IMAGES[1]], return_tensors="pt")
+    prompt = prompt.replace("<|image_pad|>", "<|image_pad|>" * int(image["image_grid_thw"].prod() // 4))
+    written = video_text(video, 2, "<|vision_start|>", "<|video_pad|>", "<|vision_end|>")
+    prompt = prompt.replace("<|video_pad|>", written)
+    ids = processor.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    kinds = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
+    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=image["pixel_values"],
+        image_grid_thw=image["image_grid_thw"], pixel_values_videos=torch.from_numpy(video.pixel_values),
+        video_grid_thw=torch.tensor([video.grid_thw]), mm_token_type_ids=kinds, max_new_tokens=MAX_TOKENS,
+        min_new_tokens=MAX_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
+    server = Server(model_dir, "--max-num-batched-tokens", "16", "--max-video-seconds", "60",
+                    log_path=tmp_path / "log")
+
+    def ask(clip_bytes: bytes) -> requests.Response:
+        url = "data:video/mp4;base64," + base64.b64encode(clip_bytes).decode()
+        content = [{"type": "text", "text": "look"},
+                   {"type": "image_url", "image_url": {"url": data_url(png(IMAGES[1]))}},
+                   {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "what"}]
+        return requests.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS,
+            "temperature": 0, "return_token_ids": True})
+
+    try:
+        answer = ask(clip).json()
+        long = ask(make_video(300, 4, 32, 32))  # 75 s
+    finally:
+        assert server.stop() == 0
+    assert answer["choices"][0]["token_ids"] == expected and answer["usage"]["prompt_tokens"] == ids.shape[1]
+    assert long.status_code == 400 and "--max-video-seconds" in long.text and "messages[0].content[2]" in long.text

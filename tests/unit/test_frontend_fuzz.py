@@ -158,7 +158,7 @@ def _add_parts(message: dict, parts: list[dict]) -> None:
     message["content"] = content + parts
 
 
-_IMAGE_PART_TYPES = ("image_url", "input_image", "image")  # chat's, the Responses API's, Anthropic's
+_IMAGE_PART_TYPES = ("image_url", "video_url", "input_image", "image")  # chat's, the Responses API's, Anthropic's
 
 
 def _refuses_an_image(body: dict, text: str) -> bool:
@@ -173,7 +173,7 @@ def _refuses_an_image(body: dict, text: str) -> bool:
         parts.append("image_data")
     error = json.loads(text)["error"]
     message = error["message"]
-    if parts and "takes no images" in message:
+    if parts and ("takes no images" in message or "takes no videos" in message):
         return True
     return any(message.startswith((f"{where}:", f"{where} ")) or message.endswith(f" at {where}") or
                where == error.get("param") for where in parts)

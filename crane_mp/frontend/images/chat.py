@@ -13,6 +13,13 @@ from typing import Any
 
 from crane_mp.frontend.images.fetch import fetch_image
 from crane_mp.frontend.images.processor import ImageInput, expand_image_tokens, image_bytes_from_data_url, open_image
+from crane_mp.frontend.images.video import (
+    VideoInput,
+    VideoLimits,
+    decode_video,
+    preprocess_video,
+    video_bytes_from_data_url,
+)
 from crane_mp.frontend.state import FrontendState
 from crane_mp.frontend.web.access_log import current_record
 from crane_mp.frontend.web.errors import ApiError
@@ -44,6 +51,35 @@ async def _load(state: FrontendState, where: str, url: str, settings: dict[str, 
         data = await fetch_image(state.config, where, url, state.max_request_bytes)
     processor, limit = state.image_processor, state.config.max_image_pixels
     return await asyncio.to_thread(lambda: processor.preprocess(open_image(data, limit, where), where, settings))
+
+
+def check_takes_videos(state: FrontendState, count: int) -> None:
+    if count and (state.image_processor is None or state.image_processor.video is None):
+        raise ApiError(400, f"model {state.model_name!r} takes no videos", "messages")
+    limit = state.config.max_images_per_request
+    if count > limit:
+        raise ApiError(400, f"the request holds {count} videos; this server takes at most {limit} "
+                            "(--max-images-per-request)", "messages")
+
+
+async def load_videos(state: FrontendState, urls: list[tuple[str, str]]) -> list[VideoInput]:
+    """Each (where, url) decoded, its frames sampled and processed, in order; a bad one is a 400 naming
+    where it is."""
+    return list(await asyncio.gather(*(_load_video(state, where, url) for where, url in urls)))
+
+
+async def _load_video(state: FrontendState, where: str, url: str) -> VideoInput:
+    if url.startswith("data:"):
+        data = video_bytes_from_data_url(url, where)
+    else:
+        data = await fetch_image(state.config, where, url, state.max_request_bytes)
+    config, settings = state.config, state.image_processor.video
+    limits = VideoLimits(config.max_video_seconds, config.max_video_frames, config.max_image_pixels)
+
+    def process() -> VideoInput:
+        return preprocess_video(*decode_video(data, settings, limits, where), settings, where)
+
+    return await asyncio.to_thread(process)
 
 
 def record_images(state: FrontendState, count: int) -> None:

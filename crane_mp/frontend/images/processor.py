@@ -20,11 +20,16 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFile
 
+from crane_mp.frontend.images.video import VideoInput, VideoSettings, video_text
 from crane_mp.frontend.web.errors import ApiError
 from crane_mp.media_settings import pixel_settings_problem
 from crane_mp.protocol import MediaInput
 
 _PARAM = "messages"
+# Qwen3VLProcessor's placeholders, and the checkpoints whose processor it is (they take videos).
+_IMAGE_PAD, _VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
+_VISION_START, _VISION_END = "<|vision_start|>", "<|vision_end|>"
+_VIDEO_MODEL_TYPES = frozenset({"qwen3_vl", "qwen3_5", "qwen3_5_moe"})
 # Web image formats only: PIL's other plugins include EPS, which runs Ghostscript on the data. (A phone's
 # multi-picture JPEG opens through "JPEG" too.)
 _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
@@ -139,6 +144,8 @@ class ImageProcessor:
     max_pixels: int | None = None
     text_processor: Any = None
     tokens_per_image: int = 0
+    video: VideoSettings | None = None  # Qwen3-VL's and Qwen3.5's: they take videos too
+    video_token_id: int | None = None
 
     def settings(self, kwargs: dict[str, Any] | None, param: str = "mm_processor_kwargs") -> dict[str, Any]:
         """The processor call's arguments for a request's mm_processor_kwargs (None: the server's bounds).
@@ -219,6 +226,44 @@ class ImageProcessor:
                 for (key, values, grid), (offset, count) in zip(parts, runs)]
 
 
+    def expand_videos(self, text: str, images: list[ImageInput], videos: list[VideoInput]) -> str:
+        """Qwen3-VL / Qwen3.5 with videos: the prompt with each image's placeholder repeated for its
+        patches and each video's written as Qwen3VLProcessor writes it (video.py's video_text)."""
+        pieces = iter(text.split(_IMAGE_PAD))
+        if text.count(_IMAGE_PAD) != len(images) or text.count(_VIDEO_PAD) != len(videos):
+            raise ApiError(400, f"the prompt holds {text.count(_IMAGE_PAD)} image and {text.count(_VIDEO_PAD)} video "
+                                f"placeholders for {len(images)} images and {len(videos)} videos: message text may "
+                                "not contain them", _PARAM)
+        out = [next(pieces)]
+        for image, piece in zip(images, pieces):
+            out += [_IMAGE_PAD * image.num_tokens, piece]
+        pieces = iter("".join(out).split(_VIDEO_PAD))
+        out = [next(pieces)]
+        for video, piece in zip(videos, pieces):
+            out += [video_text(video, self.video.merge_size, _VISION_START, _VIDEO_PAD, _VISION_END), piece]
+        return "".join(out)
+
+    def video_media(self, ids: list[int], images: list[ImageInput], videos: list[VideoInput]) -> list[MediaInput]:
+        """The images and each video's frame pairs as the engine takes them (a frame pair as an image of
+        one temporal patch: the tower attends within each anyway), at their runs of placeholders, in
+        prompt order."""
+        image_runs, frame_runs = _runs(ids, self.image_token_id), _runs(ids, self.video_token_id)
+        frames = [(video, t) for video in videos for t in range(video.grid_thw[0])]
+        frame_tokens = [video.frame_tokens(self.video.merge_size) for video, _ in frames]
+        if [count for _, count in image_runs] != [image.num_tokens for image in images] or \
+                [count for _, count in frame_runs] != frame_tokens:
+            raise ApiError(400, "the prompt's image and video placeholders are not its images' and videos': message "
+                                "text may not contain them", _PARAM)
+        media = [MediaInput("image", image.key, list(image.pixel_values.shape), image.pixel_values.tobytes(), offset,
+                            count, list(image.grid_thw)) for image, (offset, count) in zip(images, image_runs)]
+        for (video, t), (offset, count) in zip(frames, frame_runs):
+            _, height, width = video.grid_thw
+            values = video.pixel_values[t * height * width : (t + 1) * height * width]
+            media.append(MediaInput("image", f"{video.key}:{t}", list(values.shape), values.tobytes(), offset, count,
+                                    [1, height, width]))
+        return sorted(media, key=lambda item: item.offset)
+
+
 def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     """(offset, length) of each run of `token` in `ids`."""
     runs: list[tuple[int, int]] = []
@@ -258,13 +303,15 @@ def load_image_processor(model_dir: Path, overrides: dict[str, int] | None = Non
                               tokens_per_image=int(text_processor.image_seq_length))
     size = getattr(processor, "size", None)
     low, high = getattr(size, "shortest_edge", None), getattr(size, "longest_edge", None)
+    video = VideoSettings.of_checkpoint(model_dir) if config.get("model_type") in _VIDEO_MODEL_TYPES else None
     overrides = overrides or {}
     if overrides and high is None:
         raise ValueError(f"--mm-processor-kwargs: {type(processor).__name__} takes no pixel bounds")
     low, high = overrides.get("min_pixels", low), overrides.get("max_pixels", high)
     if low is not None and high is not None and low > high:
         raise ValueError(f"--mm-processor-kwargs: min_pixels {low} is above max_pixels {high}")
-    return ImageProcessor(processor, int(config["image_token_id"]), low, high)
+    return ImageProcessor(processor, int(config["image_token_id"]), low, high, video=video,
+                          video_token_id=config.get("video_token_id"))
 
 
 def expand_image_tokens(token_ids: list[int], image_token_id: int,

@@ -20,6 +20,7 @@ from crane_mp.frontend.openai.schemas import (
     sampling_params,
     stop_strings,
     tool_dicts,
+    video_urls,
 )
 from crane_mp.frontend.serving.answers import read_whole
 from crane_mp.frontend.serving.chat_core import ChatAsk, prepare_chat
@@ -78,7 +79,7 @@ async def chat_completions(request: web.Request, req: ChatCompletionRequest) -> 
         tool_dicts(req.tools), req.tool_choice, req.parallel_tool_calls, req.constraint(), stop_strings(req.stop),
         req.template_kwargs(), req.add_generation_prompt, req.continue_final_message, req.separate_reasoning,
         req.thinking_budget if req.thinking_budget is not None else req.max_thinking_tokens, req.n,
-        req.skip_special_tokens, image_urls(req.messages), req.mm_processor_kwargs,
+        req.skip_special_tokens, image_urls(req.messages), req.mm_processor_kwargs, video_urls(req.messages),
     )
     chat = await prepare_chat(state, ask)
     reading, thinking = chat.tools, chat.thinking

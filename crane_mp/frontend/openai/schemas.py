@@ -153,6 +153,16 @@ class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknow
     image_url: ImageUrl
 
 
+class VideoUrl(msgspec.Struct, forbid_unknown_fields=False):
+    url: str  # a data:video/...;base64 URL, or http(s) from a host --allowed-media-domains names
+
+
+class VideoPart(msgspec.Struct, tag_field="type", tag="video_url", forbid_unknown_fields=False):
+    """vLLM's spelling of a video in chat (Qwen3-VL's and Qwen3.5's)."""
+
+    video_url: VideoUrl
+
+
 class CalledFunction(msgspec.Struct, forbid_unknown_fields=False):
     name: str
     arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON text; a template wants the object
@@ -166,7 +176,7 @@ class AssistantToolCall(msgspec.Struct, forbid_unknown_fields=False):
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[TextPart | ImagePart | VideoPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
@@ -377,15 +387,15 @@ def prompt_inputs(prompt: str | list, vocab_size: int, param: str = "prompt",
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: content parts as {"type": "text", "text"} and
-    {"type": "image"} (the renderer joins text parts for a template that reads strings only), and no
-    content as an empty string (templates concatenate it)."""
+    """Messages as the chat template expects them: content parts as {"type": "text", "text"},
+    {"type": "image"} and {"type": "video"} (the renderer joins text parts for a template that reads
+    strings only), and no content as an empty string (templates concatenate it)."""
     out = []
     for message in messages:
         content = message.content
         if isinstance(content, list):
-            content = [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
-                       for part in content]
+            content = [{"type": "text", "text": part.text} if isinstance(part, TextPart)
+                       else {"type": "image" if isinstance(part, ImagePart) else "video"} for part in content]
         item = {"role": message.role, "content": content or ""}
         if message.name is not None:
             item["name"] = message.name
@@ -404,6 +414,13 @@ def image_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:
     return [(f"messages[{i}].content[{j}]", part.image_url.url)
             for i, message in enumerate(messages) if isinstance(message.content, list)
             for j, part in enumerate(message.content) if isinstance(part, ImagePart)]
+
+
+def video_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """Every video part's URL in prompt order, with where it is (messages[i].content[j])."""
+    return [(f"messages[{i}].content[{j}]", part.video_url.url)
+            for i, message in enumerate(messages) if isinstance(message.content, list)
+            for j, part in enumerate(message.content) if isinstance(part, VideoPart)]
 
 
 def arguments_object(arguments: str | dict[str, Any]) -> dict[str, Any] | str:

@@ -12,7 +12,14 @@ from typing import Any
 
 import msgspec
 
-from crane_mp.frontend.images.chat import check_takes_images, load_images, place_images, record_images
+from crane_mp.frontend.images.chat import (
+    check_takes_images,
+    check_takes_videos,
+    load_images,
+    load_videos,
+    place_images,
+    record_images,
+)
 from crane_mp.frontend.openai.schemas import NamedFunction, NamedToolChoice
 from crane_mp.frontend.serving.answers import ReasoningReading, ToolReading
 from crane_mp.frontend.serving.harmony import TAGS as HARMONY_TAGS
@@ -55,6 +62,7 @@ class ChatAsk:
     skip_special_tokens: bool = True
     images: list[tuple[str, str]] = field(default_factory=list)  # (where, URL) of each image part, in order
     mm_processor_kwargs: dict[str, Any] | None = None  # the request's image processor settings
+    videos: list[tuple[str, str]] = field(default_factory=list)  # (where, URL) of each video part, in order
 
 
 @dataclass(slots=True)
@@ -90,13 +98,19 @@ async def render_prompt(state: FrontendState, ask: ChatAsk) -> ChatPrompt:
 async def prompt_with_images(state: FrontendState, ask: ChatAsk) -> tuple[ChatPrompt, list[int], list[MediaInput]]:
     """The rendered prompt, its token ids with each image's placeholders expanded, and the images."""
     check_takes_images(state, len(ask.images))
+    check_takes_videos(state, len(ask.videos))
     images = []
     if ask.images:
         images = await load_images(state, ask.images, state.image_processor.settings(ask.mm_processor_kwargs))
+    videos = await load_videos(state, ask.videos) if ask.videos else []
     rendered = await render_prompt(state, ask)
-    if not images:
+    if not images and not videos:
         return rendered, rendered.ids, []
     processor = state.image_processor
+    if videos:  # Qwen3-VL's text, with timestamps, tokenized as its generate's is
+        text = processor.expand_videos(rendered.text, images, videos)
+        input_ids = await prompt_ids(state, text, "messages", add_special_tokens=False)
+        return rendered, input_ids, processor.video_media(input_ids, images, videos)
     if processor.expands_text:  # Gemma 3: the processor's text, tokenized as its own generate's is
         text = processor.expand_text(rendered.text, images)
         input_ids = await prompt_ids(state, text, "messages", add_special_tokens=False)

@@ -59,6 +59,7 @@ class ImageLanguageModel:
     media_kind = "image"
     visual: nn.Module
     image_token_id: int
+    video_token_id: int | None = None  # a video's frame pairs come as images under this placeholder (Qwen3-VL)
     merge_size: int
     mrope = True
     # An image's placeholders attend to each other both ways (Gemma 3): never split over steps.
@@ -84,7 +85,8 @@ class ImageLanguageModel:
         if item.num_tokens * self.merge_size**2 != t * h * w or item.shape != [t * h * w, item.shape[-1]]:
             raise ValueError(f"image grid {item.grid} does not match its {item.num_tokens} placeholders")
         placeholders = prompt_ids[item.offset : item.offset + item.num_tokens]
-        if len(placeholders) != item.num_tokens or set(placeholders) != {self.image_token_id}:
+        if len(placeholders) != item.num_tokens or set(placeholders) not in ({self.image_token_id},
+                                                                             {self.video_token_id}):
             raise ValueError("an image's placeholder tokens are not where its offset says")
 
     def prepare_media(self, spans: list[MediaSpan], positions: torch.Tensor) -> MediaStep:

@@ -16,6 +16,7 @@ def _add_tower(model: ImageLanguageModel, config: ModelConfig) -> None:
     hf = config.hf_config
     model.visual = Qwen3VisionTower(hf.vision_config)
     model.image_token_id = hf.image_token_id
+    model.video_token_id = hf.video_token_id
     model.merge_size = model.visual.cfg.spatial_merge_size
 
 
