@@ -83,7 +83,7 @@ async def _load_video(state: FrontendState, where: str, url: str) -> VideoInput:
 
 
 def record_images(state: FrontendState, count: int) -> None:
-    """The request's images in its access-log line and the metrics."""
+    """The request's images (and videos) in its access-log line and the metrics."""
     record = current_record()
     if record is not None:
         record.images += count

@@ -122,8 +122,8 @@ async def prompt_with_images(state: FrontendState, ask: ChatAsk) -> tuple[ChatPr
 async def prepare_chat(state: FrontendState, ask: ChatAsk) -> PreparedChat:
     rendered, input_ids, media = await prompt_with_images(state, ask)
     prompt, fmt, mode, only = rendered.text, rendered.fmt, rendered.mode, rendered.only
-    if media:
-        record_images(state, len(media))
+    if ask.images or ask.videos:  # the request's images and videos (not their crops or frame pairs)
+        record_images(state, len(ask.images) + len(ask.videos))
     constraint = ask.constraint
     if mode in ("required", "named"):
         if constraint is not None:
