@@ -364,7 +364,8 @@ def _whisper_config(hf_config: Any, model_dir: Path | None) -> ModelConfig:
 
 
 # transformers' sections where a config names none (the interleaved ones need not fill the rotary dims).
-_MROPE_DEFAULTS = {"qwen3_vl": (24, 20, 20), "qwen3_5_vl": (11, 11, 10), "qwen3_5_moe_vl": (11, 11, 10)}
+_MROPE_DEFAULTS = {"qwen3_vl": (24, 20, 20), "qwen3_vl_moe": (24, 20, 20), "qwen3_5_vl": (11, 11, 10),
+                   "qwen3_5_moe_vl": (11, 11, 10)}
 
 
 def _vision_language_config(hf_config: Any, arch: str, model_dir: Path | None) -> ModelConfig:

@@ -200,13 +200,15 @@ def _qwen(hf_config: Any, head_dim: int) -> DecoderLayout:
 def _qwen_moe(hf_config: Any, head_dim: int) -> DecoderLayout:
     """Qwen2-MoE and Qwen3-MoE: experts in every decoder_sparse_step-th layer but mlp_only_layers;
     Qwen2-MoE's shared expert behind a sigmoid gate, and no bias on o_proj."""
-    step = hf_config.decoder_sparse_step or 1
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
     layers = hf_config.num_hidden_layers
     shared = getattr(hf_config, "shared_expert_intermediate_size", 0) or 0
     experts = ExpertLayout(
         hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
-        normalize=bool(hf_config.norm_topk_prob), shared_intermediate_size=shared, shared_gate=bool(shared),
-        dense_layers=tuple(i for i in range(layers) if i in (hf_config.mlp_only_layers or ()) or (i + 1) % step))
+        # Qwen3-VL-MoE's text config names neither: it always renormalises, and every layer has experts.
+        normalize=bool(getattr(hf_config, "norm_topk_prob", True)), shared_intermediate_size=shared,
+        shared_gate=bool(shared), dense_layers=tuple(i for i in range(layers) if i in (
+            getattr(hf_config, "mlp_only_layers", None) or ()) or (i + 1) % step))
     return dataclasses.replace(_qwen(hf_config, head_dim), experts=experts, attention_out_bias=False)
 
 

@@ -20,7 +20,7 @@ import torch
 import transformers
 from PIL import Image
 from tokenizers import AddedToken
-from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3VLConfig
+from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
 from crane_mp.testing.make_model import BIAS_STD, LOGIT_SCALE, NORM_NOISE, OUT_GAIN
 from crane_mp.testing.tokenizer import train_tokenizer, write_json
@@ -36,12 +36,12 @@ _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 # one attention window (112 px), so window and full attention differ.
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 144
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3")
 # Qwen3-VL's and Qwen3.5's towers: 16-pixel patches, their learned position grid 4 x 4 (smaller than
 # most images: resampled up and down).
-_PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_5": 16, "qwen3_5_moe": 16}
-_MEAN_STD = {"qwen2_5_vl": (_CLIP_MEAN, _CLIP_STD), **dict.fromkeys(("qwen3_vl", "qwen3_5", "qwen3_5_moe"),
-                                                                    ([0.5] * 3, [0.5] * 3))}
+_PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "qwen3_5_moe": 16}
+_MEAN_STD = {"qwen2_5_vl": (_CLIP_MEAN, _CLIP_STD),
+             **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"), ([0.5] * 3, [0.5] * 3))}
 # An image's placeholders outnumber the text around it. The merger's output gain lets the image move the
 # continuation; token embeddings of norm 4 (make_model draws unit norm) let the last token still steer
 # the next one, where greedy decoding would otherwise settle into a loop over the image.
@@ -179,7 +179,7 @@ def build_config(ids: dict[str, int], family: str = "qwen2_5_vl") -> Any:
     """Text: 64 wide. Qwen2.5-VL: Qwen2 (head_dim 16, rope sections 2+3+3 of its 8 frequencies); vision
     32 wide, 4 blocks, full attention in blocks 1 and 3, windowed elsewhere. Qwen3-VL: Qwen3 with
     32-wide heads, sections 6+5+5 interleaved; 3 blocks, deepstack after blocks 0 and 1 into the first
-    two of 3 layers. Qwen3.5: the hybrid (Gated DeltaNet, gated attention, twice), rope on half of
+    two of 3 layers (Qwen3-VL-MoE: the same with experts). Qwen3.5: the hybrid (Gated DeltaNet, gated attention, twice), rope on half of
     each 32-wide head, sections 3+3+2 interleaved; 2 blocks, no deepstack; Qwen3.5-MoE: the same with 4
     experts (2 per token) and a shared one."""
     specials = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
@@ -200,14 +200,18 @@ def build_config(ids: dict[str, int], family: str = "qwen2_5_vl") -> Any:
             vision_config={**vision, "depth": 4, "fullatt_block_indexes": [1, 3], "window_size": 112,
                            "hidden_act": "silu"}, **specials)
         config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    elif family == "qwen3_vl":
-        config = Qwen3VLConfig(
+    elif family in ("qwen3_vl", "qwen3_vl_moe"):
+        # The MoE variant: 4 experts of 48 (2 per token) in every layer, its expert tensors fused.
+        experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48} \
+            if family == "qwen3_vl_moe" else {}
+        config = (Qwen3VLMoeConfig if experts else Qwen3VLConfig)(
             text_config={**text, "num_hidden_layers": 3, "head_dim": 32, "rope_parameters": {
                 "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [6, 5, 5],
-                "mrope_interleaved": True}},
+                "mrope_interleaved": True}, **experts},
             vision_config={**vision, "depth": 3, "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1]},
             **specials)
-        config.architectures = ["Qwen3VLForConditionalGeneration"]
+        config.architectures = ["Qwen3VLMoeForConditionalGeneration" if experts else
+                                "Qwen3VLForConditionalGeneration"]
     elif family in ("qwen3_5", "qwen3_5_moe"):
         experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "shared_expert_intermediate_size": 48} if family == "qwen3_5_moe" else {}
@@ -219,7 +223,8 @@ def build_config(ids: dict[str, int], family: str = "qwen2_5_vl") -> Any:
                              "rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5,
                              "mrope_section": [3, 3, 2], "mrope_interleaved": True}, **experts},
             vision_config={**vision, "depth": 2, "num_position_embeddings": 16}, **specials)
-        config.architectures = ["Qwen3_5MoeForConditionalGeneration" if experts else "Qwen3_5ForConditionalGeneration"]
+        config.architectures = ["Qwen3_5MoeForConditionalGeneration" if experts else
+                                "Qwen3_5ForConditionalGeneration"]
     else:
         raise ValueError(f"unknown family {family!r} (one of {', '.join(FAMILIES)})")
     return config

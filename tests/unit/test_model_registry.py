@@ -51,7 +51,7 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                                   "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next", "qwen35": "qwen3_5",
                                   "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next", "qwen3_vl": "qwen3_vl",
                                   "qwen3_5_vl": "qwen3_5_vl", "qwen3_5_moe_vl": "qwen3_5_moe_vl",
-                                  "gemma3_vl": "gemma3_vl"}
+                                  "gemma3_vl": "gemma3_vl", "qwen3_vl_moe": "qwen3_vl_moe"}
     assert HF_CLASSES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                           "Qwen3ForCausalLM": "qwen3", "HunYuanDenseV1ForCausalLM": "hunyuan",
                           "BertModel": "bert", "BertForSequenceClassification": "bert", "RobertaModel": "roberta",
@@ -67,7 +67,8 @@ def test_the_lookups_are_the_ones_the_four_tables_held():
                           "DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3_5ForCausalLM": "qwen3_5",
                           "Qwen3_5ForConditionalGeneration": "qwen3_5_vl", "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
                           "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_vl", "Qwen3NextForCausalLM": "qwen3_next",
-                          "Qwen3VLForConditionalGeneration": "qwen3_vl", "Gemma3ForConditionalGeneration": "gemma3_vl"}
+                          "Qwen3VLForConditionalGeneration": "qwen3_vl", "Gemma3ForConditionalGeneration": "gemma3_vl",
+                          "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe"}
     assert [ARCHITECTURES[name].hf_classes for name in FAMILIES_2026] == [
         ("Gemma2ForCausalLM",), ("Gemma3ForCausalLM",),
         ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("Phi3ForCausalLM",),
@@ -147,7 +148,7 @@ def test_every_encoder_is_served_by_the_encoder_class():
 def test_media_architectures_take_images_or_audio():
     assert {name: row.media for name, row in ARCHITECTURES.items() if row.media} == {
         "qwen2_5_vl": "image", "qwen3_vl": "image", "qwen3_5_vl": "image", "qwen3_5_moe_vl": "image",
-        "gemma3_vl": "image", "whisper": "audio"}
+        "gemma3_vl": "image", "qwen3_vl_moe": "image", "whisper": "audio"}
     assert all(model_class(name).media_kind == row.media for name, row in ARCHITECTURES.items() if row.media)
 
 

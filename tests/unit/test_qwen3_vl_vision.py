@@ -93,3 +93,25 @@ def test_config_from_a_hub_dict():
     assert ours.deepstack_visual_indexes == (8, 16, 24) and ours.head_dim == 72 and ours.rope_theta == 10000.0
     assert Qwen3VisionConfig.of({k: v for k, v in hub.items() if k != "deepstack_visual_indexes"}
                                 ).deepstack_visual_indexes == ()
+
+
+def test_fused_experts_are_read_in_either_layout():
+    """Qwen3-VL-MoE's expert tensors as the released files hold them and as transformers 5 saves them
+    (transposed) give the same stacked projections."""
+    from crane_mp.worker.models.qwen3_vl import fused_experts
+
+    experts, hidden, intermediate = 3, 8, 6
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(experts, 2 * intermediate, hidden, generator=gen)  # transformers 5's layout
+    down = torch.randn(experts, hidden, intermediate, generator=gen)
+    prefix = "model.layers.0.mlp.experts."
+    saved = dict(fused_experts([(prefix + "gate_up_proj", gate_up), (prefix + "down_proj", down),
+                                ("model.norm.weight", torch.ones(hidden))], hidden, intermediate))
+    released = dict(fused_experts([(prefix + "gate_up_proj", gate_up.transpose(1, 2).contiguous()),
+                                   (prefix + "down_proj", down.transpose(1, 2).contiguous())], hidden, intermediate))
+    assert set(saved) == {prefix + "gate_proj.weight", prefix + "up_proj.weight", prefix + "down_proj.weight",
+                          "model.norm.weight"}
+    assert torch.equal(saved[prefix + "gate_proj.weight"], gate_up[:, :intermediate])
+    assert torch.equal(saved[prefix + "up_proj.weight"], gate_up[:, intermediate:])
+    assert torch.equal(saved[prefix + "down_proj.weight"], down)
+    assert all(torch.equal(released[name], saved[name]) for name in released)

@@ -29,7 +29,7 @@ _PARAM = "messages"
 # Qwen3VLProcessor's placeholders, and the checkpoints whose processor it is (they take videos).
 _IMAGE_PAD, _VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 _VISION_START, _VISION_END = "<|vision_start|>", "<|vision_end|>"
-_VIDEO_MODEL_TYPES = frozenset({"qwen3_vl", "qwen3_5", "qwen3_5_moe"})
+_VIDEO_MODEL_TYPES = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
 # Web image formats only: PIL's other plugins include EPS, which runs Ghostscript on the data. (A phone's
 # multi-picture JPEG opens through "JPEG" too.)
 _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
