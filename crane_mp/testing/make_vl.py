@@ -179,9 +179,9 @@ def build_config(ids: dict[str, int], family: str = "qwen2_5_vl") -> Any:
     """Text: 64 wide. Qwen2.5-VL: Qwen2 (head_dim 16, rope sections 2+3+3 of its 8 frequencies); vision
     32 wide, 4 blocks, full attention in blocks 1 and 3, windowed elsewhere. Qwen3-VL: Qwen3 with
     32-wide heads, sections 6+5+5 interleaved; 3 blocks, deepstack after blocks 0 and 1 into the first
-    two of 3 layers (Qwen3-VL-MoE: the same with experts). Qwen3.5: the hybrid (Gated DeltaNet, gated attention, twice), rope on half of
-    each 32-wide head, sections 3+3+2 interleaved; 2 blocks, no deepstack; Qwen3.5-MoE: the same with 4
-    experts (2 per token) and a shared one."""
+    two of 3 layers (Qwen3-VL-MoE: the same with experts). Qwen3.5: the hybrid (Gated DeltaNet, gated
+    attention, twice), rope on half of each 32-wide head, sections 3+3+2 interleaved; 2 blocks, no
+    deepstack; Qwen3.5-MoE: the same with 4 experts (2 per token) and a shared one."""
     specials = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
                 "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
                 "tie_word_embeddings": False}
