@@ -57,7 +57,7 @@ class Server:
             try:
                 if requests.get(self.url + "/health", timeout=1).status_code == 200:
                     break
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or too busy starting to answer
                 pass
             mark = (self.log_path.stat().st_size, round(self._cpu_seconds(), 1))
             if mark != last_mark:
