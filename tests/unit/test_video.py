@@ -15,13 +15,13 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
 from transformers.video_utils import VideoMetadata
 
+from crane_mp.frontend.images.data_url import data_url_bytes
 from crane_mp.frontend.images.video import (
     VideoLimits,
     VideoSettings,
     decode_video,
     preprocess_video,
     sample_indices,
-    video_bytes_from_data_url,
     video_size,
     video_text,
 )
@@ -85,5 +85,5 @@ def test_videos_past_the_limits_or_not_videos_are_refused_from_their_header():
         with pytest.raises(ApiError, match=why):
             decode_video(data, SETTINGS, LIMITS, "v")
     with pytest.raises(ApiError, match="not a video"):
-        video_bytes_from_data_url("data:image/png;base64,AAAA", "v")
-    assert video_bytes_from_data_url("data:video/mp4;base64,AAAA", "v") == b"\0\0\0"
+        data_url_bytes("data:image/png;base64,AAAA", "v", "video")
+    assert data_url_bytes("data:video/mp4;base64,AAAA", "v", "video") == b"\0\0\0"

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
+from crane_mp.frontend.images.data_url import data_url_bytes
 from crane_mp.frontend.images.processor import (
     expand_image_tokens,
-    image_bytes_from_data_url,
     load_image_processor,
     open_image,
 )
@@ -64,9 +64,9 @@ def _refused(data: bytes, max_pixels: int = 1 << 25) -> ApiError:
 def test_data_url_gives_its_bytes():
     data = _encoded(_noise(8, 8), "PNG")
     encoded = base64.b64encode(data).decode()
-    assert image_bytes_from_data_url(f"data:image/png;base64,{encoded}", WHERE) == data
+    assert data_url_bytes(f"data:image/png;base64,{encoded}", WHERE, "image") == data
     wrapped = "\n".join(encoded[i : i + 40] for i in range(0, len(encoded), 40))  # line-wrapped base64
-    assert image_bytes_from_data_url(f"data:image/png;base64,{wrapped}", WHERE) == data
+    assert data_url_bytes(f"data:image/png;base64,{wrapped}", WHERE, "image") == data
 
 
 @pytest.mark.parametrize("url", [
@@ -80,7 +80,7 @@ def test_data_url_gives_its_bytes():
 ])
 def test_malformed_data_urls_are_400(url):
     with pytest.raises(ApiError) as caught:
-        image_bytes_from_data_url(url, WHERE)
+        data_url_bytes(url, WHERE, "image")
     assert caught.value.status == 400 and WHERE in caught.value.message
 
 

@@ -11,15 +11,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from crane_mp.frontend.images.data_url import data_url_bytes
 from crane_mp.frontend.images.fetch import fetch_image
-from crane_mp.frontend.images.processor import ImageInput, expand_image_tokens, image_bytes_from_data_url, open_image
-from crane_mp.frontend.images.video import (
-    VideoInput,
-    VideoLimits,
-    decode_video,
-    preprocess_video,
-    video_bytes_from_data_url,
-)
+from crane_mp.frontend.images.processor import ImageInput, expand_image_tokens, open_image
+from crane_mp.frontend.images.video import VideoInput, VideoLimits, decode_video, preprocess_video
 from crane_mp.frontend.state import FrontendState
 from crane_mp.frontend.web.access_log import current_record
 from crane_mp.frontend.web.errors import ApiError
@@ -46,7 +41,7 @@ async def load_images(state: FrontendState, urls: list[tuple[str, str]],
 
 async def _load(state: FrontendState, where: str, url: str, settings: dict[str, Any] | None) -> ImageInput:
     if url.startswith("data:"):
-        data = image_bytes_from_data_url(url, where)
+        data = data_url_bytes(url, where, "image")
     else:
         data = await fetch_image(state.config, where, url, state.max_request_bytes)
     processor, limit = state.image_processor, state.config.max_image_pixels
@@ -70,7 +65,7 @@ async def load_videos(state: FrontendState, urls: list[tuple[str, str]]) -> list
 
 async def _load_video(state: FrontendState, where: str, url: str) -> VideoInput:
     if url.startswith("data:"):
-        data = video_bytes_from_data_url(url, where)
+        data = data_url_bytes(url, where, "video")
     else:
         data = await fetch_image(state.config, where, url, state.max_request_bytes)
     config, settings = state.config, state.image_processor.video

@@ -7,8 +7,6 @@ Every bad image is a 400 naming where it is in the request, never a 500.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import io
 import json
@@ -48,23 +46,6 @@ class ImageInput:
     num_tokens: int
     key: str
     num_crops: int = 0
-
-
-def image_bytes_from_data_url(url: str, where: str) -> bytes:
-    """The bytes of a `data:image/<type>;base64,<data>` URL (whitespace in the data is ignored)."""
-    header, comma, payload = url.partition(",")
-    media_type, *params = header.removeprefix("data:").split(";")
-    if not header.startswith("data:") or not comma or "base64" not in params:
-        raise ApiError(400, f"{where}: an image data URL must read data:image/<type>;base64,<data>", _PARAM)
-    if not media_type.lower().startswith("image/"):
-        raise ApiError(400, f"{where}: the data URL holds {media_type or 'no media type'!r}, not an image", _PARAM)
-    try:
-        data = base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise ApiError(400, f"{where}: the image data URL is not valid base64 ({err})", _PARAM) from err
-    if not data:
-        raise ApiError(400, f"{where}: the image data URL holds no data", _PARAM)
-    return data
 
 
 def open_image(data: bytes, max_pixels: int, where: str) -> Image.Image:

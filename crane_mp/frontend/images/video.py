@@ -11,8 +11,6 @@ its header and refused past the server's limits before any frame is decoded.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import io
 import json
@@ -80,23 +78,6 @@ class VideoLimits:
     max_seconds: float
     max_frames: int  # sampled frames
     max_pixels: int  # one frame's width x height
-
-
-def video_bytes_from_data_url(url: str, where: str) -> bytes:
-    """The bytes of a `data:video/<type>;base64,<data>` URL."""
-    header, comma, payload = url.partition(",")
-    media_type, *params = header.removeprefix("data:").split(";")
-    if not header.startswith("data:") or not comma or "base64" not in params:
-        raise ApiError(400, f"{where}: a video data URL must read data:video/<type>;base64,<data>", _PARAM)
-    if not media_type.lower().startswith("video/"):
-        raise ApiError(400, f"{where}: the data URL holds {media_type or 'no media type'!r}, not a video", _PARAM)
-    try:
-        data = base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise ApiError(400, f"{where}: the video data URL is not valid base64 ({err})", _PARAM) from err
-    if not data:
-        raise ApiError(400, f"{where}: the video data URL holds no data", _PARAM)
-    return data
 
 
 def sample_indices(total_frames: int, video_fps: float, settings: VideoSettings) -> np.ndarray:
