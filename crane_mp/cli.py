@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="TOML file of settings (see configs/); flags and CRANE_* variables override it")
     p.add_argument("--model-path", help="model directory (config.json, safetensors, tokenizer), or a .gguf file "
-                                        "(or a directory holding one)")
+                                        "(or a directory holding one); given more than once (each NAME=PATH or "
+                                        "a bare path), one server serves every model, picked by each request's "
+                                        "model (docs/operations.md, several models)")
     p.add_argument("--format", default="auto", choices=FORMATS,
                    help="weights format; auto: gguf for a .gguf file, else safetensors")
     p.add_argument("--demo", action="store_true", help="serve the built-in random-weight demo model")
@@ -148,6 +150,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "from under --lora-root; guarded by --admin-api-key")
     p.add_argument("--lora-root", help="the directory run-time adapters may be loaded from (a lora_path resolves "
                                        "inside it, symlinks followed)")
+    p.add_argument("--load-on-demand", action="store_true",
+                   help="several models: load each when a request first names it (pinned ones at start), evicting "
+                        "the least recently used idle model when --gpu-memory-limit has no room; off: all at start")
+    p.add_argument("--pinned-models", nargs="+", default=[], metavar="NAME",
+                   help="several models: these load at start and are never evicted (a [[models]] table: pinned = "
+                        "true)")
+    p.add_argument("--model-load-timeout", type=_positive_seconds, default=300.0,
+                   help="several models: seconds a request may wait for its model to load (503 past it)")
+    p.add_argument("--sleep-idle-seconds", type=_seconds, default=0.0,
+                   help="after this many seconds without a request the worker frees memory (--sleep-level) until "
+                        "the next request wakes it; 0: only when POST /sleep asks")
+    p.add_argument("--sleep-level", type=int, choices=(1, 2), default=1,
+                   help="what an idle sleep frees: 1, the KV cache (on a GPU the weights also move to host "
+                        "memory); 2, the weights too (the wake-up reads them from disk again)")
+    p.add_argument("--weights-root", help="the directory /update_weights_from_disk may read new weights from "
+                                          "(default: the directory holding --model-path)")
     p.add_argument("--max-lora-rank", type=_positive_int, default=64, help="largest LoRA rank accepted")
     p.add_argument("--max-loras", type=_positive_int, default=8,
                    help="LoRA adapters loaded at once, at start and through /v1/load_lora_adapter")
@@ -252,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
     p.add_argument("--admin-api-key",
                    help="the key of the routes that change server state (LoRA load/unload, /flush_cache, "
-                        "/abort_request) instead of --api-key")
+                        "/abort_request, /sleep, /wake_up, /update_weights_from_disk) instead of --api-key")
     p.add_argument("--max-request-bytes", type=_positive_int,
                    help="largest request body accepted, bigger ones get 413 (default: 512 bytes per token of "
                         "the context window, a batch of 64 full-window token-id prompts; at least 1 MiB)")
@@ -385,6 +403,8 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             enable_lora=args.enable_lora,
             runtime_lora=args.enable_runtime_lora,
             lora_root=args.lora_root,
+            sleep_idle_seconds=args.sleep_idle_seconds,
+            sleep_level=args.sleep_level,
             parallel=ParallelConfig(args.tensor_parallel_size, args.nnodes, args.node_rank, args.dist_init_addr),
         )
     except ValueError as err:
@@ -419,6 +439,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         request_timeout=args.request_timeout,
         api_key=args.api_key or None,
         admin_api_key=args.admin_api_key or None,
+        weights_root=args.weights_root,
         max_request_bytes=args.max_request_bytes,
         health_generate_timeout=args.health_generate_timeout,
         tool_call_parser=args.tool_call_parser,

@@ -102,6 +102,8 @@ class EngineConfig:
     # The image processor's pixel bounds (media_settings.py): the frontend resizes by them, the memory
     # plan holds the largest image they allow.
     mm_processor_kwargs: dict = field(default_factory=dict)
+    sleep_idle_seconds: float = 0.0  # idle this long, the worker sleeps (scheduler/residency.py); 0: never
+    sleep_level: int = 1  # 1: free the KV cache (and offload weights on CUDA); 2: drop the weights too
 
     @property
     def lora(self) -> bool:
@@ -135,6 +137,13 @@ class EngineConfig:
         if self.runtime_lora and not (self.lora_root and Path(self.lora_root).is_dir()):
             raise ValueError("runtime_lora (--enable-runtime-lora) needs lora_root (--lora-root), the directory "
                              "adapters may be loaded from")
+        if self.sleep_level not in (1, 2):
+            raise ValueError("sleep_level (--sleep-level) must be 1 or 2")
+        if self.sleep_idle_seconds < 0:
+            raise ValueError("sleep_idle_seconds (--sleep-idle-seconds) must be >= 0")
+        if self.sleep_idle_seconds and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("--sleep-idle-seconds serves one worker rank; it is not supported with "
+                             "--tensor-parallel-size above 1 yet")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens (--max-num-batched-tokens) must be at least max_num_seqs "
                              "(--max-concurrent): every running sequence decodes one token per step")
@@ -148,6 +157,7 @@ class ServerConfig:
     model_name: str
     host: str = "127.0.0.1"
     port: int = 8080
+    unix_socket: str | None = None  # one model of several: its frontend listens here, behind the router
     log_level: str = "info"
     log_format: str = "text"  # or "json": one object per line
     replica_name: str | None = None  # the metrics' replica label; None: host:port
@@ -173,6 +183,7 @@ class ServerConfig:
     request_timeout: float = 0.0  # seconds from submission to the engine to finish; 0 = no limit
     api_key: str | None = None
     admin_api_key: str | None = None  # guards the routes that change server state; default: api_key
+    weights_root: str | None = None  # where /update_weights_from_disk may read; None: the model's directory
     max_request_bytes: int | None = None  # None: sized to the context window (FrontendState)
     health_generate_timeout: float = 30.0
     tool_call_parser: str = "auto"  # TOOL_CALL_PARSERS; auto: by the model's architecture
@@ -187,7 +198,7 @@ class ServerConfig:
 
     @property
     def logs(self) -> LogSettings:
-        return LogSettings(self.log_level, self.log_format)
+        return LogSettings(self.log_level, self.log_format, self.model_name if self.unix_socket else "")
 
     @property
     def audio_sample_limit(self) -> int:

@@ -17,7 +17,7 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
-def _name_process(name: str) -> None:
+def name_process(name: str) -> None:
     """What ps, top and psutil show for this child (its comm, 15 bytes at most): spawned children are
     otherwise all `python`, and an operator watching memory cannot tell the worker from a frontend."""
     prctl = getattr(libc(), "prctl", None)
@@ -25,7 +25,7 @@ def _name_process(name: str) -> None:
         prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
-def _die_with_launcher() -> None:
+def die_with_launcher() -> None:
     """SIGKILL this child when crane-launch dies, however it dies: killed with SIGKILL itself, nothing
     supervises the children any more, and a frontend left behind would hold the port (and answer)
     while its replica is meant to be gone."""
@@ -39,8 +39,8 @@ def _die_with_launcher() -> None:
 
 
 def worker_main(*args) -> None:
-    _die_with_launcher()
-    _name_process("crane-worker")
+    die_with_launcher()
+    name_process("crane-worker")
     cap_native_caches()
     from crane_mp.worker.process import run_worker
 
@@ -48,19 +48,20 @@ def worker_main(*args) -> None:
 
 
 def scheduler_main(*args) -> None:
-    _die_with_launcher()
-    _name_process("crane-scheduler")
+    die_with_launcher()
+    name_process("crane-scheduler")
     from crane_mp.scheduler.process import run_scheduler
 
     run_scheduler(*args)
 
 
 def frontend_main(config, addresses, frontend_id: int, life: int, metrics_dir: str, conn) -> None:
-    _die_with_launcher()
-    _name_process(f"crane-frontend{frontend_id}")
+    die_with_launcher()
+    name_process(f"crane-frontend{frontend_id}")
     # Before prometheus_client is imported: every frontend's metrics go to files that a scrape of
     # any one of them sums (frontend/web/metrics.py).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     from crane_mp.frontend.process import run_frontend
 
     run_frontend(config, addresses, frontend_id, life, conn)
+

@@ -23,15 +23,17 @@ import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection, wait
+from typing import Callable
 
 import msgspec
 
 from crane_mp.cli import parse_args
 from crane_mp.config import ServerConfig
-from crane_mp.entrypoints import frontend_main, scheduler_main, worker_main
+from crane_mp.entrypoints import die_with_launcher, frontend_main, name_process, scheduler_main, worker_main
 from crane_mp.ipc import Addresses
 from crane_mp.logs import configure_logging
 from crane_mp.protocol import WorkerReady
+from crane_mp.router.command import model_set
 from crane_mp.scheduler.scheduler import SchedulerConfig, scheduler_config
 from crane_mp.systemd import notify
 from crane_mp.watchdog import Watchdog
@@ -321,12 +323,24 @@ def _run_worker_node(launcher: Launcher, started: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    models = model_set(argv)
+    if models is not None:
+        configure_logging(models.public.logs)
+        from crane_mp.router.serve import run_router
+
+        sys.exit(run_router(models, model_group_main))
     config = parse_args(argv)
     configure_logging(config.logs)
     for name in config.unknown_env:
         log.warning("environment variable %s names no crane-launch setting; ignored", name)
     for warning in exposure_warnings(config):
         log.warning("%s", warning)
+    sys.exit(serve_model(config, lambda info: notify("READY=1\nSTATUS=serving " + config.model_name),
+                         Watchdog.from_environment(config)))
+
+
+def serve_model(config: ServerConfig, on_ready: Callable[[WorkerReady], None], watchdog: Watchdog | None) -> int:
+    """One model's processes from start to stop; `on_ready` once they serve. Returns the exit code."""
     started = time.monotonic()
     launcher = Launcher(config)
 
@@ -337,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, request_stop)
     code = 1
     if config.engine.parallel.node_rank > 0:
-        sys.exit(_run_worker_node(launcher, started))
+        return _run_worker_node(launcher, started)
     try:
         info = launcher.start()
         gib = 1 << 30
@@ -350,22 +364,23 @@ def main(argv: list[str] | None = None) -> None:
             "ready in %.1f s: model=%s arch=%s device=%s dtype=%s kv_dtype=%s activations=%s isa=%s kernels=%s "
             "kv_bytes=%s "
             "kv_budget=%.2f GiB blocks=%d (%d tokens)%s max_concurrent=%d max_queue=%d max_model_len=%d "
-            "prefix_cache=%s overlap=%s runtime_lora=%s frontends=%d listening on http://%s:%d",
+            "prefix_cache=%s overlap=%s runtime_lora=%s frontends=%d listening on %s",
             time.monotonic() - started, config.model_name, _described_arch(info), info.device, info.dtype,
             info.kv_cache_dtype, info.quantized_activations, info.isa,
             info.kernel_isa, _kv_bytes(info), info.kv_budget_bytes / gib, info.num_blocks,
             info.num_blocks * info.block_size, _state_pool(info), launcher.scheduler_config.max_num_seqs,
             config.max_queue, info.max_model_len, _on_off(launcher.scheduler_config.enable_prefix_caching),
             _on_off(config.engine.overlap_schedule),
-            _on_off(config.engine.runtime_lora), config.num_frontends, config.host, config.port,
+            _on_off(config.engine.runtime_lora), config.num_frontends,
+            f"unix:{config.unix_socket}" if config.unix_socket else f"http://{config.host}:{config.port}",
         )
         if info.tensor_parallel_size > 1:
             log.info("parallel: %s", describe_parallel(info))
         if info.state_slots and config.engine.enable_prefix_caching:
             log.info("prefix cache off: %s's linear-attention layers keep a recurrent state per sequence, which "
                      "a cached prefix's KV blocks do not hold", info.arch)
-        notify("READY=1\nSTATUS=serving " + config.model_name)
-        code = launcher.supervise(Watchdog.from_environment(config))
+        on_ready(info)
+        code = launcher.supervise(watchdog)
     except KeyboardInterrupt:
         code = 0
     except ChildDied as err:
@@ -374,4 +389,15 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         launcher.cleanup()
     log.info("stopped (exit code %d)", code)
-    sys.exit(code)
+    return code
+
+
+def model_group_main(config: ServerConfig, conn: Connection) -> None:
+    """One model of several (router/group.py): its own worker, scheduler and frontend under a launcher
+    of its own, which tells the router, not systemd, once it serves, and drains on SIGTERM."""
+    die_with_launcher()
+    name_process("crane-model")
+    for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+        os.environ.pop(name, None)
+    configure_logging(config.logs)
+    sys.exit(serve_model(config, lambda info: conn.send_bytes(msgspec.msgpack.encode(info)), None))

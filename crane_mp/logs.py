@@ -18,11 +18,12 @@ _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 class LogSettings:
     level: str = "info"
     format: str = "text"  # or "json"
+    model: str = ""  # one model of several: every line names it
 
 
 class TextFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__(_TEXT_FORMAT)
+    def __init__(self, model: str = "") -> None:
+        super().__init__(_TEXT_FORMAT.replace("%(name)s", f"%(name)s[{model}]") if model else _TEXT_FORMAT)
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
@@ -33,6 +34,10 @@ class TextFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, model: str = "") -> None:
+        super().__init__()
+        self.model = model
+
     def format(self, record: logging.LogRecord) -> str:
         entry = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
@@ -41,6 +46,8 @@ class JsonFormatter(logging.Formatter):
             "pid": record.process,
             "message": record.getMessage(),
         }
+        if self.model:
+            entry["model"] = self.model
         entry.update(getattr(record, "fields", None) or {})
         if record.exc_info:
             entry["traceback"] = self.formatException(record.exc_info)
@@ -57,7 +64,7 @@ def _text_value(value: object) -> str:
 
 def configure_logging(settings: LogSettings) -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if settings.format == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter(settings.model) if settings.format == "json" else TextFormatter(settings.model))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.level.upper())

@@ -196,7 +196,29 @@ class PrepareGrammar(msgspec.Struct, array_like=True, tag=True):
     grammar: str
 
 
-WorkerInbox = StepPlan | ShutdownWorker | LoadLora | DropLora | PrepareGrammar
+class Sleep(msgspec.Struct, array_like=True, tag=True):
+    """Free the KV cache (level 1) and the weights too (level 2); sent only with no request on the worker.
+    Answered with ResidencyDone."""
+
+    level: int
+
+
+class WakeUp(msgspec.Struct, array_like=True, tag=True):
+    """Make the weights and the KV cache resident again; answered with ResidencyDone."""
+
+
+class LoadWeights(msgspec.Struct, array_like=True, tag=True):
+    """Read new weights from `path` beside the step loop; answered with ResidencyDone (kind "load")."""
+
+    path: str
+
+
+class SwapWeights(msgspec.Struct, array_like=True, tag=True):
+    """Serve the weights LoadWeights read (no request on the worker); answered with ResidencyDone."""
+
+
+WorkerInbox = (StepPlan | ShutdownWorker | LoadLora | DropLora | PrepareGrammar | Sleep | WakeUp | LoadWeights
+               | SwapWeights)
 
 
 # ---- worker -> scheduler ------------------------------------------------------------------------
@@ -273,14 +295,16 @@ class AbortNamed(msgspec.Struct, array_like=True, tag=True):
 
 
 class ControlRequest(msgspec.Struct, array_like=True, tag=True):
-    """kind: "stats", answered with EngineStats; "flush_cache", "load_lora" (name, path) and
-    "unload_lora" (name), answered with ControlReply. Replies carry the same token."""
+    """kind: "stats", answered with EngineStats; "flush_cache", "load_lora" (name, path),
+    "unload_lora" (name), "sleep" (level), "wake_up" and "update_weights" (path), answered with
+    ControlReply. Replies carry the same token."""
 
     kind: str
     token: int
     frontend_id: int = 0
     name: str = ""
     path: str = ""
+    level: int = 0
 
 
 class LoraLoaded(msgspec.Struct, array_like=True, tag=True):
@@ -306,8 +330,17 @@ class FrontendRestarted(msgspec.Struct, array_like=True, tag=True):
     frontend_id: int
 
 
+class ResidencyDone(msgspec.Struct, array_like=True, tag=True):
+    """The worker's answer to Sleep, WakeUp, LoadWeights and SwapWeights: kind is "sleep", "wake",
+    "load" or "swap"; error is empty on success."""
+
+    kind: str
+    error: str = ""
+    weights_path: str = ""
+
+
 SchedulerInbox = (GenerateRequest | AbortRequest | AbortNamed | ControlRequest | StepResult | LoraLoaded
-                  | GrammarReady | FrontendRestarted)
+                  | GrammarReady | FrontendRestarted | ResidencyDone)
 
 
 # ---- scheduler -> frontend ----------------------------------------------------------------------
@@ -370,7 +403,14 @@ class LoraRegistry(msgspec.Struct, array_like=True, tag=True):
     adapters: list[LoraAdapter]
 
 
-FrontendInbox = TokenBatch | EngineStats | ControlReply | LoraRegistry
+class EngineState(msgspec.Struct, array_like=True, tag=True):
+    """Sent to every frontend when the model falls asleep, wakes or changes weights."""
+
+    sleep_level: int  # 0: awake
+    weights_path: str
+
+
+FrontendInbox = TokenBatch | EngineStats | ControlReply | LoraRegistry | EngineState
 
 
 # ---- worker -> launcher (once, over the start-up pipe) -------------------------------------------

@@ -77,6 +77,8 @@ def read_config_file(path: str, actions: Mapping[str, argparse.Action]) -> dict[
     keys = sorted(dest.replace("_", "-") for dest in actions)
     values: dict[str, object] = {}
     for key, raw in data.items():
+        if key == "models":
+            continue  # several models' own tables (router/command.py)
         dest = key.replace("-", "_")
         if dest not in actions:
             close = difflib.get_close_matches(key.replace("_", "-"), keys, n=1)

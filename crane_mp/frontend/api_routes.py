@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from crane_mp.frontend.anthropic import routes as anthropic
 from crane_mp.frontend.audio import routes as audio
-from crane_mp.frontend.management import lora, routes as management
+from crane_mp.frontend.management import lora, residency, routes as management
 from crane_mp.frontend.openai import embeddings, routes as openai, tokenize
 from crane_mp.frontend.responses import routes as responses
 from crane_mp.frontend.scoring import routes as scoring
@@ -22,6 +22,7 @@ ROUTES: list[Route] = [
     *lora.api.routes,
     *tokenize.api.routes,
     *management.api.routes,
+    *residency.api.routes,
     *sglang.api.routes,
     *audio.api.routes,
 ]

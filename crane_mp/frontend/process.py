@@ -45,8 +45,11 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, l
     # with aiohttp's 128, a burst of connections overflows it and clients wait out SYN retries (1 s,
     # 3 s) before even a 429 can reach them.
     shared = config.num_frontends > 1
-    site = web.TCPSite(runner, config.host, config.port, reuse_address=True, reuse_port=shared or None,
-                       backlog=_ACCEPT_BACKLOG)
+    if config.unix_socket:  # one model of several: the router reaches it here
+        site = web.UnixSite(runner, config.unix_socket, backlog=_ACCEPT_BACKLOG)
+    else:
+        site = web.TCPSite(runner, config.host, config.port, reuse_address=True, reuse_port=shared or None,
+                           backlog=_ACCEPT_BACKLOG)
     await site.start()
     conn.send_bytes(b"listening")
 
@@ -59,6 +62,7 @@ async def _serve(config: ServerConfig, addresses: Addresses, frontend_id: int, l
     state.responses = ResponseStore(Path(addresses.run_dir) / "responses")
     state.client.metrics = state.metrics
     state.client.on_adapters = state.set_adapters
+    state.client.on_state = state.set_engine_state
     state.client.start()
     state.engine_info = info
     vocabulary = None

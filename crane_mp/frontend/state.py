@@ -24,7 +24,7 @@ from crane_mp.frontend.web.metrics import Metrics
 from crane_mp.models.config import checkpoint_architecture
 from crane_mp.models.registry import ARCHITECTURES
 from crane_mp.models.score_head import ScoreHead, load_score_head
-from crane_mp.protocol import LoraAdapter, WorkerReady
+from crane_mp.protocol import EngineState, LoraAdapter, WorkerReady
 
 # The body limit of a model that takes images or audio: a data-URL image or an uploaded clip is megabytes
 # (65 s of 44.1 kHz stereo WAV is 11 MB); --max-request-bytes overrides it.
@@ -53,6 +53,8 @@ class FrontendState:
     answer_head: ScoreHead | None = field(default=None, init=False)  # a causal reranker's yes/no head, once read
     image_processor: ImageProcessor | None = field(default=None, init=False)  # a vision-language model's
     speech: SpeechModel | None = field(default=None, init=False)  # --task transcribe: Whisper's settings
+    sleep_level: int = field(default=0, init=False)  # the worker's (scheduler/residency.py); 0: awake
+    weights_path: str = field(default="", init=False)  # where the weights served now were read from
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.config.model_name, self.config.replica)
@@ -73,6 +75,7 @@ class FrontendState:
         self.adapters = {name: LoraAdapter(i + 1, name, path) for i, (name, path) in enumerate(modules)}
         scoring = self.config.engine.task == "score"
         template = getattr(self.tokenizer.tokenizer, "chat_template", None)  # how CrossEncoder renders a pair
+        self.weights_path = self.config.engine.model_path
         self.score_head = load_score_head(Path(self.config.engine.model_path), template) if scoring else None
         model_dir = Path(self.config.engine.model_path)
         arch = checkpoint_architecture(model_dir, self.config.engine.model_type,
@@ -86,6 +89,14 @@ class FrontendState:
     @property
     def model_name(self) -> str:
         return self.config.model_name
+
+    def set_engine_state(self, state: EngineState) -> None:
+        self.sleep_level, self.weights_path = state.sleep_level, state.weights_path
+
+    @property
+    def model_state(self) -> str:
+        """/v1/models' state: "loaded", or "sleeping" while the worker has given its memory back."""
+        return "sleeping" if self.sleep_level else "loaded"
 
     def set_adapters(self, adapters: list[LoraAdapter]) -> None:
         """The scheduler's list after a load or unload (any frontend's): what requests may name now."""

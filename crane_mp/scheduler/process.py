@@ -27,19 +27,26 @@ from crane_mp.protocol import (
     ControlRequest,
     ErrorKind,
     DropLora,
+    EngineState,
     FrontendRestarted,
     GenerateRequest,
     GrammarReady,
     LoadLora,
+    LoadWeights,
     LoraLoaded,
     PrepareGrammar,
+    ResidencyDone,
     ShutdownWorker,
+    Sleep,
     StepResult,
+    SwapWeights,
     TokenBatch,
     TokenOutput,
+    WakeUp,
 )
 from crane_mp.scheduler.adapters import AdapterError, AdapterTable
 from crane_mp.scheduler.request import FinishReason, Request
+from crane_mp.scheduler.residency import SLEEP_LEVELS, ResidencyState, Waiter
 from crane_mp.scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from crane_mp.scheduler.stats import EngineCounters
 
@@ -74,6 +81,8 @@ class SchedulerLoop:
         self.unreachable: set[int] = set()  # frontends whose socket is gone (died; see _send)
         self.adapters = AdapterTable(scheduler.config.lora_modules, scheduler.config.max_loras)
         self.load_tokens: dict[str, int] = {}  # adapter name -> the control token of its load request
+        config = scheduler.config
+        self.residency = ResidencyState(config.weights_path, config.sleep_idle_seconds, config.sleep_level)
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -87,8 +96,9 @@ class SchedulerLoop:
             limit = self.max_in_flight if self.scheduler.is_streaming else 1
             # Wait while a step runs or nothing is queued (bounded, so signals are handled promptly);
             # otherwise only drain what has already arrived and plan the next step.
-            can_plan = self.scheduler.has_work and self.steps_in_flight < limit and not stalled
-            timeout = 0 if can_plan else 1000
+            steps_allowed = self.residency.steps_allowed
+            can_plan = self.scheduler.has_work and self.steps_in_flight < limit and not stalled and steps_allowed
+            timeout = 0 if can_plan else self._wait_ms()
             if poller.poll(timeout):
                 stalled = False
                 while True:
@@ -102,7 +112,8 @@ class SchedulerLoop:
             elif served_since_trim and trim is not None and not self.scheduler.has_work and not self.steps_in_flight:
                 trim(0)
                 served_since_trim = False
-            if self.steps_in_flight < limit and not stalled:
+            self._tend_residency()
+            if self.steps_in_flight < limit and not stalled and self.residency.steps_allowed:
                 plan = self.scheduler.schedule()
                 self._warn_on_preemption()
                 # Nothing to plan until a message arrives (e.g. every request awaits its last token):
@@ -160,6 +171,8 @@ class SchedulerLoop:
             self.grammar_ready(message)
         elif isinstance(message, FrontendRestarted):
             self.forget_frontend(message.frontend_id)
+        elif isinstance(message, ResidencyDone):
+            self.residency_done(message)
 
     def admit(self, message: GenerateRequest) -> None:
         """Queue a request; a constrained one first waits for the worker to build its grammar's matcher
@@ -179,6 +192,7 @@ class SchedulerLoop:
         for rid in orphans:
             self.abort(rid)
         self._announce_adapters()  # the new life knows only the adapters it was started with
+        self._announce_state()
 
     def grammar_ready(self, message: GrammarReady) -> None:
         waiting = self.awaiting_grammar.pop(message.rid, None)
@@ -266,11 +280,120 @@ class SchedulerLoop:
             reply_to(encode(ControlReply(message.token, ok, detail)))
         elif message.kind in ("load_lora", "unload_lora"):
             self.change_adapters(message)
+        elif message.kind == "sleep":
+            self.request_sleep(message)
+        elif message.kind == "wake_up":
+            self.residency.wake_waiters.append(Waiter(message.token, message.frontend_id))
+            self._tend_residency()
+        elif message.kind == "update_weights":
+            self.request_new_weights(message)
         else:
             reply_to(encode(ControlReply(message.token, False, f"unknown control request {message.kind!r}")))
 
+    # ---- sleep, wake-up, new weights (residency.py) --------------------------------------------------
+
+    def _wait_ms(self) -> int:
+        """How long the loop may block on its inbox: 1 s, or less when an idle sleep falls due sooner."""
+        due = self.residency.seconds_to_idle_sleep(time.monotonic())
+        return 1000 if due is None else max(1, min(1000, int(due * 1000) + 1))
+
+    def _tend_residency(self) -> None:
+        """Start whatever change of residency is due: a wake-up for queued work, the swap once the old
+        weights' requests are done, an idle sleep."""
+        r, sched = self.residency, self.scheduler
+        now = time.monotonic()
+        busy = bool(sched.requests or self.steps_in_flight or self.awaiting_grammar or sched.has_work)
+        if busy:
+            r.last_busy = now
+        if r.changing is not None:
+            return
+        if r.level and (sched.requests or r.wake_waiters):
+            self._to_worker_change("wake", WakeUp())
+        elif r.level == 0 and r.wake_waiters:
+            self._reply_all(r.wake_waiters, True)
+        elif r.reload_read and sched.drained and not self.steps_in_flight:
+            self._to_worker_change("swap", SwapWeights())
+        elif not busy and r.idle_sleep_due(now):
+            log.info("idle for %.0f s: the model sleeps (level %d)", r.idle_sleep_seconds, r.idle_sleep_level)
+            self._start_sleep(r.idle_sleep_level)
+
+    def _to_worker_change(self, kind: str, message) -> None:
+        self.residency.changing = kind
+        self.to_worker.send(encode(message))
+
+    def _start_sleep(self, level: int) -> None:
+        self.scheduler.flush_cache()  # the KV the cache points into is freed
+        self.residency.asked_level = level
+        self._to_worker_change("sleep", Sleep(level))
+
+    def request_sleep(self, message: ControlRequest) -> None:
+        r = self.residency
+        if message.level not in SLEEP_LEVELS:
+            self._send(message.frontend_id, encode(ControlReply(message.token, False, "level must be 1 or 2", 400)))
+            return
+        if r.level >= message.level and r.changing is None:
+            self._send(message.frontend_id, encode(ControlReply(message.token, True)))
+            return
+        busy = r.busy_reason(len(self.scheduler.requests) + len(self.awaiting_grammar), self.steps_in_flight)
+        if busy is not None:
+            self._send(message.frontend_id, encode(ControlReply(message.token, False, busy, 409)))
+            return
+        r.sleep_waiters.append(Waiter(message.token, message.frontend_id))
+        self._start_sleep(message.level)
+
+    def request_new_weights(self, message: ControlRequest) -> None:
+        r = self.residency
+        if r.reload is not None:
+            reply = ControlReply(message.token, False, f"new weights from {r.reload_path} are being loaded", 409)
+            self._send(message.frontend_id, encode(reply))
+            return
+        r.reload, r.reload_path = Waiter(message.token, message.frontend_id), message.path
+        self.to_worker.send(encode(LoadWeights(message.path)))
+
+    def residency_done(self, message: ResidencyDone) -> None:
+        r = self.residency
+        if message.kind == "load":
+            if message.error:
+                waiter, r.reload = r.reload, None
+                if waiter is not None:
+                    self._send(waiter.frontend_id, encode(ControlReply(waiter.token, False, message.error, 400)))
+                return
+            r.reload_read = True
+            self.scheduler.hold_new = True  # requests not started yet wait for the new weights
+            return
+        r.changing = None
+        if message.kind == "sleep":
+            r.level = r.asked_level
+            self._reply_all(r.sleep_waiters, True)
+        elif message.kind == "wake":
+            r.level, r.last_busy = 0, time.monotonic()
+            self._reply_all(r.wake_waiters, True)
+        elif message.kind == "swap":
+            r.level, r.weights_path, r.reload_read = 0, message.weights_path, False
+            self.scheduler.hold_new = False
+            self.scheduler.pool.flush()  # the cached prefixes' KV came from the old weights
+            waiter, r.reload = r.reload, None
+            if waiter is not None:
+                self._send(waiter.frontend_id, encode(ControlReply(waiter.token, True, message.weights_path)))
+        self._announce_state()
+
+    def _reply_all(self, waiters: list[Waiter], ok: bool) -> None:
+        for waiter in waiters:
+            self._send(waiter.frontend_id, encode(ControlReply(waiter.token, ok)))
+        waiters.clear()
+
+    def _announce_state(self) -> None:
+        state = encode(EngineState(self.residency.level, self.residency.weights_path))
+        for frontend_id in range(len(self.to_frontends)):
+            self._send(frontend_id, state)
+
     def change_adapters(self, message: ControlRequest) -> None:
         """Load (through the worker, answered when it reports back) or unload a LoRA adapter."""
+        if self.residency.level or self.residency.changing or self.residency.reload is not None:
+            reply = ControlReply(message.token, False, "the model is asleep or changing weights: wake it (POST "
+                                 "/wake_up) or wait for the new weights, then change adapters", 409)
+            self._send(message.frontend_id, encode(reply))
+            return
         try:
             if message.kind == "load_lora":
                 adapter = self.adapters.reserve(message.name, message.path)

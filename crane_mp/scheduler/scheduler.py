@@ -77,6 +77,10 @@ class SchedulerConfig:
     # An image's placeholders attend to each other both ways (Gemma 3): a step computes all of them or
     # none, and a prefix-cache hit never ends among them.
     whole_images: bool = False
+    # Sleep (residency.py): after this many idle seconds (0: only when asked), to this level.
+    sleep_idle_seconds: float = 0.0
+    sleep_level: int = 1
+    weights_path: str = ""  # the weights served at start
 
     def __post_init__(self) -> None:
         if self.num_blocks < self.sequence_blocks(self.max_model_len):
@@ -118,6 +122,9 @@ def scheduler_config(
         whole_prompts=whole_prompts,
         kv_windows=tuple(kv_windows),
         whole_images=whole_images,
+        sleep_idle_seconds=engine.sleep_idle_seconds,
+        sleep_level=engine.sleep_level,
+        weights_path=engine.model_path,
     )
 
 
@@ -158,6 +165,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found
+        # New weights wait to be swapped in: no request starts, the ones started finish (residency.py).
+        self.hold_new = False
 
     # ---- intake ---------------------------------------------------------------------------------
 
@@ -268,6 +277,8 @@ class Scheduler:
 
         while self.waiting and min(budget, prompt_budget - prompt_tokens) > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
+            if self.hold_new and not req.known_to_worker:
+                break  # it starts on the new weights
             if not self._may_sample(req):
                 break  # its last token is still coming back; it finishes on that update
             hits = self._cache_hits(req)
@@ -570,6 +581,13 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._finished_for_worker)
+
+    @property
+    def drained(self) -> bool:
+        """The worker holds no request: none it started is left (the ones waiting have not begun), and it
+        was told of every one that finished."""
+        return (not self.running and not self._finished_for_worker
+                and not any(req.known_to_worker for req in self.waiting))
 
     @property
     def is_streaming(self) -> bool:

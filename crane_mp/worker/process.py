@@ -27,12 +27,27 @@ from crane_mp.ipc import Addresses, encode, make_socket, worker_decoder
 from crane_mp.logs import LogSettings, configure_logging
 from crane_mp.models.config import UnsupportedModelError
 from crane_mp.models.registry import TRANSFORMERS
-from crane_mp.protocol import DropLora, LoadLora, PrepareGrammar, RankInfo, ShutdownWorker, StepPlan, WorkerReady
+from crane_mp.protocol import (
+    DropLora,
+    LoadLora,
+    LoadWeights,
+    LoraLoaded,
+    PrepareGrammar,
+    RankInfo,
+    ResidencyDone,
+    ShutdownWorker,
+    Sleep,
+    StepPlan,
+    SwapWeights,
+    WakeUp,
+    WorkerReady,
+)
 from crane_mp.worker.bootstrap import LoadedWorker, PhaseTimer, load_worker
 from crane_mp.worker.cache.memory import MemoryBudgetError
 from crane_mp.worker.parallel.tensor_parallel import TensorParallel, split_cores
 from crane_mp.worker.platforms import on_cuda
 from crane_mp.worker.platforms.device import RankLost
+from crane_mp.worker.residency import Residency
 from crane_mp.worker.step.background import BackgroundJobs, load_lora, prepare_grammar
 from crane_mp.worker.weights.lora import uninstall
 
@@ -194,11 +209,12 @@ def _serve(config: EngineConfig, addresses: Addresses, loaded: LoadedWorker, tp:
     ctx = zmq.Context()
     plans = make_socket(ctx, zmq.PULL, addresses.worker_inbox, bind=False)
     results = make_socket(ctx, zmq.PUSH, addresses.scheduler_inbox, bind=False)
-    runner = loaded.runner
     adapters = BackgroundJobs("lora-loader", ctx, addresses.scheduler_inbox)
     grammars = BackgroundJobs("grammar-builder", ctx, addresses.scheduler_inbox)
-    if runner.grammars is not None and config.task == "generate":
-        grammars.submit(runner.grammars.load_vocabulary)
+    weights = BackgroundJobs("weights-loader", ctx, addresses.scheduler_inbox)
+    residency = Residency(config, loaded)
+    if loaded.runner.grammars is not None and config.task == "generate":
+        grammars.submit(loaded.runner.grammars.load_vocabulary)
     trim = malloc_trim()
     trim_when_quiet = False  # the last request ended: give its memory back if nothing follows soon
     last_trim = time.monotonic()
@@ -215,6 +231,7 @@ def _serve(config: EngineConfig, addresses: Addresses, loaded: LoadedWorker, tp:
                 tp.send_frame(frame)
                 if isinstance(message, ShutdownWorker):
                     tp.leave()
+            runner = loaded.runner  # a new one after new weights or a deep sleep
             if isinstance(message, StepPlan):
                 results.send(encode(runner.execute(message)))
                 trim_when_quiet = trim is not None and not runner.requests
@@ -222,17 +239,55 @@ def _serve(config: EngineConfig, addresses: Addresses, loaded: LoadedWorker, tp:
                     trim(0)
                     last_trim = time.monotonic()
             elif isinstance(message, LoadLora):
-                adapters.submit(partial(load_lora, runner.model, message, config.max_lora_rank, loaded.dtype,
-                                        loaded.platform, None if tp is None else tp.loaded_on_every_rank))
+                on_every_rank = None if tp is None else tp.loaded_on_every_rank
+                adapters.submit(partial(_load_lora, residency, message, on_every_rank))
             elif isinstance(message, PrepareGrammar):
                 grammars.submit(partial(prepare_grammar, runner.grammars, message))
             elif isinstance(message, DropLora):
                 uninstall(runner.model, message.lora_id)
+                residency.forget_adapter(message.lora_id)
+            elif isinstance(message, (Sleep, WakeUp, SwapWeights)):
+                results.send(encode(_change_residency(residency, message)))
+            elif isinstance(message, LoadWeights):
+                weights.submit(partial(_stage_weights, residency, message.path))
             elif isinstance(message, ShutdownWorker):
                 break
     finally:
         _ignore_stop_signals()
         ctx.destroy(linger=0)
+
+
+def _load_lora(residency: Residency, message: LoadLora, on_every_rank) -> LoraLoaded:
+    """Load an adapter, and keep it for new weights (they get every adapter loaded now)."""
+    loaded = load_lora(residency.runner.model, message, residency.config.max_lora_rank, residency.loaded.dtype,
+                       residency.loaded.platform, on_every_rank)
+    if not loaded.error:
+        residency.remember_adapter(loaded.adapter)
+    return loaded
+
+
+def _change_residency(residency: Residency, message: Sleep | WakeUp | SwapWeights) -> ResidencyDone:
+    """Sleep, wake-up or swap on the step loop's thread (no step runs meanwhile). A failed wake-up or swap
+    leaves the worker without a model to run: an engine fault, raised."""
+    if isinstance(message, Sleep):
+        residency.sleep(message.level)
+        return ResidencyDone("sleep", weights_path=residency.weights_path)
+    if isinstance(message, WakeUp):
+        residency.wake()
+        return ResidencyDone("wake", weights_path=residency.weights_path)
+    return ResidencyDone("swap", weights_path=residency.swap())
+
+
+def _stage_weights(residency: Residency, path: str) -> ResidencyDone:
+    """Read new weights beside the step loop; a failure is the request's answer, never the worker's end."""
+    try:
+        residency.stage(path)
+    except Exception as err:  # noqa: BLE001 - bad weights are the caller's to fix; the old ones keep serving
+        log.warning("new weights from %s not loaded: %s", path, err)
+        residency.discard()
+        return ResidencyDone("load", str(err) or type(err).__name__)
+    log.info("new weights read from %s; they serve once the requests running now finish", path)
+    return ResidencyDone("load", weights_path=path)
 
 
 def _follow(config: EngineConfig, loaded: LoadedWorker, tp: TensorParallel) -> None:

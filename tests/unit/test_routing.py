@@ -35,7 +35,8 @@ def test_gate_and_key_exemptions_come_from_the_declarations():
         "/v1/rerank", "/rerank", "/v2/rerank", "/score", "/v1/score", "/v1/audio/transcriptions",
         "/v1/audio/translations"}
     assert open_paths(ROUTES) == {"/health"}
-    assert admin_paths(ROUTES) == {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/flush_cache", "/abort_request"}
+    assert admin_paths(ROUTES) == {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/flush_cache", "/abort_request",
+                                   "/sleep", "/wake_up", "/update_weights_from_disk"}
 
 
 @pytest.mark.parametrize("kind, status", [(ErrorKind.INVALID, 400), (ErrorKind.OVERLOADED, 429),

@@ -145,6 +145,10 @@ async def server_info(request: web.Request) -> web.Response:
         "state_slots": info.state_slots,
         "state_bytes_per_seq": info.state_bytes_per_seq,
         "state_pool_bytes": info.state_slots * info.state_bytes_per_seq,
+        # Sleep (0: awake; 1: KV cache freed; 2: weights too) and the weights served now
+        # (/update_weights_from_disk may have replaced the start-up ones).
+        "sleep_level": state.sleep_level,
+        "weights_path": state.weights_path,
         "stats": {
             "total_requests": stats.total_requests,
             "completed_requests": stats.completed_requests,

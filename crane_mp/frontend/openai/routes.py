@@ -169,6 +169,7 @@ def _model_card(state: FrontendState) -> dict[str, Any]:
         "root": state.config.engine.model_path,
         "parent": None,
         "max_model_len": state.engine_info.max_model_len if state.engine_info else None,
+        "state": state.model_state if state.engine_info else "loading",
     }
 
 

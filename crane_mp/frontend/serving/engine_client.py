@@ -28,6 +28,7 @@ from crane_mp.protocol import (
     AbortRequest,
     ControlReply,
     ControlRequest,
+    EngineState,
     EngineStats,
     ErrorKind,
     FinishReason,
@@ -134,6 +135,7 @@ class EngineClient:
         self.dead: str | None = None
         self.metrics: Metrics | None = None  # set by the frontend; finished requests report to it
         self.on_adapters: Callable[[list[LoraAdapter]], None] | None = None  # the LoRA list changed
+        self.on_state: Callable[[EngineState], None] | None = None  # the model slept, woke or changed weights
         self._listener: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -203,14 +205,16 @@ class EngineClient:
         if stream is not None and stream.deadline is not None:
             stream.deadline.cancel()
 
-    async def control(self, kind: str, timeout: float, name: str = "", path: str = "") -> EngineStats | ControlReply:
+    async def control(self, kind: str, timeout: float, name: str = "", path: str = "",
+                      level: int = 0) -> EngineStats | ControlReply:
         if self.dead:
             raise EngineDeadError(self.dead)
         token = next(self._tokens)
         future = asyncio.get_running_loop().create_future()
         self.replies[token] = future
         try:
-            self.to_scheduler.send(encode(ControlRequest(kind, token, self.frontend_id, name, path)), zmq.NOBLOCK)
+            request = ControlRequest(kind, token, self.frontend_id, name, path, level)
+            self.to_scheduler.send(encode(request), zmq.NOBLOCK)
             return await asyncio.wait_for(future, timeout)
         finally:
             self.replies.pop(token, None)
@@ -242,6 +246,9 @@ class EngineClient:
             elif isinstance(message, LoraRegistry):
                 if self.on_adapters is not None:
                     self.on_adapters(message.adapters)
+            elif isinstance(message, EngineState):
+                if self.on_state is not None:
+                    self.on_state(message)
             else:
                 future = self.replies.get(message.token)
                 if future is not None and not future.done():

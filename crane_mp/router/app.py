@@ -1,0 +1,264 @@
+"""The public port of a server with several models: every API route of a one-model server, routed by
+the request's `model` to that model's own frontend, whose answer streams back unchanged.
+
+The model comes from the JSON body's `model` (a form field for audio uploads; `?model=` on the admin
+routes and where a body has none); a request naming none goes to the first model serving the route's
+task. An unknown name is a 404 naming it; a model of the wrong task for the route a 400 naming both.
+`/v1/models` lists every model with its state, `/health` is 200 once the models loaded at start serve,
+and `/metrics` merges every loaded model's series (each labelled with its `model_name`) with the
+router's own: model states, loads, evictions, requests waiting for a load, resident bytes.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import email.policy
+import hmac
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from crane_mp import __version__
+from crane_mp.frontend.api_routes import ROUTES
+from crane_mp.frontend.state import FrontendState
+from crane_mp.frontend.web.errors import ApiError, error_middleware
+from crane_mp.frontend.web.http import json_response
+from crane_mp.frontend.web.routing import admin_paths, open_paths
+from crane_mp.router.manager import ModelManager, ModelUnavailable, Slot
+from crane_mp.router.metrics import merge_expositions, router_exposition
+
+MANAGER = web.AppKey("manager", ModelManager)
+
+# The tasks whose models serve each route, read from the routes' own declarations.
+_TASKS_OF = {FrontendState.require_generative: ("generate",), FrontendState.require_embedding: ("embed",),
+             FrontendState.require_scoring: ("score", "generate"),
+             FrontendState.require_transcription: ("transcribe",)}
+ROUTE_TASKS = {route.path: _TASKS_OF[route.requires] for route in ROUTES if route.requires in _TASKS_OF}
+_OPEN = open_paths(ROUTES)
+_ADMIN = admin_paths(ROUTES)
+# Headers that belong to one connection, not to the message (RFC 9110 7.6.1), and lengths aiohttp sets.
+_HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                         "transfer-encoding", "upgrade", "content-length", "host"))
+_MEDIA_REQUEST_BYTES = 64 << 20
+
+
+@web.middleware
+async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """The one-model server's rule (frontend/app.py): the key on every route but the open ones, the admin
+    key on the routes that change server state. The models behind the router take no key of their own."""
+    config = request.app[MANAGER].models.public
+    key = config.api_key
+    if request.path in _ADMIN and config.admin_api_key:
+        key = config.admin_api_key
+    if key and request.path not in _OPEN:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
+    return await handler(request)
+
+
+def create_router_app(manager: ModelManager) -> web.Application:
+    limit = manager.models.public.max_request_bytes or _MEDIA_REQUEST_BYTES
+    app = web.Application(middlewares=[error_middleware, api_key_middleware], client_max_size=limit)
+    app[MANAGER] = manager
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", get_model)
+    app.router.add_get("/metrics", metrics)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, server_info)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    return app
+
+
+# ---- the router's own routes ----------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER]
+    starting = [slot.name for slot in manager.at_start() if slot.state != "loaded"]
+    if manager.stopping or starting:
+        status = "draining" if manager.stopping else "starting"
+        return json_response({"status": status, "loading": starting}, status=503)
+    return json_response({"status": "ok"})
+
+
+async def _sleeping(slot: Slot) -> bool:
+    if slot.state != "loaded" or slot.session is None:
+        return False
+    try:
+        async with slot.session.get("http://model/is_sleeping") as response:
+            return bool((await response.json()).get("is_sleeping"))
+    except (aiohttp.ClientError, ValueError):
+        return False
+
+
+async def _card(slot: Slot) -> dict[str, Any]:
+    state = "sleeping" if await _sleeping(slot) else slot.state
+    return {
+        "id": slot.name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "crane-mp",
+        "root": slot.spec.config.engine.model_path,
+        "parent": None,
+        "max_model_len": slot.info.max_model_len if slot.info else None,
+        "state": state,
+        "task": slot.task,
+        "pinned": slot.spec.pinned,
+    }
+
+
+async def _cards(manager: ModelManager) -> list[dict[str, Any]]:
+    cards = []
+    for slot in manager.slots.values():
+        card = await _card(slot)
+        cards.append(card)
+        cards += [{**card, "id": name, "root": name, "parent": slot.name} for name in manager.adapters_of(slot)]
+    return cards
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": await _cards(request.app[MANAGER])})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    wanted = request.match_info["model_id"]
+    for card in await _cards(request.app[MANAGER]):
+        if card["id"] == wanted:
+            return json_response(card)
+    raise ApiError(404, f"The model `{wanted}` does not exist.", "model")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER]
+    texts = []
+    for slot in list(manager.slots.values()):
+        if slot.state == "loaded" and slot.session is not None:
+            try:
+                async with slot.session.get("http://model/metrics") as response:
+                    texts.append(await response.text())
+            except aiohttp.ClientError:
+                continue
+    body = merge_expositions([router_exposition(manager), *texts])
+    return web.Response(body=body.encode(), content_type="text/plain", charset="utf-8")
+
+
+async def server_info(request: web.Request) -> web.StreamResponse:
+    """?model=NAME: that model's own; else the models, their states and the memory they hold."""
+    manager = request.app[MANAGER]
+    if "model" in request.query:
+        return await forward(request)
+    return json_response({
+        "version": __version__,
+        "memory_budget_bytes": manager.budget,
+        "resident_bytes": manager.resident_bytes(),
+        "load_on_demand": manager.models.load_on_demand,
+        "models": [{**await _card(slot), "footprint_bytes": slot.footprint if slot.state == "loaded" else 0,
+                    "estimate_bytes": manager.estimate(slot), "loads": slot.loads, "evictions": slot.evictions,
+                    "waiting": slot.waiting, "in_flight": slot.in_flight, "error": slot.error}
+                   for slot in manager.slots.values()],
+    })
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """A request id is unique server-wide: every loaded model is told."""
+    manager = request.app[MANAGER]
+    body = await request.read()
+    for slot in list(manager.slots.values()):
+        if slot.state == "loaded" and slot.session is not None:
+            try:
+                async with slot.session.post("http://model/abort_request", data=body,
+                                             headers={"Content-Type": "application/json"}) as response:
+                    if response.status >= 400:
+                        return web.Response(status=response.status, body=await response.read(),
+                                            content_type="application/json")
+            except aiohttp.ClientError:
+                continue
+    return json_response({"success": True})
+
+
+# ---- forwarding -----------------------------------------------------------------------------------
+
+
+def named_model(request: web.Request, body: bytes) -> str | None:
+    """The model a request names: the JSON body's `model`, a form's `model` field, else `?model=`."""
+    if body and request.content_type == "multipart/form-data":
+        header = f"Content-Type: {request.headers.get('Content-Type', '')}\r\n\r\n".encode()
+        message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(header + body)
+        for part in message.iter_parts() if message.is_multipart() else ():
+            if part.get_param("name", header="content-disposition") == "model":
+                return part.get_content().strip()
+    elif body:
+        try:
+            decoded = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            decoded = None
+        if isinstance(decoded, dict) and isinstance(decoded.get("model"), str):
+            return decoded["model"]
+    return request.query.get("model")
+
+
+def pick_model(manager: ModelManager, path: str, name: str | None) -> str:
+    """The served model for `name` (an adapter's base for an adapter's name) on `path`: 404 unknown,
+    400 of the wrong task; none named: the first model of the route's task."""
+    tasks = ROUTE_TASKS.get(path)
+    if name:
+        base = manager.model_for(name)
+        if base is None:
+            raise ApiError(404, f"The model `{name}` does not exist.", "model")
+        task = manager.slots[base].task
+        if tasks is not None and task not in tasks:
+            raise ApiError(400, f"model {name!r} serves --task {task}; {path} needs a model of --task "
+                                f"{' or '.join(tasks)}", "model")
+        return base
+    for slot in manager.slots.values():
+        if tasks is None or slot.task in tasks:
+            return slot.name
+    raise ApiError(400, f"no model of this server serves {path} (--task {' or '.join(tasks or ())})", "model")
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    manager = request.app[MANAGER]
+    body = await request.read()
+    name = pick_model(manager, request.path, named_model(request, body))
+    try:
+        slot = await manager.acquire(name)
+    except ModelUnavailable as err:
+        raise ApiError(503, str(err)) from None
+    try:
+        return await _relay(request, slot, body)
+    finally:
+        await manager.release(slot)
+
+
+async def _relay(request: web.Request, slot: Slot, body: bytes) -> web.StreamResponse:
+    headers = {key: value for key, value in request.headers.items() if key.lower() not in _HOP_BY_HOP}
+    response: web.StreamResponse | None = None
+    try:
+        async with slot.session.request(request.method, "http://model" + request.rel_url.raw_path_qs,
+                                        headers=headers, data=body or None, allow_redirects=False,
+                                        skip_auto_headers=("Content-Type",)) as upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for key, value in upstream.headers.items():
+                if key.lower() not in _HOP_BY_HOP:
+                    response.headers.add(key, value)
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            if request.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and upstream.status == 200:
+                request.app[MANAGER].adapters_changed(slot, request.path, body)
+            return response
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
+        if response is not None and response.prepared:
+            return response  # the model's processes died mid-answer: the client sees the stream end
+        raise ApiError(503, f"model {slot.name!r} is not answering: {err}") from None
