@@ -158,6 +158,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     unix_socket: str | None = None  # one model of several: its frontend listens here, behind the router
+    cuda_devices: str | None = None  # one model of several: the GPUs its processes see (CUDA_VISIBLE_DEVICES)
     log_level: str = "info"
     log_format: str = "text"  # or "json": one object per line
     replica_name: str | None = None  # the metrics' replica label; None: host:port

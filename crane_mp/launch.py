@@ -399,5 +399,7 @@ def model_group_main(config: ServerConfig, conn: Connection) -> None:
     name_process("crane-model")
     for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
         os.environ.pop(name, None)
+    if config.cuda_devices is not None:  # before its worker imports torch: the devices it may see
+        os.environ["CUDA_VISIBLE_DEVICES"] = config.cuda_devices
     configure_logging(config.logs)
     sys.exit(serve_model(config, lambda info: conn.send_bytes(msgspec.msgpack.encode(info)), None))

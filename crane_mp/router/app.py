@@ -233,6 +233,11 @@ async def forward(request: web.Request) -> web.StreamResponse:
     except ModelUnavailable as err:
         raise ApiError(503, str(err)) from None
     try:
+        if request.path == "/update_weights_from_disk":
+            try:
+                await manager.room_for_new_weights(slot)
+            except ModelUnavailable as err:
+                raise ApiError(409, str(err)) from None
         return await _relay(request, slot, body)
     finally:
         await manager.release(slot)

@@ -1,7 +1,8 @@
 """Several models in one server: `--model-path` given more than once (each `NAME=PATH` or a bare path),
 or a `[[models]]` table array in the --config file, one table per model with any crane-launch setting
 (`model-path`, `model-name`, `task`, `dtype`, `max-seq-len`, `lora-modules`, `gpu-memory-limit` as the
-model's memory share, `sleep-idle-seconds`, ...) and `pinned = true`.
+model's memory share, `sleep-idle-seconds`, ...), `pinned = true` and `devices = "1"` (the GPUs its
+processes see).
 
 Each model's settings are the shared ones (every other flag, the file's top-level keys, CRANE_*
 variables) with its own on top, parsed and checked exactly as a one-model server's (cli.parse_args), so
@@ -24,7 +25,8 @@ from crane_mp.config import MemoryLimit, ServerConfig
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 # Keys of a [[models]] table that are not crane-launch flags.
-_ROUTER_KEYS = ("pinned",)
+_ROUTER_KEYS = ("pinned", "devices")
+_DEVICES = re.compile(r"^\d+(,\d+)*$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,7 @@ class ModelSpec:
     config: ServerConfig  # this model's own server, behind the router on a Unix socket
     pinned: bool = False  # loaded at start and never evicted
     share_given: bool = False  # its memory share came from its own settings, not the budget's split
+    devices: str | None = None  # the GPUs its processes see (CUDA_VISIBLE_DEVICES), e.g. "1" or "2,3"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +64,13 @@ def model_set(argv: list[str] | None, environ: Mapping[str, str] | None = None) 
                                                                         enumerate(tables)]
     pinned_flag = set(_flag_values(common, "--pinned-models"))
     specs, names = [], set()
-    for index, (argv_extra, name, pinned, share_given) in enumerate(entries):
+    for index, (argv_extra, name, pinned, share_given, devices) in enumerate(entries):
         config = _parse_model(common + argv_extra, environ, name or f"model {index + 1}")
         name = config.model_name
         if name in names:
             _fail(f"two models are named {name!r}: give each its own model-name (NAME=PATH)")
         names.add(name)
-        specs.append(ModelSpec(name, config, pinned or name in pinned_flag, share_given))
+        specs.append(ModelSpec(name, config, pinned or name in pinned_flag, share_given, devices))
     unknown = pinned_flag - names
     if unknown:
         _fail(f"--pinned-models names no served model: {', '.join(sorted(unknown))}")
@@ -135,15 +138,15 @@ def _model_tables(argv: list[str], environ: Mapping[str, str]) -> list[dict]:
     return tables
 
 
-def _entry_from_flag(text: str) -> tuple[list[str], str | None, bool, bool]:
+def _entry_from_flag(text: str) -> tuple[list[str], str | None, bool, bool, None]:
     """NAME=PATH, or a bare PATH (named after its directory or file)."""
     name, sep, path = text.partition("=")
     if not sep or not _NAME.match(name):
-        return ["--model-path", text], None, False, False
-    return ["--model-path", path, "--model-name", name], name, False, False
+        return ["--model-path", text], None, False, False, None
+    return ["--model-path", path, "--model-name", name], name, False, False, None
 
 
-def _entry_from_table(table: dict, index: int) -> tuple[list[str], str | None, bool, bool]:
+def _entry_from_table(table: dict, index: int) -> tuple[list[str], str | None, bool, bool, str | None]:
     argv: list[str] = []
     actions = {a.dest: a for a in build_parser()._actions if a.option_strings}
     for key, value in table.items():
@@ -165,7 +168,10 @@ def _entry_from_table(table: dict, index: int) -> tuple[list[str], str | None, b
         _fail(f"[[models]] table {index + 1}: model-path is missing")
     name = table.get("model-name") or table.get("model_name")
     share = "gpu-memory-limit" in table or "gpu_memory_limit" in table
-    return argv, name, bool(table.get("pinned", False)), share
+    devices = table.get("devices")
+    if devices is not None and not _DEVICES.match(str(devices)):
+        _fail(f"[[models]] table {index + 1}: devices must list GPU indices, as \"1\" or \"0,1\"; got {devices!r}")
+    return argv, name, bool(table.get("pinned", False)), share, None if devices is None else str(devices)
 
 
 def _parse_model(argv: list[str], environ: Mapping[str, str], label: str) -> ServerConfig:
@@ -188,7 +194,8 @@ def _with_share(spec: ModelSpec, budget: MemoryLimit | None, count: int) -> Mode
         share = (MemoryLimit(num_bytes=budget.num_bytes // count) if budget.num_bytes is not None
                  else MemoryLimit(fraction=budget.fraction / count))
         engine = dataclasses.replace(engine, memory_limit=share)
-    config = dataclasses.replace(config, engine=engine, num_frontends=1, api_key=None, admin_api_key=None)
+    config = dataclasses.replace(config, engine=engine, num_frontends=1, api_key=None, admin_api_key=None,
+                                 cuda_devices=spec.devices)
     return dataclasses.replace(spec, config=config)
 
 

@@ -264,6 +264,21 @@ class ModelManager:
                 return
             await self._unload(victim, grace=0, evicted=True)
 
+    async def room_for_new_weights(self, slot: Slot) -> None:
+        """New weights are read beside the served ones: room for a second copy, evicting idle models
+        if it must; ModelUnavailable when even that leaves too little."""
+        if self.budget is None or slot.info is None:
+            return
+        async with self._load_lock:
+            need = slot.info.weights_bytes
+            while self.resident_bytes() + need > self.budget:
+                victim = self._victim(exclude=slot)
+                if victim is None:
+                    raise ModelUnavailable(
+                        f"no room for a second copy of {slot.name!r}'s weights ({_gib(need)}) within the "
+                        f"{_gib(self.budget)} budget (--gpu-memory-limit) while they are read")
+                await self._unload(victim, grace=0, evicted=True)
+
     def _victim(self, exclude: Slot) -> Slot | None:
         idle = [s for s in self.slots.values()
                 if s.state == "loaded" and s is not exclude and not s.spec.pinned and s.in_flight == 0]

@@ -299,7 +299,7 @@ class SchedulerLoop:
 
     def _tend_residency(self) -> None:
         """Start whatever change of residency is due: a wake-up for queued work, the swap once the old
-        weights' requests are done, an idle sleep."""
+        weights' requests are done, a sleep asked for (once the last steps end) or fallen due."""
         r, sched = self.residency, self.scheduler
         now = time.monotonic()
         busy = bool(sched.requests or self.steps_in_flight or self.awaiting_grammar or sched.has_work)
@@ -307,12 +307,21 @@ class SchedulerLoop:
             r.last_busy = now
         if r.changing is not None:
             return
+        if r.pending_level and (sched.requests or self.awaiting_grammar):
+            r.pending_level = 0
+            for waiter in r.sleep_waiters:
+                self._send(waiter.frontend_id, encode(ControlReply(waiter.token, False, "requests arrived before "
+                                                                   "the model could sleep", 409)))
+            r.sleep_waiters.clear()
         if r.level and (sched.requests or r.wake_waiters):
             self._to_worker_change("wake", WakeUp())
-        elif r.level == 0 and r.wake_waiters:
+        elif r.level == 0 and r.wake_waiters and not r.pending_level:
             self._reply_all(r.wake_waiters, True)
         elif r.reload_read and sched.drained and not self.steps_in_flight:
             self._to_worker_change("swap", SwapWeights())
+        elif r.pending_level and not busy:
+            level, r.pending_level = r.pending_level, 0
+            self._start_sleep(level)
         elif not busy and r.idle_sleep_due(now):
             log.info("idle for %.0f s: the model sleeps (level %d)", r.idle_sleep_seconds, r.idle_sleep_level)
             self._start_sleep(r.idle_sleep_level)
@@ -327,6 +336,8 @@ class SchedulerLoop:
         self._to_worker_change("sleep", Sleep(level))
 
     def request_sleep(self, message: ControlRequest) -> None:
+        """Refused while requests are queued or running; otherwise the sleep starts once the steps in
+        flight (the last requests' ends) are done, and is answered when the memory is freed."""
         r = self.residency
         if message.level not in SLEEP_LEVELS:
             self._send(message.frontend_id, encode(ControlReply(message.token, False, "level must be 1 or 2", 400)))
@@ -334,12 +345,13 @@ class SchedulerLoop:
         if r.level >= message.level and r.changing is None:
             self._send(message.frontend_id, encode(ControlReply(message.token, True)))
             return
-        busy = r.busy_reason(len(self.scheduler.requests) + len(self.awaiting_grammar), self.steps_in_flight)
+        busy = r.busy_reason(len(self.scheduler.requests) + len(self.awaiting_grammar))
         if busy is not None:
             self._send(message.frontend_id, encode(ControlReply(message.token, False, busy, 409)))
             return
         r.sleep_waiters.append(Waiter(message.token, message.frontend_id))
-        self._start_sleep(message.level)
+        r.pending_level = max(r.pending_level, message.level)
+        self._tend_residency()
 
     def request_new_weights(self, message: ControlRequest) -> None:
         r = self.residency

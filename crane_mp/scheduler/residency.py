@@ -30,6 +30,7 @@ class ResidencyState:
     level: int = 0  # how deeply the worker sleeps now (0: awake)
     changing: str | None = None  # "sleep", "wake" or "swap": sent to the worker, not yet answered
     asked_level: int = 0  # the level of the sleep in flight
+    pending_level: int = 0  # a sleep asked for while the last steps end: starts once they have
     sleep_waiters: list[Waiter] = field(default_factory=list)
     wake_waiters: list[Waiter] = field(default_factory=list)
     reload: Waiter | None = None  # the update_weights request in progress
@@ -42,19 +43,19 @@ class ResidencyState:
         """Steps need the weights and the KV cache resident, and nothing changing them."""
         return self.level == 0 and self.changing is None
 
-    def busy_reason(self, num_requests: int, steps_in_flight: int) -> str | None:
-        """Why the worker may not sleep now (None: it may)."""
+    def busy_reason(self, num_requests: int) -> str | None:
+        """Why the worker may not sleep (None: it may, once the steps in flight end)."""
         if self.reload is not None:
             return "new weights are being loaded"
-        if self.changing is not None:
-            return f"a {self.changing} is in progress"
-        if num_requests or steps_in_flight:
+        if self.changing == "wake":
+            return "the model is waking up for a request"
+        if num_requests:
             return f"{num_requests} requests are queued or running; sleep when the model is idle"
         return None
 
     def idle_sleep_due(self, now: float) -> bool:
         return (self.idle_sleep_seconds > 0 and self.level == 0 and self.changing is None and self.reload is None
-                and now - self.last_busy >= self.idle_sleep_seconds)
+                and not self.pending_level and now - self.last_busy >= self.idle_sleep_seconds)
 
     def seconds_to_idle_sleep(self, now: float) -> float | None:
         if self.idle_sleep_seconds <= 0 or self.level or self.changing or self.reload is not None:

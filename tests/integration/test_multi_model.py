@@ -68,6 +68,8 @@ def test_each_model_answers_its_own_routes(checkpoints, all_three):
     completion = client.completions.create(model="chat", prompt=prompt, max_tokens=8, temperature=0,
                                            extra_body={"return_token_ids": True})
     assert completion.choices[0].token_ids == want_tokens
+    streamed = client.completions.create(model="chat", prompt=prompt, max_tokens=8, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == completion.choices[0].text
     vectors = client.embeddings.create(model="embedder", input=DOCUMENTS)
     np.testing.assert_allclose([item.embedding for item in vectors.data], want_vectors, atol=1e-5)
     scored = requests.post(server.url + "/score", headers=headers, timeout=60,

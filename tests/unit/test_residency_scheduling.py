@@ -10,6 +10,7 @@ import zmq
 
 from crane_mp.ipc import Addresses, encode, frontend_decoder, make_socket, worker_decoder
 from crane_mp.protocol import (
+    AbortRequest,
     ControlReply,
     ControlRequest,
     EngineState,
@@ -208,3 +209,19 @@ def test_the_loop_sleeps_by_itself_when_idle_long_enough(tmp_path):
         assert harness.to_worker() == [Sleep(1)]
     finally:
         harness.close()
+
+
+def test_a_sleep_asked_while_the_last_step_runs_starts_when_it_ends(harness):
+    harness.send(_request(1))
+    plan = harness.loop.scheduler.schedule()
+    harness.loop.steps_in_flight += 1
+    harness.send(AbortRequest(1))  # the client left; its step is still on the worker
+    harness.control("sleep", level=1)
+    assert [m for m in harness.to_worker() if not isinstance(m, StepPlan)] == []
+    harness.send(harness.fake.execute(plan))
+    while harness.step():  # the worker is told the request ended
+        pass
+    assert harness.to_worker()[-1] == Sleep(1)
+    harness.send(ResidencyDone("sleep", weights_path="/models/old"))
+    harness.drain_frontend()
+    assert harness.replies[-1].ok

@@ -55,6 +55,7 @@ gpu-memory-limit = "1G"
 model-path = "{models['embedder']}"
 task = "embed"
 max-seq-len = 64
+devices = "1"
 """)
     served = model_set(["--config", str(config), "--gpu-memory-limit", "3G"], {})
     chat, embedder = served.models
@@ -63,6 +64,7 @@ max-seq-len = 64
     assert embedder.config.engine.memory_limit == MemoryLimit(num_bytes=(3 << 30) // 2)
     assert (chat.config.engine.max_model_len, embedder.config.engine.max_model_len) == (256, 64)
     assert served.public.port == 9001
+    assert (chat.config.cuda_devices, embedder.config.cuda_devices) == (None, "1")
 
 
 @pytest.mark.parametrize("table, message", [
@@ -70,6 +72,7 @@ max-seq-len = 64
      "two models are named 'x'"),
     ('[[models]]\nmodel-path = "{chat}"\nbogus = 1\n', "unknown key 'bogus'"),
     ('[[models]]\nmodel-name = "x"\n', "model-path is missing"),
+    ('[[models]]\nmodel-path = "{chat}"\ndevices = "cuda:1"\n', "devices must list GPU indices"),
     ('[[models]]\nmodel-path = "{chat}"\ntask = "dance"\n', "invalid choice: 'dance'"),
 ])
 def test_a_bad_models_table_fails_at_start_naming_it(models, tmp_path, capsys, table, message):
@@ -130,3 +133,20 @@ def test_metrics_merge_family_by_family():
     assert merge_expositions([a, b]).splitlines() == [
         "# HELP x_total things", "# TYPE x_total counter", 'x_total{model_name="a"} 1.0', 'x_total{model_name="b"} 3.0',
         "# HELP y gauge", "# TYPE y gauge", 'y{model_name="a"} 2.0']
+
+
+def test_the_model_is_read_from_json_bodies_uploads_and_the_query():
+    from aiohttp.test_utils import make_mocked_request
+
+    from crane_mp.router.app import named_model
+
+    def request(content_type: str, query: str = ""):  # named_model takes the body read beside it
+        return make_mocked_request("POST", "/v1/x" + query, headers={"Content-Type": content_type})
+
+    chat = b'{"model": "chat", "x": 1}'
+    assert named_model(request("application/json"), chat) == "chat"
+    assert named_model(request("application/json", "?model=q"), b"[1, 2]") == "q"  # no object: the query
+    assert named_model(request("application/json"), b"{bad") is None
+    body = (b'--B\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\nContent-Type: audio/wav'
+            b'\r\n\r\nRIFF\x00\xff\r\n--B\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n--B--\r\n')
+    assert named_model(request("multipart/form-data; boundary=B"), body) == "whisper"
