@@ -109,7 +109,7 @@ class Residency:
         path, model = staged
         assert not self.runner.requests, "weights swapped with requests on the worker"
         self._install(model)
-        self.weights_path = path
+        self.weights_path, self.sleep_level, self._host_copy = path, 0, False
         log.info("serving the weights from %s", path)
         return path
 
@@ -184,9 +184,11 @@ def _allocate_kv(runner: ModelRunner, loaded: LoadedWorker) -> None:
 
 def _give_back(runner: ModelRunner) -> None:
     """Return what was freed to the device or the operating system now, not at the next trim."""
-    gc.unfreeze()  # the worker froze what start-up allocated (process.py); the old model is among it
+    frozen = gc.get_freeze_count() > 0  # the worker froze what start-up allocated (process.py): the old
+    gc.unfreeze()  # model is among it
     gc.collect()
-    gc.freeze()
+    if frozen:
+        gc.freeze()
     if runner.platform.device.type == "cuda":
         torch.cuda.empty_cache()
     trim = malloc_trim()
