@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="native: our own layers and kernels; transformers: transformers' modeling code on our "
                         "paged KV cache and scheduler (any causal LM it knows, slower); auto: native where we "
                         "have it, else transformers")
-    p.add_argument("--model-name", help="name shown in API responses (default: the directory name)")
+    p.add_argument("--model-name", "--served-model-name",
+                   help="name shown in API responses (default: the directory name)")
     p.add_argument("--task", default="auto", choices=TASKS,
                    help="generate text, embed (/v1/embeddings only), score (/v1/rerank and /score with a "
                         "sequence-classification checkpoint), or transcribe (/v1/audio/transcriptions and "

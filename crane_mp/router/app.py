@@ -73,6 +73,9 @@ def create_router_app(manager: ModelManager) -> web.Application:
     for path in ("/server_info", "/get_server_info"):
         app.router.add_get(path, server_info)
     app.router.add_post("/abort_request", abort_request)
+    for path in ("/sleep", "/wake_up"):
+        app.router.add_post(path, every_model)
+    app.router.add_get("/is_sleeping", is_sleeping)
     app.router.add_route("*", "/{tail:.*}", forward)
     return app
 
@@ -165,6 +168,35 @@ async def server_info(request: web.Request) -> web.StreamResponse:
                     "waiting": slot.waiting, "in_flight": slot.in_flight, "error": slot.error}
                    for slot in manager.slots.values()],
     })
+
+
+async def every_model(request: web.Request) -> web.StreamResponse:
+    """/sleep and /wake_up: ?model=NAME's, else every loaded model's (the first refusal is the answer)."""
+    manager = request.app[MANAGER]
+    if "model" in request.query:
+        name = pick_model(manager, request.path, request.query["model"])
+        if request.path == "/sleep" and manager.slots[name].state != "loaded":
+            return json_response({"success": True})  # an unloaded model holds nothing: not loaded to sleep
+        return await forward(request)
+    for slot in list(manager.slots.values()):
+        if slot.state != "loaded" or slot.session is None:
+            continue
+        async with slot.session.post("http://model" + request.rel_url.raw_path_qs) as response:
+            if response.status >= 400:
+                return web.Response(status=response.status, body=await response.read(),
+                                    content_type="application/json")
+    return json_response({"success": True})
+
+
+async def is_sleeping(request: web.Request) -> web.StreamResponse:
+    """?model=NAME's answer, else whether every loaded model sleeps, and each one's state."""
+    manager = request.app[MANAGER]
+    if "model" in request.query:
+        return await forward(request)
+    states = {slot.name: ("sleeping" if await _sleeping(slot) else slot.state) for slot in manager.slots.values()}
+    loaded = [state for state in states.values() if state in ("loaded", "sleeping")]
+    return json_response({"is_sleeping": bool(loaded) and all(state == "sleeping" for state in loaded),
+                          "models": states})
 
 
 async def abort_request(request: web.Request) -> web.Response:

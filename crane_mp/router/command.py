@@ -148,13 +148,15 @@ def _entry_from_flag(text: str) -> tuple[list[str], str | None, bool, bool, None
 
 def _entry_from_table(table: dict, index: int) -> tuple[list[str], str | None, bool, bool, str | None]:
     argv: list[str] = []
-    actions = {a.dest: a for a in build_parser()._actions if a.option_strings}
+    actions = {}
+    for action in build_parser()._actions:  # by dest and by every spelling of the flag
+        for name in (action.dest, *(flag.lstrip("-") for flag in action.option_strings)):
+            actions[name.replace("-", "_")] = action
     for key, value in table.items():
-        dest = key.replace("-", "_")
         if key in _ROUTER_KEYS:
             continue
-        action = actions.get(dest)
-        if action is None or dest == "config":
+        action = actions.get(key.replace("-", "_"))
+        if action is None or not action.option_strings or action.dest in ("config", "help"):
             _fail(f"[[models]] table {index + 1}: unknown key {key!r}")
         flag = action.option_strings[0]
         if isinstance(value, bool):
@@ -166,7 +168,7 @@ def _entry_from_table(table: dict, index: int) -> tuple[list[str], str | None, b
             argv += [flag, str(value)]
     if "model-path" not in table and "model_path" not in table:
         _fail(f"[[models]] table {index + 1}: model-path is missing")
-    name = table.get("model-name") or table.get("model_name")
+    name = next((table[key] for key in ("model-name", "model_name", "served-model-name") if key in table), None)
     share = "gpu-memory-limit" in table or "gpu_memory_limit" in table
     devices = table.get("devices")
     if devices is not None and not _DEVICES.match(str(devices)):

@@ -94,6 +94,11 @@ def test_each_model_answers_its_own_routes(checkpoints, all_three):
     again = requests.post(server.url + "/score", headers=headers, timeout=60,
                           json={"model": "ranker", "text_1": QUERY, "text_2": DOCUMENTS}).json()
     assert again == scored | {"id": again["id"], "created": again["created"]}  # woken, the same scores
+    assert requests.post(server.url + "/sleep", headers=headers, timeout=60).status_code == 200  # every model
+    assert requests.get(server.url + "/is_sleeping", headers=headers, timeout=60).json()["is_sleeping"] is True
+    assert requests.post(server.url + "/wake_up", headers=headers, timeout=60).status_code == 200
+    assert set(requests.get(server.url + "/is_sleeping", headers=headers, timeout=60).json()["models"].values()) == {
+        "loaded"}
 
 
 class MemorySampler:

@@ -53,12 +53,14 @@ gpu-memory-limit = "1G"
 
 [[models]]
 model-path = "{models['embedder']}"
+served-model-name = "vectors"
 task = "embed"
 max-seq-len = 64
 devices = "1"
 """)
     served = model_set(["--config", str(config), "--gpu-memory-limit", "3G"], {})
     chat, embedder = served.models
+    assert embedder.name == "vectors"  # vLLM's spelling of model-name
     assert (chat.name, chat.pinned, chat.config.engine.memory_limit) == ("assistant", True,
                                                                          MemoryLimit(num_bytes=1 << 30))
     assert embedder.config.engine.memory_limit == MemoryLimit(num_bytes=(3 << 30) // 2)
