@@ -27,7 +27,7 @@ from crane_mp.frontend.state import FrontendState
 from crane_mp.frontend.web.errors import ApiError, error_middleware
 from crane_mp.frontend.web.http import json_response
 from crane_mp.frontend.web.routing import admin_paths, open_paths
-from crane_mp.router.manager import ModelManager, ModelUnavailable, Slot
+from crane_mp.router.manager import LoadQueueFull, ModelManager, ModelUnavailable, Slot
 from crane_mp.router.metrics import merge_expositions, router_exposition
 
 MANAGER = web.AppKey("manager", ModelManager)
@@ -39,6 +39,8 @@ _TASKS_OF = {FrontendState.require_generative: ("generate",), FrontendState.requ
 ROUTE_TASKS = {route.path: _TASKS_OF[route.requires] for route in ROUTES if route.requires in _TASKS_OF}
 _OPEN = open_paths(ROUTES)
 _ADMIN = admin_paths(ROUTES)
+_FORWARDED = frozenset(route.path for route in ROUTES if "{" not in route.path) | {"/openapi.json"}
+_STORED_RESPONSES = "/v1/responses/"  # a stored answer: on the model that gave it
 # Headers that belong to one connection, not to the message (RFC 9110 7.6.1), and lengths aiohttp sets.
 _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                          "transfer-encoding", "upgrade", "content-length", "host"))
@@ -258,10 +260,16 @@ def pick_model(manager: ModelManager, path: str, name: str | None) -> str:
 
 async def forward(request: web.Request) -> web.StreamResponse:
     manager = request.app[MANAGER]
+    if request.path.startswith(_STORED_RESPONSES):
+        return await stored_response(request)
+    if request.path not in _FORWARDED:  # never load a model for a path no model serves
+        raise ApiError(404, f"route {request.method} {request.path} not found")
     body = await request.read()
     name = pick_model(manager, request.path, named_model(request, body))
     try:
         slot = await manager.acquire(name)
+    except LoadQueueFull as err:
+        raise ApiError(429, str(err)) from None
     except ModelUnavailable as err:
         raise ApiError(503, str(err)) from None
     try:
@@ -273,6 +281,19 @@ async def forward(request: web.Request) -> web.StreamResponse:
         return await _relay(request, slot, body)
     finally:
         await manager.release(slot)
+
+
+async def stored_response(request: web.Request) -> web.Response:
+    """GET or DELETE /v1/responses/{id}: each loaded model keeps the answers it gave; the first that has it."""
+    manager = request.app[MANAGER]
+    for slot in list(manager.slots.values()):
+        if slot.state != "loaded" or slot.session is None or slot.task != "generate":
+            continue
+        async with slot.session.request(request.method, "http://model" + request.rel_url.raw_path_qs) as response:
+            if response.status != 404:
+                return web.Response(status=response.status, body=await response.read(),
+                                    content_type=response.content_type)
+    raise ApiError(404, f"no stored response {request.path.removeprefix(_STORED_RESPONSES)!r}")
 
 
 async def _relay(request: web.Request, slot: Slot, body: bytes) -> web.StreamResponse:

@@ -43,6 +43,10 @@ class ModelUnavailable(RuntimeError):
     """The model cannot be served now (a load failed, or no room within the wait); a 503."""
 
 
+class LoadQueueFull(ModelUnavailable):
+    """--max-queue requests already wait for this model to load; a 429."""
+
+
 @dataclass(slots=True)
 class Slot:
     spec: ModelSpec
@@ -54,7 +58,8 @@ class Slot:
     in_flight: int = 0  # requests being forwarded to it now
     waiting: int = 0  # requests waiting for it to load
     last_used: float = 0.0
-    footprint: int = 0  # what it held when last measured (bytes)
+    footprint: int = 0  # what it may hold, as last measured (bytes)
+    loaded_rss: int = 0  # its processes' resident memory once loaded, before any request
     loads: int = 0
     evictions: int = 0
     error: str = ""  # why its last load failed
@@ -71,10 +76,12 @@ class Slot:
 
 
 class ModelManager:
-    def __init__(self, models: ModelSet, run_dir: str, target: Callable | None = None) -> None:
-        """`target`: each model's process (launch.model_group_main)."""
+    def __init__(self, models: ModelSet, run_dir: str, target: Callable | None = None,
+                 group_type: type = ModelGroup) -> None:
+        """`target`: each model's process (launch.model_group_main); `group_type`: what runs it."""
         self.models = models
         self.target = target
+        self.group_type = group_type
         self.slots = {spec.name: Slot(spec, os.path.join(run_dir, f"model-{index}.sock"))
                       for index, spec in enumerate(models.models)}
         self.budget = _resolve(models.budget)
@@ -107,6 +114,9 @@ class ModelManager:
         counted in flight until release()."""
         slot = self.slots[name]
         if slot.state != "loaded":
+            if slot.waiting >= self.models.public.max_queue:
+                raise LoadQueueFull(f"{slot.waiting} requests already wait for model {name!r} to load (--max-queue); "
+                                    "retry later")
             deadline = time.monotonic() + self.models.load_timeout
             slot.waiting += 1
             try:
@@ -181,7 +191,7 @@ class ModelManager:
         async with self._load_lock:
             try:
                 await self._make_room(slot, deadline)
-                group = ModelGroup(slot.spec.config, slot.socket_path, self.target)
+                group = self.group_type(slot.spec.config, slot.socket_path, self.target)
                 slot.group = group
                 slot.info = await group.start()
             except (GroupFailed, ModelUnavailable, TimeoutError) as err:
@@ -209,10 +219,12 @@ class ModelManager:
         if info.device_type == "cuda":
             slot.footprint = info.weights_bytes + info.kv_budget_bytes + info.activation_bytes + _CUDA_RUNTIME
             return
-        # Activations are resident only while a step runs: reserved on top of what is measured.
+        # On CPU the KV cache becomes resident as requests write it, and activations only while a step
+        # runs: both are counted whole on top of what the model held once loaded.
         resident = slot.group.resident_bytes()
-        slot.footprint = resident + info.activation_bytes
-        self.overhead = max(self.overhead, resident - info.weights_bytes - info.kv_budget_bytes)
+        slot.loaded_rss = slot.loaded_rss or resident
+        slot.footprint = max(resident, slot.loaded_rss + info.kv_budget_bytes) + info.activation_bytes
+        self.overhead = max(self.overhead, slot.loaded_rss - info.weights_bytes)
 
     def estimate(self, slot: Slot) -> int:
         """What loading `slot` will hold: its last measure, else the overhead measured so far plus what its
@@ -223,7 +235,7 @@ class ModelManager:
             engine = slot.spec.config.engine
             try:
                 slot.model_estimate = model_bytes(engine, psutil.virtual_memory().total)
-            except (OSError, ValueError) as err:  # its load will say what is wrong; size it by its share
+            except Exception as err:  # noqa: BLE001 - its load will say what is wrong; size it by its share
                 log.warning("model %s: no estimate of its memory (%s)", slot.name, err)
                 slot.model_estimate = _resolve(engine.memory_limit) or 0
         return (self.overhead or _DEFAULT_OVERHEAD) + slot.model_estimate
@@ -297,6 +309,7 @@ class ModelManager:
         if slot.group is not None:
             await slot.group.stop(grace)
             slot.group = None
+        slot.loaded_rss = 0
 
     async def lost(self, slot: Slot) -> None:
         """A loaded model's processes died by themselves: it is unloaded (loaded again on demand)."""

@@ -28,8 +28,8 @@ class _RouterCollector:
                                         labels=["model_name"])
         waiting = GaugeMetricFamily("crane:model_load_waiting", "Requests waiting for their model to load.",
                                     labels=["model_name"])
-        resident = GaugeMetricFamily("crane:model_resident_bytes", "Memory each loaded model's processes hold "
-                                     "(with its activation reserve).", labels=["model_name"])
+        resident = GaugeMetricFamily("crane:model_resident_bytes", "Memory each loaded model's processes may "
+                                     "hold (its KV cache and activation reserve counted whole).", labels=["model_name"])
         for slot in manager.slots.values():
             for name in _STATES:
                 state.add_metric([slot.name, name], 1.0 if slot.state == name else 0.0)

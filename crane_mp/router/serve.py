@@ -14,8 +14,10 @@ import logging
 import shutil
 import signal
 import tempfile
+import time
 from typing import Callable
 
+import aiohttp
 from aiohttp import web
 
 from crane_mp.router.app import create_router_app
@@ -23,6 +25,7 @@ from crane_mp.router.command import ModelSet
 from crane_mp.router.group import GroupFailed
 from crane_mp.router.manager import ModelManager, ModelUnavailable
 from crane_mp.systemd import notify
+from crane_mp.watchdog import Watchdog
 
 log = logging.getLogger("crane_mp.router")
 
@@ -80,12 +83,24 @@ async def _serve(models: ModelSet, target: Callable) -> int:
 
 
 async def _supervise(manager: ModelManager, stop: asyncio.Event) -> int:
-    """Until a stop signal (0) or the death of a model the server cannot do without (1)."""
+    """Until a stop signal (0) or the death of a model the server cannot do without (1). Under systemd's
+    watchdog, WATCHDOG=1 at half its interval while every loaded model's pipeline answers."""
+    watchdog = Watchdog.from_environment(manager.models.public)
+    last_ping = 0.0
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), _WATCH_SECONDS)
         except TimeoutError:
             pass
+        now = time.monotonic()
+        if watchdog is not None and now - last_ping >= watchdog.interval / 2:
+            problem = await _probe_models(manager, watchdog.interval)
+            if problem is None:
+                notify("WATCHDOG=1")
+                last_ping = now
+            else:
+                log.warning("watchdog: not pinging systemd: %s", problem)
+                last_ping = now - watchdog.interval / 4  # probe again soon
         for slot in list(manager.slots.values()):
             if slot.state != "loaded" or slot.group is None or slot.group.alive:
                 continue
@@ -95,3 +110,20 @@ async def _supervise(manager: ModelManager, stop: asyncio.Event) -> int:
                 return 1
     log.info("draining: finishing in-flight requests (up to %.0f s)", manager.models.public.shutdown_grace)
     return 0
+
+
+async def _probe_models(manager: ModelManager, interval: float) -> str | None:
+    """None when every loaded model's /v1/stats answers and no step of its has run past `interval`."""
+    for slot in list(manager.slots.values()):
+        if slot.state != "loaded" or slot.session is None:
+            continue
+        try:
+            async with slot.session.get("http://model/v1/stats", timeout=min(5.0, interval / 4)) as response:
+                if response.status != 200:
+                    return f"model {slot.name}: /v1/stats answered {response.status}"
+                step_age = (await response.json()).get("step_age", 0.0)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+            return f"model {slot.name}: /v1/stats did not answer: {err!r}"
+        if step_age > interval:
+            return f"model {slot.name}: its worker has been running one step for {step_age:.0f} s"
+    return None

@@ -7,6 +7,7 @@ and every request is answered by the model it named."""
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import numpy as np
@@ -70,6 +71,8 @@ def test_each_model_answers_its_own_routes(checkpoints, all_three):
     assert completion.choices[0].token_ids == want_tokens
     streamed = client.completions.create(model="chat", prompt=prompt, max_tokens=8, temperature=0, stream=True)
     assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == completion.choices[0].text
+    answer = client.responses.create(model="chat", input="hello", max_output_tokens=4)
+    assert client.responses.retrieve(answer.id).id == answer.id  # stored by the model that gave it
     vectors = client.embeddings.create(model="embedder", input=DOCUMENTS)
     np.testing.assert_allclose([item.embedding for item in vectors.data], want_vectors, atol=1e-5)
     scored = requests.post(server.url + "/score", headers=headers, timeout=60,
@@ -146,11 +149,16 @@ def test_a_budget_for_two_of_three_evicts_the_least_recently_used(checkpoints, a
     footprints = sorted(model["footprint_bytes"] for model in info["models"])
     router = info["resident_bytes"] - sum(footprints)
     budget = (router + footprints[1] + footprints[2] + footprints[0] // 2) // 1024 * 1024
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # systemd's, as the unit file runs it
+    notify.bind(str(tmp_path / "notify.sock"))
+    env = {"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "2000000"}
     server = Server(None, *_model_args(checkpoints), "--load-on-demand", "--gpu-memory-limit", f"{budget // 1024}K",
-                    log_path=tmp_path / "server.log")
+                    log_path=tmp_path / "server.log", env=env)
     sampler = MemorySampler(server)
     try:
         assert set(_states(server.url).values()) == {"unloaded"}  # nothing pinned: nothing loaded yet
+        assert requests.get(server.url + "/favicon.ico", timeout=30).status_code == 404
+        assert set(_states(server.url).values()) == {"unloaded"}  # no model is loaded for a path none serves
         want = _chat_ids(server.url, [9, 8, 7])
         _use(server.url, "embedder")
         assert _states(server.url) == {"chat": "loaded", "embedder": "loaded", "ranker": "unloaded"}
@@ -165,3 +173,14 @@ def test_a_budget_for_two_of_three_evicts_the_least_recently_used(checkpoints, a
         server.stop()
     assert sampler.samples > 10
     assert peak <= budget, f"resident memory peaked at {peak} over the {budget}-byte budget"
+    notify.settimeout(0)
+    messages = []
+    while True:
+        try:
+            messages.append(notify.recv(4096).decode().split("\n")[0])
+        except BlockingIOError:
+            break
+    notify.close()
+    # Ready once (the models' own launchers tell systemd nothing), pings while the loaded models answer.
+    assert messages[0] == "READY=1" and messages.count("READY=1") == 1
+    assert messages.count("WATCHDOG=1") >= 2 and messages[-1] == "STOPPING=1"
