@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=_non_negative_int, default=0, help="prompt + output limit; 0 = the model's")
     p.add_argument("--gpu-memory-limit", type=_memory_limit,
                    help="memory cap for weights + activations + KV cache (on CUDA also the CUDA context and "
-                        "libraries: what nvidia-smi shows): 8G, 5120M or a fraction like 0.75 (on CPU it bounds host RAM)")
+                        "libraries: what nvidia-smi shows): 8G, 5120M or a fraction like 0.75 (on CPU it bounds host "
+                        "RAM); with several models, every loaded model together")
     p.add_argument("--max-total-tokens", type=_positive_int, help="cap on KV-cache tokens below what memory allows")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="per-step token budget; longer prompts are prefilled in chunks")
