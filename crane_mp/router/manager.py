@@ -95,7 +95,9 @@ class ModelManager:
     # ---- start and stop -------------------------------------------------------------------------
 
     def at_start(self) -> list[Slot]:
-        """The models loaded before the server reports ready: the pinned ones, or all without --load-on-demand."""
+        """The models loaded before the server reports ready: the pinned ones, or all without --load-on-demand
+        (where the budget cannot hold them all, the later ones evict the earlier idle ones; any model
+        unloaded is loaded again when a request names it)."""
         return [slot for slot in self.slots.values() if slot.spec.pinned or not self.models.load_on_demand]
 
     async def start(self) -> None:
@@ -123,10 +125,7 @@ class ModelManager:
                 while slot.state != "loaded":
                     if self.stopping:
                         raise ModelUnavailable("the server is shutting down")
-                    if slot.state == "unloaded":
-                        if not self.models.load_on_demand:
-                            raise ModelUnavailable(f"model {name!r} stopped ({slot.error or 'see the server log'}); "
-                                                   "with --load-on-demand it would be loaded again")
+                    if slot.state == "unloaded":  # never asked for yet, evicted, or its last load failed
                         # Its own task: a client that leaves does not cancel a load others may wait for.
                         slot.state, slot.error = "loading", ""
                         slot.loaded.clear()

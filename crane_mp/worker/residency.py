@@ -50,10 +50,13 @@ class Residency:
     adapters: dict[int, LoraAdapter] = field(default_factory=dict)  # run-time adapters, to install again
     _staged: tuple[str, torch.nn.Module] | None = None  # new weights read, waiting for the swap
     _host_copy: bool = False  # level 1 on CUDA: the weights wait in host memory
+    _graph_sizes: list[int] = field(default_factory=list)  # the decode graphs start-up captured (CUDA)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.weights_path = self.weights_path or self.config.model_path
+        graphs = self.loaded.runner.decode_graphs
+        self._graph_sizes = list(graphs.sizes) if graphs is not None else []
 
     @property
     def runner(self) -> ModelRunner:
@@ -88,6 +91,8 @@ class Residency:
                 self.runner.model._apply(lambda t: t.to(device))
                 self._host_copy = False
             _allocate_kv(self.runner, self.loaded)
+            if self._graph_sizes:  # they held the freed cache's addresses
+                self.runner.enable_decode_graphs(self._graph_sizes)
         self.sleep_level = 0
         log.info("awake: weights and KV cache resident")
 
@@ -145,14 +150,13 @@ class Residency:
                              old.grammars, old.kv_dtype, old.share_tokens, old.recurrent_dtype)
         if old.model is not None and runner.kv_bytes_per_token() != old.kv_bytes_per_token():
             raise WeightsError("the new weights' KV cache would differ from the served model's")
-        graphs = old.decode_graphs.sizes if old.decode_graphs is not None else []
         _drop_kv(old)
         old.model = None
         _give_back(old)
         self.loaded.runner = runner
         _allocate_kv(runner, self.loaded)
-        if graphs:
-            runner.enable_decode_graphs(graphs)
+        if self._graph_sizes:
+            runner.enable_decode_graphs(self._graph_sizes)
 
     def remember_adapter(self, adapter: LoraAdapter) -> None:
         self.adapters[adapter.lora_id] = adapter
