@@ -25,6 +25,7 @@ from crane_mp.ipc import Addresses, scheduler_decoder
 from crane_mp.protocol import (
     AbortNamed,
     AbortRequest,
+    ControlReply,
     ControlRequest,
     EngineStats,
     ErrorKind,
@@ -65,8 +66,10 @@ class FakeScheduler:
                     stream.push(TokenOutput(req.rid, [], len(req.input_ids), 0, FinishReason.ABORT))
         elif isinstance(message, ControlRequest):
             future = self.client.replies.get(message.token)
-            if future is not None:
+            if future is not None and message.kind == "stats":
                 future.set_result(EngineStats(message.token, 0, 0, 10, 10, 0, 0, 0, 0, 0, 0.0))
+            elif future is not None:  # what the scheduler answers an idle engine's other control requests
+                future.set_result(ControlReply(message.token, True))
 
     def _admit(self, req: GenerateRequest) -> None:
         stream = self.client.streams.get(req.rid)

@@ -10,6 +10,7 @@ the served model).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 from aiohttp import web
@@ -28,7 +29,7 @@ _RELOAD_TIMEOUT = 3600.0
 
 
 class UpdateWeightsRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
-    model_path: str
+    model_path: Annotated[str, msgspec.Meta(min_length=1)]
     load_format: str | None = None  # SGLang's; the format is read from the path, as at start
 
 
@@ -48,11 +49,18 @@ def weights_root(state: FrontendState) -> Path:
 
 def _under_weights_root(state: FrontendState, model_path: str) -> str:
     root = weights_root(state)
-    resolved = (root / model_path).resolve()
+    try:
+        resolved = (root / model_path).resolve()
+    except (OSError, ValueError) as err:  # a NUL byte, a name too long for the file system
+        raise ApiError(400, f"model_path is not a usable path: {err}", "model_path") from None
     if not resolved.is_relative_to(root):
         raise ApiError(400, f"model_path must lie under the server's weights root {root} (--weights-root)",
                        "model_path")
-    if not resolved.exists():
+    try:
+        exists = resolved.exists()
+    except OSError as err:
+        raise ApiError(400, f"model_path is not a usable path: {err}", "model_path") from None
+    if not exists:
         raise ApiError(400, f"model_path {model_path!r} does not exist", "model_path")
     return str(resolved)
 
