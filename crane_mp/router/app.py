@@ -301,8 +301,7 @@ async def _relay(request: web.Request, slot: Slot, body: bytes) -> web.StreamRes
     response: web.StreamResponse | None = None
     try:
         async with slot.session.request(request.method, "http://model" + request.rel_url.raw_path_qs,
-                                        headers=headers, data=body or None, allow_redirects=False,
-                                        skip_auto_headers=("Content-Type",)) as upstream:
+                                        headers=headers, data=body or None, allow_redirects=False) as upstream:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for key, value in upstream.headers.items():
                 if key.lower() not in _HOP_BY_HOP:

@@ -200,9 +200,11 @@ class ModelManager:
                 slot.error = str(err) if isinstance(err, (GroupFailed, ModelUnavailable)) else "no room within the wait"
                 slot.loaded.set()
                 raise
+            # No Content-Type of aiohttp's own: a bodiless POST would carry octet-stream, which the
+            # frontends refuse (only JSON bodies are taken).
             slot.session = aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(path=slot.socket_path, limit=0), auto_decompress=False,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30))
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30), skip_auto_headers=("Content-Type",))
             slot.state, slot.loads = "loaded", slot.loads + 1
             slot.last_used = time.monotonic()
             self._measure(slot)

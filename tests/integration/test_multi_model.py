@@ -104,6 +104,32 @@ def test_each_model_answers_its_own_routes(checkpoints, all_three):
         "loaded"}
 
 
+class Notifications:
+    """What the server tells systemd, read as it arrives (systemd reads at once: a full queue blocks the sender)."""
+
+    def __init__(self, path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            try:
+                self.messages.append(self.sock.recv(4096).decode().split("\n")[0])
+            except TimeoutError:
+                continue
+
+    def stop(self) -> list[str]:
+        self.done.set()
+        self.thread.join()
+        self.sock.close()
+        return self.messages
+
+
 class MemorySampler:
     """The server's resident memory (every process it started), every 100 ms, on a thread."""
 
@@ -149,8 +175,7 @@ def test_a_budget_for_two_of_three_evicts_the_least_recently_used(checkpoints, a
     footprints = sorted(model["footprint_bytes"] for model in info["models"])
     router = info["resident_bytes"] - sum(footprints)
     budget = (router + footprints[1] + footprints[2] + footprints[0] // 2) // 1024 * 1024
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # systemd's, as the unit file runs it
-    notify.bind(str(tmp_path / "notify.sock"))
+    notify = Notifications(tmp_path / "notify.sock")  # systemd's, as the unit file runs it
     env = {"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "2000000"}
     server = Server(None, *_model_args(checkpoints), "--load-on-demand", "--gpu-memory-limit", f"{budget // 1024}K",
                     log_path=tmp_path / "server.log", env=env)
@@ -171,16 +196,9 @@ def test_a_budget_for_two_of_three_evicts_the_least_recently_used(checkpoints, a
     finally:
         peak = sampler.stop()
         server.stop()
+        messages = notify.stop()
     assert sampler.samples > 10
     assert peak <= budget, f"resident memory peaked at {peak} over the {budget}-byte budget"
-    notify.settimeout(0)
-    messages = []
-    while True:
-        try:
-            messages.append(notify.recv(4096).decode().split("\n")[0])
-        except BlockingIOError:
-            break
-    notify.close()
     # Ready once (the models' own launchers tell systemd nothing), pings while the loaded models answer.
     assert messages[0] == "READY=1" and messages.count("READY=1") == 1
     assert messages.count("WATCHDOG=1") >= 2 and messages[-1] == "STOPPING=1"
