@@ -381,12 +381,16 @@ class SchedulerLoop:
             r.level, r.last_busy = 0, time.monotonic()
             self._reply_all(r.wake_waiters, True)
         elif message.kind == "swap":
-            r.level, r.weights_path, r.reload_read = 0, message.weights_path, False
+            r.reload_read = False
             self.scheduler.hold_new = False
-            self.scheduler.pool.flush()  # the cached prefixes' KV came from the old weights
+            if not message.error:
+                r.level, r.weights_path = 0, message.weights_path
+                self.scheduler.pool.flush()  # the cached prefixes' KV came from the old weights
             waiter, r.reload = r.reload, None
             if waiter is not None:
-                self._send(waiter.frontend_id, encode(ControlReply(waiter.token, True, message.weights_path)))
+                reply = ControlReply(waiter.token, not message.error, message.error or message.weights_path,
+                                     400 if message.error else 0)
+                self._send(waiter.frontend_id, encode(reply))
         self._announce_state()
 
     def _reply_all(self, waiters: list[Waiter], ok: bool) -> None:

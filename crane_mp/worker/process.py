@@ -47,7 +47,7 @@ from crane_mp.worker.cache.memory import MemoryBudgetError
 from crane_mp.worker.parallel.tensor_parallel import TensorParallel, split_cores
 from crane_mp.worker.platforms import on_cuda
 from crane_mp.worker.platforms.device import RankLost
-from crane_mp.worker.residency import Residency
+from crane_mp.worker.residency import Residency, WeightsError
 from crane_mp.worker.step.background import BackgroundJobs, load_lora, prepare_grammar
 from crane_mp.worker.weights.lora import uninstall
 
@@ -267,15 +267,20 @@ def _load_lora(residency: Residency, message: LoadLora, on_every_rank) -> LoraLo
 
 
 def _change_residency(residency: Residency, message: Sleep | WakeUp | SwapWeights) -> ResidencyDone:
-    """Sleep, wake-up or swap on the step loop's thread (no step runs meanwhile). A failed wake-up or swap
-    leaves the worker without a model to run: an engine fault, raised."""
+    """Sleep, wake-up or swap on the step loop's thread (no step runs meanwhile). New weights refused at
+    the swap leave the old serving (the answer says why); any other failure leaves the worker without a
+    model to run: an engine fault, raised."""
     if isinstance(message, Sleep):
         residency.sleep(message.level)
         return ResidencyDone("sleep", weights_path=residency.weights_path)
     if isinstance(message, WakeUp):
         residency.wake()
         return ResidencyDone("wake", weights_path=residency.weights_path)
-    return ResidencyDone("swap", weights_path=residency.swap())
+    try:
+        return ResidencyDone("swap", weights_path=residency.swap())
+    except WeightsError as err:
+        residency.discard()
+        return ResidencyDone("swap", str(err), residency.weights_path)
 
 
 def _stage_weights(residency: Residency, path: str) -> ResidencyDone:

@@ -225,3 +225,20 @@ def test_a_sleep_asked_while_the_last_step_runs_starts_when_it_ends(harness):
     harness.send(ResidencyDone("sleep", weights_path="/models/old"))
     harness.drain_frontend()
     assert harness.replies[-1].ok
+
+
+def test_new_weights_refused_at_the_swap_leave_the_old_serving(harness):
+    harness.send(_request(1))
+    while harness.step():
+        pass
+    harness.control("update_weights", path="/models/odd")
+    harness.send(ResidencyDone("load", weights_path="/models/odd"))
+    assert harness.to_worker()[-1] == SwapWeights()
+    cached = harness.loop.scheduler.pool.num_cached_blocks
+    harness.send(ResidencyDone("swap", "the new weights' KV cache would differ", "/models/old"))
+    harness.drain_frontend()
+    assert harness.replies[-1] == ControlReply(100, False, "the new weights' KV cache would differ", 400)
+    assert harness.states[-1] == EngineState(0, "/models/old")
+    assert harness.loop.scheduler.pool.num_cached_blocks == cached  # the old weights' prefixes still hold
+    harness.send(_request(2))
+    assert harness.step() is not None
