@@ -159,6 +159,9 @@ async def server_info(request: web.Request) -> web.StreamResponse:
     """?model=NAME: that model's own; else the models, their states and the memory they hold."""
     manager = request.app[MANAGER]
     if "model" in request.query:
+        slot = manager.slots[pick_model(manager, request.path, request.query["model"])]
+        if slot.state != "loaded":  # not loaded to be described
+            return json_response({"version": __version__, **await _card(slot)})
         return await forward(request)
     return json_response({
         "version": __version__,
@@ -183,10 +186,13 @@ async def every_model(request: web.Request) -> web.StreamResponse:
     for slot in list(manager.slots.values()):
         if slot.state != "loaded" or slot.session is None:
             continue
-        async with slot.session.post("http://model" + request.rel_url.raw_path_qs) as response:
-            if response.status >= 400:
-                return web.Response(status=response.status, body=await response.read(),
-                                    content_type="application/json")
+        try:
+            async with slot.session.post("http://model" + request.rel_url.raw_path_qs) as response:
+                if response.status >= 400:
+                    return web.Response(status=response.status, body=await response.read(),
+                                        content_type="application/json")
+        except aiohttp.ClientConnectionError:
+            continue  # evicted or stopped meanwhile: it holds nothing now
     return json_response({"success": True})
 
 
@@ -194,6 +200,9 @@ async def is_sleeping(request: web.Request) -> web.StreamResponse:
     """?model=NAME's answer, else whether every loaded model sleeps, and each one's state."""
     manager = request.app[MANAGER]
     if "model" in request.query:
+        slot = manager.slots[pick_model(manager, request.path, request.query["model"])]
+        if slot.state != "loaded":  # not loaded to be asked
+            return json_response({"is_sleeping": False, "level": 0, "state": slot.state})
         return await forward(request)
     states = {slot.name: ("sleeping" if await _sleeping(slot) else slot.state) for slot in manager.slots.values()}
     loaded = [state for state in states.values() if state in ("loaded", "sleeping")]

@@ -183,7 +183,11 @@ def test_a_budget_for_two_of_three_evicts_the_least_recently_used(checkpoints, a
     try:
         assert set(_states(server.url).values()) == {"unloaded"}  # nothing pinned: nothing loaded yet
         assert requests.get(server.url + "/favicon.ico", timeout=30).status_code == 404
-        assert set(_states(server.url).values()) == {"unloaded"}  # no model is loaded for a path none serves
+        asked = requests.get(server.url + "/is_sleeping", params={"model": "ranker"}, timeout=30).json()
+        assert asked == {"is_sleeping": False, "level": 0, "state": "unloaded"}
+        assert requests.post(server.url + "/sleep", params={"model": "chat"}, timeout=30).status_code == 200
+        # No model is loaded for a path none serves, nor to be asked about or put to sleep.
+        assert set(_states(server.url).values()) == {"unloaded"}
         want = _chat_ids(server.url, [9, 8, 7])
         _use(server.url, "embedder")
         assert _states(server.url) == {"chat": "loaded", "embedder": "loaded", "ranker": "unloaded"}
