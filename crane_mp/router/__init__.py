@@ -1,0 +1,1 @@
+"""Several models behind one port: each model's own processes, a router that forwards by `model`, one memory budget."""

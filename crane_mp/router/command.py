@@ -46,9 +46,6 @@ class ModelSet:
     budget: MemoryLimit | None  # --gpu-memory-limit: every loaded model together
     load_timeout: float  # seconds a request may wait for its model to load
 
-    def spec(self, name: str) -> ModelSpec | None:
-        return next((spec for spec in self.models if spec.name == name), None)
-
 
 def model_set(argv: list[str] | None, environ: Mapping[str, str] | None = None) -> ModelSet | None:
     """The models to serve when the command names more than one (else None: a one-model server)."""
@@ -62,7 +59,11 @@ def model_set(argv: list[str] | None, environ: Mapping[str, str] | None = None) 
         _fail("give the models either as --model-path flags or as the config file's [[models]] tables, not both")
     entries = [_entry_from_flag(text) for text in paths] if paths else [_entry_from_table(t, i) for i, t in
                                                                         enumerate(tables)]
-    pinned_flag = set(_flag_values(common, "--pinned-models"))
+    # The shared settings alone (every layer: flags, variables, the file's top level): the router's.
+    first_path = entries[0][0][entries[0][0].index("--model-path") + 1]
+    public = _parse_model(common + ["--model-path", first_path], environ, "shared settings")
+    settings = public.settings
+    pinned_flag = set(settings.get("pinned-models", {}).get("value") or ())
     specs, names = [], set()
     for index, (argv_extra, name, pinned, share_given, devices) in enumerate(entries):
         config = _parse_model(common + argv_extra, environ, name or f"model {index + 1}")
@@ -74,11 +75,8 @@ def model_set(argv: list[str] | None, environ: Mapping[str, str] | None = None) 
     unknown = pinned_flag - names
     if unknown:
         _fail(f"--pinned-models names no served model: {', '.join(sorted(unknown))}")
-    # The shared settings alone (every layer: flags, variables, the file's top level): the router's.
-    public = _parse_model(common + ["--model-path", specs[0].config.engine.model_path], environ, "shared settings")
     budget = public.engine.memory_limit
     specs = [_with_share(spec, budget, len(specs)) for spec in specs]
-    settings = public.settings
     return ModelSet(tuple(specs), public, bool(settings.get("load-on-demand", {}).get("value")), budget,
                     float(settings.get("model-load-timeout", {}).get("value") or 300.0))
 
@@ -98,18 +96,6 @@ def _split_model_paths(argv: list[str]) -> tuple[list[str], list[str]]:
             rest.append(arg)
         i += 1
     return paths, rest
-
-
-def _flag_values(argv: list[str], flag: str) -> list[str]:
-    values, taking = [], False
-    for arg in argv:
-        if arg == flag:
-            taking = True
-        elif taking and not arg.startswith("-"):
-            values.append(arg)
-        else:
-            taking = False
-    return values
 
 
 def _config_path(argv: list[str], environ: Mapping[str, str]) -> str | None:

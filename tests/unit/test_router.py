@@ -152,3 +152,9 @@ def test_the_model_is_read_from_json_bodies_uploads_and_the_query():
     body = (b'--B\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\nContent-Type: audio/wav'
             b'\r\n\r\nRIFF\x00\xff\r\n--B\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n--B--\r\n')
     assert named_model(request("multipart/form-data; boundary=B"), body) == "whisper"
+
+
+def test_pinned_models_may_come_from_the_environment(models):
+    argv = ["--model-path", f"chat={models['chat']}", "--model-path", f"embedder={models['embedder']}"]
+    served = model_set(argv, {"CRANE_PINNED_MODELS": "embedder"})
+    assert [spec.pinned for spec in served.models] == [False, True]
