@@ -26,7 +26,7 @@ from crane_mp.frontend.api_routes import ROUTES
 from crane_mp.frontend.state import FrontendState
 from crane_mp.frontend.web.errors import ApiError, error_middleware
 from crane_mp.frontend.web.http import json_response
-from crane_mp.frontend.web.routing import admin_paths, open_paths
+from crane_mp.frontend.web.routing import admin_paths, json_request_error, open_paths
 from crane_mp.router.manager import LoadQueueFull, ModelManager, ModelUnavailable, Slot
 from crane_mp.router.metrics import merge_expositions, router_exposition
 
@@ -48,6 +48,17 @@ _MEDIA_REQUEST_BYTES = 64 << 20
 
 
 @web.middleware
+async def post_type_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """The one-model server's rule for every POST (web/routing.py): a JSON body, or a program's bare
+    bytes; a web page's cross-origin form never reaches a model, nor the routes the router answers."""
+    if request.method == "POST" and request.content_type != "multipart/form-data":
+        problem = json_request_error(request)
+        if problem is not None:
+            raise ApiError(415, problem)
+    return await handler(request)
+
+
+@web.middleware
 async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
     """The one-model server's rule (frontend/app.py): the key on every route but the open ones, the admin
     key on the routes that change server state. The models behind the router take no key of their own."""
@@ -66,7 +77,8 @@ async def api_key_middleware(request: web.Request, handler) -> web.StreamRespons
 
 def create_router_app(manager: ModelManager) -> web.Application:
     limit = manager.models.public.max_request_bytes or _MEDIA_REQUEST_BYTES
-    app = web.Application(middlewares=[error_middleware, api_key_middleware], client_max_size=limit)
+    app = web.Application(middlewares=[error_middleware, api_key_middleware, post_type_middleware],
+                          client_max_size=limit)
     app[MANAGER] = manager
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)

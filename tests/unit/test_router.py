@@ -158,3 +158,23 @@ def test_pinned_models_may_come_from_the_environment(models):
     argv = ["--model-path", f"chat={models['chat']}", "--model-path", f"embedder={models['embedder']}"]
     served = model_set(argv, {"CRANE_PINNED_MODELS": "embedder"})
     assert [spec.pinned for spec in served.models] == [False, True]
+
+
+def test_the_router_refuses_a_web_pages_cross_origin_post(models):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from crane_mp.router.app import create_router_app
+    from crane_mp.router.manager import ModelManager
+
+    served = model_set(["--model-path", f"chat={models['chat']}", "--model-path", f"embedder={models['embedder']}"],
+                       {})
+
+    async def check() -> None:
+        async with TestClient(TestServer(create_router_app(ModelManager(served, "/tmp")))) as client:
+            for path in ("/sleep", "/abort_request", "/v1/completions"):
+                response = await client.post(path, data="x", headers={"Origin": "http://evil.example",
+                                                                      "Content-Type": "text/plain"})
+                assert response.status == 415, path
+            assert (await client.get("/v1/models")).status == 200
+
+    asyncio.run(check())
