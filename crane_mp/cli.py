@@ -18,6 +18,7 @@ from crane_mp.config import (
     LOG_FORMATS,
     QUANTIZED_ACTIVATIONS,
     REASONING_PARSERS,
+    SPECULATIVE_METHODS,
     STATE_DTYPES,
     TASKS,
     TOOL_CALL_PARSERS,
@@ -167,6 +168,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory); 2, the weights too (the wake-up reads them from disk again)")
     p.add_argument("--weights-root", help="the directory /update_weights_from_disk may read new weights from "
                                           "(default: the directory holding --model-path)")
+    p.add_argument("--speculative-method", choices=(*SPECULATIVE_METHODS, "mtp"),
+                   help="speculative decoding: ngram proposes the tokens that followed the latest earlier match of "
+                        "the request's last tokens (its prompt and output: no second model); draft runs "
+                        "--speculative-model. The model verifies the proposals in one pass: the same tokens as "
+                        "without (greedy and seeded requests alike), often several per pass over the weights")
+    p.add_argument("--speculative-num-tokens", "--num-speculative-tokens", type=_positive_int, default=4,
+                   help="tokens proposed per step at most")
+    p.add_argument("--speculative-model", metavar="PATH",
+                   help="the draft model (a directory or a GGUF file) of the same tokenizer; implies "
+                        "--speculative-method draft")
+    p.add_argument("--speculative-ngram-min", type=_positive_int, default=2,
+                   help="ngram: the shortest run of last tokens a match must repeat")
+    p.add_argument("--speculative-ngram-max", type=_positive_int, default=4,
+                   help="ngram: the longest run of last tokens matched (longer matches are tried first)")
+    p.add_argument("--speculative-disable-batch-size", type=_positive_int, default=8,
+                   help="with more requests running than this, none speculates (a large batch is no longer "
+                        "bound by reading the weights)")
     p.add_argument("--max-lora-rank", type=_positive_int, default=64, help="largest LoRA rank accepted")
     p.add_argument("--max-loras", type=_positive_int, default=8,
                    help="LoRA adapters loaded at once, at start and through /v1/load_lora_adapter")
@@ -407,6 +425,12 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             lora_root=args.lora_root,
             sleep_idle_seconds=args.sleep_idle_seconds,
             sleep_level=args.sleep_level,
+            speculative_method=args.speculative_method or ("draft" if args.speculative_model else None),
+            speculative_num_tokens=args.speculative_num_tokens,
+            speculative_model=args.speculative_model,
+            speculative_ngram_min=args.speculative_ngram_min,
+            speculative_ngram_max=args.speculative_ngram_max,
+            speculative_disable_batch_size=args.speculative_disable_batch_size,
             parallel=ParallelConfig(args.tensor_parallel_size, args.nnodes, args.node_rank, args.dist_init_addr),
         )
     except ValueError as err:

@@ -104,6 +104,14 @@ class EngineConfig:
     mm_processor_kwargs: dict = field(default_factory=dict)
     sleep_idle_seconds: float = 0.0  # idle this long, the worker sleeps (scheduler/residency.py); 0: never
     sleep_level: int = 1  # 1: free the KV cache (and offload weights on CUDA); 2: drop the weights too
+    # Speculative decoding (worker/speculative/): "ngram" (proposals copied from the request's own tokens)
+    # or "draft" (a small model of the same tokenizer, speculative_model); None: off.
+    speculative_method: str | None = None
+    speculative_num_tokens: int = 4  # tokens proposed per step at most
+    speculative_model: str | None = None
+    speculative_ngram_min: int = 2  # the shortest and longest suffix an n-gram proposal matches
+    speculative_ngram_max: int = 4
+    speculative_disable_batch_size: int = 8  # more running requests than this: nobody speculates
 
     @property
     def lora(self) -> bool:
@@ -144,9 +152,43 @@ class EngineConfig:
         if self.sleep_idle_seconds and self.parallel.tensor_parallel_size > 1:
             raise ValueError("--sleep-idle-seconds serves one worker rank; it is not supported with "
                              "--tensor-parallel-size above 1 yet")
+        self._check_speculation()
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens (--max-num-batched-tokens) must be at least max_num_seqs "
                              "(--max-concurrent): every running sequence decodes one token per step")
+
+
+    def _check_speculation(self) -> None:
+        method = self.speculative_method
+        if method is None:
+            if self.speculative_model is not None:
+                raise ValueError("speculative_model (--speculative-model) needs --speculative-method draft")
+            return
+        if method == "mtp":
+            raise ValueError("--speculative-method mtp: no model family crane-mp serves loads its multi-token-"
+                             "prediction heads yet; use ngram, or draft with --speculative-model")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method (--speculative-method) must be one of {', '.join(SPECULATIVE_METHODS)}")
+        if method == "draft" and not self.speculative_model:
+            raise ValueError("--speculative-method draft needs --speculative-model, a small model of the same "
+                             "tokenizer (a directory or a GGUF file)")
+        if method != "draft" and self.speculative_model is not None:
+            raise ValueError(f"--speculative-model is the draft method's; --speculative-method {method} takes none")
+        if not 1 <= self.speculative_num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_num_tokens (--speculative-num-tokens) must be in 1..{MAX_SPECULATIVE_TOKENS}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError("--speculative-ngram-min must be at least 1 and at most --speculative-ngram-max")
+        if self.speculative_disable_batch_size < 1:
+            raise ValueError("speculative_disable_batch_size (--speculative-disable-batch-size) must be at least 1")
+        if self.task != "generate":
+            raise ValueError(f"speculative decoding serves --task generate, not {self.task}")
+        if self.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding runs on one worker rank; it is not supported with "
+                             "--tensor-parallel-size above 1 yet")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,10 +48,14 @@ class LLMEngine:
 
     def step(self) -> list[TokenOutput]:
         """Run one scheduler step and forward pass; returns what each advanced request gained."""
+        outputs = []
+        if self._in_flight is not None and self.scheduler.speculating:  # no plan ahead of a speculating step
+            outputs, self._in_flight = self.scheduler.update(self._in_flight), None
         plan = self.scheduler.schedule()
         if not self.overlap:
-            return self.scheduler.update(self.worker.runner.execute(plan)) if plan is not None else []
-        outputs = self.scheduler.update(self._in_flight) if self._in_flight is not None else []
+            return outputs + (self.scheduler.update(self.worker.runner.execute(plan)) if plan is not None else [])
+        if self._in_flight is not None:
+            outputs = self.scheduler.update(self._in_flight)
         self._in_flight = self.worker.runner.execute(plan) if plan is not None else None
         return outputs
 

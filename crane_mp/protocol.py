@@ -141,6 +141,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     `group_block_ids` do the same for KV groups 1, 2, ... of a model whose sliding-window layers have
     their own block tables (models/kv_groups.py).
     The worker samples a token for the request when the span reaches the end of its known tokens.
+    `num_lookahead`: a decode row may speculate (worker/speculative/): the worker proposes up to that many
+    tokens after its input and verifies them in the same step, returning one token more than it accepted;
+    the blocks for them are in the table.
     """
 
     req_id: int
@@ -149,6 +152,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True):
     new_block_ids: list[int]
     reset_blocks: bool = False
     group_block_ids: list[list[int]] = []
+    num_lookahead: int = 0
 
 
 class StepPlan(msgspec.Struct, array_like=True, tag=True):
@@ -247,10 +251,19 @@ class PooledOutput(msgspec.Struct, array_like=True):
     values: bytes
 
 
+class DraftOutcome(msgspec.Struct, array_like=True):
+    """A speculating request's step: tokens proposed, and how many of them the target model accepted."""
+
+    req_id: int
+    proposed: int
+    accepted: int
+
+
 class StepResult(msgspec.Struct, array_like=True, tag=True):
     """Sampled tokens for the scheduled requests whose span reached its end, in plan order.
 
     token_ids is parallel to req_ids; logprobs too, and empty unless some request asked for logprobs.
+    A request that speculated (num_lookahead) has one entry per token it gained, consecutive and in order.
     failed_req_ids: requests whose processing raised (errors: one message each); the worker skips
     them until told they finished. cut_short_req_ids: requests whose token is an EOS that ends a grammar
     the sampler closed early to fit max_tokens: they finish with LENGTH.
@@ -268,6 +281,7 @@ class StepResult(msgspec.Struct, array_like=True, tag=True):
     seconds: float = 0.0  # the worker's time on this step (forward and sampling): the scheduler's pacing
     # A mixture of experts: the step's tokens routed to each expert, summed over its layers (none: no experts).
     expert_tokens: list[int] = []
+    drafts: list[DraftOutcome] = []  # the speculating requests' proposals and acceptances
 
 
 # ---- frontend -> scheduler ----------------------------------------------------------------------
@@ -388,6 +402,12 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True):
     num_cached_blocks: int = 0
     step_age: float = 0.0  # seconds the oldest step in flight has run (0: none); the watchdog's probe
     expert_tokens: list[int] = []  # tokens routed to each expert so far, summed over the layers (/metrics)
+    # Speculative decoding so far: steps that proposed tokens, tokens proposed, tokens accepted, and
+    # acceptances by position in the proposal (vLLM's spec_decode counters).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 class ControlReply(msgspec.Struct, array_like=True, tag=True):

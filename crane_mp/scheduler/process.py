@@ -92,8 +92,10 @@ class SchedulerLoop:
         served_since_trim = False  # a quiet second after serving: give the heap's free pages back
         while True:
             # Plan ahead only once a stream has produced tokens: the steps before that are long
-            # prefills, and a plan made at once would miss the rest of a burst still arriving.
-            limit = self.max_in_flight if self.scheduler.is_streaming else 1
+            # prefills, and a plan made at once would miss the rest of a burst still arriving. Nor while
+            # a speculating step runs: its requests' next inputs are known only from its result.
+            ahead = self.scheduler.is_streaming and not self.scheduler.speculating
+            limit = self.max_in_flight if ahead else 1
             # Wait while a step runs or nothing is queued (bounded, so signals are handled promptly);
             # otherwise only drain what has already arrived and plan the next step.
             steps_allowed = self.residency.steps_allowed

@@ -22,6 +22,7 @@ from crane_mp.protocol import ErrorKind, FinishReason, NewRequest, ScheduledRequ
 from crane_mp.scheduler.block_pool import BlockPool, chain_keys
 from crane_mp.scheduler.pacing import PrefillPace
 from crane_mp.scheduler.request import Request, RequestStatus
+from crane_mp.scheduler.speculation import Speculation
 
 
 class RequestRejected(ValueError):
@@ -81,6 +82,10 @@ class SchedulerConfig:
     sleep_idle_seconds: float = 0.0
     sleep_level: int = 1
     weights_path: str = ""  # the weights served at start
+    # Speculative decoding (speculation.py): tokens a decode row may propose (0: off), and the running
+    # requests beyond which none does.
+    num_speculative_tokens: int = 0
+    speculative_disable_batch_size: int = 8
 
     def __post_init__(self) -> None:
         if self.num_blocks < self.sequence_blocks(self.max_model_len):
@@ -125,6 +130,8 @@ def scheduler_config(
         sleep_idle_seconds=engine.sleep_idle_seconds,
         sleep_level=engine.sleep_level,
         weights_path=engine.model_path,
+        num_speculative_tokens=engine.speculative_num_tokens if engine.speculative_method else 0,
+        speculative_disable_batch_size=engine.speculative_disable_batch_size,
     )
 
 
@@ -167,6 +174,10 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens found
         # New weights wait to be swapped in: no request starts, the ones started finish (residency.py).
         self.hold_new = False
+        self.spec = Speculation(config.num_speculative_tokens, config.speculative_disable_batch_size)
+        # Requests whose speculating step has not come back: how many tokens it gains is unknown until
+        # then, so none is planned again before (and no step is planned ahead meanwhile: `speculating`).
+        self.awaiting_drafts: set[int] = set()
 
     # ---- intake ---------------------------------------------------------------------------------
 
@@ -247,10 +258,10 @@ class Scheduler:
             for req in self.running:
                 self._release_behind_windows(req)
 
-        def plan(req: Request, num_tokens: int) -> None:
+        def plan(req: Request, num_tokens: int, lookahead: int = 0) -> None:
             nonlocal prompt_tokens
             prompt_tokens += 0 if _decodes(req, num_tokens) else num_tokens
-            new_blocks, group_blocks = self._grow_blocks(req, req.num_computed_tokens + num_tokens)
+            new_blocks, group_blocks = self._grow_blocks(req, req.num_computed_tokens + num_tokens + lookahead)
             if not req.known_to_worker:
                 new_requests.append(NewRequest(req.req_id, req.prompt_ids, req.sampling, req.media))
                 # The worker has the pixels now (and keeps what it encodes through preemptions); the
@@ -259,21 +270,23 @@ class Scheduler:
                 req.known_to_worker = True
                 req.queue_time = max(0.0, time.time() - req.arrival_time) if req.arrival_time else 0.0
             scheduled.append(ScheduledRequest(req.req_id, req.num_computed_tokens, num_tokens, new_blocks,
-                                              req.blocks_reset, group_blocks))
+                                              req.blocks_reset, group_blocks, lookahead))
+            if lookahead:
+                self.awaiting_drafts.add(req.req_id)
             req.blocks_reset = False
             req.num_computed_tokens += num_tokens
             if req.num_computed_tokens == req.num_tokens:
                 req.num_pending += 1  # the worker samples the next token in this step
 
         running_plan = self._fit_running(budget, prompt_budget, preempted)
-        if not any(_decodes(req, n) for req, n in running_plan) and not (self.config.whole_prompts
-                                                                          or self.config.whole_images):
+        if not any(_decodes(req, n) for req, n, _ in running_plan) and not (self.config.whole_prompts
+                                                                             or self.config.whole_images):
             # No stream is decoding yet (an idle server, or only prefills): a first small chunk lets
             # the first requests start streaming after a quarter of a full step instead of after it.
             budget = max(self.config.block_size, budget // 4)
-        for req, num_tokens in running_plan:
-            plan(req, num_tokens)
-            budget -= num_tokens
+        for req, num_tokens, lookahead in running_plan:
+            plan(req, num_tokens, lookahead)
+            budget -= num_tokens + lookahead
 
         while self.waiting and min(budget, prompt_budget - prompt_tokens) > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
@@ -434,34 +447,47 @@ class Scheduler:
                 table[start:end] = [self.no_block] * (end - start)
                 req.window_start[group] = end
 
-    def _running_demand(self, budget: int, prompt_budget: int) -> list[tuple[Request, int, int]]:
-        """(request, tokens, new blocks) for each running request this step; decodes first, then prefills
-        (within `prompt_budget` too)."""
+    def _running_demand(self, budget: int, prompt_budget: int) -> list[tuple[Request, int, int, int]]:
+        """(request, tokens, lookahead, new blocks) for each running request this step; decodes first,
+        then prefills (within `prompt_budget` too)."""
         demand = []
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if req.req_id in self.awaiting_drafts:
+                continue
             remaining = req.num_tokens - req.num_computed_tokens
             num_tokens = min(remaining, budget if remaining == 1 else min(budget, max(prompt_budget, 0)))
             num_tokens = self._whole_images(req, req.num_computed_tokens, num_tokens, budget)
             samples = req.num_computed_tokens + num_tokens == req.num_tokens
             if num_tokens == 0 or (samples and not self._may_sample(req)):
                 continue
-            total = _blocks_for(req.num_computed_tokens + num_tokens, self.config.block_size)
-            demand.append((req, num_tokens, (total - len(req.block_ids)) * len(self.windows)))
-            budget -= num_tokens
+            lookahead = min(self._lookahead(req, num_tokens), budget - num_tokens)
+            total = _blocks_for(req.num_computed_tokens + num_tokens + lookahead, self.config.block_size)
+            demand.append((req, num_tokens, lookahead, (total - len(req.block_ids)) * len(self.windows)))
+            budget -= num_tokens + lookahead
             prompt_budget -= 0 if _decodes(req, num_tokens) else num_tokens
         return demand
 
-    def _fit_running(self, budget: int, prompt_budget: int, preempted: list[int]) -> list[tuple[Request, int]]:
+    def _lookahead(self, req: Request, num_tokens: int) -> int:
+        """Tokens a decode row may propose beyond the one it samples: none for a row with a token still
+        pending (its input is not known here yet)."""
+        if not self.spec.enabled or not _decodes(req, num_tokens) or req.num_pending:
+            return 0
+        room = min(req.sampling.max_tokens - len(req.output_ids), self.config.max_model_len - req.num_tokens) - 1
+        return self.spec.lookahead(req.req_id, room, len(self.running))
+
+    def _fit_running(self, budget: int, prompt_budget: int,
+                     preempted: list[int]) -> list[tuple[Request, int, int]]:
         """Preempt the longest-output running requests until the rest fit in the free blocks."""
         while True:
             demand = self._running_demand(budget, prompt_budget)
-            if sum(blocks for _, _, blocks in demand) <= self.pool.num_free_blocks:
-                return [(req, num_tokens) for req, num_tokens, _ in demand]
+            if sum(blocks for *_, blocks in demand) <= self.pool.num_free_blocks:
+                return [(req, num_tokens, lookahead) for req, num_tokens, lookahead, _ in demand]
             victim = max(self.running, key=lambda r: (len(r.output_ids), r.arrival_time))
             self._preempt(victim, preempted)
 
     def _preempt(self, req: Request, preempted: list[int]) -> None:
         self.running.remove(req)
+        self.awaiting_drafts.discard(req.req_id)  # what its step in flight computed is recomputed
         self._release_blocks(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -498,12 +524,19 @@ class Scheduler:
             req = self.requests.get(pooled.req_id)
             if req is not None:
                 outputs.setdefault(req.req_id, self._output(req)).embedding = pooled.values
+        for outcome in result.drafts:
+            self.spec.observe(outcome)
         logprobs = result.logprobs or [None] * len(result.token_ids)
+        previous = None
         for req_id, token_id, token_logprobs in zip(result.req_ids, result.token_ids, logprobs):
             req = self.requests.get(req_id)
-            if req is None:  # finished or aborted while the step ran
+            follows, previous = req_id == previous, req_id
+            if req is None:  # finished or aborted while the step ran (or by an earlier token of this step)
                 continue
-            req.num_pending -= 1
+            if not follows:
+                req.num_pending -= 1
+            elif req_id in self.awaiting_drafts:
+                req.num_computed_tokens += 1  # an accepted proposal: its KV was computed in the step
             req.output_ids.append(token_id)
             out = outputs.setdefault(req.req_id, self._output(req))
             out.new_token_ids.append(token_id)
@@ -515,7 +548,10 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
                 out.finish_reason, out.stop_token_id, out.queue_time = reason, req.stop_token_id, req.queue_time
-            elif req.status == RequestStatus.RUNNING:
+        for req_id in set(result.req_ids):
+            self.awaiting_drafts.discard(req_id)
+            req = self.requests.get(req_id)
+            if req is not None and req.status == RequestStatus.RUNNING:
                 self._register_full_blocks(req)
         for out in outputs.values():
             if not any(lp is not None for lp in out.logprobs):
@@ -565,6 +601,8 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        self.awaiting_drafts.discard(req.req_id)
+        self.spec.forget(req.req_id)
         if req.block_ids:
             if cache_blocks:
                 self._register_full_blocks(req)
@@ -588,6 +626,12 @@ class Scheduler:
         was told of every one that finished."""
         return (not self.running and not self._finished_for_worker
                 and not any(req.known_to_worker for req in self.waiting))
+
+    @property
+    def speculating(self) -> bool:
+        """Plan no step ahead of the one in flight: it speculates, or the next may (a row speculates only
+        from a known input token, and how many tokens a speculating step gains is known from its result)."""
+        return bool(self.awaiting_drafts) or (self.spec.enabled and len(self.running) <= self.spec.disable_batch_size)
 
     @property
     def is_streaming(self) -> bool:

@@ -43,6 +43,7 @@ class EngineCounters:
                  awaiting_grammar: int = 0) -> EngineStats:
         """`awaiting_grammar`: requests whose grammar the worker is still building count as waiting (as vLLM's
         WAITING_FOR_FSM requests do), so a queued request is never missing from the figures."""
+        spec = scheduler.spec.counters
         return EngineStats(
             token=token,
             num_running=len(scheduler.running),
@@ -60,4 +61,8 @@ class EngineCounters:
             num_cached_blocks=scheduler.pool.num_cached_blocks,
             step_age=round(step_age, 3),
             expert_tokens=list(self.expert_tokens),
+            spec_drafts=spec.drafts,
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
         )

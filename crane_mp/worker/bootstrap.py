@@ -21,6 +21,8 @@ from crane_mp.worker.parallel.tensor_parallel import TensorParallel
 from crane_mp.worker.platforms import Platform, select_platform
 from crane_mp.worker.platforms.device import prefer_huge_pages
 from crane_mp.worker.sampling.grammar import GrammarEngine
+from crane_mp.worker.speculative.draft import DraftProposer
+from crane_mp.worker.speculative.setup import check_target, load_draft, ngram_proposer
 from crane_mp.worker.step.decode_graphs import graph_batch_sizes, static_buffer_bytes, table_width
 from crane_mp.worker.step.runner import ModelRunner
 from crane_mp.worker.weights.loader import file_tensor_bytes, load_model, weight_bytes
@@ -181,7 +183,14 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
                          share_tokens=None if tp is None else tp.first_rank_tokens,
                          recurrent_dtype=getattr(torch, config.mamba_ssm_cache_dtype))
 
-    weights_bytes = weight_bytes(model)
+    draft = None
+    if config.speculative_method is not None:
+        check_target(config, model_config, runner)
+        if config.speculative_method == "draft":
+            draft = load_draft(config, runner, platform, dtype, progress)
+            timer.done("draft model")
+    weights_bytes = weight_bytes(model) + (weight_bytes(draft.model) if draft is not None else 0)
+    draft_kv_bytes = draft.kv_bytes_per_token() if draft is not None else 0  # its cache holds the same blocks
     # What else this engine already holds for good (rope tables, grammar and sampler tensors).
     resident_bytes = max(0, platform.allocated_bytes() - allocated_before - weights_bytes)
     # The largest step: a full token budget of prompt, then sampling for every sequence at once with
@@ -235,7 +244,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         total_bytes=total_bytes,
         weights_bytes=weights_bytes,
         activation_bytes=activation_bytes,
-        kv_bytes_per_token=runner.kv_bytes_per_token(),
+        kv_bytes_per_token=runner.kv_bytes_per_token() + draft_kv_bytes,
         block_size=config.block_size,
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
@@ -247,7 +256,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         fit_model_len=not config.max_model_len,
         sequence_blocks=lambda num_tokens: sequence_blocks(runner.kv_groups.windows, num_tokens, config.block_size,
                                                            config.max_num_batched_tokens),
-        kv_bytes_per_long_token=runner.kv_bytes_per_long_token(),
+        kv_bytes_per_long_token=runner.kv_bytes_per_long_token() + draft_kv_bytes,
         state_bytes_per_seq=runner.state_bytes_per_sequence(),
     )
     if tp is not None:
@@ -263,6 +272,11 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
                     "--gpu-memory-limit)", max_model_len, kv_plan.max_model_len)
         max_model_len = runner.max_positions = kv_plan.max_model_len
     runner.allocate_kv_cache(kv_plan.num_blocks)
+    if draft is not None:
+        draft.allocate_kv_cache(kv_plan.num_blocks)
+        runner.proposer = DraftProposer(draft, config.max_num_batched_tokens)
+    elif config.speculative_method == "ngram":
+        runner.proposer = ngram_proposer(config)
     if runner.state_layers:
         runner.allocate_state_pool(kv_plan.state_slots)
         if kv_plan.state_slots < config.max_num_seqs:

@@ -23,6 +23,7 @@ import torch
 from crane_mp.config import attention_backend_override, fault_injection_token
 from crane_mp.models.kv_groups import KVGroups, group_layers, page_rows
 from crane_mp.protocol import (
+    DraftOutcome,
     PooledOutput,
     PromptLogprobs,
     SamplingParams,
@@ -128,6 +129,8 @@ class ModelRunner:
         self.state_layers = model.state_layers() if hasattr(model, "state_layers") else []
         self.state_pool: StatePool | None = None
         self.recurrent_dtype = recurrent_dtype
+        # Speculative decoding's proposer (worker/speculative/), set at start-up; None: off.
+        self.proposer = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """`num_blocks` for the scheduler, and one spare block past them for padded decode-graph rows (and
@@ -185,6 +188,8 @@ class ModelRunner:
 
     def _apply_plan(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
+            if self.proposer is not None:
+                self.proposer.forget(req_id)
             mirror = self.requests.pop(req_id, None)
             if mirror is not None:
                 self.sampler.release(mirror.sampling)
@@ -195,6 +200,8 @@ class ModelRunner:
         for req_id in plan.preempted_req_ids:
             if req_id in self.requests:
                 self.requests[req_id].block_table, self.requests[req_id].group_tables = [], []
+                if self.proposer is not None:
+                    self.proposer.reset(req_id)
                 self._release_state(self.requests[req_id])  # it recomputes from its first token
         eos = self.config.eos_token_ids
         for new in plan.new_requests:
@@ -214,6 +221,8 @@ class ModelRunner:
             new_ids, *group_ids = [[block * scale for block in ids] if scale > 1 else ids for scale, ids in
                                    zip(self.kv_groups.scales, [sched.new_block_ids, *sched.group_block_ids])]
             if sched.reset_blocks:
+                if self.proposer is not None:
+                    self.proposer.reset(sched.req_id)
                 mirror.block_table = list(new_ids)
                 mirror.group_tables = [list(ids) for ids in group_ids]
             else:
@@ -302,7 +311,8 @@ class ModelRunner:
         """Forward and sample `scheduled`, appending to `result` (only once all of it succeeded)."""
         prompt_logprobs: list[PromptLogprobs] = []
         pooled: list[PooledOutput] = []
-        req_ids, tokens, logprobs = self._forward_and_sample(scheduled, prompt_logprobs, pooled)
+        drafts: list[DraftOutcome] = []
+        req_ids, tokens, logprobs = self._forward_and_sample(scheduled, prompt_logprobs, pooled, drafts)
         before = len(result.req_ids)
         result.req_ids += req_ids
         result.token_ids += tokens
@@ -313,6 +323,7 @@ class ModelRunner:
             result.logprobs += [None] * len(req_ids)
         result.prompt_logprobs += prompt_logprobs
         result.pooled += pooled
+        result.drafts += drafts
 
     def _fatal(self, err: Exception) -> bool:
         """An error no request caused. With tensor parallelism (share_tokens) also running out of memory,
@@ -330,12 +341,15 @@ class ModelRunner:
         self._newly_failed.append(req_id)
 
     def _forward_and_sample(
-        self, scheduled: list[ScheduledRequest], prompt_logprobs: list[PromptLogprobs], pooled: list[PooledOutput]
+        self, scheduled: list[ScheduledRequest], prompt_logprobs: list[PromptLogprobs], pooled: list[PooledOutput],
+        outcomes: list[DraftOutcome],
     ) -> tuple[list[int], list[int], list[TokenLogprobs | None]]:
         """One forward over the scheduled spans; samples the requests whose span reached their end (an
-        embedding request gets its pooled vector and a placeholder token instead)."""
+        embedding request gets its pooled vector and a placeholder token instead). A speculating decode
+        row computes its proposals after its token too, and gains every token verification keeps."""
+        drafts = self._propose(scheduled)
         # Decode-first token layout (see attention.py); remember each request's last row for sampling.
-        order = sorted(scheduled, key=lambda s: s.num_new_tokens > 1)
+        order = sorted(scheduled, key=lambda s: s.num_new_tokens + len(drafts.get(s.req_id, ())) > 1)
         input_ids: list[int] = []
         positions: list[int] = []
         adapters: list[int] = []  # each row's LoRA adapter (0: none)
@@ -353,13 +367,14 @@ class ModelRunner:
             start, end = sched.num_computed_tokens, sched.num_computed_tokens + sched.num_new_tokens
             if mirror.media is not None:
                 media.append(MediaSpan(mirror.media, start, end, len(input_ids), mirror.block_table))
-            input_ids.extend(mirror.token_ids[start:end])
-            positions.extend(range(start, end))
-            adapters.extend([mirror.sampling.params.lora_id] * (end - start))
-            span = SeqSpan(start, sched.num_new_tokens, mirror.block_table, mirror.group_tables)
-            (decodes if sched.num_new_tokens == 1 else prefills).append(span)
+            proposed = drafts.get(sched.req_id, [])
+            input_ids.extend(mirror.token_ids[start:end] + proposed)
+            positions.extend(range(start, end + len(proposed)))
+            adapters.extend([mirror.sampling.params.lora_id] * (end - start + len(proposed)))
+            span = SeqSpan(start, sched.num_new_tokens + len(proposed), mirror.block_table, mirror.group_tables)
+            (decodes if span.q_len == 1 else prefills).append(span)
             if end == len(mirror.token_ids):
-                sample_rows[sched.req_id] = len(input_ids) - 1
+                sample_rows[sched.req_id] = len(input_ids) - 1 - len(proposed)
             if mirror.sampling.params.prompt_logprobs is not None and mirror.num_prompt_scored < mirror.num_prompt_tokens:
                 # Row of position p predicts prompt token p + 1; score the ones not reported yet.
                 first = max(start, mirror.num_prompt_scored - 1)
@@ -376,7 +391,8 @@ class ModelRunner:
         if self.decode_graphs is not None and not prefills and lora is None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(decodes, input_ids, positions)
         else:
-            needed = None if score_rows or sum_rows or media else sorted(sample_rows.values())
+            needed = None if score_rows or sum_rows or media else sorted(
+                row + i for req_id, row in sample_rows.items() for i in range(1 + len(drafts.get(req_id, ()))))
             states = None
             if self.state_pool is not None:
                 states = StateBatch(slots, len(decodes), device_longs(slots[: len(decodes)], self.device)
@@ -394,22 +410,88 @@ class ModelRunner:
             pooled.append(self._pool(req_id, hidden[sample_rows[req_id]]))
         if not sampled_ids:
             return embedded_ids, [_PLACEHOLDER_TOKEN] * len(embedded_ids), []
-        rows = device_longs([sample_rows[r] for r in sampled_ids], self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, vocab]
-        states = [self.requests[r].sampling for r in sampled_ids]
-        if any(state.params.whisper is not None for state in states):
-            logits = self._whisper_rules(logits, sampled_ids)
         if self.fault_token is not None:
             self._inject_fault(sampled_ids)
-        tokens, logprobs = self.sampler.sample(logits, states)
-        if self.share_tokens is not None:
-            tokens = self.share_tokens(tokens)
-        for req_id, token in zip(sampled_ids, tokens):
-            self.requests[req_id].token_ids.append(token)
-        self.sampler.record(states, tokens)
+        if any(req_id in drafts for req_id in sampled_ids):
+            sampled_ids, tokens, logprobs = self._verify(hidden, sampled_ids, sample_rows, drafts, outcomes)
+        else:
+            tokens, logprobs = self._sample_rows(hidden, sampled_ids, sample_rows)
         if embedded_ids:
             logprobs = logprobs + [None] * len(embedded_ids) if logprobs else []
         return sampled_ids + embedded_ids, tokens + [_PLACEHOLDER_TOKEN] * len(embedded_ids), logprobs
+
+    def _sample_rows(self, hidden: torch.Tensor, req_ids: list[int],
+                     sample_rows: dict[int, int]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token for each of `req_ids` from its row of `hidden`, appended to its tokens."""
+        rows = device_longs([sample_rows[r] for r in req_ids], self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, vocab]
+        states = [self.requests[r].sampling for r in req_ids]
+        if any(state.params.whisper is not None for state in states):
+            logits = self._whisper_rules(logits, req_ids)
+        tokens, logprobs = self.sampler.sample(logits, states)
+        if self.share_tokens is not None:
+            tokens = self.share_tokens(tokens)
+        for req_id, token in zip(req_ids, tokens):
+            self.requests[req_id].token_ids.append(token)
+        self.sampler.record(states, tokens)
+        return tokens, logprobs
+
+    def _propose(self, scheduled: list[ScheduledRequest]) -> dict[int, list[int]]:
+        """The proposals of this step's speculating decode rows (none empty)."""
+        if self.proposer is None:
+            return {}
+        batch = []
+        for sched in scheduled:
+            mirror = self.requests[sched.req_id]
+            if sched.num_lookahead and sched.num_computed_tokens + 1 == len(mirror.token_ids):
+                batch.append((sched.req_id, mirror.token_ids, mirror.block_table, sched.num_lookahead))
+        proposals = self.proposer.propose(batch) if batch else {}
+        return {req_id: tokens for req_id, tokens in proposals.items() if tokens}
+
+    def _verify(self, hidden: torch.Tensor, req_ids: list[int], sample_rows: dict[int, int],
+                drafts: dict[int, list[int]], outcomes: list[DraftOutcome],
+                ) -> tuple[list[int], list[int], list[TokenLogprobs | None]]:
+        """Sample each request's rows in order, as if each were its own step, while the token sampled
+        equals the one proposed there: every token comes from the model's own (processed) distribution
+        given the tokens before it, so greedy and seeded requests gain exactly the tokens they gain
+        without speculation, and the rest the same distribution (a proposal made with certainty, which
+        both proposers make, is accepted with the probability the model gives it, as rejection
+        sampling would). Returns (req id, token, logprobs) per token, each request's consecutive."""
+        counts = [1 + len(drafts.get(r, ())) for r in req_ids]
+        rows = [sample_rows[r] + i for r, count in zip(req_ids, counts) for i in range(count)]
+        logits = self.model.compute_logits(hidden.index_select(0, device_longs(rows, self.device)))
+        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        known = [len(self.requests[r].token_ids) for r in req_ids]
+        gained: list[list[tuple[int, TokenLogprobs | None]]] = [[] for _ in req_ids]
+        eos = self.config.eos_token_ids
+        active, depth = list(range(len(req_ids))), 0
+        while active:
+            states = [self.requests[req_ids[i]].sampling for i in active]
+            picked = logits.index_select(0, device_longs([firsts[i] + depth for i in active], self.device))
+            tokens, logprobs = self.sampler.sample(picked, states)
+            if self.share_tokens is not None:
+                tokens = self.share_tokens(tokens)
+            self.sampler.record(states, tokens)
+            going = []
+            for j, (i, token) in enumerate(zip(active, tokens)):
+                mirror = self.requests[req_ids[i]]
+                mirror.token_ids.append(token)
+                gained[i].append((token, logprobs[j] if logprobs else None))
+                proposal = drafts.get(req_ids[i], ())
+                # A stop token ends the run: what follows it belongs to no answer.
+                stops = token in eos or token in mirror.sampling.params.stop_token_ids
+                if depth < len(proposal) and token == proposal[depth] and not stops:
+                    going.append(i)
+            active, depth = going, depth + 1
+        for i, req_id in enumerate(req_ids):
+            proposal = drafts.get(req_id)
+            if proposal:
+                outcomes.append(DraftOutcome(req_id, len(proposal), len(gained[i]) - 1))
+                self.proposer.accepted(req_id, known[i], len(proposal), len(gained[i]) - 1)
+        out_ids = [req_id for req_id, run in zip(req_ids, gained) for _ in run]
+        out_tokens = [token for run in gained for token, _ in run]
+        out_logprobs = [lp for run in gained for _, lp in run]
+        return out_ids, out_tokens, out_logprobs if any(lp is not None for lp in out_logprobs) else []
 
     def forward(self, decodes: list[SeqSpan], prefills: list[SeqSpan], input_ids: list[int], positions: list[int],
                 lora: LoraBatch | None = None, media: list[MediaSpan] | None = None,

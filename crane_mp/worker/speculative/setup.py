@@ -1,0 +1,63 @@
+"""Speculative decoding at worker start-up: what it refuses, and the proposer it builds."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from crane_mp.config import EngineConfig
+from crane_mp.models.config import ModelConfig, load_gguf_config, load_model_config
+from crane_mp.models.gguf_file import resolve_model_source
+from crane_mp.models.registry import TRANSFORMERS
+from crane_mp.worker.platforms import Platform
+from crane_mp.worker.speculative.ngram import NgramProposer
+from crane_mp.worker.step.runner import ModelRunner
+from crane_mp.worker.weights.loader import load_model, weight_bytes
+
+log = logging.getLogger(__name__)
+
+
+def check_target(config: EngineConfig, model_config: ModelConfig, runner: ModelRunner) -> None:
+    """Refuse, at start, a target whose steps cannot verify proposals: a rejected proposal must leave
+    nothing behind but KV that later tokens overwrite."""
+    if runner.state_layers:
+        raise ValueError(f"speculative decoding: {model_config.arch}'s linear-attention layers keep a recurrent "
+                         "state that rejected proposals would advance; it is not supported for them yet")
+    if model_config.media is not None:
+        raise ValueError(f"speculative decoding serves text models; {model_config.arch} takes "
+                         f"{model_config.media} input")
+    if config.speculative_method == "draft" and len(runner.kv_groups.windows) > 1:
+        raise ValueError(f"a draft model shares the target's block tables; {model_config.arch}'s sliding-window "
+                         "layers keep tables of their own: use --speculative-method ngram")
+
+
+def load_draft(config: EngineConfig, target: ModelRunner, platform: Platform, dtype: torch.dtype,
+               progress: bool) -> ModelRunner:
+    """The draft model's runner (its KV cache not allocated yet), refused unless it proposes tokens the
+    target can take: the same tokenizer's ids, one KV group, no recurrent or media state."""
+    source = resolve_model_source(config.speculative_model, "auto")
+    if source.format == "gguf":
+        draft_config = load_gguf_config(source.gguf_file, "auto")
+    else:
+        draft_config = load_model_config(source.model_dir, "auto", "native")
+    name = config.speculative_model
+    if draft_config.arch == TRANSFORMERS or draft_config.encoder or draft_config.media is not None:
+        raise ValueError(f"the draft model {name} must be a text decoder crane-mp implements natively")
+    if draft_config.vocab_size > target.config.vocab_size:
+        raise ValueError(f"the draft model {name} has {draft_config.vocab_size} tokens, the target "
+                         f"{target.config.vocab_size}: it must share the target's tokenizer")
+    model, _ = load_model(draft_config, source, dtype, platform, progress,
+                          int8_activations=platform.int8_matmuls(config.quantized_activations))
+    platform.tune_linears(model, config.max_num_seqs)
+    runner = ModelRunner(model, config.block_size, target.max_positions, platform, kv_dtype=target.kv_dtype)
+    if runner.state_layers or len(runner.kv_groups.windows) > 1:
+        raise ValueError(f"the draft model {name} must use full attention in every layer (no sliding windows or "
+                         "linear attention)")
+    log.info("draft model %s: %s, %.1f MiB of weights, %d KV bytes per token", name, draft_config.arch,
+             weight_bytes(model) / 2**20, runner.kv_bytes_per_token())
+    return runner
+
+
+def ngram_proposer(config: EngineConfig) -> NgramProposer:
+    return NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
