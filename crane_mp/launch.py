@@ -376,6 +376,12 @@ def serve_model(config: ServerConfig, on_ready: Callable[[WorkerReady], None], w
         )
         if info.tensor_parallel_size > 1:
             log.info("parallel: %s", describe_parallel(info))
+        engine = config.engine
+        if engine.speculative_method is not None:
+            draft = f" draft={engine.speculative_model}" if engine.speculative_model else ""
+            log.info("speculative decoding: %s%s, up to %d tokens a step, off above %d running requests",
+                     engine.speculative_method, draft, engine.speculative_num_tokens,
+                     engine.speculative_disable_batch_size)
         if info.state_slots and config.engine.enable_prefix_caching:
             log.info("prefix cache off: %s's linear-attention layers keep a recurrent state per sequence, which "
                      "a cached prefix's KV blocks do not hold", info.arch)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from crane_mp.protocol import SamplingParams, StepPlan, StepResult
+from crane_mp.protocol import DraftOutcome, SamplingParams, StepPlan, StepResult
 from crane_mp.scheduler.request import Request
 from crane_mp.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -42,7 +42,11 @@ class FakeWorker:
 
     def __init__(self, eos_after: dict[int, int] | None = None, block_size: int = 4,
                  fail_at: dict[int, int] | None = None, cut_short: frozenset[int] = frozenset(),
-                 windows: tuple[int, ...] = (0,)) -> None:
+                 windows: tuple[int, ...] = (0,), propose=None) -> None:
+        """`propose(tokens, k)`: a speculating row's proposals (worker/speculative/), written to the KV
+        cache after its token and kept while they equal what is sampled."""
+        self.propose = propose
+        self.outcomes: list[DraftOutcome] = []
         self.windows = windows  # the scheduler's kv_windows
         self.cut_short = cut_short  # req ids whose EOS ends a grammar closed early (StepResult.cut_short_req_ids)
         self.fail_at = fail_at or {}  # req id -> the sequence length at which sampling it "raises"
@@ -66,7 +70,7 @@ class FakeWorker:
         for new in plan.new_requests:
             self.tokens[new.req_id] = list(new.prompt_ids)
             self.blocks[new.req_id] = [[] for _ in self.windows]
-        req_ids, token_ids, failed = [], [], []
+        req_ids, token_ids, failed, drafts = [], [], [], []
         for sched in plan.scheduled:
             if sched.req_id in self.failed:
                 continue
@@ -76,9 +80,12 @@ class FakeWorker:
             self.blocks[sched.req_id] = [list(n) if sched.reset_blocks else t + n for t, n in zip(tables, new)]
             tokens = self.tokens[sched.req_id]
             start, end = sched.num_computed_tokens, sched.num_computed_tokens + sched.num_new_tokens
+            proposal = []
+            if sched.num_lookahead and self.propose is not None and end == len(tokens):
+                proposal = self.propose(tokens, sched.num_lookahead)[: sched.num_lookahead]
             for group in range(len(self.windows)):
-                for pos in range(start, end):
-                    self.kv[self._slot(sched.req_id, pos, group)] = tokens[pos]
+                for pos, token in zip(range(start, end + len(proposal)), tokens[start:end] + proposal):
+                    self.kv[self._slot(sched.req_id, pos, group)] = token
             self.num_computed += sched.num_new_tokens
             for group, window in enumerate(self.windows):
                 for pos in range(max(0, start - window + 1) if window else 0, end):
@@ -88,13 +95,19 @@ class FakeWorker:
                 self.failed.add(sched.req_id)
                 failed.append(sched.req_id)
             elif end == len(tokens):
-                token = self._next_token(sched.req_id, tokens)
-                tokens.append(token)
-                req_ids.append(sched.req_id)
-                token_ids.append(token)
+                for depth in range(len(proposal) + 1):
+                    token = self._next_token(sched.req_id, tokens)
+                    tokens.append(token)
+                    req_ids.append(sched.req_id)
+                    token_ids.append(token)
+                    if depth == len(proposal) or token != proposal[depth]:
+                        break
+                if proposal:
+                    drafts.append(DraftOutcome(sched.req_id, len(proposal), depth))
         cut = [req_id for req_id, token in zip(req_ids, token_ids) if token == 2 and req_id in self.cut_short]
+        self.outcomes += drafts
         return StepResult(plan.step_id, req_ids, token_ids, failed_req_ids=failed, errors=["boom"] * len(failed),
-                          cut_short_req_ids=cut)
+                          cut_short_req_ids=cut, drafts=drafts)
 
     def _slot(self, req_id: int, pos: int, group: int = 0) -> int:
         return self.blocks[req_id][group][pos // self.block_size] * self.block_size + pos % self.block_size
@@ -110,11 +123,21 @@ def run_to_completion(
     finished: dict | None = None,
 ) -> dict[int, list[int]]:
     """Drive scheduler + fake worker until idle, checking invariants every step; returns outputs by req id.
-    With `overlap` each step is planned before the previous result is applied, as the server does.
-    `finished` collects each request's finishing output."""
+    With `overlap` each step is planned before the previous result is applied, as the server does
+    (except ahead of a speculating step). `finished` collects each request's finishing output."""
     outputs: dict[int, list[int]] = {}
+
+    def apply(result: StepResult) -> None:
+        for out in scheduler.update(result):
+            outputs.setdefault(out.rid, []).extend(out.new_token_ids)
+            if finished is not None and out.finish_reason is not None:
+                finished[out.rid] = out
+
     in_flight = None
     for _ in range(max_steps):
+        if overlap and in_flight is not None and scheduler.speculating:
+            apply(in_flight)
+            in_flight = None
         plan = scheduler.schedule()
         if not overlap:
             if plan is None:
@@ -126,10 +149,7 @@ def run_to_completion(
             results = [in_flight] if in_flight is not None else []
             in_flight = worker.execute(plan) if plan is not None else None
         for result in results:
-            for out in scheduler.update(result):
-                outputs.setdefault(out.rid, []).extend(out.new_token_ids)
-                if finished is not None and out.finish_reason is not None:
-                    finished[out.rid] = out
+            apply(result)
         scheduler.check_invariants()
     assert not scheduler.has_work, "scheduler did not drain"
     return outputs

@@ -273,6 +273,8 @@ class Scheduler:
                                               req.blocks_reset, group_blocks, lookahead))
             if lookahead:
                 self.awaiting_drafts.add(req.req_id)
+            elif self.spec.enabled and _decodes(req, num_tokens):
+                self.spec.decoded_without(req.req_id)
             req.blocks_reset = False
             req.num_computed_tokens += num_tokens
             if req.num_computed_tokens == req.num_tokens:
@@ -462,7 +464,8 @@ class Scheduler:
                 continue
             lookahead = min(self._lookahead(req, num_tokens), budget - num_tokens)
             total = _blocks_for(req.num_computed_tokens + num_tokens + lookahead, self.config.block_size)
-            demand.append((req, num_tokens, lookahead, (total - len(req.block_ids)) * len(self.windows)))
+            # A request may hold blocks past its tokens already (an earlier step's rejected proposals).
+            demand.append((req, num_tokens, lookahead, max(0, total - len(req.block_ids)) * len(self.windows)))
             budget -= num_tokens + lookahead
             prompt_budget -= 0 if _decodes(req, num_tokens) else num_tokens
         return demand

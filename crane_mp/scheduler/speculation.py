@@ -51,10 +51,13 @@ class Speculation:
         if not self.enabled or num_running > self.disable_batch_size or room <= 0:
             return 0
         pace = self.paces.setdefault(req_id, DraftPace(self.num_tokens))
-        if pace.wait:
+        return 0 if pace.wait else min(pace.length, room)
+
+    def decoded_without(self, req_id: int) -> None:
+        """The request decoded a step without speculating: one step less to wait."""
+        pace = self.paces.get(req_id)
+        if pace is not None and pace.wait:
             pace.wait -= 1
-            return 0
-        return min(pace.length, room)
 
     def observe(self, outcome: DraftOutcome) -> None:
         """A speculating step came back: count it, and set how the request speculates next."""

@@ -5,6 +5,8 @@ Run: python -m crane_mp.testing.random_gguf --out qwen3-8b-q4_k_m.gguf [--shape 
      python -m crane_mp.testing.random_gguf --out gemma3-12b-q4_k_m.gguf --shape gemma3-12b   (make_zoo's presets)
      python -m crane_mp.testing.random_gguf --out a3b.gguf --shape qwen3-30b-a3b [--layers 24]   (experts)
      python -m crane_mp.testing.random_gguf --out qwen3.5.gguf --shape qwen3.5   (Gated DeltaNet layers)
+     python -m crane_mp.testing.random_gguf --out target.gguf --silent-layers-from 2   (with a draft:
+     python -m crane_mp.testing.random_gguf --out draft.gguf --layers 2   the same first layers, agreeing)
 
 Every block gets random quant bits and a fixed small scale (so weights stay in a trained model's range
 and the forward pass stays finite); norms are ones. Metadata and tensor names are make_gguf's, and the
@@ -89,9 +91,12 @@ def silent_token_ids(tokenizer_json: Path) -> list[int]:
 
 
 def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch: str = "qwen3", seed: int = 0,
-                layers: int | None = None) -> Path:
+                layers: int | None = None, silent_from: int | None = None) -> Path:
     """`shape`: one of SHAPES (a make_model `arch`), FAMILY_SHAPES, or a make_zoo preset (its family);
-    `layers`: fewer layers than the shape's (a model that fits the host)."""
+    `layers`: fewer layers than the shape's (a model that fits the host); `silent_from`: the layers from
+    this one on add nothing to the residual stream (their attention output and MLP down projections are
+    zero blocks), yet are read as any layer is: a file of the same seed and `layers=silent_from` gives
+    the same tokens at a fraction of the reading (a draft model that always agrees)."""
     out = Path(out)
     if shape in PRESETS:  # a 2026 family at a real shape (family from the preset's name)
         config = build_zoo_config(_PRESET_FAMILIES[shape], PRESETS[shape])
@@ -145,6 +150,10 @@ def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch:
         if chosen not in _SCALES:
             raise ValueError(f"{name}: random blocks are written for Q8_0, Q4_K and Q6_K only, not {T(chosen).name}")
         blocks = random_blocks(rows, cols, chosen, rng)
+        if silent_from is not None and _silenced(hf_name, silent_from):
+            per_block = blocks.reshape(rows, -1, gguf.GGML_QUANT_SIZES[chosen][1])
+            for offset in _SCALES[chosen][0]:
+                per_block[:, :, offset : offset + 2] = 0
         if hf_name == ("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"):
             per_block = blocks.reshape(rows, -1, gguf.GGML_QUANT_SIZES[chosen][1])
             for offset in _SCALES[chosen][0]:  # zero rows: their logit 0 is never the largest of random ones
@@ -152,6 +161,13 @@ def random_gguf(out: str | Path, shape: str = "8b", qtype: str = "Q4_K_M", arch:
         writer.add_tensor(name, blocks, raw_dtype=chosen)
     finish(writer)
     return out
+
+
+def _silenced(hf_name: str, first: int) -> bool:
+    """A projection writing into the residual stream, of a layer from `first` on."""
+    parts = hf_name.split(".")
+    return (hf_name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")) and parts[1] == "layers"
+            and int(parts[2]) >= first)
 
 
 def _write_experts(writer: gguf.GGUFWriter, hf_name: str, shape: tuple[int, int, int], qtype: str,
@@ -175,8 +191,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", default="8b", choices=sorted([*SHAPES, *FAMILY_SHAPES, *_PRESET_FAMILIES]))
     parser.add_argument("--type", default="Q4_K_M", choices=["Q4_K_M", "Q4_K", "Q6_K", "Q8_0"])
     parser.add_argument("--layers", type=int, help="fewer layers than the shape's (to fit the host's memory)")
+    parser.add_argument("--silent-layers-from", type=int, metavar="N",
+                        help="layers from N on add nothing (zero output projections): a file of --layers N agrees")
     args = parser.parse_args(argv)
-    print(random_gguf(args.out, args.shape, args.type, layers=args.layers))
+    print(random_gguf(args.out, args.shape, args.type, layers=args.layers, silent_from=args.silent_layers_from))
 
 
 if __name__ == "__main__":

@@ -148,6 +148,21 @@ class _EngineCollector:
             family = CounterMetricFamily(metric, doc, labels=_LABELS)
             family.add_metric(names, value)
             yield family
+        if s.spec_accepted_per_position:  # speculative decoding is on (vLLM's names)
+            for metric, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Steps of a request that proposed tokens.", s.spec_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Tokens proposed.", s.spec_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens the model accepted.",
+                 s.spec_accepted_tokens),
+            ):
+                family = CounterMetricFamily(metric, doc, labels=_LABELS)
+                family.add_metric(names, value)
+                yield family
+            family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, "
+                                         "by their position in the proposal.", labels=[*_LABELS, "position"])
+            for position, count in enumerate(s.spec_accepted_per_position):
+                family.add_metric([*names, str(position)], count)
+            yield family
         if s.expert_tokens:  # a mixture of experts' load balance
             family = CounterMetricFamily("crane:expert_tokens", "Tokens routed to each expert of the mixture-of-"
                                          "experts layers, summed over the layers.", labels=[*_LABELS, "expert"])
