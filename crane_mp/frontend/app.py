@@ -29,13 +29,11 @@ async def connection_middleware(request: web.Request, handler) -> web.StreamResp
     return await handler(request)
 
 
-@web.middleware
-async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
+def require_api_key(request: web.Request, config) -> None:
     """--api-key: every route but the open ones (/health) needs `Authorization: Bearer <key>` (or
-    `x-api-key: <key>`, as Anthropic's clients send it); the
-    routes that change server state need --admin-api-key instead where one is set (constant-time
-    compares)."""
-    config = request.app[STATE].config
+    `x-api-key: <key>`, as Anthropic's clients send it); the routes that change server state need
+    --admin-api-key instead where one is set (constant-time compares). `config`: the ServerConfig
+    whose keys apply (the router of several models checks the same rule at its door)."""
     key = config.api_key
     if request.path in _ADMIN_PATHS and config.admin_api_key:
         key = config.admin_api_key
@@ -46,6 +44,11 @@ async def api_key_middleware(request: web.Request, handler) -> web.StreamRespons
             token = request.headers.get("x-api-key", "")
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise ApiError(401, "missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
+
+
+@web.middleware
+async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
+    require_api_key(request, request.app[STATE].config)
     return await handler(request)
 
 

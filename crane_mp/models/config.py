@@ -88,6 +88,18 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def activation_bytes_per_token(self) -> int:
+        """A step token's live float32 tensors in one layer at its widest point (MLP gate/up and output,
+        attention q/k/v/out): the memory plan's CPU estimate, and the router's before a model loads."""
+        layout = self.layout
+        intermediate = max(layout.layer_intermediate or (self.intermediate_size,))
+        head_dim = max(self.head_dim, layout.global_head_dim or 0)
+        kv_heads = max(self.num_key_value_heads, layout.global_kv_heads or 0)
+        widths = (self.hidden_size * 4 + intermediate * 3 + (self.num_attention_heads + 2 * kv_heads) * head_dim * 2
+                  + self.num_hidden_layers * layout.per_layer_input_size * 3)
+        return widths * 4
+
 
 MODEL_IMPLS = ("auto", "native", "transformers")  # --model-impl, vLLM's spelling
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import email.parser
 import email.policy
-import hmac
 import time
 from typing import Any
 
@@ -23,10 +22,11 @@ from aiohttp import web
 
 from crane_mp import __version__
 from crane_mp.frontend.api_routes import ROUTES
+from crane_mp.frontend.app import require_api_key
 from crane_mp.frontend.state import FrontendState
 from crane_mp.frontend.web.errors import ApiError, error_middleware
 from crane_mp.frontend.web.http import json_response
-from crane_mp.frontend.web.routing import admin_paths, json_request_error, open_paths
+from crane_mp.frontend.web.routing import json_request_error
 from crane_mp.router.manager import LoadQueueFull, ModelManager, ModelUnavailable, Slot
 from crane_mp.router.metrics import merge_expositions, router_exposition
 
@@ -37,8 +37,6 @@ _TASKS_OF = {FrontendState.require_generative: ("generate",), FrontendState.requ
              FrontendState.require_scoring: ("score", "generate"),
              FrontendState.require_transcription: ("transcribe",)}
 ROUTE_TASKS = {route.path: _TASKS_OF[route.requires] for route in ROUTES if route.requires in _TASKS_OF}
-_OPEN = open_paths(ROUTES)
-_ADMIN = admin_paths(ROUTES)
 _FORWARDED = frozenset(route.path for route in ROUTES if "{" not in route.path) | {"/openapi.json"}
 _STORED_RESPONSES = "/v1/responses/"  # a stored answer: on the model that gave it
 # Headers that belong to one connection, not to the message (RFC 9110 7.6.1), and lengths aiohttp sets.
@@ -60,18 +58,8 @@ async def post_type_middleware(request: web.Request, handler) -> web.StreamRespo
 
 @web.middleware
 async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """The one-model server's rule (frontend/app.py): the key on every route but the open ones, the admin
-    key on the routes that change server state. The models behind the router take no key of their own."""
-    config = request.app[MANAGER].models.public
-    key = config.api_key
-    if request.path in _ADMIN and config.admin_api_key:
-        key = config.admin_api_key
-    if key and request.path not in _OPEN:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            token = request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
+    """The one-model server's rule: the models behind the router take no key of their own."""
+    require_api_key(request, request.app[MANAGER].models.public)
     return await handler(request)
 
 

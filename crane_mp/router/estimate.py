@@ -38,6 +38,5 @@ def _kv_bytes(engine: EngineConfig, config: ModelConfig, weights: int, host_byte
 
 def _activation_bytes(engine: EngineConfig, config: ModelConfig) -> int:
     """The widest layer's float32 temporaries over a full step's tokens, and the sampler's rows."""
-    width = (config.hidden_size * 4 + config.intermediate_size * 3
-             + (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim * 2)
-    return 4 * (engine.max_num_batched_tokens * width + 3 * engine.max_num_seqs * config.vocab_size)
+    return (engine.max_num_batched_tokens * config.activation_bytes_per_token
+            + 4 * 3 * engine.max_num_seqs * config.vocab_size)

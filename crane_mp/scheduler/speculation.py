@@ -3,9 +3,9 @@
 The worker proposes and verifies (worker/speculative/); the scheduler only grants the lookahead, holds
 its KV blocks, and turns it down where it does not pay: for every request while more than
 `disable_batch_size` run (a large batch is no longer bound by reading the weights), and per request
-after proposals the model rejected outright, waiting twice as many steps after each such miss (up to
-`_MAX_WAIT` steps) before it tries again, so a draft that never agrees costs a step's worth of work in
-every few dozen steps. A request speculates again at the full length once a proposal is accepted whole.
+after proposals the model rejected outright, waiting 4 steps after the first such miss and twice as
+many after each next one (up to `_MAX_WAIT` steps) before it tries again, so a draft that never agrees
+costs a fraction of a step's work in every few dozen steps. A request speculates again at the full length once a proposal is accepted whole.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from crane_mp.protocol import DraftOutcome
 
-_MAX_WAIT = 32
+_MAX_WAIT = 64
 
 
 @dataclass(slots=True)
@@ -74,7 +74,7 @@ class Speculation:
             return
         if outcome.accepted == 0:
             pace.misses += 1
-            pace.wait = min(_MAX_WAIT, 2 ** pace.misses)
+            pace.wait = min(_MAX_WAIT, 2 ** (pace.misses + 1))
         else:
             pace.misses = 0
         # Propose one more than was accepted (all when all was): verifying rejected tokens costs work.

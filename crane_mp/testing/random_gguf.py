@@ -193,8 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, help="fewer layers than the shape's (to fit the host's memory)")
     parser.add_argument("--silent-layers-from", type=int, metavar="N",
                         help="layers from N on add nothing (zero output projections): a file of --layers N agrees")
+    parser.add_argument("--seed", type=int, default=0, help="another seed: other weights, the same tokenizer")
     args = parser.parse_args(argv)
-    print(random_gguf(args.out, args.shape, args.type, layers=args.layers, silent_from=args.silent_layers_from))
+    print(random_gguf(args.out, args.shape, args.type, seed=args.seed, layers=args.layers,
+                      silent_from=args.silent_layers_from))
 
 
 if __name__ == "__main__":

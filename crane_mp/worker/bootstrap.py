@@ -58,17 +58,6 @@ class LoadedWorker:
         return self.platform.device
 
 
-def _activation_estimate_per_token(cfg: ModelConfig) -> int:
-    # Live float32 tensors of one layer at its widest point (MLP gate/up + output, attention q/k/v/out).
-    layout = cfg.layout
-    intermediate = max(layout.layer_intermediate or (cfg.intermediate_size,))
-    head_dim = max(cfg.head_dim, layout.global_head_dim or 0)
-    kv_heads = max(cfg.num_key_value_heads, layout.global_kv_heads or 0)
-    widths = (cfg.hidden_size * 4 + intermediate * 3 + (cfg.num_attention_heads + 2 * kv_heads) * head_dim * 2
-              + cfg.num_hidden_layers * layout.per_layer_input_size * 3)
-    return widths * 4
-
-
 def _check_transformers_backend(config: EngineConfig, tp: TensorParallel | None) -> None:
     """What the transformers backend does not serve, refused at start rather than at the first request."""
     if tp is not None:
@@ -212,7 +201,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         model, max(config.max_num_batched_tokens, config.max_num_seqs))
     if kernel_caches:
         log.info("%s: %.1f MiB, in the memory plan's reserved", kernel_caches, kernel_cache_bytes / 2**20)
-    estimate = (profile_tokens * _activation_estimate_per_token(rank_config)
+    estimate = (profile_tokens * rank_config.activation_bytes_per_token
                 + runner.sampler.peak_bytes(profile_seqs))
     if largest is not None:
         vision_bytes = model.vision_activation_bytes(largest)

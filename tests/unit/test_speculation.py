@@ -130,14 +130,14 @@ def test_misses_space_out_the_tries_and_an_accepted_proposal_restores_them():
             spec.observe(DraftOutcome(1, k, 0))
         else:
             spec.decoded_without(1)
-    # After each miss the wait doubles: tries at steps 0, 3, 8, 17, 34 (waits of 2, 4, 8, 16).
-    assert tries == [0, 3, 8, 17, 34]
+    # After each miss the wait doubles: tries at steps 0, 5, 14, 31 (waits of 4, 8, 16).
+    assert tries == [0, 5, 14, 31]
     waited = 0
     while not (k := spec.lookahead(1, room=10, num_running=1)):
         spec.decoded_without(1)
         waited += 1
-    # The longest wait (32 steps, 5 of them spent in the loop), then a probe of one token (one more than accepted).
-    assert (waited, k) == (27, 1)
+    # A wait of 32 steps (8 of them spent in the loop), then a probe of one token (one more than accepted).
+    assert (waited, k) == (24, 1)
     spec.observe(DraftOutcome(1, 1, 1))
     assert spec.lookahead(1, room=10, num_running=1) == 4  # all accepted: the full length again
     spec.observe(DraftOutcome(1, 4, 2))

@@ -63,6 +63,7 @@ class RequestStream:
     last_token_time: float | None = None
     queue_time: float | None = None
     cached_tokens: int = 0
+    steps: int = 0  # scheduler steps that gave it tokens: fewer than its tokens where steps speculate
     embedding: bytes | None = None  # an embedding request's pooled vector (float32)
     submitted: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -78,6 +79,7 @@ class RequestStream:
             if self.first_token_time is None:
                 self.first_token_time = now
             self.last_token_time = now
+            self.steps += 1
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs or [None] * len(out.new_token_ids))
         self.prompt_logprobs.extend(out.prompt_logprobs)

@@ -154,6 +154,8 @@ async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.Stre
         meta = {"id": names[index], "prompt_tokens": gen.prompt_tokens, "completion_tokens": len(ids),
                 "cached_tokens": gen.cached_tokens, "finish_reason": finish,
                 "e2e_latency": round(time.monotonic() - started, 6)}
+        if state.config.engine.speculative_method is not None:  # SGLang's: completion_tokens / it, tokens a step
+            meta["spec_verify_ct"] = gen.stream.steps
         if req.return_logprob:
             if index not in logprob_infos:
                 logprob_infos[index] = LogprobInfo(state, req, gen, prompts[index // sp.n])

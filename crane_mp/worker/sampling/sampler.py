@@ -77,6 +77,14 @@ class Sampler:
             state.penalty_row = self.penalties.acquire(prompt_ids)
         return state
 
+    @staticmethod
+    def plain_greedy(state: SamplingState) -> bool:
+        """The row's token is its logits' argmax now and for as long as it runs: no processor, logprobs,
+        grammar or thinking budget (which may start processing later)."""
+        params = state.params
+        return (params.greedy and params.logprobs is None and params.grammar is None and params.thinking is None
+                and not _processed(state))
+
     def release(self, state: SamplingState) -> None:
         """The request finished: its penalty row goes back to the table."""
         if state.penalty_row is not None:

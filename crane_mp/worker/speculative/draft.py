@@ -32,8 +32,10 @@ class DraftProposer:
             return {}
         proposals = {req_id: [] for req_id, *_ in batch}
         self._catch_up(batch)
-        # First pass: every known token the draft has not computed (one or two in the steady state).
-        spans = [(req_id, tokens, table, self.computed.get(req_id, 0)) for req_id, tokens, table, _ in batch]
+        # First pass: every known token the draft has not computed (one or two in the steady state), at
+        # least the last (a step redone request by request proposes again).
+        spans = [(req_id, tokens, table, min(self.computed.get(req_id, 0), len(tokens) - 1))
+                 for req_id, tokens, table, _ in batch]
         spans.sort(key=lambda span: len(span[1]) - span[3] > 1)  # decode rows first
         decodes, prefills, input_ids, positions, last_rows = [], [], [], [], []
         for req_id, tokens, table, start in spans:
@@ -77,7 +79,7 @@ class DraftProposer:
                 positions: list[int], rows: list[int]) -> list[int]:
         hidden = self.runner.forward(decodes, prefills, input_ids, positions, needed_rows=sorted(rows))
         picked = hidden.index_select(0, device_longs(rows, self.runner.device))
-        return self.runner.model.compute_logits(picked).argmax(dim=-1).tolist()
+        return self.runner.platform.argmax_rows(self.runner.model.compute_logits(picked).float()).tolist()
 
     def accepted(self, req_id: int, num_known: int, proposed: int, accepted: int) -> None:
         """The target kept `accepted` of `proposed` tokens after `num_known`: the draft's KV of the ones it

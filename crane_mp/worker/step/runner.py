@@ -464,13 +464,19 @@ class ModelRunner:
         known = [len(self.requests[r].token_ids) for r in req_ids]
         gained: list[list[tuple[int, TokenLogprobs | None]]] = [[] for _ in req_ids]
         eos = self.config.eos_token_ids
+        # Plain greedy rows take their argmax at every depth: one pass over all rows serves them.
+        argmaxes = (self.platform.argmax_rows(logits.float()).tolist() if self.share_tokens is None and all(
+            self.sampler.plain_greedy(self.requests[r].sampling) for r in req_ids) else None)
         active, depth = list(range(len(req_ids))), 0
         while active:
             states = [self.requests[req_ids[i]].sampling for i in active]
-            picked = logits.index_select(0, device_longs([firsts[i] + depth for i in active], self.device))
-            tokens, logprobs = self.sampler.sample(picked, states)
-            if self.share_tokens is not None:
-                tokens = self.share_tokens(tokens)
+            if argmaxes is not None:
+                tokens, logprobs = [argmaxes[firsts[i] + depth] for i in active], []
+            else:
+                picked = logits.index_select(0, device_longs([firsts[i] + depth for i in active], self.device))
+                tokens, logprobs = self.sampler.sample(picked, states)
+                if self.share_tokens is not None:
+                    tokens = self.share_tokens(tokens)
             self.sampler.record(states, tokens)
             going = []
             for j, (i, token) in enumerate(zip(active, tokens)):
