@@ -168,14 +168,16 @@ class EngineConfig:
             raise ValueError("--speculative-method mtp: no model family crane-mp serves loads its multi-token-"
                              "prediction heads yet; use ngram, or draft with --speculative-model")
         if method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_method (--speculative-method) must be one of {', '.join(SPECULATIVE_METHODS)}")
+            raise ValueError("speculative_method (--speculative-method) must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
         if method == "draft" and not self.speculative_model:
             raise ValueError("--speculative-method draft needs --speculative-model, a small model of the same "
                              "tokenizer (a directory or a GGUF file)")
         if method != "draft" and self.speculative_model is not None:
             raise ValueError(f"--speculative-model is the draft method's; --speculative-method {method} takes none")
         if not 1 <= self.speculative_num_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_num_tokens (--speculative-num-tokens) must be in 1..{MAX_SPECULATIVE_TOKENS}")
+            raise ValueError("speculative_num_tokens (--speculative-num-tokens) must be in "
+                             f"1..{MAX_SPECULATIVE_TOKENS}")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
             raise ValueError("--speculative-ngram-min must be at least 1 and at most --speculative-ngram-max")
         if self.speculative_disable_batch_size < 1:

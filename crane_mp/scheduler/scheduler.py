@@ -634,7 +634,11 @@ class Scheduler:
     def speculating(self) -> bool:
         """Plan no step ahead of the one in flight: it speculates, or the next may (a row speculates only
         from a known input token, and how many tokens a speculating step gains is known from its result)."""
-        return bool(self.awaiting_drafts) or (self.spec.enabled and len(self.running) <= self.spec.disable_batch_size)
+        if self.awaiting_drafts:
+            return True
+        spec = self.spec
+        return (spec.enabled and len(self.running) <= spec.disable_batch_size
+                and any(spec.may_speculate(req.req_id) for req in self.running))
 
     @property
     def is_streaming(self) -> bool:

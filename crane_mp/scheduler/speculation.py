@@ -5,7 +5,10 @@ its KV blocks, and turns it down where it does not pay: for every request while 
 `disable_batch_size` run (a large batch is no longer bound by reading the weights), and per request
 after proposals the model rejected outright, waiting 4 steps after the first such miss and twice as
 many after each next one (up to `_MAX_WAIT` steps) before it tries again, so a draft that never agrees
-costs a fraction of a step's work in every few dozen steps. A request speculates again at the full length once a proposal is accepted whole.
+costs a fraction of a step's work in every few dozen steps. A request speculates again at the full
+length once a proposal is accepted whole; one that had nothing to propose (no n-gram matched) looks
+again `_EMPTY_WAIT` steps on. Steps are planned ahead of the one in flight (overlap) only while no
+running request may speculate in the next one, so the requests that wait keep the overlap's gain.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from crane_mp.protocol import DraftOutcome
 
 _MAX_WAIT = 64
+_EMPTY_WAIT = 4
 
 
 @dataclass(slots=True)
@@ -59,9 +63,17 @@ class Speculation:
         if pace is not None and pace.wait:
             pace.wait -= 1
 
+    def may_speculate(self, req_id: int) -> bool:
+        """The request may propose tokens in its next step (it is not waiting after misses)."""
+        pace = self.paces.get(req_id)
+        return pace is None or not pace.wait
+
     def observe(self, outcome: DraftOutcome) -> None:
         """A speculating step came back: count it, and set how the request speculates next."""
-        if outcome.proposed <= 0:
+        pace = self.paces.get(outcome.req_id)
+        if outcome.proposed <= 0:  # nothing to propose: look again a few steps on
+            if pace is not None:
+                pace.wait = _EMPTY_WAIT
             return
         counters = self.counters
         counters.drafts += 1
@@ -69,7 +81,6 @@ class Speculation:
         counters.accepted_tokens += outcome.accepted
         for position in range(min(outcome.accepted, self.num_tokens)):
             counters.accepted_per_position[position] += 1
-        pace = self.paces.get(outcome.req_id)
         if pace is None:
             return
         if outcome.accepted == 0:

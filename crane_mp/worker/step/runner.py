@@ -347,7 +347,7 @@ class ModelRunner:
         """One forward over the scheduled spans; samples the requests whose span reached their end (an
         embedding request gets its pooled vector and a placeholder token instead). A speculating decode
         row computes its proposals after its token too, and gains every token verification keeps."""
-        drafts = self._propose(scheduled)
+        drafts = self._propose(scheduled, outcomes)
         # Decode-first token layout (see attention.py); remember each request's last row for sampling.
         order = sorted(scheduled, key=lambda s: s.num_new_tokens + len(drafts.get(s.req_id, ())) > 1)
         input_ids: list[int] = []
@@ -436,8 +436,9 @@ class ModelRunner:
         self.sampler.record(states, tokens)
         return tokens, logprobs
 
-    def _propose(self, scheduled: list[ScheduledRequest]) -> dict[int, list[int]]:
-        """The proposals of this step's speculating decode rows (none empty)."""
+    def _propose(self, scheduled: list[ScheduledRequest], outcomes: list[DraftOutcome]) -> dict[int, list[int]]:
+        """The proposals of this step's speculating decode rows (none empty: a row with nothing to propose
+        decodes as any row, its outcome saying so)."""
         if self.proposer is None:
             return {}
         batch = []
@@ -446,6 +447,7 @@ class ModelRunner:
             if sched.num_lookahead and sched.num_computed_tokens + 1 == len(mirror.token_ids):
                 batch.append((sched.req_id, mirror.token_ids, mirror.block_table, sched.num_lookahead))
         proposals = self.proposer.propose(batch) if batch else {}
+        outcomes += [DraftOutcome(req_id, 0, 0) for req_id, tokens in proposals.items() if not tokens]
         return {req_id: tokens for req_id, tokens in proposals.items() if tokens}
 
     def _verify(self, hidden: torch.Tensor, req_ids: list[int], sample_rows: dict[int, int],
