@@ -335,8 +335,13 @@ def main(argv: list[str] | None = None) -> None:
         log.warning("environment variable %s names no crane-launch setting; ignored", name)
     for warning in exposure_warnings(config):
         log.warning("%s", warning)
-    sys.exit(serve_model(config, lambda info: notify("READY=1\nSTATUS=serving " + config.model_name),
-                         Watchdog.from_environment(config)))
+    code = serve_model(config, lambda info: notify("READY=1\nSTATUS=serving " + config.model_name),
+                       Watchdog.from_environment(config))
+    # Every process is stopped and the run directory gone: the interpreter's teardown serves nothing.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve_model(config: ServerConfig, on_ready: Callable[[WorkerReady], None], watchdog: Watchdog | None) -> int:
