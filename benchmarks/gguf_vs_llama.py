@@ -113,6 +113,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
     raise SystemExit("server not ready")
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL past a minute."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def resident_bytes(proc: subprocess.Popen) -> int:
     """The largest resident set among the server and its children (crane-mp's worker holds the model)."""
     root = psutil.Process(proc.pid)
@@ -145,11 +154,7 @@ def measure(server: str, path: Path, args) -> list[dict]:
                           args.output_len, concurrency, server == "llama-server")
             rows.append({**base, **result, "bench": "decode", "rss_gib": round(resident_bytes(proc) / 2**30, 2)})
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     bandwidth = max(bandwidth, dram_read_gbs(args.threads))
     for row in rows:
         row["dram_gbs"] = bandwidth

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_vs_llama import DEFAULT_LLAMA, dram_read_gbs, load, machine, wait_ready  # noqa: E402
+from gguf_vs_llama import DEFAULT_LLAMA, dram_read_gbs, load, machine, stop, wait_ready  # noqa: E402
 
 # llama-server loads a -md model but drafts with it only when told to (--spec-type, default none).
 _LLAMA_DRAFT = ["--spec-type", "draft-simple", "--spec-draft-n-max", "4", "--spec-draft-n-min", "0"]
@@ -76,11 +76,7 @@ def measure(server: str, setting: str, target: Path, extra: list[str], args, bat
                          "output_tok_s": result["output_tok_s"], "tpot_p50_ms": result["tpot_p50_ms"],
                          "errors": result["errors"]})
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     return rows
 
 
