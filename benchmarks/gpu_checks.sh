@@ -5,8 +5,10 @@
 # --gpu-memory-limit 8G; "integration": the real server on CUDA (images, audio, the 2026 families), beside
 # tests/gpu when both are asked for. Each step has its own time limit so a hang costs only that step; logs go to
 # $OUT (default benchmarks/out/gpu). "batch1": the batch-1 roofline in PROCESSES (5) processes, after one
-# with each norm and SiLU*mul a kernel of its own. Wheels the machine lacks (pyzmq, msgspec, gguf, llguidance) are
-# installed from .whl/ when that folder exists.
+# with each norm and SiLU*mul a kernel of its own. Wheels the machine lacks are installed from .whl/ when that
+# folder exists: pyzmq, msgspec, gguf, llguidance, pytest-asyncio, transformers (the families need a newer one than
+# the image's), and for the integration step soundfile, cffi and soxr (the frontend reads audio uploads) too.
+# tests/gpu takes about 7 minutes on an H200 (2026-11-29): TESTS_TIMEOUT=540 for it alone.
 #
 #   bash benchmarks/gpu_checks.sh                 # tests roofline splits memcap
 #   STEPS="tests profile memcap" TESTS=tests/gpu/test_cuda_gguf.py bash benchmarks/gpu_checks.sh
@@ -67,13 +69,14 @@ if [[ " $STEPS " == *" profile "* ]]; then
 fi
 if [[ " $STEPS " == *" integration "* ]]; then
     log "integration tests on CUDA, in the background"
-    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout 150 -rfE \
+    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider --timeout 150 -rfE --durations 15 \
         ${INTEGRATION:-tests/integration/test_vision_language.py tests/integration/test_audio_api.py \
-        tests/integration/test_model_families.py} >"$OUT/integration.log" 2>&1 &
+        tests/integration/test_model_families.py tests/integration/test_speculative.py tests/integration/test_residency.py \
+        tests/integration/test_multi_model.py} >"$OUT/integration.log" 2>&1 &
 fi
 if [[ " $STEPS " == *" tests "* ]]; then
     log tests/gpu
-    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/tests.log" | tail -60
+    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider --timeout 120 -rfE --durations 15 ${TESTS:-tests/gpu} 2>&1 | tee "$OUT/tests.log" | tail -60
 fi
 if [[ " $STEPS " == *" integration "* ]]; then
     wait

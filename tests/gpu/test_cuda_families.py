@@ -1,8 +1,8 @@
 """Every natively served 2026 family on CUDA, from the tiny checkpoints of tests/correctness/test_model_zoo.py
-(both layer kinds of each pattern, windows the prompts cross, soft-capped logits): float32 greedy tokens
-equal transformers' through the Triton attention and the decode graphs, also under preemption, chunked
-prefill and the prefix cache; bf16 equal to transformers' own bf16 run up to its first near tie.
-Skipped without CUDA."""
+(both layer kinds of each pattern, windows the prompts cross, soft-capped logits, experts, Gated DeltaNet
+layers): float32 greedy tokens equal transformers' up to a float32 near tie through the Triton attention and
+the decode graphs where the family has them, also under preemption, chunked prefill and the prefix cache;
+bf16 equal to transformers' own bf16 run wherever that run is stable. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM
 from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.models.registry import MODEL_TYPE_ALIASES
-from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_zoo import FAMILIES
 from tests.gpu.test_cuda_paths import greedy_with_gaps
 from tests.model_helpers import zoo_references
@@ -24,7 +23,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 NATIVE = sorted(f for f in FAMILIES if f in MODEL_TYPE_ALIASES)
 NUM_TOKENS = 12
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+# Top-2 logit gap under which float32 runs summing in other orders may pick differently (Qwen3.5-MoE's
+# tiny checkpoint has a step 4e-5 apart).
+FLOAT32_TIE = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +40,32 @@ def engine(path, dtype: str, **kwargs) -> LLMEngine:
     return LLMEngine(EngineConfig(model_path=str(path), dtype=dtype, **kwargs))
 
 
+def assert_equal_up_to_float32_ties(eng: LLMEngine, prompts, expected) -> None:
+    """Our greedy tokens equal transformers' float32 ones on CPU up to the first step whose top two logits
+    lie within FLOAT32_TIE: there the device's other summation order may pick either."""
+    tokens, gaps = greedy_with_gaps(eng, prompts, NUM_TOKENS)
+    for mine, theirs, steps in zip(tokens, expected, gaps):
+        stable = next((step for step, gap in enumerate(steps) if gap < FLOAT32_TIE), NUM_TOKENS)
+        assert mine[:stable] == theirs[:stable]
+
+
 @pytest.mark.parametrize("family", NATIVE)
 def test_float32_on_cuda_gives_transformers_greedy_tokens_also_under_preemption(zoo, family):
     path, prompts, expected = zoo(family)
     eng = engine(path, "float32")
     runner = eng.worker.runner
     assert eng.worker.device.type == "cuda" and eng.worker.model_config.arch != "transformers"
-    assert runner.attention_backend == "triton" and runner.decode_graphs is not None
-    assert eng.generate(prompts, GREEDY) == expected
+    # The Triton kernels take no attention sinks (gpt-oss) nor images attended both ways (Gemma 3); steps
+    # that group rows by expert on the host or read recurrent state slots are not captured.
+    torch_attention = getattr(runner.model, "bidirectional_images", False) or any(
+        isinstance(getattr(m, "sinks", None), torch.Tensor) for m in runner.model.modules())
+    assert runner.attention_backend == ("torch" if torch_attention else "triton")
+    graphable = not torch_attention and eng.worker.model_config.layout.experts is None and not runner.state_layers
+    assert (runner.decode_graphs is not None) == graphable
+    assert_equal_up_to_float32_ties(eng, prompts, expected)
     tight = engine(path, "float32", max_num_seqs=6, max_total_tokens=96, max_num_batched_tokens=16,
                    enable_prefix_caching=True)
-    assert tight.generate(prompts, GREEDY) == expected
+    assert_equal_up_to_float32_ties(tight, prompts, expected)
     assert tight.scheduler.num_preemptions > 0
     assert tight.scheduler.num_free_blocks == tight.worker.kv_plan.num_blocks
 
@@ -61,20 +77,22 @@ def tie_width(logits: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("family", NATIVE)
-def test_bf16_on_cuda_equals_transformers_bf16_up_to_its_first_near_tie(zoo, family):
-    """Compared up to the first step where either run's top two logits are a near tie. Where transformers'
-    own bf16 run is a near tie from every prompt's first step (Gemma 2 and 4 here: their logits capped
-    at 3 round to the same bf16 values), nothing is comparable; elsewhere some steps must be."""
-    path, prompts, _ = zoo(family)
+def test_bf16_on_cuda_equals_transformers_bf16_where_its_run_is_stable(zoo, family):
+    """Compared up to the first step where either run's top two logits are a near tie, or where
+    transformers' bf16 tokens leave its own float32 ones: a bf16 rounding there flipped a choice no output
+    gap shows (an expert chosen by the router, OLMoE's tiny checkpoint on its 4th prompt). Where
+    transformers' own bf16 run is a near tie from every prompt's first step (Gemma 2 and 4 here: their
+    logits capped at 3 round to the same bf16 values), nothing is comparable; elsewhere some steps must be."""
+    path, prompts, float32_tokens = zoo(family)
     ours, our_gaps = greedy_with_gaps(engine(path, "bfloat16"), prompts, NUM_TOKENS)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
     compared, transformers_opens_stable = 0, False
-    for prompt, tokens, gaps in zip(prompts, ours, our_gaps):
+    for prompt, tokens, gaps, reference in zip(prompts, ours, our_gaps, float32_tokens):
         out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NUM_TOKENS, do_sample=False,
                           eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
         want = out.sequences[0, len(prompt):].tolist()
-        stable = NUM_TOKENS
-        for step, (scores, gap) in enumerate(zip(out.scores, gaps)):
+        stable = next((step for step, (a, b) in enumerate(zip(want, reference)) if a != b), NUM_TOKENS)
+        for step, (scores, gap) in enumerate(zip(out.scores[:stable], gaps)):
             top = scores[0].float().topk(2).values
             their_gap = (top[0] - top[1]).item()
             transformers_opens_stable |= step == 0 and their_gap >= tie_width(scores[0])
