@@ -8,7 +8,7 @@
 # with each norm and SiLU*mul a kernel of its own. Wheels the machine lacks are installed from .whl/ when that
 # folder exists: pyzmq, msgspec, gguf, llguidance, pytest-asyncio, transformers (the families need a newer one than
 # the image's), and for the integration step soundfile, cffi and soxr (the frontend reads audio uploads) too.
-# tests/gpu takes about 7 minutes on an H200 (2026-11-29): TESTS_TIMEOUT=540 for it alone.
+# tests/gpu takes over 6 minutes on an H200 (2026-11-29: 360 s reached 89 %): TESTS_TIMEOUT=540 for it alone.
 #
 #   bash benchmarks/gpu_checks.sh                 # tests roofline splits memcap
 #   STEPS="tests profile memcap" TESTS=tests/gpu/test_cuda_gguf.py bash benchmarks/gpu_checks.sh
