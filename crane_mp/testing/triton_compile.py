@@ -109,7 +109,8 @@ def compile_launch(launch: Launch, capability: int) -> Compiled:
 
 def attention_launches(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
     """Decode (one split and the most splits, with its merge) and prefill over a paged cache, the
-    most splits and prefill also with soft-capped logits (Gemma 2)."""
+    most splits and prefill also with soft-capped logits (Gemma 2), prefill also with per-row key limits
+    (Gemma 3's images)."""
     from crane_mp.worker.kernels import triton_attention as kernels
 
     cache = torch.empty(8, 16, kv_heads, head_dim, dtype=dtype)
@@ -124,6 +125,8 @@ def attention_launches(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: 
     for softcap in (0.0, 50.0):
         kernels.paged_prefill(chunk, cache, cache, tables, lengths, lengths, lengths, 100, torch.empty_like(chunk),
                               0.1, 4096, softcap)
+    kernels.paged_prefill(chunk, cache, cache, tables, lengths, lengths, lengths, 100, torch.empty_like(chunk),
+                          0.1, 1024, 0.0, torch.zeros(100, dtype=torch.int32))
 
 
 def elementwise_launches(dtype: torch.dtype, hidden: int, intermediate: int, heads: int, kv_heads: int,

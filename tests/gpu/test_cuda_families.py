@@ -55,12 +55,12 @@ def test_float32_on_cuda_gives_transformers_greedy_tokens_also_under_preemption(
     eng = engine(path, "float32")
     runner = eng.worker.runner
     assert eng.worker.device.type == "cuda" and eng.worker.model_config.arch != "transformers"
-    # The Triton kernels take no attention sinks (gpt-oss) nor images attended both ways (Gemma 3); steps
-    # that group rows by expert on the host or read recurrent state slots are not captured.
-    torch_attention = getattr(runner.model, "bidirectional_images", False) or any(
-        isinstance(getattr(m, "sinks", None), torch.Tensor) for m in runner.model.modules())
-    assert runner.attention_backend == ("torch" if torch_attention else "triton")
-    graphable = not torch_attention and eng.worker.model_config.layout.experts is None and not runner.state_layers
+    # The Triton kernels take no attention sinks (gpt-oss); steps that group rows by expert on the host,
+    # read recurrent state slots or a media model's per-request state are not captured.
+    sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in runner.model.modules())
+    assert runner.attention_backend == ("torch" if sinks else "triton")
+    config = eng.worker.model_config
+    graphable = not sinks and config.layout.experts is None and not runner.state_layers and config.media is None
     assert (runner.decode_graphs is not None) == graphable
     assert_equal_up_to_float32_ties(eng, prompts, expected)
     tight = engine(path, "float32", max_num_seqs=6, max_total_tokens=96, max_num_batched_tokens=16,

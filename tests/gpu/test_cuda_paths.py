@@ -163,7 +163,7 @@ def test_the_gpu_benchmark_runs_and_reports_each_batch(capsys):
 
     bench = runpy.run_path(str(__import__("pathlib").Path(__file__).parents[2] / "benchmarks" / "gpu.py"))
     bench["main"](["--shape", "small", "--batches", "1", "8", "--context", "256", "--steps", "4"])
-    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |") or line.startswith("| 8 |")]
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 8 |"))]
     assert len(table) == 2 and all("%" in line for line in table)
 
 

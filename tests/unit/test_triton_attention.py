@@ -1,6 +1,7 @@
 """The CUDA path's Triton paged-attention kernels, run on CPU through Triton's interpreter, against the
 portable torch path on the same paged cache: mixed steps of decodes, fresh prefills and chunks after
-cached context, GQA groups, padded head dims, sliding windows, soft-capped logits, split decode. Skipped without Triton."""
+cached context, GQA groups, padded head dims, sliding windows, soft-capped logits, images attended both
+ways, split decode. Skipped without Triton."""
 
 from __future__ import annotations
 
@@ -49,6 +50,16 @@ for dtype, heads, kv_heads, head_dim, block_size, window, softcap in [
                                     softcap))
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
+
+    # Images attended both ways (Gemma 3): spans across query tiles, and one in a chunk after cached keys.
+    both_ways = []
+    for backend in ("triton", "torch"):
+        meta = build_metadata(decodes, prefills, block_size, CPU, dtype, backend)
+        meta.bidirectional = [(0, 26, 40), (0, 60, 70), (1, 41, 44)]
+        both_ways.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim ** -0.5, window,
+                                         softcap))
+    torch.testing.assert_close(both_ways[0].float(), both_ways[1].float(), atol=tol, rtol=tol)
+    assert not torch.allclose(both_ways[1].float(), outs[1].float(), atol=tol, rtol=tol)
 
     # Every split count gives the same decode (the merge is exact up to rounding).
     meta = build_metadata(decodes, [], block_size, CPU, dtype, "triton")

@@ -72,7 +72,7 @@ class AttentionMetadata:
     # attention kind shares its mask, and a model with two kinds (sliding and global layers) builds two.
     masks: dict = field(default_factory=dict)
     # (prefill index, first position, end position) of the images whose placeholders attend to each other
-    # both ways (Gemma 3); the torch path's masks let them.
+    # both ways (Gemma 3): the torch path's masks and the Triton prefill kernel's key limits let them.
     bidirectional: list[tuple[int, int, int]] | None = None
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -348,5 +348,23 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if meta.num_prefills:
         kernels.paged_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_q_start,
                               meta.prefill_q_len, meta.prefill_ctx_before, meta.max_prefill_q, out, scale, window,
-                              softcap or 0.0)
+                              softcap or 0.0, _key_limits(meta, num_tokens) if meta.bidirectional else None)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _key_limits(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
+    """Per query row of the step, the position its keys end before: its own position + 1, or the end of
+    the image it lies in where the image is attended both ways (which a step never splits). Built once
+    per step; such a step is never replayed from a graph, so reading the spans on the host is free."""
+    if "limits" not in meta.masks:
+        starts, lens, before = (t.tolist() for t in (meta.prefill_q_start, meta.prefill_q_len,
+                                                     meta.prefill_ctx_before))
+        limits = torch.zeros(num_tokens, dtype=torch.int32)
+        for start, length, ctx in zip(starts, lens, before):
+            limits[start : start + length] = torch.arange(ctx + 1, ctx + length + 1, dtype=torch.int32)
+        for prefill, first, end in meta.bidirectional:
+            start, ctx, length = starts[prefill], before[prefill], lens[prefill]
+            first, end = max(first, ctx), min(end, ctx + length)
+            limits[start + first - ctx : start + end - ctx] = end
+        meta.masks["limits"] = limits.to(meta.prefill_q_len.device)
+    return meta.masks["limits"]

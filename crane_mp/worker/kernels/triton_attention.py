@@ -117,11 +117,11 @@ def _decode_merge_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, q_start_ptr, q_len_ptr, ctx_before_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, q_start_ptr, q_len_ptr, ctx_before_ptr, limit_ptr,
     scale, window, softcap,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
-    SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr, LIMITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     m_block = tl.program_id(1)
@@ -139,6 +139,11 @@ def _prefill_kernel(
         q = tl.load(q_ptr + (q_start + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh + d[None, :],
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
         hi = ctx_before + tl.minimum((m_block + 1) * BLOCK_M, q_len)  # keys [lo, hi) can be attended
+        if LIMITS:  # each row's own exclusive bound: past its position inside an image attended both ways
+            see = tl.load(limit_ptr + q_start + rows, mask=row_mask, other=0)
+            hi = tl.maximum(hi, tl.max(see, 0))
+        else:
+            see = q_pos + 1
         lo = tl.where(window > 0, tl.maximum(ctx_before + m_block * BLOCK_M - window + 1, 0), 0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -153,7 +158,7 @@ def _prefill_kernel(
             s = dot(q, tl.trans(k), PRECISION, UPCAST) * scale  # [BLOCK_M, BLOCK_N]
             if SOFTCAP:
                 s = _capped(s, softcap)
-            allowed = k_valid[None, :] & (keys[None, :] <= q_pos[:, None])
+            allowed = k_valid[None, :] & (keys[None, :] < see[:, None])
             allowed = allowed & ((window == 0) | (keys[None, :] > q_pos[:, None] - window))
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -228,19 +233,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   q_start: torch.Tensor, q_len: torch.Tensor, ctx_before: torch.Tensor, max_q: int,
-                  out: torch.Tensor, scale: float, window: int, softcap: float = 0.0) -> None:
+                  out: torch.Tensor, scale: float, window: int, softcap: float = 0.0,
+                  limits: torch.Tensor | None = None) -> None:
     """Causal attention of prefill chunks whose keys (cached context and the chunk itself) are all in
-    the cache. Sequence p's queries are rows [q_start[p], q_start[p] + q_len[p]) of q and out [T, H, D]."""
+    the cache. Sequence p's queries are rows [q_start[p], q_start[p] + q_len[p]) of q and out [T, H, D].
+    `limits` [T] int32: each query row sees the keys before its own bound instead of those up to its
+    position (the images Gemma 3 attends both ways)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_cache.shape[2]
     block_m, block_n = _prefill_tiles(q.dtype)
     grid = (block_tables.shape[0], triton.cdiv(max_q, block_m), num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, q_start, q_len, ctx_before,
+        q, k_cache, v_cache, out, block_tables, q_start, q_len, ctx_before, q_len if limits is None else limits,
         scale, window, softcap or 1.0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        SOFTCAP=bool(softcap), GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
-        UPCAST=INTERPRETED,
+        SOFTCAP=bool(softcap), LIMITS=limits is not None, GROUP=group, HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION=_precision(q.dtype), UPCAST=INTERPRETED,
     )

@@ -108,11 +108,9 @@ class ModelRunner:
         self.requests: dict[int, RequestMirror] = {}
         self.num_blocks = 0
         self.attention_backend = platform.attention_backend(attention_backend or attention_backend_override())
-        if self.attention_backend == "triton" and (
-                getattr(model, "bidirectional_images", False)
-                or any(isinstance(getattr(layer, "sinks", None), torch.Tensor) for layer in model.modules())):
-            # The Triton kernels take no attention sinks (gpt-oss), nor images attended both ways (Gemma 3).
-            self.attention_backend = "torch"
+        if self.attention_backend == "triton" and any(isinstance(getattr(layer, "sinks", None), torch.Tensor)
+                                                      for layer in model.modules()):
+            self.attention_backend = "torch"  # the Triton kernels take no attention sinks (gpt-oss)
         self.failed: dict[int, str] = {}  # req id -> error, until the scheduler finishes the request
         self._newly_failed: list[int] = []
         self.fault_token = fault_injection_token()
