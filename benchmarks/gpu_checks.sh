@@ -42,6 +42,10 @@ if [[ " $STEPS " == *" kernels "* ]]; then
     log "decode kernels one by one: projections (cuBLAS, Triton candidates), attention splits"
     timeout ${KERNELS_TIMEOUT:-150} python3 benchmarks/gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -40
 fi
+if [[ " $STEPS " == *" experts "* ]]; then
+    log "a mixture's experts: grouped matmuls against one matmul an expert"
+    timeout 90 python3 benchmarks/gpu_experts.py 2>&1 | tee "$OUT/experts.log" | tail -12
+fi
 if [[ " $STEPS " == *" roofline "* ]]; then
     log "roofline, graphs on"
     timeout 120 python3 benchmarks/gpu.py --steps 30 2>&1 | tee "$OUT/roofline.log" | tail -30

@@ -159,6 +159,17 @@ def gguf_launches(dtype: torch.dtype, in_features: int = 4096) -> None:
         kernels.triton_quantized_matmul(torch.empty(8, in_features, dtype=dtype), weight, qtype, in_features)
 
 
+def experts_launches(dtype: torch.dtype) -> None:
+    """The grouped expert matmuls: gate/up from the tokens' rows and down from the pairs' own, at a
+    30B-A3B mixture's shapes (128 experts, top 8, hidden 2048, 768 wide)."""
+    from crane_mp.worker.kernels import triton_moe as kernels
+
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    blocks = kernels.PairBlocks(ids, 128, kernels.block_rows(dtype))
+    kernels.grouped_matmul(torch.empty(4, 2048, dtype=dtype), torch.empty(128, 1536, 2048, dtype=dtype), blocks, 8)
+    kernels.grouped_matmul(torch.empty(32, 768, dtype=dtype), torch.empty(128, 2048, 768, dtype=dtype), blocks, 1)
+
+
 def skinny_launches(dtype: torch.dtype) -> None:
     """The decode matmul of few rows, every candidate config, for one and several rows, with and
     without a bias, on a shape that divides the tiles and one that does not; one bf16 row also with each

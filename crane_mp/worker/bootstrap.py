@@ -215,8 +215,9 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     timer.done("warm-up")
     # Not with tensor parallelism yet: a captured step would replay its collectives too, untested. Not
     # for a media model: its steps read per-request state (rope positions, a window's cross-attention).
-    # Not for experts: a step groups its rows by expert on the host. Not for recurrent layers: a step
-    # reads its sequences' state slots.
+    # Not for experts: a prompt's step groups its rows by expert on the host (decode steps' grouped
+    # matmuls read nothing on the host, but have not been captured on a GPU yet). Not for recurrent
+    # layers: a step reads its sequences' state slots.
     graphs = (platform.cuda_graphs(config.cuda_graphs, runner.attention_backend) and not model_config.encoder
               and model_config.media is None and tp is None and model_config.arch != TRANSFORMERS
               and model_config.layout.experts is None and not runner.state_layers)

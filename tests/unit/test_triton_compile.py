@@ -21,6 +21,7 @@ from crane_mp.testing.triton_compile import (  # noqa: E402
     attention_launches,
     compile_launch,
     elementwise_launches,
+    experts_launches,
     gguf_launches,
     nvidia_backend_available,
     recorded_launches,
@@ -53,13 +54,18 @@ def _gguf_launches() -> None:
         gguf_launches(dtype)
 
 
+def _experts_launches() -> None:
+    for dtype in (torch.bfloat16, torch.float32):  # float16 compiles as bfloat16 does
+        experts_launches(dtype)
+
+
 def _skinny_launches() -> None:
     for dtype in (torch.bfloat16, torch.float16):  # float32 weights keep cuBLAS
         skinny_launches(dtype)
 
 
-FAMILIES = {"attention": _attention_launches, "elementwise": _elementwise_launches, "gguf": _gguf_launches,
-            "skinny": _skinny_launches}
+FAMILIES = {"attention": _attention_launches, "elementwise": _elementwise_launches, "experts": _experts_launches,
+            "gguf": _gguf_launches, "skinny": _skinny_launches}
 
 
 @pytest.mark.parametrize("capability", [86, 90])

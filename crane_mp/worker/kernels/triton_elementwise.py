@@ -14,6 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
+from crane_mp.worker.kernels import triton_moe
+
+# The layers receive this module as their ops: a mixture's experts find their grouped matmuls here.
+grouped_experts = triton_moe
+
 
 @triton.jit
 def _inverse_rms(sum_of_squares, dim, eps):

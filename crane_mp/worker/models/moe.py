@@ -7,7 +7,9 @@ The step's (token, expert) pairs are sorted by expert, so each expert's matrices
 all of its rows, in one matmul; a token's outputs are summed in expert order, as transformers sums
 them. An expert's gate and up projections are stored stacked ([experts, 2 x intermediate, hidden]),
 its down projection beside them ([experts, hidden, intermediate]), filled from per-expert checkpoint
-tensors or from checkpoints that stack them already (Granite MoE).
+tensors or from checkpoints that stack them already (Granite MoE). On CUDA, float experts of a decode
+step run as two grouped matmuls over the pairs sorted on the device (kernels/triton_moe.py), with no
+host synchronisation.
 """
 
 from __future__ import annotations
@@ -49,9 +51,20 @@ class RoutedExperts(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False) if bias else None
         # Tokens routed to each expert since the runner last read them (its routing table's row), or None.
         self.routed: np.ndarray | None = None
+        # The CUDA platform's grouped matmuls over pairs sorted on the device (triton_moe), where the
+        # experts' weights are float matrices it can read, and the routing table's device row they count
+        # into; None: one matmul an expert.
+        self.grouped = None
+        self.routed_on_device: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; ids, weights [T, k]: each token's experts and their weights -> [T, hidden]."""
+        # Grouped on CUDA while an expert averages at most a block of pairs (decode batches); longer runs
+        # (prompts) keep one cuBLAS matmul an expert.
+        grouped = self.grouped
+        if (grouped is not None and x.is_cuda and ids.numel() <= self.num_experts * grouped.block_rows(x.dtype)
+                and grouped.verified(x.device, x.dtype)):
+            return self._grouped_forward(x, ids, weights)
         k = ids.shape[1]
         if ids.shape[0] == 1:  # one token (a lone decode): its experts in order, its row once each
             experts, order = ids[0].sort()
@@ -70,6 +83,23 @@ class RoutedExperts(nn.Module):
         out = self.run(x.index_select(0, tokens), active, [counts[expert] for expert in active])
         out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
         return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def _grouped_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward on the device alone: a token's pairs in expert order (its outputs summed in that order),
+        both projections as grouped matmuls over them."""
+        ids, order = ids.sort(dim=1)
+        weights = weights.gather(1, order)
+        blocks = self.grouped.PairBlocks(ids, self.num_experts, self.grouped.block_rows(x.dtype))
+        if self.routed_on_device is not None:
+            self.routed_on_device += blocks.counts
+        chosen = ids.reshape(-1)
+        gate_up = self.grouped.grouped_matmul(x.contiguous(), self.gate_up_proj, blocks, ids.shape[1])
+        if self.gate_up_bias is not None:
+            gate_up += self.gate_up_bias[chosen].to(gate_up.dtype)
+        out = self.grouped.grouped_matmul(self._activate(gate_up).contiguous(), self.down_proj, blocks, 1)
+        if self.down_bias is not None:
+            out += self.down_bias[chosen].to(out.dtype)
+        return (out.view(*ids.shape, -1) * weights[..., None].to(out.dtype)).sum(1)
 
     def load_bias(self, projection: str, tensor: torch.Tensor, name: str) -> list[str]:
         """Fill every expert's `projection` bias from one stacked tensor [experts, rows] (a GGUF file's);
@@ -133,6 +163,7 @@ class Experts(RoutedExperts):
                  act: Callable[[torch.Tensor], torch.Tensor], ops: Any = None, layout: ExpertLayout | None = None,
                  ) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size, act, ops, layout)
+        self.grouped = getattr(ops, "grouped_experts", None)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
@@ -178,16 +209,40 @@ def _per_expert(weights: torch.Tensor, rows: torch.Tensor, experts: list[int], c
     return out
 
 
-def routing_table(model: nn.Module) -> np.ndarray | None:
-    """Per mixture-of-experts layer of `model`, the tokens routed to each of its experts: a table whose
-    rows the layers count into (None for a model without experts). Read and zeroed by the runner."""
+class RoutingTable:
+    """Per mixture-of-experts layer, the tokens routed to each of its experts since the runner last read
+    them: rows the layers count into, on the host where they group their rows there, on the device where
+    they run grouped matmuls (read once a step, not synchronised once a layer)."""
+
+    def __init__(self, layers: list[RoutedExperts], device: torch.device) -> None:
+        width = max(layer.num_experts for layer in layers)
+        self.host = np.zeros((len(layers), width), dtype=np.int64)
+        self.device = torch.zeros(len(layers), width, dtype=torch.int64, device=device) \
+            if any(layer.grouped is not None for layer in layers) else None
+        for index, layer in enumerate(layers):
+            layer.routed = self.host[index, : layer.num_experts]
+            if self.device is not None:
+                layer.routed_on_device = self.device[index, : layer.num_experts]
+
+    def clear(self) -> None:
+        self.host.fill(0)
+        if self.device is not None:
+            self.device.zero_()
+
+    def totals(self) -> list[int]:
+        """Each expert's tokens summed over the layers; [] when none were routed."""
+        totals = self.host.sum(axis=0)
+        if self.device is not None:
+            totals = totals + self.device.sum(dim=0).cpu().numpy()
+        return totals.tolist() if totals.any() else []
+
+
+def routing_table(model: nn.Module) -> RoutingTable | None:
+    """The routing table of `model`'s mixture-of-experts layers (None for a model without experts)."""
     layers = [module for module in model.modules() if isinstance(module, RoutedExperts)]
     if not layers:
         return None
-    table = np.zeros((len(layers), max(layer.num_experts for layer in layers)), dtype=np.int64)
-    for row, layer in zip(table, layers):
-        layer.routed = row[: layer.num_experts]
-    return table
+    return RoutingTable(layers, next(model.parameters()).device)
 
 
 def route(logits: torch.Tensor, layout: ExpertLayout,

@@ -261,7 +261,7 @@ class ModelRunner:
         started = time.perf_counter()
         self._apply_plan(plan)
         if self.routing is not None:  # what profiling and warm-up steps routed is not served traffic
-            self.routing.fill(0)
+            self.routing.clear()
         scheduled = [s for s in plan.scheduled if s.req_id not in self.failed]
         result = StepResult(plan.step_id, [], [])
         if scheduled:
@@ -282,8 +282,7 @@ class ModelRunner:
         result.cut_short_req_ids = [req_id for req_id, token in zip(result.req_ids, result.token_ids)
                                     if token in eos and self.requests[req_id].sampling.cut_short]
         if self.routing is not None:
-            totals = self.routing.sum(axis=0)
-            result.expert_tokens = totals.tolist() if totals.any() else []
+            result.expert_tokens = self.routing.totals()
         result.seconds = time.perf_counter() - started
         return result
 
