@@ -231,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory cap for weights + activations + KV cache (on CUDA also the CUDA context and "
                         "libraries: what nvidia-smi shows): 8G, 5120M or a fraction like 0.75 (on CPU it bounds host "
                         "RAM); with several models, every loaded model together")
+    p.add_argument("--cpu-moe-layers", "--n-cpu-moe", type=_non_negative_int, default=None, metavar="N",
+                   help="on a GPU, keep the experts of a GGUF mixture-of-experts model's first N layers in host "
+                        "memory, run by the CPU kernels (llama.cpp's --n-cpu-moe); unset: as many as --gpu-memory-limit "
+                        "needs (none when the model fits); on CPU hosts nothing changes")
     p.add_argument("--max-total-tokens", type=_positive_int, help="cap on KV-cache tokens below what memory allows")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="per-step token budget; longer prompts are prefilled in chunks")
@@ -431,6 +435,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             speculative_ngram_min=args.speculative_ngram_min,
             speculative_ngram_max=args.speculative_ngram_max,
             speculative_disable_batch_size=args.speculative_disable_batch_size,
+            cpu_moe_layers=args.cpu_moe_layers,
             parallel=ParallelConfig(args.tensor_parallel_size, args.nnodes, args.node_rank, args.dist_init_addr),
         )
     except ValueError as err:

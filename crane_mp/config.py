@@ -112,6 +112,9 @@ class EngineConfig:
     speculative_ngram_min: int = 2  # the shortest and longest suffix an n-gram proposal matches
     speculative_ngram_max: int = 4
     speculative_disable_batch_size: int = 8  # more running requests than this: nobody speculates
+    # On a GPU: a GGUF mixture's first N layers keep their experts in host memory (worker/weights/offload.py);
+    # None: as many as the memory limit needs.
+    cpu_moe_layers: int | None = None
 
     @property
     def lora(self) -> bool:
@@ -136,6 +139,8 @@ class EngineConfig:
                 raise ValueError(f"{name} ({flag}) must be at least 1")
         if self.max_model_len < 0:
             raise ValueError("max_model_len (--max-seq-len) must be >= 0")
+        if self.cpu_moe_layers is not None and self.cpu_moe_layers < 0:
+            raise ValueError("cpu_moe_layers (--cpu-moe-layers) must be >= 0")
         if self.max_total_tokens is not None and self.max_total_tokens < self.block_size:
             raise ValueError("max_total_tokens (--max-total-tokens) must hold at least one KV block")
         if len(self.lora_modules) > self.max_loras:

@@ -12,13 +12,13 @@ import torch
 
 from crane_mp.config import EngineConfig, pools_outputs
 from crane_mp.models.config import ModelConfig, load_gguf_config, load_model_config
-from crane_mp.models.gguf_file import describe_types, resolve_model_source
+from crane_mp.models.gguf_file import ModelSource, check_gguf, describe_types, resolve_model_source
 from crane_mp.models.kv_groups import sequence_blocks
 from crane_mp.models.registry import ARCHITECTURES, TRANSFORMERS
 from crane_mp.models.sharding import shard_config
 from crane_mp.worker.cache.memory import KVPlan, plan_kv_blocks
 from crane_mp.worker.parallel.tensor_parallel import TensorParallel
-from crane_mp.worker.platforms import Platform, select_platform
+from crane_mp.worker.platforms import Platform, platform_for, select_platform
 from crane_mp.worker.platforms.device import prefer_huge_pages
 from crane_mp.worker.sampling.grammar import GrammarEngine
 from crane_mp.worker.speculative.draft import DraftProposer
@@ -27,6 +27,13 @@ from crane_mp.worker.step.decode_graphs import graph_batch_sizes, static_buffer_
 from crane_mp.worker.step.runner import ModelRunner
 from crane_mp.worker.weights.loader import file_tensor_bytes, load_model, weight_bytes
 from crane_mp.worker.weights.lora import adapter_bytes, load_adapters
+from crane_mp.worker.weights.offload import (
+    GPU_RESERVE_BYTES,
+    HostExperts,
+    describe,
+    expert_bytes_by_layer,
+    host_expert_layers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +119,30 @@ class PhaseTimer:
         return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases)
 
 
+def _host_experts(config: EngineConfig, model_config: ModelConfig, source: ModelSource,
+                  platform: Platform) -> HostExperts | None:
+    """On a GPU, the GGUF mixture-of-experts layers whose experts stay in host memory: --cpu-moe-layers, or
+    as many as leave the rest of the file within the memory limit beside room for the runtime, a step's
+    activations and the KV cache's first sequences."""
+    if platform.on_cpu or model_config.layout.experts is None:
+        return None
+    if source.format != "gguf":
+        if config.cpu_moe_layers:
+            raise ValueError("--cpu-moe-layers keeps a GGUF file's experts in host memory; this model is a "
+                             "safetensors checkpoint")
+        return None
+    contents = check_gguf(source.gguf_file)
+    by_layer = expert_bytes_by_layer(contents)
+    limit = (config.memory_limit or platform.default_memory_limit).resolve(platform.total_memory())
+    budget = limit - GPU_RESERVE_BYTES - config.max_num_batched_tokens * model_config.activation_bytes_per_token
+    layers = host_expert_layers(config.cpu_moe_layers, by_layer, contents.tensor_bytes, budget)
+    log.info("mixture of experts: %s", describe(layers, by_layer))
+    if not layers:
+        return None
+    cpu = platform_for("cpu")
+    return HostExperts(frozenset(layers), cpu, cpu.int8_matmuls(config.quantized_activations))
+
+
 def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer | None = None,
                 tp: TensorParallel | None = None) -> LoadedWorker:
     """`tp`: this process is one tensor-parallel rank; it loads its part of the model, and the ranks
@@ -144,8 +175,9 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     allocated_before = platform.allocated_bytes()  # others' tensors in this process (an in-process engine)
     dtype = model_dtype(platform, config.dtype, model_config)
     int8 = platform.int8_matmuls(config.quantized_activations)
+    host_experts = _host_experts(config, model_config, source, platform)
     model, weight_types = load_model(rank_config, source, dtype, platform, progress, pools_outputs(config.task),
-                                     lora=config.lora, int8_activations=int8)
+                                     lora=config.lora, int8_activations=int8, host_experts=host_experts)
     if config.lora_modules:
         lora_bytes = load_adapters(model, config.lora_modules, config.max_lora_rank, dtype, platform)
         names = ", ".join(name for name, _ in config.lora_modules)
@@ -178,7 +210,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
         if config.speculative_method == "draft":
             draft = load_draft(config, runner, platform, dtype, progress)
             timer.done("draft model")
-    weights_bytes = weight_bytes(model) + (weight_bytes(draft.model) if draft is not None else 0)
+    # What the device holds: a GPU's plan leaves out the experts kept in host memory.
+    weights_bytes = weight_bytes(model, platform.device) + (weight_bytes(draft.model) if draft is not None else 0)
     draft_kv_bytes = draft.kv_bytes_per_token() if draft is not None else 0  # its cache holds the same blocks
     # What else this engine already holds for good (rope tables, grammar and sampler tensors).
     resident_bytes = max(0, platform.allocated_bytes() - allocated_before - weights_bytes)

@@ -6,19 +6,27 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from crane_mp.config import EngineConfig
+from crane_mp.config import EngineConfig, MemoryLimit
 from crane_mp.engine import LLMEngine
 from crane_mp.model_tokenizer import load_tokenizer
+from crane_mp.models.config import load_gguf_config
+from crane_mp.models.gguf_file import check_gguf, resolve_model_source
 from crane_mp.models.layouts import FULL, SLIDING
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_gguf import make_gguf
 from crane_mp.testing.make_zoo import make_zoo_model
+from crane_mp.worker import bootstrap
+from crane_mp.worker.platforms import platform_for
+from crane_mp.worker.quantized.layers import GGUFExperts
+from crane_mp.worker.weights.offload import GPU_RESERVE_BYTES, HostExperts, expert_bytes_by_layer
 from tests.llama_cpp import CONVERTER, CONVERTER_PYTHON, Converter
 
 NUM_TOKENS = 10
@@ -170,7 +178,6 @@ def test_llama_cpp_s_own_conversion_of_experts_to_q8_0_keeps_them_quantized(tmp_
     import gguf
 
     from crane_mp.worker.models.moe import Experts
-    from crane_mp.worker.quantized.layers import GGUFExperts
 
     hf_dir = make_zoo_model(family, tmp_path / family, overrides=MOE_OVERRIDES.get(family))
     out = tmp_path / f"{family}-q8_0.gguf"
@@ -209,7 +216,6 @@ def test_llama_cpp_s_own_conversion_of_gpt_oss_mxfp4_experts_keeps_them_mxfp4(tm
     """The released gpt-oss form (MXFP4 experts) through llama.cpp's converter: the file's experts stay
     MXFP4 blocks, and with float activations give transformers' tokens on the dequantized checkpoint."""
     from crane_mp.testing.make_zoo import make_mxfp4_experts
-    from crane_mp.worker.quantized.layers import GGUFExperts
 
     reference = make_zoo_model("gpt_oss", tmp_path / "reference")
     released = make_mxfp4_experts(reference, tmp_path / "mxfp4")
@@ -221,3 +227,33 @@ def test_llama_cpp_s_own_conversion_of_gpt_oss_mxfp4_experts_keeps_them_mxfp4(tm
     assert isinstance(experts, GGUFExperts) and experts.down_type == 39  # MXFP4
     got, expected = greedy_pair(reference, out, engine)
     assert got == expected
+
+
+@pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
+def test_experts_kept_in_host_memory_give_the_tokens_of_the_ordinary_load(tmp_path, convert, monkeypatch):
+    """Experts kept in host memory beside a GPU (weights/offload.py). On a stand-in GPU platform: a limit
+    the file fits keeps every expert on the device, one it does not moves as few first layers' experts to
+    the host as it needs, --cpu-moe-layers takes its count whatever fits. Forced on a CPU host: the first
+    layer's experts built on the CPU platform's kernels and marked to run on the host (there the hop moves
+    nothing) give the ordinary load's tokens, and only that layer is marked."""
+    hf_dir = make_zoo_model("qwen3_moe", tmp_path / "qwen3_moe", overrides=MOE_OVERRIDES["qwen3_moe"])
+    out = convert(hf_dir, "q8_0", tmp_path / "qwen3_moe-q8_0.gguf")
+    source, model_config, contents = resolve_model_source(str(out)), load_gguf_config(out), check_gguf(out)
+    first_layer = expert_bytes_by_layer(contents)[0]
+    gpu = SimpleNamespace(on_cpu=False, default_memory_limit=MemoryLimit(fraction=0.9), total_memory=lambda: 2**40)
+    config = EngineConfig(model_path=str(out), max_num_batched_tokens=16, max_num_seqs=16)
+    room = GPU_RESERVE_BYTES + 16 * model_config.activation_bytes_per_token
+    assert bootstrap._host_experts(config, model_config, source, gpu) is None
+    config = replace(config, memory_limit=MemoryLimit(num_bytes=room + contents.tensor_bytes - first_layer // 2))
+    assert bootstrap._host_experts(config, model_config, source, gpu).layers == {0}
+    assert bootstrap._host_experts(replace(config, cpu_moe_layers=2), model_config, source, gpu).layers == {0, 1}
+
+    want = greedy_pair(hf_dir, out)[0]
+    cpu = platform_for("cpu")
+    monkeypatch.setattr(bootstrap, "_host_experts", lambda config, *_: HostExperts(
+        frozenset({0}), cpu, cpu.int8_matmuls(config.quantized_activations)))
+    engine = gguf_engine(out)
+    layers = engine.worker.runner.model.model.layers
+    assert [layer.mlp.host_experts for layer in layers] == [True] + [False] * (len(layers) - 1)
+    assert isinstance(layers[0].mlp.experts, GGUFExperts) and layers[0].mlp.experts.kernels is cpu.gguf
+    assert greedy_pair(hf_dir, out, engine)[0] == want

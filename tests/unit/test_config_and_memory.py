@@ -158,6 +158,18 @@ def test_default_concurrency_follows_a_lowered_step_budget(tmp_path):
         parse_args(["--model-path", model, "--max-num-batched-tokens", "128", "--max-concurrent", "200"])
 
 
+def test_cpu_moe_layers_from_either_spelling(tmp_path):
+    from crane_mp.cli import parse_args
+    from crane_mp.testing.make_model import make_model
+
+    model = str(make_model("qwen3", "tiny", tmp_path / "m"))
+    assert parse_args(["--model-path", model]).engine.cpu_moe_layers is None  # as the memory limit needs
+    assert parse_args(["--model-path", model, "--cpu-moe-layers", "12"]).engine.cpu_moe_layers == 12
+    assert parse_args(["--model-path", model, "--n-cpu-moe", "0"]).engine.cpu_moe_layers == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", model, "--cpu-moe-layers", "-1"])
+
+
 @pytest.mark.parametrize("max_window_layers, expected", [(0, 64), (4, None), (2, 64)])
 def test_qwen2_windows_only_the_layers_from_max_window_layers_on(max_window_layers, expected):
     from transformers import Qwen2Config

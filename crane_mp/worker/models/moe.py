@@ -292,10 +292,15 @@ class SparseMoE(nn.Module):
         # The sigmoid router's score correction (DeepSeek-V3's e_score_correction_bias).
         self.correction_bias = nn.Parameter(torch.zeros(layout.num_experts), requires_grad=False) \
             if layout.router == "sigmoid" else None
+        # The experts live in host memory beside a GPU (weights/offload.py): their rows go there and back.
+        self.host_experts = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.layout, self.correction_bias)
-        out = self.experts(x, ids, weights.to(x.dtype))
+        if self.host_experts:
+            out = self.experts(x.to("cpu"), ids.to("cpu"), weights.to(x.dtype).to("cpu")).to(x.device)
+        else:
+            out = self.experts(x, ids, weights.to(x.dtype))
         if self.shared_expert is None:
             return out
         shared = self.shared_expert(x)

@@ -30,6 +30,7 @@ from crane_mp.worker.quantized.file_reader import MappedFile, read_ranges
 from crane_mp.worker.quantized.formats import LAYOUTS, dequantize
 from crane_mp.worker.quantized.layers import GGUFEmbedding, GGUFExperts, GGUFLinear
 from crane_mp.worker.weights.load_progress import LoadProgress
+from crane_mp.worker.weights.offload import HostExperts
 
 log = logging.getLogger(__name__)
 
@@ -177,10 +178,11 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def load_gguf_model(
     config: ModelConfig, path: Path, dtype: torch.dtype, platform: Platform, progress: bool = True,
-    int8: bool = False,
+    int8: bool = False, host_experts: HostExperts | None = None,
 ) -> tuple[CausalLM, Counter]:
     """Returns the model and the file's tensor types (a Counter of type names) for the start-up log.
-    `int8`: quantized projections take 8-bit activations (Platform.int8_matmuls decided)."""
+    `int8`: quantized projections take 8-bit activations (Platform.int8_matmuls decided). `host_experts`:
+    layers whose experts stay in host memory, on the CPU platform's kernels (weights/offload.py)."""
     contents = check_gguf(path)
     shape = contents.shape
     permute = shape.gguf_arch in PERMUTED_QK_ARCHS
@@ -189,7 +191,7 @@ def load_gguf_model(
                        mapped=platform.reads_weights_in_place)
     try:
         with LoadProgress(len(contents.tensors), "GGUF weights", progress) as bar:
-            loaded = _fill(model, tensors, config, dtype, platform, bar, int8)
+            loaded = _fill(model, tensors, config, dtype, platform, bar, int8, host_experts)
     finally:
         tensors.close()
     missing = model.expected_weights() - loaded
@@ -199,7 +201,7 @@ def load_gguf_model(
 
 
 def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.dtype, platform: Platform,
-          bar: LoadProgress, int8: bool) -> set[str]:
+          bar: LoadProgress, int8: bool, host_experts: HostExperts | None) -> set[str]:
     """Swap in quantized layers for what stays quantized, allocate the rest, load it; returns the
     parameter names filled (as CausalLM.load_weights does)."""
     device, kernels = platform.device, platform.gguf
@@ -238,16 +240,25 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
         ours = f"model.layers.{layer}.mlp.experts"
         dense = model.get_submodule(ours)
         hidden, width, count = config.hidden_size, dense.intermediate_size, dense.num_experts
+        on_host = host_experts is not None and layer in host_experts.layers
+        layer_kernels, layer_int8, ops = (kernels, int8, dense.ops)
+        if on_host:  # the CPU platform's kernels, and its fused SiLU*mul where the GPU's would have run
+            layer_kernels, layer_int8 = host_experts.platform.gguf, host_experts.int8
+            ops = host_experts.platform.elementwise if dense.ops is not None else None
 
-        def layout(name: str, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
+        def layout(name: str, rows: torch.Tensor, on_host=on_host, layer_int8=layer_int8) -> tuple[int, torch.Tensor]:
+            if on_host:
+                qtype, part = mine(name, rows)
+                return host_experts.platform.gguf.layout(qtype, part, width if "down" in name else hidden, layer_int8)
             return laid_out(name, rows, width if "down" in name else hidden, int8)
 
         # Gate and up as one matrix per expert where the file gives them one type (one kernel call).
         gate_up = ([names[:2]] if tensors.qtype(names[0]) == tensors.qtype(names[1]) else [names[:1], names[1:2]])
         _replace(model, ours, GGUFExperts(hidden, width, [tensors.experts_laid_out(part, count, layout)
                                                           for part in gate_up],
-                                          tensors.experts_laid_out(names[2:], count, layout), kernels, int8,
-                                          dense.act, dense.ops, config.layout.experts))
+                                          tensors.experts_laid_out(names[2:], count, layout), layer_kernels,
+                                          layer_int8, dense.act, ops, config.layout.experts))
+        model.get_submodule(f"model.layers.{layer}.mlp").host_experts = on_host
         consumed.update(names)
         bar.update(len(names))
     embed_type = tensors.qtype("token_embd.weight")
@@ -268,6 +279,8 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
         bar.update(1)
 
     materialize(model, device)
+    for layer in host_experts.layers if host_experts is not None else ():  # their biases too
+        model.get_submodule(f"model.layers.{layer}.mlp.experts")._apply(lambda t: t.to("cpu"))
     if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
         model.lm_head.weight = model.model.embed_tokens.weight
 

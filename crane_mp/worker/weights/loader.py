@@ -22,6 +22,7 @@ from crane_mp.worker.quantized.gguf_loader import load_gguf_model
 from crane_mp.worker.quantized.layers import GGUFExperts
 from crane_mp.worker.weights.cpu_packing import pack_linear_weights, spare_copies_fit
 from crane_mp.worker.weights.load_progress import LoadProgress
+from crane_mp.worker.weights.offload import HostExperts
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -54,14 +55,17 @@ def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, t
 def load_model(
     config: ModelConfig, source: ModelSource, dtype: torch.dtype, platform: Platform, progress: bool = True,
     embed_only: bool = False, lora: bool = False, int8_activations: bool = False,
+    host_experts: HostExperts | None = None,
 ) -> tuple[CausalLM, Counter]:
     """The model with its weights, and the file's tensor types (GGUF's; for safetensors the experts an
     MXFP4 checkpoint keeps in GGUF's MXFP4 rows, else none).
     `embed_only`: an embedding model, served without logits, may lack the lm_head. `lora`: LoRA
     adapters will be applied (no activation fused into a packed projection). `int8_activations`: GGUF
-    matmuls on 8-bit activations (Platform.int8_matmuls)."""
+    matmuls on 8-bit activations (Platform.int8_matmuls). `host_experts`: a GGUF file's layers whose experts
+    stay in host memory (weights/offload.py)."""
     if source.format == "gguf":
-        model, types = load_gguf_model(config, source.gguf_file, dtype, platform, progress, int8_activations)
+        model, types = load_gguf_model(config, source.gguf_file, dtype, platform, progress, int8_activations,
+                                       host_experts)
     else:
         model = load_safetensors_model(config, source.model_dir, dtype, platform, progress, embed_only,
                                        int8_activations)
@@ -129,7 +133,9 @@ def file_tensor_bytes(source: ModelSource) -> int:
     return sum(path.stat().st_size for path in safetensors_files(source.model_dir))
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters and (packed-weight) buffers, each tensor counted once."""
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+def weight_bytes(model: torch.nn.Module, device: torch.device | None = None) -> int:
+    """Bytes of parameters and (packed-weight) buffers, each tensor counted once; `device`: only those
+    it holds (a GPU's, less the experts kept in host memory)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]
+               if device is None or t.device.type == device.type}
     return sum(t.numel() * t.element_size() for t in tensors.values())
