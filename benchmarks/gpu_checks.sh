@@ -4,7 +4,8 @@
 # against cuBLAS alone), the GGUF decode matmul's K splits, and the 8B Q4_K_M under
 # --gpu-memory-limit 8G; "integration": the real server on CUDA (images, audio, the 2026 families), beside
 # tests/gpu when both are asked for. Each step has its own time limit so a hang costs only that step; logs go to
-# $OUT (default benchmarks/out/gpu). "batch1": the batch-1 roofline in PROCESSES (5) processes, after one
+# $OUT (default benchmarks/out/gpu). "moecap": a 30B-A3B-shape Q4_K_M under 8G, its first layers' experts in host
+# memory (made on the device, ~17 GB). "batch1": the batch-1 roofline in PROCESSES (5) processes, after one
 # with each norm and SiLU*mul a kernel of its own. Wheels the machine lacks are installed from .whl/ when that
 # folder exists: pyzmq, msgspec, gguf, llguidance, pytest-asyncio, transformers (the families need a newer one than
 # the image's), and for the integration step soundfile, cffi and soxr (the frontend reads audio uploads) too.
@@ -33,6 +34,11 @@ free, total = torch.cuda.mem_get_info()
 print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}: "
       f"used outside torch's allocator after a matmul {(total - free - torch.cuda.memory_reserved()) / 2**20:.0f} MiB")
 EOF
+MOE_GGUF=${MOE_GGUF:-/tmp/random-qwen3-30b-a3b-q4_k_m.gguf}
+case " $STEPS " in *" moecap "*)
+    [ -f "$MOE_GGUF" ] || (python3 -m crane_mp.testing.random_gguf --shape qwen3-30b-a3b --out "$MOE_GGUF.part" \
+                           >"$OUT/random_moe_gguf.log" 2>&1 && mv "$MOE_GGUF.part" "$MOE_GGUF" &) ;;
+esac
 case " $STEPS " in *" memcap "*)
     [ -f "$GGUF" ] || (python3 -m crane_mp.testing.random_gguf --out "$GGUF.part" >"$OUT/random_gguf.log" 2>&1 \
                        && mv "$GGUF.part" "$GGUF" &) ;;
@@ -91,6 +97,13 @@ if [[ " $STEPS " == *" memcap "* ]]; then
     for _ in $(seq 90); do [ -f "$GGUF" ] && break; sleep 2; done
     tail -3 "$OUT/random_gguf.log" 2>/dev/null
     timeout 180 python3 benchmarks/gguf_memory_cap.py --gguf "$GGUF" --output-len 64 2>&1 | tee "$OUT/memcap.log" | tail -60
+fi
+if [[ " $STEPS " == *" moecap "* ]]; then
+    log "30B-A3B Q4_K_M under 8G: the first layers' experts in host memory"
+    for _ in $(seq 150); do [ -f "$MOE_GGUF" ] && break; sleep 2; done
+    tail -3 "$OUT/random_moe_gguf.log" 2>/dev/null
+    timeout 240 python3 benchmarks/gguf_memory_cap.py --gguf "$MOE_GGUF" --output-len 64 2>&1 | tee "$OUT/moecap.log" \
+        | tail -60
 fi
 if [[ " $STEPS " == *" splits "* ]]; then
     log "GGUF decode matmul: K splits"
