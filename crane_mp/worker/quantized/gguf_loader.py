@@ -246,11 +246,12 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
             layer_kernels, layer_int8 = host_experts.platform.gguf, host_experts.int8
             ops = host_experts.platform.elementwise if dense.ops is not None else None
 
-        def layout(name: str, rows: torch.Tensor, on_host=on_host, layer_int8=layer_int8) -> tuple[int, torch.Tensor]:
-            if on_host:
-                qtype, part = mine(name, rows)
-                return host_experts.platform.gguf.layout(qtype, part, width if "down" in name else hidden, layer_int8)
-            return laid_out(name, rows, width if "down" in name else hidden, int8)
+        def layout(name: str, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
+            in_features = width if "down" in name else hidden
+            if not on_host:
+                return laid_out(name, rows, in_features, int8)
+            qtype, part = mine(name, rows)
+            return layer_kernels.layout(qtype, part, in_features, layer_int8)  # left in host memory
 
         # Gate and up as one matrix per expert where the file gives them one type (one kernel call).
         gate_up = ([names[:2]] if tensors.qtype(names[0]) == tensors.qtype(names[1]) else [names[:1], names[1:2]])
