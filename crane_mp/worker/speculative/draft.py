@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from crane_mp.config import MAX_SPECULATIVE_TOKENS
 from crane_mp.worker.cache.attention import SeqSpan
 from crane_mp.worker.step.host_buffers import device_longs
+
+# Known tokens a proposing pass computes as decode rows (the target's last step's gains at most): their
+# keys then match the ones the target's decode rows computed, so an exact draft proposes what the target
+# picks even at its near ties.
+_DECODE_ROWS = 1 + MAX_SPECULATIVE_TOKENS
 
 
 class DraftProposer:
@@ -36,12 +42,14 @@ class DraftProposer:
         # least the last (a step redone request by request proposes again).
         spans = [(req_id, tokens, table, min(self.computed.get(req_id, 0), len(tokens) - 1))
                  for req_id, tokens, table, _ in batch]
-        spans.sort(key=lambda span: len(span[1]) - span[3] > 1)  # decode rows first
+        spans.sort(key=lambda span: len(span[1]) - span[3] > _DECODE_ROWS)  # decode rows first
         decodes, prefills, input_ids, positions, last_rows = [], [], [], [], []
         for req_id, tokens, table, start in spans:
             end = len(tokens)
-            span = SeqSpan(start, end - start, table)
-            (decodes if end - start == 1 else prefills).append(span)
+            if end - start <= _DECODE_ROWS:  # each a decode of its position, as the target attends them
+                decodes.extend(SeqSpan(position, 1, table) for position in range(start, end))
+            else:
+                prefills.append(SeqSpan(start, end - start, table))
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             last_rows.append(len(input_ids) - 1)

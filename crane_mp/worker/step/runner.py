@@ -346,7 +346,7 @@ class ModelRunner:
         row computes its proposals after its token too, and gains every token verification keeps."""
         drafts = self._propose(scheduled, outcomes)
         # Decode-first token layout (see attention.py); remember each request's last row for sampling.
-        order = sorted(scheduled, key=lambda s: s.num_new_tokens + len(drafts.get(s.req_id, ())) > 1)
+        order = sorted(scheduled, key=lambda s: s.num_new_tokens > 1)
         input_ids: list[int] = []
         positions: list[int] = []
         adapters: list[int] = []  # each row's LoRA adapter (0: none)
@@ -368,8 +368,14 @@ class ModelRunner:
             input_ids.extend(mirror.token_ids[start:end] + proposed)
             positions.extend(range(start, end + len(proposed)))
             adapters.extend([mirror.sampling.params.lora_id] * (end - start + len(proposed)))
-            span = SeqSpan(start, sched.num_new_tokens + len(proposed), mirror.block_table, mirror.group_tables)
-            (decodes if span.q_len == 1 else prefills).append(span)
+            if sched.num_new_tokens == 1:
+                # A decode row, and each proposal after it a decode of its own position: every row attends
+                # its keys through the decode kernel as a step of its own would (the step writes every
+                # row's keys before attending), so verification sees the logits plain decoding does.
+                decodes.extend(SeqSpan(start + i, 1, mirror.block_table, mirror.group_tables)
+                               for i in range(1 + len(proposed)))
+            else:
+                prefills.append(SeqSpan(start, sched.num_new_tokens, mirror.block_table, mirror.group_tables))
             if end == len(mirror.token_ids):
                 sample_rows[sched.req_id] = len(input_ids) - 1 - len(proposed)
             if mirror.sampling.params.prompt_logprobs is not None and mirror.num_prompt_scored < mirror.num_prompt_tokens:
