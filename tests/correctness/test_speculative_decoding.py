@@ -103,3 +103,16 @@ def test_every_request_gains_the_tokens_it_gains_without_speculation(model_dir, 
         assert counters.accepted_tokens > 0.5 * counters.draft_tokens, counters
     elif method == "other-draft":
         assert counters.accepted_tokens < 0.2 * counters.draft_tokens, counters
+
+
+def test_proposals_over_a_long_context_verified_as_one_span_gain_the_same_tokens(model_dir, workload, monkeypatch):
+    """Past a context length the proposals are verified as one span of the decode row's sequence (its keys
+    read once) rather than decode rows of their own: the tokens are those without speculation still."""
+    from crane_mp.worker.step import runner
+
+    monkeypatch.setattr(runner, "_PROPOSAL_DECODE_CONTEXT", 0)
+    batch, params, (want, _) = workload
+    eng = engine(model_dir, speculative_num_tokens=4, speculative_disable_batch_size=32,
+                 speculative_method="draft", speculative_model=model_dir)
+    assert run(eng, batch, params)[0] == want
+    assert eng.scheduler.spec.counters.accepted_tokens > 0

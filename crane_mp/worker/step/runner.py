@@ -346,7 +346,8 @@ class ModelRunner:
         row computes its proposals after its token too, and gains every token verification keeps."""
         drafts = self._propose(scheduled, outcomes)
         # Decode-first token layout (see attention.py); remember each request's last row for sampling.
-        order = sorted(scheduled, key=lambda s: s.num_new_tokens > 1)
+        order = sorted(scheduled, key=lambda s: s.num_new_tokens > 1 or (
+            s.req_id in drafts and s.num_computed_tokens > _PROPOSAL_DECODE_CONTEXT))
         input_ids: list[int] = []
         positions: list[int] = []
         adapters: list[int] = []  # each row's LoRA adapter (0: none)
@@ -368,14 +369,15 @@ class ModelRunner:
             input_ids.extend(mirror.token_ids[start:end] + proposed)
             positions.extend(range(start, end + len(proposed)))
             adapters.extend([mirror.sampling.params.lora_id] * (end - start + len(proposed)))
-            if sched.num_new_tokens == 1:
+            if sched.num_new_tokens == 1 and (not proposed or start <= _PROPOSAL_DECODE_CONTEXT):
                 # A decode row, and each proposal after it a decode of its own position: every row attends
                 # its keys through the decode kernel as a step of its own would (the step writes every
                 # row's keys before attending), so verification sees the logits plain decoding does.
                 decodes.extend(SeqSpan(start + i, 1, mirror.block_table, mirror.group_tables)
                                for i in range(1 + len(proposed)))
-            else:
-                prefills.append(SeqSpan(start, sched.num_new_tokens, mirror.block_table, mirror.group_tables))
+            else:  # a prompt chunk, or proposals over a long context: one span reads the keys once
+                span = SeqSpan(start, sched.num_new_tokens + len(proposed), mirror.block_table, mirror.group_tables)
+                (decodes if span.q_len == 1 else prefills).append(span)
             if end == len(mirror.token_ids):
                 sample_rows[sched.req_id] = len(input_ids) - 1 - len(proposed)
             if mirror.sampling.params.prompt_logprobs is not None and mirror.num_prompt_scored < mirror.num_prompt_tokens:
@@ -674,6 +676,9 @@ class ModelRunner:
 _SCORE_BYTES = 112 << 20
 # The token an embedding request "samples": it only ends the request (its max_tokens is 1).
 _PLACEHOLDER_TOKEN = 0
+# Longest context whose proposals are verified as decode rows: each row reads the sequence's keys again,
+# which past this costs more than the exactness at near ties is worth (one span reads them once).
+_PROPOSAL_DECODE_CONTEXT = 2048
 
 
 def _advances_before_sampling(params) -> bool:
