@@ -11,6 +11,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from gpu import measure_bandwidth
 
 from crane_mp.models.layouts import ExpertLayout
 from crane_mp.worker.kernels import triton_elementwise, triton_moe
@@ -29,13 +30,6 @@ def timed_ms(fn, steps: int) -> float:
     return start.elapsed_time(end) / steps
 
 
-def copy_bandwidth() -> float:
-    """Bytes read and written per second by a device-to-device copy of 1 GiB."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (timed_ms(lambda: dst.copy_(src), 10) / 1e3)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -48,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     layout = ExpertLayout(num_experts=args.experts, top_k=args.top_k, intermediate_size=args.width)
     experts = Experts(args.experts, args.hidden, args.width, F.silu, triton_elementwise, layout)
     experts = experts.to("cuda", torch.bfloat16)
-    bandwidth = copy_bandwidth()
+    bandwidth = measure_bandwidth(torch.device("cuda"), 2**30)
     expert_bytes = 3 * args.hidden * args.width * 2
     print(f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e9:.0f} GB/s; one expert {expert_bytes / 2**20:.1f} MiB")
     print("| batch | experts read | grouped ms | per-expert ms | grouped of roofline |")
