@@ -10,7 +10,11 @@ the same threads (`-t N -tb N`, OMP_WAIT_POLICY=PASSIVE as ../shared/peers advis
 ready time (start to /health 200), prefill of a --prefill-len prompt (server-side: the client's TTFT
 of a 1-token request), output tok/s and TTFT/TPOT at each concurrency (serving.py's load generator:
 streaming /v1/completions, token-id prompts, EOS ignored), and the server's resident memory after
-the load (crane-mp: the worker process). The machine's DRAM read bandwidth is measured in the same
+the load (crane-mp: the worker process). Each server starts on the same page cache (--page-cache:
+`warm`, the default, reads the file through it first, as a restart finds it; `cold` drops the file's
+pages first, as the first start after a boot finds it): otherwise the server started second finds the
+file the first one read, and on a VM whose memory is backed on first touch, reading 10 GB cold costs as
+much as either server's whole start. The machine's DRAM read bandwidth is measured in the same
 run, before and after each server (a 2 GiB torch.sum on the same threads; the better of the two, as
 one sample taken while the host is busy reads low), so every decode figure states its
 fraction of the roofline: weight bytes streamed per decode step (the file's tensors less the token
@@ -135,16 +139,36 @@ def load(url: str, concurrency: int, requests: int, prompt_len: int, output_len:
     )))
 
 
+def set_page_cache(path: Path, state: str) -> None:
+    """The file's pages in the page cache (`warm`: read through) or out of it (`cold`: dropped, which
+    needs no privilege for a file nobody writes); `asis` leaves them."""
+    if state == "asis":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if state == "cold":
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return
+        buffer = bytearray(64 << 20)  # one buffer: a new one per read would be fresh memory each time
+        offset = 0
+        while count := os.preadv(fd, [buffer], offset):
+            offset += count
+    finally:
+        os.close(fd)
+
+
 def measure(server: str, path: Path, args) -> list[dict]:
     url = f"http://127.0.0.1:{args.port}"
     bandwidth = dram_read_gbs(args.threads)
+    set_page_cache(path, args.page_cache)
     began = time.monotonic()
     proc = start(server, path, args.port, args)
     rows = []
     try:
         wait_ready(url, proc)
         ready = time.monotonic() - began
-        base = {"server": server, "file": path.name, "ready_s": round(ready, 1)}
+        base = {"server": server, "file": path.name, "ready_s": round(ready, 1), "page_cache": args.page_cache}
         prefill = load(url, 1, 2, args.prefill_len, 1, 1000, server == "llama-server")
         rows.append({**base, "bench": "prefill", "prompt_len": args.prefill_len,
                      "prefill_tok_s": round(args.prefill_len / (prefill["ttft_p50_ms"] / 1e3), 1),
@@ -190,6 +214,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--memory-limit", help="crane-mp's --gpu-memory-limit (default: 8G, or the weights + 3 GiB)")
+    parser.add_argument("--page-cache", choices=["warm", "cold", "asis"], default="warm",
+                        help="the file's pages before each server starts (see above)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--port", type=int, default=8311)
     parser.add_argument("--servers", nargs="+", default=["crane-mp", "llama-server"])

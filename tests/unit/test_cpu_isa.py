@@ -88,6 +88,28 @@ def test_each_environment_builds_under_its_own_name(monkeypatch):
     assert build_name("avx2", "gcc12_2_0", "c++ 12.2.0") != here
 
 
+def test_builds_run_the_environments_own_ninja_whatever_path_the_server_has(monkeypatch, tmp_path):
+    """Two ninja versions read each other's build log as every command changed: a server started with
+    a system ninja first on PATH, then from an activated environment, recompiled everything each time.
+    The package's ninja comes first on the build's PATH, and its version is part of the build's name."""
+    ninja = pytest.importorskip("ninja")
+    system = tmp_path / "bin"
+    system.mkdir()
+    (system / "ninja").write_text("#!/bin/sh\necho 1.0.0\n")
+    (system / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{system}{os.pathsep}{os.environ.get('PATH', '')}")
+    cached = loader.ninja_version
+    cached.cache_clear()
+    try:
+        assert loader._build_env_path().split(os.pathsep)[0] == ninja.BIN_DIR
+        assert loader.ninja_version() not in ("", "1.0.0")
+        ours = build_name("avx2", "gcc12_2_0", "c++ 12.2.0")
+        monkeypatch.setattr(loader, "ninja_version", lambda: "1.0.0")
+        assert build_name("avx2", "gcc12_2_0", "c++ 12.2.0") != ours
+    finally:
+        cached.cache_clear()
+
+
 @pytest.mark.slow  # every native source compiled once per tier: a minute and a half each on two cores
 @pytest.mark.parametrize("tier", ["avx512", "amx"])  # the amx flags hold every other tier's, avx512 none
 def test_kernels_compile_for_tiers_this_cpu_cannot_run(tier, tmp_path):

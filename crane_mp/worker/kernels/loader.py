@@ -8,7 +8,10 @@ for AMX, a new compiler or torch rebuilds instead of loading a stale library, an
 taking turns each keep their own build.
 
 Compiling needs a C++ compiler and ninja; without them, or if the build fails, build_kernels
-returns False and says why in the log.
+returns False and says why in the log. The build runs the environment's own ninja (the `ninja` package
+installed with crane-mp) whatever PATH the server was started with: two ninja versions read each
+other's build log as every command changed, so a server started alternately from an activated virtual
+environment and from a system PATH with its own ninja recompiled everything (a minute) at each start.
 """
 
 from __future__ import annotations
@@ -68,11 +71,39 @@ def compiler_identity() -> tuple[str, str] | None:
     return f"{family}{number.group(0).replace('.', '_') if number else ''}", line
 
 
+def ninja_dir() -> str | None:
+    """The directory of the `ninja` package's executable, None without the package (PATH's ninja then)."""
+    try:
+        import ninja
+    except ImportError:
+        return None
+    return ninja.BIN_DIR if (Path(ninja.BIN_DIR) / "ninja").exists() else None
+
+
+def _build_env_path() -> str:
+    """PATH for the build: the package's ninja first."""
+    path = os.environ.get("PATH", os.defpath)
+    own = ninja_dir()
+    return path if own is None else os.pathsep.join([own, path])
+
+
+@lru_cache(maxsize=1)
+def ninja_version() -> str:
+    """The version of the ninja the build runs ("" when there is none): builds of two versions never
+    share a directory, whose build log each would read as stale."""
+    try:
+        found = shutil.which("ninja", path=_build_env_path())
+        return subprocess.run([found, "--version"], capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip() if found else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def build_name(tier: str, compiler_tag: str, compiler_line: str) -> str:
     digest = hashlib.sha256()
     for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
-    digest.update(" ".join([*TIER_FLAGS[tier], *_COMMON_FLAGS, compiler_line, torch.__version__,
+    digest.update(" ".join([*TIER_FLAGS[tier], *_COMMON_FLAGS, compiler_line, torch.__version__, ninja_version(),
                             *build_paths()]).encode())
     return f"crane_mp_cpu_{tier}_{compiler_tag}_{digest.hexdigest()[:12]}"
 
@@ -146,6 +177,8 @@ def build_kernels(tier: str) -> bool:
         # later start would wait for it forever. Builds take turns on an OS lock instead (released
         # when its holder dies), so whoever holds it knows a leftover torch lock file is stale.
         turn = os.open(build_dir / "crane-mp.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+        path = os.environ.get("PATH")
+        os.environ["PATH"] = _build_env_path()  # torch runs whichever `ninja` PATH finds first
         try:
             fcntl.flock(turn, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
@@ -160,6 +193,10 @@ def build_kernels(tier: str) -> bool:
             )
         finally:
             os.close(turn)
+            if path is None:
+                os.environ.pop("PATH", None)
+            else:
+                os.environ["PATH"] = path
     except Exception as err:  # no ninja, a compiler without these flags, unsupported platform
         log.warning("native CPU kernels for %s did not build: %s", tier, (str(err).strip().splitlines() or ["?"])[-1])
         return False
