@@ -321,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-requests", action="store_true",
                    help="include prompts in the per-request access log (never logged otherwise)")
     p.add_argument("--no-access-log", action="store_true", help="no line per finished request")
+    p.add_argument("--no-web-ui", action="store_true",
+                   help="serve no web pages: no chat page at / and no status page at /status (404 there)")
     return p
 
 
@@ -450,6 +452,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         replica_name=args.replica_name,
         log_requests=args.log_requests,
         access_log=not args.no_access_log,
+        web_ui=not args.no_web_ui,
         shutdown_grace=args.shutdown_grace,
         num_frontends=args.num_frontends,
         max_queue=args.max_queue,

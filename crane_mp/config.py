@@ -213,6 +213,7 @@ class ServerConfig:
     replica_name: str | None = None  # the metrics' replica label; None: host:port
     log_requests: bool = False  # prompts in the access log
     access_log: bool = True
+    web_ui: bool = True  # the chat page at / and the status page at /status
     shutdown_grace: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
     num_frontends: int = 1
     max_queue: int = 1024  # requests waiting for a running slot; more get 429

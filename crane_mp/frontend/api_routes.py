@@ -12,6 +12,7 @@ from crane_mp.frontend.responses import routes as responses
 from crane_mp.frontend.scoring import routes as scoring
 from crane_mp.frontend.sglang import routes as sglang
 from crane_mp.frontend.web.routing import Route
+from crane_mp.frontend.webui import routes as webui
 
 ROUTES: list[Route] = [
     *openai.api.routes,
@@ -25,4 +26,5 @@ ROUTES: list[Route] = [
     *residency.api.routes,
     *sglang.api.routes,
     *audio.api.routes,
+    *webui.api.routes,
 ]
