@@ -1,5 +1,5 @@
 """A wheel of crane-mp, installed into a fresh virtual environment outside the repository, builds and
-loads its native kernels (every source and header ships) for the lowest CPU tier, into a cache entry
+loads its native kernels (every source and header ships, and the web pages' files) for the lowest CPU tier, into a cache entry
 named by the tier, also past the lock file of a build that was killed. (One tier: every source and
 header compiles in each; a build takes a minute on two cores, and CI's second pass builds its tier
 again beside the first.)"""
@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,9 @@ def test_installed_wheel_builds_its_kernels_per_tier(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "-w", str(tmp_path / "dist"), str(REPO)], check=True, cwd=tmp_path)
     [wheel] = (tmp_path / "dist").glob("crane_mp-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    pages = {f"crane_mp/frontend/webui/static/{p.name}" for p in (REPO / "crane_mp/frontend/webui/static").iterdir()}
+    assert pages <= shipped, pages - shipped  # the web pages ship with the package
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"

@@ -161,7 +161,10 @@
   async function settings() {
     try {
       const info = await craneApi.json("/server_info");
-      const rows = Object.entries(info.settings || {}).map(([key, entry]) => {
+      // A server of several models (its router) lists them instead: name, state and task, path.
+      const entries = info.settings ? Object.entries(info.settings)
+        : (info.models || []).map((m) => ["model " + m.id, { value: m.state + ", " + m.task, source: m.root }]);
+      const rows = entries.map(([key, entry]) => {
         const tr = document.createElement("tr");
         for (const value of [key, JSON.stringify(entry && entry.value !== undefined ? entry.value : entry),
           entry && entry.source !== undefined ? String(entry.source) : ""]) {
