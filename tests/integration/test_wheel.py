@@ -1,8 +1,8 @@
-"""A wheel of crane-mp, installed into a fresh virtual environment outside the repository, builds and
-loads its native kernels (every source and header ships, and the web pages' files) for the lowest CPU tier, into a cache entry
-named by the tier, also past the lock file of a build that was killed. (One tier: every source and
-header compiles in each; a build takes a minute on two cores, and CI's second pass builds its tier
-again beside the first.)"""
+"""A wheel of crane-mp (which ships the web pages' files), installed into a fresh virtual environment
+outside the repository, builds and loads its native kernels (every source and header ships) for the
+lowest CPU tier, into a cache entry named by the tier, also past the lock file of a build that was
+killed. (One tier: every source and header compiles in each; a build takes a minute on two cores, and
+CI's second pass builds its tier again beside the first.)"""
 
 from __future__ import annotations
 

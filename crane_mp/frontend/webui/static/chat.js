@@ -243,6 +243,8 @@
     const redraw = () => {
       drawn = false;
       const fresh = messageNode(reply, c.messages.length - 1);
+      const opened = node.querySelector("details.reasoning");
+      if (opened && opened.open) fresh.querySelector("details.reasoning").open = true;  // as the reader left it
       node.replaceChildren(...fresh.childNodes);
       node.scrollIntoView({ block: "end" });
     };
