@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from crane_mp.frontend.api_routes import ROUTES
 from crane_mp.frontend.openapi import api as openapi_api, build_openapi
 from crane_mp.frontend.web.errors import GenerationError
 from crane_mp.frontend.web.routing import admin_paths, open_paths
+from crane_mp.frontend.webui import routes as webui
 from crane_mp.protocol import ErrorKind
 
 
@@ -34,7 +37,9 @@ def test_gate_and_key_exemptions_come_from_the_declarations():
         "/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings", "/v1/responses", "/v1/messages",
         "/v1/rerank", "/rerank", "/v2/rerank", "/score", "/v1/score", "/v1/audio/transcriptions",
         "/v1/audio/translations"}
-    assert open_paths(ROUTES) == {"/health"}
+    # Probes, and the web pages with their files (whose API calls need the key).
+    static = Path(webui.__file__).with_name("static")
+    assert open_paths(ROUTES) == {"/health", "/", "/status", *(f"/ui/{p.name}" for p in static.iterdir())}
     assert admin_paths(ROUTES) == {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/flush_cache", "/abort_request",
                                    "/sleep", "/wake_up", "/update_weights_from_disk"}
 

@@ -131,6 +131,10 @@
         thought.className = "thought";
         thought.textContent = message.reasoning;
         details.append(summary, thought);
+        // Open while there is no answer besides it (a model still thinking, or one that only thought),
+        // folded once the answer comes; a reader's own click decides from then on.
+        details.open = message.reasoningOpen !== undefined ? message.reasoningOpen : !message.content;
+        summary.addEventListener("click", () => { message.reasoningOpen = !details.open; });
         li.append(details);
       }
       body.append(craneMarkdown.render(message.content || ""));
@@ -243,8 +247,6 @@
     const redraw = () => {
       drawn = false;
       const fresh = messageNode(reply, c.messages.length - 1);
-      const opened = node.querySelector("details.reasoning");
-      if (opened && opened.open) fresh.querySelector("details.reasoning").open = true;  // as the reader left it
       node.replaceChildren(...fresh.childNodes);
       node.scrollIntoView({ block: "end" });
     };
