@@ -37,6 +37,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -189,6 +190,27 @@ def measure(server: str, path: Path, args) -> list[dict]:
     return rows
 
 
+def ready_rounds(path: Path, args) -> None:
+    """--ready-rounds N: the servers started and stopped in turn N times before the measured run, each
+    start's ready time printed, then each server's median: one start is a sample of a host whose page
+    faults cost twice as much from one minute to the next."""
+    url = f"http://127.0.0.1:{args.port}"
+    times: dict[str, list[float]] = {server: [] for server in args.servers}
+    for _ in range(args.ready_rounds):
+        for server in args.servers:
+            set_page_cache(path, args.page_cache)
+            began = time.monotonic()
+            proc = start(server, path, args.port, args)
+            try:
+                wait_ready(url, proc)
+                times[server].append(round(time.monotonic() - began, 1))
+            finally:
+                stop(proc)
+    for server, seconds in times.items():
+        print(json.dumps({"bench": "ready", "server": server, "file": path.name, "page_cache": args.page_cache,
+                          "ready_s": seconds, "median_s": statistics.median(seconds)}), flush=True)
+
+
 def machine() -> str:
     flags = ""
     if Path("/proc/cpuinfo").exists():
@@ -216,6 +238,8 @@ def main() -> None:
     parser.add_argument("--memory-limit", help="crane-mp's --gpu-memory-limit (default: 8G, or the weights + 3 GiB)")
     parser.add_argument("--page-cache", choices=["warm", "cold", "asis"], default="warm",
                         help="the file's pages before each server starts (see above)")
+    parser.add_argument("--ready-rounds", type=int, default=0,
+                        help="start and stop the servers in turn this many times first, for ready time's median")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--port", type=int, default=8311)
     parser.add_argument("--servers", nargs="+", default=["crane-mp", "llama-server"])
@@ -224,6 +248,8 @@ def main() -> None:
     parser.add_argument("--crane-args", nargs=argparse.REMAINDER, default=[], help="extra crane-launch flags (last)")
     args = parser.parse_args()
     print(json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d")}), flush=True)
+    for path in args.files if args.ready_rounds else []:
+        ready_rounds(path, args)
     rows = [row for path in args.files for server in args.servers for row in measure(server, path, args)]
     print(f"\n{'file':<26} {'server':<12} {'ready s':>7} {'prefill tok/s':>13} {'C':>3} {'tok/s':>7} "
           f"{'TTFT p50':>9} {'TPOT p50':>9} {'roofline':>8} {'RSS GiB':>7} {'errors':>6}")
