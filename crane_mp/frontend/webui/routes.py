@@ -5,7 +5,7 @@ They are served without the API key, as llama-server serves its page; the pages 
 send it with their API calls, which keep the API's rules. Every answer carries a Content-Security-Policy
 that runs only these files' scripts (no inline script, no eval) and lets the pages reach only this
 server: model text is untrusted, and the scripts only ever put it into text nodes.
-`--no-web-ui` leaves all three routes out (404, as on a server without pages).
+`--no-web-ui` leaves every one of these routes out (404, as on a server without pages).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from crane_mp.frontend.web.routing import RouteTable
 
 api = RouteTable()
 
-_CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml"}
+_CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 _FILES = {path.name: path.read_bytes() for path in sorted(Path(__file__).with_name("static").iterdir())
           if path.suffix in _CONTENT_TYPES}
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
