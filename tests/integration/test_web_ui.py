@@ -126,14 +126,12 @@ def answers(browser) -> list:
 
 
 def finished_stats(browser) -> str:
-    """The newest answer's footer once it finished (its token counts, speed, or "stopped")."""
-    from selenium.webdriver.common.by import By
-
-    nodes = answers(browser)
-    if not nodes:
-        return ""
-    stats = nodes[-1].find_elements(By.CSS_SELECTOR, ".stats")
-    return stats[0].text if stats else ""
+    """The newest answer's footer once it finished (its token counts, speed, or "stopped"). Read in one
+    script: the page redraws an answer as it streams, which would leave a handle found before stale."""
+    return browser.execute_script("""
+        const answers = document.querySelectorAll('.message.assistant');
+        const stats = answers.length ? answers[answers.length - 1].querySelector('.stats') : null;
+        return stats ? stats.textContent : '';""")
 
 
 def send(browser, text: str) -> None:
@@ -301,12 +299,14 @@ def test_the_status_page_shows_the_servers_numbers_while_a_load_runs(server, bro
 
     browser.get(server.url + "/status")
 
-    def shown() -> dict[str, str]:
-        cards = browser.find_elements(By.CSS_SELECTOR, ".model-card")
-        for card in cards:
-            if card.find_element(By.TAG_NAME, "h2").text == "text":
-                return {dd.get_attribute("data-metric"): dd.text for dd in card.find_elements(By.TAG_NAME, "dd")}
-        return {}
+    def shown() -> dict[str, str]:  # one script: the page redraws its cards every second
+        return browser.execute_script("""
+            for (const card of document.querySelectorAll('.model-card')) {
+              if (card.querySelector('h2').textContent !== 'text') continue;
+              const values = [...card.querySelectorAll('dd')].map((dd) => [dd.dataset.metric, dd.textContent]);
+              return Object.fromEntries(values);
+            }
+            return {};""")
 
     def refreshed_after(moment: str) -> None:
         wait_for(lambda: browser.find_element(By.ID, "updated").text not in ("", moment), what="a refresh")
