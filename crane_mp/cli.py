@@ -235,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on a GPU, keep the experts of a GGUF mixture-of-experts model's first N layers in host "
                         "memory, run by the CPU kernels (llama.cpp's --n-cpu-moe); unset: as many as --gpu-memory-limit "
                         "needs (none when the model fits); on CPU hosts nothing changes")
+    p.add_argument("--keep-page-cache", action="store_true",
+                   help="leave a GGUF file's pages in the OS page cache after loading; by default each tensor's "
+                        "pages are dropped once copied into the worker's own layout, so the host holds the weights "
+                        "once and the copies reuse that memory (on VMs that return freed memory to their host, "
+                        "several times faster); keep them to restart often from a slow disk")
     p.add_argument("--max-total-tokens", type=_positive_int, help="cap on KV-cache tokens below what memory allows")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="per-step token budget; longer prompts are prefilled in chunks")
@@ -438,6 +443,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
             speculative_ngram_max=args.speculative_ngram_max,
             speculative_disable_batch_size=args.speculative_disable_batch_size,
             cpu_moe_layers=args.cpu_moe_layers,
+            keep_page_cache=args.keep_page_cache,
             parallel=ParallelConfig(args.tensor_parallel_size, args.nnodes, args.node_rank, args.dist_init_addr),
         )
     except ValueError as err:

@@ -177,7 +177,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     int8 = platform.int8_matmuls(config.quantized_activations)
     host_experts = _host_experts(config, model_config, source, platform)
     model, weight_types = load_model(rank_config, source, dtype, platform, progress, pools_outputs(config.task),
-                                     lora=config.lora, int8_activations=int8, host_experts=host_experts)
+                                     lora=config.lora, int8_activations=int8, host_experts=host_experts,
+                                     drop_file_pages=not config.keep_page_cache)
     if config.lora_modules:
         lora_bytes = load_adapters(model, config.lora_modules, config.max_lora_rank, dtype, platform)
         names = ", ".join(name for name, _ in config.lora_modules)

@@ -133,7 +133,7 @@ class Residency:
         _check_same_shapes(loaded.model_config, new_config, path)
         int8 = loaded.quantized_activations == "int8"
         model, _ = load_model(new_config, source, loaded.dtype, loaded.platform, False, pools_outputs(config.task),
-                              lora=config.lora, int8_activations=int8)
+                              lora=config.lora, int8_activations=int8, drop_file_pages=not config.keep_page_cache)
         if config.lora_modules:
             load_adapters(model, config.lora_modules, config.max_lora_rank, loaded.dtype, loaded.platform)
         for adapter in self.adapters.values():

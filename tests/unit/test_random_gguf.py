@@ -3,6 +3,8 @@ keep their quantized types in memory, and run."""
 
 from __future__ import annotations
 
+import mmap
+
 import gguf
 import numpy as np
 import pytest
@@ -112,3 +114,26 @@ def test_a_random_qwen3_5_file_holds_both_layer_kinds_as_llama_cpp_names_them(tm
     out = engine.generate([[5, 6, 7], list(range(40, 140))], SamplingParams(temperature=0.0, max_tokens=4,
                                                                              ignore_eos=True))
     assert [len(tokens) for tokens in out] == [4, 4]
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_a_loaded_files_pages_leave_the_page_cache_unless_kept(tmp_path, drop):
+    """What the worker copied into its own layout is dropped from the page cache (--keep-page-cache
+    keeps it): the host holds the weights once."""
+    import torch
+
+    from crane_mp.models.config import load_gguf_config
+    from crane_mp.worker.platforms import select_platform
+    from crane_mp.worker.quantized.gguf_loader import load_gguf_model
+    from tests.unit.test_file_reader import cached_file, resident_pages
+
+    path = random_gguf(tmp_path / "small.gguf", "small", "Q4_K_M")
+    cached_file(path)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    platform = select_platform(force_cpu=True)
+    load_gguf_model(load_gguf_config(path, "auto"), path, torch.float32, platform, progress=False,
+                    int8=platform.int8_matmuls("auto"), drop_file_pages=drop)
+    start = min(int(t.data_offset) for t in tensors.values())
+    tensor_pages = resident_pages(path)[-(-start // mmap.PAGESIZE) : -1]  # the file's last page aside
+    # Dropped: all but the large pages a tensor shares with its neighbours (norms of a few KB here).
+    assert tensor_pages.mean() < 0.2 if drop else tensor_pages.all()

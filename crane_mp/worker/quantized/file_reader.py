@@ -10,6 +10,8 @@ the middle of a request. Anonymous memory stays (no swap on an inference host), 
 converted anyway needs no copy of its own first: the conversion reads it from the mapping (an 8B
 Q4_K_M spent 7-9 s copying 5 GB from the page cache into memory it then repacked and freed; its
 weights now load in 11-11.5 s from a warm page cache against 12-14 s, 19-23 s cold against 23 s).
+What has been copied out can leave the page cache (`release`): nothing reads it again, and the
+copies that follow reuse its memory (gguf_loader.py says why that matters).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from crane_mp.heap import libc
 
 _CHUNK = 16 << 20
 _READERS = 4
+_MADV_DONTNEED = 4
 _MADV_POPULATE_READ = 22
 _madvise = getattr(libc(), "madvise", None)
 
@@ -69,9 +72,9 @@ class MappedFile:
         self._bytes = np.frombuffer(mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY), dtype=np.uint8)
         self._start = self._bytes.__array_interface__["data"][0]
         self._pool = ThreadPoolExecutor(_READERS)
-        for offset, length in ranges:
-            for start in range(offset, offset + length, _CHUNK):
-                self._pool.submit(self._read_ahead, start, min(_CHUNK, offset + length - start))
+        self._ahead = {offset: [self._pool.submit(self._read_ahead, start, min(_CHUNK, offset + length - start))
+                                for start in range(offset, offset + length, _CHUNK)]
+                       for offset, length in ranges}  # range start -> its chunks' reads
 
     def _read_ahead(self, offset: int, length: int) -> None:
         # MADV_POPULATE_READ (Linux 5.14) also maps the pages, so the converting threads take fewer
@@ -88,6 +91,20 @@ class MappedFile:
         if offset + length > len(self._bytes):
             raise EOFError(f"{self.path} ends before byte {offset + length}")
         return self._bytes[offset : offset + length]
+
+    def release(self, offset: int, length: int) -> None:
+        """Drops bytes [offset, offset + length), copied out already, from the mapping and from the page
+        cache (pages another process maps stay). A range given at the start is no longer read ahead: a
+        read after the drop would bring it back."""
+        for read in self._ahead.pop(offset, ()):
+            if not read.cancel():
+                read.result()
+        page = mmap.PAGESIZE
+        start, end = -(-offset // page) * page, (offset + length) // page * page
+        if _madvise is not None and end > start:
+            _madvise(ctypes.c_void_p(self._start + start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
 
     def holds(self, tensor) -> bool:
         """Whether `tensor`'s bytes are the mapping's."""

@@ -48,7 +48,8 @@ def load_draft(config: EngineConfig, target: ModelRunner, platform: Platform, dt
         raise ValueError(f"the draft model {name} has {draft_config.vocab_size} tokens, the target "
                          f"{target.config.vocab_size}: it must share the target's tokenizer")
     model, _ = load_model(draft_config, source, dtype, platform, progress,
-                          int8_activations=platform.int8_matmuls(config.quantized_activations))
+                          int8_activations=platform.int8_matmuls(config.quantized_activations),
+                          drop_file_pages=not config.keep_page_cache)
     platform.tune_linears(model, config.max_num_seqs)
     runner = ModelRunner(model, config.block_size, target.max_positions, platform, kv_dtype=target.kv_dtype)
     if runner.state_layers or len(runner.kv_groups.windows) > 1:

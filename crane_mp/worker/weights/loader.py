@@ -55,17 +55,18 @@ def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, t
 def load_model(
     config: ModelConfig, source: ModelSource, dtype: torch.dtype, platform: Platform, progress: bool = True,
     embed_only: bool = False, lora: bool = False, int8_activations: bool = False,
-    host_experts: HostExperts | None = None,
+    host_experts: HostExperts | None = None, drop_file_pages: bool = False,
 ) -> tuple[CausalLM, Counter]:
     """The model with its weights, and the file's tensor types (GGUF's; for safetensors the experts an
     MXFP4 checkpoint keeps in GGUF's MXFP4 rows, else none).
     `embed_only`: an embedding model, served without logits, may lack the lm_head. `lora`: LoRA
     adapters will be applied (no activation fused into a packed projection). `int8_activations`: GGUF
     matmuls on 8-bit activations (Platform.int8_matmuls). `host_experts`: a GGUF file's layers whose experts
-    stay in host memory (weights/offload.py)."""
+    stay in host memory (weights/offload.py). `drop_file_pages`: a GGUF file's pages leave the page
+    cache once copied into the model's own memory (--keep-page-cache unset)."""
     if source.format == "gguf":
         model, types = load_gguf_model(config, source.gguf_file, dtype, platform, progress, int8_activations,
-                                       host_experts)
+                                       host_experts, drop_file_pages)
     else:
         model = load_safetensors_model(config, source.model_dir, dtype, platform, progress, embed_only,
                                        int8_activations)
