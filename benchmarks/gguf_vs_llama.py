@@ -11,7 +11,8 @@ ready time (start to /health 200), prefill of a --prefill-len prompt (server-sid
 of a 1-token request), output tok/s and TTFT/TPOT at each concurrency (serving.py's load generator:
 streaming /v1/completions, token-id prompts, EOS ignored), and the server's resident memory after
 the load (crane-mp: the worker process). Each server starts on the same page cache (--page-cache:
-`warm`, the default, reads the file through it first, as a restart finds it; `cold` drops the file's
+`warm`, the default, reads the file through it first, as a restart after llama-server finds it
+(crane-mp drops the pages it has copied unless --keep-page-cache: after it, the file is cold); `cold` drops the file's
 pages first, as the first start after a boot finds it): otherwise the server started second finds the
 file the first one read, and on a VM whose memory is backed on first touch, reading 10 GB cold costs as
 much as either server's whole start. The machine's DRAM read bandwidth is measured in the same
