@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory, run by the CPU kernels (llama.cpp's --n-cpu-moe); unset: as many as --gpu-memory-limit "
                         "needs (none when the model fits); on CPU hosts nothing changes")
     p.add_argument("--keep-page-cache", action="store_true",
-                   help="leave the model files' pages in the OS page cache after loading; by default each tensor's "
+                   help="leave a GGUF file's pages in the OS page cache after loading; by default each tensor's "
                         "pages are dropped once copied into the worker's own layout, so the host holds the weights "
                         "once and the copies reuse that memory (on VMs that return freed memory to their host, "
                         "several times faster); keep them to restart often from a slow disk")

@@ -115,7 +115,7 @@ class EngineConfig:
     # On a GPU: a GGUF mixture's first N layers keep their experts in host memory (worker/weights/offload.py);
     # None: as many as the memory limit needs.
     cpu_moe_layers: int | None = None
-    keep_page_cache: bool = False  # leave the model files' pages in the page cache once loaded (else dropped)
+    keep_page_cache: bool = False  # leave a GGUF file's pages in the page cache once loaded (else dropped)
 
     @property
     def lora(self) -> bool:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from crane_mp.worker.quantized.file_reader import MappedFile, mapping_of, read_ranges
+from crane_mp.worker.quantized.file_reader import MappedFile, read_ranges
 
 
 @pytest.fixture
@@ -92,34 +92,3 @@ def test_released_bytes_leave_the_page_cache_and_read_back_from_the_file(data_fi
         assert np.array_equal(mapped.view(0, 1 << 20), data[: 1 << 20])  # the file's bytes, from disk
     finally:
         mapped.close()
-
-
-@pytest.mark.parametrize("drop", [True, False])
-def test_safetensors_tensors_leave_the_page_cache_once_copied_unless_kept(tmp_path, drop):
-    from safetensors.torch import save_file
-
-    from crane_mp.worker.weights.loader import iter_safetensors
-
-    tensors = {f"w{i}": torch.randn(1 << 18) for i in range(8)}  # 1 MiB each
-    path = tmp_path / "model.safetensors"
-    save_file(tensors, path)
-    cached_file(path)
-    copies = {}
-    for name, tensor in iter_safetensors([path], progress=False, drop_file_pages=drop):
-        base = mapping_of(path, tensor.data_ptr())
-        if base is not None:  # safetensors reads through a mapping of the file: the view is at its offset
-            assert tensor.data_ptr() - base == bytes_before(path, name)
-        copies[name] = tensor.clone()
-    assert all(torch.equal(copies[name], tensors[name]) for name in tensors)
-    resident = resident_pages(path)
-    assert resident.mean() < 0.1 if drop else resident.all()
-
-
-def bytes_before(path, name: str) -> int:
-    """The offset of tensor `name`'s bytes in safetensors file `path`."""
-    import json
-    import struct
-
-    with open(path, "rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        return 8 + size + json.loads(f.read(size))[name]["data_offsets"][0]

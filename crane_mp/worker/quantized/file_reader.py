@@ -60,36 +60,6 @@ def read_ranges(path: Path, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
     return out
 
 
-def drop_pages(fd: int, offset: int, length: int, mapped_at: int | None) -> None:
-    """Drops file bytes [offset, offset + length), which nothing will read again, from the page cache.
-    `mapped_at`: the address of a private mapping of the whole file in this process, whose pages of the
-    range are unmapped first (a mapped page stays cached); None where this process maps none of them.
-    Pages the range shares with its neighbours stay."""
-    page = mmap.PAGESIZE
-    start, end = -(-offset // page) * page, (offset + length) // page * page
-    if mapped_at is not None and _madvise is not None and end > start:
-        _madvise(ctypes.c_void_p(mapped_at + start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-
-
-def mapping_of(path: Path, address: int) -> int | None:
-    """Where this process maps `path`'s first byte, in the mapping that holds `address` (/proc/self/maps);
-    None where no mapping of `path` holds it."""
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return None
-    name = str(Path(path).resolve())
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5] == name:
-            low, high = (int(bound, 16) for bound in fields[0].split("-"))
-            if low <= address < high:
-                return low - int(fields[2], 16)
-    return None
-
-
 class MappedFile:
     """A file mapped copy-on-write (its pages are the page cache's until written), with the given
     ranges asked of the disk ahead, several at a time, so a cold file arrives at the disk's speed
@@ -129,7 +99,12 @@ class MappedFile:
         for read in self._ahead.pop(offset, ()):
             if not read.cancel():
                 read.result()
-        drop_pages(self._fd, offset, length, self._start)
+        page = mmap.PAGESIZE
+        start, end = -(-offset // page) * page, (offset + length) // page * page
+        if _madvise is not None and end > start:
+            _madvise(ctypes.c_void_p(self._start + start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
 
     def holds(self, tensor) -> bool:
         """Whether `tensor`'s bytes are the mapping's."""

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import struct
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
@@ -19,7 +17,6 @@ from crane_mp.worker.models.build import build_meta_model, materialize
 from crane_mp.worker.models.layers import CausalLM
 from crane_mp.worker.models.moe import SparseMoE
 from crane_mp.worker.platforms import Platform
-from crane_mp.worker.quantized.file_reader import drop_pages, mapping_of
 from crane_mp.worker.quantized.formats import LAYOUTS
 from crane_mp.worker.quantized.gguf_loader import load_gguf_model
 from crane_mp.worker.quantized.layers import GGUFExperts
@@ -39,11 +36,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path], progress: bool, drop_file_pages: bool = False,
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each file's (name, tensor), the tensors views of a mapping of the file. `drop_file_pages`: once the
-    consumer asks for the next, a tensor's file pages leave the page cache (the model copies what it
-    keeps; gguf_loader.py's _release says why it matters)."""
+def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     total = 0
@@ -53,29 +46,10 @@ def iter_safetensors(files: list[Path], progress: bool, drop_file_pages: bool = 
         handles.append(handle)
         total += len(handle.keys())
     with LoadProgress(total, "weights", progress) as bar:
-        for path, handle in zip(files, handles):
-            offsets = _tensor_offsets(path) if drop_file_pages else {}
-            fd = os.open(path, os.O_RDONLY) if drop_file_pages else None
-            try:
-                for name in handle.keys():
-                    tensor = handle.get_tensor(name)
-                    yield name, tensor
-                    bar.update(1)
-                    if fd is not None and name in offsets:
-                        offset, length = offsets[name]
-                        drop_pages(fd, offset, length, mapping_of(path, tensor.data_ptr()) if length else None)
-            finally:
-                if fd is not None:
-                    os.close(fd)
-
-
-def _tensor_offsets(path: Path) -> dict[str, tuple[int, int]]:
-    """A safetensors file's tensors -> (offset in the file, bytes), from its header."""
-    with open(path, "rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(size))
-    return {name: (8 + size + begin, end - begin) for name, meta in header.items() if name != "__metadata__"
-            for begin, end in [meta["data_offsets"]]}
+        for handle in handles:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+                bar.update(1)
 
 
 def load_model(
@@ -88,14 +62,14 @@ def load_model(
     `embed_only`: an embedding model, served without logits, may lack the lm_head. `lora`: LoRA
     adapters will be applied (no activation fused into a packed projection). `int8_activations`: GGUF
     matmuls on 8-bit activations (Platform.int8_matmuls). `host_experts`: a GGUF file's layers whose experts
-    stay in host memory (weights/offload.py). `drop_file_pages`: the files' pages leave the page cache
-    once copied into the model's own memory (--keep-page-cache unset)."""
+    stay in host memory (weights/offload.py). `drop_file_pages`: a GGUF file's pages leave the page
+    cache once copied into the model's own memory (--keep-page-cache unset)."""
     if source.format == "gguf":
         model, types = load_gguf_model(config, source.gguf_file, dtype, platform, progress, int8_activations,
                                        host_experts, drop_file_pages)
     else:
         model = load_safetensors_model(config, source.model_dir, dtype, platform, progress, embed_only,
-                                       int8_activations, drop_file_pages)
+                                       int8_activations)
         experts = config.layout.experts
         types = Counter({"MXFP4": 2 * sum(config.layout.sparse(layer) for layer in range(config.num_hidden_layers))}
                         if experts is not None and experts.mxfp4 else {})
@@ -107,11 +81,9 @@ def load_model(
 
 def load_safetensors_model(
     config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, platform: Platform, progress: bool = True,
-    embed_only: bool = False, int8_activations: bool = False, drop_file_pages: bool = False,
+    embed_only: bool = False, int8_activations: bool = False,
 ) -> CausalLM:
-    """Build the model without initialising it (meta device), then fill every parameter from the checkpoint.
-    `drop_file_pages`: each tensor's file pages leave the page cache once copied (one rank alone: a
-    tensor-parallel rank's neighbours read the same pages)."""
+    """Build the model without initialising it (meta device), then fill every parameter from the checkpoint."""
     model = build_meta_model(config, dtype, platform)
     device = platform.device
     experts = config.layout.experts
@@ -120,8 +92,7 @@ def load_safetensors_model(
     materialize(model, device)
     if config.tie_word_embeddings:
         model.tie_weights()
-    loaded = model.load_weights(iter_safetensors(safetensors_files(Path(model_dir)), progress,
-                                                 drop_file_pages and config.shard is None))
+    loaded = model.load_weights(iter_safetensors(safetensors_files(Path(model_dir)), progress))
     missing = model.expected_weights() - loaded
     if embed_only and "lm_head.weight" in missing:
         # Nothing reads an embedding model's logits but /health_generate's one token: a one-row stub
