@@ -168,10 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory); 2, the weights too (the wake-up reads them from disk again)")
     p.add_argument("--weights-root", help="the directory /update_weights_from_disk may read new weights from "
                                           "(default: the directory holding --model-path)")
-    p.add_argument("--speculative-method", choices=(*SPECULATIVE_METHODS, "mtp"),
+    p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
                    help="speculative decoding: ngram proposes the tokens that followed the latest earlier match of "
                         "the request's last tokens (its prompt and output: no second model); draft runs "
-                        "--speculative-model. The model verifies the proposals in one pass: the same tokens as "
+                        "--speculative-model; mtp runs the checkpoint's multi-token-prediction layer (DeepSeek-V3, "
+                        "GLM-4.5 safetensors). The model verifies the proposals in one pass: the same tokens as "
                         "without (greedy and seeded requests alike), often several per pass over the weights")
     p.add_argument("--speculative-num-tokens", "--num-speculative-tokens", type=_positive_int, default=4,
                    help="tokens proposed per step at most")

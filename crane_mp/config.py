@@ -170,9 +170,6 @@ class EngineConfig:
             if self.speculative_model is not None:
                 raise ValueError("speculative_model (--speculative-model) needs --speculative-method draft")
             return
-        if method == "mtp":
-            raise ValueError("--speculative-method mtp: no model family crane-mp serves loads its multi-token-"
-                             "prediction heads yet; use ngram, or draft with --speculative-model")
         if method not in SPECULATIVE_METHODS:
             raise ValueError("speculative_method (--speculative-method) must be one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")
@@ -195,7 +192,7 @@ class EngineConfig:
                              "--tensor-parallel-size above 1 yet")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 

@@ -156,6 +156,9 @@ _CHECKPOINT_CLASSES = {"qwen3_5": "Qwen3_5ForConditionalGeneration"}
 # Families whose released checkpoints carry a multi-token-prediction layer (`mtp.*`), which
 # transformers drops on loading: a few of its tensors are written besides.
 _MTP_FAMILIES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
+# Families whose released checkpoints carry a whole prediction layer after the last (num_nextn_predict_layers),
+# written with `prediction_layer`.
+NEXTN_FAMILIES = frozenset({"deepseek_v3", "glm4_moe"})
 
 
 def build_zoo_config(family: str, overrides: dict[str, Any] | None = None) -> PreTrainedConfig:
@@ -202,8 +205,9 @@ def _scaled(name: str, shape: torch.Size, noise: torch.Tensor) -> torch.Tensor:
 
 
 def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: dict[str, Any] | None = None,
-                   dtype: str = "float32") -> Path:
-    """Write family `family`'s tiny checkpoint (config, safetensors, tokenizer) to `out`."""
+                   dtype: str = "float32", prediction_layer: bool = False) -> Path:
+    """Write family `family`'s tiny checkpoint (config, safetensors, tokenizer) to `out`;
+    `prediction_layer`: with its multi-token-prediction layer (a NEXTN_FAMILIES family)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = build_zoo_config(family, overrides)
@@ -215,9 +219,13 @@ def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: di
     with torch.device("meta"):
         skeleton = getattr(transformers, config.architectures[0])._from_config(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    state = _checkpoint_names(skeleton, {
-        name: _init_tensor(name, meta.shape, seed, getattr(torch, dtype)).contiguous()
-        for name, meta in skeleton.state_dict().items() if not (tied and name == "lm_head.weight")})
+    state = {name: _init_tensor(name, meta.shape, seed, getattr(torch, dtype)).contiguous()
+             for name, meta in skeleton.state_dict().items() if not (tied and name == "lm_head.weight")}
+    if prediction_layer:
+        if family not in NEXTN_FAMILIES:
+            raise ValueError(f"{family} checkpoints carry no prediction layer after the last")
+        state |= _prediction_layer(skeleton, text, state, seed, getattr(torch, dtype))
+    state = _checkpoint_names(skeleton, state)
     if family in _MTP_FAMILIES:
         hidden = text.hidden_size
         state |= {name: _init_tensor(name, torch.Size(shape), seed, getattr(torch, dtype)) for name, shape in (
@@ -231,6 +239,27 @@ def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: di
         "do_sample": False, "transformers_version": transformers.__version__,
     })
     write_weights(state, out, 1)
+    return out
+
+
+def _prediction_layer(skeleton: torch.nn.Module, text: PreTrainedConfig, state: dict[str, torch.Tensor], seed: int,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's and GLM-4.5's multi-token-prediction layer, `model.layers.{num_hidden_layers}`: a decoder
+    layer of the family, the norms and projection joining an embedding and a hidden state, its head's
+    norm, and copies of the embedding and the head (as the released checkpoints hold them)."""
+    index, hidden = text.num_hidden_layers, text.hidden_size
+    with torch.device("meta"):
+        layer = type(skeleton.model.layers[-1])(text, layer_idx=index)
+    prefix = f"model.layers.{index}."
+    shapes = {prefix + name: meta.shape for name, meta in layer.state_dict().items()}
+    shapes |= {prefix + "enorm.weight": (hidden,), prefix + "hnorm.weight": (hidden,),
+               prefix + "eh_proj.weight": (hidden, 2 * hidden)}
+    out = {name: _init_tensor(name, torch.Size(shape), seed, dtype) for name, shape in shapes.items()}
+    head_norm = prefix + "shared_head.norm.weight"  # scaled as the final norm: logits as peaked as the model's
+    noise = torch.randn(hidden, generator=torch.Generator().manual_seed(_tensor_seed(seed, head_norm)))
+    out[head_norm] = (LOGIT_SCALE * (1.0 + NORM_NOISE * noise)).to(dtype)
+    out[prefix + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    out[prefix + "shared_head.head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"]).clone()
     return out
 
 
@@ -294,9 +323,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", default=0, type=int)
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a real model's shape instead of the tiny one")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--prediction-layer", action="store_true",
+                        help="with the multi-token-prediction layer the released checkpoints carry "
+                             f"({', '.join(sorted(NEXTN_FAMILIES))})")
     args = parser.parse_args(argv)
     print(make_zoo_model(args.family, args.out, seed=args.seed, dtype=args.dtype,
-                         overrides=PRESETS[args.preset] if args.preset else None))
+                         overrides=PRESETS[args.preset] if args.preset else None,
+                         prediction_layer=args.prediction_layer))
 
 
 if __name__ == "__main__":

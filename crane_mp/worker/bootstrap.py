@@ -22,7 +22,8 @@ from crane_mp.worker.platforms import Platform, platform_for, select_platform
 from crane_mp.worker.platforms.device import prefer_huge_pages
 from crane_mp.worker.sampling.grammar import GrammarEngine
 from crane_mp.worker.speculative.draft import DraftProposer
-from crane_mp.worker.speculative.setup import check_target, load_draft, ngram_proposer
+from crane_mp.worker.speculative.mtp import MtpProposer
+from crane_mp.worker.speculative.setup import check_target, load_draft, load_prediction_layer, ngram_proposer
 from crane_mp.worker.step.decode_graphs import graph_batch_sizes, static_buffer_bytes, table_width
 from crane_mp.worker.step.runner import ModelRunner
 from crane_mp.worker.weights.loader import file_tensor_bytes, load_model, weight_bytes
@@ -205,12 +206,15 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
                          share_tokens=None if tp is None else tp.first_rank_tokens,
                          recurrent_dtype=getattr(torch, config.mamba_ssm_cache_dtype))
 
-    draft = None
+    draft = None  # a draft model's or a prediction layer's runner
     if config.speculative_method is not None:
         check_target(config, model_config, runner)
         if config.speculative_method == "draft":
             draft = load_draft(config, runner, platform, dtype, progress)
             timer.done("draft model")
+        elif config.speculative_method == "mtp":
+            draft = load_prediction_layer(config, model_config, source, runner, platform, dtype, progress)
+            timer.done("prediction layer")
     # What the device holds: a GPU's plan leaves out the experts kept in host memory.
     weights_bytes = weight_bytes(model, platform.device) + (weight_bytes(draft.model) if draft is not None else 0)
     draft_kv_bytes = draft.kv_bytes_per_token() if draft is not None else 0  # its cache holds the same blocks
@@ -298,7 +302,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     runner.allocate_kv_cache(kv_plan.num_blocks)
     if draft is not None:
         draft.allocate_kv_cache(kv_plan.num_blocks)
-        runner.proposer = DraftProposer(draft, config.max_num_batched_tokens)
+        runner.proposer = (MtpProposer(draft, model.model.norm) if config.speculative_method == "mtp"
+                           else DraftProposer(draft, config.max_num_batched_tokens))
     elif config.speculative_method == "ngram":
         runner.proposer = ngram_proposer(config)
     if runner.state_layers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Callable
 
 import torch
 from torch import nn
@@ -28,11 +29,16 @@ def build_model(config: ModelConfig, platform: Platform) -> nn.Module:
 def build_meta_model(config: ModelConfig, dtype: torch.dtype, platform: Platform) -> nn.Module:
     """The model on the meta device (no memory, no initialisation), its parameters typed `dtype`;
     loaders then allocate what they fill."""
+    return on_meta(lambda: build_model(config, platform), dtype)
+
+
+def on_meta(make: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:
+    """What `make` builds, its new parameters on the meta device and typed `dtype`."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            return build_model(config, platform)
+            return make()
     finally:
         torch.set_default_dtype(previous)
 

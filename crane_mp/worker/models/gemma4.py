@@ -108,7 +108,7 @@ class Gemma4TextModel(DecoderModel):
             self.projection_scale = config.hidden_size**-0.5
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self._embed(input_ids)  # [T, hidden]
+        x = self.embed(input_ids)  # [T, hidden]
         per_layer = self._per_layer_inputs(input_ids, x) if self.per_layer_input_size else None
         for layer in range(self.first_sharing):
             x = self.layers[layer](x, per_layer[:, layer] if per_layer is not None else None)

@@ -383,7 +383,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Returns the last layer's output before the final norm, which compute_logits applies to the
         few rows that need logits."""
-        x = self._embed(input_ids)  # [T, hidden]
+        x = self.embed(input_ids)  # [T, hidden]
         ctx = get_forward_context()
         if ctx.embeds is not None:  # an image's placeholders take its vision embeddings
             rows, values = ctx.embeds
@@ -397,7 +397,7 @@ class DecoderModel(nn.Module):
                 residual = None
         return x if residual is None else x + residual
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self._lookup(input_ids)
         if self.embedding_scale == 1.0:
             return x
@@ -496,7 +496,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] rows of forward()'s output -> logits [N, vocab]."""
-        logits = self.lm_head(self.model.norm(hidden))
+        return self.head_logits(self.model.norm(hidden))
+
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits of rows already through a final norm (the model's, or a prediction layer's)."""
+        logits = self.lm_head(normed)
         if self.vocab_parallel:
             logits = gather_columns(logits, self.config.vocab_size)
         layout = self.config.layout

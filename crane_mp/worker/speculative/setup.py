@@ -1,4 +1,5 @@
-"""Speculative decoding at worker start-up: what it refuses, and the proposer it builds."""
+"""Speculative decoding at worker start-up: what it refuses, and the proposer it builds (a draft model's
+or a prediction layer's runner)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import torch
 
 from crane_mp.config import EngineConfig
 from crane_mp.models.config import ModelConfig, load_gguf_config, load_model_config
-from crane_mp.models.gguf_file import resolve_model_source
+from crane_mp.models.gguf_file import ModelSource, resolve_model_source
 from crane_mp.models.registry import TRANSFORMERS
+from crane_mp.worker.models.build import materialize, on_meta
+from crane_mp.worker.models.nextn import next_token_model_class, prediction_layers
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.speculative.ngram import NgramProposer
 from crane_mp.worker.step.runner import ModelRunner
-from crane_mp.worker.weights.loader import load_model, weight_bytes
+from crane_mp.worker.weights.cpu_packing import pack_linear_weights
+from crane_mp.worker.weights.loader import iter_safetensors, load_model, safetensors_files, weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +31,7 @@ def check_target(config: EngineConfig, model_config: ModelConfig, runner: ModelR
     if model_config.media is not None:
         raise ValueError(f"speculative decoding serves text models; {model_config.arch} takes "
                          f"{model_config.media} input")
-    if config.speculative_method == "draft" and len(runner.kv_groups.windows) > 1:
+    if config.speculative_method in ("draft", "mtp") and len(runner.kv_groups.windows) > 1:
         raise ValueError(f"a draft model shares the target's block tables; {model_config.arch}'s sliding-window "
                          "layers keep tables of their own: use --speculative-method ngram")
 
@@ -57,6 +61,35 @@ def load_draft(config: EngineConfig, target: ModelRunner, platform: Platform, dt
                          "linear attention)")
     log.info("draft model %s: %s, %.1f MiB of weights, %d KV bytes per token", name, draft_config.arch,
              weight_bytes(model) / 2**20, runner.kv_bytes_per_token())
+    return runner
+
+
+def load_prediction_layer(config: EngineConfig, model_config: ModelConfig, source: ModelSource,
+                          target: ModelRunner, platform: Platform, dtype: torch.dtype, progress: bool) -> ModelRunner:
+    """The runner of the checkpoint's multi-token-prediction layer (its KV cache not allocated yet),
+    refused, with what to do instead, where the checkpoint has none crane-mp serves."""
+    family = type(target.model)
+    if prediction_layers(model_config) < 1 or not family.skips_extra_layers:
+        raise ValueError(f"--speculative-method mtp: this {model_config.arch} checkpoint has no multi-token-"
+                         "prediction layer crane-mp serves (DeepSeek-V3's and GLM-4.5's, num_nextn_predict_layers); "
+                         "use ngram, or draft with --speculative-model")
+    if source.format == "gguf":
+        raise ValueError("--speculative-method mtp reads the prediction layer from a safetensors checkpoint; "
+                         "with a GGUF file use ngram, or draft with --speculative-model")
+    model = on_meta(lambda: next_token_model_class(family)(model_config, target.model, platform), dtype)
+    materialize(model, platform.device)
+    loaded = model.load_weights(iter_safetensors(safetensors_files(source.model_dir), progress, model.in_layer))
+    missing = model.expected_weights() - loaded
+    if missing:
+        raise ValueError(f"--speculative-method mtp: the checkpoint lacks {len(missing)} tensors of its multi-token-"
+                         f"prediction layer ({model.layer_prefix}*), e.g. {sorted(missing)[:3]}")
+    model.eval()
+    if platform.pack_bf16_weights(dtype):
+        pack_linear_weights(model, spare=False)
+    platform.tune_linears(model, config.max_num_seqs)
+    runner = ModelRunner(model, config.block_size, target.max_positions, platform, kv_dtype=target.kv_dtype)
+    log.info("multi-token prediction: layer %d, %.1f MiB of weights, %d KV bytes per token",
+             model_config.num_hidden_layers, weight_bytes(model) / 2**20, runner.kv_bytes_per_token())
     return runner
 
 

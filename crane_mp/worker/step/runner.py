@@ -43,6 +43,7 @@ from crane_mp.worker.platforms.device import is_device_fault
 from crane_mp.worker.sampling.grammar import GrammarEngine
 from crane_mp.worker.sampling.sampler import Sampler, SamplingState
 from crane_mp.worker.sampling.whisper_logits import apply_whisper_rules
+from crane_mp.worker.speculative.mtp import FedRows
 from crane_mp.worker.step.decode_graphs import DecodeGraphs, capture_cuda
 from crane_mp.worker.step.forward_context import (
     ForwardContext,
@@ -358,8 +359,10 @@ class ModelRunner:
         sum_rows: list[tuple[int, int, int]] = []  # mean pooling: (req_id, first row, prompt positions summed)
         media: list[MediaSpan] = []
         slots: list[int] = []  # each sequence's state pool slot (a hybrid model's)
+        first_rows: dict[int, int] = {}  # each request's first row
         for sched in order:
             mirror = self.requests[sched.req_id]
+            first_rows[sched.req_id] = len(input_ids)
             if mirror.state_slot is not None:
                 slots.append(mirror.state_slot)
             start, end = sched.num_computed_tokens, sched.num_computed_tokens + sched.num_new_tokens
@@ -396,7 +399,8 @@ class ModelRunner:
         if self.decode_graphs is not None and not prefills and lora is None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(decodes, input_ids, positions)
         else:
-            needed = None if score_rows or sum_rows or media else sorted(
+            feeds = getattr(self.proposer, "needs_hidden", False)
+            needed = None if score_rows or sum_rows or media or feeds else sorted(
                 row + i for req_id, row in sample_rows.items() for i in range(1 + len(drafts.get(req_id, ()))))
             states = None
             if self.state_pool is not None:
@@ -421,6 +425,8 @@ class ModelRunner:
             sampled_ids, tokens, logprobs = self._verify(hidden, sampled_ids, sample_rows, drafts, outcomes)
         else:
             tokens, logprobs = self._sample_rows(hidden, sampled_ids, sample_rows)
+        if getattr(self.proposer, "needs_hidden", False):
+            self._feed_proposer(scheduled, first_rows, drafts, hidden)
         if embedded_ids:
             logprobs = logprobs + [None] * len(embedded_ids) if logprobs else []
         return sampled_ids + embedded_ids, tokens + [_PLACEHOLDER_TOKEN] * len(embedded_ids), logprobs
@@ -454,6 +460,30 @@ class ModelRunner:
         proposals = self.proposer.propose(batch) if batch else {}
         outcomes += [DraftOutcome(req_id, 0, 0) for req_id, tokens in proposals.items() if not tokens]
         return {req_id: tokens for req_id, tokens in proposals.items() if tokens}
+
+    def _feed_proposer(self, scheduled: list[ScheduledRequest], first_rows: dict[int, int],
+                       drafts: dict[int, list[int]], hidden: torch.Tensor) -> None:
+        """Hand a proposer that reads the target's hidden states (mtp.py) every row of the step whose next
+        token is known now: each span's, and the proposals verification kept. It failing costs its
+        proposals, never the step (whose tokens are sampled already): its requests are fed afresh."""
+        rows = []
+        for sched in scheduled:
+            mirror = self.requests[sched.req_id]
+            if mirror.sampling.params.pooling is not None:
+                continue
+            start = sched.num_computed_tokens
+            known = len(mirror.token_ids) - 1 - start  # rows whose next token is known (rejected rows are not)
+            count = min(known, sched.num_new_tokens + len(drafts.get(sched.req_id, ())))
+            rows.append(FedRows(sched.req_id, start, first_rows[sched.req_id],
+                                mirror.token_ids[start + 1 : start + 1 + count], mirror.block_table))
+        try:
+            self.proposer.feed(rows, hidden)
+        except Exception as err:
+            if self._fatal(err):
+                raise
+            log.exception("the proposer failed to take a step's hidden states; its requests' proposals start afresh")
+            for fed in rows:
+                self.proposer.reset(fed.req_id)
 
     def _verify(self, hidden: torch.Tensor, req_ids: list[int], sample_rows: dict[int, int],
                 drafts: dict[int, list[int]], outcomes: list[DraftOutcome],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import psutil
 import torch
@@ -36,18 +36,21 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[Path], progress: bool,
+                     wanted: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The files' tensors by name (`wanted`: only the names it accepts, the others never read)."""
     from safetensors import safe_open
 
     total = 0
     handles = []
     for path in files:
         handle = safe_open(str(path), framework="pt", device="cpu")  # mmap: tensors are paged in on access
-        handles.append(handle)
-        total += len(handle.keys())
+        names = [name for name in handle.keys() if wanted is None or wanted(name)]
+        handles.append((handle, names))
+        total += len(names)
     with LoadProgress(total, "weights", progress) as bar:
-        for handle in handles:
-            for name in handle.keys():
+        for handle, names in handles:
+            for name in names:
                 yield name, handle.get_tensor(name)
                 bar.update(1)
 
