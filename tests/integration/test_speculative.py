@@ -12,9 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from crane_mp.config import EngineConfig
+from crane_mp.engine import LLMEngine
+from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_model import make_model
+from crane_mp.testing.make_zoo import make_zoo_model
 from tests.integration.server import Server
 
 # float32 KV: a 16-bit cache can round a prefix recomputed after preemption unlike the decoded one.
@@ -106,9 +111,36 @@ def test_a_draft_models_server_answers_as_the_server_without_it(model, reference
         assert spec.stop() == 0
 
 
+def test_a_prediction_layer_s_server_answers_as_the_model_without_it(tmp_path_factory):
+    """--speculative-method mtp on a DeepSeek-V3 checkpoint's prediction layer: the server's greedy tokens,
+    under preemption, are the engine's without speculation; /metrics counts the proposals."""
+    path = make_zoo_model("deepseek_v3", tmp_path_factory.mktemp("m") / "deepseek_v3", seed=4, prediction_layer=True)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (30, 7, 45, 18, 26, 11, 38, 4)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = LLMEngine(EngineConfig(model_path=str(path), dtype="float32", kv_cache_dtype="float32", force_cpu=True,
+                                  max_model_len=128)).generate(prompts, params)
+    spec = serve(path, tmp_path_factory, "--speculative-method", "mtp", "--speculative-num-tokens", "3",
+                 "--speculative-disable-batch-size", "32")
+    try:
+        def one(prompt: list[int]) -> list[int]:
+            r = requests.post(spec.url + "/generate", json={"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": 20, "temperature": 0, "ignore_eos": True}}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["output_ids"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(one, prompts)) == want
+        assert spec.stats()["num_preemptions"] > 0  # 128 KV tokens do not hold 8 requests at once
+        families = {f.name: f for f in text_string_to_metric_families(requests.get(spec.url + "/metrics").text)}
+        assert sum(s.value for s in families["vllm:spec_decode_num_draft_tokens"].samples) > 0
+    finally:
+        assert spec.stop() == 0
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--speculative-method", "draft"], "needs --speculative-model"),
-    (["--speculative-method", "mtp"], "multi-token-prediction"),
+    (["--speculative-method", "mtp"], "has no multi-token-prediction layer"),
     (["--speculative-method", "ngram", "--speculative-ngram-min", "5", "--speculative-ngram-max", "3"],
      "--speculative-ngram-min"),
     (["--speculative-method", "ngram", "--task", "embed"], "--task generate"),

@@ -161,6 +161,7 @@ class GatedDeltaNet(nn.Module):
         self.activation = config.hidden_act
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1], the compute dtype
         self.recurrent_state: torch.Tensor | None = None  # [slots, value heads, key dim, value dim]
+        self.pending: tuple | None = None  # a verifying step's decode rows, until commit
 
     def finalize_weights(self) -> None:
         """Nothing to prepare after loading (CausalLM.load_weights calls it on every layer's mixer)."""
@@ -179,7 +180,9 @@ class GatedDeltaNet(nn.Module):
         b, a = gates
         out = torch.empty(rows, self.value_heads, self.value_dim, dtype=torch.float32, device=x.device)
         decodes = states.num_decodes if states is not None else 0
-        if decodes:
+        if decodes and states.waves is not None:
+            out[:decodes] = self._decode_waves(mixed[:decodes], b[:decodes], a[:decodes], states)
+        elif decodes:
             out[:decodes] = self._decode(mixed[:decodes], b[:decodes], a[:decodes], states.decode_slots)
         if decodes < len(ctx.spans):
             if ctx.prefill_groups is None:  # the step's layout, the same for every linear layer
@@ -207,20 +210,48 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return l2_normalize(q), l2_normalize(k), v, g, beta
 
-    def _decode(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token of each of the step's decoding sequences: [decodes, value heads, value dim]."""
+    def _decode(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
+                states: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One token of each of the step's decoding sequences: [decodes, value heads, value dim].
+        `states`: (convolution, recurrent) tensors that `slots` index instead of the pool's."""
+        conv_state, recurrent_state = states or (self.conv_state, self.recurrent_state)
         weight = self.conv1d.weight[:, 0]  # [conv_dim, kernel]
-        window = torch.cat([self.conv_state.index_select(0, slots), mixed[:, :, None]], dim=-1)
+        window = torch.cat([conv_state.index_select(0, slots), mixed[:, :, None]], dim=-1)
         # One output per channel: a product and a sum (a depthwise Conv1d call costs ten times that here).
         conv = (window.to(weight.dtype) * weight).sum(dim=-1)
-        self.conv_state.index_copy_(0, slots, window[..., 1:].to(self.conv_state.dtype))
+        conv_state.index_copy_(0, slots, window[..., 1:].to(conv_state.dtype))
         q, k, v, g, beta = self._heads(_ACTIVATIONS[self.activation](conv), b, a)
         q = q / self.key_dim**0.5
         if self.step_op is not None:
-            return self.step_op(q, k, v, g, beta, self.recurrent_state, slots)
-        out, after = recurrent_step(q, k, v, g, beta, self.recurrent_state.index_select(0, slots).float())
-        self.recurrent_state.index_copy_(0, slots, after.to(self.recurrent_state.dtype))
+            return self.step_op(q, k, v, g, beta, recurrent_state, slots)
+        out, after = recurrent_step(q, k, v, g, beta, recurrent_state.index_select(0, slots).float())
+        recurrent_state.index_copy_(0, slots, after.to(recurrent_state.dtype))
         return out
+
+    def _decode_waves(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, states) -> torch.Tensor:
+        """Decode rows of which several are one sequence's (a decode row and the proposals after it):
+        each wave of rows one decode step, as plain decoding takes each of them, on copies of the
+        sequences' states. The pool's stay as they were until `commit` replays the rows kept."""
+        slots = states.decode_slots
+        owners = torch.unique(slots, return_inverse=True)[1]  # each row's sequence, as a row of the copies
+        seq_slots = torch.zeros(int(owners.max()) + 1, dtype=slots.dtype, device=slots.device)
+        seq_slots.index_copy_(0, owners, slots)
+        copies = (self.conv_state.index_select(0, seq_slots), self.recurrent_state.index_select(0, seq_slots))
+        out = mixed.new_empty(mixed.shape[0], self.value_heads, self.value_dim, dtype=torch.float32)
+        for rows in states.waves:
+            out[rows] = self._decode(mixed[rows], b[rows], a[rows], owners[rows], copies)
+        self.pending = (mixed, b, a, slots, states.waves)
+        return out
+
+    def commit(self, kept: torch.Tensor) -> None:
+        """After a verifying step: the pool's states advance by the decode rows kept ([decode rows] of
+        bools; each sequence's first rows), the same steps `_decode_waves` took on the copies."""
+        mixed, b, a, slots, waves = self.pending
+        self.pending = None
+        for rows in waves:
+            rows = rows[kept[rows]]
+            if rows.numel():
+                self._decode(mixed[rows], b[rows], a[rows], slots[rows])
 
     def _prefill(self, group: PrefillGroup, slots: torch.Tensor | None, mixed: torch.Tensor, b: torch.Tensor,
                  a: torch.Tensor) -> torch.Tensor:

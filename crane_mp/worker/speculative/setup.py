@@ -24,10 +24,8 @@ log = logging.getLogger(__name__)
 
 def check_target(config: EngineConfig, model_config: ModelConfig, runner: ModelRunner) -> None:
     """Refuse, at start, a target whose steps cannot verify proposals: a rejected proposal must leave
-    nothing behind but KV that later tokens overwrite."""
-    if runner.state_layers:
-        raise ValueError(f"speculative decoding: {model_config.arch}'s linear-attention layers keep a recurrent "
-                         "state that rejected proposals would advance; it is not supported for them yet")
+    nothing behind but KV that later tokens overwrite (a hybrid's recurrent layers keep the state of
+    the rows kept: ModelRunner._commit_states)."""
     if model_config.media is not None:
         raise ValueError(f"speculative decoding serves text models; {model_config.arch} takes "
                          f"{model_config.media} input")

@@ -85,11 +85,15 @@ class MediaStep:
 class StateBatch:
     """Where a hybrid model's linear-attention layers keep each sequence's state this step: `slots[i]` is
     the state pool slot of the step's i-th sequence (the order of ForwardContext.spans, decodes first);
-    the first `num_decodes` have one row each and run as one batch (their slots also as `decode_slots`)."""
+    the first `num_decodes` are one row each (their slots also as `decode_slots`), several of one
+    sequence where it verifies proposals."""
 
     slots: list[int]
     num_decodes: int
     decode_slots: torch.Tensor | None
+    # Speculative verification: a sequence's decode row and the proposals after it are decode rows of the
+    # same slot. waves[w]: the decode rows that are their sequence's w-th; None when each has one.
+    waves: list[torch.Tensor] | None = None
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -348,7 +349,7 @@ class ModelRunner:
         drafts = self._propose(scheduled, outcomes)
         # Decode-first token layout (see attention.py); remember each request's last row for sampling.
         order = sorted(scheduled, key=lambda s: s.num_new_tokens > 1 or (
-            s.req_id in drafts and s.num_computed_tokens > _PROPOSAL_DECODE_CONTEXT))
+            s.req_id in drafts and not self._verifies_as_decodes(s.num_computed_tokens)))
         input_ids: list[int] = []
         positions: list[int] = []
         adapters: list[int] = []  # each row's LoRA adapter (0: none)
@@ -358,13 +359,13 @@ class ModelRunner:
         score_rows: list[tuple[int, int, int]] = []  # (req_id, first row, first prompt token scored)
         sum_rows: list[tuple[int, int, int]] = []  # mean pooling: (req_id, first row, prompt positions summed)
         media: list[MediaSpan] = []
-        slots: list[int] = []  # each sequence's state pool slot (a hybrid model's)
+        decode_slots: list[int] = []  # each decode row's state pool slot (a hybrid model's)
+        prefill_slots: list[int] = []  # each prefill span's
+        decode_rows: list[tuple[int, int]] = []  # (req id, its decode rows) in row order
         first_rows: dict[int, int] = {}  # each request's first row
         for sched in order:
             mirror = self.requests[sched.req_id]
             first_rows[sched.req_id] = len(input_ids)
-            if mirror.state_slot is not None:
-                slots.append(mirror.state_slot)
             start, end = sched.num_computed_tokens, sched.num_computed_tokens + sched.num_new_tokens
             if mirror.media is not None:
                 media.append(MediaSpan(mirror.media, start, end, len(input_ids), mirror.block_table))
@@ -372,15 +373,20 @@ class ModelRunner:
             input_ids.extend(mirror.token_ids[start:end] + proposed)
             positions.extend(range(start, end + len(proposed)))
             adapters.extend([mirror.sampling.params.lora_id] * (end - start + len(proposed)))
-            if sched.num_new_tokens == 1 and (not proposed or start <= _PROPOSAL_DECODE_CONTEXT):
+            if sched.num_new_tokens == 1 and (not proposed or self._verifies_as_decodes(start)):
                 # A decode row, and each proposal after it a decode of its own position: every row attends
                 # its keys through the decode kernel as a step of its own would (the step writes every
                 # row's keys before attending), so verification sees the logits plain decoding does.
                 decodes.extend(SeqSpan(start + i, 1, mirror.block_table, mirror.group_tables)
                                for i in range(1 + len(proposed)))
+                decode_slots += [mirror.state_slot] * (1 + len(proposed))
+                decode_rows.append((sched.req_id, 1 + len(proposed)))
             else:  # a prompt chunk, or proposals over a long context: one span reads the keys once
                 span = SeqSpan(start, sched.num_new_tokens + len(proposed), mirror.block_table, mirror.group_tables)
                 (decodes if span.q_len == 1 else prefills).append(span)
+                (decode_slots if span.q_len == 1 else prefill_slots).append(mirror.state_slot)
+                if span.q_len == 1:
+                    decode_rows.append((sched.req_id, 1))
             if end == len(mirror.token_ids):
                 sample_rows[sched.req_id] = len(input_ids) - 1 - len(proposed)
             if mirror.sampling.params.prompt_logprobs is not None and mirror.num_prompt_scored < mirror.num_prompt_tokens:
@@ -404,8 +410,9 @@ class ModelRunner:
                 row + i for req_id, row in sample_rows.items() for i in range(1 + len(drafts.get(req_id, ()))))
             states = None
             if self.state_pool is not None:
-                states = StateBatch(slots, len(decodes), device_longs(slots[: len(decodes)], self.device)
-                                    if decodes else None)
+                states = StateBatch(decode_slots + prefill_slots, len(decodes),
+                                    device_longs(decode_slots, self.device) if decodes else None,
+                                    self._waves(decode_slots))
             hidden = self.forward(decodes, prefills, input_ids, positions, lora, media, needed, states)
         for req_id, row, count in score_rows:
             prompt_logprobs.append(self._score_prompt(req_id, hidden[row : row + count]))
@@ -423,6 +430,8 @@ class ModelRunner:
             self._inject_fault(sampled_ids)
         if any(req_id in drafts for req_id in sampled_ids):
             sampled_ids, tokens, logprobs = self._verify(hidden, sampled_ids, sample_rows, drafts, outcomes)
+            if states is not None and states.waves is not None:
+                self._commit_states(decode_rows, sampled_ids)
         else:
             tokens, logprobs = self._sample_rows(hidden, sampled_ids, sample_rows)
         if getattr(self.proposer, "needs_hidden", False):
@@ -460,6 +469,33 @@ class ModelRunner:
         proposals = self.proposer.propose(batch) if batch else {}
         outcomes += [DraftOutcome(req_id, 0, 0) for req_id, tokens in proposals.items() if not tokens]
         return {req_id: tokens for req_id, tokens in proposals.items() if tokens}
+
+    def _verifies_as_decodes(self, start: int) -> bool:
+        """Whether a speculating decode row at position `start` and its proposals run as decode rows. A
+        hybrid's always do: its recurrent layers then keep the state after each row (_commit_states)."""
+        return start <= _PROPOSAL_DECODE_CONTEXT or bool(self.state_layers)
+
+    def _waves(self, decode_slots: list[int]) -> list[torch.Tensor] | None:
+        """StateBatch.waves: the decode rows that are their sequence's first, second, ... (None: all first)."""
+        seen: dict[int, int] = {}
+        depths = []
+        for slot in decode_slots:
+            depths.append(seen.get(slot, 0))
+            seen[slot] = depths[-1] + 1
+        if not depths or max(depths) == 0:
+            return None
+        return [device_longs([row for row, d in enumerate(depths) if d == depth], self.device)
+                for depth in range(max(depths) + 1)]
+
+    def _commit_states(self, decode_rows: list[tuple[int, int]], gained_ids: list[int]) -> None:
+        """A verifying step's recurrent states advance by each sequence's decode rows whose tokens it kept
+        (its decode row and the proposals accepted: one row per token gained). `decode_rows`: (req id,
+        rows) of the step's decode rows, in order."""
+        gained = Counter(gained_ids)
+        kept = [i < gained[req_id] for req_id, rows in decode_rows for i in range(rows)]
+        mask = torch.tensor(kept, dtype=torch.bool, device=self.device)
+        for layer in self.state_layers:
+            layer.commit(mask)
 
     def _feed_proposer(self, scheduled: list[ScheduledRequest], first_rows: dict[int, int],
                        drafts: dict[int, list[int]], hidden: torch.Tensor) -> None:
