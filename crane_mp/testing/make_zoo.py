@@ -11,6 +11,7 @@ Run: python -m crane_mp.testing.make_zoo --family gemma3_text --out DIR
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 from pathlib import Path
@@ -156,9 +157,10 @@ _CHECKPOINT_CLASSES = {"qwen3_5": "Qwen3_5ForConditionalGeneration"}
 # Families whose released checkpoints carry a multi-token-prediction layer (`mtp.*`), which
 # transformers drops on loading: a few of its tensors are written besides.
 _MTP_FAMILIES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
-# Families whose released checkpoints carry a whole prediction layer after the last (num_nextn_predict_layers),
-# written with `prediction_layer`.
+# Families whose whole prediction layer `prediction_layer` writes: after the last (num_nextn_predict_layers),
+# or under mtp.*.
 NEXTN_FAMILIES = frozenset({"deepseek_v3", "glm4_moe"})
+PREDICTION_FAMILIES = NEXTN_FAMILIES | {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
 
 
 def build_zoo_config(family: str, overrides: dict[str, Any] | None = None) -> PreTrainedConfig:
@@ -222,11 +224,11 @@ def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: di
     state = {name: _init_tensor(name, meta.shape, seed, getattr(torch, dtype)).contiguous()
              for name, meta in skeleton.state_dict().items() if not (tied and name == "lm_head.weight")}
     if prediction_layer:
-        if family not in NEXTN_FAMILIES:
-            raise ValueError(f"{family} checkpoints carry no prediction layer after the last")
-        state |= _prediction_layer(skeleton, text, state, seed, getattr(torch, dtype))
+        if family not in PREDICTION_FAMILIES:
+            raise ValueError(f"the zoo writes no prediction layer for {family}")
+        state |= _prediction_layer(skeleton, text, state, seed, getattr(torch, dtype), family in NEXTN_FAMILIES)
     state = _checkpoint_names(skeleton, state)
-    if family in _MTP_FAMILIES:
+    if family in _MTP_FAMILIES and not prediction_layer:
         hidden = text.hidden_size
         state |= {name: _init_tensor(name, torch.Size(shape), seed, getattr(torch, dtype)) for name, shape in (
             ("mtp.fc.weight", (hidden, 2 * hidden)), ("mtp.pre_fc_norm_hidden.weight", (hidden,)),
@@ -243,23 +245,31 @@ def make_zoo_model(family: str, out: str | Path, *, seed: int = 0, overrides: di
 
 
 def _prediction_layer(skeleton: torch.nn.Module, text: PreTrainedConfig, state: dict[str, torch.Tensor], seed: int,
-                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """DeepSeek-V3's and GLM-4.5's multi-token-prediction layer, `model.layers.{num_hidden_layers}`: a decoder
-    layer of the family, the norms and projection joining an embedding and a hidden state, its head's
-    norm, and copies of the embedding and the head (as the released checkpoints hold them)."""
+                      dtype: torch.dtype, nextn: bool) -> dict[str, torch.Tensor]:
+    """The multi-token-prediction layer: a full-attention decoder layer of the family, the norms and
+    projection joining an embedding and a hidden state, and its head's norm. DeepSeek-V3's and GLM-4.5's
+    (`nextn`) as model.layers.{num_hidden_layers}.* with copies of the embedding and the head, as their
+    released checkpoints hold them; Qwen3.5's and Qwen3-Next's as mtp.*."""
     index, hidden = text.num_hidden_layers, text.hidden_size
+    longer = copy.deepcopy(text)
+    if getattr(text, "layer_types", None):
+        longer.layer_types = [*text.layer_types, "full_attention"]
     with torch.device("meta"):
-        layer = type(skeleton.model.layers[-1])(text, layer_idx=index)
-    prefix = f"model.layers.{index}."
-    shapes = {prefix + name: meta.shape for name, meta in layer.state_dict().items()}
-    shapes |= {prefix + "enorm.weight": (hidden,), prefix + "hnorm.weight": (hidden,),
-               prefix + "eh_proj.weight": (hidden, 2 * hidden)}
+        layer = type(skeleton.model.layers[-1])(longer, layer_idx=index)
+    prefix = f"model.layers.{index}." if nextn else "mtp."
+    names = (("enorm", "hnorm", "eh_proj", "shared_head.norm") if nextn
+             else ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"))
+    shapes = {prefix + ("" if nextn else "layers.0.") + name: meta.shape for name, meta in layer.state_dict().items()}
+    shapes |= {f"{prefix}{names[0]}.weight": (hidden,), f"{prefix}{names[1]}.weight": (hidden,),
+               f"{prefix}{names[2]}.weight": (hidden, 2 * hidden)}
     out = {name: _init_tensor(name, torch.Size(shape), seed, dtype) for name, shape in shapes.items()}
-    head_norm = prefix + "shared_head.norm.weight"  # scaled as the final norm: logits as peaked as the model's
+    head_norm = f"{prefix}{names[3]}.weight"  # scaled as the final norm: logits as peaked as the model's
     noise = torch.randn(hidden, generator=torch.Generator().manual_seed(_tensor_seed(seed, head_norm)))
     out[head_norm] = (LOGIT_SCALE * (1.0 + NORM_NOISE * noise)).to(dtype)
-    out[prefix + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
-    out[prefix + "shared_head.head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"]).clone()
+    if nextn:
+        out[prefix + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+        out[prefix + "shared_head.head.weight"] = state.get("lm_head.weight",
+                                                            state["model.embed_tokens.weight"]).clone()
     return out
 
 
@@ -325,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--prediction-layer", action="store_true",
                         help="with the multi-token-prediction layer the released checkpoints carry "
-                             f"({', '.join(sorted(NEXTN_FAMILIES))})")
+                             f"({', '.join(sorted(PREDICTION_FAMILIES))})")
     args = parser.parse_args(argv)
     print(make_zoo_model(args.family, args.out, seed=args.seed, dtype=args.dtype,
                          overrides=PRESETS[args.preset] if args.preset else None,

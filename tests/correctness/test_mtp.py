@@ -1,21 +1,26 @@
-"""Multi-token prediction (--speculative-method mtp) on DeepSeek-V3's and GLM-4.5's prediction layer: every
+"""Multi-token prediction (--speculative-method mtp) on the prediction layer of DeepSeek-V3, GLM-4.5, Qwen3.5
+and Qwen3-Next (a hybrid: its linear-attention layers verify too): every
 proposal is the one the layer makes when computed from scratch with transformers' own decoder layer of
 the family and the target's final hidden states (as vLLM and SGLang feed it), and the tokens are those
 without speculation, under preemption too."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
-from crane_mp.testing.make_zoo import make_zoo_model
+from crane_mp.testing.make_zoo import NEXTN_FAMILIES, make_zoo_model
 
-FAMILIES = ["deepseek_v3", "glm4_moe"]
+FAMILIES = ["deepseek_v3", "glm4_moe", "qwen3_5_text", "qwen3_next"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
@@ -39,26 +44,43 @@ def prompts() -> list[list[int]]:
 class Reference:
     """The prediction layer computed from scratch: transformers' target for the final hidden states, and
     transformers' decoder layer of the family (loaded as layer N of an (N + 1)-layer model) over every
-    row, each row i reading token i + 1's embedding (none at position 0) and hidden state i."""
+    row, each row i reading token i + 1's embedding (none at position 0: DeepSeek's reference inference)
+    and hidden state i; a further guess reads the layer's output (Qwen's after its last norm)."""
 
-    def __init__(self, path) -> None:
+    def __init__(self, path: Path, family: str, tmp_path: Path) -> None:
+        self.nextn = family in NEXTN_FAMILIES
         self.target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         config = self.target.config
         self.index = config.num_hidden_layers
-        longer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
-                                                      num_hidden_layers=self.index + 1).eval()
+        longer = AutoModelForCausalLM.from_pretrained(self._longer(path, tmp_path), dtype=torch.float32,
+                                                      attn_implementation="eager").eval()
         self.layer, self.rotary = longer.model.layers[self.index], longer.model.rotary_emb
-        norm_class = type(self.target.model.norm)
-        prefix = f"model.layers.{self.index}."
+        prefix, names = ((f"model.layers.{self.index}.", ("enorm", "hnorm", "eh_proj", "shared_head.norm")) if self.nextn
+                         else ("mtp.", ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")))
         with safe_open(str(path / "model.safetensors"), "pt") as f:
-            tensors = {name: f.get_tensor(prefix + name) for name in
-                       ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")}
-        self.enorm, self.hnorm, self.head_norm = (norm_class(config.hidden_size, config.rms_norm_eps)
+            enorm, hnorm, self.eh_proj, head_norm = (f.get_tensor(f"{prefix}{name}.weight") for name in names)
+        self.enorm, self.hnorm, self.head_norm = (type(self.target.model.norm)(config.hidden_size, config.rms_norm_eps)
                                                   for _ in range(3))
-        self.enorm.weight.data = tensors["enorm.weight"]
-        self.hnorm.weight.data = tensors["hnorm.weight"]
-        self.head_norm.weight.data = tensors["shared_head.norm.weight"]
-        self.eh_proj = tensors["eh_proj.weight"]
+        for norm, weight in ((self.enorm, enorm), (self.hnorm, hnorm), (self.head_norm, head_norm)):
+            norm.weight.data = weight
+
+    def _longer(self, path: Path, tmp_path: Path) -> Path:
+        """The checkpoint with its prediction layer as one more decoder layer, full attention."""
+        out = tmp_path / "longer"
+        out.mkdir()
+        for item in path.iterdir():
+            if item.is_file() and item.suffix != ".safetensors":
+                (out / item.name).write_bytes(item.read_bytes())
+        config = json.loads((path / "config.json").read_text())
+        config["num_hidden_layers"] = self.index + 1
+        if config.get("layer_types"):
+            config["layer_types"] = [*config["layer_types"], "full_attention"]
+        (out / "config.json").write_text(json.dumps(config))
+        layer = f"model.layers.{self.index}."
+        state = {(layer + name[len("mtp.layers.0."):] if name.startswith("mtp.layers.0.") else name): tensor
+                 for name, tensor in load_file(str(path / "model.safetensors")).items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
 
     @torch.inference_mode()
     def proposals(self, tokens: list[int], proposed: list[int]) -> list[int]:
@@ -67,7 +89,8 @@ class Reference:
         hidden = self.target.model(ids[None]).last_hidden_state[0, :-1]  # after the final norm
         embed = self.target.model.embed_tokens
         embeds = embed(ids[1:])
-        embeds[0] = 0
+        if self.nextn:
+            embeds[0] = 0
         guesses = []
         for depth in range(len(proposed)):
             rows = embeds.shape[0]
@@ -79,7 +102,7 @@ class Reference:
             last = (out[0] if isinstance(out, tuple) else out)[0, -1]
             guesses.append(int(self.target.lm_head(self.head_norm(last)).argmax()))
             embeds = torch.cat([embeds, embed(torch.tensor(proposed[depth : depth + 1]))])
-            hidden = torch.cat([hidden, last[None]])
+            hidden = torch.cat([hidden, (last if self.nextn else self.head_norm(last))[None]])
         return guesses
 
 
@@ -98,20 +121,20 @@ def recorded(eng: LLMEngine) -> list[tuple[list[int], list[int]]]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_proposal_is_the_prediction_layer_s_from_scratch(checkpoints, family):
+def test_each_proposal_is_the_prediction_layer_s_from_scratch(checkpoints, family, tmp_path):
     path = checkpoints[family]
     want = engine(path).generate(prompts(), GREEDY)
     eng = engine(path, speculative_method="mtp", speculative_num_tokens=3, speculative_disable_batch_size=32)
     calls = recorded(eng)
     assert eng.generate(prompts(), GREEDY) == want
     assert len(calls) > 5 and any(len(proposed) == 3 for _, proposed in calls)
-    reference = Reference(path)
+    reference = Reference(path, family, tmp_path)
     for tokens, proposed in calls:
         assert reference.proposals(tokens, proposed) == proposed, len(tokens)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_under_preemption_the_tokens_and_proposals_stay_the_layer_s(checkpoints, family):
+def test_under_preemption_the_tokens_and_proposals_stay_the_layer_s(checkpoints, family, tmp_path):
     """160 KV tokens hold few of the requests at once: preempted requests recompute their prompt, which
     feeds the layer again."""
     path = checkpoints[family]
@@ -121,6 +144,6 @@ def test_under_preemption_the_tokens_and_proposals_stay_the_layer_s(checkpoints,
     calls = recorded(eng)
     assert eng.generate(prompts(), GREEDY) == want
     assert eng.scheduler.num_preemptions > 0
-    reference = Reference(path)
+    reference = Reference(path, family, tmp_path)
     for tokens, proposed in calls[::3]:
         assert reference.proposals(tokens, proposed) == proposed, len(tokens)

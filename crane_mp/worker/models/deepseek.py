@@ -99,7 +99,8 @@ SHARED_EXPERT_NAMES = {"mlp.shared_experts.": "mlp.shared_expert.",
 class DeepseekForCausalLM(CausalLM):
     attention_class = LatentSelfAttention
     renamed_weights = SHARED_EXPERT_NAMES
-    skips_extra_layers = True  # V3's multi-token-prediction layer (num_nextn_predict_layers), not served
+    skips_extra_layers = True  # V3's multi-token-prediction layer (num_nextn_predict_layers): its own model
+    prediction_layer = "nextn"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         joined: set[str] = set()

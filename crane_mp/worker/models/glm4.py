@@ -37,4 +37,5 @@ class Glm4MoeAttention(PagedSelfAttention):
 class Glm4MoeForCausalLM(LlamaForCausalLM):
     attention_class = Glm4MoeAttention
     renamed_weights = SHARED_EXPERT_NAMES
-    skips_extra_layers = True  # the released checkpoints' next-token-prediction layer (num_nextn_predict_layers)
+    skips_extra_layers = True  # the released checkpoints' next-token-prediction layer: its own model
+    prediction_layer = "nextn"

@@ -463,6 +463,7 @@ class CausalLM(nn.Module):
     norm_names: tuple[str, ...] | None = None  # a layer's norms, where not BLOCK_NORMS' names
     ignored_weights: tuple[str, ...] = ()  # checkpoint-name prefixes (ours) of parts not served (a vision tower)
     skips_extra_layers = False  # layers past the config's (a multi-token-prediction head) are not served
+    prediction_layer: str | None = None  # how the checkpoint keeps a multi-token-prediction layer (nextn.py)
     decoder_class: type[DecoderModel] = DecoderModel
 
     def __init__(self, config: ModelConfig, platform: Platform) -> None:

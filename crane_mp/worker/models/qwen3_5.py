@@ -68,6 +68,7 @@ class Qwen35ForCausalLM(CausalLM):
     # vision-language checkpoints' language model (model.language_model.*) are the text model's.
     renamed_weights = {".linear_attn.": ".self_attn.", "model.language_model.": "model."}
     ignored_weights = ("model.visual.",)
+    prediction_layer = "mtp"
 
     def __init__(self, config: ModelConfig, platform: Platform) -> None:
         super().__init__(config, platform)

@@ -91,7 +91,8 @@ class MtpProposer:
             going = [going[i] for i in more]
             # The row after the last proposal: that token, and the layer's output at the row before it.
             spans = [SeqSpan(length + len(proposals[req_id]) - 2, 1, table) for req_id, length, table, _ in going]
-            self.layer.previous_hidden = hidden.index_select(0, device_longs(more, hidden.device))
+            carried = hidden.index_select(0, device_longs(more, hidden.device))
+            self.layer.previous_hidden = self.runner.model.carried(carried)
             try:
                 hidden = self.runner.forward(spans, [], [proposals[req_id][-1] for req_id, *_ in going],
                                              [span.ctx_before for span in spans])

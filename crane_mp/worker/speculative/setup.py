@@ -12,7 +12,7 @@ from crane_mp.models.config import ModelConfig, load_gguf_config, load_model_con
 from crane_mp.models.gguf_file import ModelSource, resolve_model_source
 from crane_mp.models.registry import TRANSFORMERS
 from crane_mp.worker.models.build import materialize, on_meta
-from crane_mp.worker.models.nextn import next_token_model_class, prediction_layers
+from crane_mp.worker.models.nextn import next_token_model_class
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.speculative.ngram import NgramProposer
 from crane_mp.worker.step.runner import ModelRunner
@@ -67,20 +67,28 @@ def load_prediction_layer(config: EngineConfig, model_config: ModelConfig, sourc
     """The runner of the checkpoint's multi-token-prediction layer (its KV cache not allocated yet),
     refused, with what to do instead, where the checkpoint has none crane-mp serves."""
     family = type(target.model)
-    if prediction_layers(model_config) < 1 or not family.skips_extra_layers:
-        raise ValueError(f"--speculative-method mtp: this {model_config.arch} checkpoint has no multi-token-"
-                         "prediction layer crane-mp serves (DeepSeek-V3's and GLM-4.5's, num_nextn_predict_layers); "
-                         "use ngram, or draft with --speculative-model")
+    refused = (f"--speculative-method mtp: this {model_config.arch} checkpoint has no multi-token-prediction layer "
+               "crane-mp serves (DeepSeek-V3's, GLM-4.5's, Qwen3.5's, Qwen3-Next's); use ngram, or draft with "
+               "--speculative-model")
+    if family.prediction_layer is None:
+        raise ValueError(refused)
     if source.format == "gguf":
         raise ValueError("--speculative-method mtp reads the prediction layer from a safetensors checkpoint; "
                          "with a GGUF file use ngram, or draft with --speculative-model")
     model = on_meta(lambda: next_token_model_class(family)(model_config, target.model, platform), dtype)
     materialize(model, platform.device)
-    loaded = model.load_weights(iter_safetensors(safetensors_files(source.model_dir), progress, model.in_layer))
+    if family.prediction_layer == "mtp":  # kept aside by the target while it loaded
+        weights = list(target.model.mtp_weights().items())
+        target.model.mtp = torch.nn.Module()
+    else:
+        weights = iter_safetensors(safetensors_files(source.model_dir), progress, model.in_layer)
+    loaded = model.load_weights(weights)
+    if not loaded:
+        raise ValueError(refused)
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"--speculative-method mtp: the checkpoint lacks {len(missing)} tensors of its multi-token-"
-                         f"prediction layer ({model.layer_prefix}*), e.g. {sorted(missing)[:3]}")
+                         f"prediction layer ({model.prefixes[0]}*), e.g. {sorted(missing)[:3]}")
     model.eval()
     if platform.pack_bf16_weights(dtype):
         pack_linear_weights(model, spare=False)
