@@ -35,6 +35,7 @@ from crane_mp.models.registry import MODEL_TYPE_ALIASES
 from crane_mp.models.score_head import classifies
 from crane_mp.parallel import ParallelConfig
 from crane_mp.settings import SettingsError, resolve, settable_actions, unknown_env_names
+from crane_mp.speculative_flags import add_peer_flags, apply_peer_flags
 
 
 def _int_at_least(minimum: int):
@@ -172,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding: ngram proposes the tokens that followed the latest earlier match of "
                         "the request's last tokens (its prompt and output: no second model); draft runs "
                         "--speculative-model; mtp runs the checkpoint's multi-token-prediction layer (DeepSeek-V3, "
-                        "GLM-4.5, Qwen3.5, Qwen3-Next safetensors). The model verifies the proposals in one pass: the same tokens as "
-                        "without (greedy and seeded requests alike), often several per pass over the weights")
+                        "GLM-4.5, Qwen3.5, Qwen3-Next safetensors). The model verifies the proposals in one pass: "
+                        "the same tokens as without (greedy and seeded requests alike), often several per pass over "
+                        "the weights")
     p.add_argument("--speculative-num-tokens", "--num-speculative-tokens", type=_positive_int, default=4,
                    help="tokens proposed per step at most")
     p.add_argument("--speculative-model", metavar="PATH",
@@ -186,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-disable-batch-size", type=_positive_int, default=8,
                    help="with more requests running than this, none speculates (a large batch is no longer "
                         "bound by reading the weights)")
+    add_peer_flags(p)
     p.add_argument("--max-lora-rank", type=_positive_int, default=64, help="largest LoRA rank accepted")
     p.add_argument("--max-loras", type=_positive_int, default=8,
                    help="LoRA adapters loaded at once, at start and through /v1/load_lora_adapter")
@@ -406,6 +409,10 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
     if args.max_concurrent is None:
         args.max_concurrent = min(DEFAULT_MAX_CONCURRENT, args.max_num_batched_tokens)
     task, pooling = _task_and_pooling(args, source, parser)
+    try:
+        apply_peer_flags(args)
+    except ValueError as err:
+        parser.error(str(err))
     try:
         engine = EngineConfig(
             model_path=str(source.path),

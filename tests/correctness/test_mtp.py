@@ -55,8 +55,8 @@ class Reference:
         longer = AutoModelForCausalLM.from_pretrained(self._longer(path, tmp_path), dtype=torch.float32,
                                                       attn_implementation="eager").eval()
         self.layer, self.rotary = longer.model.layers[self.index], longer.model.rotary_emb
-        prefix, names = ((f"model.layers.{self.index}.", ("enorm", "hnorm", "eh_proj", "shared_head.norm")) if self.nextn
-                         else ("mtp.", ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")))
+        prefix, names = ((f"model.layers.{self.index}.", ("enorm", "hnorm", "eh_proj", "shared_head.norm"))
+                         if self.nextn else ("mtp.", ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")))
         with safe_open(str(path / "model.safetensors"), "pt") as f:
             enorm, hnorm, self.eh_proj, head_norm = (f.get_tensor(f"{prefix}{name}.weight") for name in names)
         self.enorm, self.hnorm, self.head_norm = (type(self.target.model.norm)(config.hidden_size, config.rms_norm_eps)

@@ -40,7 +40,7 @@ LAYOUTS = {
     # DeepSeek-V3, GLM-4.5: model.layers.{num_hidden_layers}.*, the reference inference's first-row mask.
     "nextn": PredictionLayout({"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "norm"},
                               copies=("embed_tokens.", "shared_head.head."), masks_first=True),
-    # Qwen3.5, Qwen3-Next: mtp.* (the target keeps them aside while loading: Qwen35ForCausalLM.mtp_weights).
+    # Qwen3.5, Qwen3-Next: mtp.*.
     "mtp": PredictionLayout({"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "fc": "eh_proj",
                              "norm": "norm"}, carries_normed=True),
 }

@@ -6,7 +6,7 @@ quarter of each head and an output gate: the query projection makes each head's 
 by side (the checkpoint's and llama.cpp's layout, kept in the fused QKV projection), and the head's
 output is scaled by sigmoid(gate) before o_proj. A qwen3_5 / qwen3_5_moe checkpoint
 with a vision tower is served for text; the multi-token-prediction layer the released checkpoints carry
-(`mtp.*`) is kept, unused, for speculative decoding.
+(`mtp.*`) is a model of its own (nextn.py), loaded for --speculative-method mtp.
 """
 
 from __future__ import annotations
@@ -70,25 +70,14 @@ class Qwen35ForCausalLM(CausalLM):
     ignored_weights = ("model.visual.",)
     prediction_layer = "mtp"
 
-    def __init__(self, config: ModelConfig, platform: Platform) -> None:
-        super().__init__(config, platform)
-        # The multi-token-prediction layer's tensors as buffers (counted in the weights' memory), each
-        # under its checkpoint name with "." as "__"; mtp_weights() gives them back by their names.
-        self.mtp = nn.Module()
-
-    def mtp_weights(self) -> dict[str, torch.Tensor]:
-        return {name.replace("__", "."): tensor for name, tensor in self.mtp.named_buffers()}
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._as_ours(weights))
 
     def _as_ours(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Checkpoint tensors as our parameters take them; the multi-token-prediction layer's kept aside."""
+        """Checkpoint tensors as our parameters take them; the multi-token-prediction layer's are left to
+        its own model (nextn.py, when speculating)."""
         for name, tensor in weights:
-            if name.startswith(("mtp.", "model.mtp.")):
-                kept = tensor.to(self.model.norm.weight.device, self.compute_dtype, copy=True)
-                self.mtp.register_buffer(name.replace(".", "__"), kept)
-            else:
+            if not name.startswith(("mtp.", "model.mtp.")):
                 yield from self._split_linear(name, tensor)
 
     def _split_linear(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

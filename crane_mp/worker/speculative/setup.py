@@ -77,12 +77,7 @@ def load_prediction_layer(config: EngineConfig, model_config: ModelConfig, sourc
                          "with a GGUF file use ngram, or draft with --speculative-model")
     model = on_meta(lambda: next_token_model_class(family)(model_config, target.model, platform), dtype)
     materialize(model, platform.device)
-    if family.prediction_layer == "mtp":  # kept aside by the target while it loaded
-        weights = list(target.model.mtp_weights().items())
-        target.model.mtp = torch.nn.Module()
-    else:
-        weights = iter_safetensors(safetensors_files(source.model_dir), progress, model.in_layer)
-    loaded = model.load_weights(weights)
+    loaded = model.load_weights(iter_safetensors(safetensors_files(source.model_dir), progress, model.in_layer))
     if not loaded:
         raise ValueError(refused)
     missing = model.expected_weights() - loaded
