@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from llguidance import LLMatcher
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -147,3 +148,40 @@ def test_under_preemption_the_tokens_and_proposals_stay_the_layer_s(checkpoints,
     reference = Reference(path, family, tmp_path)
     for tokens, proposed in calls[::3]:
         assert reference.proposals(tokens, proposed) == proposed, len(tokens)
+
+
+def test_mixed_requests_under_preemption_gain_the_tokens_they_gain_without_it(checkpoints):
+    """Greedy with min_tokens, stop tokens, seeded sampling with a repetition penalty and logprobs, and a
+    regex grammar, 16 at once in a KV cache that holds a few: the tokens and logprobs without speculation."""
+    path = checkpoints["qwen3_next"]
+    gen = torch.Generator().manual_seed(5)
+    batch = [torch.randint(3, 500, (int(n),), generator=gen).tolist() for n in torch.randint(4, 40, (16,), generator=gen)]
+    free = engine(path).generate(batch, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    regex = LLMatcher.grammar_from_regex(r"(yes|no)-[0-9]{2,3}")
+    params = [[SamplingParams(temperature=0.0, max_tokens=20, min_tokens=4),
+               SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[free[i][5]], ignore_eos=True),
+               SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=20, repetition_penalty=1.2, logprobs=3,
+                              ignore_eos=True),
+               SamplingParams(temperature=0.0, max_tokens=20, grammar=regex)][i % 4] for i in range(len(batch))]
+
+    def run(eng: LLMEngine):
+        ids = [eng.add_request(prompt, p) for prompt, p in zip(batch, params)]
+        tokens, logprobs = {i: [] for i in ids}, {i: [] for i in ids}
+        while eng.has_work:
+            for out in eng.step():
+                tokens[out.rid] += out.new_token_ids
+                logprobs[out.rid] += out.logprobs
+        return [tokens[i] for i in ids], [logprobs[i] for i in ids]
+
+    want, want_logprobs = run(engine(path, total_tokens=96))
+    eng = engine(path, total_tokens=96, speculative_method="mtp", speculative_num_tokens=4,
+                 speculative_disable_batch_size=32)
+    got, got_logprobs = run(eng)
+    assert got == want
+    assert eng.scheduler.num_preemptions > 0 and eng.scheduler.spec.counters.draft_tokens > 0
+    for row, p in enumerate(params):
+        if p.logprobs is not None:
+            torch.testing.assert_close([lp.logprob for lp in got_logprobs[row]],
+                                       [lp.logprob for lp in want_logprobs[row]], atol=1e-4, rtol=0)
+        if p.stop_token_ids:
+            assert got[row][-1] == p.stop_token_ids[0]
