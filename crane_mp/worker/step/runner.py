@@ -402,13 +402,13 @@ class ModelRunner:
                     sum_rows.append((sched.req_id, len(input_ids) - (end - first), last - first))
 
         lora = lora_batch(adapters, self.device)
+        states = None
         if self.decode_graphs is not None and not prefills and lora is None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(decodes, input_ids, positions)
         else:
             feeds = getattr(self.proposer, "needs_hidden", False)
             needed = None if score_rows or sum_rows or media or feeds else sorted(
                 row + i for req_id, row in sample_rows.items() for i in range(1 + len(drafts.get(req_id, ()))))
-            states = None
             if self.state_pool is not None:
                 states = StateBatch(decode_slots + prefill_slots, len(decodes),
                                     device_longs(decode_slots, self.device) if decodes else None,

@@ -1,0 +1,159 @@
+"""Multi-token prediction on a 4B-shape Qwen3.5 checkpoint (bf16 safetensors), with and without it, in one run.
+
+    python benchmarks/mtp.py build /models/q35-mtp
+    python benchmarks/mtp.py run /models/q35-mtp
+
+Random weights never agree by chance, so `build` builds the agreement: every layer of the target adds
+nothing (zero output projections, read like any), so its next token is a function of the last one
+through the final norm and the head; its prediction layer adds nothing either and its `fc` keeps
+only the embedding half, so it guesses the token after next by that same function. `never-agrees/`
+beside it is the same checkpoint (its tensors linked) whose prediction layer reads a permutation of
+the embedding: it guesses wrong. `run` starts crane-mp for each setting (none, mtp with --speculative-
+num-tokens 1 and 3, mtp that never agrees, ngram) and measures one stream and 16 (serving.py's load
+generator, greedy, EOS ignored): output tok/s and TPOT, each as a multiple of the server's without
+speculation, and the DRAM read bandwidth measured in the same run. The settings take turns --rounds
+times; each one-stream figure is its best round's. Nothing else should run meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gguf_vs_llama import dram_read_gbs, load, machine, stop, wait_ready  # noqa: E402
+
+from crane_mp.testing.make_zoo import make_zoo_model  # noqa: E402
+
+_LAYERS = 32
+# A Qwen3.5-4B-like shape: three Gated DeltaNet layers to one gated-attention layer.
+SHAPE = {"hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": _LAYERS, "num_attention_heads": 16,
+         "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 151936, "max_position_embeddings": 32768,
+         "tie_word_embeddings": False, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+         "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(_LAYERS)]}
+_SILENT = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "mlp.down_proj.weight")
+_TARGET_FILE, _LAYER_FILE = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+
+
+def build(out: Path, seed: int) -> None:
+    """The agreeing checkpoint in `out`, the one that never agrees in `out`/never-agrees."""
+    make_zoo_model("qwen3_5_text", out, seed=seed, overrides=SHAPE, dtype="bfloat16", prediction_layer=True)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    (out / "model.safetensors").unlink()
+    for name, tensor in tensors.items():
+        if name.endswith(_SILENT):
+            tensor.zero_()
+    hidden = SHAPE["hidden_size"]
+    layer = {name: tensors.pop(name) for name in list(tensors) if name.startswith("mtp.")}
+    layer["mtp.pre_fc_norm_embedding.weight"].zero_()  # a (1 + w) norm: plain x / rms(x)
+    layer["mtp.norm.weight"].copy_(tensors["model.norm.weight"])  # the target's final norm, as the head reads it
+    save_file(tensors, str(out / _TARGET_FILE), metadata={"format": "pt"})
+    del tensors
+    variants = {out: torch.arange(hidden), out / "never-agrees": torch.randperm(hidden, generator=torch.Generator()
+                                                                                   .manual_seed(seed))}
+    for where, columns in variants.items():
+        where.mkdir(exist_ok=True)
+        fc = torch.zeros(hidden, 2 * hidden, dtype=torch.bfloat16)
+        fc[torch.arange(hidden), columns] = 1  # the embedding half alone, permuted for the other
+        save_file({**layer, "mtp.fc.weight": fc}, str(where / _LAYER_FILE), metadata={"format": "pt"})
+        if where != out:
+            for item in out.iterdir():
+                if item.is_file() and item.name != _LAYER_FILE:
+                    (where / item.name).unlink(missing_ok=True)
+                    (where / item.name).symlink_to(item.resolve())
+    weight_map = {name: _LAYER_FILE for name in layer}
+    with safe_open(str(out / _TARGET_FILE), "pt") as f:
+        weight_map |= {name: _TARGET_FILE for name in f.keys()}
+    index = json.dumps({"metadata": {}, "weight_map": weight_map})
+    for where in variants:
+        (where / "model.safetensors.index.json").unlink(missing_ok=True)
+        (where / "model.safetensors.index.json").write_text(index)
+    print(out, out / "never-agrees")
+
+
+SETTINGS = {
+    "none": (".", []),
+    "mtp-1": (".", ["--speculative-method", "mtp", "--speculative-num-tokens", "1"]),
+    "mtp-3": (".", ["--speculative-method", "mtp", "--speculative-num-tokens", "3"]),
+    "mtp-never-agrees": ("never-agrees", ["--speculative-method", "mtp", "--speculative-num-tokens", "3"]),
+    "ngram": (".", ["--speculative-method", "ngram", "--speculative-num-tokens", "3"]),
+}
+
+
+def measure(model: Path, setting: str, args, batched: bool) -> list[dict]:
+    where, extra = SETTINGS[setting]
+    cmd = [sys.executable, "-m", "crane_mp", "--model-path", str(model / where), "--gpu-memory-limit",
+           args.memory_limit, "--port", str(args.port), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, rows = f"http://127.0.0.1:{args.port}", []
+    try:
+        wait_ready(url, proc)
+        for concurrency in [1, 16] if batched else [1]:
+            result = load(url, concurrency, max(2, 2 * concurrency), args.prompt_len, args.output_len, concurrency,
+                          False)
+            rows.append({"setting": setting, "concurrency": concurrency, "output_tok_s": result["output_tok_s"],
+                         "tpot_p50_ms": result["tpot_p50_ms"], "errors": result["errors"]})
+    finally:
+        stop(proc)
+    return rows
+
+
+def run(args) -> None:
+    print(json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d"),
+                      "dram_gbs": dram_read_gbs(args.threads)}), flush=True)
+    best: dict[tuple[str, int], dict] = {}
+    for round_ in range(args.rounds):
+        for setting in args.settings:
+            for row in measure(args.model, setting, args, round_ == 0 and setting in args.batched):
+                print(json.dumps({**row, "round": round_}), flush=True)
+                key = (setting, row["concurrency"])
+                if key not in best or row["output_tok_s"] > best[key]["output_tok_s"]:
+                    best[key] = row
+    print(json.dumps({"dram_gbs_after": dram_read_gbs(args.threads)}), flush=True)
+    base = {r["concurrency"]: r["output_tok_s"] for r in best.values() if r["setting"] == "none"}
+    print(f"\n{'setting':<17} {'C':>3} {'tok/s':>7} {'TPOT p50':>9} {'x none':>7} {'errors':>6}")
+    for r in best.values():
+        ratio = r["output_tok_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else float("nan")
+        print(f"{r['setting']:<17} {r['concurrency']:>3} {r['output_tok_s']:>7} {r['tpot_p50_ms']:>9} "
+              f"{ratio:>7.2f} {r['errors']:>6}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    made = sub.add_parser("build")
+    made.add_argument("out", type=Path)
+    made.add_argument("--seed", type=int, default=0)
+    runs = sub.add_parser("run")
+    runs.add_argument("model", type=Path)
+    runs.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    runs.add_argument("--batched", nargs="*", default=["none", "mtp-3"], help="settings also measured at 16 streams")
+    runs.add_argument("--rounds", type=int, default=2)
+    runs.add_argument("--prompt-len", type=int, default=48)
+    runs.add_argument("--output-len", type=int, default=128)
+    runs.add_argument("--memory-limit", default="12G")
+    runs.add_argument("--threads", type=int, default=os.cpu_count())
+    runs.add_argument("--port", type=int, default=8313)
+    args = parser.parse_args()
+    if args.command == "build":
+        if args.out.exists():
+            shutil.rmtree(args.out)
+        build(args.out, args.seed)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
