@@ -240,16 +240,23 @@ class GatedDeltaNet(nn.Module):
         out = mixed.new_empty(mixed.shape[0], self.value_heads, self.value_dim, dtype=torch.float32)
         for rows in states.waves:
             out[rows] = self._decode(mixed[rows], b[rows], a[rows], owners[rows], copies)
-        self.pending = (mixed, b, a, slots, states.waves)
+        self.pending = (mixed, b, a, slots, states.waves, owners, seq_slots, copies)
         return out
 
     def commit(self, kept: torch.Tensor) -> None:
         """After a verifying step: the pool's states advance by the decode rows kept ([decode rows] of
-        bools; each sequence's first rows), the same steps `_decode_waves` took on the copies."""
-        mixed, b, a, slots, waves = self.pending
+        bools; each sequence's first rows). A sequence that kept all its rows takes its copies' states;
+        the others replay their rows kept, the same steps `_decode_waves` took on the copies."""
+        mixed, b, a, slots, waves, owners, seq_slots, copies = self.pending
         self.pending = None
+        whole = torch.bincount(owners[kept], minlength=seq_slots.numel()) == torch.bincount(owners)
+        taken = whole.nonzero()[:, 0]
+        if taken.numel():
+            self.conv_state.index_copy_(0, seq_slots[taken], copies[0].index_select(0, taken))
+            self.recurrent_state.index_copy_(0, seq_slots[taken], copies[1].index_select(0, taken))
+        replayed = kept & ~whole[owners]
         for rows in waves:
-            rows = rows[kept[rows]]
+            rows = rows[replayed[rows]]
             if rows.numel():
                 self._decode(mixed[rows], b[rows], a[rows], slots[rows])
 
