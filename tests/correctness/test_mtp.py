@@ -155,7 +155,8 @@ def test_mixed_requests_under_preemption_gain_the_tokens_they_gain_without_it(ch
     regex grammar, 16 at once in a KV cache that holds a few: the tokens and logprobs without speculation."""
     path = checkpoints["qwen3_next"]
     gen = torch.Generator().manual_seed(5)
-    batch = [torch.randint(3, 500, (int(n),), generator=gen).tolist() for n in torch.randint(4, 40, (16,), generator=gen)]
+    lengths = torch.randint(4, 40, (16,), generator=gen).tolist()
+    batch = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
     free = engine(path).generate(batch, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     regex = LLMatcher.grammar_from_regex(r"(yes|no)-[0-9]{2,3}")
     params = [[SamplingParams(temperature=0.0, max_tokens=20, min_tokens=4),
