@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding: ngram proposes the tokens that followed the latest earlier match of "
                         "the request's last tokens (its prompt and output: no second model); draft runs "
                         "--speculative-model; mtp runs the checkpoint's multi-token-prediction layer (DeepSeek-V3, "
-                        "GLM-4.5, Qwen3.5, Qwen3-Next safetensors). The model verifies the proposals in one pass: "
+                        "GLM-4.5, Qwen3.5, Qwen3-Next; a GGUF file holds it where llama.cpp's converter kept it). "
+                        "The model verifies the proposals in one pass: "
                         "the same tokens as without (greedy and seeded requests alike), often several per pass over "
                         "the weights")
     p.add_argument("--speculative-num-tokens", "--num-speculative-tokens", type=_positive_int, default=4,

@@ -20,6 +20,7 @@ from crane_mp.config import EngineConfig
 from crane_mp.engine import LLMEngine
 from crane_mp.protocol import SamplingParams
 from crane_mp.testing.make_zoo import NEXTN_FAMILIES, make_zoo_model
+from tests.llama_cpp import CONVERTER, Converter
 
 FAMILIES = ["deepseek_v3", "glm4_moe", "qwen3_5_text", "qwen3_next"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -186,3 +187,27 @@ def test_mixed_requests_under_preemption_gain_the_tokens_they_gain_without_it(ch
                                        [lp.logprob for lp in want_logprobs[row]], atol=1e-4, rtol=0)
         if p.stop_token_ids:
             assert got[row][-1] == p.stop_token_ids[0]
+
+
+@pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_text"])
+def test_llama_cpp_s_conversion_keeps_the_prediction_layer_and_it_proposes_as_the_checkpoint_s(
+        checkpoints, family, tmp_path):
+    """llama.cpp's converter writes the layer as the block past the last (`blk.{n}.*`, its own parts as
+    `blk.{n}.nextn.*`): the GGUF target leaves it alone, and --speculative-method mtp proposes from it
+    what the checkpoint's layer does, on the same tokens."""
+    path = checkpoints[family]
+    converter = Converter()
+    try:
+        gguf = converter(path, "f32", tmp_path / f"{family}.gguf")
+    finally:
+        converter.close()
+    want = engine(path).generate(prompts(), GREEDY)
+    assert engine(gguf).generate(prompts(), GREEDY) == want
+    eng = engine(gguf, speculative_method="mtp", speculative_num_tokens=3, speculative_disable_batch_size=32)
+    calls = recorded(eng)
+    assert eng.generate(prompts(), GREEDY) == want
+    assert len(calls) > 5
+    reference = Reference(path, family, tmp_path)
+    for tokens, proposed in calls:
+        assert reference.proposals(tokens, proposed) == proposed, len(tokens)

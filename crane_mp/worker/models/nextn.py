@@ -21,6 +21,7 @@ from torch import nn
 
 from crane_mp.models.config import ModelConfig
 from crane_mp.models.layouts import FULL
+from crane_mp.models.registry import hf_name
 from crane_mp.worker.models.layers import CausalLM, make_norm
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.step.forward_context import get_forward_context
@@ -44,6 +45,10 @@ LAYOUTS = {
     "mtp": PredictionLayout({"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "fc": "eh_proj",
                              "norm": "norm"}, carries_normed=True),
 }
+
+
+# llama.cpp's names of a prediction layer's own parts (`blk.{n}.nextn.*`) -> ours.
+_GGUF_PARTS = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head_norm": "norm"}
 
 
 def layer_prefixes(target: CausalLM) -> tuple[str, ...]:
@@ -103,6 +108,20 @@ class NextTokenPredictor(CausalLM):
     def carried(self, hidden: torch.Tensor) -> torch.Tensor:
         """What a further guess reads as the hidden state, from this layer's output rows."""
         return self.model.norm(hidden) if self.layout.carries_normed else hidden
+
+    def gguf_checkpoint_name(self, gguf_name: str) -> str | None:
+        """The checkpoint name of a GGUF tensor of the layer's block, as llama.cpp's converter writes it
+        for every family (the decoder layer's usual names, the rest under `nextn.`); None for its
+        copies of the target's token table and head."""
+        index = self.config.num_hidden_layers
+        stem, _, kind = gguf_name.rpartition(".")
+        part = stem.removeprefix(f"blk.{index}.nextn.")
+        if part != stem:
+            ours = _GGUF_PARTS.get(part)
+            names = {mine: theirs for theirs, mine in self.layout.parts.items()}
+            return None if ours is None else f"{self.prefixes[0]}{names[ours]}.{kind}"
+        rest = hf_name(gguf_name, self.config.arch).removeprefix(f"model.layers.{index}.")
+        return self.prefixes[0] + ("layers.0." if self.prefixes[0] == "mtp." else "") + rest
 
     def in_layer(self, checkpoint_name: str) -> bool:
         return checkpoint_name.startswith(self.prefixes)

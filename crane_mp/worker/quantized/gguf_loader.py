@@ -14,6 +14,7 @@ import logging
 import math
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import torch
 from gguf import GGMLQuantizationType
@@ -203,14 +204,14 @@ def load_gguf_model(
     `drop_file_pages`: each tensor's file pages leave the page cache once copied (one rank alone: a
     tensor-parallel rank's neighbours read the same pages)."""
     contents = check_gguf(path)
-    shape = contents.shape
-    permute = shape.gguf_arch in PERMUTED_QK_ARCHS
     model = build_meta_model(config, dtype, platform)
-    tensors = _Tensors(path, contents.tensors, {"attn_q": shape.heads, "attn_k": shape.kv_heads} if permute else {},
-                       mapped=platform.reads_weights_in_place,
-                       release_copied=drop_file_pages and config.shard is None)
+    # A multi-token-prediction layer past the last (nextn_predict_layers) is a model of its own
+    # (load_gguf_prediction_layer), never read here.
+    infos = {name: info for name, info in contents.tensors.items()
+             if _block(name) < config.num_hidden_layers}
+    tensors = _tensors(path, infos, contents.shape, platform, drop_file_pages and config.shard is None)
     try:
-        with LoadProgress(len(contents.tensors), "GGUF weights", progress) as bar:
+        with LoadProgress(len(infos), "GGUF weights", progress) as bar:
             loaded = _fill(model, tensors, config, dtype, platform, bar, int8, host_experts)
     finally:
         tensors.close()
@@ -220,12 +221,52 @@ def load_gguf_model(
     return model, contents.types
 
 
+def load_gguf_prediction_layer(model: CausalLM, path: Path, dtype: torch.dtype, platform: Platform,
+                               progress: bool, int8: bool, drop_file_pages: bool) -> set[str]:
+    """Fill `model` (models/nextn.py's, on the meta device) from the file's block past the target's
+    last, as llama.cpp's converter writes a multi-token-prediction layer: the decoder layer's tensors
+    under their usual names, the rest under `nextn.`. Returns the parameter names filled (none: the
+    file has no such block)."""
+    config, index = model.config, model.config.num_hidden_layers
+    contents = check_gguf(path)
+    # Not its copies of the token table and head (the target's are read): nothing reads them ahead.
+    infos = {name: info for name, info in contents.tensors.items()
+             if _block(name) == index and model.gguf_checkpoint_name(name) is not None}
+    if not infos:
+        return set()
+    tensors = _tensors(path, infos, contents.shape, platform, drop_file_pages)
+    try:
+        with LoadProgress(len(infos), "GGUF prediction layer", progress) as bar:
+            return _fill(model, tensors, config, dtype, platform, bar, int8, None, layers={index: 0},
+                         checkpoint_name=model.gguf_checkpoint_name)
+    finally:
+        tensors.close()
+
+
+def _block(name: str) -> int:
+    """The layer a GGUF tensor belongs to (-1: none, as the token table)."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() else -1
+
+
+def _tensors(path: Path, infos: dict[str, TensorInfo], shape, platform: Platform, release: bool) -> _Tensors:
+    permute = shape.gguf_arch in PERMUTED_QK_ARCHS
+    return _Tensors(path, infos, {"attn_q": shape.heads, "attn_k": shape.kv_heads} if permute else {},
+                    mapped=platform.reads_weights_in_place, release_copied=release)
+
+
 def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.dtype, platform: Platform,
-          bar: LoadProgress, int8: bool, host_experts: HostExperts | None) -> set[str]:
+          bar: LoadProgress, int8: bool, host_experts: HostExperts | None, layers: dict[int, int] | None = None,
+          checkpoint_name: Callable[[str], str | None] | None = None) -> set[str]:
     """Swap in quantized layers for what stays quantized, allocate the rest, load it; returns the
-    parameter names filled (as CausalLM.load_weights does)."""
+    parameter names filled (as CausalLM.load_weights does). `layers`: the file's blocks the model
+    holds, as its layers (default: every layer of the config, the token table and head too);
+    `checkpoint_name`: a float tensor's checkpoint name (None: not loaded), default hf_name's."""
     device, kernels = platform.device, platform.gguf
     shard = config.shard
+    whole = layers is None
+    layers = {i: i for i in range(config.num_hidden_layers)} if whole else layers
+    checkpoint_name = checkpoint_name or (lambda name: hf_name(name, config.arch))
 
     def mine(name: str, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
         """This rank's part of tensor `name`'s rows, and its type."""
@@ -239,10 +280,13 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
 
     consumed: set[str] = set()
     # A layer's parts that the file holds: Gemma 4's layers reading another's KV have no keys or values.
-    groups = {f"model.layers.{i}.{ours}": [f"blk.{i}.{part}.weight" for part in parts
-                                           if f"blk.{i}.{part}.weight" in tensors.infos]
-              for i in range(config.num_hidden_layers) for ours, parts in fused_groups(config.arch).items()}
-    groups["lm_head"] = ["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
+    groups = {f"model.layers.{local}.{ours}": [f"blk.{i}.{part}.weight" for part in parts
+                                               if f"blk.{i}.{part}.weight" in tensors.infos]
+              for i, local in layers.items() for ours, parts in fused_groups(config.arch).items()}
+    if whole:
+        groups["lm_head"] = ["token_embd.weight" if config.tie_word_embeddings else "output.weight"]
+    else:  # a prediction layer's projection joining an embedding and a hidden state
+        groups |= {"model.eh_proj": [f"blk.{i}.nextn.eh_proj.weight" for i in layers]}
     for ours, names in groups.items():
         if all(_FLOAT_DTYPES.get(tensors.qtype(n)) == dtype for n in names):
             continue  # already in the compute dtype: a plain (packable) nn.Linear, same bytes
@@ -253,11 +297,11 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
         _replace(model, ours, GGUFLinear(linear.in_features, parts, linear.bias, kernels, int8))
         consumed.update(names)
         bar.update(len(names))
-    for layer in range(config.num_hidden_layers):
+    for layer, local in layers.items():
         names = [f"blk.{layer}.ffn_{part}_exps.weight" for part in ("gate", "up", "down")]
         if names[0] not in tensors.infos or all(_FLOAT_DTYPES.get(tensors.qtype(n)) == dtype for n in names):
             continue  # a dense layer, or experts in the compute dtype: loaded as float weights
-        ours = f"model.layers.{layer}.mlp.experts"
+        ours = f"model.layers.{local}.mlp.experts"
         dense = model.get_submodule(ours)
         hidden, width, count = config.hidden_size, dense.intermediate_size, dense.num_experts
         on_host = host_experts is not None and layer in host_experts.layers
@@ -279,9 +323,43 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
                                                           for part in gate_up],
                                           tensors.experts_laid_out(names[2:], count, layout), layer_kernels,
                                           layer_int8, dense.act, ops, config.layout.experts))
-        model.get_submodule(f"model.layers.{layer}.mlp").host_experts = on_host
+        model.get_submodule(f"model.layers.{local}.mlp").host_experts = on_host
         consumed.update(names)
         bar.update(len(names))
+    if whole:
+        _quantized_tables(model, tensors, config, dtype, kernels, device, mine, consumed, bar)
+    materialize(model, device)
+    for layer in host_experts.layers if host_experts is not None else ():  # their biases too
+        model.get_submodule(f"model.layers.{layer}.mlp.experts")._apply(lambda t: t.to("cpu"))
+    if whole and config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+    norm_offset = ARCHITECTURES[config.arch].gguf_norm_offset  # Gemma's norms are stored as 1 + w
+
+    def float_weights():
+        for name in tensors.infos:
+            wanted = name not in consumed and name not in ROPE_TENSORS  # rope factors: read by the config
+            checkpoint = checkpoint_name(name) if wanted else None
+            if checkpoint is not None:
+                tensor = tensors.floats(name, torch.float32)
+                if norm_offset and name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
+                    tensor = tensor - norm_offset
+                if name.endswith(".ssm_a"):  # llama.cpp keeps a linear-attention layer's -exp(A_log)
+                    tensor = torch.log(-tensor)
+                if name.endswith("ssm_conv1d.weight"):  # [channels, kernel]: a depthwise Conv1d's weight
+                    tensor = tensor[:, None]
+                if tensor.dim() == 1 and name.endswith("ffn_gate_inp_shexp.weight"):  # llama-quantize's [n]
+                    tensor = tensor[None]  # the shared expert's gate: a [1, hidden] matrix
+                yield checkpoint, tensor
+            if name not in consumed:
+                bar.update(1)
+
+    return model.load_weights(float_weights())
+
+
+def _quantized_tables(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.dtype, kernels,
+                      device: torch.device, mine, consumed: set[str], bar: LoadProgress) -> None:
+    """The token table (and Gemma 4's per-layer one) kept quantized where the file has them so."""
     embed_type = tensors.qtype("token_embd.weight")
     if _FLOAT_DTYPES.get(embed_type) != dtype:
         table = (model.lm_head.qweight_0 if config.tie_word_embeddings
@@ -298,29 +376,3 @@ def _fill(model: CausalLM, tensors: _Tensors, config: ModelConfig, dtype: torch.
             tensors.qtype(per_layer_table), tensors.rows(per_layer_table).to(device), width, dtype, kernels))
         consumed.add(per_layer_table)
         bar.update(1)
-
-    materialize(model, device)
-    for layer in host_experts.layers if host_experts is not None else ():  # their biases too
-        model.get_submodule(f"model.layers.{layer}.mlp.experts")._apply(lambda t: t.to("cpu"))
-    if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
-        model.lm_head.weight = model.model.embed_tokens.weight
-
-    norm_offset = ARCHITECTURES[config.arch].gguf_norm_offset  # Gemma's norms are stored as 1 + w
-
-    def float_weights():
-        for name in tensors.infos:
-            if name not in consumed and name not in ROPE_TENSORS:  # rope factors: read by the config
-                tensor = tensors.floats(name, torch.float32)
-                if norm_offset and name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
-                    tensor = tensor - norm_offset
-                if name.endswith(".ssm_a"):  # llama.cpp keeps a linear-attention layer's -exp(A_log)
-                    tensor = torch.log(-tensor)
-                if name.endswith("ssm_conv1d.weight"):  # [channels, kernel]: a depthwise Conv1d's weight
-                    tensor = tensor[:, None]
-                if tensor.dim() == 1 and name.endswith("ffn_gate_inp_shexp.weight"):  # llama-quantize's [n]
-                    tensor = tensor[None]  # the shared expert's gate: a [1, hidden] matrix
-                yield hf_name(name, config.arch), tensor
-            if name not in consumed:
-                bar.update(1)
-
-    return model.load_weights(float_weights())

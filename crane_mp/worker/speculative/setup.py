@@ -14,6 +14,7 @@ from crane_mp.models.registry import TRANSFORMERS
 from crane_mp.worker.models.build import materialize, on_meta
 from crane_mp.worker.models.nextn import next_token_model_class
 from crane_mp.worker.platforms import Platform
+from crane_mp.worker.quantized.gguf_loader import load_gguf_prediction_layer
 from crane_mp.worker.speculative.ngram import NgramProposer
 from crane_mp.worker.step.runner import ModelRunner
 from crane_mp.worker.weights.cpu_packing import pack_linear_weights
@@ -72,12 +73,14 @@ def load_prediction_layer(config: EngineConfig, model_config: ModelConfig, sourc
                "--speculative-model")
     if family.prediction_layer is None:
         raise ValueError(refused)
-    if source.format == "gguf":
-        raise ValueError("--speculative-method mtp reads the prediction layer from a safetensors checkpoint; "
-                         "with a GGUF file use ngram, or draft with --speculative-model")
     model = on_meta(lambda: next_token_model_class(family)(model_config, target.model, platform), dtype)
-    materialize(model, platform.device)
-    loaded = model.load_weights(iter_safetensors(safetensors_files(source.model_dir), progress, model.in_layer))
+    if source.format == "gguf":
+        loaded = load_gguf_prediction_layer(model, source.gguf_file, dtype, platform, progress,
+                                            platform.int8_matmuls(config.quantized_activations),
+                                            not config.keep_page_cache)
+    else:
+        materialize(model, platform.device)
+        loaded = model.load_weights(iter_safetensors(safetensors_files(source.model_dir), progress, model.in_layer))
     if not loaded:
         raise ValueError(refused)
     missing = model.expected_weights() - loaded
