@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -363,6 +363,8 @@ class GGUFContents:
     meta: dict[str, Any]  # scalar and string metadata (not the tokenizer arrays)
     types: Counter  # tensor type name -> count
     tensors: dict[str, TensorInfo]  # in file order
+    # The blocks past the last (nextn_predict_layers): a multi-token-prediction layer's tensors.
+    prediction_tensors: dict[str, TensorInfo] = field(default_factory=dict)
 
     @property
     def tensor_bytes(self) -> int:
@@ -397,12 +399,13 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
     expected = expected_shapes(shape)
     types: Counter = Counter()
     infos: dict[str, TensorInfo] = {}
+    predicting: dict[str, TensorInfo] = {}
     for tensor in header.tensors:
-        if _layer_of(tensor.name) >= shape.layers:  # a next-token-prediction layer, not served
-            continue
+        # A multi-token-prediction layer past the last: not the model's (speculative decoding's, when asked).
+        past_the_last = _layer_of(tensor.name) >= shape.layers
         qtype = _tensor_type(tensor.type_id, path)
         dims = dims_of[tensor.name]
-        want = expected.get(tensor.name)
+        want = dims if past_the_last else expected.get(tensor.name)
         if want is None:
             raise GGUFFileError(f"{path}: unexpected tensor {tensor.name} for architecture {shape.gguf_arch}")
         if dims != want and not (want[0] == 1 and dims == want[1:]):  # a [1, n] matrix quantized as [n]
@@ -418,8 +421,12 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
         if tensor.offset + n_bytes > header.file_size:
             raise GGUFFileError(f"{path}: not a readable GGUF file (truncated or corrupt?): the data of tensor "
                                 f"{tensor.name} runs past the end of the file")
+        info = TensorInfo(tensor.name, int(qtype), dims, tensor.offset, n_bytes)
+        if past_the_last:
+            predicting[tensor.name] = info
+            continue
         types[SERVED_TYPES[qtype]] += 1
-        infos[tensor.name] = TensorInfo(tensor.name, int(qtype), dims, tensor.offset, n_bytes)
+        infos[tensor.name] = info
     required = ["token_embd.weight", "output_norm.weight"] + [
         f"blk.{i}.{name}.weight" for i in range(shape.layers)
         for name in required_layer_names(shape.row, sparse=i >= shape.dense_layers)
@@ -427,7 +434,7 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
     missing = [name for name in required if name not in infos]
     if missing:
         raise GGUFFileError(f"{path}: {len(missing)} required tensors are missing, e.g. {missing[0]}")
-    return GGUFContents(shape, meta, types, infos)
+    return GGUFContents(shape, meta, types, infos, predicting)
 
 
 def _layer_of(name: str) -> int:

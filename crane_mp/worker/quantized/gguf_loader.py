@@ -205,13 +205,9 @@ def load_gguf_model(
     tensor-parallel rank's neighbours read the same pages)."""
     contents = check_gguf(path)
     model = build_meta_model(config, dtype, platform)
-    # A multi-token-prediction layer past the last (nextn_predict_layers) is a model of its own
-    # (load_gguf_prediction_layer), never read here.
-    infos = {name: info for name, info in contents.tensors.items()
-             if _block(name) < config.num_hidden_layers}
-    tensors = _tensors(path, infos, contents.shape, platform, drop_file_pages and config.shard is None)
+    tensors = _tensors(path, contents.tensors, contents.shape, platform, drop_file_pages and config.shard is None)
     try:
-        with LoadProgress(len(infos), "GGUF weights", progress) as bar:
+        with LoadProgress(len(contents.tensors), "GGUF weights", progress) as bar:
             loaded = _fill(model, tensors, config, dtype, platform, bar, int8, host_experts)
     finally:
         tensors.close()
@@ -230,7 +226,7 @@ def load_gguf_prediction_layer(model: CausalLM, path: Path, dtype: torch.dtype, 
     config, index = model.config, model.config.num_hidden_layers
     contents = check_gguf(path)
     # Not its copies of the token table and head (the target's are read): nothing reads them ahead.
-    infos = {name: info for name, info in contents.tensors.items()
+    infos = {name: info for name, info in contents.prediction_tensors.items()
              if _block(name) == index and model.gguf_checkpoint_name(name) is not None}
     if not infos:
         return set()
