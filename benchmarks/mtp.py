@@ -2,6 +2,9 @@
 
     python benchmarks/mtp.py build /models/q35-mtp
     python benchmarks/mtp.py run /models/q35-mtp
+    python convert_hf_to_gguf.py /models/q35-mtp --outtype bf16 --outfile q35-mtp-bf16.gguf   # llama.cpp's
+    llama-quantize q35-mtp-bf16.gguf q35-mtp-q4km.gguf Q4_K_M
+    python benchmarks/mtp.py gguf q35-mtp-q4km.gguf
 
 Random weights never agree by chance, so `build` builds the agreement: every layer of the target adds
 nothing (zero output projections, read like any), so its next token is a function of the last one
@@ -11,8 +14,9 @@ beside it is the same checkpoint (its tensors linked) whose prediction layer rea
 the embedding: it guesses wrong. `run` starts crane-mp for each setting (none, mtp with --speculative-
 num-tokens 1 and 3, mtp that never agrees, ngram) and measures one stream and 16 (serving.py's load
 generator, greedy, EOS ignored): output tok/s and TPOT, each as a multiple of the server's without
-speculation, and the DRAM read bandwidth measured in the same run. The settings take turns --rounds
-times; each one-stream figure is its best round's. Nothing else should run meanwhile.
+speculation, and the DRAM read bandwidth measured in the same run. `gguf` does the same on a GGUF
+file of the checkpoint for crane-mp and llama-server (--spec-type draft-mtp) side by side. The settings
+take turns --rounds times; each one-stream figure is its best round's. Nothing else should run meanwhile.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_vs_llama import dram_read_gbs, load, machine, stop, wait_ready  # noqa: E402
+from gguf_vs_llama import DEFAULT_LLAMA, dram_read_gbs, load, machine, stop, wait_ready  # noqa: E402
+from speculative import measure as measure_server  # noqa: E402
 
 from crane_mp.testing.make_zoo import make_zoo_model  # noqa: E402
 
@@ -83,6 +88,16 @@ def build(out: Path, seed: int) -> None:
     print(out, out / "never-agrees")
 
 
+# The same on a GGUF file of that checkpoint (llama.cpp's converter keeps the layer; llama-quantize), each
+# server started the way its users start it (speculative.py's commands) plus its MTP flags.
+GGUF_SETTINGS = {
+    "none": {"crane-mp": [], "llama-server": []},
+    "mtp-1": {"crane-mp": ["--speculative-method", "mtp", "--speculative-num-tokens", "1"],
+              "llama-server": ["--spec-type", "draft-mtp", "--spec-draft-n-max", "1", "--spec-draft-n-min", "0"]},
+    "mtp-3": {"crane-mp": ["--speculative-method", "mtp", "--speculative-num-tokens", "3"],
+              "llama-server": ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "--spec-draft-n-min", "0"]},
+}
+
 SETTINGS = {
     "none": (".", []),
     "mtp-1": (".", ["--speculative-method", "mtp", "--speculative-num-tokens", "1"]),
@@ -108,6 +123,29 @@ def measure(model: Path, setting: str, args, batched: bool) -> list[dict]:
     finally:
         stop(proc)
     return rows
+
+
+def run_gguf(args) -> None:
+    """crane-mp beside llama-server on one GGUF file, the settings taking turns --rounds times."""
+    print(json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d"),
+                      "dram_gbs": dram_read_gbs(args.threads)}), flush=True)
+    best: dict[tuple[str, str, int], dict] = {}
+    for round_ in range(args.rounds):
+        for server in ("crane-mp", "llama-server"):
+            for setting in args.settings:
+                batched = round_ == 0 and setting in args.batched
+                for row in measure_server(server, setting, args.gguf, GGUF_SETTINGS[setting][server], args, batched):
+                    print(json.dumps({**row, "round": round_}), flush=True)
+                    key = (server, setting, row["concurrency"])
+                    if key not in best or row["output_tok_s"] > best[key]["output_tok_s"]:
+                        best[key] = row
+    print(json.dumps({"dram_gbs_after": dram_read_gbs(args.threads)}), flush=True)
+    base = {(r["server"], r["concurrency"]): r["output_tok_s"] for r in best.values() if r["setting"] == "none"}
+    print(f"\n{'server':<13} {'setting':<8} {'C':>3} {'tok/s':>7} {'TPOT p50':>9} {'x none':>7} {'errors':>6}")
+    for r in best.values():
+        ratio = r["output_tok_s"] / base[r["server"], r["concurrency"]]
+        print(f"{r['server']:<13} {r['setting']:<8} {r['concurrency']:>3} {r['output_tok_s']:>7} "
+              f"{r['tpot_p50_ms']:>9} {ratio:>7.2f} {r['errors']:>6}")
 
 
 def run(args) -> None:
@@ -146,11 +184,24 @@ def main() -> None:
     runs.add_argument("--memory-limit", default="12G")
     runs.add_argument("--threads", type=int, default=os.cpu_count())
     runs.add_argument("--port", type=int, default=8313)
+    side = sub.add_parser("gguf", help="crane-mp beside llama-server on a GGUF file of the built checkpoint")
+    side.add_argument("gguf", type=Path)
+    side.add_argument("--settings", nargs="+", default=list(GGUF_SETTINGS), choices=list(GGUF_SETTINGS))
+    side.add_argument("--batched", nargs="*", default=["none", "mtp-3"], help="settings also measured at 16 streams")
+    side.add_argument("--rounds", type=int, default=2)
+    side.add_argument("--prompt-len", type=int, default=48)
+    side.add_argument("--output-len", type=int, default=128)
+    side.add_argument("--memory-limit", default="10G")
+    side.add_argument("--threads", type=int, default=os.cpu_count())
+    side.add_argument("--port", type=int, default=8313)
+    side.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA)
     args = parser.parse_args()
     if args.command == "build":
         if args.out.exists():
             shutil.rmtree(args.out)
         build(args.out, args.seed)
+    elif args.command == "gguf":
+        run_gguf(args)
     else:
         run(args)
 
