@@ -401,11 +401,16 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
     infos: dict[str, TensorInfo] = {}
     predicting: dict[str, TensorInfo] = {}
     for tensor in header.tensors:
-        # A multi-token-prediction layer past the last: not the model's (speculative decoding's, when asked).
-        past_the_last = _layer_of(tensor.name) >= shape.layers
+        if layer_of(tensor.name) >= shape.layers:
+            # A multi-token-prediction layer past the last: never the model's, kept aside for speculative
+            # decoding where the file's types are ours (a tensor that is not is missed only by it).
+            info = _prediction_tensor(tensor, dims_of[tensor.name], header.file_size)
+            if info is not None:
+                predicting[tensor.name] = info
+            continue
         qtype = _tensor_type(tensor.type_id, path)
         dims = dims_of[tensor.name]
-        want = dims if past_the_last else expected.get(tensor.name)
+        want = expected.get(tensor.name)
         if want is None:
             raise GGUFFileError(f"{path}: unexpected tensor {tensor.name} for architecture {shape.gguf_arch}")
         if dims != want and not (want[0] == 1 and dims == want[1:]):  # a [1, n] matrix quantized as [n]
@@ -421,12 +426,8 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
         if tensor.offset + n_bytes > header.file_size:
             raise GGUFFileError(f"{path}: not a readable GGUF file (truncated or corrupt?): the data of tensor "
                                 f"{tensor.name} runs past the end of the file")
-        info = TensorInfo(tensor.name, int(qtype), dims, tensor.offset, n_bytes)
-        if past_the_last:
-            predicting[tensor.name] = info
-            continue
         types[SERVED_TYPES[qtype]] += 1
-        infos[tensor.name] = info
+        infos[tensor.name] = TensorInfo(tensor.name, int(qtype), dims, tensor.offset, n_bytes)
     required = ["token_embd.weight", "output_norm.weight"] + [
         f"blk.{i}.{name}.weight" for i in range(shape.layers)
         for name in required_layer_names(shape.row, sparse=i >= shape.dense_layers)
@@ -437,10 +438,27 @@ def _check(name: str, size: int, mtime_ns: int) -> GGUFContents:
     return GGUFContents(shape, meta, types, infos, predicting)
 
 
-def _layer_of(name: str) -> int:
+def layer_of(name: str) -> int:
     """The block a tensor name is in (blk.N.*); -1 for the model's global tensors."""
     parts = name.split(".", 2)
     return int(parts[1]) if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() else -1
+
+
+def _prediction_tensor(tensor, dims: tuple[int, ...], file_size: int) -> TensorInfo | None:
+    """A tensor of a block past the last, where its type is one we serve and its data is in the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        qtype = GGMLQuantizationType(tensor.type_id)
+    except ValueError:
+        return None
+    if qtype not in SERVED_TYPES:
+        return None
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    n_bytes = math.prod(dims) // block * block_bytes
+    if tensor.offset + n_bytes > file_size:
+        return None
+    return TensorInfo(tensor.name, int(qtype), dims, tensor.offset, n_bytes)
 
 
 def _tensor_type(type_id: int, path: Path):

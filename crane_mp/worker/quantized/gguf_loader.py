@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from crane_mp.models.config import ModelConfig
-from crane_mp.models.gguf_file import ROPE_TENSORS, TensorInfo, check_gguf
+from crane_mp.models.gguf_file import ROPE_TENSORS, TensorInfo, check_gguf, layer_of
 from crane_mp.models.registry import ARCHITECTURES, PERMUTED_QK_ARCHS, gguf_layer_names, hf_name
 from crane_mp.models.sharding import Shard
 from crane_mp.worker.models.build import build_meta_model, materialize
@@ -227,7 +227,7 @@ def load_gguf_prediction_layer(model: CausalLM, path: Path, dtype: torch.dtype, 
     contents = check_gguf(path)
     # Not its copies of the token table and head (the target's are read): nothing reads them ahead.
     infos = {name: info for name, info in contents.prediction_tensors.items()
-             if _block(name) == index and model.gguf_checkpoint_name(name) is not None}
+             if layer_of(name) == index and model.gguf_checkpoint_name(name) is not None}
     if not infos:
         return set()
     tensors = _tensors(path, infos, contents.shape, platform, drop_file_pages)
@@ -237,12 +237,6 @@ def load_gguf_prediction_layer(model: CausalLM, path: Path, dtype: torch.dtype, 
                          checkpoint_name=model.gguf_checkpoint_name)
     finally:
         tensors.close()
-
-
-def _block(name: str) -> int:
-    """The layer a GGUF tensor belongs to (-1: none, as the token table)."""
-    parts = name.split(".")
-    return int(parts[1]) if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() else -1
 
 
 def _tensors(path: Path, infos: dict[str, TensorInfo], shape, platform: Platform, release: bool) -> _Tensors:
