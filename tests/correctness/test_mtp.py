@@ -201,7 +201,7 @@ def test_mixed_requests_under_preemption_gain_the_tokens_they_gain_without_it(ch
 
 
 @pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter is not installed (../shared/peers)")
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text"])
 def test_llama_cpp_s_conversion_keeps_the_prediction_layer_and_it_proposes_as_the_checkpoint_s(
         checkpoints, family, tmp_path):
     """llama.cpp's converter writes the layer as the block past the last (`blk.{n}.*`, its own parts as

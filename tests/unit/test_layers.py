@@ -22,7 +22,7 @@ LAYERS = (
     {"frontend"},
     # what starts or embeds the processes: the launcher, CLI, process entry points, in-process engine,
     # and the test-model generators (they run the worker)
-    {"__main__", "launch", "cli", "watchdog", "docs_flags", "entrypoints", "engine", "generate", "testing", "router"},
+    {"__main__", "launch", "cli", "speculative_flags", "watchdog", "docs_flags", "entrypoints", "engine", "generate", "testing", "router"},
 )
 # Only these may import the worker package: they run it (in this process or as one).
 RUNS_THE_WORKER = {"worker", "engine", "entrypoints", "testing"}
