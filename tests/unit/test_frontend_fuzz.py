@@ -125,7 +125,7 @@ def test_every_body_the_document_allows_is_accepted(request, path):
     running = request.getfixturevalue(fixture)
     schema = _document(running)[path]
 
-    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
     @given(from_schema(schema), st.lists(IMAGE_PARTS, max_size=3))
     def check(body, images):
         if path.startswith("/v1/messages"):  # a name other than the served one is a 404, as documented
