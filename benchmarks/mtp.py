@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,8 +34,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_vs_llama import DEFAULT_LLAMA, dram_read_gbs, load, machine, stop, wait_ready  # noqa: E402
-from speculative import measure as measure_server  # noqa: E402
+from gguf_vs_llama import DEFAULT_LLAMA, dram_read_gbs, machine  # noqa: E402
+from speculative import measure  # noqa: E402
 
 from crane_mp.testing.make_zoo import make_zoo_model  # noqa: E402
 
@@ -88,84 +87,63 @@ def build(out: Path, seed: int) -> None:
     print(out, out / "never-agrees")
 
 
+_MTP = ["--speculative-method", "mtp", "--speculative-num-tokens"]
+# Per setting, each server's (model path under the built checkpoint or the GGUF file, extra flags).
+SETTINGS = {
+    "none": {"crane-mp": (".", [])},
+    "mtp-1": {"crane-mp": (".", [*_MTP, "1"])},
+    "mtp-3": {"crane-mp": (".", [*_MTP, "3"])},
+    "mtp-never-agrees": {"crane-mp": ("never-agrees", [*_MTP, "3"])},
+    "ngram": {"crane-mp": (".", ["--speculative-method", "ngram", "--speculative-num-tokens", "3"])},
+}
 # The same on a GGUF file of that checkpoint (llama.cpp's converter keeps the layer; llama-quantize), each
 # server started the way its users start it (speculative.py's commands) plus its MTP flags.
+_LLAMA_MTP = ["--spec-type", "draft-mtp", "--spec-draft-n-min", "0", "--spec-draft-n-max"]
 GGUF_SETTINGS = {
-    "none": {"crane-mp": [], "llama-server": []},
-    "mtp-1": {"crane-mp": ["--speculative-method", "mtp", "--speculative-num-tokens", "1"],
-              "llama-server": ["--spec-type", "draft-mtp", "--spec-draft-n-max", "1", "--spec-draft-n-min", "0"]},
-    "mtp-3": {"crane-mp": ["--speculative-method", "mtp", "--speculative-num-tokens", "3"],
-              "llama-server": ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "--spec-draft-n-min", "0"]},
-}
-
-SETTINGS = {
-    "none": (".", []),
-    "mtp-1": (".", ["--speculative-method", "mtp", "--speculative-num-tokens", "1"]),
-    "mtp-3": (".", ["--speculative-method", "mtp", "--speculative-num-tokens", "3"]),
-    "mtp-never-agrees": ("never-agrees", ["--speculative-method", "mtp", "--speculative-num-tokens", "3"]),
-    "ngram": (".", ["--speculative-method", "ngram", "--speculative-num-tokens", "3"]),
+    "none": {"crane-mp": (".", []), "llama-server": (".", [])},
+    "mtp-1": {"crane-mp": (".", [*_MTP, "1"]), "llama-server": (".", [*_LLAMA_MTP, "1"])},
+    "mtp-3": {"crane-mp": (".", [*_MTP, "3"]), "llama-server": (".", [*_LLAMA_MTP, "3"])},
 }
 
 
-def measure(model: Path, setting: str, args, batched: bool) -> list[dict]:
-    where, extra = SETTINGS[setting]
-    cmd = [sys.executable, "-m", "crane_mp", "--model-path", str(model / where), "--gpu-memory-limit",
-           args.memory_limit, "--port", str(args.port), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url, rows = f"http://127.0.0.1:{args.port}", []
-    try:
-        wait_ready(url, proc)
-        for concurrency in [1, 16] if batched else [1]:
-            result = load(url, concurrency, max(2, 2 * concurrency), args.prompt_len, args.output_len, concurrency,
-                          False)
-            rows.append({"setting": setting, "concurrency": concurrency, "output_tok_s": result["output_tok_s"],
-                         "tpot_p50_ms": result["tpot_p50_ms"], "errors": result["errors"]})
-    finally:
-        stop(proc)
-    return rows
-
-
-def run_gguf(args) -> None:
-    """crane-mp beside llama-server on one GGUF file, the settings taking turns --rounds times."""
+def compare(model: Path, table: dict[str, dict[str, tuple[str, list[str]]]], args) -> None:
+    """Each server in each setting (args.settings), taking turns --rounds times; the best round of
+    each at one stream, 16 streams in the first for args.batched."""
     print(json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d"),
                       "dram_gbs": dram_read_gbs(args.threads)}), flush=True)
+    servers = [server for server in ("crane-mp", "llama-server") if server in table["none"]]
     best: dict[tuple[str, str, int], dict] = {}
     for round_ in range(args.rounds):
-        for server in ("crane-mp", "llama-server"):
+        for server in servers:
             for setting in args.settings:
+                where, extra = table[setting][server]
+                path = model if model.suffix == ".gguf" else model / where
                 batched = round_ == 0 and setting in args.batched
-                for row in measure_server(server, setting, args.gguf, GGUF_SETTINGS[setting][server], args, batched):
+                for row in measure(server, setting, path, extra, args, batched):
                     print(json.dumps({**row, "round": round_}), flush=True)
                     key = (server, setting, row["concurrency"])
                     if key not in best or row["output_tok_s"] > best[key]["output_tok_s"]:
                         best[key] = row
     print(json.dumps({"dram_gbs_after": dram_read_gbs(args.threads)}), flush=True)
     base = {(r["server"], r["concurrency"]): r["output_tok_s"] for r in best.values() if r["setting"] == "none"}
-    print(f"\n{'server':<13} {'setting':<8} {'C':>3} {'tok/s':>7} {'TPOT p50':>9} {'x none':>7} {'errors':>6}")
+    print(f"\n{'server':<13} {'setting':<17} {'C':>3} {'tok/s':>7} {'TPOT p50':>9} {'x none':>7} {'errors':>6}")
     for r in best.values():
-        ratio = r["output_tok_s"] / base[r["server"], r["concurrency"]]
-        print(f"{r['server']:<13} {r['setting']:<8} {r['concurrency']:>3} {r['output_tok_s']:>7} "
+        ratio = r["output_tok_s"] / base[r["server"], r["concurrency"]] if base.get(
+            (r["server"], r["concurrency"])) else float("nan")
+        print(f"{r['server']:<13} {r['setting']:<17} {r['concurrency']:>3} {r['output_tok_s']:>7} "
               f"{r['tpot_p50_ms']:>9} {ratio:>7.2f} {r['errors']:>6}")
 
 
-def run(args) -> None:
-    print(json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d"),
-                      "dram_gbs": dram_read_gbs(args.threads)}), flush=True)
-    best: dict[tuple[str, int], dict] = {}
-    for round_ in range(args.rounds):
-        for setting in args.settings:
-            for row in measure(args.model, setting, args, round_ == 0 and setting in args.batched):
-                print(json.dumps({**row, "round": round_}), flush=True)
-                key = (setting, row["concurrency"])
-                if key not in best or row["output_tok_s"] > best[key]["output_tok_s"]:
-                    best[key] = row
-    print(json.dumps({"dram_gbs_after": dram_read_gbs(args.threads)}), flush=True)
-    base = {r["concurrency"]: r["output_tok_s"] for r in best.values() if r["setting"] == "none"}
-    print(f"\n{'setting':<17} {'C':>3} {'tok/s':>7} {'TPOT p50':>9} {'x none':>7} {'errors':>6}")
-    for r in best.values():
-        ratio = r["output_tok_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else float("nan")
-        print(f"{r['setting']:<17} {r['concurrency']:>3} {r['output_tok_s']:>7} {r['tpot_p50_ms']:>9} "
-              f"{ratio:>7.2f} {r['errors']:>6}")
+def _run_flags(parser: argparse.ArgumentParser, settings: dict, memory_limit: str) -> None:
+    parser.add_argument("--settings", nargs="+", default=list(settings), choices=list(settings))
+    parser.add_argument("--batched", nargs="*", default=["none", "mtp-3"], help="settings also measured at 16 streams")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=48)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--memory-limit", default=memory_limit, help="crane-mp's --gpu-memory-limit")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--port", type=int, default=8313)
+    parser.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA)
 
 
 def main() -> None:
@@ -176,34 +154,17 @@ def main() -> None:
     made.add_argument("--seed", type=int, default=0)
     runs = sub.add_parser("run")
     runs.add_argument("model", type=Path)
-    runs.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    runs.add_argument("--batched", nargs="*", default=["none", "mtp-3"], help="settings also measured at 16 streams")
-    runs.add_argument("--rounds", type=int, default=2)
-    runs.add_argument("--prompt-len", type=int, default=48)
-    runs.add_argument("--output-len", type=int, default=128)
-    runs.add_argument("--memory-limit", default="12G")
-    runs.add_argument("--threads", type=int, default=os.cpu_count())
-    runs.add_argument("--port", type=int, default=8313)
+    _run_flags(runs, SETTINGS, "12G")
     side = sub.add_parser("gguf", help="crane-mp beside llama-server on a GGUF file of the built checkpoint")
-    side.add_argument("gguf", type=Path)
-    side.add_argument("--settings", nargs="+", default=list(GGUF_SETTINGS), choices=list(GGUF_SETTINGS))
-    side.add_argument("--batched", nargs="*", default=["none", "mtp-3"], help="settings also measured at 16 streams")
-    side.add_argument("--rounds", type=int, default=2)
-    side.add_argument("--prompt-len", type=int, default=48)
-    side.add_argument("--output-len", type=int, default=128)
-    side.add_argument("--memory-limit", default="10G")
-    side.add_argument("--threads", type=int, default=os.cpu_count())
-    side.add_argument("--port", type=int, default=8313)
-    side.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA)
+    side.add_argument("model", type=Path)
+    _run_flags(side, GGUF_SETTINGS, "10G")
     args = parser.parse_args()
     if args.command == "build":
         if args.out.exists():
             shutil.rmtree(args.out)
         build(args.out, args.seed)
-    elif args.command == "gguf":
-        run_gguf(args)
     else:
-        run(args)
+        compare(args.model, GGUF_SETTINGS if args.command == "gguf" else SETTINGS, args)
 
 
 if __name__ == "__main__":
