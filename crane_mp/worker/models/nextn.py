@@ -51,10 +51,14 @@ LAYOUTS = {
 _GGUF_PARTS = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head_norm": "norm"}
 
 
+# Where Qwen3.5's and Qwen3-Next's checkpoints keep the layer (the vision-language ones under model.).
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+
+
 def layer_prefixes(target: CausalLM) -> tuple[str, ...]:
     """Where the target's checkpoint names its prediction layer's tensors."""
     if target.prediction_layer == "mtp":
-        return "mtp.", "model.mtp."
+        return MTP_PREFIXES
     return (f"model.layers.{target.config.num_hidden_layers}.",)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from crane_mp.models.config import ModelConfig
 from crane_mp.worker.models.gated_deltanet import GatedDeltaNet
 from crane_mp.worker.models.layers import CausalLM, DecoderModel, GemmaRMSNorm, PagedSelfAttention
+from crane_mp.worker.models.nextn import MTP_PREFIXES
 from crane_mp.worker.platforms import Platform
 from crane_mp.worker.step.forward_context import get_forward_context
 
@@ -77,7 +78,7 @@ class Qwen35ForCausalLM(CausalLM):
         """Checkpoint tensors as our parameters take them; the multi-token-prediction layer's are left to
         its own model (nextn.py, when speculating)."""
         for name, tensor in weights:
-            if not name.startswith(("mtp.", "model.mtp.")):
+            if not name.startswith(MTP_PREFIXES):
                 yield from self._split_linear(name, tensor)
 
     def _split_linear(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
