@@ -27,24 +27,18 @@
 
 #include "cpu_vec.h"
 #include "packed_rows.h"
+#include "tile_state.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define CRANE_MP_HAVE_AMX 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
 
 bool amx_available() {
 #if defined(CRANE_MP_HAVE_AMX)
-  // Linux hands out the 8 KB tile state per process on request (arch_prctl ARCH_REQ_XCOMP_PERM).
-  static const bool granted = [] {
-    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
+  return crane_mp::tile_state_granted();
 #else
   return false;
 #endif
@@ -75,13 +69,7 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
 }
 
 #if defined(CRANE_MP_HAVE_AMX)
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using crane_mp::TileConfig;
 
 constexpr int64_t kRowBlock = 32;                 // rows per pass: two 16-row A tiles
 constexpr int64_t kWeightGroupBytes = 512 * 1024;  // weight tiles kept in L2 while the row blocks sweep them

@@ -1,5 +1,5 @@
 """Which CPU instructions crane-mp may use, and the choices that follow from it: the CPU dtype, oneDNN's
-bf16 weight packing, our AMX GEMM, and the tier our native kernels run at (platforms/cpu.py hands them
+bf16 weight packing, our AMX GEMMs (bf16, and int8 for GGUF prompts), and the tier our native kernels run at (platforms/cpu.py hands them
 out, or the portable torch ops).
 
 Tiers (config.CPU_ISAS), each containing the one before:
@@ -8,7 +8,8 @@ Tiers (config.CPU_ISAS), each containing the one before:
     avx512       + AVX-512 F/BW/VL/DQ                 Skylake-SP, Cascade Lake, Ice Lake
     avx512_bf16  + AVX512-BF16 (native bf16 math)     Cooper Lake, Zen 4/5, Sapphire Rapids
                  and AVX512-VNNI (byte dot products)
-    amx          + AMX-BF16 tiles the OS grants us    Sapphire Rapids and later
+    amx          + AMX-BF16 and AMX-INT8 tiles        Sapphire Rapids and later
+                 the OS grants us
 
 The host's tier comes from CPUID (torch's cpuinfo: right under an emulator too, unlike
 /proc/cpuinfo); CRANE_MP_ISA caps it. Below avx2, with CRANE_MP_NO_NATIVE_KERNELS, or when the
@@ -77,6 +78,24 @@ def kernel_isa() -> str | None:
 def amx_gemm() -> bool:
     """Our AMX bf16 GEMM (kernels/amx_linear.cpp) is built and allowed to run."""
     return kernel_isa() == "amx" and bool(torch.ops.crane_mp.amx_available())
+
+
+@lru_cache(maxsize=1)
+def int8_tiles() -> bool:
+    """GGUF prompts on the AMX-INT8 tiles (kernels/gguf_tiles.cpp): built, the tile state granted, and a
+    child process's check against the AVX512-VNNI kernels passed (tile_check.py); turned on here then."""
+    if kernel_isa() != "amx" or not torch.ops.crane_mp.gguf_tiles_available():
+        return False
+    from crane_mp.worker.kernels import tile_check
+
+    passed, why = tile_check.run_check()
+    if not passed:
+        log.warning("AMX-INT8 tiles failed their check on this host (%s); GGUF prompts keep the AVX512-VNNI "
+                    "kernels", why)
+        return False
+    torch.ops.crane_mp.gguf_tile_kernels(1)
+    log.info("GGUF prompts run on the AMX-INT8 tiles")
+    return True
 
 
 @lru_cache(maxsize=1)

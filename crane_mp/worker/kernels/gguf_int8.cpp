@@ -26,6 +26,8 @@
 // time (two Q4_K groups at once in 512-bit vectors with AVX512-VNNI, from 16 activation rows; Q6_K
 // sixteen rows a group, 8 activation rows a call, where the CPU also has VBMI); while the activations
 // fit in L2, all of them pass over one group before the next.
+// Prompts (kTileMinRows rows or more) take the sixteen-row Q4_K and Q6_K groups and the eight-row Q8_0
+// ones through the AMX-INT8 tiles where those are on (gguf_tiles.cpp): the same integer sums and results.
 // int16 sums never saturate: a pair of products is at most 2 * 63 * 127 (6-bit weights) or
 // 2 * 128 * 127 (8-bit, through the sign trick) < 32767. With AVX512-VNNI (the avx512_bf16 and amx
 // tiers) byte products go into int32 in one instruction; the integer results are the same.
@@ -66,11 +68,9 @@ bool int8_type(int64_t qtype) {
   return false;
 }
 
-using GroupDotFn = void (*)(const uint8_t*, const Acts&, int64_t, int64_t, float*);
-
 // Activation rows per kernel call: 4 rows' accumulators and operands fill the 16 vector registers.
 constexpr int64_t kRowGroup = 4;
-// The most any kernel takes: the 512-bit ones.
+// Activation rows the 512-bit kernels take a call (the tile kernels: kTileRowsPerCall).
 constexpr int64_t kMaxRowsPerCall = 8;
 
 // The kernel of a repacked type; nullptr for GGUF's own rows.
@@ -371,7 +371,7 @@ struct QuantizedActs {
 
 Acts quantize(const at::Tensor& x, int64_t block, QuantizedActs& buffers) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / block;
-  buffers.q.resize(std::max<size_t>(buffers.q.size(), M * K));
+  buffers.q.resize(std::max<size_t>(buffers.q.size(), (M + 16) * K));  // 16 rows past the last: tile_dot
   buffers.d.resize(std::max<size_t>(buffers.d.size(), M * nb));
   buffers.sums.resize(std::max<size_t>(buffers.sums.size(), M * (K / 16)));
   buffers.sums32.resize(std::max<size_t>(buffers.sums32.size(), M * (K / 32)));
@@ -426,7 +426,7 @@ void rows_tile(const uint8_t* src, int64_t row_bytes, const DotFn fn, const Acts
 // activation rows [m_begin, m_end): each group against all of them before the next.
 void groups_tile(const uint8_t* src, int64_t row_bytes, int64_t rows_per_group, int64_t per_call, const GroupDotFn fn,
                  const Acts& acts, int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1, int64_t N, float* ys) {
-  float dots[kMaxRowsPerCall * 16];
+  float dots[kTileRowsPerCall * 16];
   for (int64_t n = n0; n < n1; n += rows_per_group) {
     for (int64_t m0 = m_begin; m0 < m_end; m0 += per_call) {
       const int64_t rows = std::min(per_call, m_end - m0);
@@ -449,14 +449,15 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   const Acts acts = quantize(x, block, buffers);
   const uint8_t* src = w.data_ptr<uint8_t>();
   float* ys = out.data_ptr<float>();
-  const GroupDotFn group_fn = group_dot(qtype);
+  const GroupDotFn tiled = M >= kTileMinRows ? tile_dot(qtype) : nullptr;
+  const GroupDotFn group_fn = tiled != nullptr ? tiled : group_dot(qtype);
   const bool grouped = group_fn != nullptr, group_first = grouped && M * K <= kGroupFirstBytes;
   const DotFn full = grouped ? nullptr : dot_for<kRowGroup>(qtype);
   const DotFn tail[kRowGroup] = {nullptr, grouped ? nullptr : dot_for<1>(qtype), grouped ? nullptr : dot_for<2>(qtype),
                                  grouped ? nullptr : dot_for<3>(qtype)};
   // One tile per thread at least, so a small matrix still spreads over every core; whole groups.
   const int64_t threads = at::get_num_threads(), unit = grouped ? group_rows(qtype) : 1;
-  const int64_t per_call = grouped ? rows_per_call(qtype) : kRowGroup;
+  const int64_t per_call = tiled != nullptr ? kTileRowsPerCall : (grouped ? rows_per_call(qtype) : kRowGroup);
   const int64_t per_thread = (N / unit + threads - 1) / threads;
   const int64_t tile = unit * std::max<int64_t>(1, std::min(kTileBytes / (row_bytes * unit), per_thread));
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
@@ -502,7 +503,8 @@ void run_tiles(const std::vector<Run>& runs) {
   int64_t tiles = 0;
   for (size_t r = 0; r < runs.size(); ++r) {
     Kernels& k = kernels[r];
-    k.group = group_dot(runs[r].qtype);
+    const GroupDotFn tiled = runs[r].m_end - runs[r].m_begin >= kTileMinRows ? tile_dot(runs[r].qtype) : nullptr;
+    k.group = tiled != nullptr ? tiled : group_dot(runs[r].qtype);
     const bool grouped = k.group != nullptr;
     if (!grouped) {
       k.tail[1] = dot_for<1>(runs[r].qtype);
@@ -511,7 +513,7 @@ void run_tiles(const std::vector<Run>& runs) {
       k.tail[kRowGroup] = dot_for<kRowGroup>(runs[r].qtype);
     }
     k.unit = grouped ? group_rows(runs[r].qtype) : 1;
-    k.per_call = grouped ? rows_per_call(runs[r].qtype) : kRowGroup;
+    k.per_call = tiled != nullptr ? kTileRowsPerCall : (grouped ? rows_per_call(runs[r].qtype) : kRowGroup);
     k.tile = k.unit * std::max<int64_t>(1, kTileBytes / (runs[r].row_bytes * k.unit));
     k.first_tile = tiles;
     tiles += (runs[r].rows + k.tile - 1) / k.tile;

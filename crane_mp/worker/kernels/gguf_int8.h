@@ -99,6 +99,20 @@ constexpr int64_t kQ4KX16Bytes = 2368;
 // This build and CPU run the x16 kernel of GGML type `qtype` (gguf_repack.cpp).
 bool gguf_x16_supported(int64_t qtype);
 
+// A repacked group (`unit` rows) against activation rows m0 .. m0 + rows - 1: out[m * unit + r].
+using GroupDotFn = void (*)(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
+
+// Activation rows a tile kernel takes a call, and the fewest a matrix needs to go through them: below,
+// the VNNI kernels (one decode row is bound by the weights' bytes, not by products).
+constexpr int64_t kTileRowsPerCall = 64;
+constexpr int64_t kTileMinRows = 16;
+
+// The tile kernel (gguf_tiles.cpp) of a repacked group type (Q4_K and Q6_K x16, Q8_0 x8) where tiles
+// are on; nullptr otherwise.
+// Tiles read 16 activation rows from any row they start at: the activation buffer must hold 16 rows
+// past the last.
+GroupDotFn tile_dot(int64_t qtype);
+
 // Eight repacked rows (one group) against activation rows m0 .. m0 + rows - 1 (rows <= 4):
 // out[m * 8 + r] = row r . x[m0 + m].
 void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);

@@ -39,10 +39,13 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "paged_decode_attention.cpp", "fused_elementwise.cpp", "qkv_rope_cache.cpp", "argmax.cpp", "amx_linear.cpp",
-        "gguf_matmul.cpp", "gguf_int8.cpp", "gguf_repack.cpp", "bf16_linear.cpp", "gated_delta.cpp",
+        "gguf_matmul.cpp", "gguf_int8.cpp", "gguf_repack.cpp", "gguf_tiles.cpp", "bf16_linear.cpp", "gated_delta.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "gguf_blocks.h", "gguf_int8.h", "packed_rows.h")]
+_HEADERS = [
+    Path(__file__).with_name(name)
+    for name in ("cpu_vec.h", "gguf_blocks.h", "gguf_int8.h", "packed_rows.h", "tile_state.h")
+]
 
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
@@ -51,7 +54,7 @@ TIER_FLAGS = {
     "avx2": _AVX2,
     "avx512": _AVX512,
     "avx512_bf16": _AVX512_BF16,
-    "amx": [*_AVX512_BF16, "-mamx-tile", "-mamx-bf16"],
+    "amx": [*_AVX512_BF16, "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
 }
 # -fopenmp makes at::parallel_for parallel; the loader reuses the libgomp torch already loaded.
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-ffast-math"]

@@ -19,6 +19,7 @@ import logging
 import torch
 from gguf import GGMLQuantizationType
 
+from crane_mp.worker.kernels.cpu_isa import int8_tiles
 from crane_mp.worker.quantized.formats import INT8_TYPES, Q4_K_X8, Q4_K_X16, Q6_K_X8, Q6_K_X16, Q8_0_X8, dequantize
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,10 @@ class NativeGGUF(TorchGGUF):
     """crane-mp's C++ kernels (torch.ops.crane_mp), float32 accumulation."""
 
     def __init__(self) -> None:
-        # 512-bit kernels: Q4_K with AVX512-VNNI, Q6_K with VBMI's bit-field unpacking besides
+        # 512-bit kernels: Q4_K with AVX512-VNNI, Q6_K with VBMI's bit-field unpacking besides; their
+        # groups take prompts through the AMX-INT8 tiles where those pass their check
         self.x16 = {qtype for qtype in _REPACKED_X16 if torch.ops.crane_mp.gguf_x16_supported(qtype)}
+        int8_tiles()
 
     def layout(self, qtype: int, weight: torch.Tensor, in_features: int, int8: bool) -> tuple[int, torch.Tensor]:
         """For 8-bit activations, Q4_K, Q6_K and Q8_0 rows repacked eight at a time (1.3-1.7x in batched

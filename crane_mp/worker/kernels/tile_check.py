@@ -1,0 +1,110 @@
+"""Whether the AMX-INT8 tile kernels (gguf_tiles.cpp) run right on this host, asked of a child process: it
+multiplies Q4_K, Q6_K and Q8_0 prompts through them and through the AVX512-VNNI kernels and exits 0 only when
+every output is the same bit for bit. A fault (a hypervisor that withholds the tile state, as llama.cpp's
+AMX path meets on some hosts, or a tile configuration the CPU refuses) kills the child, not the worker.
+The verdict is kept beside the kernels' build, per CPU model, so that later starts skip the check."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+PASSED = "passed"
+
+
+def _cpu_key() -> str:
+    """The CPU model and microcode, hashed: a cache directory shared by several hosts keeps a verdict each."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = [line for line in lines if line.startswith(("model name", "microcode", "flags"))][:3]
+    return hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:12]
+
+
+def _verdict_file() -> Path | None:
+    from crane_mp.worker.kernels.loader import build_name, compiler_identity, kernel_cache_dir
+
+    compiler, cache = compiler_identity(), kernel_cache_dir()
+    if compiler is None or cache is None:
+        return None
+    return cache / f"{build_name('amx', *compiler)}.tiles-{_cpu_key()}"
+
+
+def run_check() -> tuple[bool, str]:
+    """(the tiles passed, what happened), from the kept verdict or a fresh child."""
+    verdict_file = _verdict_file()
+    if verdict_file is not None and verdict_file.exists():
+        verdict = verdict_file.read_text()
+        return verdict == PASSED, verdict
+    try:
+        child = subprocess.run([sys.executable, "-m", __name__], capture_output=True, text=True, timeout=600)
+        tail = (child.stderr or child.stdout).strip().splitlines()[-1:] or [""]
+        verdict = PASSED if child.returncode == 0 else f"exited {child.returncode}: {tail[0][-300:]}"
+    except subprocess.TimeoutExpired:
+        verdict = "no answer in 600 s"
+    if verdict_file is not None:
+        verdict_file.write_text(verdict)
+    return verdict == PASSED, verdict
+
+
+def _weights(qtype: int, rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    """Random GGUF rows of `qtype` with finite float16 scales, repacked sixteen rows a group."""
+    from gguf import GGMLQuantizationType as T
+
+    block, block_bytes, scale_at = {T.Q4_K: (256, 144, (0, 2)), T.Q6_K: (256, 210, (208,)), T.Q8_0: (32, 34, (0,))}[qtype]
+    blocks = cols // block
+    weight = torch.randint(0, 256, (rows, blocks, block_bytes), dtype=torch.uint8, generator=generator)
+    for offset in scale_at:
+        scales = torch.rand(rows, blocks, generator=generator) * 0.01 + 0.001
+        weight[:, :, offset:offset + 2] = scales.half().view(torch.uint8).reshape(rows, blocks, 2)
+    op = {T.Q4_K: "gguf_repack_q4_k_x16", T.Q6_K: "gguf_repack_q6_k_x16", T.Q8_0: "gguf_repack_q8_0_x8"}[qtype]
+    return getattr(torch.ops.crane_mp, op)(weight.reshape(rows, -1), cols)
+
+
+def compare(mode: int) -> str | None:
+    """Prompts of 16 to 130 rows through the tile kernels of `mode` (gguf_tiles.cpp: 1 AMX, 2 software)
+    and without them; None when every output is the same bit for bit, else what differed."""
+    from gguf import GGMLQuantizationType as T
+
+    from crane_mp.worker.quantized.formats import Q4_K_X16, Q6_K_X16, Q8_0_X8
+
+    generator = torch.Generator().manual_seed(0)
+    for qtype, packed_type in ((T.Q4_K, Q4_K_X16), (T.Q6_K, Q6_K_X16), (T.Q8_0, Q8_0_X8)):
+        if qtype == T.Q6_K and not torch.ops.crane_mp.gguf_x16_supported(qtype):
+            continue
+        weight = _weights(qtype, 48, 768, generator)
+        for rows in (16, 37, 130):
+            x = torch.randn(rows, 768, generator=generator) * 3
+            previous = torch.ops.crane_mp.gguf_tile_kernels(0)
+            try:
+                want = torch.ops.crane_mp.gguf_linear_int8(x, weight, packed_type, 768)
+                torch.ops.crane_mp.gguf_tile_kernels(mode)
+                got = torch.ops.crane_mp.gguf_linear_int8(x, weight, packed_type, 768)
+            finally:
+                torch.ops.crane_mp.gguf_tile_kernels(previous)
+            if not torch.equal(got, want):
+                return (f"{T(qtype).name}, {rows} rows: the tiles differ from the VNNI kernels by up to "
+                        f"{(got - want).abs().max().item():.3g}")
+    return None
+
+
+def main() -> int:
+    from crane_mp.worker.kernels.cpu_isa import kernel_isa
+
+    if kernel_isa() != "amx" or not torch.ops.crane_mp.gguf_tiles_available():
+        print(f"the amx kernels did not load here (tier {kernel_isa()})", file=sys.stderr)
+        return 2
+    difference = compare(1)
+    if difference is not None:
+        print(difference, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Prompts on the AMX-INT8 tiles (kernels/gguf_tiles.cpp) give the AVX512-VNNI kernels' outputs bit for bit:
+the same sixteen-row Q4_K and Q6_K groups, the same integer sums, the same float steps. The kernels run on
+software tiles everywhere the VNNI kernels do (their layouts, shapes and arithmetic), and on the AMX tiles
+themselves where the CPU has them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from crane_mp.worker.kernels import cpu_isa
+from crane_mp.worker.kernels.cpu_isa import kernel_isa
+from tests.unit.test_gguf_int8 import X16, _signed_q6_k_scales, activations
+from tests.unit.test_gguf_kernels import quantized
+
+pytestmark = pytest.mark.skipif(kernel_isa() is None, reason="native kernels disabled or not built")
+
+OFF, AMX, EMULATED = 0, 1, 2
+
+
+def _packed(qtype: int, rows: int, cols: int) -> tuple[torch.Tensor, int]:
+    """GGUF rows of `qtype` in the layout the tile kernels read: Q4_K and Q6_K by 16, Q8_0 by 8."""
+    from crane_mp.worker.quantized.formats import Q4_K_X16, Q6_K_X16, Q8_0_X8
+
+    weight = torch.from_numpy(quantized(qtype, rows, cols, seed=rows + cols).copy())
+    if qtype == T.Q6_K:
+        _signed_q6_k_scales(weight)
+    repack, packed_type = {T.Q4_K: (X16[T.Q4_K], Q4_K_X16), T.Q6_K: (X16[T.Q6_K], Q6_K_X16),
+                           T.Q8_0: ("gguf_repack_q8_0_x8", Q8_0_X8)}[qtype]
+    return getattr(torch.ops.crane_mp, repack)(weight, cols), packed_type
+
+
+class _Tiles:
+    """gguf_tile_kernels(mode) for the block's duration."""
+
+    def __init__(self, mode: int) -> None:
+        self.mode = mode
+
+    def __enter__(self) -> None:
+        self.previous = torch.ops.crane_mp.gguf_tile_kernels(self.mode)
+
+    def __exit__(self, *exc) -> None:
+        torch.ops.crane_mp.gguf_tile_kernels(self.previous)
+
+
+def _modes_with_tiles() -> list:
+    return [pytest.param(EMULATED, id="software-tiles"), pytest.param(AMX, id="amx-tiles")]
+
+
+def _need(mode: int, qtype: int) -> None:
+    if not torch.ops.crane_mp.gguf_x16_supported(T.Q6_K if qtype == T.Q6_K else T.Q4_K):
+        pytest.skip("this CPU or kernel tier lacks the sixteen-row kernels (AVX512-VNNI, VBMI for Q6_K)")
+    if mode == AMX and not torch.ops.crane_mp.gguf_tiles_available():
+        pytest.skip(f"no AMX-INT8 tiles here (kernel tier {kernel_isa()}): the software tiles stand in")
+
+
+@pytest.mark.parametrize("mode", _modes_with_tiles())
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: T(t).name)
+def test_tiles_equal_the_vnni_kernels_bit_for_bit(qtype, mode):
+    """16 to 300 prompt rows (whole 16-row tiles, tails, several 64-row calls), weight groups first and
+    weight tiles first; under 16 rows the VNNI kernels run either way."""
+    _need(mode, qtype)
+    for rows, cols in ((16, 256), (48, 768), (304, 1024)) if qtype != T.Q8_0 else ((8, 32), (40, 800), (304, 1024)):
+        packed, packed_type = _packed(qtype, rows, cols)
+        for batch in (1, 15, 16, 17, 33, 64, 65, 300):
+            x = torch.from_numpy(activations(batch, cols, seed=batch))
+            want = torch.ops.crane_mp.gguf_linear_int8(x, packed, packed_type, cols)
+            with _Tiles(mode):
+                got = torch.ops.crane_mp.gguf_linear_int8(x, packed, packed_type, cols)
+            assert torch.equal(got, want), (rows, cols, batch)
+
+
+@pytest.mark.parametrize("mode", _modes_with_tiles())
+def test_tiles_serve_experts_and_a_layer_s_parts(mode):
+    """Mixture experts' runs (each 16 rows or more on tiles, fewer on the VNNI kernels, in one call) and a
+    layer's Q4_K and Q6_K parts side by side give the same bits as without tiles."""
+    _need(mode, T.Q6_K)
+    cols = 512
+    experts = [_packed(T.Q4_K, 32, cols)[0] for _ in range(3)]
+    runs = [0, 21, 5, 40]
+    ws = [experts[0], experts[1], experts[2], experts[0]]
+    x = torch.from_numpy(activations(sum(runs), cols, seed=3))
+    q4, q4_type = _packed(T.Q4_K, 48, cols)
+    q6, q6_type = _packed(T.Q6_K, 32, cols)
+    prompt = torch.from_numpy(activations(40, cols, seed=4))
+
+    def outputs() -> tuple[torch.Tensor, torch.Tensor]:
+        grouped = torch.ops.crane_mp.gguf_grouped_linear_int8(x, ws, runs, q4_type, cols)
+        parts = torch.ops.crane_mp.gguf_linear_parts_int8(prompt, [q4, q6], [q4_type, q6_type], cols)
+        return grouped, parts
+
+    want = outputs()
+    with _Tiles(mode):
+        got = outputs()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_tile_modes_are_checked():
+    with pytest.raises(RuntimeError, match="none of 0"):
+        torch.ops.crane_mp.gguf_tile_kernels(3)
+    if not torch.ops.crane_mp.gguf_tiles_available():
+        with pytest.raises(RuntimeError, match="no AMX-INT8 tiles"):
+            torch.ops.crane_mp.gguf_tile_kernels(AMX)
+    assert torch.ops.crane_mp.gguf_tile_kernels(OFF) == OFF
+
+
+def test_the_start_up_check_compares_every_tile_kernel(monkeypatch):
+    """The child's comparison (tile_check.compare) on software tiles: it passes on right kernels, and names
+    the difference when the tiles' outputs are off by a rounding."""
+    from crane_mp.worker.kernels import tile_check
+
+    _need(EMULATED, T.Q4_K)
+    assert tile_check.compare(EMULATED) is None
+    assert torch.ops.crane_mp.gguf_tile_kernels(OFF) == OFF
+
+    from crane_mp.worker.quantized.formats import Q6_K_X16
+
+    ops, linear = torch.ops.crane_mp, torch.ops.crane_mp.gguf_linear_int8
+
+    def off_on_tiles(x, w, qtype, cols):
+        mode = ops.gguf_tile_kernels(OFF)
+        ops.gguf_tile_kernels(mode)
+        out = linear(x, w, qtype, cols)
+        return out if mode == OFF or qtype != Q6_K_X16 else torch.nextafter(out, out + 1)
+
+    monkeypatch.setattr(ops, "gguf_linear_int8", off_on_tiles)
+    assert tile_check.compare(EMULATED).startswith("Q6_K, 16 rows: the tiles differ from the VNNI kernels by up to")
+
+
+def test_a_failed_tile_check_keeps_the_vnni_kernels(monkeypatch, caplog):
+    """Where the child's check fails (a fault, different bits) prompts stay on the VNNI kernels, said once."""
+    from crane_mp.worker.kernels import tile_check
+
+    monkeypatch.setattr(cpu_isa, "kernel_isa", lambda: "amx")
+    monkeypatch.setattr(torch.ops.crane_mp, "gguf_tiles_available", lambda: True, raising=False)
+    monkeypatch.setattr(tile_check, "run_check", lambda: (False, "exited -11 (SIGSEGV)"))
+    cpu_isa.int8_tiles.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert cpu_isa.int8_tiles() is False
+        assert [r.getMessage() for r in caplog.records if "AMX-INT8" in r.getMessage()] == [
+            "AMX-INT8 tiles failed their check on this host (exited -11 (SIGSEGV)); GGUF prompts keep the "
+            "AVX512-VNNI kernels"]
+        assert torch.ops.crane_mp.gguf_tile_kernels(OFF) == OFF
+    finally:
+        cpu_isa.int8_tiles.cache_clear()
