@@ -6,7 +6,13 @@ request that arrived meanwhile waits. Paced, each step takes the prompt tokens t
 time: the first request of a burst streams after its own prompt, not after everyone's, and running
 streams advance between chunks. A prompt alone is not paced (smaller chunks would only re-read the
 weights more often). The pace (seconds per prompt token) starts from the worker's warm-up and follows
-the step times the worker reports. A small model's pace allows the whole token budget.
+the step times the worker reports.
+
+A paced step also takes at most an eighth of the token budget in prompt tokens (256 by default), which
+is what binds a small model: a burst of prompts starts streaming a few at a time instead of in two or
+three budget-sized steps, and the prompts that arrive as the first ones finish meet short steps (the
+small benchmark model, 32 streams of 128-token prompts: TTFT p50 0.18-0.22 s against 0.58-0.71 s
+with the whole budget a step; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 
 # Steps with fewer prompt tokens say more about the weights' bandwidth than about prompt cost.
 _MIN_OBSERVED_TOKENS = 8
+# A paced step's prompt tokens are at most the token budget over this.
+_BUDGET_SHARE = 8
 _SMOOTHING = 0.3
 
 
@@ -23,11 +31,14 @@ class PrefillPace:
     target_seconds: float  # a step's prompt share; 0 turns pacing off (CUDA: steps are short)
     seconds_per_token: float  # current estimate; 0 = unknown, no limit until a step says
 
-    def token_cap(self, block_size: int) -> int | None:
-        """Prompt tokens a step may take (at least a block), or None for no limit."""
-        if self.target_seconds <= 0 or self.seconds_per_token <= 0:
+    def token_cap(self, block_size: int, budget: int) -> int | None:
+        """Prompt tokens a step beside others may take (at least a block), or None for no limit (unpaced)."""
+        if self.target_seconds <= 0:
             return None
-        return max(block_size, int(self.target_seconds / self.seconds_per_token))
+        cap = budget // _BUDGET_SHARE
+        if self.seconds_per_token > 0:
+            cap = min(cap, int(self.target_seconds / self.seconds_per_token))
+        return max(block_size, cap)
 
     def observe(self, prompt_tokens: int, seconds: float) -> None:
         """A finished step that computed `prompt_tokens` prompt tokens in `seconds`."""

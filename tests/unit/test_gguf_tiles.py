@@ -145,3 +145,29 @@ def test_a_failed_tile_check_keeps_the_vnni_kernels(monkeypatch, caplog):
         assert torch.ops.crane_mp.gguf_tile_kernels(OFF) == OFF
     finally:
         cpu_isa.int8_tiles.cache_clear()
+
+
+def test_a_check_s_verdict_is_kept_unless_the_child_did_not_answer(monkeypatch, tmp_path):
+    import subprocess
+
+    from crane_mp.worker.kernels import tile_check
+
+    children = []
+
+    def crashing(cmd, **kwargs):
+        children.append(cmd)
+        return subprocess.CompletedProcess(cmd, -4, "", "loading tiles\nIllegal instruction\n")
+
+    monkeypatch.setattr(tile_check, "_verdict_file", lambda: tmp_path / "verdict")
+    monkeypatch.setattr(tile_check.subprocess, "run", crashing)
+    assert tile_check.run_check() == (False, "exited -4: Illegal instruction")
+    assert tile_check.run_check() == (False, "exited -4: Illegal instruction")
+    assert children == [[tile_check.sys.executable, "-m", "crane_mp.worker.kernels.tile_check"]]
+
+    def silent(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    (tmp_path / "verdict").unlink()
+    monkeypatch.setattr(tile_check.subprocess, "run", silent)
+    assert tile_check.run_check() == (False, "no answer in 600 s")
+    assert not (tmp_path / "verdict").exists()
