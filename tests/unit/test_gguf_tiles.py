@@ -49,10 +49,17 @@ def _modes_with_tiles() -> list:
 
 
 def _need(mode: int, qtype: int) -> None:
+    """Skips where the kernels of `mode` cannot run; on AMX, fails (without faulting this process) where
+    the start-up check in a child process does."""
+    from crane_mp.worker.kernels import tile_check
+
     if not torch.ops.crane_mp.gguf_x16_supported(T.Q6_K if qtype == T.Q6_K else T.Q4_K):
         pytest.skip("this CPU or kernel tier lacks the sixteen-row kernels (AVX512-VNNI, VBMI for Q6_K)")
     if mode == AMX and not torch.ops.crane_mp.gguf_tiles_available():
         pytest.skip(f"no AMX-INT8 tiles here (kernel tier {kernel_isa()}): the software tiles stand in")
+    if mode == AMX:
+        passed, why = tile_check.run_check()
+        assert passed, f"the AMX-INT8 tiles failed their check: {why}"
 
 
 @pytest.mark.parametrize("mode", _modes_with_tiles())
@@ -65,7 +72,8 @@ def test_tiles_equal_the_vnni_kernels_bit_for_bit(qtype, mode):
         packed, packed_type = _packed(qtype, rows, cols)
         for batch in (1, 15, 16, 17, 33, 64, 65, 300):
             x = torch.from_numpy(activations(batch, cols, seed=batch))
-            want = torch.ops.crane_mp.gguf_linear_int8(x, packed, packed_type, cols)
+            with _Tiles(OFF):
+                want = torch.ops.crane_mp.gguf_linear_int8(x, packed, packed_type, cols)
             with _Tiles(mode):
                 got = torch.ops.crane_mp.gguf_linear_int8(x, packed, packed_type, cols)
             assert torch.equal(got, want), (rows, cols, batch)
@@ -90,7 +98,8 @@ def test_tiles_serve_experts_and_a_layer_s_parts(mode):
         parts = torch.ops.crane_mp.gguf_linear_parts_int8(prompt, [q4, q6], [q4_type, q6_type], cols)
         return grouped, parts
 
-    want = outputs()
+    with _Tiles(OFF):
+        want = outputs()
     with _Tiles(mode):
         got = outputs()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -102,7 +111,13 @@ def test_tile_modes_are_checked():
     if not torch.ops.crane_mp.gguf_tiles_available():
         with pytest.raises(RuntimeError, match="no AMX-INT8 tiles"):
             torch.ops.crane_mp.gguf_tile_kernels(AMX)
-    assert torch.ops.crane_mp.gguf_tile_kernels(OFF) == OFF
+    if not torch.ops.crane_mp.gguf_x16_supported(T.Q4_K):
+        with pytest.raises(RuntimeError, match="emulated tiles need the AVX512-VNNI kernels"):
+            torch.ops.crane_mp.gguf_tile_kernels(EMULATED)
+        return
+    with _Tiles(OFF):  # each call returns the mode it replaced
+        assert torch.ops.crane_mp.gguf_tile_kernels(EMULATED) == OFF
+        assert torch.ops.crane_mp.gguf_tile_kernels(OFF) == EMULATED
 
 
 def test_the_start_up_check_compares_every_tile_kernel(monkeypatch):
@@ -111,8 +126,9 @@ def test_the_start_up_check_compares_every_tile_kernel(monkeypatch):
     from crane_mp.worker.kernels import tile_check
 
     _need(EMULATED, T.Q4_K)
-    assert tile_check.compare(EMULATED) is None
-    assert torch.ops.crane_mp.gguf_tile_kernels(OFF) == OFF
+    with _Tiles(OFF):
+        assert tile_check.compare(EMULATED) is None
+        assert torch.ops.crane_mp.gguf_tile_kernels(OFF) == OFF  # compare() leaves the mode it found
 
     from crane_mp.worker.quantized.formats import Q6_K_X16
 
@@ -137,12 +153,12 @@ def test_a_failed_tile_check_keeps_the_vnni_kernels(monkeypatch, caplog):
     monkeypatch.setattr(tile_check, "run_check", lambda: (False, "exited -11 (SIGSEGV)"))
     cpu_isa.int8_tiles.cache_clear()
     try:
-        with caplog.at_level("WARNING"):
+        with _Tiles(OFF), caplog.at_level("WARNING"):
             assert cpu_isa.int8_tiles() is False
+            assert torch.ops.crane_mp.gguf_tile_kernels(OFF) == OFF
         assert [r.getMessage() for r in caplog.records if "AMX-INT8" in r.getMessage()] == [
             "AMX-INT8 tiles failed their check on this host (exited -11 (SIGSEGV)); GGUF prompts keep the "
             "AVX512-VNNI kernels"]
-        assert torch.ops.crane_mp.gguf_tile_kernels(OFF) == OFF
     finally:
         cpu_isa.int8_tiles.cache_clear()
 
