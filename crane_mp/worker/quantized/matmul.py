@@ -26,8 +26,6 @@ log = logging.getLogger(__name__)
 
 # Rows dequantized per slab: bounds the temporary to a few MB on any model.
 _SLAB_ELEMENTS = 1 << 22
-# Up to this many rows (decode steps) a layer's parts of several types go through one kernel call.
-_PARTS_ROWS = 16
 
 # The types the 8-bit-activation kernels read repacked, with their repacking op's name.
 _REPACKED = {GGMLQuantizationType.Q4_K: (Q4_K_X8, "gguf_repack_q4_k_x8"),
@@ -131,9 +129,10 @@ class NativeGGUF(TorchGGUF):
 
     def matmul_parts(self, x: torch.Tensor, parts: list[tuple[int, torch.Tensor]], in_features: int,
                      int8: bool = False) -> torch.Tensor:
-        """With 8-bit activations, a decode step's parts of several types in one kernel call (one pass
-        over q, k and v for both cores); larger steps, part by part."""
-        if (int8 and len(parts) > 1 and x.shape[0] <= _PARTS_ROWS and x.dtype in (torch.float32, torch.bfloat16)
+        """With 8-bit activations, a layer's parts (q, k and v; gate and up) in one kernel call: a decode
+        step's in one pass over them for both cores, and each part's output written into its columns
+        (joined by torch.cat, a prompt's gate and up outputs cost 4 % of an 8B model's prefill)."""
+        if (int8 and len(parts) > 1 and x.dtype in (torch.float32, torch.bfloat16)
                 and all(qtype in INT8_TYPES for qtype, _ in parts)):
             return torch.ops.crane_mp.gguf_linear_parts_int8(x, [weight for _, weight in parts],
                                                              [qtype for qtype, _ in parts], in_features)
