@@ -157,7 +157,7 @@ def test_rows_repacked_by_eight_give_the_row_kernel_results(qtype, rows, cols):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-X16 = {T.Q4_K: "gguf_repack_q4_k_x16", T.Q6_K: "gguf_repack_q6_k_x16"}
+X16 = {T.Q4_K: "gguf_repack_q4_k_x16", T.Q6_K: "gguf_repack_q6_k_x16", T.Q4_0: "gguf_repack_q4_0_x16"}
 
 
 @pytest.mark.parametrize("qtype", list(X16))
@@ -165,7 +165,7 @@ def test_rows_repacked_by_sixteen_give_the_row_kernel_results(qtype):
     """The 512-bit layouts (16 rows a group, up to 8 activation rows a call; Q6_K with each value's 6
     bits together): same outputs as GGUF's rows up to float rounding, for 1-8 rows a call and their
     tails, weight groups first and tiles first, Q6_K's signed scales down to -128."""
-    from crane_mp.worker.quantized.formats import Q4_K_X16, Q6_K_X16
+    from crane_mp.worker.quantized.formats import Q4_0_X16, Q4_K_X16, Q6_K_X16
 
     if not torch.ops.crane_mp.gguf_x16_supported(qtype):
         pytest.skip("this CPU or kernel tier lacks AVX512-VNNI (or VBMI for Q6_K)")
@@ -174,23 +174,26 @@ def test_rows_repacked_by_sixteen_give_the_row_kernel_results(qtype):
         if qtype == T.Q6_K:
             _signed_q6_k_scales(weight)
         packed = getattr(torch.ops.crane_mp, X16[qtype])(weight, cols)
-        assert packed.shape == (rows, cols // 256 * (148 if qtype == T.Q4_K else 210))
+        row_bytes = {T.Q4_K: cols // 256 * 148, T.Q6_K: cols // 256 * 210, T.Q4_0: cols // 32 * 18}[qtype]
+        assert packed.shape == (rows, row_bytes)
         assert not torch.equal(packed[:, :144], weight[:, :144])
         for batch in (1, 2, 5, 8, 9, 17, 64, 300):
             x = torch.from_numpy(activations(batch, cols, seed=batch))
             want = torch.ops.crane_mp.gguf_linear_int8(x, weight, qtype, cols)
-            got = torch.ops.crane_mp.gguf_linear_int8(x, packed, {T.Q4_K: Q4_K_X16, T.Q6_K: Q6_K_X16}[qtype], cols)
+            got = torch.ops.crane_mp.gguf_linear_int8(x, packed, {T.Q4_K: Q4_K_X16, T.Q6_K: Q6_K_X16,
+                                                                  T.Q4_0: Q4_0_X16}[qtype], cols)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype", list(X16))
 def test_sixteen_row_layout_follows_the_cpu(qtype):
-    """Q4_K and Q6_K go sixteen rows a group where their x16 kernel runs, else (or for rows in eights
-    only) eight; a sixteen-row repack of rows that do not fill groups of 16 is an error."""
-    from crane_mp.worker.quantized.formats import Q4_K_X8, Q4_K_X16, Q6_K_X8, Q6_K_X16
+    """Q4_K, Q6_K and Q4_0 go sixteen rows a group where their x16 kernel runs, else (or for rows in
+    eights only) eight, Q4_0 as the file has them; a sixteen-row repack of rows that do not fill groups
+    of 16 is an error."""
+    from crane_mp.worker.quantized.formats import Q4_0_X16, Q4_K_X8, Q4_K_X16, Q6_K_X8, Q6_K_X16
     from crane_mp.worker.quantized.matmul import NativeGGUF
 
-    x8, x16 = {T.Q4_K: (Q4_K_X8, Q4_K_X16), T.Q6_K: (Q6_K_X8, Q6_K_X16)}[qtype]
+    x8, x16 = {T.Q4_K: (Q4_K_X8, Q4_K_X16), T.Q6_K: (Q6_K_X8, Q6_K_X16), T.Q4_0: (T.Q4_0, Q4_0_X16)}[qtype]
     native = NativeGGUF()
     sixteen = torch.from_numpy(quantized(qtype, 32, 256).copy())
     eight = torch.from_numpy(quantized(qtype, 24, 256).copy())

@@ -20,14 +20,14 @@ OFF, AMX, EMULATED = 0, 1, 2
 
 
 def _packed(qtype: int, rows: int, cols: int) -> tuple[torch.Tensor, int]:
-    """GGUF rows of `qtype` in the layout the tile kernels read: Q4_K and Q6_K by 16, Q8_0 by 8."""
-    from crane_mp.worker.quantized.formats import Q4_K_X16, Q6_K_X16, Q8_0_X8
+    """GGUF rows of `qtype` in the layout the tile kernels read: Q4_K, Q6_K and Q4_0 by 16, Q8_0 by 8."""
+    from crane_mp.worker.quantized.formats import Q4_0_X16, Q4_K_X16, Q6_K_X16, Q8_0_X8
 
     weight = torch.from_numpy(quantized(qtype, rows, cols, seed=rows + cols).copy())
     if qtype == T.Q6_K:
         _signed_q6_k_scales(weight)
     repack, packed_type = {T.Q4_K: (X16[T.Q4_K], Q4_K_X16), T.Q6_K: (X16[T.Q6_K], Q6_K_X16),
-                           T.Q8_0: ("gguf_repack_q8_0_x8", Q8_0_X8)}[qtype]
+                           T.Q4_0: (X16[T.Q4_0], Q4_0_X16), T.Q8_0: ("gguf_repack_q8_0_x8", Q8_0_X8)}[qtype]
     return getattr(torch.ops.crane_mp, repack)(weight, cols), packed_type
 
 
@@ -63,12 +63,13 @@ def _need(mode: int, qtype: int) -> None:
 
 
 @pytest.mark.parametrize("mode", _modes_with_tiles())
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: T(t).name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0], ids=lambda t: T(t).name)
 def test_tiles_equal_the_vnni_kernels_bit_for_bit(qtype, mode):
     """16 to 300 prompt rows (whole 16-row tiles, tails, several 64-row calls), weight groups first and
     weight tiles first; under 16 rows the VNNI kernels run either way."""
     _need(mode, qtype)
-    for rows, cols in ((16, 256), (48, 768), (304, 1024)) if qtype != T.Q8_0 else ((8, 32), (40, 800), (304, 1024)):
+    shapes = {T.Q8_0: ((8, 32), (40, 800), (304, 1024)), T.Q4_0: ((16, 32), (48, 800), (304, 1024))}
+    for rows, cols in shapes.get(qtype, ((16, 256), (48, 768), (304, 1024))):
         packed, packed_type = _packed(qtype, rows, cols)
         for batch in (1, 15, 16, 17, 33, 64, 65, 300):
             x = torch.from_numpy(activations(batch, cols, seed=batch))

@@ -1,6 +1,6 @@
 """Which CPU instructions crane-mp may use, and the choices that follow from it: the CPU dtype, oneDNN's
-bf16 weight packing, our AMX GEMMs (bf16, and int8 for GGUF prompts), and the tier our native kernels run at (platforms/cpu.py hands them
-out, or the portable torch ops).
+bf16 weight packing, our AMX GEMMs (bf16, and int8 for GGUF prompts), and the tier our native kernels
+run at (platforms/cpu.py hands them out, or the portable torch ops).
 
 Tiers (config.CPU_ISAS), each containing the one before:
 

@@ -62,7 +62,7 @@ bool k_quant(int64_t qtype) {
 bool int8_type(int64_t qtype) {
   switch (qtype) {
     case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: case MXFP4:
-    case kQ4KX8: case kQ8_0X8: case kQ6KX8: case kQ4KX16: case kQ6KX16:
+    case kQ4KX8: case kQ8_0X8: case kQ6KX8: case kQ4KX16: case kQ6KX16: case kQ4_0X16:
       return true;
   }
   return false;
@@ -81,12 +81,13 @@ GroupDotFn group_dot(int64_t qtype) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   if (qtype == kQ4KX16) return dot_q4_k_x16;
   if (qtype == kQ6KX16) return dot_q6_k_x16;
+  if (qtype == kQ4_0X16) return dot_q4_0_x16;
 #endif
   return nullptr;
 }
 
 // Weight rows a repacked group holds.
-int64_t group_rows(int64_t qtype) { return qtype == kQ4KX16 || qtype == kQ6KX16 ? 16 : 8; }
+int64_t group_rows(int64_t qtype) { return qtype == kQ4KX16 || qtype == kQ6KX16 || qtype == kQ4_0X16 ? 16 : 8; }
 
 // Activation rows a call takes: the 512-bit kernels unpack each weight vector once for 8 rows'
 // vpdpbusd (1.13-1.25x at 16 rows against 4 a call); the 256-bit kernels' operands fill the registers
@@ -99,6 +100,7 @@ int64_t group_bytes(int64_t qtype) {
     case kQ6KX8: return kQ6KX8Bytes;
     case kQ4KX16: return kQ4KX16Bytes;
     case kQ6KX16: return kQ6KX16Bytes;
+    case kQ4_0X16: return kQ4_0X16Bytes;
   }
   return kQ8_0X8Bytes;
 }
@@ -404,6 +406,8 @@ void check_int8_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
               "AVX512-VNNI, which this build lacks");
   TORCH_CHECK(qtype != kQ6KX16 || gguf_x16_supported(Q6_K), "gguf_linear_int8: Q6_K rows repacked by 16 need "
               "AVX512-VNNI and VBMI, which this build or CPU lacks");
+  TORCH_CHECK(qtype != kQ4_0X16 || gguf_x16_supported(Q4_0), "gguf_linear_int8: Q4_0 rows repacked by 16 need "
+              "AVX512-VNNI, which this build lacks");
   if (group_dot(qtype) == nullptr) return check_weight(w, qtype, K);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "gguf weights must be a contiguous CPU uint8 [N, row_bytes] tensor");

@@ -95,6 +95,8 @@ constexpr int64_t kQ6KX16 = 0x20000 + 14;
 constexpr int64_t kQ6KX16Bytes = 3360;
 constexpr int64_t kQ4KX16 = 0x20000 + 12;
 constexpr int64_t kQ4KX16Bytes = 2368;
+constexpr int64_t kQ4_0X16 = 0x20000 + 2;
+constexpr int64_t kQ4_0X16Bytes = 288;
 
 // This build and CPU run the x16 kernel of GGML type `qtype` (gguf_repack.cpp).
 bool gguf_x16_supported(int64_t qtype);
@@ -123,6 +125,7 @@ void dot_q6_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, 
 // VBMI besides (gguf_x16_supported).
 void dot_q4_k_x16(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 void dot_q6_k_x16(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
+void dot_q4_0_x16(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 #endif
 
 }  // namespace crane_mp::int8

@@ -5,6 +5,7 @@
 //   gguf_repack_q8_0_x8(w [N, K / 32 * 34] uint8, K)   -> [N, K / 32 * 34] uint8
 //   gguf_repack_q6_k_x8(w [N, K / 256 * 210] uint8, K) -> [N, K / 256 * 210] uint8
 //   gguf_repack_q6_k_x16(w [N, K / 256 * 210] uint8, K) -> [N, K / 256 * 210] uint8 (N a multiple of 16)
+//   gguf_repack_q4_0_x16(w [N, K / 32 * 18] uint8, K)  -> [N, K / 32 * 18] uint8   (N a multiple of 16)
 //   gguf_x16_supported(qtype) -> bool: this build and CPU run the type's x16 kernel (AVX512-VNNI, and
 //                                       VBMI for Q6_K)
 //
@@ -58,6 +59,12 @@
 //                          widening to 16 bits gives each row's lane the pair vpdpwssd takes
 //   288   q[64][8][6]      [position group k][row pair][6 bytes]: a 48-bit little-endian word with
 //                          element 4k + i of row 2q at bits 6i, of row 2q + 1 at bits 24 + 6i
+//
+// Q4_0, sixteen rows (x16, for AVX512-VNNI builds), block b of a group (288 bytes, as the rows' own):
+//     0   d[16]            float16
+//    32   qs[4][16][4]     [position group k][row r][i]: low nibble element 4k + i of row r, high nibble
+//                          element 16 + 4k + i (a Q4_K x16 sub-block's layout); values q - 8, the -8
+//                          through the activations' 32-sums
 //
 // Q8_0, a group of eight rows with nb = K / 32 blocks (8 x nb x 34 bytes, as the rows' own):
 //     0             qs[nb][8][8][4]  [block b][position group k][row r][i]: element 32b + 4k + i of row r
@@ -435,6 +442,45 @@ __attribute__((target("avx512vbmi"))) void q6_k_x16_rows(const uint8_t* group, c
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// Sixteen Q4_0 x16 rows against activation rows m0 .. m0 + MR - 1 (up to 8): out[m * 16 + r]. The
+// unsigned nibbles' products through vpdpbusd, then q - 8's offset from the block's activation sum.
+template <int MR>
+void q4_0_x16_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const int8_t* x = a.q + m0 * a.K;
+  const float* dx = a.d + m0 * a.nb;
+  const int16_t* sx = a.sums32 + m0 * (a.K / 32);
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < a.nb; ++b, group += kQ4_0X16Bytes) {
+    prefetch_line_ahead(group);
+    prefetch_line_ahead(group + 64);
+    prefetch_line_ahead(group + 128);
+    prefetch_line_ahead(group + 192);
+    prefetch_line_ahead(group + 256);
+    __m512i lo_sum[MR], hi_sum[MR];
+    for (int m = 0; m < MR; ++m) lo_sum[m] = hi_sum[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m512i raw = _mm512_loadu_si512(group + 32 + 64 * k);
+      const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+      for (int m = 0; m < MR; ++m) {
+        dpbusd_broadcast(lo_sum[m], lo, x + m * a.K + 32 * b + 4 * k);
+        dpbusd_broadcast(hi_sum[m], hi, x + m * a.K + 32 * b + 16 + 4 * k);
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(load(group));
+    for (int m = 0; m < MR; ++m) {
+      const __m512i offset = _mm512_set1_epi32(8 * int32_t{sx[m * (a.K / 32) + b]});
+      const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(lo_sum[m], hi_sum[m]), offset);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx[m * a.nb + b])), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+}
+#endif
+
 // Checks `w` (GGUF rows of `qtype`, a multiple of `rows` of them), allocates the repacked tensor
 // [N, out_row_bytes] and fills it a group of `rows` rows at a time, each_group(g, src, dst, row_bytes)
 // writing group g, the groups spread over the threads.
@@ -586,11 +632,26 @@ at::Tensor gguf_repack_q6_k_x16(const at::Tensor& w, int64_t K) {
   });
 }
 
+at::Tensor gguf_repack_q4_0_x16(const at::Tensor& w, int64_t K) {
+  const int64_t nb = K / 32;
+  return repacked(w, K, Q4_0, 16, nb * 18, "gguf_repack_q4_0_x16",
+                  [&](int64_t g, const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* block = dst + (g * nb + b) * kQ4_0X16Bytes;
+      for (int64_t r = 0; r < 16; ++r) {
+        const uint8_t* row = src + (g * 16 + r) * row_bytes + b * 18;  // d, then qs[16]: GGUF's nibble order
+        std::memcpy(block + 2 * r, row, 2);
+        for (int k = 0; k < 4; ++k) std::memcpy(block + 32 + (16 * k + r) * 4, row + 2 + 4 * k, 4);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 bool gguf_x16_supported(int64_t qtype) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  if (qtype == Q4_K) return true;
+  if (qtype == Q4_K || qtype == Q4_0) return true;
   if (qtype == Q6_K) return __builtin_cpu_supports("avx512vbmi");
 #endif
   (void)qtype;
@@ -617,6 +678,21 @@ void dot_q4_k_x16(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows,
     case 6: return q4_k_x16_rows<6>(group, a, m0, out);
     case 7: return q4_k_x16_rows<7>(group, a, m0, out);
     default: return q4_k_x16_rows<8>(group, a, m0, out);
+  }
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+void dot_q4_0_x16(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
+  switch (rows) {
+    case 1: return q4_0_x16_rows<1>(group, a, m0, out);
+    case 2: return q4_0_x16_rows<2>(group, a, m0, out);
+    case 3: return q4_0_x16_rows<3>(group, a, m0, out);
+    case 4: return q4_0_x16_rows<4>(group, a, m0, out);
+    case 5: return q4_0_x16_rows<5>(group, a, m0, out);
+    case 6: return q4_0_x16_rows<6>(group, a, m0, out);
+    case 7: return q4_0_x16_rows<7>(group, a, m0, out);
+    default: return q4_0_x16_rows<8>(group, a, m0, out);
   }
 }
 #endif
@@ -662,5 +738,6 @@ TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
   m.def("gguf_repack_q8_0_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q8_0_x8);
   m.def("gguf_repack_q6_k_x8(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q6_k_x8);
   m.def("gguf_repack_q6_k_x16(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q6_k_x16);
+  m.def("gguf_repack_q4_0_x16(Tensor w, int K) -> Tensor", &crane_mp::int8::gguf_repack_q4_0_x16);
   m.def("gguf_x16_supported(int qtype) -> bool", &crane_mp::int8::gguf_x16_supported);
 }

@@ -1,5 +1,5 @@
-// Prompts through GGUF weights on the AMX-INT8 tiles (CPU): the sixteen-row Q4_K and Q6_K groups and the
-// eight-row Q8_0 groups of gguf_repack.cpp, as they are (no second copy of the weights), against up to 64
+// Prompts through GGUF weights on the AMX-INT8 tiles (CPU): the sixteen-row Q4_K, Q6_K and Q4_0 groups and
+// the eight-row Q8_0 groups of gguf_repack.cpp, as they are (no second copy of the weights), against up to 64
 // activation rows a call.
 //
 //   gguf_tiles_available() -> bool      built with AMX-INT8 and the OS granted the tile state
@@ -157,6 +157,40 @@ void q4_k_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t row
   std::memcpy(out, acc, rows * sizeof(acc[0]));
 }
 
+// Q4_0 x16 rows likewise, as q4_0_x16_rows computes them: a block's quants are a Q4_K x16 sub-block's
+// layout, the -8 of every value goes through the activations' 32-sums.
+template <class Tiles>
+void q4_0_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
+  alignas(64) float acc[kTileRowsPerCall][16] = {};
+  alignas(64) uint8_t b_tile[8][64];  // rows 0-3 the block's elements 0-15 (low nibbles), 4-7 16-31
+  alignas(64) int32_t c[16][16];
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  Tiles::configure(shapes(32, 16));
+  for (int64_t b = 0; b < a.nb; ++b, group += kQ4_0X16Bytes) {
+    prefetch_next<kQ4_0X16Bytes>(group);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i raw = _mm512_loadu_si512(group + 32 + 64 * k);
+      _mm512_store_si512(b_tile[k], _mm512_and_si512(raw, mask));
+      _mm512_store_si512(b_tile[4 + k], _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask));
+    }
+    const __m512 d = _mm512_cvtph_ps(load(group));
+    for (int64_t t = 0; 16 * t < rows; ++t) {
+      const int64_t first = m0 + 16 * t;
+      Tiles::template product<false>(a.q + first * a.K + 32 * b, a.K, b_tile[0], 64, c[0], 64);
+      for (int64_t r = 0; r < std::min<int64_t>(16, rows - 16 * t); ++r) {
+        const int64_t m = first + r;
+        const __m512i offset = _mm512_set1_epi32(8 * int32_t{a.sums32[m * (a.K / 32) + b]});
+        const __m512i isum = _mm512_sub_epi32(_mm512_load_si512(c[r]), offset);
+        float* row = acc[16 * t + r];
+        const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(a.d[m * a.nb + b]));
+        _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scaled, _mm512_load_ps(row)));
+      }
+    }
+  }
+  Tiles::release();
+  std::memcpy(out, acc, rows * sizeof(acc[0]));
+}
+
 // Q8_0 x8 rows (eight a group: tiles of 8 columns) likewise, as q8_0_x8_rows computes them: a block's
 // 32 signed values of the eight rows are already a B tile (8 rows of 8 columns x 4 bytes), read in place.
 template <class Tiles>
@@ -264,12 +298,14 @@ GroupDotFn tile_dot(int64_t qtype) {
     if (qtype == kQ4KX16) return q4_k_x16_tiles<EmulatedTiles>;
     if (qtype == kQ6KX16 && emulation_built(gguf::Q6_K)) return q6_k_x16_tiles<EmulatedTiles>;
     if (qtype == kQ8_0X8) return q8_0_x8_tiles<EmulatedTiles>;
+    if (qtype == kQ4_0X16) return q4_0_x16_tiles<EmulatedTiles>;
   }
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
   if (mode == kAmxTiles) {
     if (qtype == kQ4KX16) return q4_k_x16_tiles<AmxTiles>;
     if (qtype == kQ6KX16) return q6_k_x16_tiles<AmxTiles>;
     if (qtype == kQ8_0X8) return q8_0_x8_tiles<AmxTiles>;
+    if (qtype == kQ4_0X16) return q4_0_x16_tiles<AmxTiles>;
   }
 #endif
 #endif

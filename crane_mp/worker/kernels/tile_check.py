@@ -1,6 +1,6 @@
 """Whether the AMX-INT8 tile kernels (gguf_tiles.cpp) run right on this host, asked of a child process: it
-multiplies Q4_K, Q6_K and Q8_0 prompts through them and through the AVX512-VNNI kernels and exits 0 only when
-every output is the same bit for bit. A fault (a hypervisor that withholds the tile state, as llama.cpp's
+multiplies Q4_K, Q6_K, Q4_0 and Q8_0 prompts through them and through the AVX512-VNNI kernels and exits 0
+only when every output is the same bit for bit. A fault (a hypervisor that withholds the tile state, as llama.cpp's
 AMX path meets on some hosts, or a tile configuration the CPU refuses) kills the child, not the worker.
 The verdict is kept beside the kernels' build, per CPU model, so that later starts skip the check."""
 
@@ -56,13 +56,15 @@ def _weights(qtype: int, rows: int, cols: int, generator: torch.Generator) -> to
     """Random GGUF rows of `qtype` with finite float16 scales, repacked sixteen rows a group."""
     from gguf import GGMLQuantizationType as T
 
-    block, block_bytes, scale_at = {T.Q4_K: (256, 144, (0, 2)), T.Q6_K: (256, 210, (208,)), T.Q8_0: (32, 34, (0,))}[qtype]
+    block, block_bytes, scale_at = {T.Q4_K: (256, 144, (0, 2)), T.Q6_K: (256, 210, (208,)), T.Q8_0: (32, 34, (0,)),
+                                    T.Q4_0: (32, 18, (0,))}[qtype]
     blocks = cols // block
     weight = torch.randint(0, 256, (rows, blocks, block_bytes), dtype=torch.uint8, generator=generator)
     for offset in scale_at:
         scales = torch.rand(rows, blocks, generator=generator) * 0.01 + 0.001
         weight[:, :, offset:offset + 2] = scales.half().view(torch.uint8).reshape(rows, blocks, 2)
-    op = {T.Q4_K: "gguf_repack_q4_k_x16", T.Q6_K: "gguf_repack_q6_k_x16", T.Q8_0: "gguf_repack_q8_0_x8"}[qtype]
+    op = {T.Q4_K: "gguf_repack_q4_k_x16", T.Q6_K: "gguf_repack_q6_k_x16", T.Q8_0: "gguf_repack_q8_0_x8",
+          T.Q4_0: "gguf_repack_q4_0_x16"}[qtype]
     return getattr(torch.ops.crane_mp, op)(weight.reshape(rows, -1), cols)
 
 
@@ -71,10 +73,10 @@ def compare(mode: int) -> str | None:
     and without them; None when every output is the same bit for bit, else what differed."""
     from gguf import GGMLQuantizationType as T
 
-    from crane_mp.worker.quantized.formats import Q4_K_X16, Q6_K_X16, Q8_0_X8
+    from crane_mp.worker.quantized.formats import Q4_0_X16, Q4_K_X16, Q6_K_X16, Q8_0_X8
 
     generator = torch.Generator().manual_seed(0)
-    for qtype, packed_type in ((T.Q4_K, Q4_K_X16), (T.Q6_K, Q6_K_X16), (T.Q8_0, Q8_0_X8)):
+    for qtype, packed_type in ((T.Q4_K, Q4_K_X16), (T.Q6_K, Q6_K_X16), (T.Q4_0, Q4_0_X16), (T.Q8_0, Q8_0_X8)):
         if qtype == T.Q6_K and not torch.ops.crane_mp.gguf_x16_supported(qtype):
             continue
         weight = _weights(qtype, 48, 768, generator)

@@ -37,15 +37,16 @@ LAYOUTS: dict[int, BlockLayout] = {
 
 # Rows repacked eight (or sixteen) at a time for the 8-bit-activation kernels (kernels/gguf_repack.cpp):
 # our own ids, past ggml's. Q4_K_X8 and Q4_K_X16 are [rows, 148 bytes per 256 columns]; Q6_K_X8,
-# Q6_K_X16 and Q8_0_X8 keep their type's bytes (210 per 256, 34 per 32).
+# Q6_K_X16, Q8_0_X8 and Q4_0_X16 keep their type's bytes (210 per 256, 34 and 18 per 32).
 Q4_K_X8 = 0x10000 + T.Q4_K
 Q6_K_X8 = 0x10000 + T.Q6_K
 Q8_0_X8 = 0x10000 + T.Q8_0
 Q4_K_X16 = 0x20000 + T.Q4_K
 Q6_K_X16 = 0x20000 + T.Q6_K
+Q4_0_X16 = 0x20000 + T.Q4_0
 # Types whose CPU matmuls may run on 8-bit activations (kernels/gguf_int8.cpp); float types never do.
 INT8_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, Q4_K_X8, Q6_K_X8,
-                       Q8_0_X8, Q4_K_X16, Q6_K_X16})
+                       Q8_0_X8, Q4_K_X16, Q6_K_X16, Q4_0_X16})
 # MXFP4's codes as values, doubled to integers (its block scale is then 2^(e - 128)).
 _MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
