@@ -1,8 +1,9 @@
 """Whether the AMX-INT8 tile kernels (gguf_tiles.cpp) run right on this host, asked of a child process: it
 multiplies Q4_K, Q6_K, Q4_0 and Q8_0 prompts through them and through the AVX512-VNNI kernels and exits 0
-only when every output is the same bit for bit. A fault (a hypervisor that withholds the tile state, as llama.cpp's
-AMX path meets on some hosts, or a tile configuration the CPU refuses) kills the child, not the worker.
-The verdict is kept beside the kernels' build, per CPU model, so that later starts skip the check."""
+only when every output is the same bit for bit. A fault (a hypervisor that withholds the tile state, as
+llama.cpp's AMX path meets on some hosts, or a tile configuration the CPU refuses) kills the child, not
+the worker. The verdict is kept beside the kernels' build, per CPU model, so that later starts skip the
+check."""
 
 from __future__ import annotations
 
