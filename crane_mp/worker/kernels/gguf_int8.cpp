@@ -24,10 +24,10 @@
 // them, so prefill reads each weight from DRAM once too; nothing is dequantized to float. Q4_K,
 // Q6_K and Q8_0 rows repacked eight at a time (gguf_repack.cpp) go through the same tiles, a group at a
 // time (two Q4_K groups at once in 512-bit vectors with AVX512-VNNI, from 16 activation rows; Q6_K
-// sixteen rows a group, 8 activation rows a call, where the CPU also has VBMI); while the activations
-// fit in L2, all of them pass over one group before the next.
-// Prompts (kTileMinRows rows or more) take the sixteen-row Q4_K and Q6_K groups and the eight-row Q8_0
-// ones through the AMX-INT8 tiles where those are on (gguf_tiles.cpp): the same integer sums and results.
+// sixteen rows a group, 8 activation rows a call, where the CPU also has VBMI; Q4_0 sixteen rows a group
+// with AVX512-VNNI); while the activations fit in L2, all of them pass over one group before the next.
+// Prompts (kTileMinRows rows or more) take the sixteen-row groups and the eight-row Q8_0 ones through
+// the AMX-INT8 tiles where those are on (gguf_tiles.cpp): the same integer sums and results.
 // int16 sums never saturate: a pair of products is at most 2 * 63 * 127 (6-bit weights) or
 // 2 * 128 * 127 (8-bit, through the sign trick) < 32767. With AVX512-VNNI (the avx512_bf16 and amx
 // tiers) byte products go into int32 in one instruction; the integer results are the same.
