@@ -164,7 +164,7 @@ def test_a_failed_tile_check_keeps_the_vnni_kernels(monkeypatch, caplog):
         cpu_isa.int8_tiles.cache_clear()
 
 
-def test_a_check_s_verdict_is_kept_unless_the_child_did_not_answer(monkeypatch, tmp_path):
+def test_a_check_s_verdict_is_kept_unless_no_child_answered(monkeypatch, tmp_path):
     import subprocess
 
     from crane_mp.worker.kernels import tile_check
@@ -187,4 +187,11 @@ def test_a_check_s_verdict_is_kept_unless_the_child_did_not_answer(monkeypatch, 
     (tmp_path / "verdict").unlink()
     monkeypatch.setattr(tile_check.subprocess, "run", silent)
     assert tile_check.run_check() == (False, "no answer in 600 s")
+    assert not (tmp_path / "verdict").exists()
+
+    def refused(cmd, **kwargs):
+        raise PermissionError("fork refused")
+
+    monkeypatch.setattr(tile_check.subprocess, "run", refused)
+    assert tile_check.run_check() == (False, "no child process: fork refused")
     assert not (tmp_path / "verdict").exists()
