@@ -8,11 +8,11 @@ streams advance between chunks. A prompt alone is not paced (smaller chunks woul
 weights more often). The pace (seconds per prompt token) starts from the worker's warm-up and follows
 the step times the worker reports.
 
-A paced step also takes at most an eighth of the token budget in prompt tokens (256 by default), which
-is what binds a small model: a burst of prompts starts streaming a few at a time instead of in two or
-three budget-sized steps, and the prompts that arrive as the first ones finish meet short steps (the
-small benchmark model, 32 streams of 128-token prompts: TTFT p50 0.18-0.22 s against 0.58-0.71 s
-with the whole budget a step; benchmarks/RESULTS.md).
+A paced step beside others also takes at most 256 prompt tokens, which is what binds a small model: a
+burst of prompts starts streaming a few at a time instead of in two or three budget-sized steps, and
+the prompts that arrive as the first ones finish meet short steps (the small benchmark model, 32 streams
+of 128-token prompts: TTFT p50 0.18-0.22 s against 0.58-0.71 s with the whole budget a step;
+benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 # Steps with fewer prompt tokens say more about the weights' bandwidth than about prompt cost.
 _MIN_OBSERVED_TOKENS = 8
-# A paced step's prompt tokens are at most the token budget over this.
-_BUDGET_SHARE = 8
+# The most prompt tokens a paced step beside others takes, whatever the pace allows.
+_CONTENDED_TOKENS = 256
 _SMOOTHING = 0.3
 
 
@@ -31,11 +31,11 @@ class PrefillPace:
     target_seconds: float  # a step's prompt share; 0 turns pacing off (CUDA: steps are short)
     seconds_per_token: float  # current estimate; 0 = unknown, no limit until a step says
 
-    def token_cap(self, block_size: int, budget: int) -> int | None:
+    def token_cap(self, block_size: int) -> int | None:
         """Prompt tokens a step beside others may take (at least a block), or None for no limit (unpaced)."""
         if self.target_seconds <= 0:
             return None
-        cap = budget // _BUDGET_SHARE
+        cap = _CONTENDED_TOKENS
         if self.seconds_per_token > 0:
             cap = min(cap, int(self.target_seconds / self.seconds_per_token))
         return max(block_size, cap)

@@ -249,7 +249,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # Paced only while others wait or stream (decode rows never are): a prompt alone goes at full speed.
         contended = len(self.running) + len(self.waiting) > 1
-        prompt_budget = (self.pace.token_cap(self.config.block_size, budget) if contended else None) or budget
+        prompt_budget = (self.pace.token_cap(self.config.block_size) if contended else None) or budget
         new_requests: list[NewRequest] = []
         scheduled: list[ScheduledRequest] = []
         preempted: list[int] = []

@@ -9,7 +9,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from crane_mp.worker.kernels import cpu_isa
 from crane_mp.worker.kernels.cpu_isa import kernel_isa
 from tests.unit.test_gguf_int8 import X16, _signed_q6_k_scales, activations
 from tests.unit.test_gguf_kernels import quantized
@@ -149,19 +148,19 @@ def test_a_failed_tile_check_keeps_the_vnni_kernels(monkeypatch, caplog):
     """Where the child's check fails (a fault, different bits) prompts stay on the VNNI kernels, said once."""
     from crane_mp.worker.kernels import tile_check
 
-    monkeypatch.setattr(cpu_isa, "kernel_isa", lambda: "amx")
+    monkeypatch.setattr(tile_check, "kernel_isa", lambda: "amx")
     monkeypatch.setattr(torch.ops.crane_mp, "gguf_tiles_available", lambda: True, raising=False)
     monkeypatch.setattr(tile_check, "run_check", lambda: (False, "exited -11 (SIGSEGV)"))
-    cpu_isa.int8_tiles.cache_clear()
+    tile_check.int8_tiles.cache_clear()
     try:
         with _Tiles(OFF), caplog.at_level("WARNING"):
-            assert cpu_isa.int8_tiles() is False
+            assert tile_check.int8_tiles() is False
             assert torch.ops.crane_mp.gguf_tile_kernels(OFF) == OFF
         assert [r.getMessage() for r in caplog.records if "AMX-INT8" in r.getMessage()] == [
             "AMX-INT8 tiles failed their check on this host (exited -11 (SIGSEGV)); GGUF prompts keep the "
             "AVX512-VNNI kernels"]
     finally:
-        cpu_isa.int8_tiles.cache_clear()
+        tile_check.int8_tiles.cache_clear()
 
 
 def test_a_check_s_verdict_is_kept_unless_no_child_answered(monkeypatch, tmp_path):

@@ -146,7 +146,7 @@ def test_decodes_keep_running_while_a_long_prompt_prefills():
 def test_paced_prompts_take_what_fits_a_step_beside_running_decodes_and_the_pace_follows_the_worker():
     """A slow model (CPU): prompt tokens per step are capped to the target step time at the current
     pace, decodes are never capped, and the pace follows the step times the worker reports."""
-    sched = make_scheduler(max_num_batched_tokens=128, max_model_len=64, max_num_seqs=8,
+    sched = make_scheduler(max_num_batched_tokens=64, max_model_len=64, max_num_seqs=8,
                            prefill_step_seconds=3.0, prefill_seconds_per_token=0.25)  # 12 prompt tokens a step
     reqs = make_requests(3, prompt_len=10, max_tokens=6)
     for req in reqs:
@@ -169,12 +169,12 @@ def test_paced_prompts_take_what_fits_a_step_beside_running_decodes_and_the_pace
     assert 0.25 < sched.pace.seconds_per_token < 0.3  # 0.25 s a prompt token, plus the rows' cost
 
 
-def test_a_fast_model_s_burst_goes_an_eighth_of_the_budget_a_step():
-    """Where the pace allows more (a small model), a step beside others takes at most an eighth of the
-    token budget in prompt tokens: a burst's first prompts stream before the last ones are computed."""
-    sched = make_scheduler(max_num_batched_tokens=64, max_model_len=64, max_num_seqs=8,
-                           prefill_step_seconds=3.0, prefill_seconds_per_token=0.001)
-    reqs = make_requests(6, prompt_len=8, max_tokens=3)
+def test_a_fast_model_s_burst_goes_256_prompt_tokens_a_step():
+    """Where the pace allows more (a small model), a step beside others takes at most 256 prompt tokens:
+    a burst's first prompts stream before the last ones are computed (unpaced: 512, then 1536 at once)."""
+    sched = make_scheduler(max_num_batched_tokens=2048, max_model_len=256, max_num_seqs=8, num_blocks=1024,
+                           prefill_step_seconds=3.0, prefill_seconds_per_token=0.0001)
+    reqs = make_requests(8, prompt_len=128, max_tokens=3)
     for req in reqs:
         sched.add_request(req)
     worker = FakeWorker()
@@ -183,9 +183,10 @@ def test_a_fast_model_s_burst_goes_an_eighth_of_the_budget_a_step():
         plans.append(sched.schedule())
         for out in sched.update(worker.execute(plans[-1])):
             first_token_step.setdefault(out.rid, len(plans))
-    assert [sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1) for plan in plans[:6]] == [8] * 6
-    assert [first_token_step[req.req_id] for req in reqs] == [1, 2, 3, 4, 5, 6]
+    assert [sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1) for plan in plans[:4]] == [256] * 4
+    assert [first_token_step[req.req_id] for req in reqs] == [1, 1, 2, 2, 3, 3, 4, 4]
     assert sched.num_free_blocks == sched.config.num_blocks
+    assert sched.pace.token_cap(16) == 256 and make_scheduler(max_num_batched_tokens=64).pace.token_cap(16) is None
 
 
 def test_a_prompt_alone_is_not_paced():
@@ -201,7 +202,7 @@ def test_unpaced_scheduler_admits_every_prompt_of_a_burst_in_one_step():
     for req in make_requests(3, prompt_len=5, max_tokens=2):
         sched.add_request(req)
     assert len(sched.schedule().new_requests) == 3
-    assert sched.pace.token_cap(4, 64) is None
+    assert sched.pace.token_cap(4) is None
 
 
 def test_preemption_is_lossless_and_lowers_then_restores_the_cap():

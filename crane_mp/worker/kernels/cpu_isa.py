@@ -1,6 +1,6 @@
 """Which CPU instructions crane-mp may use, and the choices that follow from it: the CPU dtype, oneDNN's
-bf16 weight packing, our AMX GEMMs (bf16, and int8 for GGUF prompts), and the tier our native kernels
-run at (platforms/cpu.py hands them out, or the portable torch ops).
+bf16 weight packing, our AMX bf16 GEMM, and the tier our native kernels run at (platforms/cpu.py hands
+them out, or the portable torch ops). Whether GGUF prompts take the AMX-INT8 tiles: tile_check.py.
 
 Tiers (config.CPU_ISAS), each containing the one before:
 
@@ -78,24 +78,6 @@ def kernel_isa() -> str | None:
 def amx_gemm() -> bool:
     """Our AMX bf16 GEMM (kernels/amx_linear.cpp) is built and allowed to run."""
     return kernel_isa() == "amx" and bool(torch.ops.crane_mp.amx_available())
-
-
-@lru_cache(maxsize=1)
-def int8_tiles() -> bool:
-    """GGUF prompts on the AMX-INT8 tiles (kernels/gguf_tiles.cpp): built, the tile state granted, and a
-    child process's check against the AVX512-VNNI kernels passed (tile_check.py); turned on here then."""
-    if kernel_isa() != "amx" or not torch.ops.crane_mp.gguf_tiles_available():
-        return False
-    from crane_mp.worker.kernels import tile_check
-
-    passed, why = tile_check.run_check()
-    if not passed:
-        log.warning("AMX-INT8 tiles failed their check on this host (%s); GGUF prompts keep the AVX512-VNNI "
-                    "kernels", why)
-        return False
-    torch.ops.crane_mp.gguf_tile_kernels(1)
-    log.info("GGUF prompts run on the AMX-INT8 tiles")
-    return True
 
 
 @lru_cache(maxsize=1)

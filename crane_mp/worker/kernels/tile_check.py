@@ -1,20 +1,42 @@
-"""Whether the AMX-INT8 tile kernels (gguf_tiles.cpp) run right on this host, asked of a child process: it
-multiplies Q4_K, Q6_K, Q4_0 and Q8_0 prompts through them and through the AVX512-VNNI kernels and exits 0
-only when every output is the same bit for bit. A fault (a hypervisor that withholds the tile state, as
-llama.cpp's AMX path meets on some hosts, or a tile configuration the CPU refuses) kills the child, not
-the worker. The verdict is kept beside the kernels' build, per CPU model, so that later starts skip the
-check."""
+"""Whether GGUF prompts take the AMX-INT8 tiles (gguf_tiles.cpp): on the amx tier, where the tile kernels
+run right on this host. A child process is asked: it multiplies Q4_K, Q6_K, Q4_0 and Q8_0 prompts through
+them and through the AVX512-VNNI kernels and exits 0 only when every output is the same bit for bit. A
+fault (a hypervisor that withholds the tile state, as llama.cpp's AMX path meets on some hosts, or a tile
+configuration the CPU refuses) kills the child, not the worker. The verdict is kept beside the kernels'
+build, per CPU model, so that later starts skip the check."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from crane_mp.worker.kernels.cpu_isa import kernel_isa
+
+log = logging.getLogger(__name__)
+
 PASSED = "passed"
+
+
+@lru_cache(maxsize=1)
+def int8_tiles() -> bool:
+    """Turns GGUF prompts onto the AMX-INT8 tiles where they are built, the OS granted the tile state and
+    the child's check passed; says why not where it failed."""
+    if kernel_isa() != "amx" or not torch.ops.crane_mp.gguf_tiles_available():
+        return False
+    passed, why = run_check()
+    if not passed:
+        log.warning("AMX-INT8 tiles failed their check on this host (%s); GGUF prompts keep the AVX512-VNNI "
+                    "kernels", why)
+        return False
+    torch.ops.crane_mp.gguf_tile_kernels(1)
+    log.info("GGUF prompts run on the AMX-INT8 tiles")
+    return True
 
 
 def _cpu_key() -> str:
@@ -99,8 +121,6 @@ def compare(mode: int) -> str | None:
 
 
 def main() -> int:
-    from crane_mp.worker.kernels.cpu_isa import kernel_isa
-
     if kernel_isa() != "amx" or not torch.ops.crane_mp.gguf_tiles_available():
         print(f"the amx kernels did not load here (tier {kernel_isa()})", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ import logging
 import torch
 from gguf import GGMLQuantizationType
 
-from crane_mp.worker.kernels.cpu_isa import int8_tiles
+from crane_mp.worker.kernels.tile_check import int8_tiles
 from crane_mp.worker.quantized.formats import (
     INT8_TYPES,
     Q4_0_X16,
