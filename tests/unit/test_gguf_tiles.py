@@ -1,7 +1,7 @@
 """Prompts on the AMX-INT8 tiles (kernels/gguf_tiles.cpp) give the AVX512-VNNI kernels' outputs bit for bit:
-the same sixteen-row Q4_K and Q6_K groups, the same integer sums, the same float steps. The kernels run on
-software tiles everywhere the VNNI kernels do (their layouts, shapes and arithmetic), and on the AMX tiles
-themselves where the CPU has them."""
+the same repacked groups (Q4_K, Q6_K and Q4_0 by sixteen rows, Q8_0 by eight), the same integer sums, the
+same float steps. The kernels run on software tiles everywhere the VNNI kernels do (their layouts, shapes
+and arithmetic), and on the AMX tiles themselves where the CPU has them."""
 
 from __future__ import annotations
 
