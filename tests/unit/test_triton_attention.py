@@ -94,7 +94,7 @@ from crane_mp.protocol import SamplingParams
 model_dir = sys.argv[1]
 gen = torch.Generator().manual_seed(0)
 prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (3, 40, 75, 18, 9, 52)]
-greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 outputs = {}
 for backend, fused in (("torch", False), ("triton", False), ("triton", True)):
     os.environ["CRANE_MP_ATTENTION"] = backend
