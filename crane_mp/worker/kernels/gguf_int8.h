@@ -63,6 +63,15 @@ inline void dpbusd_broadcast(__m512i& acc, __m512i u, const int8_t* p) {
 inline void dpwssd_broadcast(__m512i& acc, __m512i w, const int16_t* p) {
   __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
 }
+
+// vpermb's index giving each 64 bits of a vector their row pair's 6 bytes: byte 8q + i <- 6q + i.
+struct SixBytesToEight {
+  alignas(64) uint8_t index[64];
+  constexpr SixBytesToEight() : index{} {
+    for (int i = 0; i < 64; ++i) index[i] = static_cast<uint8_t>(6 * (i / 8) + (i % 8 < 6 ? i % 8 : 5));
+  }
+};
+inline constexpr SixBytesToEight kSixToEight;
 #endif
 
 // Weight bytes are requested this far ahead of the block being decoded: the hardware prefetcher alone

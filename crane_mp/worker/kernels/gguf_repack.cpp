@@ -376,15 +376,6 @@ void q6_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-// vpermb's index giving each 64 bits of a vector their row pair's 6 bytes: byte 8q + i <- 6q + i.
-struct ToEights {
-  alignas(64) uint8_t index[64];
-  constexpr ToEights() : index{} {
-    for (int i = 0; i < 64; ++i) index[i] = static_cast<uint8_t>(6 * (i / 8) + (i % 8 < 6 ? i % 8 : 5));
-  }
-};
-constexpr ToEights kToEights;
-
 // Sixteen Q6_K x16 rows against activation rows m0 .. m0 + MR - 1 (up to 8: the unpacking of each
 // weight vector is shared by all of them); out[m * 16 + r]. One vpdpbusd adds 4 products of every row
 // (a 32-bit lane each), a sub-block's 16 products take four, then one multiply applies its scale; the
@@ -393,7 +384,7 @@ template <int MR>
 __attribute__((target("avx512vbmi"))) void q6_k_x16_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
   constexpr int U = MR <= 4 ? 2 : 1;  // sub-blocks side by side: at least 8 chains of vpdpbusd
   const __mmask64 forty_eight = 0xFFFFFFFFFFFFULL;
-  const __m512i to_eights = _mm512_load_si512(kToEights.index);
+  const __m512i to_eights = _mm512_load_si512(kSixToEight.index);
   const __m512i fields = _mm512_set1_epi64(0x2A241E18120C0600LL);  // bit offsets 0, 6, .., 42 of each 64
   const __m512i low6 = _mm512_set1_epi8(0x3F);
   const __m512i first = _mm512_set1_epi32(1), second = _mm512_set1_epi32(0x10000);

@@ -104,6 +104,23 @@ struct EmulatedTiles {
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// isum[r] += c[r] * scale (lane by lane) for a C tile's 16 rows: a sub-block's sums under its scales.
+inline void add_scaled(__m512i (&isum)[16], const int32_t (&c)[16][16], __m512i scale) {
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_load_si512(c[r]), scale));
+}
+
+// The 4 rows of 64 bytes of packed nibbles at `p` as a B tile of 8 rows: the low nibbles (rows 0-3),
+// then the high ones (4-7), the layout a Q4_K x16 sub-block and a Q4_0 x16 block share.
+inline void split_nibbles(const uint8_t* p, uint8_t (&tile)[8][64]) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int k = 0; k < 4; ++k) {
+    const __m512i raw = _mm512_loadu_si512(p + 64 * k);
+    _mm512_store_si512(tile[k], _mm512_and_si512(raw, mask));
+    _mm512_store_si512(tile[4 + k], _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask));
+  }
+}
+
 // Requests the next super-block's lines while this one's products run.
 template <int64_t kBytes>
 inline void prefetch_next(const uint8_t* block) {
@@ -118,16 +135,10 @@ void q4_k_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t row
   alignas(64) float acc[kTileRowsPerCall][16] = {};
   alignas(64) uint8_t b_tiles[8][8][64];  // sub-block j: rows 0-3 its elements 0-15 (low nibbles), 4-7 16-31
   alignas(64) int32_t c[2][16][16];       // two: a sub-block's product need not wait for the last one's reads
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   Tiles::configure(shapes(32, 16));
   for (int64_t b = 0; b < a.nb; ++b, group += kQ4KX16Bytes) {
     prefetch_next<kQ4KX16Bytes>(group);
-    for (int j = 0; j < 8; ++j)
-      for (int k = 0; k < 4; ++k) {
-        const __m512i raw = _mm512_loadu_si512(group + 320 + (4 * j + k) * 64);
-        _mm512_store_si512(b_tiles[j][k], _mm512_and_si512(raw, mask));
-        _mm512_store_si512(b_tiles[j][4 + k], _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask));
-      }
+    for (int j = 0; j < 8; ++j) split_nibbles(group + 320 + 256 * j, b_tiles[j]);
     const __m512 d = _mm512_cvtph_ps(load(group)), dmin = _mm512_cvtph_ps(load(group + 32));
     __m512i mins[4];  // sub-blocks 2p (low 16 bits) and 2p + 1 (high) of each row's lane
     for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(load(group + 192 + 32 * p));
@@ -137,10 +148,8 @@ void q4_k_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t row
       for (int r = 0; r < 16; ++r) isum[r] = _mm512_setzero_si512();
       for (int j = 0; j < 8; ++j) {
         Tiles::template product<false>(a.q + first * a.K + 256 * b + 32 * j, a.K, b_tiles[j][0], 64, c[j % 2][0], 64);
-        const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 64 + 16 * j)));
-#pragma GCC unroll 16
-        for (int r = 0; r < 16; ++r)
-          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_load_si512(c[j % 2][r]), scale));
+        const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 64 + 16 * j));
+        add_scaled(isum, c[j % 2], _mm512_cvtepu8_epi32(scales));
       }
       for (int64_t r = 0; r < std::min<int64_t>(16, rows - 16 * t); ++r) {
         const int64_t m = first + r;
@@ -164,15 +173,10 @@ void q4_0_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t row
   alignas(64) float acc[kTileRowsPerCall][16] = {};
   alignas(64) uint8_t b_tile[8][64];  // rows 0-3 the block's elements 0-15 (low nibbles), 4-7 16-31
   alignas(64) int32_t c[16][16];
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   Tiles::configure(shapes(32, 16));
   for (int64_t b = 0; b < a.nb; ++b, group += kQ4_0X16Bytes) {
     prefetch_next<kQ4_0X16Bytes>(group);
-    for (int k = 0; k < 4; ++k) {
-      const __m512i raw = _mm512_loadu_si512(group + 32 + 64 * k);
-      _mm512_store_si512(b_tile[k], _mm512_and_si512(raw, mask));
-      _mm512_store_si512(b_tile[4 + k], _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask));
-    }
+    split_nibbles(group + 32, b_tile);
     const __m512 d = _mm512_cvtph_ps(load(group));
     for (int64_t t = 0; 16 * t < rows; ++t) {
       const int64_t first = m0 + 16 * t;
@@ -215,15 +219,6 @@ void q8_0_x8_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows
   std::memcpy(out, acc, rows * sizeof(acc[0]));
 }
 
-// vpermb's index giving each 64 bits of a vector their row pair's 6 bytes (as in gguf_repack.cpp).
-struct SixBytesToEight {
-  alignas(64) uint8_t index[64];
-  constexpr SixBytesToEight() : index{} {
-    for (int i = 0; i < 64; ++i) index[i] = static_cast<uint8_t>(6 * (i / 8) + (i % 8 < 6 ? i % 8 : 5));
-  }
-};
-constexpr SixBytesToEight kSixToEight;
-
 // Q6_K x16 rows likewise, as q6_k_x16_rows computes them; the -32 of every value through the
 // activations' 16-sums.
 template <class Tiles>
@@ -253,10 +248,7 @@ __attribute__((target("avx512vbmi"))) void q6_k_x16_tiles(const uint8_t* group, 
       for (int j = 0; j < 16; ++j) {
         Tiles::template product<false>(a.q + first * a.K + 256 * b + 16 * j, a.K, b_tiles[j][0], 64, c[j % 2][0], 64);
         const __m512i pair = _mm512_cvtepi8_epi16(load(group + 32 + 32 * (j / 2)));
-        const __m512i scale = _mm512_madd_epi16(pair, j % 2 == 0 ? first_of_pair : second_of_pair);
-#pragma GCC unroll 16
-        for (int r = 0; r < 16; ++r)
-          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_load_si512(c[j % 2][r]), scale));
+        add_scaled(isum, c[j % 2], _mm512_madd_epi16(pair, j % 2 == 0 ? first_of_pair : second_of_pair));
       }
       for (int64_t r = 0; r < std::min<int64_t>(16, rows - 16 * t); ++r) {
         const int64_t m = first + r;
