@@ -461,7 +461,7 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
                                  grouped ? nullptr : dot_for<3>(qtype)};
   // One tile per thread at least, so a small matrix still spreads over every core; whole groups.
   const int64_t threads = at::get_num_threads(), unit = grouped ? group_rows(qtype) : 1;
-  const int64_t per_call = tiled != nullptr ? kTileRowsPerCall : (grouped ? rows_per_call(qtype) : kRowGroup);
+  const int64_t per_call = tiled != nullptr ? tile_rows_per_call(K) : (grouped ? rows_per_call(qtype) : kRowGroup);
   const int64_t per_thread = (N / unit + threads - 1) / threads;
   const int64_t tile = unit * std::max<int64_t>(1, std::min(kTileBytes / (row_bytes * unit), per_thread));
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
@@ -517,7 +517,8 @@ void run_tiles(const std::vector<Run>& runs) {
       k.tail[kRowGroup] = dot_for<kRowGroup>(runs[r].qtype);
     }
     k.unit = grouped ? group_rows(runs[r].qtype) : 1;
-    k.per_call = tiled != nullptr ? kTileRowsPerCall : (grouped ? rows_per_call(runs[r].qtype) : kRowGroup);
+    k.per_call = tiled != nullptr ? tile_rows_per_call(runs[r].acts->K)
+                                 : (grouped ? rows_per_call(runs[r].qtype) : kRowGroup);
     k.tile = k.unit * std::max<int64_t>(1, kTileBytes / (runs[r].row_bytes * k.unit));
     k.first_tile = tiles;
     tiles += (runs[r].rows + k.tile - 1) / k.tile;

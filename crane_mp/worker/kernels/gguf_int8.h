@@ -113,10 +113,19 @@ bool gguf_x16_supported(int64_t qtype);
 // A repacked group (`unit` rows) against activation rows m0 .. m0 + rows - 1: out[m * unit + r].
 using GroupDotFn = void (*)(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);
 
-// Activation rows a tile kernel takes a call, and the fewest a matrix needs to go through them: below,
-// the VNNI kernels (one decode row is bound by the weights' bytes, not by products).
-constexpr int64_t kTileRowsPerCall = 64;
+// Activation rows a tile kernel takes a call at most, and the fewest a matrix needs to go through them:
+// below, the VNNI kernels (one decode row is bound by the weights' bytes, not by products).
+constexpr int64_t kTileRowsPerCall = 256;
 constexpr int64_t kTileMinRows = 16;
+
+// Rows a tile kernel call takes of activations K bytes long: as many as stay in L2 beside the weights
+// (every weight group of a call reads all of them; from L3, a Q4_K call of 256 rows of K = 12288 ran
+// no faster than the VNNI kernel), since each call turns its weights into tile operands once.
+inline int64_t tile_rows_per_call(int64_t K) {
+  constexpr int64_t kActivationBytes = 1536 * 1024;
+  const int64_t rows = kActivationBytes / K / 32 * 32;
+  return rows < 64 ? 64 : (rows > kTileRowsPerCall ? kTileRowsPerCall : rows);
+}
 
 // The tile kernel (gguf_tiles.cpp) of a repacked group type (Q4_K and Q6_K x16, Q8_0 x8) where tiles
 // are on; nullptr otherwise.

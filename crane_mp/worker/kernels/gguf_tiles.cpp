@@ -43,9 +43,9 @@ bool amx_int8_built() {
 
 bool gguf_tiles_available() { return amx_int8_built() && tile_state_granted(); }
 
-// Tile 0: C, 16 x `columns` int32; tile 1: A, 16 activation rows of `depth` bytes; tile 2: B, depth / 4
-// rows of `columns` x 4 bytes. A 16-row tile always: the activation buffers keep 16 rows past the last
-// (gguf_int8.cpp), and the outputs of rows past a call's are dropped.
+// One tile multiply's shapes: tile 0 C, 16 x `columns` int32; tile 1 A, 16 activation rows of `depth`
+// bytes; tile 2 B, depth / 4 rows of `columns` x 4 bytes. A 16-row tile always: the activation buffers
+// keep 16 rows past the last (gguf_int8.cpp), and the outputs of rows past a call's are dropped.
 TileConfig shapes(int depth, int columns) {
   TileConfig cfg{};
   cfg.palette_id = 1;
@@ -55,22 +55,41 @@ TileConfig shapes(int depth, int columns) {
   return cfg;
 }
 
+// The super-block kernels' eight tiles, each 16 rows of 64 bytes: 0-3 C (low and high sums of A tile
+// 4, then of A tile 5), 4-5 A (two 16-row tiles of activations), 6-7 B (low and high weight bytes).
+TileConfig square_tiles() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  return cfg;
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// The tile instructions with the tile number a template argument (GCC's intrinsics paste theirs into the
+// instruction as written), and with the memory clobbers its tileloadd and tilestored lack: without them,
+// the vector loads of a stored C tile may be scheduled before the store.
 struct AmxTiles {
   static void configure(const TileConfig& cfg) { _tile_loadconfig(&cfg); }
   static void release() { _tile_release(); }
-  // c (16 rows, ldc bytes apart) = a (16 rows, lda apart) . b (ldb apart); a's bytes signed, b's
-  // unsigned or (kSignedB) signed.
-  template <bool kSignedB>
-  static void product(const int8_t* a, int64_t lda, const void* b, int64_t ldb, int32_t* c, int64_t ldc) {
-    _tile_zero(0);
-    _tile_loadd(1, a, lda);
-    _tile_loadd(2, b, ldb);
+  template <int kTile>
+  static void zero() {
+    __asm__ volatile("tilezero %%tmm%c0" ::"i"(kTile));
+  }
+  template <int kTile>
+  static void load(const void* p, int64_t stride) {
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(kTile) : "memory");
+  }
+  template <int kTile>
+  static void store(void* p, int64_t stride) {
+    __asm__ volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(kTile) : "memory");
+  }
+  // Tile kC += kA . kB: kA's bytes signed, kB's unsigned or (kSignedB) signed.
+  template <int kC, int kA, int kB, bool kSignedB>
+  static void dot() {
     if constexpr (kSignedB)
-      _tile_dpbssd(0, 1, 2);
+      __asm__ volatile("tdpbssd %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(kC), "i"(kA), "i"(kB));
     else
-      _tile_dpbsud(0, 1, 2);
-    _tile_stored(0, c, ldc);
+      __asm__ volatile("tdpbsud %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(kC), "i"(kA), "i"(kB));
   }
 };
 #endif
@@ -78,40 +97,220 @@ struct AmxTiles {
 // The same instructions in software as Intel's manual defines them (shapes checked as the CPU
 // would fault on them), so the kernels' layouts and arithmetic are tested on CPUs without AMX.
 struct EmulatedTiles {
-  static TileConfig& config() {
-    thread_local TileConfig cfg{};
-    return cfg;
+  struct State {
+    TileConfig cfg{};
+    alignas(64) uint8_t data[8][16][64];
+  };
+  static State& state() {
+    thread_local State s{};
+    return s;
   }
-  static void configure(const TileConfig& cfg) { config() = cfg; }
-  static void release() { config() = TileConfig{}; }
-  template <bool kSignedB>
-  static void product(const int8_t* a, int64_t lda, const void* b, int64_t ldb, int32_t* c, int64_t ldc) {
-    const TileConfig& t = config();
-    TORCH_CHECK(t.palette_id == 1 && t.rows[0] == t.rows[1] && t.colsb[1] == 4 * t.rows[2] && t.colsb[0] == t.colsb[2] &&
-                t.rows[0] <= 16 && t.colsb[0] <= 64 && t.colsb[1] <= 64, "tile shapes TDPB*D faults on");
-    const auto* bytes = static_cast<const uint8_t*>(b);
-    for (int m = 0; m < t.rows[0]; ++m)
-      for (int n = 0; n < t.colsb[0] / 4; ++n) {
-        int32_t sum = 0;
-        for (int k = 0; k < t.rows[2]; ++k)
+  static void configure(const TileConfig& cfg) { state().cfg = cfg; }
+  static void release() { state().cfg = TileConfig{}; }
+  template <int kTile>
+  static void zero() {
+    std::memset(state().data[kTile], 0, sizeof(State::data[kTile]));
+  }
+  template <int kTile>
+  static void load(const void* p, int64_t stride) {
+    State& s = state();
+    TORCH_CHECK(s.cfg.palette_id == 1 && s.cfg.rows[kTile] > 0, "tile ", kTile, " is not configured");
+    for (int r = 0; r < s.cfg.rows[kTile]; ++r)
+      std::memcpy(s.data[kTile][r], static_cast<const uint8_t*>(p) + r * stride, s.cfg.colsb[kTile]);
+  }
+  template <int kTile>
+  static void store(void* p, int64_t stride) {
+    State& s = state();
+    TORCH_CHECK(s.cfg.palette_id == 1 && s.cfg.rows[kTile] > 0, "tile ", kTile, " is not configured");
+    for (int r = 0; r < s.cfg.rows[kTile]; ++r)
+      std::memcpy(static_cast<uint8_t*>(p) + r * stride, s.data[kTile][r], s.cfg.colsb[kTile]);
+  }
+  template <int kC, int kA, int kB, bool kSignedB>
+  static void dot() {
+    State& s = state();
+    const TileConfig& t = s.cfg;
+    TORCH_CHECK(t.palette_id == 1 && t.rows[kC] == t.rows[kA] && t.colsb[kA] == 4 * t.rows[kB] &&
+                t.colsb[kC] == t.colsb[kB] && t.rows[kC] <= 16 && t.colsb[kC] <= 64 && t.colsb[kA] <= 64,
+                "tile shapes TDPB*D faults on");
+    for (int m = 0; m < t.rows[kC]; ++m)
+      for (int n = 0; n < t.colsb[kC] / 4; ++n) {
+        int32_t sum;
+        std::memcpy(&sum, &s.data[kC][m][4 * n], 4);
+        for (int k = 0; k < t.rows[kB]; ++k)
           for (int i = 0; i < 4; ++i) {
-            const uint8_t w = bytes[k * ldb + 4 * n + i];
-            sum += int32_t{a[m * lda + 4 * k + i]} * (kSignedB ? int32_t{static_cast<int8_t>(w)} : int32_t{w});
+            const uint8_t w = s.data[kB][k][4 * n + i];
+            const int32_t a = static_cast<int8_t>(s.data[kA][m][4 * k + i]);
+            sum += a * (kSignedB ? int32_t{static_cast<int8_t>(w)} : int32_t{w});
           }
-        reinterpret_cast<int32_t*>(reinterpret_cast<char*>(c) + m * ldc)[n] = sum;
+        std::memcpy(&s.data[kC][m][4 * n], &sum, 4);
       }
   }
 };
 
+// c (16 rows, ldc bytes apart) = a (16 rows, lda apart) . b (ldb apart), in shapes(depth, columns).
+template <class Tiles, bool kSignedB>
+void product(const int8_t* a, int64_t lda, const void* b, int64_t ldb, int32_t* c, int64_t ldc) {
+  Tiles::template zero<0>();
+  Tiles::template load<1>(a, lda);
+  Tiles::template load<2>(b, ldb);
+  Tiles::template dot<0, 1, 2, kSignedB>();
+  Tiles::template store<0>(c, ldc);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-// isum[r] += c[r] * scale (lane by lane) for a C tile's 16 rows: a sub-block's sums under its scales.
-inline void add_scaled(__m512i (&isum)[16], const int32_t (&c)[16][16], __m512i scale) {
-#pragma GCC unroll 16
-  for (int r = 0; r < 16; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_load_si512(c[r]), scale));
+// Requests the next super-block's lines while this one's products run.
+template <int64_t kBytes>
+inline void prefetch_next(const uint8_t* block) {
+  for (int64_t line = 0; line < kBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block + kBytes + line), _MM_HINT_T0);
+}
+
+// A super-block's weights as two B operands per 64 of its elements (4 K steps of 16 rows x 64 bytes):
+// each weight times its sub-block's scale (a 16-bit product) split into its low byte (unsigned) and
+// its high byte (kSignedHigh: signed), so low sums + 256 x high sums are the super-block's scaled
+// integer sums in one pass over K, with no stores between sub-blocks.
+struct ScaledWeights {
+  alignas(64) uint8_t low[4][16][64];
+  alignas(64) uint8_t high[4][16][64];
+};
+
+// The products of even bytes `e` and odd bytes `o` (values in 16-bit lanes) with `scale` (16-bit lanes),
+// split into their low and high bytes, each back in its byte's place.
+inline void split_products(__m512i e, __m512i o, __m512i scale, uint8_t* low, uint8_t* high) {
+  constexpr __mmask64 kEven = 0x5555555555555555ULL;
+  const __m512i pe = _mm512_mullo_epi16(e, scale), po = _mm512_mullo_epi16(o, scale);
+  _mm512_store_si512(low, _mm512_mask_blend_epi8(kEven, _mm512_slli_epi16(po, 8), pe));
+  _mm512_store_si512(high, _mm512_mask_blend_epi8(kEven, po, _mm512_srli_epi16(pe, 8)));
+}
+
+// Sums are the products of rows first .. first + 15 (kPair: + 31) of activations `a` (lda bytes apart,
+// at a super-block's first element) and `w`: tiles 0 and 1 the low and high sums of the first 16 rows,
+// 2 and 3 the next 16's.
+template <class Tiles, bool kSignedHigh, bool kPair>
+void take_sums(const int8_t* a, int64_t lda, const ScaledWeights& w) {
+  for (int s = 0; s < 4; ++s) {
+    Tiles::template load<4>(a + 64 * s, lda);
+    if constexpr (kPair) Tiles::template load<5>(a + 16 * lda + 64 * s, lda);
+    Tiles::template load<6>(w.low[s][0], 64);
+    Tiles::template load<7>(w.high[s][0], 64);
+    Tiles::template dot<0, 4, 6, false>();
+    Tiles::template dot<1, 4, 7, kSignedHigh>();
+    if constexpr (kPair) {
+      Tiles::template dot<2, 5, 6, false>();
+      Tiles::template dot<3, 5, 7, kSignedHigh>();
+    }
+  }
+}
+
+// take_sums' tiles into c (c[0] and c[1] the first 16 rows' low and high sums, c[2] and c[3] the
+// next's), zeroed for the next pair.
+template <class Tiles, bool kPair>
+void store_sums(int32_t (&c)[4][16][16]) {
+  Tiles::template store<0>(c[0][0], 64);
+  Tiles::template store<1>(c[1][0], 64);
+  Tiles::template zero<0>();
+  Tiles::template zero<1>();
+  if constexpr (kPair) {
+    Tiles::template store<2>(c[2][0], 64);
+    Tiles::template store<3>(c[3][0], 64);
+    Tiles::template zero<2>();
+    Tiles::template zero<3>();
+  }
+}
+
+// Row r (0-31) of store_sums' output: low + 256 x high.
+inline __m512i scaled_sum(const int32_t (&c)[4][16][16], int64_t r) {
+  const int64_t t = 2 * (r / 16);
+  return _mm512_add_epi32(_mm512_load_si512(c[t][r % 16]), _mm512_slli_epi32(_mm512_load_si512(c[t + 1][r % 16]), 8));
+}
+
+// The super-block kernels' walk over a group's blocks (kBlockBytes each) and activation rows m0 .. m0 +
+// rows - 1, 32 rows at a time: scale(block, w) turns a block's weights into tile operands once, and
+// add(block, b, c, first, count) adds the scaled sums c of rows first .. first + count - 1 (counted from
+// m0) of block b into the call's accumulators. A pair's sums are added while the next pair's products
+// run: the vector work and the tile multiplies overlap instead of waiting for each other.
+template <class Tiles, bool kSignedHigh, int64_t kBlockBytes, class Scale, class Add>
+void super_blocks(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, Scale scale, Add add) {
+  alignas(64) ScaledWeights w;
+  alignas(64) int32_t c[2][4][16][16];
+  struct Pending {
+    const uint8_t* block = nullptr;
+    int64_t b = 0, first = 0, count = 0;
+  } pending;
+  int slot = 0;
+  Tiles::configure(square_tiles());
+  Tiles::template zero<0>();
+  Tiles::template zero<1>();
+  Tiles::template zero<2>();
+  Tiles::template zero<3>();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* block = group + b * kBlockBytes;
+    prefetch_next<kBlockBytes>(block);
+    scale(block, w);
+    for (int64_t first = 0; first < rows; first += 32) {
+      const int8_t* x = a.q + (m0 + first) * a.K + 256 * b;
+      const bool pair = first + 16 < rows;
+      if (pair)
+        take_sums<Tiles, kSignedHigh, true>(x, a.K, w);
+      else
+        take_sums<Tiles, kSignedHigh, false>(x, a.K, w);
+      if (pending.block != nullptr) add(pending.block, pending.b, c[slot ^ 1], pending.first, pending.count);
+      if (pair)
+        store_sums<Tiles, true>(c[slot]);
+      else
+        store_sums<Tiles, false>(c[slot]);
+      pending = {block, b, first, std::min<int64_t>(32, rows - first)};
+      slot ^= 1;
+    }
+  }
+  if (pending.block != nullptr) add(pending.block, pending.b, c[slot ^ 1], pending.first, pending.count);
+  Tiles::release();
+}
+
+// A Q4_K x16 super-block's weights, each times its sub-block's scale (0-945: high bytes unsigned too).
+// Sub-block j's 4 rows of 64 bytes hold elements 0-15 (low nibbles) and 16-31 (high), 4 of each row's
+// a 64-byte row; they become B rows 8 (j % 2) .. + 7 of K step j / 2.
+inline void q4_k_scaled(const uint8_t* group, ScaledWeights& w) {
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  for (int j = 0; j < 8; ++j) {
+    const __m512i s32 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 64 + 16 * j)));
+    const __m512i scale = _mm512_or_si512(s32, _mm512_slli_epi32(s32, 16));  // row r's in both 16-bit halves
+    const int s = j / 2, row = 8 * (j % 2);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i x = _mm512_loadu_si512(group + 320 + 256 * j + 64 * k);
+      split_products(_mm512_and_si512(x, low4), _mm512_and_si512(_mm512_srli_epi16(x, 8), low4), scale,
+                     w.low[s][row + k], w.high[s][row + k]);
+      split_products(_mm512_and_si512(_mm512_srli_epi16(x, 4), low4), _mm512_srli_epi16(x, 12), scale,
+                     w.low[s][row + 4 + k], w.high[s][row + 4 + k]);
+    }
+  }
+}
+
+// Q4_K x16 rows against activation rows m0 .. m0 + rows - 1 (rows <= kTileRowsPerCall): out[m * 16 + r],
+// as q4_k_x16_rows computes it (the same integer sums, the same float steps).
+template <class Tiles>
+void q4_k_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
+  alignas(64) float acc[kTileRowsPerCall][16] = {};
+  const auto add = [&](const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first, int64_t count) {
+    const __m512 d = _mm512_cvtph_ps(load(block)), dmin = _mm512_cvtph_ps(load(block + 32));
+    __m512i mins[4];  // sub-blocks 2p (low 16 bits) and 2p + 1 (high) of each row's lane
+    for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(load(block + 192 + 32 * p));
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t m = m0 + first + r;
+      __m512i msum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) dpwssd_broadcast(msum, mins[p], a.sums32 + m * (a.K / 32) + 8 * b + 2 * p);
+      const __m512 da = _mm512_set1_ps(a.d[m * a.nb + b]);
+      float* row = acc[first + r];
+      const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled_sum(c, r)), _mm512_mul_ps(d, da), _mm512_load_ps(row));
+      _mm512_store_ps(row, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, da), sum));
+    }
+  };
+  super_blocks<Tiles, false, kQ4KX16Bytes>(group, a, m0, rows, q4_k_scaled, add);
+  std::memcpy(out, acc, rows * sizeof(acc[0]));
 }
 
 // The 4 rows of 64 bytes of packed nibbles at `p` as a B tile of 8 rows: the low nibbles (rows 0-3),
-// then the high ones (4-7), the layout a Q4_K x16 sub-block and a Q4_0 x16 block share.
+// then the high ones (4-7), a Q4_0 x16 block's layout.
 inline void split_nibbles(const uint8_t* p, uint8_t (&tile)[8][64]) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int k = 0; k < 4; ++k) {
@@ -121,53 +320,8 @@ inline void split_nibbles(const uint8_t* p, uint8_t (&tile)[8][64]) {
   }
 }
 
-// Requests the next super-block's lines while this one's products run.
-template <int64_t kBytes>
-inline void prefetch_next(const uint8_t* block) {
-  for (int64_t line = 0; line < kBytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(block + kBytes + line), _MM_HINT_T0);
-}
-
-// Q4_K x16 rows against activation rows m0 .. m0 + rows - 1 (rows <= kTileRowsPerCall): out[m * 16 + r],
-// as q4_k_x16_rows computes it.
-template <class Tiles>
-void q4_k_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
-  alignas(64) float acc[kTileRowsPerCall][16] = {};
-  alignas(64) uint8_t b_tiles[8][8][64];  // sub-block j: rows 0-3 its elements 0-15 (low nibbles), 4-7 16-31
-  alignas(64) int32_t c[2][16][16];       // two: a sub-block's product need not wait for the last one's reads
-  Tiles::configure(shapes(32, 16));
-  for (int64_t b = 0; b < a.nb; ++b, group += kQ4KX16Bytes) {
-    prefetch_next<kQ4KX16Bytes>(group);
-    for (int j = 0; j < 8; ++j) split_nibbles(group + 320 + 256 * j, b_tiles[j]);
-    const __m512 d = _mm512_cvtph_ps(load(group)), dmin = _mm512_cvtph_ps(load(group + 32));
-    __m512i mins[4];  // sub-blocks 2p (low 16 bits) and 2p + 1 (high) of each row's lane
-    for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(load(group + 192 + 32 * p));
-    for (int64_t t = 0; 16 * t < rows; ++t) {
-      const int64_t first = m0 + 16 * t;
-      __m512i isum[16];
-      for (int r = 0; r < 16; ++r) isum[r] = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) {
-        Tiles::template product<false>(a.q + first * a.K + 256 * b + 32 * j, a.K, b_tiles[j][0], 64, c[j % 2][0], 64);
-        const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 64 + 16 * j));
-        add_scaled(isum, c[j % 2], _mm512_cvtepu8_epi32(scales));
-      }
-      for (int64_t r = 0; r < std::min<int64_t>(16, rows - 16 * t); ++r) {
-        const int64_t m = first + r;
-        __m512i msum = _mm512_setzero_si512();
-        for (int p = 0; p < 4; ++p) dpwssd_broadcast(msum, mins[p], a.sums32 + m * (a.K / 32) + 8 * b + 2 * p);
-        const __m512 da = _mm512_set1_ps(a.d[m * a.nb + b]);
-        float* row = acc[16 * t + r];
-        const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), _mm512_load_ps(row));
-        _mm512_store_ps(row, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, da), sum));
-      }
-    }
-  }
-  Tiles::release();
-  std::memcpy(out, acc, rows * sizeof(acc[0]));
-}
-
-// Q4_0 x16 rows likewise, as q4_0_x16_rows computes them: a block's quants are a Q4_K x16 sub-block's
-// layout, the -8 of every value goes through the activations' 32-sums.
+// Q4_0 x16 rows likewise, as q4_0_x16_rows computes them: a block's quants are a B tile of 8 rows once
+// split, the -8 of every value goes through the activations' 32-sums.
 template <class Tiles>
 void q4_0_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
   alignas(64) float acc[kTileRowsPerCall][16] = {};
@@ -180,7 +334,7 @@ void q4_0_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t row
     const __m512 d = _mm512_cvtph_ps(load(group));
     for (int64_t t = 0; 16 * t < rows; ++t) {
       const int64_t first = m0 + 16 * t;
-      Tiles::template product<false>(a.q + first * a.K + 32 * b, a.K, b_tile[0], 64, c[0], 64);
+      product<Tiles, false>(a.q + first * a.K + 32 * b, a.K, b_tile[0], 64, c[0], 64);
       for (int64_t r = 0; r < std::min<int64_t>(16, rows - 16 * t); ++r) {
         const int64_t m = first + r;
         const __m512i offset = _mm512_set1_epi32(8 * int32_t{a.sums32[m * (a.K / 32) + b]});
@@ -207,7 +361,7 @@ void q8_0_x8_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * b)));
     for (int64_t t = 0; 16 * t < rows; ++t) {
       const int64_t first = m0 + 16 * t;
-      Tiles::template product<true>(a.q + first * a.K + 32 * b, a.K, group + 256 * b, 32, c[0], 32);
+      product<Tiles, true>(a.q + first * a.K + 32 * b, a.K, group + 256 * b, 32, c[0], 32);
       for (int64_t r = 0; r < std::min<int64_t>(16, rows - 16 * t); ++r) {
         const __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(a.d[(first + r) * a.nb + b]));
         float* row = acc[16 * t + r];
@@ -219,50 +373,50 @@ void q8_0_x8_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows
   std::memcpy(out, acc, rows * sizeof(acc[0]));
 }
 
-// Q6_K x16 rows likewise, as q6_k_x16_rows computes them; the -32 of every value through the
-// activations' 16-sums.
-template <class Tiles>
-__attribute__((target("avx512vbmi"))) void q6_k_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0,
-                                                          int64_t rows, float* out) {
+// A Q6_K x16 super-block's weights less 32 (the -32 of every value in the weights, not the activations'
+// 16-sums) times their sub-block's signed scale: -4,064..4,096, high bytes signed. Row k of its 64 rows of
+// 48 packed bytes holds elements 4k .. 4k + 3 of the 16 rows: B row k % 16 of K step k / 16.
+__attribute__((target("avx512vbmi"))) inline void q6_k_scaled(const uint8_t* group, ScaledWeights& w) {
   const __mmask64 forty_eight = 0xFFFFFFFFFFFFULL;
   const __m512i to_eights = _mm512_load_si512(kSixToEight.index);
   const __m512i fields = _mm512_set1_epi64(0x2A241E18120C0600LL);  // bit offsets 0, 6, .., 42 of each 64
-  const __m512i low6 = _mm512_set1_epi8(0x3F);
-  const __m512i first_of_pair = _mm512_set1_epi32(1), second_of_pair = _mm512_set1_epi32(0x10000);
-  alignas(64) float acc[kTileRowsPerCall][16] = {};
-  alignas(64) uint8_t b_tiles[16][4][64];  // sub-block j: its 16 elements, 4 a row
-  alignas(64) int32_t c[2][16][16];
-  Tiles::configure(shapes(16, 16));
-  for (int64_t b = 0; b < a.nb; ++b, group += kQ6KX16Bytes) {
-    prefetch_next<kQ6KX16Bytes>(group);
-    for (int k = 0; k < 64; ++k) {
-      const __m512i packed = _mm512_maskz_loadu_epi8(forty_eight, group + 288 + 48 * k);
-      const __m512i v = _mm512_and_si512(_mm512_multishift_epi64_epi8(fields, _mm512_permutexvar_epi8(to_eights, packed)), low6);
-      _mm512_store_si512(b_tiles[k / 4][k % 4], v);
-    }
-    const __m512 d = _mm512_cvtph_ps(load(group));
-    for (int64_t t = 0; 16 * t < rows; ++t) {
-      const int64_t first = m0 + 16 * t;
-      __m512i isum[16];
-      for (int r = 0; r < 16; ++r) isum[r] = _mm512_setzero_si512();
-      for (int j = 0; j < 16; ++j) {
-        Tiles::template product<false>(a.q + first * a.K + 256 * b + 16 * j, a.K, b_tiles[j][0], 64, c[j % 2][0], 64);
-        const __m512i pair = _mm512_cvtepi8_epi16(load(group + 32 + 32 * (j / 2)));
-        add_scaled(isum, c[j % 2], _mm512_madd_epi16(pair, j % 2 == 0 ? first_of_pair : second_of_pair));
-      }
-      for (int64_t r = 0; r < std::min<int64_t>(16, rows - 16 * t); ++r) {
-        const int64_t m = first + r;
-        __m512i offset = _mm512_setzero_si512();
-        for (int p = 0; p < 8; ++p)
-          dpwssd_broadcast(offset, _mm512_cvtepi8_epi16(load(group + 32 + 32 * p)), a.sums + m * (a.K / 16) + 16 * b + 2 * p);
-        const __m512i total = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(offset, 5));
-        const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(a.d[m * a.nb + b]));
-        float* row = acc[16 * t + r];
-        _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scaled, _mm512_load_ps(row)));
+  const __m512i low6 = _mm512_set1_epi8(0x3F), low8 = _mm512_set1_epi16(0x00FF), offset = _mm512_set1_epi16(32);
+  // A sub-block pair's 32 scale bytes alternate (row r: 2r the even sub-block's, 2r + 1 the odd one's):
+  // these byte shuffles give each row's 32 bits two copies of one of them as 16-bit lanes.
+  const __m512i even_scale = _mm512_broadcast_i32x4(_mm_set_epi64x(0x0D0C0D0C09080908LL, 0x0504050401000100LL));
+  const __m512i odd_scale = _mm512_broadcast_i32x4(_mm_set_epi64x(0x0F0E0F0E0B0A0B0ALL, 0x0706070603020302LL));
+  for (int p = 0; p < 8; ++p) {
+    const __m512i pair = _mm512_cvtepi8_epi16(load(group + 32 + 32 * p));
+    for (int half = 0; half < 2; ++half) {
+      const __m512i scale = _mm512_shuffle_epi8(pair, half == 0 ? even_scale : odd_scale);
+      for (int i = 0; i < 4; ++i) {
+        const int k = 8 * p + 4 * half + i;
+        const __m512i packed = _mm512_maskz_loadu_epi8(forty_eight, group + 288 + 48 * k);
+        const __m512i v =
+            _mm512_and_si512(_mm512_multishift_epi64_epi8(fields, _mm512_permutexvar_epi8(to_eights, packed)), low6);
+        split_products(_mm512_sub_epi16(_mm512_and_si512(v, low8), offset),
+                       _mm512_sub_epi16(_mm512_srli_epi16(v, 8), offset), scale, w.low[k / 16][k % 16],
+                       w.high[k / 16][k % 16]);
       }
     }
   }
-  Tiles::release();
+}
+
+// Q6_K x16 rows likewise, as q6_k_x16_rows computes them.
+template <class Tiles>
+__attribute__((target("avx512vbmi"))) void q6_k_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0,
+                                                          int64_t rows, float* out) {
+  alignas(64) float acc[kTileRowsPerCall][16] = {};
+  const auto add = [&](const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first, int64_t count) {
+    const __m512 d = _mm512_cvtph_ps(load(block));
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t m = m0 + first + r;
+      const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(a.d[m * a.nb + b]));
+      float* row = acc[first + r];
+      _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled_sum(c, r)), scaled, _mm512_load_ps(row)));
+    }
+  };
+  super_blocks<Tiles, true, kQ6KX16Bytes>(group, a, m0, rows, q6_k_scaled, add);
   std::memcpy(out, acc, rows * sizeof(acc[0]));
 }
 #endif
