@@ -67,6 +67,9 @@ class AttentionMetadata:
     prefill_ctx_before: torch.Tensor | None = None  # [num_prefills]
     prefill_ctx_lens: torch.Tensor | None = None  # [num_prefills] keys of each chunk's last query
     dtype: torch.dtype = torch.float32  # the additive masks'
+    # What prompts' plain attention over _LOW_PRECISION_KEYS keys or more runs in when not the queries'
+    # dtype (Platform.prompt_attention_dtype); None: the queries'.
+    prompt_dtype: torch.dtype | None = None
     block_width: int = 1  # tokens per KV block (the tables' unit)
     # Additive masks by (kind, sliding window), built on first use in a step: every layer of one
     # attention kind shares its mask, and a model with two kinds (sliding and global layers) builds two.
@@ -84,14 +87,16 @@ class AttentionMetadata:
             self.masks[key] = _key_mask((ctx_len - 1)[:, None], ctx_len, width, window, self.dtype)
         return self.masks[key]
 
-    def prefill_mask(self, window: int | None) -> torch.Tensor:
-        """[num_prefills, 1, max_q, max_keys] additive mask of the padded prefill chunks (torch path)."""
-        key = ("prefill", window)
+    def prefill_mask(self, window: int | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[num_prefills, 1, max_q, max_keys] additive mask of the padded prefill chunks (torch path), in
+        `dtype` (default: the metadata's)."""
+        dtype = dtype or self.dtype
+        key = ("prefill", window, dtype)
         if key not in self.masks:
             device = self.prefill_ctx_before.device
             q_pos = self.prefill_ctx_before[:, None] + torch.arange(self.max_prefill_q, device=device)[None, :]
             width = self.prefill_block_tables.shape[1] * self.block_width
-            self.masks[key] = _key_mask(q_pos, self.prefill_ctx_lens, width, window, self.dtype, self.bidirectional)
+            self.masks[key] = _key_mask(q_pos, self.prefill_ctx_lens, width, window, dtype, self.bidirectional)
         return self.masks[key]
 
 
@@ -159,6 +164,7 @@ def build_metadata(
     device: torch.device,
     dtype: torch.dtype,
     backend: str = "torch",
+    prompt_dtype: torch.dtype | None = None,
 ) -> AttentionMetadata:
     """Called by the runner once per step; `decodes` each have q_len == 1 and come first."""
     pack = _Packer()
@@ -212,6 +218,7 @@ def build_metadata(
         prefill_ctx_before=get("prefill_ctx_before"),
         prefill_ctx_lens=get("prefill_ctx"),
         dtype=dtype,
+        prompt_dtype=prompt_dtype,
         block_width=block_size,
     )
 
@@ -275,29 +282,54 @@ def paged_attention(
         if meta.prefill_is_fresh_single:
             if k is None:  # already in the cache: read this prefill's rows back
                 slots = meta.slot_mapping[num_decodes:]
-                kp = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots).to(q.dtype)
-                vp = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots).to(q.dtype)
+                kp = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
+                vp = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
             else:
                 kp, vp = k[num_decodes:], v[num_decodes:]
             # 4-D inputs: with 3-D ones SDPA falls back to its math backend (5-10x slower on CPU).
             qp, kp, vp = qp.transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None]
             if (window is None or window >= qp.shape[2]) and softcap is None and sinks is None \
                     and not meta.bidirectional:
-                out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+                out = _prompt_attention(qp, kp, vp, scale, meta, None)
             else:
-                out = _attend(qp, kp, vp, _fresh_mask(meta, qp.shape[2], window), scale, softcap, prefill_sinks)
+                out = _attend(qp, kp.to(q.dtype), vp.to(q.dtype), _fresh_mask(meta, qp.shape[2], window), scale, softcap,
+                              prefill_sinks)
             outputs.append(out[0].transpose(0, 1).reshape(-1, num_heads * head_dim))  # out: [1, H, T, D]
         else:
             batch, max_q = meta.num_prefills, meta.max_prefill_q
             qs = qp.index_select(0, meta.prefill_token_index).view(batch, max_q, num_heads, head_dim)
-            # Gathered in the cache's dtype (half the bytes of a float copy when it is 16-bit), then widened.
-            kp = _gather(k_cache, meta.prefill_block_tables).to(q.dtype)
-            vp = _gather(v_cache, meta.prefill_block_tables).to(q.dtype)
-            out = _attend(qs.transpose(1, 2), kp, vp, meta.prefill_mask(window), scale, softcap,
-                          prefill_sinks)  # [B, H, max_q, D]
+            # Gathered in the cache's dtype (half the bytes of a float copy when it is 16-bit), then widened
+            # where attention runs in the queries' dtype.
+            kp = _gather(k_cache, meta.prefill_block_tables)
+            vp = _gather(v_cache, meta.prefill_block_tables)
+            if softcap is None and sinks is None:
+                out = _prompt_attention(qs.transpose(1, 2), kp, vp, scale, meta, window)  # [B, H, max_q, D]
+            else:
+                out = _attend(qs.transpose(1, 2), kp.to(q.dtype), vp.to(q.dtype), meta.prefill_mask(window), scale,
+                              softcap, prefill_sinks)
             out = out.transpose(1, 2).reshape(batch * max_q, num_heads * head_dim)
             outputs.append(out.index_select(0, meta.prefill_valid_index))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+# Keys from which prompts' plain attention runs in the metadata's prompt_dtype: below, attention is a small
+# share of a step's time, and short prompts keep the compute precision.
+_LOW_PRECISION_KEYS = 512
+
+
+def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, meta: AttentionMetadata,
+                      window: int | None) -> torch.Tensor:
+    """Attention of prompt queries q [B, H, Q, D] over k, v [B, KH, K, D] of any dtype: causal (a lone fresh
+    prompt: `window` None) or under the padded chunks' mask for `window`; in meta.prompt_dtype from
+    _LOW_PRECISION_KEYS keys on. Returns q's dtype."""
+    dtype = q.dtype
+    if meta.prompt_dtype is not None and k.shape[2] >= _LOW_PRECISION_KEYS:
+        dtype = meta.prompt_dtype
+    causal = meta.prefill_is_fresh_single
+    mask = None if causal else meta.prefill_mask(window, dtype)
+    out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask, is_causal=causal,
+                                         scale=scale, enable_gqa=True)
+    return out.to(q.dtype)
 
 
 def _fresh_mask(meta: AttentionMetadata, length: int, window: int | None) -> torch.Tensor:

@@ -55,6 +55,11 @@ class Platform:
         """LoRA matrices' dtype for a model in `dtype`."""
         return dtype
 
+    def prompt_attention_dtype(self, compute: torch.dtype, kv: torch.dtype) -> torch.dtype | None:
+        """The dtype long prompts' attention runs in when it is not `compute` (cache/attention.py); None:
+        `compute`."""
+        return None
+
     def pack_bf16_weights(self, dtype: torch.dtype) -> bool:
         """Pack bf16 linear weights at load (cpu_packing.py)."""
         return False
