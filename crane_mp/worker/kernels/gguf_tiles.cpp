@@ -185,9 +185,9 @@ inline void split_products(__m512i e, __m512i o, __m512i scale, uint8_t* low, ui
 
 // Sums are the products of rows first .. first + 15 (kPair: + 31) of activations `a` (lda bytes apart,
 // at a super-block's first element) and `w`: tiles 0 and 1 the low and high sums of the first 16 rows,
-// 2 and 3 the next 16's.
-template <class Tiles, bool kSignedHigh, bool kPair>
-void take_sums(const int8_t* a, int64_t lda, const ScaledWeights& w) {
+// 2 and 3 the next 16's. between(s) runs after K step s's products are issued.
+template <class Tiles, bool kSignedHigh, bool kPair, class Between>
+void take_sums(const int8_t* a, int64_t lda, const ScaledWeights& w, Between between) {
   for (int s = 0; s < 4; ++s) {
     Tiles::template load<4>(a + 64 * s, lda);
     if constexpr (kPair) Tiles::template load<5>(a + 16 * lda + 64 * s, lda);
@@ -199,6 +199,7 @@ void take_sums(const int8_t* a, int64_t lda, const ScaledWeights& w) {
       Tiles::template dot<2, 5, 6, false>();
       Tiles::template dot<3, 5, 7, kSignedHigh>();
     }
+    between(s);
   }
 }
 
@@ -226,9 +227,10 @@ inline __m512i scaled_sum(const int32_t (&c)[4][16][16], int64_t r) {
 
 // The super-block kernels' walk over a group's blocks (kBlockBytes each) and activation rows m0 .. m0 +
 // rows - 1, 32 rows at a time: scale(block, w) turns a block's weights into tile operands once, and
-// add(block, b, c, first, count) adds the scaled sums c of rows first .. first + count - 1 (counted from
-// m0) of block b into the call's accumulators. A pair's sums are added while the next pair's products
-// run: the vector work and the tile multiplies overlap instead of waiting for each other.
+// add(block, b, c, first, r0, r1) adds the scaled sums c of rows first + r0 .. first + r1 - 1 (counted from
+// m0) of block b into the call's accumulators. A pair's sums are added a quarter after each K step of the
+// next pair's products: the tile unit works while the vector units do, which a whole pair's additions at
+// once (more than the reorder window holds behind the products) did not let it.
 template <class Tiles, bool kSignedHigh, int64_t kBlockBytes, class Scale, class Add>
 void super_blocks(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, Scale scale, Add add) {
   alignas(64) ScaledWeights w;
@@ -250,11 +252,14 @@ void super_blocks(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows,
     for (int64_t first = 0; first < rows; first += 32) {
       const int8_t* x = a.q + (m0 + first) * a.K + 256 * b;
       const bool pair = first + 16 < rows;
+      const auto between = [&](int s) {
+        const int64_t r0 = 8 * s, r1 = std::min<int64_t>(r0 + 8, pending.count);
+        if (pending.block != nullptr && r0 < r1) add(pending.block, pending.b, c[slot ^ 1], pending.first, r0, r1);
+      };
       if (pair)
-        take_sums<Tiles, kSignedHigh, true>(x, a.K, w);
+        take_sums<Tiles, kSignedHigh, true>(x, a.K, w, between);
       else
-        take_sums<Tiles, kSignedHigh, false>(x, a.K, w);
-      if (pending.block != nullptr) add(pending.block, pending.b, c[slot ^ 1], pending.first, pending.count);
+        take_sums<Tiles, kSignedHigh, false>(x, a.K, w, between);
       if (pair)
         store_sums<Tiles, true>(c[slot]);
       else
@@ -263,7 +268,7 @@ void super_blocks(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows,
       slot ^= 1;
     }
   }
-  if (pending.block != nullptr) add(pending.block, pending.b, c[slot ^ 1], pending.first, pending.count);
+  if (pending.block != nullptr) add(pending.block, pending.b, c[slot ^ 1], pending.first, 0, pending.count);
   Tiles::release();
 }
 
@@ -291,11 +296,12 @@ inline void q4_k_scaled(const uint8_t* group, ScaledWeights& w) {
 template <class Tiles>
 void q4_k_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
   alignas(64) float acc[kTileRowsPerCall][16] = {};
-  const auto add = [&](const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first, int64_t count) {
+  const auto add = [&](const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first, int64_t r0,
+                       int64_t r1) {
     const __m512 d = _mm512_cvtph_ps(load(block)), dmin = _mm512_cvtph_ps(load(block + 32));
     __m512i mins[4];  // sub-blocks 2p (low 16 bits) and 2p + 1 (high) of each row's lane
     for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(load(block + 192 + 32 * p));
-    for (int64_t r = 0; r < count; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const int64_t m = m0 + first + r;
       __m512i msum = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) dpwssd_broadcast(msum, mins[p], a.sums32 + m * (a.K / 32) + 8 * b + 2 * p);
@@ -407,9 +413,10 @@ template <class Tiles>
 __attribute__((target("avx512vbmi"))) void q6_k_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0,
                                                           int64_t rows, float* out) {
   alignas(64) float acc[kTileRowsPerCall][16] = {};
-  const auto add = [&](const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first, int64_t count) {
+  const auto add = [&](const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first, int64_t r0,
+                       int64_t r1) {
     const __m512 d = _mm512_cvtph_ps(load(block));
-    for (int64_t r = 0; r < count; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const int64_t m = m0 + first + r;
       const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(a.d[m * a.nb + b]));
       float* row = acc[first + r];
