@@ -18,3 +18,22 @@ def run_interpreted(code: str, *args: str) -> str:
                          cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
+
+
+def run_interpreted_together(*codes: str) -> list[str]:
+    """run_interpreted of each script, all at once in processes of their own: the interpreter keeps one
+    core busy, and a test runs alone."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env, cwd=ROOT) for code in codes]
+    outputs = []
+    try:
+        for run in runs:
+            out, err = run.communicate(timeout=900)
+            assert run.returncode == 0, err[-3000:]
+            outputs.append(out)
+    finally:
+        for run in runs:
+            run.kill()
+            run.wait()
+    return outputs

@@ -12,6 +12,7 @@ tests/unit/test_triton_compile.py and benchmarks/triton_resources.py.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import re
 import subprocess
@@ -105,6 +106,29 @@ def compile_launch(launch: Launch, capability: int) -> Compiled:
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     assert found, usage
     return Compiled(kernel.metadata.shared, kernel.metadata.num_warps, int(found[1]), int(found[2]))
+
+
+# The launches compile_launches' forked workers compile, by index (a JITFunction does not pickle).
+_FORKED_LAUNCHES: list[Launch] = []
+
+
+def _compile_forked(index: int, capability: int) -> Compiled:
+    return compile_launch(_FORKED_LAUNCHES[index], capability)
+
+
+def compile_launches(launches: list[Launch], capability: int) -> list[Compiled]:
+    """compile_launch of every launch, in one forked process per core: each compile is one thread's work
+    (Triton's passes, then ptxas), and a test runs alone, so the other cores would sit idle."""
+    global _FORKED_LAUNCHES
+    workers = min(len(launches), os.cpu_count() or 1)
+    if workers <= 1:
+        return [compile_launch(launch, capability) for launch in launches]
+    _FORKED_LAUNCHES = launches
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            return pool.starmap(_compile_forked, [(i, capability) for i in range(len(launches))], chunksize=1)
+    finally:
+        _FORKED_LAUNCHES = []
 
 
 def attention_launches(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import run_interpreted_together
 
 pytest.importorskip("triton")
 
-_CHECK = """
+_IMPORTS = """
 import gguf, numpy as np, torch
 from gguf import GGMLQuantizationType as T
-from crane_mp.worker.quantized.triton_dequant import TRITON_TYPES, triton_dequantize
+from crane_mp.worker.quantized.triton_dequant import TRITON_TYPES, triton_dequantize, triton_quantized_matmul
 from tests.unit.test_gguf_kernels import cols_for, quantized, reference
+"""
+
+_DEQUANTIZE = _IMPORTS + """
 for qtype in sorted(TRITON_TYPES):
     for rows, cols in [(3, cols_for(qtype)[0]), (37, cols_for(qtype)[1])]:
         data = quantized(qtype, rows, cols, seed=rows)
@@ -25,7 +28,10 @@ for qtype in sorted(TRITON_TYPES):
             # The interpreter narrows to bf16 by truncation (GPUs round to nearest): one bf16 step apart.
             tol = 1e-6 if dtype == torch.float32 else 2 ** -7
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-7, msg=T(qtype).name)
-from crane_mp.worker.quantized.triton_dequant import triton_quantized_matmul
+print("dequantized", len(TRITON_TYPES))
+"""
+
+_MATMUL = _IMPORTS + """
 for qtype in sorted(TRITON_TYPES):
     cols = cols_for(qtype)[1]
     data = quantized(qtype, 70, cols, seed=3)  # 70 outputs: a partial tile of 64
@@ -39,15 +45,16 @@ for qtype in sorted(TRITON_TYPES):
             want = x.to(dtype).float() @ weight.to(dtype).float().T
             assert got.dtype == dtype and got.shape == (rows, 70)
             torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * cols ** 0.5, msg=T(qtype).name)
-print("checked", len(TRITON_TYPES))
+print("multiplied", len(TRITON_TYPES))
 """
 
 
-# Every served type, both dtypes and the matmul through the interpreter: over a minute on two cores.
-# tests/gpu runs the same kernels on a device.
+# Every served type, both dtypes and the matmul through the interpreter, the two checks at once: over a
+# minute of one core's work. tests/gpu runs the same kernels on a device.
 @pytest.mark.slow
 def test_triton_dequantize_equals_gguf_in_the_interpreter():
-    assert "checked 8" in run_interpreted(_CHECK)
+    dequantized, multiplied = run_interpreted_together(_DEQUANTIZE, _MATMUL)
+    assert "dequantized 8" in dequantized and "multiplied 8" in multiplied
 
 
 def test_k_splits_fill_the_sms_with_whole_tiles():

@@ -292,8 +292,8 @@ def paged_attention(
                     and not meta.bidirectional:
                 out = _prompt_attention(qp, kp, vp, scale, meta, None)
             else:
-                out = _attend(qp, kp.to(q.dtype), vp.to(q.dtype), _fresh_mask(meta, qp.shape[2], window), scale, softcap,
-                              prefill_sinks)
+                mask = _fresh_mask(meta, qp.shape[2], window)
+                out = _attend(qp, kp.to(q.dtype), vp.to(q.dtype), mask, scale, softcap, prefill_sinks)
             outputs.append(out[0].transpose(0, 1).reshape(-1, num_heads * head_dim))  # out: [1, H, T, D]
         else:
             batch, max_q = meta.num_prefills, meta.max_prefill_q
