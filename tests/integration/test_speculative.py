@@ -5,6 +5,7 @@ flags it cannot serve are refused at start with the flag named."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -91,7 +92,8 @@ def test_a_draft_models_server_answers_as_the_server_without_it(model, reference
     spec = serve(model, tmp_path_factory, "--speculative-model", str(model), "--speculative-num-tokens", "4",
                  "--speculative-disable-batch-size", "32")
     try:
-        got = answers(spec, stops)
+        # Held until the scheduler has all 16: they compete for KV blocks (preemption) on any machine.
+        got = asyncio.run(spec.all_queued(asyncio.to_thread(answers, spec, stops), 16))
         assert [out["output_ids"] for out in got] == [out["output_ids"] for out in want]
         assert [out["text"] for out in got] == [out["text"] for out in want]
         assert any(out["meta_info"]["finish_reason"]["type"] == "stop" for out in got[1::4])  # stop strings met
@@ -129,8 +131,11 @@ def test_a_prediction_layer_s_server_answers_as_the_model_without_it(tmp_path_fa
             assert r.status_code == 200, r.text
             return r.json()["output_ids"]
 
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            assert list(pool.map(one, prompts)) == want
+        def all_of_them() -> list[list[int]]:
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                return list(pool.map(one, prompts))
+
+        assert asyncio.run(spec.all_queued(asyncio.to_thread(all_of_them), len(prompts))) == want
         assert spec.stats()["num_preemptions"] > 0  # 128 KV tokens do not hold 8 requests at once
         families = {f.name: f for f in text_string_to_metric_families(requests.get(spec.url + "/metrics").text)}
         assert sum(s.value for s in families["vllm:spec_decode_num_draft_tokens"].samples) > 0
