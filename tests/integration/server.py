@@ -64,7 +64,7 @@ class Server:
                 last_progress, last_mark = time.monotonic(), mark
             elif time.monotonic() - last_progress > stall:
                 raise RuntimeError(f"server made no progress in {stall}s:\n{self.log_path.read_text()}")
-            time.sleep(0.2)
+            time.sleep(0.1)
         return {name: int(pid) for name, pid in re.findall(r"started (\S+) process pid=(\d+)", self.log_path.read_text())}
 
     def _cpu_seconds(self) -> float:

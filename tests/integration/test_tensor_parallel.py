@@ -88,7 +88,8 @@ def models(tmp_path_factory):
             for name, (arch, overrides) in MODELS.items()}
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# qwen3's tokens over two ranks are checked under preemption below, llama's over two nodes.
+@pytest.mark.parametrize("name", [name for name in MODELS if name not in ("qwen3", "llama")])
 def test_two_ranks_serve_transformers_greedy_tokens(models, name, tmp_path):
     want = hf_greedy(models[name], prompts())
     srv = Server(models[name], *TP2, *EXACT, log_path=tmp_path / "log")

@@ -10,7 +10,7 @@ from torch import nn
 
 from crane_mp.worker.kernels import skinny_linears
 from crane_mp.worker.kernels.skinny_linears import SkinnyLinear, tune_skinny_linears
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import run_interpreted_together
 
 _CHECK = """
 import torch
@@ -37,11 +37,6 @@ for dtype in (torch.bfloat16, torch.float16):
                     checked += 1
 print(checked)
 """
-
-
-def test_skinny_matmul_equals_f_linear_under_the_interpreter():
-    pytest.importorskip("triton")
-    assert int(run_interpreted(_CHECK)) > 50
 
 
 _PROLOGUE_CHECK = """
@@ -83,13 +78,6 @@ for out_features, in_features in ((64, 1024), (40, 300)):
                 checked += 1
 print(checked)
 """
-
-
-def test_the_norm_and_silu_mul_prologues_equal_the_unfused_ops_under_the_interpreter():
-    """RMSNorm (with and without the residual add, whose sum comes back as stored) and SiLU*mul computed
-    as the projection reads its input, against the unfused ops then F.linear."""
-    pytest.importorskip("triton")
-    assert int(run_interpreted(_PROLOGUE_CHECK)) == 2 * 1 * 2 * 2 * 3
 
 
 _LAYERS_CHECK = """
@@ -138,12 +126,17 @@ print("layers ok")
 """
 
 
-def test_a_decoder_s_norms_and_silu_mul_run_inside_its_projections_with_the_same_logits():
-    """A bf16 Qwen3 whose projections all take the Triton kernel: every layer hands its norms (the first
-    without a residual) and SiLU*mul to the projections after them, and the logits stay those of the
-    unfused layers up to bf16 roundings."""
+def test_the_skinny_matmul_and_its_prologues_equal_the_unfused_ops_also_inside_a_decoder_under_the_interpreter():
+    """The matmul against F.linear; RMSNorm (with and without the residual add, whose sum comes back as
+    stored) and SiLU*mul computed as the projection reads its input, against the unfused ops then
+    F.linear; a bf16 Qwen3 whose projections all take the Triton kernel: every layer hands its norms (the
+    first without a residual) and SiLU*mul to the projections after them, and the logits stay those of the
+    unfused layers up to bf16 roundings. The three checks at once, each in a process of its own."""
     pytest.importorskip("triton")
-    assert "layers ok" in run_interpreted(_LAYERS_CHECK)
+    matmuls, prologues, layers = run_interpreted_together(_CHECK, _PROLOGUE_CHECK, _LAYERS_CHECK)
+    assert int(matmuls) > 50
+    assert int(prologues) == 2 * 1 * 2 * 2 * 3
+    assert "layers ok" in layers
 
 
 class _FakeKernels:
