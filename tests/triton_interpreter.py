@@ -11,18 +11,14 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 
 
-def run_interpreted(code: str, *args: str) -> str:
+def run_interpreted(code: str) -> str:
     """The script's stdout; fails the test with its stderr's tail if it exits non-zero."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=900,
-                         cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
+    return run_interpreted_together(code)[0]
 
 
 def run_interpreted_together(*codes: str) -> list[str]:
-    """run_interpreted of each script, all at once in processes of their own: the interpreter keeps one
-    core busy, and a test runs alone."""
+    """Each script's stdout, the scripts run at once in processes of their own (the interpreter keeps one
+    core busy, and a test runs alone); fails the test with a failing script's stderr tail."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=env, cwd=ROOT) for code in codes]

@@ -33,29 +33,30 @@ if not nvidia_backend_available():
     pytest.skip("Triton's NVIDIA backend (ptxas, cuobjdump) is not installed, or this Triton release binds "
                 "kernel arguments differently (crane_mp/testing/triton_compile.py)", allow_module_level=True)
 
+DTYPES = (torch.bfloat16, torch.float32)  # float16 compiles as bfloat16 does
 # (query heads, KV heads, head dim): Llama-3/Qwen3-8B, the benchmark model, Qwen2.5-7B (group 7), MHA.
 ATTENTION_SHAPES = ((32, 8, 128), (8, 2, 64), (28, 4, 128), (16, 16, 64))
 
 
 def _attention_launches() -> None:
-    for dtype in (torch.bfloat16, torch.float32):  # float16 compiles as bfloat16 does
+    for dtype in DTYPES:
         for shape in ATTENTION_SHAPES:
             attention_launches(dtype, *shape)
 
 
 def _elementwise_launches() -> None:
-    for dtype in (torch.bfloat16, torch.float32):  # float16 compiles as bfloat16 does
+    for dtype in DTYPES:
         for hidden, shape in zip((4096, 512, 3584, 8192), ATTENTION_SHAPES):
             elementwise_launches(dtype, hidden, 14336, *shape)
 
 
 def _gguf_launches() -> None:
-    for dtype in (torch.bfloat16, torch.float32):  # float16 compiles as bfloat16 does
+    for dtype in DTYPES:
         gguf_launches(dtype)
 
 
 def _experts_launches() -> None:
-    for dtype in (torch.bfloat16, torch.float32):  # float16 compiles as bfloat16 does
+    for dtype in DTYPES:
         experts_launches(dtype)
 
 
