@@ -12,7 +12,9 @@ A paced step beside others also takes at most 256 prompt tokens, which is what b
 burst of prompts starts streaming a few at a time instead of in two or three budget-sized steps, and
 the prompts that arrive as the first ones finish meet short steps (the small benchmark model, 32 streams
 of 128-token prompts: TTFT p50 0.18-0.22 s against 0.58-0.71 s with the whole budget a step;
-benchmarks/RESULTS.md).
+benchmarks/RESULTS.md). A short queue (at most twice that) is taken whole instead: a few prompts left
+behind by a step would otherwise trail every later arrival for as long as requests keep coming two a
+step, each one step late.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 _MIN_OBSERVED_TOKENS = 8
 # The most prompt tokens a paced step beside others takes, whatever the pace allows.
 _CONTENDED_TOKENS = 256
+# Prompt tokens left to compute up to which a paced step takes them all (within the pace's target).
+SHORT_QUEUE_TOKENS = 2 * _CONTENDED_TOKENS
 _SMOOTHING = 0.3
 
 
@@ -31,11 +35,12 @@ class PrefillPace:
     target_seconds: float  # a step's prompt share; 0 turns pacing off (CUDA: steps are short)
     seconds_per_token: float  # current estimate; 0 = unknown, no limit until a step says
 
-    def token_cap(self, block_size: int) -> int | None:
-        """Prompt tokens a step beside others may take (at least a block), or None for no limit (unpaced)."""
+    def token_cap(self, block_size: int, pending_tokens: int) -> int | None:
+        """Prompt tokens a step beside others may take (at least a block), or None for no limit (unpaced).
+        `pending_tokens`: prompt tokens the running and waiting requests have left to compute."""
         if self.target_seconds <= 0:
             return None
-        cap = _CONTENDED_TOKENS
+        cap = pending_tokens if _CONTENDED_TOKENS < pending_tokens <= SHORT_QUEUE_TOKENS else _CONTENDED_TOKENS
         if self.seconds_per_token > 0:
             cap = min(cap, int(self.target_seconds / self.seconds_per_token))
         return max(block_size, cap)

@@ -99,8 +99,9 @@ class SchedulerLoop:
             # Wait while a step runs or nothing is queued (bounded, so signals are handled promptly);
             # otherwise only drain what has already arrived and plan the next step.
             steps_allowed = self.residency.steps_allowed
+            plan_in = self._plan_ahead_in(ahead)
             can_plan = self.scheduler.has_work and self.steps_in_flight < limit and not stalled and steps_allowed
-            timeout = 0 if can_plan else self._wait_ms()
+            timeout = (max(1, int(plan_in * 1000)) if plan_in else 0) if can_plan else self._wait_ms()
             if poller.poll(timeout):
                 stalled = False
                 while True:
@@ -115,7 +116,8 @@ class SchedulerLoop:
                 trim(0)
                 served_since_trim = False
             self._tend_residency()
-            if self.steps_in_flight < limit and not stalled and self.residency.steps_allowed:
+            due = not self._plan_ahead_in(ahead)
+            if self.steps_in_flight < limit and not stalled and self.residency.steps_allowed and due:
                 plan = self.scheduler.schedule()
                 self._warn_on_preemption()
                 # Nothing to plan until a message arrives (e.g. every request awaits its last token):
@@ -128,6 +130,13 @@ class SchedulerLoop:
                     self.steps_in_flight += 1
                 elif not self.scheduler.running and not self.steps_in_flight:
                     self.scheduler.check_invariants()
+
+    def _plan_ahead_in(self, ahead: bool) -> float:
+        """Seconds until the plan ahead of the step in flight is due (0: now): late in that step, so that
+        requests arriving meanwhile join it (step_clock.py)."""
+        if not ahead or self.steps_in_flight != 1:
+            return 0.0
+        return max(0.0, self.step_started + self.scheduler.plan_ahead_delay() - time.monotonic())
 
     def receive(self, frame: bytes) -> None:
         """One inbox frame. The sockets are private to this server's processes, but a frame that is not

@@ -10,6 +10,7 @@ out to have finished in step N wastes one row of step N+1, which is dropped here
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,9 +21,10 @@ from crane_mp.config import EngineConfig
 from crane_mp.models.kv_groups import FULL, first_live_block, sequence_blocks
 from crane_mp.protocol import ErrorKind, FinishReason, NewRequest, ScheduledRequest, StepPlan, StepResult, TokenOutput
 from crane_mp.scheduler.block_pool import BlockPool, chain_keys
-from crane_mp.scheduler.pacing import PrefillPace
+from crane_mp.scheduler.pacing import SHORT_QUEUE_TOKENS, PrefillPace
 from crane_mp.scheduler.request import Request, RequestStatus
 from crane_mp.scheduler.speculation import Speculation
+from crane_mp.scheduler.step_clock import StepClock
 
 
 class RequestRejected(ValueError):
@@ -69,6 +71,8 @@ class SchedulerConfig:
     # Prompt tokens per step are paced to about this many seconds (pacing.py); 0: only the token budget.
     prefill_step_seconds: float = 0.0
     prefill_seconds_per_token: float = 0.0  # the pace's first estimate (the worker's warm-up)
+    # With a step in flight the next is planned this far through it (step_clock.py); 0: at once.
+    plan_ahead_fraction: float = 0.0
     # An encoder's prompts attend to all of themselves: each is computed whole in one step (beyond the
     # token budget if it must, when it is the step's first), and none is served from the prefix cache.
     whole_prompts: bool = False
@@ -98,6 +102,9 @@ class SchedulerConfig:
 # A CPU step's share of prompt work: long enough that weights streamed per step stay a small part of
 # it (0.2 s at 8B on two cores), short enough that a burst's first request streams within seconds.
 CPU_PREFILL_STEP_SECONDS = 3.0
+# Late enough that a request arriving as a step starts (a client answering the last token) joins the
+# next one; early enough that a step ending sooner than expected rarely leaves the worker waiting.
+CPU_PLAN_AHEAD_FRACTION = 0.75
 
 
 def scheduler_config(
@@ -124,6 +131,7 @@ def scheduler_config(
         max_queue=max_queue,
         prefill_step_seconds=CPU_PREFILL_STEP_SECONDS if on_cpu else 0.0,
         prefill_seconds_per_token=prefill_seconds_per_token,
+        plan_ahead_fraction=CPU_PLAN_AHEAD_FRACTION if on_cpu else 0.0,
         whole_prompts=whole_prompts,
         kv_windows=tuple(kv_windows),
         whole_images=whole_images,
@@ -167,6 +175,7 @@ class Scheduler:
         self._step_id = 0
         self._finished_for_worker: list[int] = []
         self.pace = PrefillPace(config.prefill_step_seconds, config.prefill_seconds_per_token)
+        self.clock = StepClock(config.plan_ahead_fraction)
         self._prompt_tokens: dict[int, int] = {}  # step id -> prompt tokens planned, until its result
         self._num_registered: dict[int, int] = {}  # req id -> leading blocks already in the cache
         self.num_preemptions = 0
@@ -249,7 +258,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # Paced only while others wait or stream (decode rows never are): a prompt alone goes at full speed.
         contended = len(self.running) + len(self.waiting) > 1
-        prompt_budget = (self.pace.token_cap(self.config.block_size) if contended else None) or budget
+        prompt_budget = (self.pace.token_cap(self.config.block_size, self._pending_prompt_tokens())
+                         if contended else None) or budget
         new_requests: list[NewRequest] = []
         scheduled: list[ScheduledRequest] = []
         preempted: list[int] = []
@@ -325,6 +335,23 @@ class Scheduler:
         self._step_id += 1
         self._prompt_tokens[self._step_id] = prompt_tokens
         return StepPlan(self._step_id, new_requests, scheduled, preempted, finished)
+
+    def _pending_prompt_tokens(self) -> int:
+        """Prompt tokens the running and waiting requests have left to compute, counted only up to just
+        beyond what makes a short queue (pacing.py), however long the queue."""
+        pending = 0
+        for req in itertools.chain(self.running, self.waiting):
+            if req.num_tokens - req.num_computed_tokens > 1:  # a decode row has one token to compute
+                pending += req.num_tokens - req.num_computed_tokens
+                if pending > SHORT_QUEUE_TOKENS:
+                    break
+        return pending
+
+    def plan_ahead_delay(self) -> float:
+        """Seconds after the oldest step in flight started at which to plan the next (step_clock.py)."""
+        if not self._prompt_tokens:
+            return 0.0
+        return self.clock.plan_delay(self._prompt_tokens[min(self._prompt_tokens)])
 
     def _may_sample(self, req: Request) -> bool:
         """Another token may be sampled: neither max_tokens nor the context window is reached, counting
@@ -512,7 +539,9 @@ class Scheduler:
 
     def update(self, result: StepResult) -> list[TokenOutput]:
         """Apply the worker's sampled tokens; finish requests by token id and length."""
-        self.pace.observe(self._prompt_tokens.pop(result.step_id, 0), result.seconds)
+        prompt_tokens = self._prompt_tokens.pop(result.step_id, 0)
+        self.pace.observe(prompt_tokens, result.seconds)
+        self.clock.observe(prompt_tokens, result.seconds)
         outputs: dict[int, TokenOutput] = {}
         for req_id, message in zip(result.failed_req_ids, result.errors):
             out = self.fail_request(req_id, message)

@@ -169,12 +169,13 @@ def test_paced_prompts_take_what_fits_a_step_beside_running_decodes_and_the_pace
     assert 0.25 < sched.pace.seconds_per_token < 0.3  # 0.25 s a prompt token, plus the rows' cost
 
 
-def test_a_fast_model_s_burst_goes_256_prompt_tokens_a_step():
+def test_a_fast_model_s_burst_goes_256_prompt_tokens_a_step_and_its_short_tail_at_once():
     """Where the pace allows more (a small model), a step beside others takes at most 256 prompt tokens:
-    a burst's first prompts stream before the last ones are computed (unpaced: 512, then 1536 at once)."""
-    sched = make_scheduler(max_num_batched_tokens=2048, max_model_len=256, max_num_seqs=8, num_blocks=1024,
+    a burst's first prompts stream before the last ones are computed (unpaced: 512, then 1536 at once).
+    The last 512 go in one step: prompts left behind would trail every later arrival."""
+    sched = make_scheduler(max_num_batched_tokens=2048, max_model_len=256, max_num_seqs=12, num_blocks=1024,
                            prefill_step_seconds=3.0, prefill_seconds_per_token=0.0001)
-    reqs = make_requests(8, prompt_len=128, max_tokens=3)
+    reqs = make_requests(12, prompt_len=128, max_tokens=3)
     for req in reqs:
         sched.add_request(req)
     worker = FakeWorker()
@@ -183,10 +184,18 @@ def test_a_fast_model_s_burst_goes_256_prompt_tokens_a_step():
         plans.append(sched.schedule())
         for out in sched.update(worker.execute(plans[-1])):
             first_token_step.setdefault(out.rid, len(plans))
-    assert [sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1) for plan in plans[:4]] == [256] * 4
-    assert [first_token_step[req.req_id] for req in reqs] == [1, 1, 2, 2, 3, 3, 4, 4]
+    prompt_tokens = [sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1) for plan in plans[:5]]
+    assert prompt_tokens == [256, 256, 256, 256, 512]
+    assert [first_token_step[req.req_id] for req in reqs] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 5, 5]
     assert sched.num_free_blocks == sched.config.num_blocks
-    assert sched.pace.token_cap(16) == 256 and make_scheduler(max_num_batched_tokens=64).pace.token_cap(16) is None
+    assert make_scheduler(max_num_batched_tokens=64).pace.token_cap(16, 100) is None
+
+
+def test_the_short_queue_rule_stays_within_the_pace():
+    pace = make_scheduler(prefill_step_seconds=3.0, prefill_seconds_per_token=0.0001).pace
+    assert [pace.token_cap(16, pending) for pending in (100, 300, 512, 513)] == [256, 300, 512, 256]
+    pace.seconds_per_token = 0.01  # an 8B-class model: 300 tokens a step at most
+    assert [pace.token_cap(16, pending) for pending in (100, 512, 2000)] == [256, 300, 256]
 
 
 def test_a_prompt_alone_is_not_paced():
@@ -202,7 +211,7 @@ def test_unpaced_scheduler_admits_every_prompt_of_a_burst_in_one_step():
     for req in make_requests(3, prompt_len=5, max_tokens=2):
         sched.add_request(req)
     assert len(sched.schedule().new_requests) == 3
-    assert sched.pace.token_cap(4) is None
+    assert sched.pace.token_cap(4, 15) is None
 
 
 def test_preemption_is_lossless_and_lowers_then_restores_the_cap():
