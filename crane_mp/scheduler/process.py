@@ -101,7 +101,7 @@ class SchedulerLoop:
             steps_allowed = self.residency.steps_allowed
             plan_in = self._plan_ahead_in(ahead)
             can_plan = self.scheduler.has_work and self.steps_in_flight < limit and not stalled and steps_allowed
-            timeout = (max(1, int(plan_in * 1000)) if plan_in else 0) if can_plan else self._wait_ms()
+            timeout = int(plan_in * 1000) if can_plan else self._wait_ms()
             if poller.poll(timeout):
                 stalled = False
                 while True:
@@ -133,10 +133,12 @@ class SchedulerLoop:
 
     def _plan_ahead_in(self, ahead: bool) -> float:
         """Seconds until the plan ahead of the step in flight is due (0: now): late in that step, so that
-        requests arriving meanwhile join it (step_clock.py)."""
+        requests arriving meanwhile join it (step_clock.py). Within the poller's millisecond it is due:
+        a wait rounded up could outlast a short step."""
         if not ahead or self.steps_in_flight != 1:
             return 0.0
-        return max(0.0, self.step_started + self.scheduler.plan_ahead_delay() - time.monotonic())
+        wait = self.step_started + self.scheduler.plan_ahead_delay() - time.monotonic()
+        return wait if wait >= 0.001 else 0.0
 
     def receive(self, frame: bytes) -> None:
         """One inbox frame. The sockets are private to this server's processes, but a frame that is not
