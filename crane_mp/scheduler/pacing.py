@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Steps with fewer prompt tokens say more about the weights' bandwidth than about prompt cost.
-_MIN_OBSERVED_TOKENS = 8
+MIN_OBSERVED_TOKENS = 8
 # The most prompt tokens a paced step beside others takes, whatever the pace allows.
 _CONTENDED_TOKENS = 256
 # Prompt tokens left to compute up to which a paced step takes them all (within the pace's target).
@@ -47,10 +47,11 @@ class PrefillPace:
 
     def observe(self, prompt_tokens: int, seconds: float) -> None:
         """A finished step that computed `prompt_tokens` prompt tokens in `seconds`."""
-        if self.target_seconds <= 0 or prompt_tokens < _MIN_OBSERVED_TOKENS or seconds <= 0:
+        if self.target_seconds <= 0 or prompt_tokens < MIN_OBSERVED_TOKENS or seconds <= 0:
             return
-        measured = seconds / prompt_tokens
-        if self.seconds_per_token <= 0:
-            self.seconds_per_token = measured
-        else:
-            self.seconds_per_token += _SMOOTHING * (measured - self.seconds_per_token)
+        self.seconds_per_token = smoothed(self.seconds_per_token, seconds / prompt_tokens)
+
+
+def smoothed(current: float, measured: float) -> float:
+    """An estimate moved part of the way to a new measurement (the first one taken as it is)."""
+    return measured if current <= 0 else current + _SMOOTHING * (measured - current)

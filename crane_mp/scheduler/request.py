@@ -46,6 +46,13 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     @property
+    def prompt_tokens_left(self) -> int:
+        """Tokens a prefill (or a resumed request's recompute) has still to compute; 0 for a decode row,
+        which has at most its newest token."""
+        left = self.num_tokens - self.num_computed_tokens
+        return left if left > 1 else 0
+
+    @property
     def known_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 

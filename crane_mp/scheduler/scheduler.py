@@ -341,10 +341,9 @@ class Scheduler:
         beyond what makes a short queue (pacing.py), however long the queue."""
         pending = 0
         for req in itertools.chain(self.running, self.waiting):
-            if req.num_tokens - req.num_computed_tokens > 1:  # a decode row has one token to compute
-                pending += req.num_tokens - req.num_computed_tokens
-                if pending > SHORT_QUEUE_TOKENS:
-                    break
+            pending += req.prompt_tokens_left
+            if pending > SHORT_QUEUE_TOKENS:
+                break
         return pending
 
     def plan_ahead_delay(self) -> float:
@@ -480,7 +479,7 @@ class Scheduler:
         """(request, tokens, lookahead, new blocks) for each running request this step; decodes first,
         then prefills (within `prompt_budget` too)."""
         demand = []
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        for req in sorted(self.running, key=lambda r: r.prompt_tokens_left > 0):
             if req.req_id in self.awaiting_drafts:
                 continue
             remaining = req.num_tokens - req.num_computed_tokens

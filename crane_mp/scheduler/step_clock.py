@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Steps with fewer prompt tokens say more about decode rows and noise than about prompt cost.
-_MIN_OBSERVED_TOKENS = 8
-_SMOOTHING = 0.3
+from crane_mp.scheduler.pacing import MIN_OBSERVED_TOKENS, smoothed
 
 
 @dataclass(slots=True)
@@ -35,11 +33,7 @@ class StepClock:
         if self.fraction <= 0 or seconds <= 0:
             return
         if prompt_tokens == 0:
-            self.decode_seconds = _smoothed(self.decode_seconds, seconds)
-        elif prompt_tokens >= _MIN_OBSERVED_TOKENS and self.decode_seconds > 0:
+            self.decode_seconds = smoothed(self.decode_seconds, seconds)
+        elif prompt_tokens >= MIN_OBSERVED_TOKENS and self.decode_seconds > 0:
             per_token = max(0.0, seconds - self.decode_seconds) / prompt_tokens
-            self.prompt_token_seconds = _smoothed(self.prompt_token_seconds, per_token)
-
-
-def _smoothed(current: float, measured: float) -> float:
-    return measured if current <= 0 else current + _SMOOTHING * (measured - current)
+            self.prompt_token_seconds = smoothed(self.prompt_token_seconds, per_token)
