@@ -222,7 +222,8 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     resident_bytes = max(0, platform.allocated_bytes() - allocated_before - weights_bytes)
     # The largest step: a full token budget of prompt, then sampling for every sequence at once with
     # every processor on (the [sequences, vocabulary] temporaries of top-p, penalties and logprobs).
-    profile_tokens = min(config.max_num_batched_tokens, max_model_len)
+    # An encoder's longest prompt leaves out its placeholder: its positions end there.
+    profile_tokens = min(config.max_num_batched_tokens, max_model_len - placeholder)
     profile_seqs = min(config.max_num_seqs, profile_tokens)
 
     # A vision-language model's largest image: its tower's pass joins the measured peak (CUDA), its

@@ -254,3 +254,19 @@ def test_a_hybrid_model_s_context_is_lowered_for_sequences_to_run_together_when_
     room = 2 * GIB - GIB - GIB // 4 - BLOCK - 128 * BLOCK  # one 2048-token sequence's KV kept
     assert fitted.state_slots == room * 3 // 4 // state
     assert 2048 <= fitted.max_model_len == fitted.num_blocks * 16 < 65536
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta"])
+def test_the_largest_step_a_gpu_profiles_fits_an_encoder_s_positions(tmp_path, monkeypatch, arch):
+    """A GPU measures its activations on the full-budget step (the CPU only warms up on a small one): an
+    encoder's longest prompt is its positions, one fewer than its max_model_len (the placeholder token);
+    one more read past its position table (a device-side assert on an H200)."""
+    from crane_mp.engine import LLMEngine
+    from crane_mp.testing.make_encoder import make_encoder
+    from crane_mp.worker.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "measure_activation_bytes", lambda self, profile, estimate: (profile(True), estimate)[1])
+    model = str(make_encoder(arch, tmp_path / arch, "embed"))
+    engine = LLMEngine(EngineConfig(model_path=model, max_num_seqs=4))
+    positions = engine.worker.model_config.max_position_embeddings
+    assert engine.worker.max_model_len == positions + 1
