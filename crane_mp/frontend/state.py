@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from crane_mp.frontend.serving.reasoning import THINK, Markers, reasoning_marker
 from crane_mp.frontend.serving.structured import GrammarCompiler
 from crane_mp.frontend.serving.tokenizer import TokenizerService
 from crane_mp.frontend.web.connections import ConnectionGuard
-from crane_mp.frontend.web.errors import ApiError
+from crane_mp.frontend.web.errors import ApiError, EngineDeadError
 from crane_mp.frontend.web.gate import LoadGate
 from crane_mp.frontend.web.metrics import Metrics
 from crane_mp.models.config import checkpoint_architecture
@@ -29,6 +30,8 @@ from crane_mp.protocol import EngineState, LoraAdapter, WorkerReady
 # The body limit of a model that takes images or audio: a data-URL image or an uploaded clip is megabytes
 # (65 s of 44.1 kHz stereo WAV is 11 MB); --max-request-bytes overrides it.
 _MEDIA_REQUEST_BYTES = 64 << 20
+# A round trip to the scheduler, which answers control requests between steps.
+_CATCH_UP_SECONDS = 5.0
 
 
 @dataclass(slots=True)
@@ -92,6 +95,18 @@ class FrontendState:
 
     def set_engine_state(self, state: EngineState) -> None:
         self.sleep_level, self.weights_path = state.sleep_level, state.weights_path
+
+    async def catch_up(self) -> None:
+        """Apply every EngineState the scheduler sent this frontend before now. Each frontend hears of a
+        sleep, a wake or new weights on its own socket: a client that put the model to sleep through
+        one frontend and asks another must see it asleep. Where the engine does not answer, the state
+        last heard stands."""
+        if self.client is None or self.client.dead or self.engine_info is None:
+            return
+        try:
+            await self.client.control("sync", _CATCH_UP_SECONDS)
+        except (asyncio.TimeoutError, EngineDeadError):
+            pass
 
     @property
     def model_state(self) -> str:

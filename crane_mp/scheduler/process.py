@@ -287,6 +287,8 @@ class SchedulerLoop:
         if message.kind == "stats":
             age = time.monotonic() - self.step_started if self.steps_in_flight else 0.0
             reply_to(encode(self.counters.snapshot(self.scheduler, message.token, age, len(self.awaiting_grammar))))
+        elif message.kind == "sync":  # answered after every state announced to that frontend before it
+            reply_to(encode(ControlReply(message.token, True)))
         elif message.kind == "flush_cache":
             ok = self.scheduler.flush_cache()
             detail = "" if ok else "requests are queued or running; flush the cache when the server is idle"

@@ -1,12 +1,13 @@
 """/v1/audio/transcriptions and /translations through the real server (Whisper, tiny random weights):
-text equal to transformers' generate on the same file for 5 s and 65 s (long-form) clips in every
-container, through the openai SDK in every response format; bad uploads are 400s within a second."""
+text equal to transformers' generate on the same file (up to a float32 near tie of its own) for 5 s and 65 s
+(long-form) clips in every container, through the openai SDK in every response format; bad uploads are 400s within a second."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import time
+from typing import NamedTuple
 
 import numpy as np
 import openai
@@ -45,18 +46,33 @@ def model_dir(tmp_path_factory):
     return make_whisper(tmp_path_factory.mktemp("whisper") / "model")
 
 
+# Top-2 logit gap under which float32 runs summing in another order (another device) may pick differently:
+# transformers' own CPU and CUDA runs of the prompted clip below part at a step 2e-4 apart.
+FLOAT32_TIE = 1e-3
+
+
+class Reference(NamedTuple):
+    text: str  # generate's
+    stable: str  # its text before its first step whose two best logits are a float32 near tie
+
+
+def matches(got: str, want: Reference) -> bool:
+    """Generate's text, or past a near tie of its own, its text up to there (a partial character cut)."""
+    return got == want.text or (want.stable != want.text and got.startswith(want.stable.rstrip("\ufffd")))
+
+
 @pytest.fixture(scope="module")
 def reference(model_dir, tmp_path_factory):
-    """transform(file bytes, **generate kwargs) -> the text transformers gives for that file."""
+    """transform(file bytes, **generate kwargs) -> what transformers gives for that file (a Reference)."""
     from transformers import AutoProcessor, WhisperForConditionalGeneration
     from transformers.audio_utils import load_audio
 
     processor = AutoProcessor.from_pretrained(model_dir)
     model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     folder = tmp_path_factory.mktemp("clips")
-    known: dict[tuple, str] = {}  # lossless containers of the same samples decode alike: generate once
+    known: dict[tuple, Reference] = {}  # lossless containers of the same samples decode alike: generate once
 
-    def transform(data: bytes, **kwargs) -> str:
+    def transform(data: bytes, **kwargs) -> Reference:
         path = folder / f"clip{len(list(folder.iterdir()))}"
         path.write_bytes(data)
         audio = load_audio(str(path))
@@ -65,15 +81,27 @@ def reference(model_dir, tmp_path_factory):
             known[key] = _generate(audio, **kwargs)
         return known[key]
 
-    def _generate(audio, **kwargs) -> str:
+    def _generate(audio, **kwargs) -> Reference:
         long_form = len(audio) > 30 * 16000
         extra = {"truncation": False, "padding": "longest", "return_attention_mask": True} if long_form else {}
         features = processor(audio, sampling_rate=16000, return_tensors="pt", **extra)
         if "prompt" in kwargs:
             kwargs["prompt_ids"] = torch.tensor(processor.get_prompt_ids(kwargs.pop("prompt")))
         with torch.no_grad():
-            out = model.generate(**features, **({"return_timestamps": True} if long_form else {}), **kwargs)
-        return processor.batch_decode(out, skip_special_tokens=True)[0]
+            if long_form:
+                out = model.generate(**features, return_timestamps=True, **kwargs)
+                text = processor.batch_decode(out, skip_special_tokens=True)[0]
+                return Reference(text, text)
+            out = model.generate(**features, **kwargs, output_scores=True, return_dict_in_generate=True)
+        tokens = out.sequences[0]
+        gaps = [scores[0].topk(2).values for scores in out.scores]
+        tie = next((step for step, top in enumerate(gaps) if top[0] - top[1] < FLOAT32_TIE), None)
+        text = processor.decode(tokens, skip_special_tokens=True)
+        if tie is None:
+            return Reference(text, text)
+        # The sequence ends with one token a score: the tied step's token sits len(scores) - tie from the end.
+        cut = max(0, len(tokens) - len(out.scores) + tie)
+        return Reference(text, processor.decode(tokens[:cut], skip_special_tokens=True))
 
     return transform
 
@@ -94,12 +122,12 @@ def test_transcriptions_equal_generate_for_short_and_long_clips_in_every_contain
         for fmt in formats:
             data = encoded(seconds, fmt)
             got = client.audio.transcriptions.create(model=server_model(server), file=(f"a.{fmt.lower()}", data))
-            assert got.text == reference(data), (seconds, fmt)
+            assert matches(got.text, reference(data)), (seconds, fmt)
             texts[fmt] = got.text
         assert texts.get("WAV", texts["FLAC"]) == texts["FLAC"]  # lossless: the same samples
     stereo = encoded(5, "WAV", seed=1, rate=44100)
     got = client.audio.transcriptions.create(model=server_model(server), file=("s.wav", stereo))
-    assert got.text == reference(stereo)
+    assert matches(got.text, reference(stereo))
 
 
 def test_every_response_format_through_the_sdk(server):
@@ -127,11 +155,11 @@ def test_language_prompt_and_translation_equal_generate(server, reference):
     data = encoded(5, "WAV", seed=3)
     model = server_model(server)
     french = client.audio.transcriptions.create(model=model, file=("a.wav", data), language="fr")
-    assert french.text == reference(data, language="fr")
+    assert matches(french.text, reference(data, language="fr"))
     prompted = client.audio.transcriptions.create(model=model, file=("a.wav", data), language="en", prompt="hello")
-    assert prompted.text == reference(data, language="en", prompt="hello")
+    assert matches(prompted.text, reference(data, language="en", prompt="hello"))
     translated = client.audio.translations.create(model=model, file=("a.wav", data))
-    assert translated.text == reference(data, task="translate")
+    assert matches(translated.text, reference(data, task="translate"))
 
 
 def test_concurrent_transcriptions_batch_and_each_equals_its_own(server):

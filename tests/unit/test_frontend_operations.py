@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from crane_mp.config import EngineConfig
-from crane_mp.protocol import ErrorKind
+from crane_mp.protocol import EngineState, ErrorKind
 from tests.unit.frontend_harness import start_frontend, stop_frontend
 
 
@@ -151,3 +151,15 @@ async def test_model_info_says_is_generation_only_for_a_generating_server(model_
             assert (await (await client.get(path)).json())["is_generation"] is (task == "generate")
     finally:
         await stop_frontend(client, state)
+
+
+async def test_a_state_announced_before_a_question_answers_it(frontend):
+    """Several frontends each hear of a sleep on their own socket: one asked right after another put the
+    model to sleep applies what the scheduler sent it before answering (an H200 host's two frontends
+    answered "awake" after a sleep)."""
+    client, state, fake = frontend
+    fake.announced = EngineState(2, "/models/tiny")
+    assert await (await client.get("/is_sleeping")).json() == {"is_sleeping": True, "level": 2}
+    assert (await (await client.get("/v1/models")).json())["data"][0]["state"] == "sleeping"
+    fake.announced = EngineState(0, "/models/tiny")
+    assert (await (await client.get("/v1/models/tiny")).json())["state"] == "loaded"

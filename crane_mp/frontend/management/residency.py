@@ -98,6 +98,7 @@ async def wake_up(request: web.Request) -> web.Response:
          summary="Whether the model sleeps, and how deeply")
 async def is_sleeping(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    await state.catch_up()
     return json_response({"is_sleeping": state.sleep_level > 0, "level": state.sleep_level})
 
 

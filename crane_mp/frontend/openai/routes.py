@@ -187,10 +187,13 @@ def _model_cards(state: FrontendState) -> dict[str, dict[str, Any]]:
 @api.add("get", "/v1/models", summary="List the served model and its LoRA adapters")
 async def list_models(request: web.Request) -> web.Response:
     """The served model, then each LoRA adapter (its `parent` the base model), as vLLM lists them."""
-    return json_response({"object": "list", "data": list(_model_cards(request.app[STATE]).values())})
+    state = request.app[STATE]
+    await state.catch_up()  # its state: asleep or not
+    return json_response({"object": "list", "data": list(_model_cards(state).values())})
 
 
 @api.add("get", "/v1/models/{model_id:.+}", errors=("404",), summary="Describe the served model")
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    await state.catch_up()
     return json_response(_model_cards(state)[check_model(state, request.match_info["model_id"])])
