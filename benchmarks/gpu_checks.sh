@@ -8,9 +8,14 @@
 # memory (made on the device, ~17 GB). "batch1": the batch-1 roofline in PROCESSES (5) processes, after one
 # with each norm and SiLU*mul a kernel of its own. Wheels the machine lacks are installed from .whl/ when that
 # folder exists: pyzmq, msgspec, gguf, llguidance, pytest-asyncio, transformers (the families need a newer one than
-# the image's), and for the integration step soundfile, cffi and soxr (the frontend reads audio uploads) too.
+# the image's), and for the integration step soundfile, cffi and soxr (the frontend reads audio uploads), the
+# openai (1.x: the 3.x SDK needs httpx2) and anthropic (0.75) SDKs with pydantic, pydantic-core, typing-extensions,
+# typing-inspection, annotated-types, jiter, distro, sniffio and docstring-parser, and av for the video test
+# (36 MB: with the rest ~62 of the 64 MiB a call carries).
 # tests/gpu took over 6 minutes in one process on an H200 (2026-11-29: 360 s reached 89 %); the tests that
-# measure memory or time kernels now run alone first (SERIAL_TIMEOUT), the rest in TESTS_WORKERS processes.
+# measure memory or time kernels now run alone first (SERIAL_TIMEOUT; 69 s on 2026-11-30), the rest in
+# TESTS_WORKERS processes (114 s) beside the integration tests (157 s in 3 processes); several models under one
+# memory limit run alone after them.
 #
 #   bash benchmarks/gpu_checks.sh                 # tests roofline splits memcap
 #   STEPS="tests profile memcap" TESTS=tests/gpu/test_cuda_gguf.py bash benchmarks/gpu_checks.sh
@@ -92,7 +97,7 @@ if [[ " $STEPS " == *" integration "* ]]; then
     OMP_NUM_THREADS=4 timeout ${TESTS_TIMEOUT:-240} $PYTEST --timeout 150 -n ${INTEGRATION_WORKERS:-3} --dist loadfile \
         ${INTEGRATION:-tests/integration/test_vision_language.py tests/integration/test_audio_api.py \
         tests/integration/test_model_families.py tests/integration/test_speculative.py tests/integration/test_residency.py \
-        tests/integration/test_multi_model.py} >"$OUT/integration.log" 2>&1 &
+        tests/integration/test_encoders.py} >"$OUT/integration.log" 2>&1 &
 fi
 if [[ " $STEPS " == *" tests "* ]]; then
     log "tests/gpu, the rest, in ${TESTS_WORKERS:-4} processes"
@@ -102,8 +107,12 @@ fi
 if [[ " $STEPS " == *" integration "* ]]; then
     wait
     # Servers start in sessions of their own: a timed-out pytest leaves them holding the device.
-    pkill -f -- "-m crane_mp" && sleep 5
+    pkill -f "^[^ ]*python[0-9.]* -m crane_mp" && sleep 5
     log "integration tests on CUDA"; tail -40 "$OUT/integration.log"
+    # Several models under one --gpu-memory-limit: each model's plan counts every process on the device.
+    log "several models on CUDA, alone"
+    timeout ${ALONE_TIMEOUT:-150} $PYTEST --timeout 140 ${INTEGRATION_ALONE:-tests/integration/test_multi_model.py} 2>&1 \
+        | tee "$OUT/integration_alone.log" | tail -25
 fi
 if [[ " $STEPS " == *" memcap "* ]]; then
     log "8B Q4_K_M under 8G"
