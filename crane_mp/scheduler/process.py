@@ -389,11 +389,14 @@ class SchedulerLoop:
             self.scheduler.hold_new = True  # requests not started yet wait for the new weights
             return
         r.changing = None
+        # Every frontend hears of the new state before the one that asked is answered.
         if message.kind == "sleep":
             r.level = r.asked_level
+            self._announce_state()
             self._reply_all(r.sleep_waiters, True)
         elif message.kind == "wake":
             r.level, r.last_busy = 0, time.monotonic()
+            self._announce_state()
             self._reply_all(r.wake_waiters, True)
         elif message.kind == "swap":
             r.reload_read = False
@@ -401,12 +404,12 @@ class SchedulerLoop:
             if not message.error:
                 r.level, r.weights_path = 0, message.weights_path
                 self.scheduler.pool.flush()  # the cached prefixes' KV came from the old weights
+            self._announce_state()
             waiter, r.reload = r.reload, None
             if waiter is not None:
                 reply = ControlReply(waiter.token, not message.error, message.error or message.weights_path,
                                      400 if message.error else 0)
                 self._send(waiter.frontend_id, encode(reply))
-        self._announce_state()
 
     def _reply_all(self, waiters: list[Waiter], ok: bool) -> None:
         for waiter in waiters:

@@ -33,8 +33,9 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoints, tmp_path_factory):
     # The host's memory is what these sleeps are measured by (on CUDA: tests/gpu/test_cuda_residency.py).
-    server = Server(checkpoints[0], "--cpu", "--num-frontends", "2", "--max-total-tokens", "4096", "--max-seq-len", "512",
-                    log_path=tmp_path_factory.mktemp("logs") / "server.log")
+    # Two frontends: a sleep asked of one is read back from either.
+    server = Server(checkpoints[0], "--cpu", "--num-frontends", "2", "--max-total-tokens", "4096",
+                    "--max-seq-len", "512", log_path=tmp_path_factory.mktemp("logs") / "server.log")
     yield server
     server.stop()
 

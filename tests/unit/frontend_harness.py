@@ -32,6 +32,7 @@ from crane_mp.protocol import (
     ErrorKind,
     FinishReason,
     GenerateRequest,
+    LoraRegistry,
     TokenOutput,
     WorkerReady,
 )
@@ -51,9 +52,9 @@ class FakeScheduler:
         self.reject_with: str | None = None  # finish every request with this error (a scheduler refusal)
         self.reject_kind = ErrorKind.INVALID
         self.output_ids: list[int] | None = None  # answer with these tokens and a stop instead
-        # A state announcement on its way to this frontend: applied ahead of the next "sync" reply, as the
+        # An announcement on its way to this frontend: applied ahead of the next "sync" reply, as the
         # scheduler's socket orders them.
-        self.announced: EngineState | None = None
+        self.announced: EngineState | LoraRegistry | None = None
 
     def send(self, frame: bytes, flags: int = 0) -> None:
         message = scheduler_decoder.decode(frame)
@@ -70,8 +71,11 @@ class FakeScheduler:
                     stream.push(TokenOutput(req.rid, [], len(req.input_ids), 0, FinishReason.ABORT))
         elif isinstance(message, ControlRequest):
             future = self.client.replies.get(message.token)
-            if message.kind == "sync" and self.announced is not None:
+            if message.kind == "sync" and isinstance(self.announced, EngineState):
                 self.client.on_state(self.announced)
+            elif message.kind == "sync" and isinstance(self.announced, LoraRegistry):
+                self.client.on_adapters(self.announced.adapters)
+            if message.kind == "sync":
                 self.announced = None
             if future is not None and message.kind == "stats":
                 future.set_result(EngineStats(message.token, 0, 0, 10, 10, 0, 0, 0, 0, 0, 0.0))
@@ -119,7 +123,8 @@ async def start_frontend(model_dir: Path, run_dir: Path, max_model_len: int = 25
     state.responses = ResponseStore(Path(run_dir) / "responses")
     fake = FakeScheduler(state.client)
     state.client.to_scheduler = fake
-    state.client.on_state = state.set_engine_state  # as the frontend process wires it
+    state.client.on_state = state.set_engine_state  # as the frontend process wires them
+    state.client.on_adapters = state.set_adapters
     state.engine_info = engine_facts(len(state.tokenizer.tokenizer), max_model_len)
     # As the frontend process runs it: a client that goes away cancels its handler.
     client = TestClient(TestServer(create_app(state), handler_cancellation=True))

@@ -265,7 +265,11 @@ def test_the_largest_step_a_gpu_profiles_fits_an_encoder_s_positions(tmp_path, m
     from crane_mp.testing.make_encoder import make_encoder
     from crane_mp.worker.platforms.cpu import CpuPlatform
 
-    monkeypatch.setattr(CpuPlatform, "measure_activation_bytes", lambda self, profile, estimate: (profile(True), estimate)[1])
+    def full_step_then_estimate(self, profile, estimate):
+        profile(True)
+        return estimate
+
+    monkeypatch.setattr(CpuPlatform, "measure_activation_bytes", full_step_then_estimate)
     model = str(make_encoder(arch, tmp_path / arch, "embed"))
     engine = LLMEngine(EngineConfig(model_path=model, max_num_seqs=4))
     positions = engine.worker.model_config.max_position_embeddings

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from crane_mp.config import EngineConfig
-from crane_mp.protocol import EngineState, ErrorKind
+from crane_mp.protocol import EngineState, ErrorKind, LoraAdapter, LoraRegistry
 from tests.unit.frontend_harness import start_frontend, stop_frontend
 
 
@@ -163,3 +163,14 @@ async def test_a_state_announced_before_a_question_answers_it(frontend):
     assert (await (await client.get("/v1/models")).json())["data"][0]["state"] == "sleeping"
     fake.announced = EngineState(0, "/models/tiny")
     assert (await (await client.get("/v1/models/tiny")).json())["state"] == "loaded"
+
+
+async def test_an_adapter_announced_before_a_request_serves_it(frontend):
+    """An adapter loaded through another frontend: a request naming it catches up before its 404."""
+    client, state, fake = frontend
+    fake.announced = LoraRegistry([LoraAdapter(7, "sql", "/adapters/sql")])
+    r = await client.post("/v1/completions", json={"model": "sql", "prompt": "a", "max_tokens": 2})
+    assert r.status == 200, await r.text()
+    assert (await r.json())["model"] == "sql" and fake.requests[-1].sampling.lora_id == 7
+    r = await client.post("/v1/completions", json={"model": "nothing", "prompt": "a"})
+    assert r.status == 404 and "`sql`" in (await r.json())["error"]["message"]

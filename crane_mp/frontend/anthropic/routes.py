@@ -68,7 +68,7 @@ def _ask(req: MessagesFields, params: SamplingParams, max_tokens: int | None, na
          generation=True, errors=GENERATION_ERRORS, summary="Anthropic Messages API (SSE events when stream=true)")
 async def create_message(request: web.Request, req: MessagesRequest) -> web.StreamResponse:
     state = request.app[STATE]
-    model, lora_id = resolve_model(state, req.model)
+    model, lora_id = await resolve_model(state, req.model)
     params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p,
                             top_k=0 if req.top_k is None else req.top_k, lora_id=lora_id)
@@ -97,6 +97,6 @@ async def create_message(request: web.Request, req: MessagesRequest) -> web.Stre
          errors=GENERATION_ERRORS, summary="Anthropic Messages API: the prompt's token count")
 async def count_tokens(request: web.Request, req: CountTokensRequest) -> web.Response:
     state = request.app[STATE]
-    resolve_model(state, req.model)
+    await resolve_model(state, req.model)
     _, input_ids, _ = await prompt_with_images(state, _ask(req, SamplingParams(), None, ""))
     return json_response({"input_tokens": len(input_ids)})

@@ -63,7 +63,7 @@ async def translations(request: web.Request, form: TranslationForm) -> web.Respo
 
 async def _run(request: web.Request, form: TranslationForm, language: str | None, task: str | None) -> web.Response:
     state = request.app[STATE]
-    resolve_model(state, form.model)
+    await resolve_model(state, form.model)
     if form.stream:
         raise ApiError(400, "streamed transcriptions are not supported; leave stream unset", "stream")
     check_response_format(form.response_format, form.timestamp_granularities)

@@ -26,7 +26,7 @@ api = RouteTable()
          generation=True, errors=GENERATION_ERRORS, summary="Embeddings (servers started with --task embed)")
 async def embeddings(request: web.Request, req: EmbeddingRequest) -> web.StreamResponse:
     state = request.app[STATE]
-    model, lora_id = resolve_model(state, req.model)
+    model, lora_id = await resolve_model(state, req.model)
     info = state.engine_info
     if req.dimensions is not None and req.dimensions > info.hidden_size:
         raise ApiError(400, f"dimensions must be at most this model's {info.hidden_size}", "dimensions")

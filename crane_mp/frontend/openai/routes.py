@@ -69,7 +69,7 @@ class OpenAIStream:
          generation=True, errors=GENERATION_ERRORS, summary="Chat completion (SSE when stream=true)")
 async def chat_completions(request: web.Request, req: ChatCompletionRequest) -> web.StreamResponse:
     state = request.app[STATE]
-    model, lora_id = resolve_model(state, req.model)
+    model, lora_id = await resolve_model(state, req.model)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
     ask = ChatAsk(
@@ -117,7 +117,7 @@ async def chat_completions(request: web.Request, req: ChatCompletionRequest) -> 
          generation=True, errors=GENERATION_ERRORS, summary="Text completion (SSE when stream=true)")
 async def completions(request: web.Request, req: CompletionRequest) -> web.StreamResponse:
     state = request.app[STATE]
-    model, lora_id = resolve_model(state, req.model)
+    model, lora_id = await resolve_model(state, req.model)
     prompts = [await prompt_ids(state, prompt, "prompt") for prompt in prompt_inputs(req.prompt, state.engine_info.vocab_size)]
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     params = sampling_params(req, state.engine_info.vocab_size, req.logprobs, prompt_logprobs, lora_id)
@@ -196,4 +196,4 @@ async def list_models(request: web.Request) -> web.Response:
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     await state.catch_up()
-    return json_response(_model_cards(state)[check_model(state, request.match_info["model_id"])])
+    return json_response(_model_cards(state)[await check_model(state, request.match_info["model_id"])])

@@ -41,7 +41,7 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
          summary="Text or chat messages to token ids")
 async def tokenize(request: web.Request, req: TokenizeRequest) -> web.Response:
     state = request.app[STATE]
-    check_model(state, req.model)
+    await check_model(state, req.model)
     sources = [x is not None for x in (req.prompt, req.text, req.messages)]
     if sum(sources) != 1:
         raise ApiError(400, "give exactly one of prompt, text or messages", "prompt")
@@ -63,7 +63,7 @@ async def tokenize(request: web.Request, req: TokenizeRequest) -> web.Response:
 @api.add("post", "/v1/detokenize", body=DetokenizeRequest, errors=("400", "404", "413"), summary="Token ids to text")
 async def detokenize(request: web.Request, req: DetokenizeRequest) -> web.Response:
     state = request.app[STATE]
-    check_model(state, req.model)
+    await check_model(state, req.model)
     # The model's vocabulary, as /openapi.json states it (ids past the tokenizer's own decode to nothing).
     vocab = state.engine_info.vocab_size if state.engine_info else len(state.tokenizer.tokenizer)
     if any(t >= vocab for t in req.tokens):

@@ -31,7 +31,7 @@ api = RouteTable()
          generation=True, errors=GENERATION_ERRORS, summary="OpenAI Responses API (SSE events when stream=true)")
 async def create_response(request: web.Request, req: ResponsesRequest) -> web.StreamResponse:
     state = request.app[STATE]
-    model, lora_id = resolve_model(state, req.model)
+    model, lora_id = await resolve_model(state, req.model)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         record = state.responses.get(req.previous_response_id) if state.responses else None

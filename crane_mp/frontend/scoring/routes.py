@@ -80,7 +80,7 @@ async def _score_pairs(request: web.Request, pairs: list[tuple[str, str]], instr
     """Score every (query, document) pair and answer with `respond(scores, prompt tokens)`: each pair's
     last token's final hidden state is pooled by the engine, the head applied here (score_head.py)."""
     state = request.app[STATE]
-    _, lora_id = resolve_model(state, model)
+    _, lora_id = await resolve_model(state, model)
     prompts = []
     if state.score_head is not None:
         head = state.score_head
@@ -155,7 +155,7 @@ def _check_room(state: FrontendState, index: int, tokens: int) -> None:
 async def rerank(request: web.Request, req: RerankRequest) -> web.StreamResponse:
     texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
     model = None if req.model == _ROUTER_UNNAMED else req.model
-    model_name = resolve_model(request.app[STATE], model)[0]
+    model_name = (await resolve_model(request.app[STATE], model))[0]
 
     def respond(scores: list[float], tokens: int) -> dict[str, Any]:
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n]
@@ -179,7 +179,7 @@ async def score(request: web.Request, req: ScoreRequest) -> web.StreamResponse:
     if len(first) != len(second):
         raise ApiError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
                             "as text_2", "text_1")
-    model_name = resolve_model(request.app[STATE], req.model)[0]
+    model_name = (await resolve_model(request.app[STATE], req.model))[0]
 
     def respond(scores: list[float], tokens: int) -> dict[str, Any]:
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model_name,

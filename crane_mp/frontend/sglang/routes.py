@@ -129,7 +129,7 @@ class LogprobInfo:
          generation=True, errors=GENERATION_ERRORS, summary="SGLang native generation (SSE when stream=true)")
 async def generate(request: web.Request, req: SGLangGenerateRequest) -> web.StreamResponse:
     state = request.app[STATE]
-    _, lora_id = resolve_model(state, req.model)
+    _, lora_id = await resolve_model(state, req.model)
     sp = req.sampling_params or SGLangSamplingParams()
     prompts, batch = await _prompts(state, req)
     media = await _images(state, req, prompts, batch)

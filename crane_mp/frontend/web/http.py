@@ -28,17 +28,21 @@ def named_sse_event(payload: dict[str, Any]) -> bytes:
     return b"event: " + payload["type"].encode() + b"\ndata: " + _json.encode(payload) + b"\n\n"
 
 
-def resolve_model(state: FrontendState, model: str | None) -> tuple[str, int]:
+async def resolve_model(state: FrontendState, model: str | None) -> tuple[str, int]:
     """(the model name to answer with, its LoRA adapter id: 0 for the base model). A request naming
-    neither the served model nor one of its adapters is a 404 in OpenAI's shape."""
+    neither the served model nor one of its adapters is a 404 in OpenAI's shape, once this frontend has
+    caught up with the scheduler (an adapter just loaded through another frontend is known here then)."""
     if model is None or model in (state.model_name, state.config.engine.model_path):
         return state.model_name, 0
     adapter = state.adapters.get(model)
+    if adapter is None:
+        await state.catch_up()
+        adapter = state.adapters.get(model)
     if adapter is None:
         served = ", ".join(f"`{name}`" for name in (state.model_name, *state.adapters))
         raise ApiError(404, f"the model `{model}` does not exist; this server serves {served}", "model")
     return model, adapter.lora_id
 
 
-def check_model(state: FrontendState, model: str | None) -> str:
-    return resolve_model(state, model)[0]
+async def check_model(state: FrontendState, model: str | None) -> str:
+    return (await resolve_model(state, model))[0]
