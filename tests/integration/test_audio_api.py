@@ -1,6 +1,7 @@
 """/v1/audio/transcriptions and /translations through the real server (Whisper, tiny random weights):
 text equal to transformers' generate on the same file (up to a float32 near tie of its own) for 5 s and
-65 s (long-form) clips in every container, through the openai SDK in every response format; bad uploads are 400s within a second."""
+65 s (long-form) clips in every container, through the openai SDK in every response format; bad uploads
+are 400s within a second."""
 
 from __future__ import annotations
 
