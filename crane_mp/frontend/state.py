@@ -97,10 +97,10 @@ class FrontendState:
         self.sleep_level, self.weights_path = state.sleep_level, state.weights_path
 
     async def catch_up(self) -> None:
-        """Apply every EngineState the scheduler sent this frontend before now. Each frontend hears of a
-        sleep, a wake or new weights on its own socket: a client that put the model to sleep through
-        one frontend and asks another must see it asleep. Where the engine does not answer, the state
-        last heard stands."""
+        """Apply every EngineState and adapter list the scheduler sent this frontend before now. Each
+        frontend hears of a sleep, a wake, new weights or an adapter on its own socket: a client that
+        changed one through one frontend and asks another must see the change. Where the engine does
+        not answer, what was last heard stands."""
         if self.client is None or self.client.dead or self.engine_info is None:
             return
         try:
