@@ -86,54 +86,16 @@ void configure_tiles(int rows0, int rows1) {
     cfg.rows[t] = static_cast<uint8_t>(rows[t]);
     cfg.colsb[t] = rows[t] > 0 ? 64 : 0;
   }
-  _tile_loadconfig(&cfg);
+  crane_mp::load_tile_config(cfg);
 }
 
-// One row block (16 rows per A tile, `kTwoTiles` for up to 32) times two 16-column weight blocks.
-// `prefetch` on the first pass over the weight blocks; later passes find them in cache.
-template <bool prefetch, bool kTwoTiles>
-inline void block_product(const char* a, int64_t lda, const char* b0, const char* b1, int64_t KB, float (*c)[16][16]) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (kTwoTiles) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t kb = 0; kb < KB; ++kb) {
-    if constexpr (prefetch) {
-      const char* ahead0 = b0 + (kb + kPrefetch) * 1024;
-      const char* ahead1 = b1 + (kb + kPrefetch) * 1024;
-      for (int line = 0; line < 16; ++line) {
-        _mm_prefetch(ahead0 + line * 64, _MM_HINT_T0);
-        _mm_prefetch(ahead1 + line * 64, _MM_HINT_T0);
-      }
-    }
-    _tile_loadd(4, a + kb * 64, lda);
-    _tile_loadd(6, b0 + kb * 1024, 64);
-    _tile_loadd(7, b1 + kb * 1024, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if constexpr (kTwoTiles) {
-      _tile_loadd(5, a + 16 * lda + kb * 64, lda);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, &c[0][0][0], 64);
-  _tile_stored(1, &c[1][0][0], 64);
-  if constexpr (kTwoTiles) {
-    _tile_stored(2, &c[2][0][0], 64);
-    _tile_stored(3, &c[3][0][0], 64);
-  }
-}
-
-// Writes rows [0, rows) of a row block's output for column pair p from the C tiles in `c`.
+// Rows [begin, end) of a row block's output for column pair p from the C tiles stored in `c`.
 // kSiluMul: the weight's column pairs are (gate block, up block) of the same 16 intermediate
 // columns (see amx_linear_silu_mul), and the output is silu(gate) * up, N / 2 columns wide.
 template <bool kSiluMul>
-inline void write_block(float (*c)[16][16], int64_t rows, int64_t p, const float* bias, c10::BFloat16* out,
-                        int64_t out_width) {
-  for (int64_t m = 0; m < rows; ++m) {
+inline void write_rows(float (*c)[16][16], int64_t begin, int64_t end, int64_t p, const float* bias,
+                       c10::BFloat16* out, int64_t out_width) {
+  for (int64_t m = begin; m < end; ++m) {
     const int64_t blk = (m / 16) * 2;
     c10::BFloat16* out_row = out + m * out_width;
     if constexpr (kSiluMul) {
@@ -159,6 +121,73 @@ inline void write_block(float (*c)[16][16], int64_t rows, int64_t p, const float
   }
 }
 
+// A block's output written while the tile unit computes the next block's: the vector work of the
+// epilogue (SiLU's exponentials above all) runs beside the tile products instead of after them.
+template <bool kSiluMul>
+struct PendingBlock {
+  float (*c)[16][16] = nullptr;  // the stored C tiles; nullptr: nothing pending
+  int64_t rows = 0, p = 0, done = 0;
+  const float* bias = nullptr;
+  c10::BFloat16* out = nullptr;
+  int64_t out_width = 0;
+
+  // Rows of the pending block up to `fraction_num / fraction_den` of it.
+  inline void write_until(int64_t fraction_num, int64_t fraction_den) {
+    if (c == nullptr) return;
+    const int64_t until = rows * fraction_num / fraction_den;
+    if (until > done) write_rows<kSiluMul>(c, done, until, p, bias, out, out_width);
+    done = std::max(done, until);
+  }
+  inline void finish() {
+    write_until(1, 1);
+    c = nullptr;
+  }
+};
+
+// One row block (16 rows per A tile, `kTwoTiles` for up to 32) times two 16-column weight blocks into
+// `c`, writing `pending` a share of its rows after each K step. `prefetch` on the first pass over the
+// weight blocks; later passes find them in cache.
+template <bool prefetch, bool kTwoTiles, bool kSiluMul>
+inline void block_product(const char* a, int64_t lda, const char* b0, const char* b1, int64_t KB, float (*c)[16][16],
+                          PendingBlock<kSiluMul>& pending) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kTwoTiles) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    if constexpr (prefetch) {
+      const char* ahead0 = b0 + (kb + kPrefetch) * 1024;
+      const char* ahead1 = b1 + (kb + kPrefetch) * 1024;
+      for (int line = 0; line < 16; ++line) {
+        _mm_prefetch(ahead0 + line * 64, _MM_HINT_T0);
+        _mm_prefetch(ahead1 + line * 64, _MM_HINT_T0);
+      }
+    }
+    _tile_loadd(4, a + kb * 64, lda);
+    _tile_loadd(6, b0 + kb * 1024, 64);
+    _tile_loadd(7, b1 + kb * 1024, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwoTiles) {
+      _tile_loadd(5, a + 16 * lda + kb * 64, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    pending.write_until(kb + 1, KB);
+  }
+  pending.finish();
+  _tile_stored(0, &c[0][0][0], 64);
+  _tile_stored(1, &c[1][0][0], 64);
+  if constexpr (kTwoTiles) {
+    _tile_stored(2, &c[2][0][0], 64);
+    _tile_stored(3, &c[3][0][0], 64);
+  }
+  // The stored tiles are read by vector loads later (the next block's K steps): keep those after it.
+  __asm__ volatile("" ::: "memory");
+}
+
 template <bool kSiluMul>
 void amx_gemm(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* packed, int64_t N,
               const float* bias, c10::BFloat16* out) {
@@ -169,10 +198,19 @@ void amx_gemm(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16*
   // Each thread owns a range of column pairs and walks it in groups whose weight tiles stay in L2,
   // sweeping every row block over a group: the row block of x stays in L1, and the weight streams
   // from memory once per group (the only pass when M <= 32, i.e. decode). Full 32-row blocks first,
-  // then the partial block under its own tile shapes.
+  // then the partial block under its own tile shapes. Two C buffers: one block's output is written
+  // during the next block's products.
   const int64_t group = std::max<int64_t>(1, kWeightGroupBytes / (KB * 2048));
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float c[4][16][16];  // [row tile * 2 + column block][row][column]
+    alignas(64) float c[2][4][16][16];  // [buffer][row tile * 2 + column block][row][column]
+    int64_t next = 0;
+    PendingBlock<kSiluMul> pending;
+    auto defer = [&](int64_t rows, int64_t p, c10::BFloat16* block_out) {
+      pending.c = c[next];
+      pending.rows = rows, pending.p = p, pending.done = 0;
+      pending.bias = bias, pending.out = block_out, pending.out_width = out_width;
+      next ^= 1;
+    };
     for (int64_t g0 = begin; g0 < end; g0 += group) {
       const int64_t g1 = std::min(end, g0 + group);
       if (full_rows > 0) configure_tiles(16, 16);
@@ -181,30 +219,33 @@ void amx_gemm(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16*
         for (int64_t p = g0; p < g1; ++p) {
           const char* b0 = bp + 2 * p * KB * 1024;
           if (row == 0)
-            block_product<true, true>(a, lda, b0, b0 + KB * 1024, KB, c);
+            block_product<true, true>(a, lda, b0, b0 + KB * 1024, KB, c[next], pending);
           else
-            block_product<false, true>(a, lda, b0, b0 + KB * 1024, KB, c);
-          write_block<kSiluMul>(c, kRowBlock, p, bias, out + row * out_width, out_width);
+            block_product<false, true>(a, lda, b0, b0 + KB * 1024, KB, c[next], pending);
+          defer(kRowBlock, p, out + row * out_width);
         }
       }
       if (tail_rows > 0) {
+        // New tile shapes: the pending block's C tiles are already stored, its rows only to write.
         configure_tiles(std::min<int>(16, tail_rows), std::max<int>(0, tail_rows - 16));
         const char* a = reinterpret_cast<const char*>(x + full_rows * K);
         for (int64_t p = g0; p < g1; ++p) {
           const char* b0 = bp + 2 * p * KB * 1024;
           const char* b1 = b0 + KB * 1024;
+          float (*cn)[16][16] = c[next];
           if (full_rows == 0 && tail_rows <= 16)
-            block_product<true, false>(a, lda, b0, b1, KB, c);
+            block_product<true, false>(a, lda, b0, b1, KB, cn, pending);
           else if (full_rows == 0)
-            block_product<true, true>(a, lda, b0, b1, KB, c);
+            block_product<true, true>(a, lda, b0, b1, KB, cn, pending);
           else if (tail_rows <= 16)
-            block_product<false, false>(a, lda, b0, b1, KB, c);
+            block_product<false, false>(a, lda, b0, b1, KB, cn, pending);
           else
-            block_product<false, true>(a, lda, b0, b1, KB, c);
-          write_block<kSiluMul>(c, tail_rows, p, bias, out + full_rows * out_width, out_width);
+            block_product<false, true>(a, lda, b0, b1, KB, cn, pending);
+          defer(tail_rows, p, out + full_rows * out_width);
         }
       }
     }
+    pending.finish();
     _tile_release();
   });
 }

@@ -69,7 +69,7 @@ TileConfig square_tiles() {
 // instruction as written), and with the memory clobbers its tileloadd and tilestored lack: without them,
 // the vector loads of a stored C tile may be scheduled before the store.
 struct AmxTiles {
-  static void configure(const TileConfig& cfg) { _tile_loadconfig(&cfg); }
+  static void configure(const TileConfig& cfg) { crane_mp::load_tile_config(cfg); }
   static void release() { _tile_release(); }
   template <int kTile>
   static void zero() {

@@ -35,4 +35,11 @@ struct TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64);
 
+#if defined(__AMX_TILE__)
+// ldtilecfg through our own asm, whose operand tells the compiler the 64 bytes are read: with GCC 12's
+// _tile_loadconfig the stores that fill a local configuration were dropped as dead once the function
+// was no longer inlined, and ldtilecfg faulted on the bytes left unset.
+inline void load_tile_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" ::"m"(cfg)); }
+#endif
+
 }  // namespace crane_mp
