@@ -311,7 +311,7 @@ class AbortNamed(msgspec.Struct, array_like=True, tag=True):
 class ControlRequest(msgspec.Struct, array_like=True, tag=True):
     """kind: "stats", answered with EngineStats; "flush_cache", "load_lora" (name, path),
     "unload_lora" (name), "sleep" (level), "wake_up", "update_weights" (path) and "sync" (nothing: its
-    reply follows every EngineState sent to that frontend before it), answered with ControlReply.
+    reply follows every EngineState and LoraRegistry sent to that frontend before it), answered with ControlReply.
     Replies carry the same token."""
 
     kind: str
