@@ -113,6 +113,10 @@ if [[ " $STEPS " == *" integration "* ]]; then
     log "several models on CUDA, alone"
     timeout ${ALONE_TIMEOUT:-150} $PYTEST --timeout 140 ${INTEGRATION_ALONE:-tests/integration/test_multi_model.py} 2>&1 \
         | tee "$OUT/integration_alone.log" | tail -25
+    # The servers' own logs say why a model did not load (pytest keeps them under its temporary folder).
+    for f in $(ls -t /tmp/pytest-of-*/pytest-*/*/server.log 2>/dev/null | head -2); do
+        echo "== $f"; tail -80 "$f"
+    done >>"$OUT/integration_alone.log"
 fi
 if [[ " $STEPS " == *" memcap "* ]]; then
     log "8B Q4_K_M under 8G"
