@@ -125,16 +125,17 @@ def test_sleep_is_refused_while_busy_then_frees_and_a_request_wakes_the_worker(h
 
 def test_a_sync_is_answered_after_the_states_announced_before_it(harness):
     """A frontend asked whether the model sleeps syncs first: the reply comes after every state the
-    scheduler sent it before (one socket keeps the order)."""
-    harness.control("sleep", level=1)
+    scheduler sent it before (one socket keeps the order). The sleep's own answer follows the state too."""
+    harness.send(ControlRequest("sleep", 998, level=1))
     harness.send(ResidencyDone("sleep", weights_path="/models/old"))
     harness.send(ControlRequest("sync", 999))
     messages = []
     while harness.frontend_inbox.poll(100):
         messages.append(frontend_decoder.decode(harness.frontend_inbox.recv()))
-    sync_reply = next(i for i, m in enumerate(messages) if isinstance(m, ControlReply) and m.token == 999)
-    assert messages[sync_reply].ok
-    assert EngineState(1, "/models/old") in messages[:sync_reply]
+    replies = {m.token: i for i, m in enumerate(messages) if isinstance(m, ControlReply)}
+    state = messages.index(EngineState(1, "/models/old"))
+    assert messages[replies[999]].ok and messages[replies[998]].ok
+    assert state < replies[998] < replies[999]
 
 
 def test_sleeping_drops_the_prefix_cache(harness):
