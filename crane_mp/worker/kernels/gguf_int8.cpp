@@ -366,6 +366,7 @@ constexpr int64_t kGroupFirstBytes = 256 * 1024;
 
 struct QuantizedActs {
   std::vector<int8_t> q;
+  std::vector<int8_t> steps;
   std::vector<float> d;
   std::vector<int16_t> sums;
   std::vector<int16_t> sums32;
@@ -373,7 +374,11 @@ struct QuantizedActs {
 
 Acts quantize(const at::Tensor& x, int64_t block, QuantizedActs& buffers) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / block;
-  buffers.q.resize(std::max<size_t>(buffers.q.size(), (M + 16) * K));  // 16 rows past the last: tile_dot
+  // The tile order for prompts; a lone decode row never reaches the tile kernels (kTileMinRows).
+  const bool steps = M >= kTileMinRows && tile_kernels_on();
+  const int64_t stride = M + 16;  // tiles read 16 rows from any row
+  buffers.q.resize(std::max<size_t>(buffers.q.size(), M * K));
+  if (steps) buffers.steps.resize(std::max<size_t>(buffers.steps.size(), stride * ((K + 63) / 64) * 64));
   buffers.d.resize(std::max<size_t>(buffers.d.size(), M * nb));
   buffers.sums.resize(std::max<size_t>(buffers.sums.size(), M * (K / 16)));
   buffers.sums32.resize(std::max<size_t>(buffers.sums32.size(), M * (K / 32)));
@@ -385,9 +390,12 @@ Acts quantize(const at::Tensor& x, int64_t block, QuantizedActs& buffers) {
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       quantize_row(xs + m * K, K, block, q + m * K, d + m * nb, sums + m * (K / 16), sums32 + m * (K / 32));
+      if (steps)
+        for (int64_t k = 0; k < K; k += 64)
+          std::memcpy(&buffers.steps[((k / 64) * stride + m) * 64], q + m * K + k, std::min<int64_t>(64, K - k));
     }
   });
-  return {q, d, sums, sums32, K, nb};
+  return {q, d, sums, sums32, K, nb, steps ? buffers.steps.data() : nullptr, steps ? stride : 0};
 }
 
 at::Tensor as_float(const at::Tensor& x, int64_t K, const char* op) {
@@ -430,7 +438,7 @@ void rows_tile(const uint8_t* src, int64_t row_bytes, const DotFn fn, const Acts
 // activation rows [m_begin, m_end): each group against all of them before the next.
 void groups_tile(const uint8_t* src, int64_t row_bytes, int64_t rows_per_group, int64_t per_call, const GroupDotFn fn,
                  const Acts& acts, int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1, int64_t N, float* ys) {
-  float dots[kTileRowsPerCall * 16];
+  float dots[kMaxRowsPerCall * 16];
   for (int64_t n = n0; n < n1; n += rows_per_group) {
     for (int64_t m0 = m_begin; m0 < m_end; m0 += per_call) {
       const int64_t rows = std::min(per_call, m_end - m0);
@@ -438,6 +446,18 @@ void groups_tile(const uint8_t* src, int64_t row_bytes, int64_t rows_per_group, 
       for (int64_t m = 0; m < rows; ++m)
         std::memcpy(ys + (m0 + m) * N + n, dots + m * rows_per_group, rows_per_group * sizeof(float));
     }
+  }
+}
+
+// The same through a tile kernel, kTileGroups groups a call.
+void groups_tiled(const uint8_t* src, int64_t row_bytes, int64_t rows_per_group, int64_t per_call, const TileDotFn fn,
+                  const Acts& acts, int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1, int64_t N, float* ys) {
+  const int64_t span = rows_per_group * kTileGroups;
+  for (int64_t n = n0; n < n1; n += span) {
+    const int64_t count = std::min(span, n1 - n) / rows_per_group;
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += per_call)
+      fn(src + n * row_bytes, rows_per_group * row_bytes, count, acts, m0, std::min(per_call, m_end - m0),
+         ys + m0 * N + n, N);
   }
 }
 
@@ -453,28 +473,36 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   const Acts acts = quantize(x, block, buffers);
   const uint8_t* src = w.data_ptr<uint8_t>();
   float* ys = out.data_ptr<float>();
-  const GroupDotFn tiled = M >= kTileMinRows ? tile_dot(qtype) : nullptr;
-  const GroupDotFn group_fn = tiled != nullptr ? tiled : group_dot(qtype);
-  const bool grouped = group_fn != nullptr, group_first = grouped && M * K <= kGroupFirstBytes;
+  const TileDotFn tiled = M >= kTileMinRows && acts.steps != nullptr ? tile_dot(qtype) : nullptr;
+  const GroupDotFn group_fn = tiled != nullptr ? nullptr : group_dot(qtype);
+  const bool grouped = tiled != nullptr || group_fn != nullptr, group_first = grouped && M * K <= kGroupFirstBytes;
   const DotFn full = grouped ? nullptr : dot_for<kRowGroup>(qtype);
   const DotFn tail[kRowGroup] = {nullptr, grouped ? nullptr : dot_for<1>(qtype), grouped ? nullptr : dot_for<2>(qtype),
                                  grouped ? nullptr : dot_for<3>(qtype)};
-  // One tile per thread at least, so a small matrix still spreads over every core; whole groups.
-  const int64_t threads = at::get_num_threads(), unit = grouped ? group_rows(qtype) : 1;
+  // One tile per thread at least, so a small matrix still spreads over every core; whole groups (for the
+  // tile kernels, whole calls' worth of them).
+  const int64_t threads = at::get_num_threads(), group = grouped ? group_rows(qtype) : 1;
+  const int64_t unit = tiled != nullptr ? group * kTileGroups : group;
   const int64_t per_call = tiled != nullptr ? tile_rows_per_call(K) : (grouped ? rows_per_call(qtype) : kRowGroup);
   const int64_t per_thread = (N / unit + threads - 1) / threads;
   const int64_t tile = unit * std::max<int64_t>(1, std::min(kTileBytes / (row_bytes * unit), per_thread));
+  const auto over_groups = [&](int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1) {
+    if (tiled != nullptr)
+      groups_tiled(src, row_bytes, group, per_call, tiled, acts, m_begin, m_end, n0, n1, N, ys);
+    else
+      groups_tile(src, row_bytes, group, per_call, group_fn, acts, m_begin, m_end, n0, n1, N, ys);
+  };
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
       if (group_first) {
-        groups_tile(src, row_bytes, unit, per_call, group_fn, acts, 0, M, n0, n1, N, ys);
+        over_groups(0, M, n0, n1);
         continue;
       }
       for (int64_t m0 = 0; m0 < M; m0 += per_call) {
         const int64_t rows = std::min(per_call, M - m0);
         if (grouped) {
-          groups_tile(src, row_bytes, unit, per_call, group_fn, acts, m0, m0 + rows, n0, n1, N, ys);
+          over_groups(m0, m0 + rows, n0, n1);
         } else {
           rows_tile(src, row_bytes, rows == kRowGroup ? full : tail[rows], acts, m0, rows, n0, n1, N, ys);
         }
@@ -499,6 +527,7 @@ struct Run {
 // (experts, or a layer's q/k/v parts) at once instead of meeting after each small one.
 void run_tiles(const std::vector<Run>& runs) {
   struct Kernels {
+    TileDotFn tiled;
     GroupDotFn group;
     DotFn tail[kRowGroup + 1] = {};
     int64_t unit, per_call, tile, first_tile;
@@ -507,9 +536,10 @@ void run_tiles(const std::vector<Run>& runs) {
   int64_t tiles = 0;
   for (size_t r = 0; r < runs.size(); ++r) {
     Kernels& k = kernels[r];
-    const GroupDotFn tiled = runs[r].m_end - runs[r].m_begin >= kTileMinRows ? tile_dot(runs[r].qtype) : nullptr;
-    k.group = tiled != nullptr ? tiled : group_dot(runs[r].qtype);
-    const bool grouped = k.group != nullptr;
+    const bool tile_rows = runs[r].m_end - runs[r].m_begin >= kTileMinRows && runs[r].acts->steps != nullptr;
+    k.tiled = tile_rows ? tile_dot(runs[r].qtype) : nullptr;
+    k.group = k.tiled != nullptr ? nullptr : group_dot(runs[r].qtype);
+    const bool grouped = k.tiled != nullptr || k.group != nullptr;
     if (!grouped) {
       k.tail[1] = dot_for<1>(runs[r].qtype);
       k.tail[2] = dot_for<2>(runs[r].qtype);
@@ -517,9 +547,10 @@ void run_tiles(const std::vector<Run>& runs) {
       k.tail[kRowGroup] = dot_for<kRowGroup>(runs[r].qtype);
     }
     k.unit = grouped ? group_rows(runs[r].qtype) : 1;
-    k.per_call = tiled != nullptr ? tile_rows_per_call(runs[r].acts->K)
-                                 : (grouped ? rows_per_call(runs[r].qtype) : kRowGroup);
-    k.tile = k.unit * std::max<int64_t>(1, kTileBytes / (runs[r].row_bytes * k.unit));
+    k.per_call = k.tiled != nullptr ? tile_rows_per_call(runs[r].acts->K)
+                                   : (grouped ? rows_per_call(runs[r].qtype) : kRowGroup);
+    const int64_t span = k.tiled != nullptr ? k.unit * kTileGroups : k.unit;
+    k.tile = span * std::max<int64_t>(1, kTileBytes / (runs[r].row_bytes * span));
     k.first_tile = tiles;
     tiles += (runs[r].rows + k.tile - 1) / k.tile;
   }
@@ -533,7 +564,10 @@ void run_tiles(const std::vector<Run>& runs) {
       float* out = run.out - run.m_begin * run.ld;  // the tile functions write row m at m * ld
       for (int64_t m0 = run.m_begin; m0 < run.m_end; m0 += k.per_call) {
         const int64_t count = std::min(k.per_call, run.m_end - m0);
-        if (k.group != nullptr) {
+        if (k.tiled != nullptr) {
+          groups_tiled(run.src, run.row_bytes, k.unit, k.per_call, k.tiled, *run.acts, m0, m0 + count, n0, n1, run.ld,
+                       out);
+        } else if (k.group != nullptr) {
           groups_tile(run.src, run.row_bytes, k.unit, k.per_call, k.group, *run.acts, m0, m0 + count, n0, n1, run.ld,
                       out);
         } else {

@@ -16,7 +16,18 @@ struct Acts {
   const int16_t* sums32;  // [M, K / 32]
   int64_t K;
   int64_t nb;  // blocks per row
+  // The same values in the tile kernels' order (gguf_tiles.cpp), where those run: each 64 elements of
+  // every row, row after row, before the next 64 ([K / 64, stride, 64]), so that 16 rows from any row
+  // are one contiguous kilobyte (rows K bytes apart fall in one L1 set and one page each when K is a
+  // multiple of 4,096). Rows past the last (16 at least) are there, their values of no account.
+  const int8_t* steps = nullptr;
+  int64_t stride = 0;
 };
+
+// Row m's elements k .. k + 63 (k a multiple of 32) in the tile order, the next rows 64 bytes apart.
+inline const int8_t* step_rows(const Acts& a, int64_t m, int64_t k) {
+  return a.steps + ((k / 64) * a.stride + m) * 64 + k % 64;
+}
 
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -127,11 +138,22 @@ inline int64_t tile_rows_per_call(int64_t K) {
   return rows < 64 ? 64 : (rows > kTileRowsPerCall ? kTileRowsPerCall : rows);
 }
 
-// The tile kernel (gguf_tiles.cpp) of a repacked group type (Q4_K and Q6_K x16, Q8_0 x8) where tiles
-// are on; nullptr otherwise.
-// Tiles read 16 activation rows from any row they start at: the activation buffer must hold 16 rows
-// past the last.
-GroupDotFn tile_dot(int64_t qtype);
+// Weight groups a tile kernel call takes side by side: each activation tile, read from L2 once, is
+// multiplied by every one of them while it is in L1.
+constexpr int64_t kTileGroups = 4;
+
+// `count` (1 .. kTileGroups) consecutive repacked groups (group_bytes apart, `unit` rows each) against
+// activation rows m0 .. m0 + rows - 1: row m0 + i's dot with group g's row r at out[i * ldo + unit * g + r].
+using TileDotFn = void (*)(const uint8_t* groups, int64_t group_bytes, int64_t count, const Acts& a, int64_t m0,
+                           int64_t rows, float* out, int64_t ldo);
+
+// The tile kernel (gguf_tiles.cpp) of a repacked group type (Q4_K, Q6_K and Q4_0 x16, Q8_0 x8) where
+// tiles are on; nullptr otherwise.
+// They read activations in the tile order (Acts::steps), 16 rows from any row they start at.
+TileDotFn tile_dot(int64_t qtype);
+
+// Some tile kernels are on (gguf_tile_kernels): activations then come in their order too (Acts::steps).
+bool tile_kernels_on();
 
 // Eight repacked rows (one group) against activation rows m0 .. m0 + rows - 1 (rows <= 4):
 // out[m * 8 + r] = row r . x[m0 + m].

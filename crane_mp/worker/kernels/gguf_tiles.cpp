@@ -147,11 +147,11 @@ struct EmulatedTiles {
   }
 };
 
-// c (16 rows, ldc bytes apart) = a (16 rows, lda apart) . b (ldb apart), in shapes(depth, columns).
+// c (16 rows, ldc bytes apart) = a (16 rows of the tile order) . b (ldb apart), in shapes(depth, columns).
 template <class Tiles, bool kSignedB>
-void product(const int8_t* a, int64_t lda, const void* b, int64_t ldb, int32_t* c, int64_t ldc) {
+void product(const int8_t* a, const void* b, int64_t ldb, int32_t* c, int64_t ldc) {
   Tiles::template zero<0>();
-  Tiles::template load<1>(a, lda);
+  Tiles::template load<1>(a, 64);
   Tiles::template load<2>(b, ldb);
   Tiles::template dot<0, 1, 2, kSignedB>();
   Tiles::template store<0>(c, ldc);
@@ -183,14 +183,15 @@ inline void split_products(__m512i e, __m512i o, __m512i scale, uint8_t* low, ui
   _mm512_store_si512(high, _mm512_mask_blend_epi8(kEven, po, _mm512_srli_epi16(pe, 8)));
 }
 
-// Sums are the products of rows first .. first + 15 (kPair: + 31) of activations `a` (lda bytes apart,
-// at a super-block's first element) and `w`: tiles 0 and 1 the low and high sums of the first 16 rows,
-// 2 and 3 the next 16's. between(s) runs after K step s's products are issued.
+// Sums are the products of activation rows m .. m + 15 (kPair: + 31) over super-block b and `w`: tiles 0
+// and 1 the low and high sums of the first 16 rows, 2 and 3 the next 16's. between(s) runs after K step
+// s's products are issued.
 template <class Tiles, bool kSignedHigh, bool kPair, class Between>
-void take_sums(const int8_t* a, int64_t lda, const ScaledWeights& w, Between between) {
+void take_sums(const Acts& a, int64_t m, int64_t b, const ScaledWeights& w, Between between) {
   for (int s = 0; s < 4; ++s) {
-    Tiles::template load<4>(a + 64 * s, lda);
-    if constexpr (kPair) Tiles::template load<5>(a + 16 * lda + 64 * s, lda);
+    const int8_t* x = step_rows(a, m, 256 * b + 64 * s);
+    Tiles::template load<4>(x, 64);
+    if constexpr (kPair) Tiles::template load<5>(x + 16 * 64, 64);
     Tiles::template load<6>(w.low[s][0], 64);
     Tiles::template load<7>(w.high[s][0], 64);
     Tiles::template dot<0, 4, 6, false>();
@@ -225,19 +226,23 @@ inline __m512i scaled_sum(const int32_t (&c)[4][16][16], int64_t r) {
   return _mm512_add_epi32(_mm512_load_si512(c[t][r % 16]), _mm512_slli_epi32(_mm512_load_si512(c[t + 1][r % 16]), 8));
 }
 
-// The super-block kernels' walk over a group's blocks (kBlockBytes each) and activation rows m0 .. m0 +
-// rows - 1, 32 rows at a time: scale(block, w) turns a block's weights into tile operands once, and
-// add(block, b, c, first, r0, r1) adds the scaled sums c of rows first + r0 .. first + r1 - 1 (counted from
-// m0) of block b into the call's accumulators. A pair's sums are added a quarter after each K step of the
-// next pair's products, so that the tile unit works while the vector units do (Q4_K 1.26-1.39x the VNNI
-// kernel at 1,024 rows, against 1.18-1.25x with a pair's additions all after the next pair's products).
+// The super-block kernels' walk over `count` groups' blocks (kBlockBytes each, the groups group_bytes
+// apart) and activation rows m0 .. m0 + rows - 1, 32 rows at a time: scale(block, w) turns a block's
+// weights into tile operands once, and add(g, block, b, c, first, r0, r1) adds the scaled sums c of rows
+// first + r0 .. first + r1 - 1 (counted from m0) of group g's block b into the call's accumulators. Each
+// 32 rows' activation tiles go through every group's block while they are in L1 (read from L2 once for
+// all of them: with one group a call, waiting on those reads took over half the kernel's time). A
+// product's sums are added a quarter after each K step of the next product, so that the tile unit works
+// while the vector units do (Q4_K 1.26-1.39x the VNNI kernel at 1,024 rows, against 1.18-1.25x with the
+// additions all after the next products).
 template <class Tiles, bool kSignedHigh, int64_t kBlockBytes, class Scale, class Add>
-void super_blocks(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, Scale scale, Add add) {
-  alignas(64) ScaledWeights w;
+void super_blocks(const uint8_t* groups, int64_t group_bytes, int64_t count, const Acts& a, int64_t m0, int64_t rows,
+                  Scale scale, Add add) {
+  alignas(64) ScaledWeights w[kTileGroups];
   alignas(64) int32_t c[2][4][16][16];
   struct Pending {
     const uint8_t* block = nullptr;
-    int64_t b = 0, first = 0, count = 0;
+    int64_t g = 0, b = 0, first = 0, count = 0;
   } pending;
   int slot = 0;
   Tiles::configure(square_tiles());
@@ -246,30 +251,42 @@ void super_blocks(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows,
   Tiles::template zero<2>();
   Tiles::template zero<3>();
   for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* block = group + b * kBlockBytes;
-    prefetch_next<kBlockBytes>(block);
-    scale(block, w);
+    for (int64_t g = 0; g < count; ++g) {
+      const uint8_t* block = groups + g * group_bytes + b * kBlockBytes;
+      prefetch_next<kBlockBytes>(block);
+      scale(block, w[g]);
+    }
     for (int64_t first = 0; first < rows; first += 32) {
-      const int8_t* x = a.q + (m0 + first) * a.K + 256 * b;
       const bool pair = first + 16 < rows;
-      const auto between = [&](int s) {
-        const int64_t r0 = 8 * s, r1 = std::min<int64_t>(r0 + 8, pending.count);
-        if (pending.block != nullptr && r0 < r1) add(pending.block, pending.b, c[slot ^ 1], pending.first, r0, r1);
-      };
-      if (pair)
-        take_sums<Tiles, kSignedHigh, true>(x, a.K, w, between);
-      else
-        take_sums<Tiles, kSignedHigh, false>(x, a.K, w, between);
-      if (pair)
-        store_sums<Tiles, true>(c[slot]);
-      else
-        store_sums<Tiles, false>(c[slot]);
-      pending = {block, b, first, std::min<int64_t>(32, rows - first)};
-      slot ^= 1;
+      for (int64_t g = 0; g < count; ++g) {
+        const auto between = [&](int s) {
+          const int64_t r0 = 8 * s, r1 = std::min<int64_t>(r0 + 8, pending.count);
+          if (pending.block != nullptr && r0 < r1)
+            add(pending.g, pending.block, pending.b, c[slot ^ 1], pending.first, r0, r1);
+        };
+        if (pair)
+          take_sums<Tiles, kSignedHigh, true>(a, m0 + first, b, w[g], between);
+        else
+          take_sums<Tiles, kSignedHigh, false>(a, m0 + first, b, w[g], between);
+        if (pair)
+          store_sums<Tiles, true>(c[slot]);
+        else
+          store_sums<Tiles, false>(c[slot]);
+        pending = {groups + g * group_bytes + b * kBlockBytes, g, b, first, std::min<int64_t>(32, rows - first)};
+        slot ^= 1;
+      }
     }
   }
-  if (pending.block != nullptr) add(pending.block, pending.b, c[slot ^ 1], pending.first, 0, pending.count);
+  if (pending.block != nullptr) add(pending.g, pending.block, pending.b, c[slot ^ 1], pending.first, 0, pending.count);
   Tiles::release();
+}
+
+// The accumulators of `count` groups of kUnit columns for `rows` rows into out (rows ldo floats apart).
+template <int64_t kUnit>
+void store_rows(const float (&acc)[kTileGroups][kTileRowsPerCall][kUnit], int64_t count, int64_t rows, float* out,
+                int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < count; ++g) std::memcpy(out + r * ldo + kUnit * g, acc[g][r], sizeof(acc[g][r]));
 }
 
 // A Q4_K x16 super-block's weights, each times its sub-block's scale (0-945: high bytes unsigned too).
@@ -291,13 +308,15 @@ inline void q4_k_scaled(const uint8_t* group, ScaledWeights& w) {
   }
 }
 
-// Q4_K x16 rows against activation rows m0 .. m0 + rows - 1 (rows <= kTileRowsPerCall): out[m * 16 + r],
-// as q4_k_x16_rows computes it (the same integer sums, the same float steps).
+// Q4_K x16 groups against activation rows m0 .. m0 + rows - 1 (rows <= kTileRowsPerCall), a TileDotFn,
+// as q4_k_x16_rows computes them (the same integer sums, the same float steps).
 template <class Tiles>
-void q4_k_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
-  alignas(64) float acc[kTileRowsPerCall][16] = {};
-  const auto add = [&](const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first, int64_t r0,
-                       int64_t r1) {
+void q4_k_x16_tiles(const uint8_t* groups, int64_t group_bytes, int64_t count, const Acts& a, int64_t m0,
+                    int64_t rows, float* out, int64_t ldo) {
+  alignas(64) float acc[kTileGroups][kTileRowsPerCall][16];
+  for (int64_t g = 0; g < count; ++g) std::memset(acc[g], 0, rows * sizeof(acc[g][0]));
+  const auto add = [&](int64_t g, const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first,
+                       int64_t r0, int64_t r1) {
     const __m512 d = _mm512_cvtph_ps(load(block)), dmin = _mm512_cvtph_ps(load(block + 32));
     __m512i mins[4];  // sub-blocks 2p (low 16 bits) and 2p + 1 (high) of each row's lane
     for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(load(block + 192 + 32 * p));
@@ -306,14 +325,14 @@ void q4_k_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t row
       __m512i msum = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) dpwssd_broadcast(msum, mins[p], a.sums32 + m * (a.K / 32) + 8 * b + 2 * p);
       const __m512 da = _mm512_set1_ps(a.d[m * a.nb + b]);
-      float* row = acc[first + r];
+      float* row = acc[g][first + r];
       const __m512 sum =
           _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled_sum(c, r)), _mm512_mul_ps(d, da), _mm512_load_ps(row));
       _mm512_store_ps(row, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, da), sum));
     }
   };
-  super_blocks<Tiles, false, kQ4KX16Bytes>(group, a, m0, rows, q4_k_scaled, add);
-  std::memcpy(out, acc, rows * sizeof(acc[0]));
+  super_blocks<Tiles, false, kQ4KX16Bytes>(groups, group_bytes, count, a, m0, rows, q4_k_scaled, add);
+  store_rows(acc, count, rows, out, ldo);
 }
 
 // The 4 rows of 64 bytes of packed nibbles at `p` as a B tile of 8 rows: the low nibbles (rows 0-3),
@@ -327,21 +346,18 @@ inline void split_nibbles(const uint8_t* p, uint8_t (&tile)[8][64]) {
   }
 }
 
-// Q4_0 x16 rows likewise, as q4_0_x16_rows computes them: a block's quants are a B tile of 8 rows once
-// split, the -8 of every value goes through the activations' 32-sums.
+// One Q4_0 x16 group's products into acc (rows of 16 floats), in shapes(32, 16).
 template <class Tiles>
-void q4_0_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
-  alignas(64) float acc[kTileRowsPerCall][16] = {};
-  alignas(64) uint8_t b_tile[8][64];  // rows 0-3 the block's elements 0-15 (low nibbles), 4-7 16-31
-  alignas(64) int32_t c[16][16];
-  Tiles::configure(shapes(32, 16));
+void q4_0_x16_group(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float (&acc)[kTileRowsPerCall][16],
+                    uint8_t (&b_tile)[8][64], int32_t (&c)[16][16]) {
+  std::memset(acc, 0, rows * sizeof(acc[0]));
   for (int64_t b = 0; b < a.nb; ++b, group += kQ4_0X16Bytes) {
     prefetch_next<kQ4_0X16Bytes>(group);
     split_nibbles(group + 32, b_tile);
     const __m512 d = _mm512_cvtph_ps(load(group));
     for (int64_t t = 0; 16 * t < rows; ++t) {
       const int64_t first = m0 + 16 * t;
-      product<Tiles, false>(a.q + first * a.K + 32 * b, a.K, b_tile[0], 64, c[0], 64);
+      product<Tiles, false>(step_rows(a, first, 32 * b), b_tile[0], 64, c[0], 64);
       for (int64_t r = 0; r < std::min<int64_t>(16, rows - 16 * t); ++r) {
         const int64_t m = first + r;
         const __m512i offset = _mm512_set1_epi32(8 * int32_t{a.sums32[m * (a.K / 32) + b]});
@@ -352,23 +368,34 @@ void q4_0_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t row
       }
     }
   }
-  Tiles::release();
-  std::memcpy(out, acc, rows * sizeof(acc[0]));
 }
 
-// Q8_0 x8 rows (eight a group: tiles of 8 columns) likewise, as q8_0_x8_rows computes them: a block's
-// 32 signed values of the eight rows are already a B tile (8 rows of 8 columns x 4 bytes), read in place.
+// Q4_0 x16 groups likewise, as q4_0_x16_rows computes them, a group at a time: a block's quants are a B
+// tile of 8 rows once split, the -8 of every value goes through the activations' 32-sums.
 template <class Tiles>
-void q8_0_x8_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out) {
-  alignas(32) float acc[kTileRowsPerCall][8] = {};
-  alignas(64) int32_t c[16][8];
+void q4_0_x16_tiles(const uint8_t* groups, int64_t group_bytes, int64_t count, const Acts& a, int64_t m0,
+                    int64_t rows, float* out, int64_t ldo) {
+  alignas(64) float acc[kTileGroups][kTileRowsPerCall][16];
+  alignas(64) uint8_t b_tile[8][64];  // rows 0-3 the block's elements 0-15 (low nibbles), 4-7 16-31
+  alignas(64) int32_t c[16][16];
+  Tiles::configure(shapes(32, 16));
+  for (int64_t g = 0; g < count; ++g) q4_0_x16_group<Tiles>(groups + g * group_bytes, a, m0, rows, acc[g], b_tile, c);
+  Tiles::release();
+  store_rows(acc, count, rows, out, ldo);
+}
+
+// One Q8_0 x8 group's products into acc (rows of 8 floats), in shapes(32, 8): a block's 32 signed values
+// of the eight rows are already a B tile (8 rows of 8 columns x 4 bytes), read in place.
+template <class Tiles>
+void q8_0_x8_group(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float (&acc)[kTileRowsPerCall][8],
+                   int32_t (&c)[16][8]) {
+  std::memset(acc, 0, rows * sizeof(acc[0]));
   const uint8_t* scales = group + a.nb * 256;
-  Tiles::configure(shapes(32, 8));
   for (int64_t b = 0; b < a.nb; ++b) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * b)));
     for (int64_t t = 0; 16 * t < rows; ++t) {
       const int64_t first = m0 + 16 * t;
-      product<Tiles, true>(a.q + first * a.K + 32 * b, a.K, group + 256 * b, 32, c[0], 32);
+      product<Tiles, true>(step_rows(a, first, 32 * b), group + 256 * b, 32, c[0], 32);
       for (int64_t r = 0; r < std::min<int64_t>(16, rows - 16 * t); ++r) {
         const __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(a.d[(first + r) * a.nb + b]));
         float* row = acc[16 * t + r];
@@ -376,8 +403,19 @@ void q8_0_x8_tiles(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows
       }
     }
   }
+}
+
+// Q8_0 x8 groups (eight rows a group: tiles of 8 columns) likewise, as q8_0_x8_rows computes them, a
+// group at a time.
+template <class Tiles>
+void q8_0_x8_tiles(const uint8_t* groups, int64_t group_bytes, int64_t count, const Acts& a, int64_t m0,
+                   int64_t rows, float* out, int64_t ldo) {
+  alignas(32) float acc[kTileGroups][kTileRowsPerCall][8];
+  alignas(64) int32_t c[16][8];
+  Tiles::configure(shapes(32, 8));
+  for (int64_t g = 0; g < count; ++g) q8_0_x8_group<Tiles>(groups + g * group_bytes, a, m0, rows, acc[g], c);
   Tiles::release();
-  std::memcpy(out, acc, rows * sizeof(acc[0]));
+  store_rows(acc, count, rows, out, ldo);
 }
 
 // A Q6_K x16 super-block's weights less 32 (the -32 of every value in the weights, not the activations'
@@ -409,23 +447,25 @@ __attribute__((target("avx512vbmi"))) inline void q6_k_scaled(const uint8_t* gro
   }
 }
 
-// Q6_K x16 rows likewise, as q6_k_x16_rows computes them.
+// Q6_K x16 groups likewise, as q6_k_x16_rows computes them.
 template <class Tiles>
-__attribute__((target("avx512vbmi"))) void q6_k_x16_tiles(const uint8_t* group, const Acts& a, int64_t m0,
-                                                          int64_t rows, float* out) {
-  alignas(64) float acc[kTileRowsPerCall][16] = {};
-  const auto add = [&](const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first, int64_t r0,
-                       int64_t r1) {
+__attribute__((target("avx512vbmi"))) void q6_k_x16_tiles(const uint8_t* groups, int64_t group_bytes, int64_t count,
+                                                          const Acts& a, int64_t m0, int64_t rows, float* out,
+                                                          int64_t ldo) {
+  alignas(64) float acc[kTileGroups][kTileRowsPerCall][16];
+  for (int64_t g = 0; g < count; ++g) std::memset(acc[g], 0, rows * sizeof(acc[g][0]));
+  const auto add = [&](int64_t g, const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first,
+                       int64_t r0, int64_t r1) {
     const __m512 d = _mm512_cvtph_ps(load(block));
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t m = m0 + first + r;
       const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(a.d[m * a.nb + b]));
-      float* row = acc[first + r];
+      float* row = acc[g][first + r];
       _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled_sum(c, r)), scaled, _mm512_load_ps(row)));
     }
   };
-  super_blocks<Tiles, true, kQ6KX16Bytes>(group, a, m0, rows, q6_k_scaled, add);
-  std::memcpy(out, acc, rows * sizeof(acc[0]));
+  super_blocks<Tiles, true, kQ6KX16Bytes>(groups, group_bytes, count, a, m0, rows, q6_k_scaled, add);
+  store_rows(acc, count, rows, out, ldo);
 }
 #endif
 
@@ -444,7 +484,9 @@ int64_t gguf_tile_kernels(int64_t mode) {
 
 }  // namespace
 
-GroupDotFn tile_dot(int64_t qtype) {
+bool tile_kernels_on() { return tile_mode.load(std::memory_order_relaxed) != kNoTiles; }
+
+TileDotFn tile_dot(int64_t qtype) {
   const int64_t mode = tile_mode.load(std::memory_order_relaxed);
   if (mode == kNoTiles) return nullptr;
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
