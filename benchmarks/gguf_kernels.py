@@ -6,8 +6,9 @@ For each Qwen3-8B projection shape and type: milliseconds per call, weight GB/s 
 and GFLOP/s (what bounds batched steps and prompts) of the float-activation kernel (gguf_matmul.cpp),
 the 8-bit one on GGUF's rows (gguf_int8.cpp) and, for Q4_K, Q6_K and Q8_0, on rows repacked
 (gguf_repack.cpp) as the server loads them (`int8_x8`: eight rows at a time, sixteen for Q6_K on CPUs
-with VBMI). Calls rotate over three copies of each matrix (more than any L3), and the DRAM read
-bandwidth (2 GiB torch.sum) is measured first. Prints one JSON line per row count.
+with VBMI; on AMX hosts, prompts of 16 rows or more through the tiles, and `tiles_vs_vnni` their time
+over the VNNI kernels', alternating). Calls rotate over three copies of each matrix (more than any L3),
+and the DRAM read bandwidth (2 GiB torch.sum) is measured first. Prints one JSON line per row count.
 """
 
 from __future__ import annotations
@@ -43,6 +44,27 @@ def per_call(fn, weights: list[torch.Tensor], min_time: float = 0.3) -> float:
     return statistics.median(runs)
 
 
+def tiles_vs_vnni(fn, weights: list[torch.Tensor], rounds: int = 5) -> float:
+    """Median over `rounds` of a call's time on the AMX-INT8 tiles over its time on the VNNI kernels, the
+    two alternating (this host's speed drifts within minutes)."""
+    ops = torch.ops.crane_mp
+
+    def timed_call(mode: int, w: torch.Tensor) -> float:
+        previous = ops.gguf_tile_kernels(mode)
+        try:
+            fn(w)
+            return _timed(lambda: fn(w))
+        finally:
+            ops.gguf_tile_kernels(previous)
+
+    ratios = []
+    for i in range(rounds):
+        w = weights[i % len(weights)]
+        vnni = timed_call(0, w)
+        ratios.append(timed_call(1, w) / vnni)
+    return statistics.median(ratios)
+
+
 def dram_gbs() -> float:
     x = torch.ones(1 << 29)
     x.sum()
@@ -70,6 +92,10 @@ def main() -> None:
     print(json.dumps({"bench": "dram", "read_gbs": dram_gbs(), "isa": f"{isa}/{kernels}"}), flush=True)
     rng = np.random.default_rng(0)
     ops = torch.ops.crane_mp
+    # On, where the platform turned GGUF prompts onto the AMX-INT8 tiles (their start-up check passed).
+    tiles = ops.gguf_tile_kernels(0) == 1
+    if tiles:
+        ops.gguf_tile_kernels(1)
     for qname in args.types:
         qtype = T[qname]
         for shape in args.shapes:
@@ -86,12 +112,16 @@ def main() -> None:
                 }
                 if repacked is not None:
                     times["int8_x8"] = per_call(lambda w: ops.gguf_linear_int8(x, w, packed_type, k), repacked)
+                    if tiles:
+                        ratio = tiles_vs_vnni(lambda w: ops.gguf_linear_int8(x, w, packed_type, k), repacked)
                 row = {"bench": "gguf_kernels", "isa": f"{isa}/{kernels}", "type": qname, "shape": shape, "N": n,
                        "K": k, "M": m}
                 for name, seconds in times.items():
                     row[f"{name}_ms"] = round(seconds * 1e3, 3)
                     row[f"{name}_weight_gbs"] = round(weights[0].numel() / seconds / 1e9, 1)
                     row[f"{name}_gflops"] = round(2 * m * n * k / seconds / 1e9, 1)
+                if repacked is not None and tiles:
+                    row["tiles_vs_vnni"] = round(ratio, 3)
                 print(json.dumps(row), flush=True)
 
 
