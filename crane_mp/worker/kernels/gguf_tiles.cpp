@@ -1,6 +1,7 @@
 // Prompts through GGUF weights on the AMX-INT8 tiles (CPU): the sixteen-row Q4_K, Q6_K and Q4_0 groups and
-// the eight-row Q8_0 groups of gguf_repack.cpp, as they are (no second copy of the weights), against up to
-// kTileRowsPerCall activation rows a call.
+// the eight-row Q8_0 groups of gguf_repack.cpp, as they are (no second copy of the weights), up to
+// kTileGroups of them against up to kTileRowsPerCall activation rows a call (the activations in the
+// tiles' order: Acts::steps).
 //
 //   gguf_tiles_available() -> bool      built with AMX-INT8 and the OS granted the tile state
 //   gguf_tile_kernels(mode) -> int      which tile kernels gguf_int8.cpp's prompts take: 0 none (the
@@ -254,8 +255,8 @@ void super_blocks(const uint8_t* groups, int64_t group_bytes, int64_t count, con
     for (int64_t first = 0; first < rows; first += 32) {
       const bool pair = first + 16 < rows;
       for (int64_t g = 0; g < count; ++g) {
-        // Each group's block turned into operands just before its first products, while the previous
-        // group's run (at 16 rows a call, all four first kept the tile unit waiting: 1.2x the time).
+        // Each group's block becomes operands just before its first products, while the previous group's
+        // products run (all four first, at 16 rows a call, kept the tile unit waiting: 1.2x the time).
         const uint8_t* block = groups + g * group_bytes + b * kBlockBytes;
         if (first == 0) {
           prefetch_next<kBlockBytes>(block);
