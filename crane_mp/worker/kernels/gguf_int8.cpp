@@ -482,9 +482,9 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   const DotFn tail[kRowGroup] = {nullptr, grouped ? nullptr : dot_for<1>(qtype), grouped ? nullptr : dot_for<2>(qtype),
                                  grouped ? nullptr : dot_for<3>(qtype)};
   // One tile per thread at least, so a small matrix still spreads over every core; whole groups (for the
-  // tile kernels, whole calls' worth of them).
+  // tile kernels, a call's worth of them where the matrix has enough for every thread).
   const int64_t threads = at::get_num_threads(), group = grouped ? group_rows(qtype) : 1;
-  const int64_t unit = tiled != nullptr ? group * kTileGroups : group;
+  const int64_t unit = tiled != nullptr ? group * std::clamp<int64_t>(N / (group * threads), 1, kTileGroups) : group;
   const int64_t per_call = tiled != nullptr ? tile_rows_per_call(K) : (grouped ? rows_per_call(qtype) : kRowGroup);
   const int64_t per_thread = (N / unit + threads - 1) / threads;
   const int64_t tile = unit * std::max<int64_t>(1, std::min(kTileBytes / (row_bytes * unit), per_thread));
