@@ -314,3 +314,69 @@ def test_a_layer_s_parts_of_several_types_in_one_call_equal_each_part_s_matmul(r
     one_call = torch.ops.crane_mp.gguf_linear_parts_int8(x, [w for _, w in parts], [t for t, _ in parts], cols)
     torch.testing.assert_close(one_call, want, rtol=0, atol=0)
     assert kernels.matmul_parts(x.bfloat16(), parts, cols, int8=True).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17, 300])
+def test_gate_and_up_with_silu_in_one_call_equal_the_parts_then_silu_and_mul(rows):
+    """A gated MLP's gate and up in one call (gguf_gate_up_silu_int8: each thread's columns of both, SiLU
+    applied before anything is written out) give bit for bit what the parts' call and silu_and_mul give,
+    each product rounded to bf16 first where x is bf16; for repacked types, mixed ones, and GGUF's own rows
+    with tails of fewer columns than a task takes."""
+    from crane_mp.worker.platforms import platform_for
+
+    kernels = platform_for("cpu").gguf
+    for (gate_type, up_type), (width, cols) in (((T.Q4_K, T.Q4_K), (208, 512)), ((T.Q4_K, T.Q6_K), (48, 256)),
+                                                ((T.Q8_0, T.Q5_0), (40, 96))):
+        gate, up = (kernels.layout(qtype, torch.from_numpy(quantized(qtype, width, cols, seed=seed).copy()), cols, True)
+                    for seed, qtype in enumerate((gate_type, up_type)))
+        x = torch.from_numpy(activations(rows, cols, seed=rows))
+        for dtype in (torch.float32, torch.bfloat16):
+            want = torch.ops.crane_mp.silu_and_mul(kernels.matmul_parts(x.to(dtype), [gate, up], cols, int8=True))
+            got = kernels.gate_up_silu(x.to(dtype), gate, up, cols, int8=True)
+            assert got.dtype == dtype and got.shape == (rows, width)
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert kernels.gate_up_silu(x, gate, up, cols, int8=False) is None  # float activations: no such call
+    assert kernels.gate_up_silu(x, gate, (up[0], up[1][:8]), cols, int8=True) is None
+    with pytest.raises(RuntimeError, match="gate has 40 rows, up 8"):
+        torch.ops.crane_mp.gguf_gate_up_silu_int8(x, gate[1], up[1][:8], gate[0], up[0], cols)
+
+
+def test_a_gated_mlp_over_gguf_parts_takes_silu_in_the_kernel_call_unless_an_adapter_adapts_gate_up(monkeypatch):
+    """GatedMLP over a GGUF gate/up projection asks the kernels for the fused call (same bits as before);
+    a LoRA adapter on gate_up adds to its output before SiLU, so then the parts' output is computed."""
+    from types import SimpleNamespace
+
+    from crane_mp.worker.models.layers import GatedMLP
+    from crane_mp.worker.platforms import platform_for
+    from crane_mp.worker.quantized.layers import GGUFLinear
+    from crane_mp.worker.step.forward_context import forward_context
+
+    kernels = platform_for("cpu").gguf
+    hidden, width = 256, 64
+
+    def part(qtype: int, rows: int, cols: int, seed: int) -> tuple[int, torch.Tensor]:
+        return kernels.layout(qtype, torch.from_numpy(quantized(qtype, rows, cols, seed=seed).copy()), cols, True)
+
+    config = SimpleNamespace(shard=None, hidden_size=hidden, intermediate_size=width, mlp_bias=False,
+                             hidden_act="silu")
+    mlp = GatedMLP(config, torch.ops.crane_mp)
+    mlp.gate_up_proj = GGUFLinear(hidden, [part(T.Q4_K, width, hidden, 1), part(T.Q6_K, width, hidden, 2)], None,
+                                  kernels, int8=True)
+    mlp.down_proj = GGUFLinear(width, [part(T.Q8_0, hidden, width, 3)], None, kernels, int8=True)
+    fused_calls = []
+    fused = kernels.gate_up_silu
+    monkeypatch.setattr(kernels, "gate_up_silu", lambda *args, **kw: fused_calls.append(1) or fused(*args, **kw))
+    x = torch.from_numpy(activations(20, hidden, seed=5)).bfloat16()
+    gate_up = mlp.gate_up_proj(x)
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> None:  # random weights' extreme rows overflow to NaN
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+    with forward_context(SimpleNamespace(lora=None)):
+        same(mlp(x), mlp.down_proj(torch.ops.crane_mp.silu_and_mul(gate_up)))
+    assert len(fused_calls) == 1
+    mlp.lora_gate_up_proj = {7: "adapter"}
+    adapted = SimpleNamespace(apply=lambda inputs, outputs, adapters: outputs + 1)
+    with forward_context(SimpleNamespace(lora=adapted)):
+        same(mlp(x), mlp.down_proj(torch.ops.crane_mp.silu_and_mul(gate_up + 1)))
+    assert len(fused_calls) == 1

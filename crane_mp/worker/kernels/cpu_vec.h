@@ -1,6 +1,6 @@
 // Helpers shared by the CPU kernels: widening and narrowing between a tensor's storage type and
 // float (vectorised for bfloat16 and float16), the KV cache's dtypes, RMS-normalising a float row,
-// and parallel grain sizes.
+// SiLU times up, and parallel grain sizes.
 //
 // Every kernel is compiled once per instruction-set tier with explicit flags (loader.py): the
 // __AVX512F__ / __AVX512BF16__ / __AVX2__ branches below are chosen at compile time, never by
@@ -148,6 +148,13 @@ inline void rms_norm_row(float* x, const float* weight, int64_t dim, float eps) 
   const float scale = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
 #pragma omp simd
   for (int64_t d = 0; d < dim; ++d) x[d] = x[d] * scale * weight[d];
+}
+
+// gate = silu(gate) * up, in place, all float: one loop (its exp libmvec's vector one) for every kernel
+// that applies it, so that they agree bit for bit.
+inline void silu_mul(float* gate, const float* up, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
 }  // namespace crane_mp

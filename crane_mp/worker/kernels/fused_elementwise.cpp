@@ -77,9 +77,7 @@ void silu_rows(const scalar_t* in, scalar_t* out, int64_t rows, int64_t inter) {
       const int64_t n = std::min(kChunk, inter - lo);
       widen(in + r * 2 * inter + lo, g, n);
       widen(in + r * 2 * inter + inter + lo, u, n);
-      // Plain float arrays, so the exp vectorises (libmvec).
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      crane_mp::silu_mul(g, u, n);
       narrow(g, out + r * inter + lo, n);
     }
   });

@@ -5,6 +5,8 @@
 //                            rows[i] rows of x times ws[i] (a mixture's experts)
 //   gguf_linear_parts_int8(x [M, K], ws [N_i, row_bytes_i] uint8, qtypes, K) -> [M, sum N_i]: one
 //                          layer's parts of different types side by side (q/k/v), in one pass
+//   gguf_gate_up_silu_int8(x [M, K], gate [N, .], up [N, .], gate_type, up_type, K) -> [M, N]:
+//                          silu(x . gate) * (x . up), the products never written out
 //   gguf_moe_token_int8(x [1, H], ids [k], gates [k], gate_up [E, 2I, .], gate_up_type, down [E, H, .],
 //                       down_type) -> [1, H]: one token through its k SiLU-gated experts, gates applied
 //   gguf_quantize_activations(x [M, K] float32, qtype) -> (q int8 [M, K], d float32 [M, K / B],
@@ -36,6 +38,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -46,6 +49,7 @@
 #endif
 #include <immintrin.h>
 
+#include "cpu_vec.h"
 #include "gguf_blocks.h"
 #include "gguf_int8.h"
 
@@ -363,6 +367,9 @@ constexpr int64_t kTileBytes = 128 * 1024;
 // row passes over one weight group before the next: the activations stay in L2, and each weight
 // block is read from memory into L1 once, with the next ones prefetched while it is used.
 constexpr int64_t kGroupFirstBytes = 256 * 1024;
+// Weight rows of each of gate and up a task of gguf_gate_up_silu_int8 takes at least: with a call's
+// rows, a few hundred KB of weights and outputs that stay in L2.
+constexpr int64_t kFusedColumns = 64;
 
 struct QuantizedActs {
   std::vector<int8_t> q;
@@ -372,10 +379,10 @@ struct QuantizedActs {
   std::vector<int16_t> sums32;
 };
 
-Acts quantize(const at::Tensor& x, int64_t block, QuantizedActs& buffers) {
+// `tile_order`: a tile kernel will read them (Acts::steps), which the caller decides (tiles_read).
+Acts quantize(const at::Tensor& x, int64_t block, QuantizedActs& buffers, bool tile_order) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / block;
-  // The tile order for prompts; a lone decode row never reaches the tile kernels (kTileMinRows).
-  const bool steps = M >= kTileMinRows && tile_kernels_on();
+  const bool steps = tile_order && M >= kTileMinRows;
   const int64_t stride = M + 16;  // tiles read 16 rows from any row
   buffers.q.resize(std::max<size_t>(buffers.q.size(), M * K));
   if (steps) buffers.steps.resize(std::max<size_t>(buffers.steps.size(), stride * ((K + 63) / 64) * 64));
@@ -397,6 +404,10 @@ Acts quantize(const at::Tensor& x, int64_t block, QuantizedActs& buffers) {
   });
   return {q, d, sums, sums32, K, nb, steps ? buffers.steps.data() : nullptr, steps ? stride : 0};
 }
+
+// A run of `rows` activation rows through weights of `qtype` takes a tile kernel (its activations then
+// come in the tiles' order too).
+bool tiles_read(int64_t qtype, int64_t rows) { return rows >= kTileMinRows && tile_dot(qtype) != nullptr; }
 
 at::Tensor as_float(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x must be [M, ", K, "]");
@@ -472,10 +483,10 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   if (M == 0 || N == 0) return out.to(x_in.scalar_type());
   // Kept per calling thread across calls: a fresh buffer would be page-faulted in on every call.
   thread_local QuantizedActs buffers;
-  const Acts acts = quantize(x, block, buffers);
+  const TileDotFn tiled = tiles_read(qtype, M) ? tile_dot(qtype) : nullptr;
+  const Acts acts = quantize(x, block, buffers, tiled != nullptr);
   const uint8_t* src = w.data_ptr<uint8_t>();
   float* ys = out.data_ptr<float>();
-  const TileDotFn tiled = M >= kTileMinRows && acts.steps != nullptr ? tile_dot(qtype) : nullptr;
   const GroupDotFn group_fn = tiled != nullptr ? nullptr : group_dot(qtype);
   const bool grouped = tiled != nullptr || group_fn != nullptr, group_first = grouped && M * K <= kGroupFirstBytes;
   const DotFn full = grouped ? nullptr : dot_for<kRowGroup>(qtype);
@@ -525,57 +536,70 @@ struct Run {
   int64_t ld;
 };
 
+// The kernels a run takes, chosen once for all its tiles.
+struct Kernels {
+  TileDotFn tiled = nullptr;
+  GroupDotFn group = nullptr;
+  DotFn tail[kRowGroup + 1] = {};
+  int64_t unit = 1;      // weight rows a group holds (1: GGUF's own rows)
+  int64_t span = 1;      // weight rows a call takes: tiles' column ranges are multiples of it
+  int64_t per_call = 1;  // activation rows a call takes
+};
+
+Kernels kernels_for(const Run& run) {
+  Kernels k;
+  const bool tile_rows = run.m_end - run.m_begin >= kTileMinRows && run.acts->steps != nullptr;
+  k.tiled = tile_rows ? tile_dot(run.qtype) : nullptr;
+  k.group = k.tiled != nullptr ? nullptr : group_dot(run.qtype);
+  const bool grouped = k.tiled != nullptr || k.group != nullptr;
+  if (!grouped) {
+    k.tail[1] = dot_for<1>(run.qtype);
+    k.tail[2] = dot_for<2>(run.qtype);
+    k.tail[3] = dot_for<3>(run.qtype);
+    k.tail[kRowGroup] = dot_for<kRowGroup>(run.qtype);
+  }
+  k.unit = grouped ? group_rows(run.qtype) : 1;
+  k.span = k.tiled != nullptr ? k.unit * kTileGroups : k.unit;
+  k.per_call = k.tiled != nullptr ? tile_rows_per_call(run.acts->K) : (grouped ? rows_per_call(run.qtype) : kRowGroup);
+  return k;
+}
+
+// Weight rows [n0, n1) of `src` against activation rows [m_begin, m_end): row m_begin's outputs at `out`,
+// each next row's ld floats further, weight row n's in column n.
+void multiply(const uint8_t* src, int64_t row_bytes, const Kernels& k, const Acts& acts, int64_t m_begin, int64_t m_end,
+              int64_t n0, int64_t n1, float* out, int64_t ld) {
+  float* rows_out = out - m_begin * ld;  // the tile functions write row m at m * ld
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += k.per_call) {
+    const int64_t count = std::min(k.per_call, m_end - m0);
+    if (k.tiled != nullptr)
+      groups_tiled(src, row_bytes, k.unit, k.per_call, k.tiled, acts, m0, m0 + count, n0, n1, ld, rows_out);
+    else if (k.group != nullptr)
+      groups_tile(src, row_bytes, k.unit, k.per_call, k.group, acts, m0, m0 + count, n0, n1, ld, rows_out);
+    else
+      rows_tile(src, row_bytes, k.tail[count], acts, m0, count, n0, n1, ld, rows_out);
+  }
+}
+
 // Every run's tiles shared out among the threads in one pass: two cores stream different matrices
 // (experts, or a layer's q/k/v parts) at once instead of meeting after each small one.
 void run_tiles(const std::vector<Run>& runs) {
-  struct Kernels {
-    TileDotFn tiled;
-    GroupDotFn group;
-    DotFn tail[kRowGroup + 1] = {};
-    int64_t unit, per_call, tile, first_tile;
-  };
   std::vector<Kernels> kernels(runs.size());
+  std::vector<int64_t> tile(runs.size()), first_tile(runs.size());
   int64_t tiles = 0;
   for (size_t r = 0; r < runs.size(); ++r) {
-    Kernels& k = kernels[r];
-    const bool tile_rows = runs[r].m_end - runs[r].m_begin >= kTileMinRows && runs[r].acts->steps != nullptr;
-    k.tiled = tile_rows ? tile_dot(runs[r].qtype) : nullptr;
-    k.group = k.tiled != nullptr ? nullptr : group_dot(runs[r].qtype);
-    const bool grouped = k.tiled != nullptr || k.group != nullptr;
-    if (!grouped) {
-      k.tail[1] = dot_for<1>(runs[r].qtype);
-      k.tail[2] = dot_for<2>(runs[r].qtype);
-      k.tail[3] = dot_for<3>(runs[r].qtype);
-      k.tail[kRowGroup] = dot_for<kRowGroup>(runs[r].qtype);
-    }
-    k.unit = grouped ? group_rows(runs[r].qtype) : 1;
-    k.per_call = k.tiled != nullptr ? tile_rows_per_call(runs[r].acts->K)
-                                   : (grouped ? rows_per_call(runs[r].qtype) : kRowGroup);
-    const int64_t span = k.tiled != nullptr ? k.unit * kTileGroups : k.unit;
-    k.tile = span * std::max<int64_t>(1, kTileBytes / (runs[r].row_bytes * span));
-    k.first_tile = tiles;
-    tiles += (runs[r].rows + k.tile - 1) / k.tile;
+    kernels[r] = kernels_for(runs[r]);
+    const int64_t span = kernels[r].span;
+    tile[r] = span * std::max<int64_t>(1, kTileBytes / (runs[r].row_bytes * span));
+    first_tile[r] = tiles;
+    tiles += (runs[r].rows + tile[r] - 1) / tile[r];
   }
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     size_t r = 0;
     for (int64_t t = begin; t < end; ++t) {
-      while (r + 1 < runs.size() && kernels[r + 1].first_tile <= t) ++r;
+      while (r + 1 < runs.size() && first_tile[r + 1] <= t) ++r;
       const Run& run = runs[r];
-      const Kernels& k = kernels[r];
-      const int64_t n0 = (t - k.first_tile) * k.tile, n1 = std::min(run.rows, n0 + k.tile);
-      float* out = run.out - run.m_begin * run.ld;  // the tile functions write row m at m * ld
-      for (int64_t m0 = run.m_begin; m0 < run.m_end; m0 += k.per_call) {
-        const int64_t count = std::min(k.per_call, run.m_end - m0);
-        if (k.tiled != nullptr) {
-          groups_tiled(run.src, run.row_bytes, k.unit, k.per_call, k.tiled, *run.acts, m0, m0 + count, n0, n1, run.ld,
-                       out);
-        } else if (k.group != nullptr) {
-          groups_tile(run.src, run.row_bytes, k.unit, k.per_call, k.group, *run.acts, m0, m0 + count, n0, n1, run.ld,
-                      out);
-        } else {
-          rows_tile(run.src, run.row_bytes, k.tail[count], *run.acts, m0, count, n0, n1, run.ld, out);
-        }
-      }
+      const int64_t n0 = (t - first_tile[r]) * tile[r], n1 = std::min(run.rows, n0 + tile[r]);
+      multiply(run.src, run.row_bytes, kernels[r], *run.acts, run.m_begin, run.m_end, n0, n1, run.out, run.ld);
     }
   });
 }
@@ -601,7 +625,7 @@ at::Tensor gguf_grouped_linear_int8(const at::Tensor& x_in, at::TensorList ws, a
   at::Tensor out = at::empty({R, N}, x.options());
   if (R == 0 || N == 0) return out.to(x_in.scalar_type());
   thread_local QuantizedActs buffers;
-  const Acts acts = quantize(x, block, buffers);
+  const Acts acts = quantize(x, block, buffers, tiles_read(qtype, *std::max_element(rows.begin(), rows.end())));
   std::vector<Run> work;
   for (int64_t i = 0; i < runs; ++i) {
     if (rows[i] == 0) continue;
@@ -610,6 +634,27 @@ at::Tensor gguf_grouped_linear_int8(const at::Tensor& x_in, at::TensorList ws, a
   }
   run_tiles(work);
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+}
+
+// x quantized once for each block size its parts' types take (the K-quants' 256 values, the others' 32),
+// in the tiles' order too where some part of that size takes a tile kernel.
+struct PartActs {
+  Acts by_256{}, by_32{};
+  const Acts* of(int64_t qtype) const { return block_of(qtype) == 256 ? &by_256 : &by_32; }
+};
+
+PartActs quantize_parts(const at::Tensor& x, at::IntArrayRef qtypes) {
+  thread_local QuantizedActs k_blocks, small_blocks;
+  bool used[2] = {}, tiled[2] = {};  // [0]: 32-value blocks, [1]: 256
+  for (const int64_t qtype : qtypes) {
+    const int sized = block_of(qtype) == 256;
+    used[sized] = true;
+    tiled[sized] = tiled[sized] || tiles_read(qtype, x.size(0));
+  }
+  PartActs acts;
+  if (used[1]) acts.by_256 = quantize(x, 256, k_blocks, tiled[1]);
+  if (used[0]) acts.by_32 = quantize(x, 32, small_blocks, tiled[0]);
+  return acts;
 }
 
 // The parts of one layer's projection side by side (q, k and v of a Q4_K_M file, some of them Q6_K):
@@ -626,21 +671,82 @@ at::Tensor gguf_linear_parts_int8(const at::Tensor& x_in, at::TensorList ws, at:
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, total}, x.options());
   if (M == 0 || total == 0) return out.to(x_in.scalar_type());
-  thread_local QuantizedActs k_blocks, small_blocks;  // 256-value blocks (the K-quants'), 32-value ones
-  Acts by_256{}, by_32{};
-  bool have_256 = false, have_32 = false;
+  const PartActs acts = quantize_parts(x, qtypes);
   std::vector<Run> work;
   int64_t column = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
-    const bool k_quant_blocks = block_of(qtypes[i]) == 256;
-    if (k_quant_blocks && !have_256) by_256 = quantize(x, 256, k_blocks), have_256 = true;
-    if (!k_quant_blocks && !have_32) by_32 = quantize(x, 32, small_blocks), have_32 = true;
-    work.push_back({ws[i].data_ptr<uint8_t>(), ws[i].size(0), ws[i].size(1), qtypes[i], k_quant_blocks ? &by_256 : &by_32,
-                    0, M, out.data_ptr<float>() + column, total});
+    work.push_back({ws[i].data_ptr<uint8_t>(), ws[i].size(0), ws[i].size(1), qtypes[i], acts.of(qtypes[i]), 0, M,
+                    out.data_ptr<float>() + column, total});
     column += ws[i].size(0);
   }
   run_tiles(work);
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+}
+
+// Values as a tensor of `type` holds them: rounded to it and back to float.
+void round_to(c10::ScalarType type, float* values, int64_t n) {
+  if (type == at::kFloat) return;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(type, "round_to", [&] {
+    scalar_t stored[kFusedColumns];
+    for (int64_t i = 0; i < n; i += kFusedColumns) {
+      const int64_t count = std::min(kFusedColumns, n - i);
+      crane_mp::narrow(values + i, stored, count);
+      crane_mp::widen(stored, values + i, count);
+    }
+  });
+}
+
+// A gated MLP's gate and up projections with SiLU between them: x [M, K] times gate and up ([N, row_bytes]
+// each, of their types) -> [M, N] = silu(x . gate) * (x . up) in x's dtype, bit for bit what
+// gguf_linear_parts_int8 (each product rounded to x's dtype) and then silu_and_mul give. Each thread
+// takes a few columns of both at a time into buffers that stay in its L2: the [M, 2N] projection is
+// never written out and read back (silu_and_mul's pass over it was 9 % of an 8B model's 2,000-token
+// prefill).
+at::Tensor gguf_gate_up_silu_int8(const at::Tensor& x_in, const at::Tensor& gate, const at::Tensor& up,
+                                  int64_t gate_type, int64_t up_type, int64_t K) {
+  check_int8_weight(gate, gate_type, K);
+  check_int8_weight(up, up_type, K);
+  TORCH_CHECK(gate.size(0) == up.size(0), "gguf_gate_up_silu_int8: gate has ", gate.size(0), " rows, up ",
+              up.size(0));
+  const at::Tensor x = as_float(x_in, K, "gguf_gate_up_silu_int8");
+  const int64_t M = x.size(0), N = gate.size(0);
+  const c10::ScalarType dtype = x_in.scalar_type();
+  at::Tensor out = at::empty({M, N}, x_in.options());
+  if (M == 0 || N == 0) return out;
+  const std::array<int64_t, 2> qtypes{gate_type, up_type};
+  const PartActs acts = quantize_parts(x, qtypes);
+  const Run gate_run{gate.data_ptr<uint8_t>(), N, gate.size(1), gate_type, acts.of(gate_type), 0, M, nullptr, 0};
+  const Run up_run{up.data_ptr<uint8_t>(), N, up.size(1), up_type, acts.of(up_type), 0, M, nullptr, 0};
+  const Kernels gate_k = kernels_for(gate_run), up_k = kernels_for(up_run);
+  // Columns a task takes (a multiple of both kernels' spans, all powers of two), rows a pass.
+  const int64_t columns = std::max(kFusedColumns, std::max(gate_k.span, up_k.span));
+  const int64_t chunk = std::max(gate_k.per_call, up_k.per_call), buffered = std::min(chunk, M) * columns;
+  at::parallel_for(0, (N + columns - 1) / columns, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> gates, ups;
+    gates.resize(std::max<size_t>(gates.size(), buffered));
+    ups.resize(std::max<size_t>(ups.size(), buffered));
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * columns, width = std::min(N, n0 + columns) - n0;
+      for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t m1 = std::min(M, m0 + chunk);
+        multiply(gate_run.src + n0 * gate_run.row_bytes, gate_run.row_bytes, gate_k, *gate_run.acts, m0, m1, 0, width,
+                 gates.data(), columns);
+        multiply(up_run.src + n0 * up_run.row_bytes, up_run.row_bytes, up_k, *up_run.acts, m0, m1, 0, width, ups.data(),
+                 columns);
+        for (int64_t m = m0; m < m1; ++m) {
+          float* g = gates.data() + (m - m0) * columns;
+          float* u = ups.data() + (m - m0) * columns;
+          round_to(dtype, g, width);
+          round_to(dtype, u, width);
+          crane_mp::silu_mul(g, u, width);
+          AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "gguf_gate_up_silu_int8", [&] {
+            crane_mp::narrow(g, out.data_ptr<scalar_t>() + m * N + n0, width);
+          });
+        }
+      }
+    }
+  });
+  return out;
 }
 
 // One token through a mixture's SiLU-gated experts (a lone decode step's): x [1, H]; ids [k] (distinct
@@ -672,7 +778,7 @@ at::Tensor gguf_moe_token_int8(const at::Tensor& x_in, const at::Tensor& ids, co
   // Expert i's runs: the token's one row into projected row i, then hidden row i into ys row i.
   thread_local QuantizedActs token_buffers, hidden_buffers;
   at::Tensor projected = at::empty({k, 2 * width}, x.options());
-  const Acts token = quantize(x, block_of(gate_up_type), token_buffers);
+  const Acts token = quantize(x, block_of(gate_up_type), token_buffers, false);
   std::vector<Run> work;
   for (int64_t i = 0; i < k; ++i) {
     work.push_back({gate_up.data_ptr<uint8_t>() + order[i].first * gate_up.stride(0), 2 * width, gate_up.size(2),
@@ -689,7 +795,7 @@ at::Tensor gguf_moe_token_int8(const at::Tensor& x_in, const at::Tensor& ids, co
       h[i * width + j] = gate / (1.0f + std::exp(std::min(-gate, 80.0f))) * gu[i * 2 * width + width + j];
     }
   at::Tensor ys = at::empty({k, H}, x.options());
-  const Acts hiddens = quantize(hidden, block_of(down_type), hidden_buffers);
+  const Acts hiddens = quantize(hidden, block_of(down_type), hidden_buffers, false);
   work.clear();
   for (int64_t i = 0; i < k; ++i) {
     work.push_back({down.data_ptr<uint8_t>() + order[i].first * down.stride(0), H, down.size(2), down_type, &hiddens, i,
@@ -710,7 +816,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_activations(const a
   const at::Tensor x = as_float(x_in, x_in.size(1), "gguf_quantize_activations");
   const int64_t M = x.size(0), K = x.size(1);
   QuantizedActs buffers;
-  const Acts acts = quantize(x, block, buffers);
+  const Acts acts = quantize(x, block, buffers, false);
   const auto opts = x.options();
   at::Tensor q = at::empty({M, K}, opts.dtype(at::kChar)), d = at::empty({M, K / block}, opts);
   at::Tensor sums = at::empty({M, K / 16}, opts.dtype(at::kShort));
@@ -728,6 +834,8 @@ TORCH_LIBRARY_FRAGMENT(crane_mp, m) {
   m.def("gguf_grouped_linear_int8(Tensor x, Tensor[] ws, int[] rows, int qtype, int K) -> Tensor",
         &gguf_grouped_linear_int8);
   m.def("gguf_linear_parts_int8(Tensor x, Tensor[] ws, int[] qtypes, int K) -> Tensor", &gguf_linear_parts_int8);
+  m.def("gguf_gate_up_silu_int8(Tensor x, Tensor gate, Tensor up, int gate_type, int up_type, int K) -> Tensor",
+        &gguf_gate_up_silu_int8);
   m.def("gguf_moe_token_int8(Tensor x, Tensor ids, Tensor gates, Tensor gate_up, int gate_up_type, Tensor down, "
         "int down_type) -> Tensor", &gguf_moe_token_int8);
 }

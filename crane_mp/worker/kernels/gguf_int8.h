@@ -152,9 +152,6 @@ using TileDotFn = void (*)(const uint8_t* groups, int64_t group_bytes, int64_t c
 // They read activations in the tile order (Acts::steps), 16 rows from any row they start at.
 TileDotFn tile_dot(int64_t qtype);
 
-// Some tile kernels are on (gguf_tile_kernels): activations then come in their order too (Acts::steps).
-bool tile_kernels_on();
-
 // Eight repacked rows (one group) against activation rows m0 .. m0 + rows - 1 (rows <= 4):
 // out[m * 8 + r] = row r . x[m0 + m].
 void dot_q4_k_x8(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float* out);

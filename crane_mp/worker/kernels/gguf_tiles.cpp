@@ -373,18 +373,29 @@ void q4_0_x16_group(const uint8_t* group, const Acts& a, int64_t m0, int64_t row
   }
 }
 
+// The one-group-at-a-time kernels' call (Q4_0 x16, Q8_0 x8): group(its bytes, its accumulators) for each
+// of `count` groups in one tile configuration, then the accumulators (kUnit columns a group) into out.
+template <class Tiles, int64_t kUnit, class Group>
+void group_at_a_time(const TileConfig& cfg, const uint8_t* groups, int64_t group_bytes, int64_t count, int64_t rows,
+                     float* out, int64_t ldo, Group group) {
+  alignas(64) float acc[kTileGroups][kTileRowsPerCall][kUnit];
+  Tiles::configure(cfg);
+  for (int64_t g = 0; g < count; ++g) group(groups + g * group_bytes, acc[g]);
+  Tiles::release();
+  store_rows(acc, count, rows, out, ldo);
+}
+
 // Q4_0 x16 groups likewise, as q4_0_x16_rows computes them, a group at a time: a block's quants are a B
 // tile of 8 rows once split, the -8 of every value goes through the activations' 32-sums.
 template <class Tiles>
 void q4_0_x16_tiles(const uint8_t* groups, int64_t group_bytes, int64_t count, const Acts& a, int64_t m0,
                     int64_t rows, float* out, int64_t ldo) {
-  alignas(64) float acc[kTileGroups][kTileRowsPerCall][16];
   alignas(64) uint8_t b_tile[8][64];  // rows 0-3 the block's elements 0-15 (low nibbles), 4-7 16-31
   alignas(64) int32_t c[16][16];
-  Tiles::configure(shapes(32, 16));
-  for (int64_t g = 0; g < count; ++g) q4_0_x16_group<Tiles>(groups + g * group_bytes, a, m0, rows, acc[g], b_tile, c);
-  Tiles::release();
-  store_rows(acc, count, rows, out, ldo);
+  group_at_a_time<Tiles, 16>(shapes(32, 16), groups, group_bytes, count, rows, out, ldo,
+                             [&](const uint8_t* group, float (&acc)[kTileRowsPerCall][16]) {
+                               q4_0_x16_group<Tiles>(group, a, m0, rows, acc, b_tile, c);
+                             });
 }
 
 // One Q8_0 x8 group's products into acc (rows of 8 floats), in shapes(32, 8): a block's 32 signed values
@@ -413,12 +424,11 @@ void q8_0_x8_group(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows
 template <class Tiles>
 void q8_0_x8_tiles(const uint8_t* groups, int64_t group_bytes, int64_t count, const Acts& a, int64_t m0,
                    int64_t rows, float* out, int64_t ldo) {
-  alignas(32) float acc[kTileGroups][kTileRowsPerCall][8];
   alignas(64) int32_t c[16][8];
-  Tiles::configure(shapes(32, 8));
-  for (int64_t g = 0; g < count; ++g) q8_0_x8_group<Tiles>(groups + g * group_bytes, a, m0, rows, acc[g], c);
-  Tiles::release();
-  store_rows(acc, count, rows, out, ldo);
+  group_at_a_time<Tiles, 8>(shapes(32, 8), groups, group_bytes, count, rows, out, ldo,
+                            [&](const uint8_t* group, float (&acc)[kTileRowsPerCall][8]) {
+                              q8_0_x8_group<Tiles>(group, a, m0, rows, acc, c);
+                            });
 }
 
 // A Q6_K x16 super-block's weights less 32 (the -32 of every value in the weights, not the activations'
@@ -486,8 +496,6 @@ int64_t gguf_tile_kernels(int64_t mode) {
 }
 
 }  // namespace
-
-bool tile_kernels_on() { return tile_mode.load(std::memory_order_relaxed) != kNoTiles; }
 
 TileDotFn tile_dot(int64_t qtype) {
   const int64_t mode = tile_mode.load(std::memory_order_relaxed);

@@ -120,9 +120,14 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor | None, gate_up: torch.Tensor | None = None) -> torch.Tensor:
         """`gate_up`: the gate/up projection of the layer's input, where the layer computed it (x None)."""
         lora = get_forward_context().lora
+        hidden = None
         if gate_up is None and getattr(self.gate_up_proj, "silu_mul", False):  # packed with SiLU*mul in its
             hidden = self.gate_up_proj(x)  # epilogue (cpu_packing.py); never so when adapters may adapt gate_up
-        else:
+        elif gate_up is None and self.act is F.silu and self.ops is not None and not (
+                lora is not None and self.lora_gate_up_proj):
+            fused = getattr(self.gate_up_proj, "silu_mul_of", None)  # GGUF parts: SiLU*mul inside the kernel call
+            hidden = None if fused is None else fused(x)
+        if hidden is None:
             if gate_up is None:
                 gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
                 if lora is not None and self.lora_gate_up_proj:

@@ -42,6 +42,15 @@ class GGUFLinear(nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def silu_mul_of(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A gated MLP's gate/up projection (two parts, gate then up) with SiLU(gate) * up applied, in one
+        kernel call; None where the kernels have none for these parts, or a bias comes between."""
+        if len(self.qtypes) != 2 or self.bias is not None:
+            return None
+        gate, up = self.weights()
+        y = self.kernels.gate_up_silu(x.reshape(-1, self.in_features), gate, up, self.in_features, self.int8)
+        return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, types={self.qtypes}, "
                 f"int8={self.int8}")
