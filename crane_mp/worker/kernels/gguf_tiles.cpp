@@ -221,10 +221,17 @@ void store_sums(int32_t (&c)[4][16][16]) {
   }
 }
 
-// Row r (0-31) of store_sums' output: low + 256 x high.
-inline __m512i scaled_sum(const int32_t (&c)[4][16][16], int64_t r) {
-  const int64_t t = 2 * (r / 16);
-  return _mm512_add_epi32(_mm512_load_si512(c[t][r % 16]), _mm512_slli_epi32(_mm512_load_si512(c[t + 1][r % 16]), 8));
+// Rows r0 .. r1 - 1 (0-31) of store_sums' output as low + 256 x high: each(sum, i) for row r0 + i. Addresses
+// advance by a row, none recomputed from r (the loop is most of the vector work the tile unit waits for).
+template <class Each>
+inline void scaled_sums(const int32_t (&c)[4][16][16], int64_t r0, int64_t r1, Each each) {
+  for (int64_t r = r0; r < r1;) {
+    const int64_t half_end = std::min<int64_t>(r1, (r / 16 + 1) * 16);
+    const int32_t* low = c[2 * (r / 16)][r % 16];
+    const int32_t* high = c[2 * (r / 16) + 1][r % 16];
+    for (; r < half_end; ++r, low += 16, high += 16)
+      each(_mm512_add_epi32(_mm512_load_si512(low), _mm512_slli_epi32(_mm512_load_si512(high), 8)), r - r0);
+  }
 }
 
 // The super-block kernels' walk over `count` groups' blocks (kBlockBytes each, the groups group_bytes
@@ -323,16 +330,18 @@ void q4_k_x16_tiles(const uint8_t* groups, int64_t group_bytes, int64_t count, c
     const __m512 d = _mm512_cvtph_ps(load(block)), dmin = _mm512_cvtph_ps(load(block + 32));
     __m512i mins[4];  // sub-blocks 2p (low 16 bits) and 2p + 1 (high) of each row's lane
     for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(load(block + 192 + 32 * p));
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t m = m0 + first + r;
+    const int64_t m = m0 + first + r0, sums_stride = a.K / 32, nb = a.nb;
+    const int16_t* sums = a.sums32 + m * sums_stride + 8 * b;
+    const float* scales = a.d + m * nb + b;
+    float* sums_of_rows = acc[g][first + r0];
+    scaled_sums(c, r0, r1, [&](__m512i isum, int64_t i) {
       __m512i msum = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) dpwssd_broadcast(msum, mins[p], a.sums32 + m * (a.K / 32) + 8 * b + 2 * p);
-      const __m512 da = _mm512_set1_ps(a.d[m * a.nb + b]);
-      float* row = acc[g][first + r];
-      const __m512 sum =
-          _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled_sum(c, r)), _mm512_mul_ps(d, da), _mm512_load_ps(row));
+      for (int p = 0; p < 4; ++p) dpwssd_broadcast(msum, mins[p], sums + i * sums_stride + 2 * p);
+      const __m512 da = _mm512_set1_ps(scales[i * nb]);
+      float* row = sums_of_rows + 16 * i;
+      const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, da), _mm512_load_ps(row));
       _mm512_store_ps(row, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, da), sum));
-    }
+    });
   };
   super_blocks<Tiles, false, kQ4KX16Bytes>(groups, group_bytes, count, a, m0, rows, q4_k_scaled, add);
   store_rows(acc, count, rows, out, ldo);
@@ -470,12 +479,14 @@ __attribute__((target("avx512vbmi"))) void q6_k_x16_tiles(const uint8_t* groups,
   const auto add = [&](int64_t g, const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first,
                        int64_t r0, int64_t r1) {
     const __m512 d = _mm512_cvtph_ps(load(block));
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t m = m0 + first + r;
-      const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(a.d[m * a.nb + b]));
-      float* row = acc[g][first + r];
-      _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled_sum(c, r)), scaled, _mm512_load_ps(row)));
-    }
+    const int64_t nb = a.nb;
+    const float* scales = a.d + (m0 + first + r0) * nb + b;
+    float* sums_of_rows = acc[g][first + r0];
+    scaled_sums(c, r0, r1, [&](__m512i isum, int64_t i) {
+      const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(scales[i * nb]));
+      float* row = sums_of_rows + 16 * i;
+      _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scaled, _mm512_load_ps(row)));
+    });
   };
   super_blocks<Tiles, true, kQ6KX16Bytes>(groups, group_bytes, count, a, m0, rows, q6_k_scaled, add);
   store_rows(acc, count, rows, out, ldo);
