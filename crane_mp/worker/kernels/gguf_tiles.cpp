@@ -222,7 +222,7 @@ void store_sums(int32_t (&c)[4][16][16]) {
 }
 
 // Rows r0 .. r1 - 1 (0-31) of store_sums' output as low + 256 x high: each(sum, i) for row r0 + i. Addresses
-// advance by a row, none recomputed from r (the loop is most of the vector work the tile unit waits for).
+// advance by a row, none recomputed from r.
 template <class Each>
 inline void scaled_sums(const int32_t (&c)[4][16][16], int64_t r0, int64_t r1, Each each) {
   for (int64_t r = r0; r < r1;) {
