@@ -82,23 +82,22 @@ def test_tiles_equal_the_vnni_kernels_bit_for_bit(qtype, mode):
 @pytest.mark.parametrize("mode", _modes_with_tiles())
 def test_tiles_serve_experts_and_a_layer_s_parts(mode):
     """Mixture experts' runs (each 16 rows or more on tiles, fewer on the VNNI kernels, in one call), a
-    layer's Q4_K and Q6_K parts side by side, and gate and up with SiLU in one call (300 rows: two passes
-    of a task's columns) give the same bits as without tiles."""
+    layer's Q4_K and Q6_K parts side by side, and gate and up with SiLU in one call, over more rows than a
+    call takes (two passes), give the same bits as without tiles."""
     _need(mode, T.Q6_K)
     cols = 512
     experts = [_packed(T.Q4_K, 32, cols)[0] for _ in range(3)]
-    runs = [0, 21, 5, 40]
+    runs = [0, 21, 5, 290]  # the last run two calls' rows (two passes), the others one
     ws = [experts[0], experts[1], experts[2], experts[0]]
     x = torch.from_numpy(activations(sum(runs), cols, seed=3))
     q4, q4_type = _packed(T.Q4_K, 48, cols)
     q6, q6_type = _packed(T.Q6_K, 32, cols)
     up, _ = _packed(T.Q6_K, 48, cols)
-    prompt = torch.from_numpy(activations(40, cols, seed=4))
     long_prompt = torch.from_numpy(activations(300, cols, seed=5))
 
     def outputs() -> tuple[torch.Tensor, ...]:
         grouped = torch.ops.crane_mp.gguf_grouped_linear_int8(x, ws, runs, q4_type, cols)
-        parts = torch.ops.crane_mp.gguf_linear_parts_int8(prompt, [q4, q6], [q4_type, q6_type], cols)
+        parts = torch.ops.crane_mp.gguf_linear_parts_int8(long_prompt, [q4, q6], [q4_type, q6_type], cols)
         gated = torch.ops.crane_mp.gguf_gate_up_silu_int8(long_prompt, q4, up, q4_type, q6_type, cols)
         return grouped, parts, gated
 
