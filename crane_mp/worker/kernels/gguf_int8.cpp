@@ -480,61 +480,6 @@ void groups_tiled(const uint8_t* src, int64_t row_bytes, int64_t rows_per_group,
   }
 }
 
-at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K) {
-  check_int8_weight(w, qtype, K);
-  const int64_t block = block_of(qtype);
-  const at::Tensor x = as_float(x_in, K, "gguf_linear_int8");
-  const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out.to(x_in.scalar_type());
-  // Kept per calling thread across calls: a fresh buffer would be page-faulted in on every call.
-  thread_local QuantizedActs buffers;
-  const TileDotFn tiled = tiles_read(qtype, M) ? tile_dot(qtype) : nullptr;
-  const Acts acts = quantize(x, block, buffers, tiled != nullptr);
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  float* ys = out.data_ptr<float>();
-  const GroupDotFn group_fn = tiled != nullptr ? nullptr : group_dot(qtype);
-  const bool grouped = tiled != nullptr || group_fn != nullptr, group_first = grouped && M * K <= kGroupFirstBytes;
-  const DotFn full = grouped ? nullptr : dot_for<kRowGroup>(qtype);
-  const DotFn tail[kRowGroup] = {nullptr, grouped ? nullptr : dot_for<1>(qtype), grouped ? nullptr : dot_for<2>(qtype),
-                                 grouped ? nullptr : dot_for<3>(qtype)};
-  // One tile per thread at least, so a small matrix still spreads over every core; whole groups (for the
-  // tile kernels, a call's worth of them where the matrix has enough for every thread).
-  const int64_t threads = at::get_num_threads(), group = grouped ? group_rows(qtype) : 1;
-  const int64_t unit = tiled != nullptr ? group * std::clamp<int64_t>(N / (group * threads), 1, kTileGroups) : group;
-  const int64_t per_call = tiled != nullptr ? tile_rows_per_call(K) : (grouped ? rows_per_call(qtype) : kRowGroup);
-  const int64_t per_thread = (N / unit + threads - 1) / threads;
-  const int64_t tile = unit * std::max<int64_t>(1, std::min(kTileBytes / (row_bytes * unit), per_thread));
-  const auto over_groups = [&](int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1) {
-    if (tiled != nullptr)
-      groups_tiled(src, row_bytes, group, per_call, tiled, acts, m_begin, m_end, n0, n1, N, ys);
-    else
-      groups_tile(src, row_bytes, group, per_call, group_fn, acts, m_begin, m_end, n0, n1, N, ys);
-  };
-  const int64_t pass_rows = tile_pass_rows(tiled != nullptr, per_call, M);
-  for (int64_t p0 = 0; p0 < M; p0 += pass_rows) {
-    const int64_t p1 = std::min(M, p0 + pass_rows);
-    at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-        if (group_first) {
-          over_groups(p0, p1, n0, n1);
-          continue;
-        }
-        for (int64_t m0 = p0; m0 < p1; m0 += per_call) {
-          const int64_t rows = std::min(per_call, p1 - m0);
-          if (grouped) {
-            over_groups(m0, m0 + rows, n0, n1);
-          } else {
-            rows_tile(src, row_bytes, rows == kRowGroup ? full : tail[rows], acts, m0, rows, n0, n1, N, ys);
-          }
-        }
-      }
-    });
-  }
-  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
-}
-
 // One weight matrix against activation rows [m_begin, m_end), row m_begin's outputs at `out`, each
 // next row's ld floats further.
 struct Run {
@@ -588,6 +533,45 @@ void multiply(const uint8_t* src, int64_t row_bytes, const Kernels& k, const Act
     else
       rows_tile(src, row_bytes, k.tail[count], acts, m0, count, n0, n1, ld, rows_out);
   }
+}
+
+at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K) {
+  check_int8_weight(w, qtype, K);
+  const int64_t block = block_of(qtype);
+  const at::Tensor x = as_float(x_in, K, "gguf_linear_int8");
+  const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out.to(x_in.scalar_type());
+  // Kept per calling thread across calls: a fresh buffer would be page-faulted in on every call.
+  thread_local QuantizedActs buffers;
+  const Acts acts = quantize(x, block, buffers, tiles_read(qtype, M));
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  float* ys = out.data_ptr<float>();
+  const Kernels k = kernels_for({src, N, row_bytes, qtype, &acts, 0, M, ys, N});
+  const bool group_first = (k.tiled != nullptr || k.group != nullptr) && M * K <= kGroupFirstBytes;
+  // One tile per thread at least, so a small matrix still spreads over every core; whole groups (for the
+  // tile kernels, a call's worth of them where the matrix has enough for every thread).
+  const int64_t threads = at::get_num_threads();
+  const int64_t unit =
+      k.tiled != nullptr ? k.unit * std::clamp<int64_t>(N / (k.unit * threads), 1, kTileGroups) : k.unit;
+  const int64_t per_thread = (N / unit + threads - 1) / threads;
+  const int64_t tile = unit * std::max<int64_t>(1, std::min(kTileBytes / (row_bytes * unit), per_thread));
+  const int64_t pass_rows = tile_pass_rows(k.tiled != nullptr, k.per_call, M);
+  for (int64_t p0 = 0; p0 < M; p0 += pass_rows) {
+    const int64_t p1 = std::min(M, p0 + pass_rows);
+    at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+        if (!group_first)
+          multiply(src, row_bytes, k, acts, p0, p1, n0, n1, ys + p0 * N, N);
+        else if (k.tiled != nullptr)
+          groups_tiled(src, row_bytes, k.unit, k.per_call, k.tiled, acts, p0, p1, n0, n1, N, ys);
+        else
+          groups_tile(src, row_bytes, k.unit, k.per_call, k.group, acts, p0, p1, n0, n1, N, ys);
+      }
+    });
+  }
+  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }
 
 // Every run's tiles shared out among the threads in one pass: two cores stream different matrices
