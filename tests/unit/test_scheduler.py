@@ -113,8 +113,9 @@ def test_long_prompt_is_prefilled_in_chunks_within_token_budget():
     worker = FakeWorker()
     outputs = run_to_completion(sched, worker)
     chunks = [s.num_new_tokens for p in worker.plans for s in p.scheduled]
-    # 30 prompt tokens: a quarter-budget first chunk (nothing streams yet), then budget-sized ones.
-    assert chunks[:5] == [4, 8, 8, 8, 2]
+    # 30 prompt tokens, more than an idle server's quarter budget (which would only cut them once more):
+    # budget-sized chunks from the first step.
+    assert chunks[:4] == [8, 8, 8, 6]
     assert all(n <= 8 for p in worker.plans for n in [sum(s.num_new_tokens for s in p.scheduled)])
     assert outputs == reference_outputs([req])
 
@@ -203,7 +204,28 @@ def test_a_prompt_alone_is_not_paced():
                            prefill_seconds_per_token=0.25)
     [req] = make_requests(1, prompt_len=40, max_tokens=2)
     sched.add_request(req)
-    assert [s.num_new_tokens for s in sched.schedule().scheduled] == [16]  # the idle server's quarter budget
+    # The whole prompt: neither paced nor cut to the idle server's quarter budget (16), which it exceeds.
+    assert [s.num_new_tokens for s in sched.schedule().scheduled] == [40]
+
+
+def test_an_idle_server_takes_a_quarter_first_step_only_where_the_first_prompt_fits_in_it():
+    # 64-token steps: an idle server's quarter is 16 tokens.
+    short_first = make_scheduler(max_model_len=128)
+    for req in make_requests(2, prompt_len=[8, 40], max_tokens=2):
+        short_first.add_request(req)
+    assert [s.num_new_tokens for s in short_first.schedule().scheduled] == [8, 8]  # the 8 stream after it
+    long_first = make_scheduler(max_model_len=128)
+    for req in make_requests(2, prompt_len=[40, 8], max_tokens=2):
+        long_first.add_request(req)
+    # Nothing would stream after a quarter step: one full step, after which both do.
+    assert [s.num_new_tokens for s in long_first.schedule().scheduled] == [40, 8]
+    # What the cache holds is not computed: 4 of a repeated 40 tokens fit in the quarter.
+    cached = make_scheduler(max_model_len=128)
+    cached.add_request(make_requests(1, prompt_len=40, max_tokens=1)[0])
+    run_to_completion(cached, FakeWorker())
+    for req in [make_requests(1, prompt_len=40, max_tokens=2)[0], make_requests(2, prompt_len=[1, 40])[1]]:
+        cached.add_request(req)
+    assert [s.num_new_tokens for s in cached.schedule().scheduled] == [4, 12]
 
 
 def test_unpaced_scheduler_admits_every_prompt_of_a_burst_in_one_step():
