@@ -109,6 +109,29 @@ def test_tiles_serve_experts_and_a_layer_s_parts(mode):
         torch.testing.assert_close(one, other, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("mode", _modes_with_tiles())
+def test_bfloat16_prompts_on_tiles_are_rounded_as_the_float_products_would_be(mode):
+    """The tile kernels' products of bfloat16 activations are rounded a task at a time, never written out
+    as float32: bit for bit the float products rounded after, for one matrix (tails of rows and of weight
+    groups, two passes) and for a layer's parts side by side."""
+    dtype = torch.bfloat16
+    _need(mode, T.Q6_K)
+    cols = 512
+    q4, q4_type = _packed(T.Q4_K, 80, cols)
+    q6, q6_type = _packed(T.Q6_K, 48, cols)
+    for batch in (16, 33, 300):
+        x = torch.from_numpy(activations(batch, cols, seed=batch)).to(dtype)
+        with _Tiles(mode):
+            for got, want in (
+                (torch.ops.crane_mp.gguf_linear_int8(x, q4, q4_type, cols),
+                 torch.ops.crane_mp.gguf_linear_int8(x.float(), q4, q4_type, cols).to(dtype)),
+                (torch.ops.crane_mp.gguf_linear_parts_int8(x, [q4, q6], [q4_type, q6_type], cols),
+                 torch.ops.crane_mp.gguf_linear_parts_int8(x.float(), [q4, q6], [q4_type, q6_type], cols).to(dtype)),
+            ):
+                assert got.dtype == dtype and got.shape == want.shape
+                torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_tile_modes_are_checked():
     with pytest.raises(RuntimeError, match="none of 0"):
         torch.ops.crane_mp.gguf_tile_kernels(3)

@@ -508,6 +508,9 @@ struct Run {
   int64_t m_begin, m_end;
   float* out;
   int64_t ld;
+  // Instead of out: a 16-bit tensor whose column `column` takes weight row 0 (multiply_rounded).
+  at::Tensor* rounded = nullptr;
+  int64_t column = 0;
 };
 
 // The kernels a run takes, chosen once for all its tiles.
@@ -554,20 +557,37 @@ void multiply(const uint8_t* src, int64_t row_bytes, const Kernels& k, const Act
   }
 }
 
+// Weight rows [n0, n1) against activation rows [m_begin, m_end) as multiply computes them, rounded into
+// `out` (16-bit, [M, N]) at rows m_begin.. and columns column + n0..: through a float buffer of the
+// task's rows and columns that stays in L2, so the [M, N] float32 product is never written out and
+// converted after (the tile kernels' 16-bit prompts; bit for bit the same values).
+void multiply_rounded(const uint8_t* src, int64_t row_bytes, const Kernels& k, const Acts& acts, int64_t m_begin,
+                      int64_t m_end, int64_t n0, int64_t n1, at::Tensor& out, int64_t column) {
+  thread_local LineVector<float> buffer;
+  const int64_t width = n1 - n0, rows = m_end - m_begin;
+  buffer.resize(std::max<size_t>(buffer.size(), rows * width));
+  multiply(src + n0 * row_bytes, row_bytes, k, acts, m_begin, m_end, 0, width, buffer.data(), width);
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(out.scalar_type(), "multiply_rounded", [&] {
+    scalar_t* rows_out = out.data_ptr<scalar_t>() + m_begin * out.stride(0) + column + n0;
+    for (int64_t m = 0; m < rows; ++m) crane_mp::narrow(buffer.data() + m * width, rows_out + m * out.stride(0), width);
+  });
+}
+
 at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K) {
   check_int8_weight(w, qtype, K);
   const int64_t block = block_of(qtype);
   const at::Tensor x = as_float(x_in, K, "gguf_linear_int8");
   const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out.to(x_in.scalar_type());
+  if (M == 0 || N == 0) return at::empty({M, N}, x_in.options());
   // Kept per calling thread across calls: a fresh buffer would be page-faulted in on every call.
   thread_local QuantizedActs buffers;
   const Acts acts = quantize(x, block, buffers, tiles_read(qtype, M));
   const uint8_t* src = w.data_ptr<uint8_t>();
-  float* ys = out.data_ptr<float>();
-  const Kernels k = kernels_for({src, N, row_bytes, qtype, &acts, 0, M, ys, N});
+  const Kernels k = kernels_for({src, N, row_bytes, qtype, &acts, 0, M, nullptr, N});
   const bool group_first = (k.tiled != nullptr || k.group != nullptr) && M * K <= kGroupFirstBytes;
+  const bool rounded = k.tiled != nullptr && !group_first && x_in.scalar_type() != at::kFloat;
+  at::Tensor out = at::empty({M, N}, rounded ? x_in.options() : x.options());
+  float* ys = rounded ? nullptr : out.data_ptr<float>();
   // One tile per thread at least, so a small matrix still spreads over every core; whole groups (for the
   // tile kernels, a call's worth of them where the matrix has enough for every thread).
   const int64_t threads = at::get_num_threads();
@@ -581,7 +601,9 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
     at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-        if (!group_first)
+        if (rounded)
+          multiply_rounded(src, row_bytes, k, acts, p0, p1, n0, n1, out, 0);
+        else if (!group_first)
           multiply(src, row_bytes, k, acts, p0, p1, n0, n1, ys + p0 * N, N);
         else if (k.tiled != nullptr)
           groups_tiled(src, row_bytes, k.unit, k.per_call, k.tiled, acts, p0, p1, n0, n1, N, ys);
@@ -590,7 +612,7 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
       }
     });
   }
-  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+  return rounded || x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }
 
 // Every run's tiles shared out among the threads in one pass: two cores stream different matrices
@@ -617,8 +639,12 @@ void run_tiles(const std::vector<Run>& runs) {
         const int64_t m_begin = run.m_begin + pass * pass_rows[r], m_end = std::min(run.m_end, m_begin + pass_rows[r]);
         if (m_begin >= m_end) continue;
         const int64_t n0 = (t - first_tile[r]) * tile[r], n1 = std::min(run.rows, n0 + tile[r]);
-        multiply(run.src, run.row_bytes, kernels[r], *run.acts, m_begin, m_end, n0, n1,
-                 run.out + (m_begin - run.m_begin) * run.ld, run.ld);
+        if (run.rounded != nullptr)
+          multiply_rounded(run.src, run.row_bytes, kernels[r], *run.acts, m_begin, m_end, n0, n1, *run.rounded,
+                           run.column);
+        else
+          multiply(run.src, run.row_bytes, kernels[r], *run.acts, m_begin, m_end, n0, n1,
+                   run.out + (m_begin - run.m_begin) * run.ld, run.ld);
       }
     });
   }
@@ -689,18 +715,25 @@ at::Tensor gguf_linear_parts_int8(const at::Tensor& x_in, at::TensorList ws, at:
   }
   const at::Tensor x = as_float(x_in, K, "gguf_linear_parts_int8");
   const int64_t M = x.size(0);
-  at::Tensor out = at::empty({M, total}, x.options());
-  if (M == 0 || total == 0) return out.to(x_in.scalar_type());
+  if (M == 0 || total == 0) return at::empty({M, total}, x_in.options());
   const PartActs acts = quantize_parts(x, qtypes);
+  // Where every part takes a tile kernel, 16-bit activations' products are rounded a task at a time.
+  const bool rounded = x_in.scalar_type() != at::kFloat &&
+                       std::all_of(qtypes.begin(), qtypes.end(), [&](int64_t qtype) { return tiles_read(qtype, M); });
+  at::Tensor out = at::empty({M, total}, rounded ? x_in.options() : x.options());
   std::vector<Run> work;
   int64_t column = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
-    work.push_back({ws[i].data_ptr<uint8_t>(), ws[i].size(0), ws[i].size(1), qtypes[i], acts.of(qtypes[i]), 0, M,
-                    out.data_ptr<float>() + column, total});
+    if (rounded)
+      work.push_back({ws[i].data_ptr<uint8_t>(), ws[i].size(0), ws[i].size(1), qtypes[i], acts.of(qtypes[i]), 0, M,
+                      nullptr, total, &out, column});
+    else
+      work.push_back({ws[i].data_ptr<uint8_t>(), ws[i].size(0), ws[i].size(1), qtypes[i], acts.of(qtypes[i]), 0, M,
+                      out.data_ptr<float>() + column, total});
     column += ws[i].size(0);
   }
   run_tiles(work);
-  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+  return rounded || x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }
 
 // Values as a tensor of `type` holds them: rounded to it and back to float.
