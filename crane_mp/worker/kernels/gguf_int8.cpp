@@ -508,7 +508,7 @@ struct Run {
   int64_t m_begin, m_end;
   float* out;
   int64_t ld;
-  // Instead of out: a 16-bit tensor whose column `column` takes weight row 0 (multiply_rounded).
+  // Instead of out: a bfloat16 tensor whose column `column` takes weight row 0 (multiply_rounded).
   at::Tensor* rounded = nullptr;
   int64_t column = 0;
 };
@@ -558,9 +558,9 @@ void multiply(const uint8_t* src, int64_t row_bytes, const Kernels& k, const Act
 }
 
 // Weight rows [n0, n1) against activation rows [m_begin, m_end) as multiply computes them, rounded into
-// `out` (16-bit, [M, N]) at rows m_begin.. and columns column + n0..: through a float buffer of the
+// `out` (bfloat16, [M, N]) at rows m_begin.. and columns column + n0..: through a float buffer of the
 // task's rows and columns that stays in L2, so the [M, N] float32 product is never written out and
-// converted after (the tile kernels' 16-bit prompts; bit for bit the same values).
+// converted after (bfloat16 prompts on the tile kernels; bit for bit the same values).
 void multiply_rounded(const uint8_t* src, int64_t row_bytes, const Kernels& k, const Acts& acts, int64_t m_begin,
                       int64_t m_end, int64_t n0, int64_t n1, at::Tensor& out, int64_t column) {
   thread_local LineVector<float> buffer;
@@ -585,6 +585,7 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   const uint8_t* src = w.data_ptr<uint8_t>();
   const Kernels k = kernels_for({src, N, row_bytes, qtype, &acts, 0, M, nullptr, N});
   const bool group_first = (k.tiled != nullptr || k.group != nullptr) && M * K <= kGroupFirstBytes;
+  // bfloat16 activations' products rounded a task at a time where the tile kernels take them.
   const bool rounded = k.tiled != nullptr && !group_first && x_in.scalar_type() != at::kFloat;
   at::Tensor out = at::empty({M, N}, rounded ? x_in.options() : x.options());
   float* ys = rounded ? nullptr : out.data_ptr<float>();
@@ -717,19 +718,17 @@ at::Tensor gguf_linear_parts_int8(const at::Tensor& x_in, at::TensorList ws, at:
   const int64_t M = x.size(0);
   if (M == 0 || total == 0) return at::empty({M, total}, x_in.options());
   const PartActs acts = quantize_parts(x, qtypes);
-  // Where every part takes a tile kernel, 16-bit activations' products are rounded a task at a time.
+  // Where every part takes a tile kernel, bfloat16 activations' products are rounded a task at a time.
   const bool rounded = x_in.scalar_type() != at::kFloat &&
                        std::all_of(qtypes.begin(), qtypes.end(), [&](int64_t qtype) { return tiles_read(qtype, M); });
   at::Tensor out = at::empty({M, total}, rounded ? x_in.options() : x.options());
   std::vector<Run> work;
   int64_t column = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
-    if (rounded)
-      work.push_back({ws[i].data_ptr<uint8_t>(), ws[i].size(0), ws[i].size(1), qtypes[i], acts.of(qtypes[i]), 0, M,
-                      nullptr, total, &out, column});
-    else
-      work.push_back({ws[i].data_ptr<uint8_t>(), ws[i].size(0), ws[i].size(1), qtypes[i], acts.of(qtypes[i]), 0, M,
-                      out.data_ptr<float>() + column, total});
+    Run run{ws[i].data_ptr<uint8_t>(), ws[i].size(0), ws[i].size(1), qtypes[i], acts.of(qtypes[i]), 0, M,
+            rounded ? nullptr : out.data_ptr<float>() + column, total};
+    if (rounded) run.rounded = &out, run.column = column;
+    work.push_back(run);
     column += ws[i].size(0);
   }
   run_tiles(work);
