@@ -573,6 +573,10 @@ void multiply_rounded(const uint8_t* src, int64_t row_bytes, const Kernels& k, c
   });
 }
 
+// Products of bfloat16 activations go through multiply_rounded where tile kernels take them (`tiled`);
+// float32 ones, and those of the other kernels, are written as float32 (and converted after).
+bool rounds(const at::Tensor& x_in, bool tiled) { return tiled && x_in.scalar_type() != at::kFloat; }
+
 at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K) {
   check_int8_weight(w, qtype, K);
   const int64_t block = block_of(qtype);
@@ -585,8 +589,7 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   const uint8_t* src = w.data_ptr<uint8_t>();
   const Kernels k = kernels_for({src, N, row_bytes, qtype, &acts, 0, M, nullptr, N});
   const bool group_first = (k.tiled != nullptr || k.group != nullptr) && M * K <= kGroupFirstBytes;
-  // bfloat16 activations' products rounded a task at a time where the tile kernels take them.
-  const bool rounded = k.tiled != nullptr && !group_first && x_in.scalar_type() != at::kFloat;
+  const bool rounded = rounds(x_in, k.tiled != nullptr);
   at::Tensor out = at::empty({M, N}, rounded ? x_in.options() : x.options());
   float* ys = rounded ? nullptr : out.data_ptr<float>();
   // One tile per thread at least, so a small matrix still spreads over every core; whole groups (for the
@@ -718,9 +721,9 @@ at::Tensor gguf_linear_parts_int8(const at::Tensor& x_in, at::TensorList ws, at:
   const int64_t M = x.size(0);
   if (M == 0 || total == 0) return at::empty({M, total}, x_in.options());
   const PartActs acts = quantize_parts(x, qtypes);
-  // Where every part takes a tile kernel, bfloat16 activations' products are rounded a task at a time.
-  const bool rounded = x_in.scalar_type() != at::kFloat &&
-                       std::all_of(qtypes.begin(), qtypes.end(), [&](int64_t qtype) { return tiles_read(qtype, M); });
+  // One output for all parts: rounded where every part takes a tile kernel.
+  const bool rounded =
+      rounds(x_in, std::all_of(qtypes.begin(), qtypes.end(), [&](int64_t qtype) { return tiles_read(qtype, M); }));
   at::Tensor out = at::empty({M, total}, rounded ? x_in.options() : x.options());
   std::vector<Run> work;
   int64_t column = 0;
