@@ -80,6 +80,27 @@ def test_tiles_equal_the_vnni_kernels_bit_for_bit(qtype, mode):
 
 
 @pytest.mark.parametrize("mode", _modes_with_tiles())
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0], ids=lambda t: T(t).name)
+def test_long_rows_go_through_the_tiles_in_chunks_of_k_with_the_same_bits(qtype, mode):
+    """Rows longer than a call's activations can keep in L2 (an 8B's down projection) go in chunks of K,
+    each call adding to the sums of the one before: the VNNI kernels' outputs bit for bit, float32 and
+    rounded to bfloat16, over one pass and two (K past the last whole super-block for Q4_0 and Q8_0)."""
+    _need(mode, qtype)
+    cols = 6400 if qtype in (T.Q4_K, T.Q6_K) else 6432
+    packed, packed_type = _packed(qtype, 32, cols)
+    for batch in (16, 40, 300):
+        x = torch.from_numpy(activations(batch, cols, seed=batch))
+        with _Tiles(OFF):
+            want = torch.ops.crane_mp.gguf_linear_int8(x, packed, packed_type, cols)
+        with _Tiles(mode):
+            got = torch.ops.crane_mp.gguf_linear_int8(x, packed, packed_type, cols)
+            rounded = torch.ops.crane_mp.gguf_linear_int8(x.bfloat16(), packed, packed_type, cols)
+            from_floats = torch.ops.crane_mp.gguf_linear_int8(x.bfloat16().float(), packed, packed_type, cols)
+        assert torch.equal(got, want), batch
+        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, from_floats.bfloat16()), batch
+
+
+@pytest.mark.parametrize("mode", _modes_with_tiles())
 def test_tiles_serve_experts_and_a_layer_s_parts(mode):
     """Mixture experts' runs (each 16 rows or more on tiles, fewer on the VNNI kernels, in one call), a
     layer's Q4_K and Q6_K parts side by side, and gate and up with SiLU in one call, over more rows than a

@@ -421,7 +421,7 @@ Acts quantize(const at::Tensor& x, int64_t block, QuantizedActs& buffers, bool t
           std::memcpy(&buffers.steps[((k / 64) * stride + m) * 64], q + m * K + k, std::min<int64_t>(64, K - k));
     }
   });
-  return {q, d, sums, sums32, K, nb, steps ? buffers.steps.data() : nullptr, steps ? stride : 0};
+  return {q, d, sums, sums32, K, nb, steps ? buffers.steps.data() : nullptr, steps ? stride : 0, 0, K};
 }
 
 // A run of `rows` activation rows through weights of `qtype` takes a tile kernel (its activations then
@@ -537,7 +537,8 @@ Kernels kernels_for(const Run& run) {
   }
   k.unit = grouped ? group_rows(run.qtype) : 1;
   k.span = k.tiled != nullptr ? k.unit * kTileGroups : k.unit;
-  k.per_call = k.tiled != nullptr ? tile_rows_per_call(run.acts->K) : (grouped ? rows_per_call(run.qtype) : kRowGroup);
+  k.per_call = k.tiled != nullptr ? tile_rows_per_call(run.acts->k_end - run.acts->k_begin)
+                                   : (grouped ? rows_per_call(run.qtype) : kRowGroup);
   return k;
 }
 
@@ -557,6 +558,15 @@ void multiply(const uint8_t* src, int64_t row_bytes, const Kernels& k, const Act
   }
 }
 
+// `rows` rows of `width` float sums (ld apart) rounded into out (bfloat16) at row m_begin, column `column`.
+void round_into(const float* sums, int64_t ld, int64_t rows, int64_t width, at::Tensor& out, int64_t m_begin,
+                int64_t column) {
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(out.scalar_type(), "round_into", [&] {
+    scalar_t* rows_out = out.data_ptr<scalar_t>() + m_begin * out.stride(0) + column;
+    for (int64_t m = 0; m < rows; ++m) crane_mp::narrow(sums + m * ld, rows_out + m * out.stride(0), width);
+  });
+}
+
 // Weight rows [n0, n1) against activation rows [m_begin, m_end) as multiply computes them, rounded into
 // `out` (bfloat16, [M, N]) at rows m_begin.. and columns column + n0..: through a float buffer of the
 // task's rows and columns that stays in L2, so the [M, N] float32 product is never written out and
@@ -567,10 +577,7 @@ void multiply_rounded(const uint8_t* src, int64_t row_bytes, const Kernels& k, c
   const int64_t width = n1 - n0, rows = m_end - m_begin;
   buffer.resize(std::max<size_t>(buffer.size(), rows * width));
   multiply(src + n0 * row_bytes, row_bytes, k, acts, m_begin, m_end, 0, width, buffer.data(), width);
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(out.scalar_type(), "multiply_rounded", [&] {
-    scalar_t* rows_out = out.data_ptr<scalar_t>() + m_begin * out.stride(0) + column + n0;
-    for (int64_t m = 0; m < rows; ++m) crane_mp::narrow(buffer.data() + m * width, rows_out + m * out.stride(0), width);
-  });
+  round_into(buffer.data(), width, rows, width, out, m_begin, column + n0);
 }
 
 // Products of bfloat16 activations go through multiply_rounded where tile kernels take them (`tiled`);
@@ -586,8 +593,15 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   // Kept per calling thread across calls: a fresh buffer would be page-faulted in on every call.
   thread_local QuantizedActs buffers;
   const Acts acts = quantize(x, block, buffers, tiles_read(qtype, M));
+  // Long rows through the tile kernels go in chunks of K, every thread's tiles through one before the next.
+  const int64_t chunks = tiles_read(qtype, M) ? tile_k_chunks(K) : 1;
+  std::vector<Acts> ranges(chunks, acts);
+  for (int64_t c = 0; c < chunks; ++c) {
+    ranges[c].k_begin = tile_k_chunk_begin(K, c, chunks);
+    ranges[c].k_end = tile_k_chunk_begin(K, c + 1, chunks);
+  }
   const uint8_t* src = w.data_ptr<uint8_t>();
-  const Kernels k = kernels_for({src, N, row_bytes, qtype, &acts, 0, M, nullptr, N});
+  const Kernels k = kernels_for({src, N, row_bytes, qtype, &ranges.back(), 0, M, nullptr, N});
   const bool group_first = (k.tiled != nullptr || k.group != nullptr) && M * K <= kGroupFirstBytes;
   const bool rounded = rounds(x_in, k.tiled != nullptr);
   at::Tensor out = at::empty({M, N}, rounded ? x_in.options() : x.options());
@@ -600,21 +614,32 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   const int64_t per_thread = (N / unit + threads - 1) / threads;
   const int64_t tile = unit * std::max<int64_t>(1, std::min(kTileBytes / (row_bytes * unit), per_thread));
   const int64_t pass_rows = tile_pass_rows(k.tiled != nullptr, k.per_call, M);
+  // In chunks, a pass's float sums until its last chunk, where a bfloat16 output rounds them (the calling
+  // thread's buffer: the pool's threads reach it through `partial`, not by its thread_local name).
+  thread_local LineVector<float> partial_buffer;
+  if (chunks > 1 && rounded) partial_buffer.resize(std::max<size_t>(partial_buffer.size(), std::min(pass_rows, M) * N));
+  float* const partial = partial_buffer.data();
   for (int64_t p0 = 0; p0 < M; p0 += pass_rows) {
     const int64_t p1 = std::min(M, p0 + pass_rows);
-    at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-        if (rounded)
-          multiply_rounded(src, row_bytes, k, acts, p0, p1, n0, n1, out, 0);
-        else if (!group_first)
-          multiply(src, row_bytes, k, acts, p0, p1, n0, n1, ys + p0 * N, N);
-        else if (k.tiled != nullptr)
-          groups_tiled(src, row_bytes, k.unit, k.per_call, k.tiled, acts, p0, p1, n0, n1, N, ys);
-        else
-          groups_tile(src, row_bytes, k.unit, k.per_call, k.group, acts, p0, p1, n0, n1, N, ys);
-      }
-    });
+    for (int64_t c = 0; c < chunks; ++c) {
+      at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+          if (chunks > 1) {
+            multiply(src, row_bytes, k, ranges[c], p0, p1, n0, n1, rounded ? partial : ys + p0 * N, N);
+            if (rounded && c + 1 == chunks) round_into(partial + n0, N, p1 - p0, n1 - n0, out, p0, n0);
+          } else if (rounded) {
+            multiply_rounded(src, row_bytes, k, acts, p0, p1, n0, n1, out, 0);
+          } else if (!group_first) {
+            multiply(src, row_bytes, k, acts, p0, p1, n0, n1, ys + p0 * N, N);
+          } else if (k.tiled != nullptr) {
+            groups_tiled(src, row_bytes, k.unit, k.per_call, k.tiled, acts, p0, p1, n0, n1, N, ys);
+          } else {
+            groups_tile(src, row_bytes, k.unit, k.per_call, k.group, acts, p0, p1, n0, n1, N, ys);
+          }
+        }
+      });
+    }
   }
   return rounded || x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }

@@ -22,6 +22,10 @@ struct Acts {
   // multiple of 4,096). Rows past the last (16 at least) are there, their values of no account.
   const int8_t* steps = nullptr;
   int64_t stride = 0;
+  // The elements [k_begin, k_end) a tile kernel call takes (multiples of 256, or K): past 0, its output
+  // already holds the sums over [0, k_begin), which the call goes on adding to (gguf_int8.cpp's chunks).
+  int64_t k_begin = 0;
+  int64_t k_end = 0;
 };
 
 // Row m's elements k .. k + 63 (k a multiple of 32) in the tile order, the next rows 64 bytes apart.
@@ -129,13 +133,28 @@ using GroupDotFn = void (*)(const uint8_t* group, const Acts& a, int64_t m0, int
 constexpr int64_t kTileRowsPerCall = 256;
 constexpr int64_t kTileMinRows = 16;
 
-// Rows a tile kernel call takes of activations K bytes long: as many as stay in L2 beside the weights
-// (every weight group of a call reads all of them; from L3, a Q4_K call of 256 rows of K = 12288 ran
-// no faster than the VNNI kernel), since each call turns its weights into tile operands once.
+// Bytes of a tile kernel call's activations that stay in L2 beside the weights: every weight group of a
+// call reads all of them (from L3, a Q4_K call of 256 rows of K = 12288 ran no faster than the VNNI kernel).
+constexpr int64_t kActivationBytes = 1536 * 1024;
+
+// Rows a tile kernel call takes of activations K bytes long: as many as stay in L2, since each call turns
+// its weights into tile operands once.
 inline int64_t tile_rows_per_call(int64_t K) {
-  constexpr int64_t kActivationBytes = 1536 * 1024;
   const int64_t rows = kActivationBytes / K / 32 * 32;
   return rows < 64 ? 64 : (rows > kTileRowsPerCall ? kTileRowsPerCall : rows);
+}
+
+// Ranges of K the tile kernel calls of gguf_linear_int8 take one after another, each adding to the sums of
+// the ones before: so many that kTileRowsPerCall rows of each stay in L2 (an 8B's down projection, K =
+// 14,336, otherwise took 96 rows a call and turned its weights into operands for every 3 row pairs).
+inline int64_t tile_k_chunks(int64_t K) {
+  constexpr int64_t kLongest = kActivationBytes / kTileRowsPerCall;
+  return (K + kLongest - 1) / kLongest;
+}
+
+// Chunk c's first element of K's `chunks`: a multiple of 256 (the K-quants' super-blocks), K after the last.
+inline int64_t tile_k_chunk_begin(int64_t K, int64_t c, int64_t chunks) {
+  return c >= chunks ? K : K / 256 * c / chunks * 256;
 }
 
 // Weight groups a tile kernel call takes side by side: each activation tile, read from L2 once, is

@@ -188,7 +188,7 @@ inline void split_products(__m512i e, __m512i o, __m512i scale, uint8_t* low, ui
 // and 1 the low and high sums of the first 16 rows, 2 and 3 the next 16's. between(s) runs after K step
 // s's products are issued. The operands are loaded in the order the products use them, and the low bytes'
 // products come first: tiles are not renamed, so each load waits for the last product that reads the
-// tile it overwrites, and this order frees each one earliest (Q4_K 3-7 % faster than all four loads first).
+// tile it overwrites, and this order frees each one earliest (Q4_K 1-7 % faster than all four loads first).
 template <class Tiles, bool kSignedHigh, bool kPair, class Between>
 void take_sums(const Acts& a, int64_t m, int64_t b, const ScaledWeights& w, Between between) {
   for (int s = 0; s < 4; ++s) {
@@ -260,7 +260,7 @@ void super_blocks(const uint8_t* groups, int64_t group_bytes, int64_t count, con
   Tiles::template zero<1>();
   Tiles::template zero<2>();
   Tiles::template zero<3>();
-  for (int64_t b = 0; b < a.nb; ++b) {
+  for (int64_t b = a.k_begin / 256; b < a.k_end / 256; ++b) {
     for (int64_t first = 0; first < rows; first += 32) {
       const bool pair = first + 16 < rows;
       for (int64_t g = 0; g < count; ++g) {
@@ -291,6 +291,19 @@ void super_blocks(const uint8_t* groups, int64_t group_bytes, int64_t count, con
   }
   if (pending.block != nullptr) add(pending.g, pending.block, pending.b, c[slot ^ 1], pending.first, 0, pending.count);
   Tiles::release();
+}
+
+// The accumulators of `count` groups of kUnit columns for `rows` rows at their start: zeros, or where the
+// call takes a later range of K, the sums out (rows ldo floats apart) holds so far.
+template <int64_t kUnit>
+void start_rows(float (&acc)[kTileGroups][kTileRowsPerCall][kUnit], int64_t count, int64_t rows, const Acts& a,
+                const float* out, int64_t ldo) {
+  for (int64_t g = 0; g < count; ++g) {
+    if (a.k_begin == 0)
+      std::memset(acc[g], 0, rows * sizeof(acc[g][0]));
+    else
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(acc[g][r], out + r * ldo + kUnit * g, sizeof(acc[g][r]));
+  }
 }
 
 // The accumulators of `count` groups of kUnit columns for `rows` rows into out (rows ldo floats apart).
@@ -326,7 +339,7 @@ template <class Tiles>
 void q4_k_x16_tiles(const uint8_t* groups, int64_t group_bytes, int64_t count, const Acts& a, int64_t m0,
                     int64_t rows, float* out, int64_t ldo) {
   alignas(64) float acc[kTileGroups][kTileRowsPerCall][16];
-  for (int64_t g = 0; g < count; ++g) std::memset(acc[g], 0, rows * sizeof(acc[g][0]));
+  start_rows(acc, count, rows, a, out, ldo);
   const auto add = [&](int64_t g, const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first,
                        int64_t r0, int64_t r1) {
     const __m512 d = _mm512_cvtph_ps(load(block)), dmin = _mm512_cvtph_ps(load(block + 32));
@@ -360,12 +373,12 @@ inline void split_nibbles(const uint8_t* p, uint8_t (&tile)[8][64]) {
   }
 }
 
-// One Q4_0 x16 group's products into acc (rows of 16 floats), in shapes(32, 16).
+// One Q4_0 x16 group's products over the call's range of K added into acc (rows of 16 floats), in shapes(32, 16).
 template <class Tiles>
 void q4_0_x16_group(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float (&acc)[kTileRowsPerCall][16],
                     uint8_t (&b_tile)[8][64], int32_t (&c)[16][16]) {
-  std::memset(acc, 0, rows * sizeof(acc[0]));
-  for (int64_t b = 0; b < a.nb; ++b, group += kQ4_0X16Bytes) {
+  group += a.k_begin / 32 * kQ4_0X16Bytes;
+  for (int64_t b = a.k_begin / 32; b < a.k_end / 32; ++b, group += kQ4_0X16Bytes) {
     prefetch_next<kQ4_0X16Bytes>(group);
     split_nibbles(group + 32, b_tile);
     const __m512 d = _mm512_cvtph_ps(load(group));
@@ -384,12 +397,14 @@ void q4_0_x16_group(const uint8_t* group, const Acts& a, int64_t m0, int64_t row
   }
 }
 
-// The one-group-at-a-time kernels' call (Q4_0 x16, Q8_0 x8): group(its bytes, its accumulators) for each
-// of `count` groups in one tile configuration, then the accumulators (kUnit columns a group) into out.
+// The one-group-at-a-time kernels' call (Q4_0 x16, Q8_0 x8): group(its bytes, its accumulators, started
+// by start_rows) for each of `count` groups in one tile configuration, then the accumulators (kUnit columns
+// a group) into out.
 template <class Tiles, int64_t kUnit, class Group>
-void group_at_a_time(const TileConfig& cfg, const uint8_t* groups, int64_t group_bytes, int64_t count, int64_t rows,
-                     float* out, int64_t ldo, Group group) {
+void group_at_a_time(const TileConfig& cfg, const uint8_t* groups, int64_t group_bytes, int64_t count, const Acts& a,
+                     int64_t rows, float* out, int64_t ldo, Group group) {
   alignas(64) float acc[kTileGroups][kTileRowsPerCall][kUnit];
+  start_rows(acc, count, rows, a, out, ldo);
   Tiles::configure(cfg);
   for (int64_t g = 0; g < count; ++g) group(groups + g * group_bytes, acc[g]);
   Tiles::release();
@@ -403,20 +418,20 @@ void q4_0_x16_tiles(const uint8_t* groups, int64_t group_bytes, int64_t count, c
                     int64_t rows, float* out, int64_t ldo) {
   alignas(64) uint8_t b_tile[8][64];  // rows 0-3 the block's elements 0-15 (low nibbles), 4-7 16-31
   alignas(64) int32_t c[16][16];
-  group_at_a_time<Tiles, 16>(shapes(32, 16), groups, group_bytes, count, rows, out, ldo,
+  group_at_a_time<Tiles, 16>(shapes(32, 16), groups, group_bytes, count, a, rows, out, ldo,
                              [&](const uint8_t* group, float (&acc)[kTileRowsPerCall][16]) {
                                q4_0_x16_group<Tiles>(group, a, m0, rows, acc, b_tile, c);
                              });
 }
 
-// One Q8_0 x8 group's products into acc (rows of 8 floats), in shapes(32, 8): a block's 32 signed values
-// of the eight rows are already a B tile (8 rows of 8 columns x 4 bytes), read in place.
+// One Q8_0 x8 group's products over the call's range of K added into acc (rows of 8 floats), in shapes(32, 8):
+// a block's 32 signed values of the eight rows are already a B tile (8 rows of 8 columns x 4 bytes), read in
+// place.
 template <class Tiles>
 void q8_0_x8_group(const uint8_t* group, const Acts& a, int64_t m0, int64_t rows, float (&acc)[kTileRowsPerCall][8],
                    int32_t (&c)[16][8]) {
-  std::memset(acc, 0, rows * sizeof(acc[0]));
   const uint8_t* scales = group + a.nb * 256;
-  for (int64_t b = 0; b < a.nb; ++b) {
+  for (int64_t b = a.k_begin / 32; b < a.k_end / 32; ++b) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * b)));
     for (int64_t t = 0; 16 * t < rows; ++t) {
       const int64_t first = m0 + 16 * t;
@@ -436,7 +451,7 @@ template <class Tiles>
 void q8_0_x8_tiles(const uint8_t* groups, int64_t group_bytes, int64_t count, const Acts& a, int64_t m0,
                    int64_t rows, float* out, int64_t ldo) {
   alignas(64) int32_t c[16][8];
-  group_at_a_time<Tiles, 8>(shapes(32, 8), groups, group_bytes, count, rows, out, ldo,
+  group_at_a_time<Tiles, 8>(shapes(32, 8), groups, group_bytes, count, a, rows, out, ldo,
                             [&](const uint8_t* group, float (&acc)[kTileRowsPerCall][8]) {
                               q8_0_x8_group<Tiles>(group, a, m0, rows, acc, c);
                             });
@@ -477,7 +492,7 @@ __attribute__((target("avx512vbmi"))) void q6_k_x16_tiles(const uint8_t* groups,
                                                           const Acts& a, int64_t m0, int64_t rows, float* out,
                                                           int64_t ldo) {
   alignas(64) float acc[kTileGroups][kTileRowsPerCall][16];
-  for (int64_t g = 0; g < count; ++g) std::memset(acc[g], 0, rows * sizeof(acc[g][0]));
+  start_rows(acc, count, rows, a, out, ldo);
   const auto add = [&](int64_t g, const uint8_t* block, int64_t b, const int32_t(&c)[4][16][16], int64_t first,
                        int64_t r0, int64_t r1) {
     const __m512 d = _mm512_cvtph_ps(load(block));
