@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from crane_mp.config import EngineConfig, pools_outputs
+from crane_mp.heap import reuse_freed_blocks
 from crane_mp.models.config import ModelConfig, load_gguf_config, load_model_config
 from crane_mp.models.gguf_file import ModelSource, check_gguf, describe_types, resolve_model_source
 from crane_mp.models.kv_groups import sequence_blocks
@@ -150,6 +151,7 @@ def load_worker(config: EngineConfig, progress: bool = True, timer: PhaseTimer |
     agree on one KV block count (the smallest any of them holds)."""
     timer = timer or PhaseTimer()
     prefer_huge_pages()
+    reuse_freed_blocks()
     torch.manual_seed(config.seed)
     source = resolve_model_source(config.model_path, config.model_format)
     if source.format == "gguf":
