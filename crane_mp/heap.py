@@ -1,4 +1,5 @@
-"""Memory native libraries keep: the C library's malloc_trim, and oneDNN's kernel caches.
+"""Memory native libraries keep: the C library's heap (its large blocks used again, malloc_trim), and
+oneDNN's kernel caches.
 
 glibc keeps what a process freed in its arenas, so the resident size after a burst of large
 short-lived allocations stays at its peak although the memory is free;
