@@ -592,10 +592,11 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
   if (M == 0 || N == 0) return at::empty({M, N}, x_in.options());
   // Kept per calling thread across calls: a fresh buffer would be page-faulted in on every call.
   thread_local QuantizedActs buffers;
-  const Acts acts = quantize(x, block, buffers, tiles_read(qtype, M));
-  // Long rows through the tile kernels go in chunks of K, every thread's tiles through one before the next.
-  const int64_t chunks = tiles_read(qtype, M) ? tile_k_chunks(K) : 1;
-  std::vector<Acts> ranges(chunks, acts);
+  const bool tiled = tiles_read(qtype, M);
+  // Long rows through the tile kernels go in chunks of K, every thread's tiles through one before the next
+  // (one range, all of K, otherwise).
+  const int64_t chunks = tiled ? tile_k_chunks(K) : 1;
+  std::vector<Acts> ranges(chunks, quantize(x, block, buffers, tiled));
   for (int64_t c = 0; c < chunks; ++c) {
     ranges[c].k_begin = tile_k_chunk_begin(K, c, chunks);
     ranges[c].k_end = tile_k_chunk_begin(K, c + 1, chunks);
@@ -629,13 +630,13 @@ at::Tensor gguf_linear_int8(const at::Tensor& x_in, const at::Tensor& w, int64_t
             multiply(src, row_bytes, k, ranges[c], p0, p1, n0, n1, rounded ? partial : ys + p0 * N, N);
             if (rounded && c + 1 == chunks) round_into(partial + n0, N, p1 - p0, n1 - n0, out, p0, n0);
           } else if (rounded) {
-            multiply_rounded(src, row_bytes, k, acts, p0, p1, n0, n1, out, 0);
+            multiply_rounded(src, row_bytes, k, ranges[c], p0, p1, n0, n1, out, 0);
           } else if (!group_first) {
-            multiply(src, row_bytes, k, acts, p0, p1, n0, n1, ys + p0 * N, N);
+            multiply(src, row_bytes, k, ranges[c], p0, p1, n0, n1, ys + p0 * N, N);
           } else if (k.tiled != nullptr) {
-            groups_tiled(src, row_bytes, k.unit, k.per_call, k.tiled, acts, p0, p1, n0, n1, N, ys);
+            groups_tiled(src, row_bytes, k.unit, k.per_call, k.tiled, ranges[c], p0, p1, n0, n1, N, ys);
           } else {
-            groups_tile(src, row_bytes, k.unit, k.per_call, k.group, acts, p0, p1, n0, n1, N, ys);
+            groups_tile(src, row_bytes, k.unit, k.per_call, k.group, ranges[c], p0, p1, n0, n1, N, ys);
           }
         }
       });
