@@ -379,7 +379,7 @@ void q6_k_x8_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
 // Sixteen Q6_K x16 rows against activation rows m0 .. m0 + MR - 1 (up to 8: the unpacking of each
 // weight vector is shared by all of them); out[m * 16 + r]. One vpdpbusd adds 4 products of every row
 // (a 32-bit lane each), a sub-block's 16 products take four, then one multiply applies its scale; the
-// -32 goes through the activations' 16-sums as in the x8 kernel.
+// -32 goes through the activations' 16-sums, as in the x8 kernel.
 template <int MR>
 __attribute__((target("avx512vbmi"))) void q6_k_x16_rows(const uint8_t* group, const Acts& a, int64_t m0, float* out) {
   constexpr int U = MR <= 4 ? 2 : 1;  // sub-blocks side by side: at least 8 chains of vpdpbusd
@@ -387,26 +387,27 @@ __attribute__((target("avx512vbmi"))) void q6_k_x16_rows(const uint8_t* group, c
   const __m512i to_eights = _mm512_load_si512(kSixToEight.index);
   const __m512i fields = _mm512_set1_epi64(0x2A241E18120C0600LL);  // bit offsets 0, 6, .., 42 of each 64
   const __m512i low6 = _mm512_set1_epi8(0x3F);
-  const __m512i first = _mm512_set1_epi32(1), second = _mm512_set1_epi32(0x10000);
   alignas(64) float acc[MR][16] = {};  // updated once a super-block: memory spares MR registers
   const int8_t* x = a.q + m0 * a.K;
   const float* dx = a.d + m0 * a.nb;
   const int16_t* sx = a.sums + m0 * (a.K / 16);
   for (int64_t b = 0; b < a.nb; ++b, group += kQ6KX16Bytes) {
     prefetch_ahead<288>(group);  // the rest a few lines at a time, below
-    // The -32 of every value: 32 * sum_j s_j * (sum of sub-block j's activations), two j a vpdpwssd.
+    // The -32 of every value: each sub-block's sums start from -32 * (the sum of its activations), which
+    // its scale multiplies with the products (a vpdpwssd of the sums and scales took the multipliers'
+    // time, that a vpdpbusd waits for on Zen 4, where a broadcast load does not).
+    alignas(64) int32_t offsets[MR][16];
+    for (int m = 0; m < MR; ++m) {
+      const __m512i sums = _mm512_cvtepi16_epi32(load(sx + m * (a.K / 16) + 16 * b));
+      _mm512_store_si512(offsets[m], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 5)));
+    }
     __m512i isum[MR];
     for (int m = 0; m < MR; ++m) isum[m] = _mm512_setzero_si512();
-    for (int p = 0; p < 8; ++p) {
-      const __m512i pair = _mm512_cvtepi8_epi16(load(group + 32 + 32 * p));
-      for (int m = 0; m < MR; ++m) dpwssd_broadcast(isum[m], pair, sx + m * (a.K / 16) + 16 * b + 2 * p);
-    }
-    for (int m = 0; m < MR; ++m) isum[m] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(isum[m], 5));
     for (int j = 0; j < 16; j += U) {
       for (int l = 0; l < 192 * U; l += 64) prefetch_line_ahead(group + 288 + 192 * j + l);
       __m512i sum[U][MR];
       for (int u = 0; u < U; ++u)
-        for (int m = 0; m < MR; ++m) sum[u][m] = _mm512_setzero_si512();
+        for (int m = 0; m < MR; ++m) sum[u][m] = _mm512_set1_epi32(offsets[m][j + u]);
       // Unrolled whole, or GCC keeps `sum` in memory and stores every vpdpbusd's result.
 #pragma GCC unroll 8
       for (int kk = 0; kk < 4; ++kk)
@@ -418,8 +419,10 @@ __attribute__((target("avx512vbmi"))) void q6_k_x16_rows(const uint8_t* group, c
           for (int m = 0; m < MR; ++m) dpbusd_broadcast(sum[u][m], v, x + m * a.K + 256 * b + 4 * k);
         }
       for (int u = 0; u < U; ++u) {
-        const __m512i pair = _mm512_cvtepi8_epi16(load(group + 32 + 32 * ((j + u) / 2)));
-        const __m512i scale = _mm512_madd_epi16(pair, (j + u) % 2 == 0 ? first : second);
+        // Row r's lane holds its pair of scales as one sign-extended int16; shifts pick either (no multiply).
+        const __m512i pair = _mm512_cvtepi16_epi32(load(group + 32 + 32 * ((j + u) / 2)));
+        const __m512i scale = (j + u) % 2 == 0 ? _mm512_srai_epi32(_mm512_slli_epi32(pair, 24), 24)
+                                               : _mm512_srai_epi32(pair, 8);
         for (int m = 0; m < MR; ++m) isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(sum[u][m], scale));
       }
     }
