@@ -70,6 +70,8 @@ class AttentionMetadata:
     # What prompts' plain attention over _LOW_PRECISION_KEYS keys or more runs in when not the queries'
     # dtype (Platform.prompt_attention_dtype); None: the queries'.
     prompt_dtype: torch.dtype | None = None
+    # Such prompts' bf16 attention runs in our AVX512-BF16 kernel (Platform.prompt_attention_kernel).
+    prompt_kernel: bool = False
     block_width: int = 1  # tokens per KV block (the tables' unit)
     # Additive masks by (kind, sliding window), built on first use in a step: every layer of one
     # attention kind shares its mask, and a model with two kinds (sliding and global layers) builds two.
@@ -165,6 +167,7 @@ def build_metadata(
     dtype: torch.dtype,
     backend: str = "torch",
     prompt_dtype: torch.dtype | None = None,
+    prompt_kernel: bool = False,
 ) -> AttentionMetadata:
     """Called by the runner once per step; `decodes` each have q_len == 1 and come first."""
     pack = _Packer()
@@ -219,6 +222,7 @@ def build_metadata(
         prefill_ctx_lens=get("prefill_ctx"),
         dtype=dtype,
         prompt_dtype=prompt_dtype,
+        prompt_kernel=prompt_kernel,
         block_width=block_size,
     )
 
@@ -321,11 +325,19 @@ def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                       window: int | None) -> torch.Tensor:
     """Attention of prompt queries q [B, H, Q, D] over k, v [B, KH, K, D] of any dtype: causal (a lone fresh
     prompt: `window` None) or under the padded chunks' mask for `window`; in meta.prompt_dtype from
-    _LOW_PRECISION_KEYS keys on. Returns q's dtype."""
+    _LOW_PRECISION_KEYS keys on (in our kernel for one prompt with no window, where meta.prompt_kernel).
+    Returns q's dtype."""
     dtype = q.dtype
     if meta.prompt_dtype is not None and k.shape[2] >= _LOW_PRECISION_KEYS:
         dtype = meta.prompt_dtype
     causal = meta.prefill_is_fresh_single
+    if (dtype == torch.bfloat16 and meta.prompt_kernel and q.shape[0] == 1 and window is None
+            and not meta.bidirectional and q.shape[-1] % 64 == 0):
+        # One prompt (or a chunk of one over its cached keys), causal: the kernel takes its keys as they are.
+        keys = q.shape[2] if causal else int(meta.prefill_ctx_lens[0])
+        out = torch.ops.crane_mp.prompt_attention_bf16(q[0].transpose(0, 1), k[0, :, :keys].transpose(0, 1),
+                                                       v[0, :, :keys].transpose(0, 1), scale, keys - q.shape[2])
+        return out.transpose(0, 1)[None]
     mask = None if causal else meta.prefill_mask(window, dtype)
     out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask, is_causal=causal,
                                          scale=scale, enable_gqa=True)

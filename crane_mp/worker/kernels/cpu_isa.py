@@ -86,6 +86,13 @@ def bf16_linear() -> bool:
     return _at_least(kernel_isa(), "avx512_bf16") and bool(torch.ops.crane_mp.bf16_linear_available())
 
 
+@lru_cache(maxsize=1)
+def prompt_attention_kernel() -> bool:
+    """Our AVX512-BF16 attention (kernels/prompt_attention.cpp) takes long prompts: on CPUs with AVX512-BF16
+    and no AMX tiles (with tiles, torch's bf16 attention runs on them, and faster)."""
+    return kernel_isa() == "avx512_bf16" and bool(torch.ops.crane_mp.prompt_attention_available())
+
+
 def native_bf16() -> bool:
     """bf16 math runs at full speed (AVX512-BF16 or AMX), so bf16 weights beat float32 ones."""
     return _at_least(cpu_isa(), "avx512_bf16")

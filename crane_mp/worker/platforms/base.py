@@ -60,6 +60,11 @@ class Platform:
         `compute`."""
         return None
 
+    def prompt_attention_kernel(self) -> bool:
+        """Long prompts' attention in prompt_attention_dtype runs in our own kernel
+        (kernels/prompt_attention.cpp) rather than torch's."""
+        return False
+
     def pack_bf16_weights(self, dtype: torch.dtype) -> bool:
         """Pack bf16 linear weights at load (cpu_packing.py)."""
         return False

@@ -56,13 +56,18 @@ class CpuPlatform(Platform):
         return DTYPES[requested]
 
     def prompt_attention_dtype(self, compute: torch.dtype, kv: torch.dtype) -> torch.dtype | None:
-        """bf16 on CPUs with AMX tiles for a float32 model whose cache holds bf16 keys anyway: torch's
-        bf16 attention runs on the tiles, 3x its float32 attention (8B shape, 1,000 queries over 2,000
-        keys: 55 against 186 ms on a 2-core Sapphire Rapids), which a 2,000-token prompt spent a sixth of
-        its prefill in."""
-        if compute == torch.float32 and kv == torch.bfloat16 and cpu_isa.cpu_isa() == "amx":
+        """bf16 for a float32 model whose cache holds bf16 keys anyway, on CPUs with AMX tiles or our
+        AVX512-BF16 attention: torch's bf16 attention runs on the tiles, 3x its float32 attention (8B
+        shape, 1,000 queries over 2,000 keys: 55 against 186 ms on a 2-core Sapphire Rapids), which a
+        2,000-token prompt spent a sixth of its prefill in; without tiles it is no faster than float32,
+        and our kernel takes the prompts instead (prompt_attention_kernel)."""
+        if compute == torch.float32 and kv == torch.bfloat16 and (cpu_isa.cpu_isa() == "amx"
+                                                                  or self.prompt_attention_kernel()):
             return torch.bfloat16
         return None
+
+    def prompt_attention_kernel(self) -> bool:
+        return cpu_isa.prompt_attention_kernel()
 
     def lora_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """float32 whatever the model's dtype: bf16 GEMMs this small run at half the speed."""

@@ -99,6 +99,7 @@ class ModelRunner:
         self.dtype = model.compute_dtype
         self.kv_dtype = kv_dtype or self.dtype  # the cache's storage (Platform.kv_dtype)
         self.prompt_dtype = platform.prompt_attention_dtype(self.dtype, self.kv_dtype)
+        self.prompt_kernel = self.prompt_dtype is not None and platform.prompt_attention_kernel()
         self.cos, self.sin = rope_tables(self.config, max_positions, self.dtype, self.device)
         # The sliding layers' own rope (Gemma 3's local base), where the family gives them one.
         self.sliding_rope = (rope_tables(self.config, max_positions, self.dtype, self.device, sliding=True)
@@ -582,9 +583,10 @@ class ModelRunner:
         hybrid model's sequences keep their recurrent state (None: each starts empty and keeps nothing,
         as profiling steps do)."""
         meta = build_metadata(decodes, prefills, self.block_size, self.device, self.dtype, self.attention_backend,
-                              self.prompt_dtype)
+                              self.prompt_dtype, self.prompt_kernel)
         group_meta = [build_metadata(group_spans(decodes, group), group_spans(prefills, group), self.block_size,
-                                     self.device, self.dtype, self.attention_backend, self.prompt_dtype)
+                                     self.device, self.dtype, self.attention_backend, self.prompt_dtype,
+                                     self.prompt_kernel)
                       for group in range(1, len(self.kv_groups.windows))]
         ids_and_positions = device_longs(input_ids + positions, self.device)
         ids, pos = ids_and_positions[: len(input_ids)], ids_and_positions[len(input_ids) :]
