@@ -10,9 +10,10 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Awaitable, Iterator, TypeVar
+from typing import Awaitable, Callable, Iterator, TypeVar
 
 import psutil
 import requests
@@ -101,16 +102,35 @@ class Server:
 
     async def all_queued(self, work: Awaitable[T], count: int) -> T:
         """`work`, which sends `count` requests, with the worker frozen until the scheduler holds all of them:
-        they compete for KV blocks from the first step on (preemption), however fast the machine is. A first
-        one-token request proves the worker's sockets connected: frozen before that, it would leave the
-        scheduler blocked in its first send of a step, answering nothing."""
-        warm = {"prompt": "warm", "max_tokens": 1}
-        ok = await asyncio.to_thread(lambda: requests.post(self.url + "/v1/completions", json=warm, timeout=60).ok)
-        assert ok
+        they compete for KV blocks from the first step on (preemption), however fast the machine is."""
+        await self._connect_worker()
         with self.paused("worker"):
             task = asyncio.ensure_future(work)
             await self.queued(count, task)
         return await task
+
+    async def in_waves(self, waves: list[list[Callable[[], T]]]) -> list[T]:
+        """Each wave's calls (each sends one request and waits for its answer) made at once, the next
+        wave's only once the scheduler holds every request before it, all with the worker frozen: the
+        scheduler admits the waves in order and starts them together, however fast the machine is. Two
+        requests in the first wave that cannot both finish in the KV budget force a preemption."""
+        await self._connect_worker()
+        calls = [call for wave in waves for call in wave]
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(len(calls)) as pool:
+            futures: list[asyncio.Future[T]] = []
+            with self.paused("worker"):
+                for wave in waves:
+                    futures += [loop.run_in_executor(pool, call) for call in wave]
+                    await self.queued(len(futures), asyncio.gather(*futures))
+            return list(await asyncio.gather(*futures))
+
+    async def _connect_worker(self) -> None:
+        """A one-token request proves the worker's sockets connected: frozen before that, it would leave the
+        scheduler blocked in its first send of a step, answering nothing."""
+        warm = {"prompt": "warm", "max_tokens": 1}
+        ok = await asyncio.to_thread(lambda: requests.post(self.url + "/v1/completions", json=warm, timeout=60).ok)
+        assert ok
 
     async def queued(self, count: int, task: asyncio.Future | None = None, timeout: float = 60) -> None:
         """Returns once the scheduler holds `count` requests (running or waiting), or `task` is done."""

@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Callable
 
 import pytest
 import requests
@@ -36,31 +38,44 @@ def serve(model, tmp_path_factory, *args: str) -> Server:
     return Server(model, *TIGHT, *args, log_path=tmp_path_factory.mktemp("log") / "server.log")
 
 
-def answers(server: Server, stops: list[str]) -> list[dict]:
-    """16 mixed requests at once through SGLang's /generate; the stop strings, where not empty, end
-    the greedy requests that ask for them."""
-    params = []
+# First in every batch: two 40-token prompts asking for 60 greedy tokens, 7 of the 8 KV blocks each at
+# the end. Started together (Server.in_waves), they cannot both finish without a preemption.
+LONG = 2
+
+
+def calls(server: Server, stops: list[str]) -> list[Callable[[], dict]]:
+    """The two long requests, then 16 mixed ones through SGLang's /generate; the stop strings, where not
+    empty, end the greedy requests that ask for them."""
+    gen = torch.Generator().manual_seed(5)
+    bodies = [{"input_ids": torch.randint(3, 500, (40,), generator=gen).tolist(),
+               "sampling_params": {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}}
+              for _ in range(LONG)]
     for i in range(16):
         kind = i % 4
         if kind == 0:
-            params.append({"max_new_tokens": 20, "temperature": 0, "ignore_eos": True})
+            params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
         elif kind == 1:
-            params.append({"max_new_tokens": 20, "temperature": 0, "ignore_eos": True,
-                           **({"stop": [stops[i]]} if stops else {})})
+            params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True,
+                      **({"stop": [stops[i]]} if stops else {})}
         elif kind == 2:
-            params.append({"max_new_tokens": 20, "temperature": 0.8, "sampling_seed": i, "ignore_eos": True})
+            params = {"max_new_tokens": 20, "temperature": 0.8, "sampling_seed": i, "ignore_eos": True}
         else:
-            params.append({"max_new_tokens": 20, "temperature": 0, "regex": "(yes|no)-[0-9]{2,3}"})
-    prompts = [" ".join(["echo", "alpha", "beta", str(i)] * (1 + i % 3)) for i in range(16)]
+            params = {"max_new_tokens": 20, "temperature": 0, "regex": "(yes|no)-[0-9]{2,3}"}
+        bodies.append({"text": " ".join(["echo", "alpha", "beta", str(i)] * (1 + i % 3)), "sampling_params": params})
 
-    def one(i: int) -> dict:
-        r = requests.post(server.url + "/generate", json={"text": prompts[i], "sampling_params": params[i]},
-                          timeout=120)
+    def one(body: dict) -> dict:
+        r = requests.post(server.url + "/generate", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()
 
-    with ThreadPoolExecutor(len(prompts)) as pool:  # all at once: batched, and preempting each other
-        return list(pool.map(one, range(len(prompts))))
+    return [partial(one, body) for body in bodies]
+
+
+def answers(server: Server, stops: list[str]) -> list[dict]:
+    """Every call's answer, all sent at once: batched, and preempting each other."""
+    todo = calls(server, stops)
+    with ThreadPoolExecutor(len(todo)) as pool:
+        return list(pool.map(lambda call: call(), todo))
 
 
 def stream_text(server: Server, stop: str) -> str:
@@ -79,7 +94,7 @@ def stream_text(server: Server, stop: str) -> str:
 def reference(model, tmp_path_factory):
     base = serve(model, tmp_path_factory)
     try:
-        free = answers(base, [])
+        free = answers(base, [])[LONG:]
         # Stop strings each greedy request meets: a piece of its own text without one.
         stops = [out["text"][len(out["text"]) // 2 :][:3] for out in free]
         yield stops, answers(base, stops), stream_text(base, stops[1])
@@ -92,16 +107,18 @@ def test_a_draft_models_server_answers_as_the_server_without_it(model, reference
     spec = serve(model, tmp_path_factory, "--speculative-model", str(model), "--speculative-num-tokens", "4",
                  "--speculative-disable-batch-size", "32")
     try:
-        # Held until the scheduler has all 16: they compete for KV blocks (preemption) on any machine.
-        got = asyncio.run(spec.all_queued(asyncio.to_thread(answers, spec, stops), 16))
+        todo = calls(spec, stops)
+        got = asyncio.run(spec.in_waves([todo[:LONG], todo[LONG:]]))
         assert [out["output_ids"] for out in got] == [out["output_ids"] for out in want]
         assert [out["text"] for out in got] == [out["text"] for out in want]
-        assert any(out["meta_info"]["finish_reason"]["type"] == "stop" for out in got[1::4])  # stop strings met
+        mixed = got[LONG:]
+        assert any(out["meta_info"]["finish_reason"]["type"] == "stop" for out in mixed[1::4])  # stop strings met
         # SGLang's count of verifying steps: each greedy request gained several tokens in some of its steps.
-        assert all(out["meta_info"]["spec_verify_ct"] < out["meta_info"]["completion_tokens"] for out in got[::4])
+        assert all(out["meta_info"]["spec_verify_ct"] < out["meta_info"]["completion_tokens"]
+                   for out in got[:LONG] + mixed[::4])
         assert "spec_verify_ct" not in want[0]["meta_info"]
         assert stream_text(spec, stops[1]) == want_stream
-        assert spec.stats()["num_preemptions"] > 0  # 128 KV tokens do not hold 16 requests at once
+        assert spec.stats()["num_preemptions"] > 0  # the two long requests
         families = {f.name: f for f in text_string_to_metric_families(requests.get(spec.url + "/metrics").text)}
         values = {name: sum(s.value for s in families[name].samples if s.name.endswith("_total"))
                   for name in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")}
@@ -118,25 +135,24 @@ def test_a_prediction_layer_s_server_answers_as_the_model_without_it(tmp_path_fa
     under preemption, are the engine's without speculation; /metrics counts the proposals."""
     path = make_zoo_model("deepseek_v3", tmp_path_factory.mktemp("m") / "deepseek_v3", seed=4, prediction_layer=True)
     gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (30, 7, 45, 18, 26, 11, 38, 4)]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    # The first two (7 of the 8 KV blocks each at the end) start together and cannot both finish unpreempted.
+    lengths, news = (40, 40, 30, 7, 45, 18, 26, 11, 38, 4), (60, 60, 20, 20, 20, 20, 20, 20, 20, 20)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in news]
     want = LLMEngine(EngineConfig(model_path=str(path), dtype="float32", kv_cache_dtype="float32", force_cpu=True,
                                   max_model_len=128)).generate(prompts, params)
     spec = serve(path, tmp_path_factory, "--speculative-method", "mtp", "--speculative-num-tokens", "3",
                  "--speculative-disable-batch-size", "32")
     try:
-        def one(prompt: list[int]) -> list[int]:
+        def one(prompt: list[int], max_new: int) -> list[int]:
             r = requests.post(spec.url + "/generate", json={"input_ids": prompt, "sampling_params": {
-                "max_new_tokens": 20, "temperature": 0, "ignore_eos": True}}, timeout=120)
+                "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}, timeout=120)
             assert r.status_code == 200, r.text
             return r.json()["output_ids"]
 
-        def all_of_them() -> list[list[int]]:
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                return list(pool.map(one, prompts))
-
-        assert asyncio.run(spec.all_queued(asyncio.to_thread(all_of_them), len(prompts))) == want
-        assert spec.stats()["num_preemptions"] > 0  # 128 KV tokens do not hold 8 requests at once
+        todo = [partial(one, prompt, n) for prompt, n in zip(prompts, news)]
+        assert asyncio.run(spec.in_waves([todo[:2], todo[2:]])) == want
+        assert spec.stats()["num_preemptions"] > 0  # the two long requests
         families = {f.name: f for f in text_string_to_metric_families(requests.get(spec.url + "/metrics").text)}
         assert sum(s.value for s in families["vllm:spec_decode_num_draft_tokens"].samples) > 0
     finally:
