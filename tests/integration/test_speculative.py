@@ -9,9 +9,9 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Callable
 
 import pytest
 import requests
