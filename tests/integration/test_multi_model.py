@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from datetime import datetime
 
 import numpy as np
 import psutil
@@ -135,6 +136,7 @@ class MemorySampler:
 
     def __init__(self, server: Server) -> None:
         self.server, self.peak, self.samples = server, 0, 0
+        self.peak_at = ""  # when, as the server's log writes times: a failure names the step it came in
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -147,7 +149,9 @@ class MemorySampler:
                     total += process.memory_info().rss
                 except psutil.Error:
                     continue
-            self.peak, self.samples = max(self.peak, total), self.samples + 1
+            if total > self.peak:
+                self.peak, self.peak_at = total, datetime.now().isoformat(" ", "milliseconds").replace(".", ",")
+            self.samples += 1
 
     def stop(self) -> int:
         self.done.set()
@@ -202,7 +206,10 @@ def test_a_budget_for_two_of_three_evicts_the_least_recently_used(checkpoints, a
         server.stop()
         messages = notify.stop()
     assert sampler.samples > 10
-    assert peak <= budget, f"resident memory peaked at {peak} over the {budget}-byte budget"
+    lines = (tmp_path / "server.log").read_text(errors="replace").splitlines()
+    router_log = "\n".join(line for line in lines if "crane_mp.router" in line)
+    assert peak <= budget, (f"resident memory peaked at {peak} over the {budget}-byte budget at {sampler.peak_at}; "
+                            f"the router's log:\n{router_log}")
     # Ready once (the models' own launchers tell systemd nothing), pings while the loaded models answer.
     assert messages[0] == "READY=1" and messages.count("READY=1") == 1
     assert messages.count("WATCHDOG=1") >= 2 and messages[-1] == "STOPPING=1"
