@@ -164,7 +164,8 @@ X16 = {T.Q4_K: "gguf_repack_q4_k_x16", T.Q6_K: "gguf_repack_q6_k_x16", T.Q4_0: "
 def test_rows_repacked_by_sixteen_give_the_row_kernel_results(qtype):
     """The 512-bit layouts (16 rows a group, up to 8 activation rows a call; Q6_K with each value's 6
     bits together): same outputs as GGUF's rows up to float rounding, for 1-8 rows a call and their
-    tails, weight groups first and tiles first, Q6_K's signed scales down to -128."""
+    tails, weight groups first and tiles first, in passes of rows (520: two and a tail), Q6_K's signed scales
+    down to -128."""
     from crane_mp.worker.quantized.formats import Q4_0_X16, Q4_K_X16, Q6_K_X16
 
     if not torch.ops.crane_mp.gguf_x16_supported(qtype):
@@ -177,7 +178,7 @@ def test_rows_repacked_by_sixteen_give_the_row_kernel_results(qtype):
         row_bytes = {T.Q4_K: cols // 256 * 148, T.Q6_K: cols // 256 * 210, T.Q4_0: cols // 32 * 18}[qtype]
         assert packed.shape == (rows, row_bytes)
         assert not torch.equal(packed[:, :144], weight[:, :144])
-        for batch in (1, 2, 5, 8, 9, 17, 64, 300):
+        for batch in (1, 2, 5, 8, 9, 17, 64, 300, 520):
             x = torch.from_numpy(activations(batch, cols, seed=batch))
             want = torch.ops.crane_mp.gguf_linear_int8(x, weight, qtype, cols)
             got = torch.ops.crane_mp.gguf_linear_int8(x, packed, {T.Q4_K: Q4_K_X16, T.Q6_K: Q6_K_X16,
