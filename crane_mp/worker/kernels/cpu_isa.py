@@ -93,14 +93,24 @@ def prompt_attention_kernel() -> bool:
     return kernel_isa() == "avx512_bf16" and bool(torch.ops.crane_mp.prompt_attention_available())
 
 
+@lru_cache(maxsize=1)
+def widened_linear() -> bool:
+    """Our float32 linear kernel over bf16 weights (kernels/widened_linear.cpp) runs here: the tiers
+    without bf16 math, where a bf16 checkpoint computes in float32."""
+    return kernel_isa() in ("avx2", "avx512")
+
+
 def native_bf16() -> bool:
     """bf16 math runs at full speed (AVX512-BF16 or AMX), so bf16 weights beat float32 ones."""
     return _at_least(cpu_isa(), "avx512_bf16")
 
 
 def pack_bf16_weights(dtype: torch.dtype) -> bool:
-    """Pack bf16 linear weights at load (cpu_packing.py), for our AMX GEMM or else oneDNN, whose bf16
-    reorder needs AVX-512 BW/VL/DQ (it raises on an AVX2-only CPU)."""
+    """Pack bf16 linear weights at load (cpu_packing.py): for our AMX GEMM or else oneDNN, whose bf16
+    reorder needs AVX-512 BW/VL/DQ (it raises on an AVX2-only CPU); in a float32 model on a CPU without
+    bf16 math, the weights a bf16 checkpoint gave, for our widened kernel."""
+    if dtype == torch.float32:
+        return widened_linear()
     return dtype == torch.bfloat16 and _at_least(cpu_isa(), "avx512") and torch.backends.mkldnn.is_available()
 
 

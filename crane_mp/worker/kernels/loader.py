@@ -40,7 +40,7 @@ _SOURCES = [
     for name in (
         "paged_decode_attention.cpp", "fused_elementwise.cpp", "qkv_rope_cache.cpp", "argmax.cpp", "amx_linear.cpp",
         "gguf_matmul.cpp", "gguf_int8.cpp", "gguf_repack.cpp", "gguf_tiles.cpp", "bf16_linear.cpp", "gated_delta.cpp",
-        "prompt_attention.cpp",
+        "prompt_attention.cpp", "widened_linear.cpp",
     )
 ]
 _HEADERS = [

@@ -9,7 +9,11 @@ is faster with identical math. Three backends:
   and 5): 1.4-1.7x oneDNN's packed linear at up to 8 rows (decode at the memory bus's rate),
   1.2x at 16, 0.99-1.05x at 32 to 256; results equal up to float summation order;
 - oneDNN's packed linear otherwise (or for shapes ours cannot block): ~20% faster than a plain weight
-  at 32 rows, identical results.
+  at 32 rows, identical results;
+- in a float32 model on a CPU without bf16 math (AVX2, AVX-512 without BF16), the linear weights that
+  are bf16 values (a bf16 checkpoint's, widened at load) go back to bf16 for our widened kernel
+  (worker/kernels/widened_linear.cpp): half the memory and half the bytes a decode step reads, the
+  same float32 math up to summation order; other float32 weights stay plain nn.Linear.
 
 With oneDNN, prefill-sized calls take a float32 copy of the weight besides it, when memory allows.
 
@@ -26,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crane_mp.worker.kernels.cpu_isa import amx_gemm, bf16_linear
+from crane_mp.worker.kernels.cpu_isa import amx_gemm, bf16_linear, widened_linear
 
 # From this many rows on, a float32 copy of the weights multiplies faster than oneDNN's bf16 kernels
 # on CPUs without AMX (with AVX512-BF16, bf16 has the same peak FLOPs and pays for conversions):
@@ -44,6 +48,14 @@ def _bf16_ours(linear: nn.Linear) -> bool:
             and linear.out_features % 16 == 0)
 
 
+def _widened(linear: nn.Linear) -> bool:
+    """Our widened kernel takes this float32 weight: its blocks fit (8 outputs by two inputs) and every
+    value is a bf16 one, so nothing is rounded."""
+    weight = linear.weight
+    return (widened_linear() and weight.dtype == torch.float32 and linear.in_features % 2 == 0
+            and linear.out_features % 8 == 0 and torch.equal(weight.bfloat16().float(), weight))
+
+
 def _interleave_halves(t: torch.Tensor) -> torch.Tensor:
     """Rows [a0..a(n-1), b0..b(n-1)] -> 16-row blocks [a0-15, b0-15, a16-31, b16-31, ...]."""
     half = t.shape[0] // 2
@@ -54,12 +66,15 @@ class PackedLinear(nn.Module):
     """With `gate_up_silu` (a gated MLP's fused gate/up projection with SiLU) and AMX, the module
     returns silu(gate) * up directly: the activation runs in the GEMM's epilogue (`silu_mul`).
     With `wide_float32` (oneDNN only) a float32 copy of the weight serves calls of WIDE_ROWS rows or
-    more: prefill chunks."""
+    more: prefill chunks. With `widened` (a float32 weight of bf16 values, see _widened) the widened
+    kernel takes it, kept as bf16."""
 
-    def __init__(self, linear: nn.Linear, gate_up_silu: bool = False, wide_float32: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, gate_up_silu: bool = False, wide_float32: bool = False,
+                 widened: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.amx = amx_gemm() and _amx_shape_ok(linear)
+        self.widened = widened  # float32 math over bf16 weights (_widened)
+        self.amx = not self.widened and amx_gemm() and _amx_shape_ok(linear)
         self.ours = not self.amx and _bf16_ours(linear)  # our AVX512-BF16 kernel
         self.silu_mul = self.amx and gate_up_silu
         weight = linear.weight.detach()
@@ -67,7 +82,10 @@ class PackedLinear(nn.Module):
         if self.silu_mul:
             weight = _interleave_halves(weight)
             bias = None if bias is None else _interleave_halves(bias)
-        if self.amx:
+        if self.widened:
+            packed = torch.ops.crane_mp.widened_pack_weight(weight.bfloat16())
+            bias = None if bias is None else bias.float()
+        elif self.amx:
             packed = torch.ops.crane_mp.amx_pack_weight(weight)
         elif self.ours:
             packed = torch.ops.crane_mp.bf16_pack_weight(weight)
@@ -76,7 +94,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", packed)
         self.register_buffer("bias", bias)
         # Not beside ours: on Zen 4 the float32 GEMM runs at half the bf16 rate (benchmarks/cpu_gemm.py).
-        wide = wide_float32 and not self.amx and not self.ours
+        wide = wide_float32 and not self.amx and not self.ours and not self.widened
         self.register_buffer("wide_weight", torch.ops.mkldnn._reorder_linear_weight(weight.float(), None) if wide else None)
         self.register_buffer("wide_bias", bias.float() if wide and bias is not None else None)
 
@@ -85,6 +103,8 @@ class PackedLinear(nn.Module):
             return torch.ops.crane_mp.amx_linear_silu_mul(x, self.packed_weight, self.bias)
         if self.amx:
             return torch.ops.crane_mp.amx_linear(x, self.packed_weight, self.bias)
+        if self.widened:
+            return torch.ops.crane_mp.widened_linear(x, self.packed_weight, self.bias)
         if self.wide_weight is not None and x.shape[0] >= WIDE_ROWS:
             # bf16 x bf16 products are exact in float32: this is the bf16 GEMM up to summation order.
             return in_row_buckets(x.float(), self._wide).to(x.dtype)
@@ -141,7 +161,7 @@ def warm_row_buckets(model: nn.Module, max_rows: int) -> tuple[int, int]:
     buckets = row_buckets(max_rows)
     shapes = {}
     for module in model.modules():
-        if isinstance(module, PackedLinear) and not module.amx and not module.ours:
+        if isinstance(module, PackedLinear) and not module.amx and not module.ours and not module.widened:
             shapes.setdefault((module.in_features, module.out_features, module.wide_weight is not None), module)
     with torch.inference_mode():
         for module in shapes.values():
@@ -151,12 +171,15 @@ def warm_row_buckets(model: nn.Module, max_rows: int) -> tuple[int, int]:
 
 
 class PackedEmbedding(nn.Module):
-    """Embedding lookup from the packed weight of the tied LM head (AMX's layout, or ours)."""
+    """Embedding lookup from the packed weight of the tied LM head (AMX's layout, ours, or the widened
+    kernel's, whose rows come back as float32)."""
 
-    def __init__(self, packed_weight: torch.Tensor, amx: bool) -> None:
+    def __init__(self, packed: PackedLinear) -> None:
         super().__init__()
-        self.register_buffer("packed_weight", packed_weight)
-        self.lookup = torch.ops.crane_mp.amx_embedding if amx else torch.ops.crane_mp.bf16_packed_embedding
+        self.register_buffer("packed_weight", packed.packed_weight)
+        ops = torch.ops.crane_mp
+        self.lookup = (ops.amx_embedding if packed.amx else ops.widened_embedding if packed.widened
+                       else ops.bf16_packed_embedding)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lookup(input_ids, self.packed_weight)
@@ -183,18 +206,21 @@ def pack_linear_weights(model: nn.Module, spare: bool = False, fuse_activation: 
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
+        widened = module.weight.dtype == torch.float32 and _widened(module)
+        if module.weight.dtype == torch.float32 and not widened:
+            continue  # a float32 layer keeps torch's linear
         tied_embedding = embeddings.get(id(module.weight))
-        ours = amx_gemm() and _amx_shape_ok(module) or not amx_gemm() and _bf16_ours(module)
+        ours = widened or amx_gemm() and _amx_shape_ok(module) or not amx_gemm() and _bf16_ours(module)
         in_place = tied_embedding is not None and ours
         if tied_embedding is not None and not in_place and not spare:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         silu = fuse_activation and child == "gate_up_proj" and getattr(parent, "act", None) is F.silu
-        packed = PackedLinear(module, gate_up_silu=silu, wide_float32=spare)
+        packed = PackedLinear(module, gate_up_silu=silu, wide_float32=spare, widened=widened)
         setattr(parent, child, packed)
         if in_place:
-            _replace(model, tied_embedding, PackedEmbedding(packed.packed_weight, packed.amx))
+            _replace(model, tied_embedding, PackedEmbedding(packed))
         count += 1
     return count
 
