@@ -48,7 +48,7 @@ def main() -> None:
         inputs = {k: torch.randn(rows, k) for k, _ in shapes}
         result = {"bench": "widened_gemm", "rows": rows, "threads": torch.get_num_threads()}
         for name, (layers, linear) in calls.items():
-            def run() -> None:
+            def run(layers=layers, linear=linear, inputs=inputs) -> None:
                 for layer in layers:
                     for (k, _), w in zip(shapes, layer):
                         linear(inputs[k], w)

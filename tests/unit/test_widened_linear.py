@@ -11,17 +11,21 @@ from crane_mp.models.config import load_model_config
 from crane_mp.testing.make_model import make_model
 from crane_mp.worker.kernels.cpu_isa import widened_linear
 from crane_mp.worker.platforms.cpu import CpuPlatform
-from crane_mp.worker.weights.cpu_packing import PackedEmbedding, PackedLinear, pack_linear_weights
+from crane_mp.worker.weights.cpu_packing import (
+    PackedEmbedding,
+    PackedLinear,
+    pack_linear_weights,
+)
 from crane_mp.worker.weights.loader import weight_bytes
 from tests.model_helpers import load_checkpoint, prefill_logits
 
 pytestmark = pytest.mark.skipif(not widened_linear(), reason="this CPU tier has bf16 math: bf16 models compute in bf16")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 31, 32, 37, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_widened_linear_is_the_float32_product_of_the_bf16_weight(rows, bias):
-    # in 8196 (4098 pairs): more than 4 rows walk K in two panels; out 200: 25 blocks of 8, in groups of 4
+    # in 8196 (4098 pairs): 5-31 rows walk K in two panels, 32 or more in nine; out 200: 25 blocks of 8
     gen = torch.Generator().manual_seed(rows)
     weight = (torch.randn(200, 8196, generator=gen) / 50).bfloat16()
     b = torch.randn(200, generator=gen) if bias else None
