@@ -84,5 +84,5 @@ def test_weights_that_are_not_bf16_values_keep_torch_s_linear(tmp_path):
         linear.weight.copy_(linear.weight.bfloat16().float())
     layer = torch.nn.Sequential(linear)
     assert pack_linear_weights(layer) == 1 and layer[0].widened  # bf16 values, float32 bias
-    x = torch.randn(3, 64)
-    torch.testing.assert_close(layer[0](x), linear(x), atol=1e-6, rtol=1e-5)
+    for x in (torch.randn(3, 64), torch.randn(2, 5, 64)):  # rows of any leading shape
+        torch.testing.assert_close(layer[0](x), linear(x), atol=1e-6, rtol=1e-5)

@@ -103,8 +103,9 @@ class PackedLinear(nn.Module):
             return torch.ops.crane_mp.amx_linear_silu_mul(x, self.packed_weight, self.bias)
         if self.amx:
             return torch.ops.crane_mp.amx_linear(x, self.packed_weight, self.bias)
-        if self.widened:
-            return torch.ops.crane_mp.widened_linear(x, self.packed_weight, self.bias)
+        if self.widened:  # rows of any leading shape, as nn.Linear takes them
+            out = torch.ops.crane_mp.widened_linear(x.reshape(-1, self.in_features), self.packed_weight, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.wide_weight is not None and x.shape[0] >= WIDE_ROWS:
             # bf16 x bf16 products are exact in float32: this is the bf16 GEMM up to summation order.
             return in_row_buckets(x.float(), self._wide).to(x.dtype)
