@@ -207,7 +207,7 @@ def pack_linear_weights(model: nn.Module, spare: bool = False, fuse_activation: 
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
-        widened = module.weight.dtype == torch.float32 and _widened(module)
+        widened = _widened(module)
         if module.weight.dtype == torch.float32 and not widened:
             continue  # a float32 layer keeps torch's linear
         tied_embedding = embeddings.get(id(module.weight))
